@@ -1,0 +1,622 @@
+"""Checkpoints: a folder of named stateful parts plus JSON metadata, written atomically and verified on load.
+
+    checkpoint-00000500/
+        model.safetensors, model_config.json   the model (a model folder: eval/generate/export take it)
+        tokenizer.json                          so the folder stands alone
+        optimizer.safetensors                   optimizer state tensors (Adam moments, steps)
+        optimizer.pt                            the rest of the optimizer state (param groups, structure),
+                                                plain data only; loaded with weights_only=True
+        rng.pt                                  torch CPU/CUDA generator states (tensors)
+        train_state.json                        step, epoch, tokens seen, best metric, early stopping,
+                                                data position, schedule, Python/NumPy RNG
+        meta.json                               format, step, save sequence number, experiment config,
+                                                size and checksum of every file, checksum of itself
+    latest                                      name of the newest complete checkpoint (written last)
+    best_model/                                 standalone model folder of the best evaluation
+
+Writing: every part goes into a hidden temporary folder (`.tmp-<name>-<host>-<pid>`); each file is
+checksummed and fsynced by worker threads while the next one is written; meta.json goes in last,
+then the folder is fsynced, renamed into place, and `latest` is replaced. A crash, a kill -9 or a
+full disk at any point leaves every earlier checkpoint untouched; leftovers of a dead writer are
+removed by the next save.
+
+Reading: `resolve_checkpoint("latest")` takes the checkpoint saved last (by its save sequence
+number, so a save that completed but was killed before `latest` was updated is not lost) and falls
+back to the previous one, with a warning naming the reason, if a file is missing, truncated or does
+not match its checksum. A checkpoint named explicitly is verified and refused if anything is wrong.
+Tensors are read with safetensors and `torch.load(weights_only=True)` only: no pickled code runs.
+
+Optimizer tensors go to safetensors (written about 3x faster than torch.save's zip archive, and
+memory-mapped on load); optimizer.pt keeps only the structure around them, with a reference in
+place of each tensor.
+
+Checksums ("sha256-64MiB-tree"): sha256 over the sha256 digests of the file's consecutive 64 MiB
+chunks, so every core can hash a large file. Format 1 checkpoints (plain sha256 per file) still load.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .errors import UsageError
+from .logs import log, warn
+from .model_files import WEIGHTS_NAME, save_model_folder
+
+FORMAT_VERSION = 2
+CHECKSUM = "sha256-64MiB-tree"
+PREFIX = "checkpoint-"
+META = "meta.json"
+LATEST = "latest"
+BEST = "best_model"
+OPTIMIZER = "optimizer.pt"
+OPTIMIZER_TENSORS = "optimizer.safetensors"
+RNG = "rng.pt"
+TRAIN_STATE = "train_state.json"
+# Files a training checkpoint cannot be resumed without; meta.json must list each of them.
+REQUIRED = {"checkpoint": (WEIGHTS_NAME, "model_config.json", OPTIMIZER, OPTIMIZER_TENSORS, RNG, TRAIN_STATE)}
+
+_CHUNK = 64 << 20  # bytes per checksum chunk (one unit of parallel work)
+_BUFFER = 1 << 20  # read buffer per worker thread, reused (no page faults per read)
+_LOW_SPACE = 16 << 20  # a write failing with less free space than this is reported as a full disk
+
+
+class CheckpointError(UsageError):
+    """A checkpoint could not be written or read; the message says which and why."""
+
+
+# -- checksums, computed by a small pool of worker threads (hashlib and fsync release the GIL) -----
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_thread_buffers = threading.local()
+
+
+def _workers() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            # +2: fsync jobs wait on the disk, not the CPU; they should not hold back the hashing.
+            _pool = ThreadPoolExecutor(max_workers=min(16, (os.cpu_count() or 2) + 2), thread_name_prefix="checkpoint-io")
+        return _pool
+
+
+def _hash_range(path: Path, offset: int, length: int) -> bytes:
+    buffer = getattr(_thread_buffers, "view", None)
+    if buffer is None:
+        buffer = _thread_buffers.view = memoryview(bytearray(_BUFFER))
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as handle:
+        handle.seek(offset)
+        while length > 0:
+            n = handle.readinto(buffer[: min(_BUFFER, length)])
+            if not n:
+                break  # the file is shorter than its recorded size: the digest will not match
+            digest.update(buffer[:n])
+            length -= n
+    return digest.digest()
+
+
+def _checksum_jobs(path: Path, size: int) -> list[Future]:
+    return [_workers().submit(_hash_range, path, offset, min(_CHUNK, size - offset)) for offset in range(0, size, _CHUNK)]
+
+
+def _combine(jobs: Iterable[Future]) -> str:
+    top = hashlib.sha256()
+    for job in jobs:
+        top.update(job.result())
+    return top.hexdigest()
+
+
+def file_checksum(path: str | Path) -> str:
+    """The "sha256-64MiB-tree" checksum of a file: sha256 over the sha256 of each 64 MiB chunk."""
+    path = Path(path)
+    return _combine(_checksum_jobs(path, path.stat().st_size))
+
+
+def _sha256_file(path: Path) -> str:  # format 1 checkpoints
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _meta_checksum(meta: dict) -> str:
+    """Checksum of meta.json's content (without its own checksum field): a bit flip in meta is caught too."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+# -- writing --------------------------------------------------------------------------------------
+
+
+def _owner() -> str:
+    """`<host>-<pid>`: names this process's temporary files, so leftovers of dead writers can be found."""
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}"
+
+
+def _fsync(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name == "posix":  # directories cannot be opened for fsync on Windows; renames there are durable
+        _fsync(path, directory=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale(root: Path) -> None:
+    """Delete temporary folders/files left in `root` by writers on this host that no longer run."""
+    if os.name != "posix" or not root.is_dir():
+        return  # os.kill(pid, 0) would terminate the process on Windows
+    host = _owner().rsplit("-", 1)[0]
+    for path in root.iterdir():
+        name = path.name
+        if name.startswith(".del-"):
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        if not name.startswith((".tmp-", ".old-", f".{LATEST}.tmp-")):
+            continue
+        head, _, pid = name.rpartition("-")
+        if not pid.isdigit() or not head.endswith(f"-{host}") or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        log(f"checkpoint: removed {name}, left by an interrupted save")
+
+
+def _disk_full(exc: BaseException, directory: Path) -> bool:
+    """ENOSPC/EDQUOT, however the writer reports it (safetensors and torch.save wrap the OS error)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return True
+    text = str(exc).lower()
+    if "no space left" in text or "os error 28" in text or "quota exceeded" in text:
+        return True
+    if isinstance(exc, (OSError, RuntimeError)):  # torch.save says only "unexpected pos" or "file write failed"
+        try:
+            return shutil.disk_usage(directory).free < _LOW_SPACE
+        except OSError:
+            return False
+    return False
+
+
+def _io_failure(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) or "i/o error" in str(exc).lower() or "file write failed" in str(exc).lower()
+
+
+Writer = Callable[[Path], None]
+
+
+def write_folder_atomically(final: Path, writers: Iterable[Writer], meta: dict[str, Any]) -> Path:
+    """Create `final` by calling each writer on a temporary folder; add meta.json with sizes and checksums.
+
+    Each file a writer produced is checksummed and fsynced by worker threads while the next writer
+    runs. Then meta.json is written, the folder is fsynced and renamed to `final` (replacing an older
+    folder of that name), and the parent folder is fsynced. On any error the temporary folder is
+    removed and `final` (if it existed) is left as it was; a full disk says so.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{_owner()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    jobs: dict[str, tuple[int, list[Future]]] = {}
+    syncs: list[Future] = []
+
+    def schedule_new_files() -> None:
+        for path in sorted(tmp.iterdir()):
+            if path.is_file() and path.name not in jobs:
+                size = path.stat().st_size
+                jobs[path.name] = (size, _checksum_jobs(path, size))
+                syncs.append(_workers().submit(_fsync, path))
+
+    try:
+        tmp.mkdir()
+        for write in writers:
+            write(tmp)
+            schedule_new_files()
+        files = {name: {"size": size, "checksum": _combine(chunks)} for name, (size, chunks) in sorted(jobs.items())}
+        full = {**meta, "format_version": FORMAT_VERSION, "checksum": CHECKSUM, "files": files}
+        full["meta_sha256"] = _meta_checksum(full)
+        with open(tmp / META, "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(full, indent=2))
+            handle.flush()
+            os.fsync(handle.fileno())
+        for job in syncs:
+            job.result()
+        _fsync_dir(tmp)
+        if final.exists():
+            old = final.parent / f".old-{final.name}-{_owner()}"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _fsync_dir(final.parent)
+    except BaseException as exc:
+        pending = [job for _, chunks in jobs.values() for job in chunks] + syncs
+        for job in pending:
+            job.cancel()
+        wait(pending)  # no worker may still read or fsync a file that is about to be deleted
+        full_disk = isinstance(exc, Exception) and _disk_full(exc, final.parent)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full_disk:
+            raise CheckpointError(
+                f"disk full while saving {final.name} to {final.parent} ({_first_line(exc)}); the earlier "
+                f"checkpoints and `latest` are intact. Free space there or lower training.save_total_limit, "
+                f"then resume with training.resume_from_checkpoint=latest"
+            ) from None
+        if isinstance(exc, Exception) and _io_failure(exc):
+            raise CheckpointError(
+                f"could not write checkpoint {final} ({_first_line(exc)}); the earlier checkpoints are intact"
+            ) from None
+        raise
+    return final
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Replace a small file atomically (temporary file, fsync, rename, fsync of the folder)."""
+    tmp = path.with_name(f".{path.name}.tmp-{_owner()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        tmp.replace(path)
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        reason = "disk full" if _disk_full(exc, path.parent) else "write failed"
+        raise CheckpointError(f"could not update {path} ({reason}: {_first_line(exc)}); the checkpoints themselves are intact") from None
+
+
+def _read_meta(path: Path) -> dict | None:
+    try:
+        meta = json.loads((path / META).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _sequence(path: Path) -> int | None:
+    meta = _read_meta(path)
+    value = meta.get("sequence") if meta else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _next_sequence(root: Path) -> int:
+    """1 + the highest save sequence number under `root`: orders saves by time, whatever their step."""
+    numbers = [_sequence(p) for p in list_checkpoints(root)]
+    return 1 + max((n for n in numbers if n is not None), default=0)
+
+
+_TENSOR_REF = "__llm_trainer_tensor__"  # {_TENSOR_REF: key} stands for a tensor of optimizer.safetensors
+_SAFETENSORS_DTYPES = {
+    torch.float64, torch.float32, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+}
+
+
+def split_tensors(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(structure with a reference in place of each dense tensor, {key: contiguous CPU tensor}).
+
+    Tensors safetensors cannot hold (sparse, quantized, unusual dtypes) stay in the structure.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+
+    def walk(value: Any, where: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided or value.is_quantized or value.dtype not in _SAFETENSORS_DTYPES:
+                return value
+            tensor = value.detach().to("cpu").contiguous()
+            if tensor.numel() and (tensor.data_ptr(), tensor.nbytes) in seen:
+                tensor = tensor.clone()  # safetensors refuses two names for one memory
+            seen.add((tensor.data_ptr(), tensor.nbytes))
+            key = where if where not in tensors else f"{where}#{len(tensors)}"
+            tensors[key] = tensor
+            return {_TENSOR_REF: key}
+        if isinstance(value, dict):
+            return {k: walk(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+        if type(value) in (list, tuple):
+            return type(value)(walk(v, f"{where}.{i}") for i, v in enumerate(value))
+        return value
+
+    return walk(state, ""), tensors
+
+
+def join_tensors(structure: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The inverse of split_tensors."""
+    if isinstance(structure, dict):
+        if len(structure) == 1 and _TENSOR_REF in structure:
+            key = structure[_TENSOR_REF]
+            if key not in tensors:
+                raise KeyError(f"tensor {key!r} is missing from {OPTIMIZER_TENSORS}")
+            return tensors[key]
+        return {k: join_tensors(v, tensors) for k, v in structure.items()}
+    if type(structure) in (list, tuple):
+        return type(structure)(join_tensors(v, tensors) for v in structure)
+    return structure
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer_state: dict,
+    train_state: dict,
+    rng_tensors: dict,
+    config: dict,
+    tokenizer_json: str | None,
+    extra_meta: dict | None = None,
+) -> Path:
+    root = Path(root)
+    remove_stale(root)
+
+    def text(name: str, content: str) -> Writer:
+        return lambda tmp: (tmp / name).write_text(content, encoding="utf-8")
+
+    from safetensors.torch import save_file
+
+    optimizer_structure, optimizer_tensors = split_tensors(optimizer_state)
+    writers: list[Writer] = [
+        lambda tmp: save_model_folder(model, tmp),  # model.safetensors + model_config.json
+        lambda tmp: save_file(optimizer_tensors, str(tmp / OPTIMIZER_TENSORS), metadata={"format": "pt"}),
+        lambda tmp: torch.save(optimizer_structure, tmp / OPTIMIZER),
+        lambda tmp: torch.save(rng_tensors, tmp / RNG),
+        text(TRAIN_STATE, json.dumps(train_state, indent=2)),
+    ]
+    if tokenizer_json is not None:
+        writers.append(text("tokenizer.json", tokenizer_json))
+    meta = {
+        "kind": "checkpoint", "step": step, "sequence": _next_sequence(root), "created": time.time(),
+        "config": config, **(extra_meta or {}),
+    }
+    path = write_folder_atomically(root / f"{PREFIX}{step:08d}", writers, meta)
+    _write_atomically(root / LATEST, path.name)
+    return path
+
+
+def save_best_model(root: Path, model: torch.nn.Module, *, tokenizer_json: str | None, config: dict, metrics: dict) -> Path:
+    writers: list[Writer] = [lambda tmp: save_model_folder(model, tmp)]
+    if tokenizer_json is not None:
+        writers.append(lambda tmp: (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8"))
+    return write_folder_atomically(Path(root) / BEST, writers, {"kind": "best_model", "config": config, "metrics": metrics})
+
+
+# -- reading --------------------------------------------------------------------------------------
+
+_verified: dict[str, tuple] = {}  # folder -> file signatures when it last verified, so resume hashes once
+
+
+def _signature(path: Path) -> tuple | None:
+    try:
+        return tuple(
+            (p.name, s.st_size, s.st_mtime_ns, s.st_ino)
+            for p in sorted(path.iterdir()) if p.is_file() for s in [p.stat()]
+        )
+    except OSError:
+        return None
+
+
+def verify(path: Path) -> str | None:
+    """None if the folder is a complete checkpoint whose files match their sizes and checksums, else the reason."""
+    path = Path(path)
+    if not (path / META).is_file():
+        return "incomplete: no meta.json (the save was interrupted)"
+    meta = _read_meta(path)
+    if meta is None or not isinstance(meta.get("files"), dict):
+        return "meta.json is corrupt"
+    if "meta_sha256" in meta and meta["meta_sha256"] != _meta_checksum(meta):
+        return "meta.json does not match its checksum (corrupt)"
+    files, kind, version = meta["files"], meta.get("kind"), meta.get("format_version", 1)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        return f"unknown checkpoint format {version!r} (this llm-trainer reads up to {FORMAT_VERSION}); upgrade llm-trainer"
+    for name in REQUIRED.get(kind, ()) if isinstance(kind, str) else ():
+        if name not in files and (version >= 2 or name != OPTIMIZER_TENSORS):
+            return f"meta.json does not list {name}"
+    plain_sha256 = version < 2
+    jobs: dict[str, Any] = {}
+    for name, entry in files.items():
+        file = path / name
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            return f"meta.json names an invalid file {name!r}"
+        if not file.is_file():
+            return f"{name} is missing"
+        if plain_sha256:
+            jobs[name] = (entry, None)
+            continue
+        if not isinstance(entry, dict) or "size" not in entry or "checksum" not in entry:
+            return "meta.json is corrupt"
+        size = file.stat().st_size
+        if size != entry["size"]:
+            what = "truncated" if size < entry["size"] else "longer than written"
+            return f"{name} is {what} ({size:,} bytes, {entry['size']:,} expected)"
+        jobs[name] = (entry["checksum"], _checksum_jobs(file, size))
+    for name, (expected, chunks) in jobs.items():
+        actual = _sha256_file(path / name) if chunks is None else _combine(chunks)
+        if actual != expected:
+            return f"{name} does not match its checksum (corrupt)"
+    return None
+
+
+def _verified_ok(path: Path) -> str | None:
+    """verify(), skipped when this process already verified the folder and no file changed since."""
+    key = str(Path(path).resolve())
+    signature = _signature(Path(path))
+    if signature is not None and _verified.get(key) == signature:
+        return None
+    problem = verify(Path(path))
+    if problem is None and signature is not None:
+        _verified[key] = signature
+    return problem
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint folders under `root`, highest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+
+
+def _newest_first(root: Path) -> list[Path]:
+    """Checkpoints in the order they were saved, newest first (save sequence; then `latest`; then step)."""
+    candidates = list_checkpoints(root)
+    pointer = root / LATEST
+    named = None
+    if pointer.is_file():
+        try:
+            named = pointer.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            warn(f"{pointer} is unreadable; choosing the checkpoint by save order")
+
+    def key(path: Path):
+        sequence = _sequence(path)
+        return (sequence if sequence is not None else -1, path.name == named, int(path.name[len(PREFIX):]))
+
+    return sorted(candidates, key=key, reverse=True)
+
+
+def resolve_checkpoint(spec: str, root: Path) -> Path | None:
+    """A checkpoint folder from a path or "latest"; "latest" skips unusable ones, saying why.
+
+    Returns None for "latest" when there is no checkpoint yet (a fresh start, e.g. an elastic restart).
+    """
+    root = Path(root)
+    if spec != "latest":
+        path = Path(spec)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint {path} not found; pass a checkpoint folder or resume_from_checkpoint=latest")
+        if not (path / META).is_file():
+            if (path / LATEST).is_file() or list_checkpoints(path):  # a checkpoints root was given
+                return resolve_checkpoint("latest", path)
+            if (path / "checkpoints").is_dir():  # an output folder
+                return resolve_checkpoint("latest", path / "checkpoints")
+        problem = _verified_ok(path)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+        return path
+    candidates = _newest_first(root)
+    for path in candidates:
+        problem = _verified_ok(path)
+        if problem is None:
+            return path
+        warn(f"skipping checkpoint {path}: {problem}; trying the previous one")
+    if candidates:
+        raise CheckpointError(f"no usable checkpoint in {root}: every one is corrupt or incomplete (see the warnings above)")
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return (lines[0] if lines else type(exc).__name__)[:200]
+
+
+def _refusal(exc: Exception) -> str:
+    """Why torch.load(weights_only=True) refused a file, in one line."""
+    text = str(exc)
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(r"Unsupported operand \d+", text)
+    if "Weights only load failed" in text or found:
+        detail = f" ({found.group(1) if found.lastindex else found.group(0)})" if found else ""
+        return (
+            f"it holds pickled objects other than tensors and plain data{detail}, which could run code; "
+            "refusing to unpickle it (the file was not written by llm-trainer, or was altered)"
+        )
+    return _first_line(exc)
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu", *, verify_files: bool = True) -> dict[str, Any]:
+    """Every part of a checkpoint, verified first; tensors through safetensors or torch.load(weights_only=True).
+
+    Model tensors are read on the CPU and optimizer tensors are mapped to `map_location`, so a
+    checkpoint written on a GPU loads on a CPU-only machine. Large files are memory-mapped.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if verify_files:
+        problem = _verified_ok(path)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+    def optimizer(file: Path) -> Any:
+        structure = _torch_load(file, map_location)
+        tensors_file = path / OPTIMIZER_TENSORS
+        if not tensors_file.is_file():  # format 1: everything in optimizer.pt
+            return structure
+        tensors = load_file(str(tensors_file), device="cpu")
+        if map_location is not None and torch.device(map_location).type != "cpu":
+            tensors = {k: v.to(map_location) for k, v in tensors.items()}
+        return join_tensors(structure, tensors)
+
+    parts: dict[str, Any] = {}
+    for key, name, load in (
+        ("model", WEIGHTS_NAME, lambda f: load_file(str(f), device="cpu")),
+        ("optimizer", OPTIMIZER, optimizer),
+        ("rng", RNG, lambda f: _torch_load(f, "cpu")),
+        ("train_state", TRAIN_STATE, lambda f: json.loads(f.read_text(encoding="utf-8"))),
+        ("meta", META, lambda f: json.loads(f.read_text(encoding="utf-8"))),
+    ):
+        try:
+            parts[key] = load(path / name)
+        except Exception as exc:  # pickle.UnpicklingError for crafted files, OSError, safetensors and JSON errors
+            raise CheckpointError(f"checkpoint {path} could not be loaded safely: {name}: {_refusal(exc)}") from None
+    return parts
+
+
+def _torch_load(file: Path, map_location) -> Any:
+    try:  # memory-mapped: nothing is copied until used
+        return torch.load(file, map_location=map_location, weights_only=True, mmap=True)
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):  # only files torch.save did not write as a zip archive cannot be mapped
+            raise
+        return torch.load(file, map_location=map_location, weights_only=True)
+
+
+def rotate(root: Path, keep_last: int | None, protect: set[str]) -> None:
+    """Delete all but the newest `keep_last` checkpoints, never one named in `protect` (the best, the new one).
+
+    A folder is renamed to a hidden name before it is deleted, so a crash mid-delete never leaves a
+    half-deleted folder that looks like a checkpoint.
+    """
+    if keep_last is None:
+        return
+    root = Path(root)
+    for path in _newest_first(root)[keep_last:]:
+        if path.name in protect:
+            continue
+        doomed = root / f".del-{path.name}-{_owner()}"
+        try:
+            path.rename(doomed)
+        except OSError:
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
+        log(f"checkpoint: removed {path.name} (save_total_limit={keep_last})")

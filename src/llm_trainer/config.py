@@ -1,0 +1,403 @@
+"""Typed configuration: `ModelConfig`, `TrainingConfig`, `DataConfig` and the experiment that holds all three.
+
+Every config is a keyword-only dataclass validated on construction: a wrong type or an out-of-range
+value raises `ValueError` naming the field. Experiment files (YAML or JSON) with sections `model:`,
+`training:`, `data:` are loaded by `load_experiment`, which also applies dotted command-line
+overrides (`training.learning_rate=3e-4`) and names the closest valid key for a typo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .errors import UsageError
+
+# ----------------------------------------------------------------------------------------------
+# Generic validation: the declared type of each field is the schema.
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true/false", type(None): "null"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _conforms(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        (item,) = typing.get_args(tp)[:1]
+        return isinstance(value, (list, tuple)) and all(_conforms(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+class _Validated:
+    """Mixin: type-check every field against its annotation, then run the class's own checks."""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        section = type(self).__name__
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            tp = hints[f.name]
+            if not _conforms(value, tp):
+                raise ValueError(f"{section}.{f.name} must be {_type_name(tp)}, got {value!r}")
+            if tp is float or (typing.get_origin(tp) in (typing.Union, types.UnionType) and float in typing.get_args(tp)):
+                if isinstance(value, int) and not isinstance(value, bool):
+                    object.__setattr__(self, f.name, float(value))
+            if isinstance(value, tuple):
+                object.__setattr__(self, f.name, list(value))
+        self._check()
+
+    def _check(self) -> None:  # pragma: no cover - overridden
+        pass
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, section: str | None = None):
+        """Build from a plain mapping; an unknown key names the closest valid one."""
+        section = section or cls.__name__
+        if not isinstance(values, dict):
+            raise ValueError(f"section {section!r} must be a mapping of field: value, got {type(values).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        for key in values:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
+                hint = f"; did you mean {section}.{close[0]}?" if close else f"; valid keys: {', '.join(known)}"
+                raise ValueError(f"unknown key {section}.{key}{hint}")
+        return cls(**values)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+
+ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
+    # GPT-2: LayerNorm, GELU MLP, learned absolute positions, biases, tied head.
+    "gpt2": dict(norm="layernorm", activation="gelu", position_embedding="learned", bias=True, tie_embeddings=True),
+    # LLaMA: RMSNorm, SwiGLU MLP, rotary positions, no biases, untied head.
+    "llama": dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False, tie_embeddings=False),
+}
+
+
+@dataclass(kw_only=True)
+class ModelConfig(_Validated):
+    """The decoder-only transformer. Fields left as None take the `architecture` preset's value."""
+
+    architecture: Literal["gpt2", "llama"] = "gpt2"
+    vocab_size: int | None = None  # set from the tokenizer when None
+    d_model: int = 256
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # grouped-query attention; None = n_heads
+    n_layers: int = 4
+    d_ff: int | None = None  # None: 4*d_model (gelu/relu/silu) or LLaMA's 8/3*d_model rounded to 256 (swiglu)
+    max_seq_len: int = 512
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    activation: Literal["gelu", "gelu_tanh", "relu", "silu", "swiglu"] | None = None
+    norm: Literal["layernorm", "rmsnorm"] | None = None
+    position_embedding: Literal["learned", "rope"] | None = None
+    bias: bool | None = None
+    tie_embeddings: bool | None = None
+    pre_norm: bool = True
+    rms_norm_eps: float = 1e-5  # epsilon of RMSNorm and LayerNorm alike
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    gradient_checkpointing: bool = False
+    init_from: str | None = None  # a transformers GPT-2/LLaMA folder to continue pretraining from
+
+    def _check(self) -> None:
+        for name, value in ARCHITECTURE_DEFAULTS[self.architecture].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.d_ff is None:
+            if self.activation == "swiglu":
+                hidden = int(8 * self.d_model / 3)
+                self.d_ff = 256 * ((hidden + 255) // 256) if self.d_model >= 256 else hidden
+            else:
+                self.d_ff = 4 * self.d_model
+        for name in ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "n_kv_heads"):
+            _require(getattr(self, name) > 0, f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        _require(self.vocab_size is None or self.vocab_size > 0, f"ModelConfig.vocab_size must be positive, got {self.vocab_size}")
+        _require(
+            self.d_model % self.n_heads == 0,
+            f"ModelConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})",
+        )
+        _require(
+            self.n_heads % self.n_kv_heads == 0,
+            f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})",
+        )
+        if self.position_embedding == "rope":
+            _require(self.head_dim % 2 == 0, f"RoPE needs an even head size, got d_model/n_heads = {self.head_dim}")
+        for name in ("dropout", "attention_dropout"):
+            _require(0.0 <= getattr(self, name) < 1.0, f"ModelConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        _require(self.rms_norm_eps > 0, "ModelConfig.rms_norm_eps must be positive")
+        _require(self.init_std > 0, "ModelConfig.init_std must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+
+@dataclass(kw_only=True)
+class TrainingConfig(_Validated):
+    """The optimisation run: batch, optimiser, schedule, precision, evaluation, checkpoints, logging."""
+
+    batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    num_epochs: int = 1
+    max_steps: int | None = None  # optimizer steps; overrides num_epochs when set
+    learning_rate: float = 3e-4
+    min_lr: float = 0.0  # floor reached at the end of cosine/linear/wsd decay
+    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup", "wsd"] = "cosine"
+    warmup_steps: int = 0
+    wsd_decay_ratio: float = 0.2  # fraction of the run spent decaying under `wsd`
+    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_epsilon: float = 1e-8
+    sgd_momentum: float = 0.9
+    max_grad_norm: float | None = 1.0  # None or 0 disables clipping
+    use_amp: bool = False
+    amp_dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    compile: bool = False
+    device: str = "auto"  # auto: CUDA, then MPS, then CPU
+    seed: int = 42
+    output_dir: str = "output"
+    checkpoint_dir: str | None = None  # default: {output_dir}/checkpoints
+    save_steps: int | None = 500  # None or 0: only the final checkpoint
+    save_total_limit: int | None = 3
+    eval_steps: int | None = 500  # None or 0: evaluate only at the end
+    eval_max_batches: int | None = None  # None: the whole validation set
+    logging_steps: int = 10
+    report_to: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = field(
+        default_factory=lambda: ["console", "jsonl"]
+    )
+    progress_bar: bool = True
+    resume_from_checkpoint: str | None = None  # a checkpoint folder, or "latest"
+    early_stopping_patience: int | None = None  # evaluations without improvement before stopping
+    early_stopping_min_delta: float = 0.0
+    max_consecutive_bad_steps: int = 5  # non-finite loss/grad steps in a row before the run stops
+
+    def _check(self) -> None:
+        for name in ("batch_size", "gradient_accumulation_steps", "num_epochs", "logging_steps", "max_consecutive_bad_steps"):
+            _require(getattr(self, name) > 0, f"TrainingConfig.{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_steps", "save_total_limit", "eval_max_batches", "early_stopping_patience"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"TrainingConfig.{name} must be positive or null, got {value}")
+        for name in ("save_steps", "eval_steps", "warmup_steps"):
+            value = getattr(self, name)
+            _require(value is None or value >= 0, f"TrainingConfig.{name} must be >= 0, got {value}")
+        _require(self.learning_rate > 0, f"TrainingConfig.learning_rate must be positive, got {self.learning_rate}")
+        _require(
+            0 <= self.min_lr <= self.learning_rate,
+            f"TrainingConfig.min_lr must be between 0 and learning_rate ({self.learning_rate}), got {self.min_lr}",
+        )
+        _require(0 < self.wsd_decay_ratio <= 1, "TrainingConfig.wsd_decay_ratio must be in (0, 1]")
+        _require(self.weight_decay >= 0, "TrainingConfig.weight_decay must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            _require(0 <= getattr(self, name) < 1, f"TrainingConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        _require(self.adam_epsilon > 0, "TrainingConfig.adam_epsilon must be positive")
+        _require(self.max_grad_norm is None or self.max_grad_norm >= 0, "TrainingConfig.max_grad_norm must be >= 0")
+        _require(
+            self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
+            f"TrainingConfig.device must be auto, cpu, cuda[:N] or mps, got {self.device!r}",
+        )
+        _require(self.early_stopping_min_delta >= 0, "TrainingConfig.early_stopping_min_delta must be >= 0")
+
+    @property
+    def resolved_checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.output_dir) / "checkpoints"
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+
+
+@dataclass(kw_only=True)
+class DataConfig(_Validated):
+    """Where the text comes from and how it becomes fixed-length token sequences."""
+
+    dataset_name: str | None = None  # "python-stdlib" (built in), a HF datasets name, or a local dataset path
+    dataset_config: str | None = None
+    dataset_split: str = "train"
+    validation_split: str | float = 0.1  # a split name, or the held-out fraction of documents
+    data_files: list[str] | str | None = None  # files, folders or globs (.txt/.md/.py/..., .jsonl, .parquet)
+    text_column: str = "text"
+    max_documents: int | None = None
+    max_length: int | None = None  # tokens per training sequence; None: model.max_seq_len
+    min_length: int = 0  # documents shorter than this many characters are dropped
+    pack_sequences: bool = True
+    packing_strategy: Literal["greedy", "first_fit"] = "greedy"
+    preprocessing_num_workers: int = 1
+    tokenizer: str = "bpe"  # "bpe" (trained here), "char", or a path to tokenizer.json / a tokenizer folder
+    tokenizer_vocab_size: int = 8192
+    tokenizer_train_max_chars: int = 50_000_000  # BPE trains on at most this much text
+    normalize_whitespace: bool = True  # strip trailing spaces and collapse blank-line runs; indentation is kept
+    cache_dir: str = "data_cache"
+
+    def _check(self) -> None:
+        _require(
+            self.dataset_name is not None or self.data_files is not None,
+            "DataConfig needs a source: set data.dataset_name (e.g. python-stdlib) or data.data_files",
+        )
+        if isinstance(self.validation_split, float):
+            _require(
+                0.0 <= self.validation_split < 1.0,
+                f"DataConfig.validation_split as a fraction must be in [0, 1), got {self.validation_split}",
+            )
+        _require(self.max_length is None or self.max_length > 1, "DataConfig.max_length must be at least 2")
+        _require(self.min_length >= 0, "DataConfig.min_length must be >= 0")
+        _require(self.max_documents is None or self.max_documents > 0, "DataConfig.max_documents must be positive")
+        _require(self.preprocessing_num_workers >= 1, "DataConfig.preprocessing_num_workers must be >= 1")
+        _require(self.tokenizer_vocab_size >= 64, "DataConfig.tokenizer_vocab_size must be at least 64")
+        _require(self.tokenizer_train_max_chars > 0, "DataConfig.tokenizer_train_max_chars must be positive")
+        _require(bool(self.tokenizer), "DataConfig.tokenizer must be bpe, char or a path")
+
+
+# ----------------------------------------------------------------------------------------------
+# Experiment = model + training + data
+
+
+@dataclass(kw_only=True)
+class ExperimentConfig:
+    model: ModelConfig
+    training: TrainingConfig
+    data: DataConfig
+
+    SECTIONS = ("model", "training", "data")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model.to_dict(), "training": self.training.to_dict(), "data": self.data.to_dict()}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ExperimentConfig":
+        if not isinstance(values, dict):
+            raise ValueError("an experiment config must be a mapping with sections model:, training:, data:")
+        for key in values:
+            if key not in cls.SECTIONS:
+                close = difflib.get_close_matches(str(key), cls.SECTIONS, n=1, cutoff=0.5)
+                hint = f"; did you mean {close[0]}?" if close else "; sections are model, training, data"
+                raise ValueError(f"unknown section {key!r}{hint}")
+        return cls(
+            model=ModelConfig.from_dict(values.get("model") or {}, section="model"),
+            training=TrainingConfig.from_dict(values.get("training") or {}, section="training"),
+            data=DataConfig.from_dict(values.get("data") or {}, section="data"),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `3e-4` as a string; ML configs mean a number. Accept exponents without a dot."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`training.learning_rate=3e-4` -> (["training", "learning_rate"], 0.0003); values are YAML scalars."""
+    if "=" not in text:
+        raise UsageError(f"override {text!r} must look like section.key=value (e.g. training.max_steps=100)")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise UsageError(f"override key {key!r} must be section.key (e.g. training.learning_rate)")
+    try:
+        value = _yaml_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"config file {path} not found; pass --config with the path of a YAML or JSON file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"config file {path} is not UTF-8 text") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else _yaml_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        first = str(exc).splitlines()[0]
+        raise UsageError(f"config file {path} could not be parsed: {first}") from None
+    if data is None:
+        raise UsageError(f"config file {path} is empty; it needs sections model:, training:, data:")
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {path} must hold a mapping with sections model:, training:, data:")
+    return data
+
+
+def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Read an experiment file and apply dotted overrides; every error is a one-line `UsageError`."""
+    data = read_config_file(path) if path is not None else {}
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for text in overrides:
+        (section, key), value = parse_override(text)
+        data.setdefault(section, {})
+        if not isinstance(data[section], dict):
+            raise UsageError(f"section {section!r} in {path} must be a mapping")
+        data[section][key] = value
+    try:
+        return ExperimentConfig.from_dict(data)
+    except ValueError as exc:
+        where = f"{path}: " if path is not None else ""
+        raise UsageError(f"{where}{exc}") from None

@@ -1,0 +1,192 @@
+"""Fixed-length training rows over memory-mapped tokens, and a batch loader that can seek.
+
+A row is `max_length + 1` tokens: inputs are its first `max_length`, targets its last `max_length`
+(so every token is a target once). Padding targets are -100 and leave the loss.
+
+Row layouts:
+  greedy     documents (each ending in end-of-text) concatenated and cut into windows; each epoch
+             shifts the window grid by a seeded offset so the model sees new boundaries
+  first_fit  first-fit-decreasing bins: documents are never split unless longer than a row
+  unpacked   one document (or a row-sized piece of a long one) per row, padded
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+
+
+class WindowRows:
+    """Greedy packing: row i of epoch e is tokens[offset_e + i*L : offset_e + i*L + L + 1]."""
+
+    def __init__(self, tokens: np.ndarray, length: int, *, seed: int | None = None, keep_partial: bool = False):
+        self.tokens, self.length, self.seed, self.keep_partial = tokens, length, seed, keep_partial
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        n = len(self.tokens)
+        self.offset = 0 if self.seed is None else int(np.random.default_rng([self.seed, epoch]).integers(self.length))
+        if n - self.offset <= self.length:
+            self.offset = 0
+        usable = n - 1 - self.offset
+        self.count = max(0, -(-usable // self.length) if self.keep_partial else usable // self.length)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        L = self.length
+        starts = self.offset + np.asarray(indices, dtype=np.int64) * L  # (B,)
+        if not self.keep_partial:
+            rows = self.tokens[starts[:, None] + np.arange(L + 1)].astype(np.int64)  # (B, L+1)
+            return rows[:, :-1], rows[:, 1:]
+        x = np.zeros((len(starts), L), dtype=np.int64)
+        y = np.full((len(starts), L), IGNORE_INDEX, dtype=np.int64)
+        for r, s in enumerate(starts):
+            row = self.tokens[s : s + L + 1].astype(np.int64)
+            x[r, : len(row) - 1] = row[:-1]
+            y[r, : len(row) - 1] = row[1:]
+        return x, y
+
+
+class DocumentRows:
+    """Rows made of whole documents (first_fit) or one document piece each (unpacked), padded."""
+
+    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, length: int, *, pack: bool, pad_id: int):
+        self.tokens, self.length, self.pad_id = tokens, length, pad_id
+        pieces = _pieces(offsets, length + 1)  # (N, 2) start, end
+        self.rows = first_fit_decreasing(pieces, length + 1) if pack else [[p] for p in pieces.tolist()]
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        L = self.length
+        x = np.full((len(indices), L), self.pad_id, dtype=np.int64)
+        y = np.full((len(indices), L), IGNORE_INDEX, dtype=np.int64)
+        for r, i in enumerate(indices):
+            row = np.concatenate([self.tokens[s:e] for s, e in self.rows[i]]).astype(np.int64)
+            x[r, : len(row) - 1] = row[:-1]
+            y[r, : len(row) - 1] = row[1:]
+        return x, y
+
+    def padding_fraction(self) -> float:
+        used = sum(e - s for row in self.rows for s, e in row)
+        return 1.0 - used / max(1, len(self.rows) * (self.length + 1))
+
+
+def _pieces(offsets: np.ndarray, capacity: int) -> np.ndarray:
+    """Cut documents longer than `capacity` into capacity-sized pieces; (N, 2) [start, end) pairs."""
+    out = []
+    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        for s in range(start, end, capacity):
+            out.append((s, min(s + capacity, end)))
+    return np.asarray(out, dtype=np.int64).reshape(-1, 2)
+
+
+def first_fit_decreasing(pieces: np.ndarray, capacity: int) -> list[list[tuple[int, int]]]:
+    """Longest first, each into the first bin with room; a segment tree finds that bin in O(log n)."""
+    order = np.argsort(-(pieces[:, 1] - pieces[:, 0]), kind="stable")
+    size = 1
+    while size < max(1, len(pieces)):
+        size *= 2
+    room = np.zeros(2 * size, dtype=np.int64)  # max free space in each subtree; leaves = bins
+    bins: list[list[tuple[int, int]]] = []
+    for i in order.tolist():
+        start, end = int(pieces[i, 0]), int(pieces[i, 1])
+        need = end - start
+        if room[1] >= need:  # descend to the leftmost bin with enough room
+            node = 1
+            while node < size:
+                node = 2 * node if room[2 * node] >= need else 2 * node + 1
+            b = node - size
+        else:
+            b = len(bins)
+            bins.append([])
+            node = b + size
+            room[node] = capacity
+        bins[b].append((start, end))
+        room[node] -= need
+        node //= 2
+        while node:
+            room[node] = max(room[2 * node], room[2 * node + 1])
+            node //= 2
+    return bins
+
+
+class BatchLoader:
+    """Batches of rows in a seeded order per epoch, with a position that checkpoints can save and seek to.
+
+    Each rank takes every world_size-th batch of the shared permutation, so no row is read twice.
+    """
+
+    def __init__(self, rows, batch_size: int, *, shuffle: bool, seed: int = 0, drop_last: bool = True,
+                 rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu"):
+        self.rows, self.batch_size, self.shuffle, self.seed = rows, batch_size, shuffle, seed
+        self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
+        self.device = torch.device(device)
+        self.epoch, self.position = 0, 0  # position: batches this rank has taken in this epoch
+        self._order: np.ndarray | None = None
+        if self.batches_per_epoch() == 0:
+            raise ValueError(
+                f"not enough data for one batch: {len(rows)} rows of {getattr(rows, 'length', '?')} tokens, "
+                f"batch_size {batch_size} x world size {world_size}; use more data or a smaller batch/max_length"
+            )
+
+    def batches_per_epoch(self) -> int:
+        per_batch = self.batch_size * self.world_size
+        n = len(self.rows)
+        return n // per_batch if self.drop_last else -(-n // per_batch)
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order is None:
+            self.rows.set_epoch(self.epoch)
+            n = len(self.rows)
+            self._order = np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
+        return self._order
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("world_size", 1) != self.world_size:
+            raise ValueError(
+                f"the checkpoint's data position is for world size {state.get('world_size')}, this run has "
+                f"{self.world_size}; resume with the same number of processes"
+            )
+        self.epoch, self.position, self.seed, self._order = state["epoch"], state["position"], state["seed"], None
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (inputs, targets), each (B, L) int64 on the loader's device; rolls over epochs."""
+        self._epoch_order()  # lay the rows out for this epoch first: their count can change with the epoch
+        if self.position >= self.batches_per_epoch():
+            self.epoch, self.position, self._order = self.epoch + 1, 0, None
+        order = self._epoch_order()
+        global_batch = self.position * self.world_size + self.rank
+        indices = order[global_batch * self.batch_size : (global_batch + 1) * self.batch_size]
+        self.position += 1
+        x, y = self.rows.batch(indices)
+        return _to_device(x, self.device), _to_device(y, self.device)
+
+    def __iter__(self):
+        """One pass over the data in order (for evaluation); does not touch the saved position."""
+        order = self._epoch_order()
+        per, n = self.batch_size, len(self.rows)
+        for b in range(self.rank, n // per if self.drop_last else -(-n // per), self.world_size):
+            x, y = self.rows.batch(order[b * per : (b + 1) * per])
+            yield _to_device(x, self.device), _to_device(y, self.device)
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch()
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

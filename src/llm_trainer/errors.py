@@ -1,0 +1,9 @@
+"""The one exception type for mistakes the user can fix.
+
+Anything raised as `UsageError` (or `ValueError` from config validation) is shown by the CLI as a
+single line and exits with status 2; everything else is a bug and keeps its traceback.
+"""
+
+
+class UsageError(ValueError):
+    """A problem with the user's input (config, files, flags), with a message that says how to fix it."""

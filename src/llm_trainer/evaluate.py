@@ -1,0 +1,42 @@
+"""Evaluation: token-weighted mean negative log-likelihood and perplexity over a loader."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from .data.loader import IGNORE_INDEX
+
+
+def logits_of(output) -> torch.Tensor:
+    """Our model returns logits; Hugging Face style models return an object with `.logits`."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of -log p(target) over non-ignored targets; logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Iterable, *, autocast=None, max_batches: int | None = None) -> dict:
+    """{"val_loss", "perplexity", "tokens"} with every target token weighted equally."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    for i, (inputs, targets) in enumerate(batches):
+        if max_batches is not None and i >= max_batches:
+            break
+        with autocast if autocast is not None else torch.autocast("cpu", enabled=False):
+            logits = logits_of(model(inputs))
+        total += summed_nll(logits, targets).double().cpu()
+        count += int((targets != IGNORE_INDEX).sum())
+    model.train(was_training)
+    if count == 0:
+        raise ValueError("the evaluation data has no target tokens")
+    loss = float(total) / count
+    return {"val_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count}

@@ -1,0 +1,550 @@
+"""Hugging Face `transformers` interop: export our model folders as GPT-2 / LLaMA, import them back.
+
+`export_to_hf` writes a folder that `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` load with no code of ours; `import_from_hf` turns a transformers GPT-2
+or LLaMA folder (or hub name) into our `Transformer`. The weights map one to one, so logits agree to
+float32 rounding. Only the layouts differ:
+
+* GPT-2 stores its linear layers as `Conv1D`, i.e. transposed: (in, out) instead of (out, in).
+* Our attention keeps q, k, v in one fused `qkv` matrix, rows [q (d_model) | k (K*D) | v (K*D)];
+  LLaMA has three matrices, GPT-2 one fused `c_attn` with the same row order.
+* Our SwiGLU MLP keeps gate and up in one `fc` matrix, rows [gate (d_ff) | up (d_ff)]; LLaMA has two.
+* RoPE uses the rotate-half layout on both sides, so q and k need no permutation.
+
+transformers is an optional dependency (`pip install 'llm-trainer[hf]'`); it is imported lazily.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .config import ModelConfig
+from .errors import UsageError
+from .model import Transformer
+from .model_files import load_model_folder, load_model_state
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+EOT_TOKEN = "<|endoftext|>"
+
+# Our activation -> GPT2Config.activation_function.
+_GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+# GPT2Config.activation_function -> ours (several transformers names are the same tanh approximation).
+_GPT2_ACTIVATIONS_BACK = {
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+}
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError("transformers is not installed; install it with: pip install 'llm-trainer[hf]'") from None
+    return transformers
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs
+
+
+def _check_exportable(config: ModelConfig) -> None:
+    """Refuse, in one line, settings the target transformers class cannot express."""
+
+    def refuse(reason: str) -> None:
+        raise UsageError(f"cannot export to transformers: {reason}")
+
+    if not config.pre_norm:
+        refuse("post-norm blocks (pre_norm: false) exist in neither GPT-2 nor LLaMA; only pre-norm models export")
+    if config.architecture == "gpt2":
+        if config.norm != "layernorm":
+            refuse(f"GPT-2 uses LayerNorm, this model has norm: {config.norm} (use architecture: llama for RMSNorm)")
+        if config.position_embedding != "learned":
+            refuse(f"GPT-2 uses learned positions, this model has position_embedding: {config.position_embedding}")
+        if config.n_kv_heads != config.n_heads:
+            refuse(f"GPT-2 has no grouped-query attention (n_kv_heads={config.n_kv_heads}, n_heads={config.n_heads})")
+        if not config.bias:
+            refuse("GPT-2 always has biases; this model has bias: false")
+        if config.activation not in _GPT2_ACTIVATIONS:
+            refuse(f"GPT-2 has no gated MLP; activation: {config.activation} needs architecture: llama")
+    else:
+        if config.norm != "rmsnorm":
+            refuse(f"LLaMA uses RMSNorm, this model has norm: {config.norm}")
+        if config.position_embedding != "rope":
+            refuse(f"LLaMA uses rotary positions, this model has position_embedding: {config.position_embedding}")
+        if config.activation != "swiglu":
+            refuse(f"LLaMA's MLP is SwiGLU, this model has activation: {config.activation}")
+
+
+def _rope_kwargs(config_class, theta: float) -> dict[str, Any]:
+    """transformers 5 takes `rope_parameters`; 4.x took a flat `rope_theta`."""
+    if "rope_parameters" in inspect.signature(config_class).parameters:
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    return {"rope_theta": theta}
+
+
+def to_hf_config(config: ModelConfig, eos_token_id: int | None = None):
+    """The transformers config (GPT2Config or LlamaConfig) equivalent to `config`."""
+    _check_exportable(config)
+    tf = _transformers()
+    common = dict(
+        vocab_size=config.vocab_size,
+        initializer_range=config.init_std,
+        bos_token_id=eos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=None,
+        tie_word_embeddings=bool(config.tie_embeddings),
+    )
+    if config.architecture == "gpt2":
+        return tf.GPT2Config(
+            n_positions=config.max_seq_len,
+            n_embd=config.d_model,
+            n_layer=config.n_layers,
+            n_head=config.n_heads,
+            n_inner=config.d_ff,
+            activation_function=_GPT2_ACTIVATIONS[config.activation],
+            resid_pdrop=config.dropout,
+            embd_pdrop=config.dropout,
+            attn_pdrop=config.attention_dropout,
+            layer_norm_epsilon=config.rms_norm_eps,
+            **common,
+        )
+    return tf.LlamaConfig(
+        hidden_size=config.d_model,
+        intermediate_size=config.d_ff,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_kv_heads,
+        head_dim=config.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=config.max_seq_len,
+        rms_norm_eps=config.rms_norm_eps,
+        attention_bias=bool(config.bias),
+        mlp_bias=bool(config.bias),
+        attention_dropout=config.attention_dropout,
+        **_rope_kwargs(tf.LlamaConfig, config.rope_theta),
+        **common,
+    )
+
+
+def _llama_rope_theta(hf_config) -> float:
+    """The base of plain RoPE; scaled variants (llama3, yarn, ...) have no equivalent here."""
+    params = getattr(hf_config, "rope_parameters", None)  # transformers 5
+    if not params:  # transformers 4.x
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise UsageError(f"cannot import: RoPE scaling of type {rope_type!r} is not supported, only plain RoPE")
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        raise UsageError(f"cannot import: partial rotary embeddings (partial_rotary_factor={partial}) are unsupported")
+    return float(params.get("rope_theta", 10000.0))
+
+
+def from_hf_config(hf_config) -> ModelConfig:
+    """Our ModelConfig equivalent to a transformers GPT2Config or LlamaConfig."""
+    model_type = getattr(hf_config, "model_type", None)
+
+    def refuse(reason: str) -> None:
+        raise UsageError(f"cannot import this {model_type} model: {reason}")
+
+    if model_type == "gpt2":
+        activation = _GPT2_ACTIVATIONS_BACK.get(hf_config.activation_function)
+        if activation is None:
+            refuse(f"activation_function {hf_config.activation_function!r} is not supported")
+        scaled = getattr(hf_config, "scale_attn_weights", True)
+        if not scaled or getattr(hf_config, "scale_attn_by_inverse_layer_idx", False):
+            refuse("only the standard 1/sqrt(head_dim) attention scaling is supported")
+        if getattr(hf_config, "add_cross_attention", False):
+            refuse("cross-attention is not supported")
+        values = dict(
+            architecture="gpt2",
+            n_kv_heads=hf_config.n_head,
+            d_model=hf_config.n_embd,
+            n_heads=hf_config.n_head,
+            n_layers=hf_config.n_layer,
+            d_ff=hf_config.n_inner or 4 * hf_config.n_embd,
+            max_seq_len=hf_config.n_positions,
+            dropout=float(hf_config.resid_pdrop),
+            attention_dropout=float(hf_config.attn_pdrop),
+            activation=activation,
+            norm="layernorm",
+            position_embedding="learned",
+            bias=True,
+            rms_norm_eps=float(hf_config.layer_norm_epsilon),
+        )
+    elif model_type == "llama":
+        if hf_config.hidden_act not in ("silu", "swish"):
+            refuse(f"hidden_act {hf_config.hidden_act!r} is not supported (only SwiGLU, i.e. silu)")
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        if head_dim * hf_config.num_attention_heads != hf_config.hidden_size:
+            refuse(f"head_dim={head_dim} differs from hidden_size / num_attention_heads")
+        attention_bias, mlp_bias = bool(hf_config.attention_bias), bool(getattr(hf_config, "mlp_bias", False))
+        if attention_bias != mlp_bias:
+            refuse(f"attention_bias={attention_bias} with mlp_bias={mlp_bias}; both must match")
+        values = dict(
+            architecture="llama",
+            d_model=hf_config.hidden_size,
+            n_heads=hf_config.num_attention_heads,
+            n_kv_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
+            n_layers=hf_config.num_hidden_layers,
+            d_ff=hf_config.intermediate_size,
+            max_seq_len=hf_config.max_position_embeddings,
+            attention_dropout=float(hf_config.attention_dropout or 0.0),
+            activation="swiglu",
+            norm="rmsnorm",
+            position_embedding="rope",
+            bias=attention_bias,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rope_theta=_llama_rope_theta(hf_config),
+        )
+    else:
+        raise UsageError(f"cannot import model_type {model_type!r}: only gpt2 and llama models are supported")
+    init_std = float(getattr(hf_config, "initializer_range", 0.02) or 0.02)
+    try:
+        return ModelConfig(
+            vocab_size=hf_config.vocab_size,
+            tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", model_type == "gpt2")),
+            pre_norm=True,
+            init_std=init_std,
+            **values,
+        )
+    except ValueError as exc:
+        raise UsageError(f"cannot import this {model_type} model: {exc}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights
+
+
+def _gpt2_pairs(config: ModelConfig):
+    """(our name, transformers name, transposed) for every GPT-2 tensor except the head."""
+    yield "tok_emb.weight", "transformer.wte.weight", False
+    yield "pos_emb.weight", "transformer.wpe.weight", False
+    for i in range(config.n_layers):
+        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
+        for a, b, conv in (
+            ("attn_norm", "ln_1", False),
+            ("attn.qkv", "attn.c_attn", True),  # same [q | k | v] row order as ours
+            ("attn.proj", "attn.c_proj", True),
+            ("mlp_norm", "ln_2", False),
+            ("mlp.fc", "mlp.c_fc", True),
+            ("mlp.proj", "mlp.c_proj", True),
+        ):
+            yield ours + a + ".weight", theirs + b + ".weight", conv
+            yield ours + a + ".bias", theirs + b + ".bias", False
+    yield "norm.weight", "transformer.ln_f.weight", False
+    yield "norm.bias", "transformer.ln_f.bias", False
+
+
+def _llama_pairs(config: ModelConfig):
+    """(our name, transformers name) for every LLaMA tensor that maps one to one, except the head."""
+    suffixes = (".weight", ".bias") if config.bias else (".weight",)
+    yield "tok_emb.weight", "model.embed_tokens.weight"
+    for i in range(config.n_layers):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        yield ours + "attn_norm.weight", theirs + "input_layernorm.weight"
+        yield ours + "mlp_norm.weight", theirs + "post_attention_layernorm.weight"
+        for s in suffixes:
+            yield ours + "attn.proj" + s, theirs + "self_attn.o_proj" + s
+            yield ours + "mlp.proj" + s, theirs + "mlp.down_proj" + s
+    yield "norm.weight", "model.norm.weight"
+
+
+def to_hf_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict (with `lm_head.weight`, tied or not) -> the transformers model's names and layouts."""
+    out: dict[str, torch.Tensor] = {}
+    if config.architecture == "gpt2":
+        for ours, theirs, conv in _gpt2_pairs(config):
+            out[theirs] = state[ours].t().contiguous() if conv else state[ours]  # (out, in) -> Conv1D (in, out)
+    else:
+        out.update({theirs: state[ours] for ours, theirs in _llama_pairs(config)})
+        kv = config.n_kv_heads * config.head_dim
+        for i in range(config.n_layers):
+            ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+            for s in (".weight", ".bias") if config.bias else (".weight",):
+                # qkv: (d_model + 2*kv, ...) -> q (d_model, ...), k (kv, ...), v (kv, ...)
+                q, k, v = state[ours + "attn.qkv" + s].split([config.d_model, kv, kv], dim=0)
+                out[theirs + "self_attn.q_proj" + s] = q.contiguous()
+                out[theirs + "self_attn.k_proj" + s] = k.contiguous()
+                out[theirs + "self_attn.v_proj" + s] = v.contiguous()
+                # fc: (2*d_ff, ...) -> gate (d_ff, ...), up (d_ff, ...)
+                gate, up = state[ours + "mlp.fc" + s].chunk(2, dim=0)
+                out[theirs + "mlp.gate_proj" + s] = gate.contiguous()
+                out[theirs + "mlp.up_proj" + s] = up.contiguous()
+    out["lm_head.weight"] = state["lm_head.weight"]
+    return out
+
+
+def from_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers GPT-2/LLaMA state dict -> our names and layouts (no `lm_head.weight` when tied)."""
+    out: dict[str, torch.Tensor] = {}
+    if config.architecture == "gpt2":
+        for ours, theirs, conv in _gpt2_pairs(config):
+            out[ours] = hf_state[theirs].t().contiguous() if conv else hf_state[theirs]  # Conv1D (in, out) -> (out, in)
+    else:
+        out.update({ours: hf_state[theirs] for ours, theirs in _llama_pairs(config)})
+        for i in range(config.n_layers):
+            ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+            for s in (".weight", ".bias") if config.bias else (".weight",):
+                attn, mlp = theirs + "self_attn.", theirs + "mlp."
+                # q (d_model, ...), k (kv, ...), v (kv, ...) -> qkv (d_model + 2*kv, ...)
+                out[ours + "attn.qkv" + s] = torch.cat([hf_state[attn + p + s] for p in ("q_proj", "k_proj", "v_proj")])
+                # gate (d_ff, ...), up (d_ff, ...) -> fc (2*d_ff, ...)
+                out[ours + "mlp.fc" + s] = torch.cat([hf_state[mlp + "gate_proj" + s], hf_state[mlp + "up_proj" + s]])
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = hf_state["lm_head.weight"]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Export
+
+
+def _resolve_tokenizer_file(model_dir: Path, tokenizer_file) -> Path | None:
+    if tokenizer_file is None:
+        found = model_dir / "tokenizer.json"  # checkpoint folders carry their tokenizer
+        return found if found.is_file() else None
+    path = Path(tokenizer_file)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise UsageError(f"tokenizer file {path} does not exist; pass the tokenizer.json the model was trained with")
+    return path
+
+
+def _check_output_dir(output_dir: Path, model_dir: Path) -> None:
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UsageError(f"{output_dir} exists and is not a folder; choose another output folder")
+    out, src = output_dir.resolve(), model_dir.resolve()
+    if out == src or out in src.parents:
+        raise UsageError(f"the output folder {output_dir} must not contain the model folder {model_dir}")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not (output_dir / "config.json").is_file():
+        raise UsageError(
+            f"{output_dir} is not empty and is not a previous export (no config.json); choose an empty or new folder"
+        )
+
+
+def _save_tokenizer(tokenizer_path: Path, directory: Path, max_seq_len: int) -> int | None:
+    """Write the tokenizer as a PreTrainedTokenizerFast; returns the <|endoftext|> id (None if absent)."""
+    from tokenizers import Tokenizer
+
+    tf = _transformers()
+    eot_id = Tokenizer.from_file(str(tokenizer_path)).token_to_id(EOT_TOKEN)
+    specials = {name: EOT_TOKEN for name in ("bos_token", "eos_token", "unk_token")} if eot_id is not None else {}
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path), model_max_length=max_seq_len, **specials)
+    tokenizer.save_pretrained(str(directory))
+    # transformers 5 names its class TokenizersBackend and writes no special_tokens_map.json; name the class
+    # both 4.x and 5 know, and write the map that older readers look for.
+    config_path = directory / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    special_map = directory / "special_tokens_map.json"
+    if not special_map.is_file():
+        special_map.write_text(json.dumps(specials, indent=2) + "\n")
+    return eot_id
+
+
+def _format_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def _model_card(
+    name: str, config: ModelConfig, hf_class: str, n_params: int, metrics: dict | None, has_tokenizer: bool
+) -> str:
+    family = "GPT-2" if config.architecture == "gpt2" else "LLaMA"
+    lines = [
+        "---",
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        f"tags: [llm-trainer, {config.architecture}, causal-lm]",
+        "---",
+        "",
+        f"# {name}",
+        "",
+        f"A {family}-style decoder-only language model trained with llm-trainer and exported to the",
+        f"Hugging Face `transformers` format as `{hf_class}`.",
+        "",
+        "## Usage",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM" + (", AutoTokenizer" if has_tokenizer else ""),
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("{name}")',
+    ]
+    if has_tokenizer:
+        lines += [
+            f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
+            'inputs = tokenizer("Once upon a time", return_tensors="pt")',
+            "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=40)[0]))",
+        ]
+    lines += [
+        "```",
+        "",
+        "## Model",
+        "",
+        f"- architecture: {config.architecture} (`{hf_class}`)",
+        f"- parameters: {n_params:,} ({_format_count(n_params)})",
+        "",
+        "| setting | value |",
+        "| --- | --- |",
+    ]
+    for key in (
+        "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len", "activation", "norm",
+        "position_embedding", "bias", "tie_embeddings", "rms_norm_eps", "rope_theta",
+    ):
+        if key == "rope_theta" and config.position_embedding != "rope":
+            continue
+        lines.append(f"| {key} | {getattr(config, key)} |")
+    if metrics:
+        lines += ["", "## Metrics", "", "| metric | value |", "| --- | --- |"]
+        for key, value in metrics.items():
+            shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+            lines.append(f"| {key} | {shown} |")
+    return "\n".join(lines) + "\n"
+
+
+def export_to_hf(
+    model_dir,
+    output_dir,
+    *,
+    tokenizer_file=None,
+    metrics: dict | None = None,
+    max_shard_size_bytes: int = 5 * 2**30,
+) -> Path:
+    """Write our model folder as a transformers GPT-2/LLaMA folder; returns `output_dir`.
+
+    `tokenizer_file` defaults to `model_dir/tokenizer.json` when that exists. The folder is built next
+    to `output_dir` and renamed into place, so a failed export leaves nothing half-written; an existing
+    `output_dir` is replaced only when it is empty or a previous export (has config.json).
+    """
+    tf = _transformers()
+    model_dir, output_dir = Path(model_dir), Path(output_dir)
+    if max_shard_size_bytes <= 0:
+        raise UsageError(f"max_shard_size_bytes must be positive, got {max_shard_size_bytes}")
+    _check_output_dir(output_dir, model_dir)
+    model = load_model_folder(model_dir)
+    config = model.config
+    _check_exportable(config)
+    tokenizer_path = _resolve_tokenizer_file(model_dir, tokenizer_file)
+    if tokenizer_path is not None:
+        from tokenizers import Tokenizer
+
+        n_tokens = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size(with_added_tokens=True)
+        if n_tokens > config.vocab_size:
+            raise UsageError(
+                f"{tokenizer_path} has {n_tokens} tokens but the model's vocab_size is {config.vocab_size}; "
+                "wrong tokenizer?"
+            )
+
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output_dir.parent / f".{output_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        eot_id = _save_tokenizer(tokenizer_path, tmp, config.max_seq_len) if tokenizer_path is not None else None
+        hf_config = to_hf_config(config, eos_token_id=eot_id)
+        model_class = tf.GPT2LMHeadModel if config.architecture == "gpt2" else tf.LlamaForCausalLM
+        with torch.device("meta"):  # no random init, no second copy: the weights are assigned below
+            hf_model = model_class(hf_config)
+        state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+        hf_model.load_state_dict(to_hf_state(config, state), strict=True, assign=True)
+        if config.tie_embeddings:
+            hf_model.tie_weights()
+        hf_model.generation_config = tf.GenerationConfig(bos_token_id=eot_id, eos_token_id=eot_id)
+        hf_model.save_pretrained(str(tmp), max_shard_size=int(max_shard_size_bytes))
+        card = _model_card(
+            output_dir.name, config, model_class.__name__, model.num_parameters(), metrics, tokenizer_path is not None
+        )
+        (tmp / "README.md").write_text(card)
+
+        if output_dir.exists():  # an empty folder or a previous export: swap it out, then delete it
+            old = output_dir.parent / f".{output_dir.name}.old-{os.getpid()}"
+            output_dir.rename(old)
+            tmp.rename(output_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(output_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output_dir
+
+
+# ----------------------------------------------------------------------------------------------
+# Import
+
+
+def _local_folder(path_or_name) -> Path:
+    """A local folder as is; a hub name is downloaded (config, safetensors weights, tokenizer files)."""
+    path = Path(path_or_name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            hint = "; it is an llm-trainer model folder, load it with Transformer.from_pretrained" if (
+                path / "model_config.json"
+            ).is_file() else ""
+            raise UsageError(f"{path} is not a transformers model folder (no config.json){hint}")
+        return path
+    text = str(path_or_name)
+    if path.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1:
+        raise UsageError(f"{text} does not exist; pass a transformers model folder or a Hugging Face Hub name")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    except Exception as exc:  # hub errors: unknown repo, gated repo, no network
+        reason = f"{type(exc).__name__}: {exc}"
+        raise UsageError(f"could not download {text!r} from the Hugging Face Hub ({reason})") from None
+
+
+def import_from_hf(path_or_name) -> tuple[Transformer, Tokenizer | None]:
+    """Load a transformers GPT-2/LLaMA model as our Transformer, with its tokenizer.json when it has one.
+
+    A path that exists is read offline; anything else is taken as a Hugging Face Hub name. The model comes
+    back in training mode, like `Transformer.from_pretrained`; call `.eval()` for inference.
+    """
+    tf = _transformers()
+    folder = _local_folder(path_or_name)
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    if model_type not in ("gpt2", "llama"):
+        raise UsageError(f"cannot import model_type {model_type!r} from {path_or_name}: only gpt2 and llama work")
+    hf_config = tf.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    config = from_hf_config(hf_config)
+
+    major, minor = (int(p) for p in tf.__version__.split(".")[:2])
+    dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    try:
+        hf_model = tf.AutoModelForCausalLM.from_pretrained(
+            str(folder), local_files_only=True, **{dtype_kw: torch.float32}
+        )
+    except OSError as exc:
+        raise UsageError(f"could not load the weights of {path_or_name} ({exc})") from None
+    hf_state = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
+    model = Transformer(config)
+    load_model_state(model, from_hf_state(config, hf_state), str(path_or_name))
+    del hf_model, hf_state
+
+    tokenizer = None
+    if (folder / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    return model, tokenizer

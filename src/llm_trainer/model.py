@@ -1,0 +1,225 @@
+"""The decoder-only transformer: GPT-2 style and LLaMA style from one set of modules.
+
+Only the architecture lives here. Compilation, activation checkpointing and distributed wrapping are
+applied from outside by `llm_trainer.parallelize`, so this file reads like the paper.
+
+Shapes: B batch, T time (sequence), C d_model, H query heads, K key/value heads, D head size, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+
+def _norm(config: ModelConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.d_model, eps=config.rms_norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.rms_norm_eps, bias=bool(config.bias))
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each (max_len, head_dim), in the rotate-half layout LLaMA uses."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # (D/2,)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # (T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, D)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + D/2) of x (B, heads, T, D) by the angles for its positions; cos/sin are (T, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+@dataclass
+class KVCache:
+    """Keys and values of past positions for incremental decoding, preallocated to `max_len`."""
+
+    keys: list[torch.Tensor]  # per layer: (B, K, max_len, D)
+    values: list[torch.Tensor]
+    length: int = 0  # positions filled so far
+
+    @classmethod
+    def empty(cls, config: ModelConfig, batch_size: int, max_len: int, device, dtype) -> "KVCache":
+        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
+        return cls(
+            keys=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)],
+            values=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)],
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        kv_dim = config.n_kv_heads * config.head_dim
+        self.qkv = nn.Linear(config.d_model, config.d_model + 2 * kv_dim, bias=bool(config.bias))
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=bool(config.bias))
+        self.attention_dropout = config.attention_dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.use_rope = config.position_embedding == "rope"
+
+    def forward(self, x, rope, cache: KVCache | None, layer: int):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split([C, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        if self.use_rope:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        start = 0
+        if cache is not None:
+            start = cache.length
+            cache.keys[layer][:, :, start : start + T] = k
+            cache.values[layer][:, :, start : start + T] = v
+            k = cache.keys[layer][:, :, : start + T]  # (B, K, start+T, D)
+            v = cache.values[layer][:, :, : start + T]
+
+        if start == 0:
+            mask, causal = None, True
+        elif T == 1:
+            mask, causal = None, False  # one new query sees every cached position
+        else:  # a chunk after a prefix: query i sees keys up to start + i
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+            causal = False
+        y = F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=mask,
+            is_causal=causal,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )  # (B, H, T, D)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gated = config.activation == "swiglu"
+        # SwiGLU keeps gate and up projections in one matrix: one matmul instead of two.
+        self.fc = nn.Linear(config.d_model, config.d_ff * (2 if self.gated else 1), bias=bool(config.bias))
+        self.proj = nn.Linear(config.d_ff, config.d_model, bias=bool(config.bias))
+        self.act = {
+            "gelu": nn.GELU(),
+            "gelu_tanh": nn.GELU(approximate="tanh"),
+            "relu": nn.ReLU(),
+            "silu": nn.SiLU(),
+            "swiglu": nn.SiLU(),
+        }[config.activation]
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        h = self.fc(x)  # (B, T, d_ff) or (B, T, 2*d_ff)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        return self.dropout(self.proj(h))  # (B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.pre_norm = config.pre_norm
+        self.attn_norm = _norm(config)
+        self.attn = Attention(config)
+        self.mlp_norm = _norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x, rope=None, cache: KVCache | None = None):
+        if self.pre_norm:
+            x = x + self.attn(self.attn_norm(x), rope, cache, self.layer)
+            return x + self.mlp(self.mlp_norm(x))
+        x = self.attn_norm(x + self.attn(x, rope, cache, self.layer))
+        return self.mlp_norm(x + self.mlp(x))
+
+
+class Transformer(nn.Module):
+    """Token ids (B, T) -> next-token logits (B, T, V)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.vocab_size is None:
+            raise ValueError("ModelConfig.vocab_size is not set; build the model after the tokenizer, or set it")
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.position_embedding == "learned" else None
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = _norm(config) if config.pre_norm else nn.Identity()
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        if config.position_embedding == "rope":
+            cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layers)."""
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                if module.weight is not None:
+                    nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layers))
+            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layers))
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings and self.pos_emb is not None:
+            n -= self.pos_emb.weight.numel()
+        return n
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        B, T = input_ids.shape
+        start = cache.length if cache is not None else 0
+        if start + T > self.config.max_seq_len:
+            raise ValueError(f"sequence of {start + T} tokens is longer than max_seq_len={self.config.max_seq_len}")
+        x = self.tok_emb(input_ids)  # (B, T, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(start, start + T, device=input_ids.device))  # (T, C) broadcast
+        x = self.drop(x)
+        rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T]) if self.pos_emb is None else None
+        for block in self.blocks:
+            x = block(x, rope, cache)
+        if cache is not None:
+            cache.length = start + T
+        return self.lm_head(self.norm(x))  # (B, T, V)
+
+    # -- a self-contained model folder: weights in safetensors, the ModelConfig as JSON -------------
+
+    def save_pretrained(self, directory) -> None:
+        """Write `model.safetensors` and `model_config.json` into `directory` (tied weights stored once)."""
+        from .model_files import save_model_folder
+
+        save_model_folder(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory, device="cpu") -> "Transformer":
+        from .model_files import load_model_folder
+
+        return load_model_folder(directory, device=device)

@@ -1,0 +1,106 @@
+"""Model weights on disk: safetensors only, with clean parameter names and shape checks on load.
+
+A model folder holds `model.safetensors` and `model_config.json`; checkpoints, `best_model/` and
+`Transformer.save_pretrained` all use it, so `eval`, `generate` and `export` take any of them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from .config import ModelConfig
+from .errors import UsageError
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "model_config.json"
+# Prefixes that wrappers add to parameter names; they never reach a file.
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The bare model under torch.compile / DDP wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if inner is None or not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors under clean names, each shared tensor (tied head) stored once."""
+    state, seen = {}, set()
+    for name, tensor in unwrap(model).state_dict().items():
+        key = (tensor.data_ptr(), tensor.shape) if tensor.numel() else None
+        if key is not None and key in seen:
+            continue
+        seen.add(key)
+        state[clean_name(name)] = tensor.detach().to("cpu").contiguous()
+    return state
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Load weights, refusing with a list of every missing, unexpected or mis-shaped tensor."""
+    target = unwrap(model)
+    expected = {clean_name(k): v for k, v in target.state_dict().items()}
+    tied = {clean_name(k) for k in expected if k not in state and _is_tied(target, k)}
+    problems = []
+    for name, tensor in expected.items():
+        if name not in state and name not in tied:
+            problems.append(f"missing {name} {tuple(tensor.shape)}")
+        elif name in state and tuple(state[name].shape) != tuple(tensor.shape):
+            problems.append(f"{name}: file has {tuple(state[name].shape)}, model has {tuple(tensor.shape)}")
+    problems += [f"unexpected {name}" for name in state if name not in expected]
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise UsageError(f"{source} does not fit this model ({shown}); check that model settings match the checkpoint")
+    target.load_state_dict({k: v for k, v in state.items()}, strict=False)
+
+
+def _is_tied(model: nn.Module, name: str) -> bool:
+    return name == "lm_head.weight" and getattr(getattr(model, "config", None), "tie_embeddings", False)
+
+
+def save_model_folder(model: nn.Module, directory: str | Path, extra_metadata: dict | None = None) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    bare = unwrap(model)
+    save_file(model_state_dict(bare), str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    config = bare.config.to_dict() if hasattr(bare, "config") else {}
+    (directory / CONFIG_NAME).write_text(json.dumps({**config, **(extra_metadata or {})}, indent=2))
+
+
+def read_model_config(directory: str | Path) -> ModelConfig:
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise UsageError(f"{directory} is not a model folder (no {CONFIG_NAME}); pass a checkpoint or best_model folder")
+    values = json.loads(path.read_text())
+    known = set(ModelConfig.__dataclass_fields__)
+    return ModelConfig(**{k: v for k, v in values.items() if k in known})
+
+
+def load_model_folder(directory: str | Path, device: str | torch.device = "cpu"):
+    from .model import Transformer
+
+    directory = Path(directory)
+    config = read_model_config(directory)
+    weights = directory / WEIGHTS_NAME
+    if not weights.is_file():
+        raise UsageError(f"{directory} has no {WEIGHTS_NAME}; the checkpoint is incomplete")
+    model = Transformer(config)
+    try:
+        state = load_file(str(weights), device=str(device) if str(device) != "cpu" else "cpu")
+    except Exception as exc:  # safetensors raises its own error types for truncated or corrupt files
+        raise UsageError(f"{weights} could not be read ({exc}); the file is corrupt or truncated") from None
+    load_model_state(model, state, str(weights))
+    return model.to(device)

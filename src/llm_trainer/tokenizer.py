@@ -1,0 +1,115 @@
+"""Tokenizers: byte-level BPE trained on the corpus, char-level for small experiments, or a user's file.
+
+All three are Hugging Face `tokenizers` objects saved as one `tokenizer.json`, so every tokenizer
+loads the same way, runs in Rust, and exports to `transformers` unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+from .errors import UsageError
+
+EOT = "<|endoftext|>"
+UNK = "<unk>"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class Tokenizer:
+    """A thin wrapper that fixes the end-of-text token and the on-disk format."""
+
+    def __init__(self, backend: HFTokenizer):
+        self.backend = backend
+        eot = backend.token_to_id(EOT)
+        if eot is None:
+            backend.add_special_tokens([EOT])
+            eot = backend.token_to_id(EOT)
+        self.eot_id: int = eot
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def train_bpe(cls, texts: Iterable[str], vocab_size: int, max_chars: int) -> "Tokenizer":
+        """Byte-level BPE (GPT-2 style) trained on at most `max_chars` characters of `texts`."""
+        backend = HFTokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        backend.train_from_iterator(_bounded(texts, max_chars), trainer=trainer)
+        return cls(backend)
+
+    @classmethod
+    def build_char(cls, texts: Iterable[str]) -> "Tokenizer":
+        """One token per character seen in `texts`, plus end-of-text and unknown."""
+        chars: set[str] = set()
+        for text in texts:
+            chars.update(text)
+        vocab = {EOT: 0, UNK: 1}
+        for ch in sorted(chars):
+            vocab[ch] = len(vocab)
+        backend = HFTokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+        # (?m) makes "." match newlines too (Oniguruma syntax): every character is its own piece.
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+        backend.decoder = decoders.Fuse()
+        backend.add_special_tokens([EOT])
+        return cls(backend)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Tokenizer":
+        path = Path(path)
+        file = path / TOKENIZER_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise UsageError(f"tokenizer not found at {path}; pass a tokenizer.json file or a folder holding one")
+        try:
+            return cls(HFTokenizer.from_file(str(file)))
+        except Exception as exc:  # tokenizers raises plain Exception for malformed JSON
+            raise UsageError(f"{file} is not a valid tokenizer.json ({str(exc).splitlines()[0]})") from None
+
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        file = directory / TOKENIZER_FILE
+        tmp = file.with_suffix(".json.tmp")
+        tmp.write_text(self.to_json(), encoding="utf-8")
+        tmp.replace(file)
+        return file
+
+    # -- use ------------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def to_json(self) -> str:
+        return self.backend.to_str()
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+
+def _bounded(texts: Iterable[str], max_chars: int) -> Iterator[str]:
+    seen = 0
+    for text in texts:
+        if seen >= max_chars:
+            return
+        text = text[: max_chars - seen]
+        seen += len(text)
+        yield text

@@ -1,0 +1,491 @@
+"""The training loop.
+
+`Trainer.__init__` is setup (device, precision, wrapping, optimizer, loggers); `Trainer.train` is
+the loop, top to bottom: set the learning rate, run the micro-batches, clip, step or skip, log,
+evaluate, checkpoint. Everything a step needs to be resumed exactly lives in `TrainState`, the
+loader's position, the optimizer and the RNGs, and all of it goes into every checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from . import checkpoint as ckpt
+from .config import TrainingConfig
+from .data.loader import IGNORE_INDEX
+from .errors import UsageError
+from .evaluate import evaluate, logits_of, summed_nll
+from .logs import is_main_process, log
+from .metrics import build_loggers
+from .model_files import load_model_state, unwrap
+from .optim import build_optimizer, learning_rate_at
+from .parallelize import parallelize
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (e.g. too many non-finite steps); the message says what to do."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps taken (including skipped ones)
+    tokens_seen: int = 0  # input tokens consumed
+    best_val_loss: float | None = None
+    best_step: int | None = None
+    evals_without_improvement: int = 0
+    skipped_steps: int = 0  # steps whose loss or gradient was not finite
+    consecutive_bad_steps: int = 0
+
+
+class Callback:
+    """Hooks into the loop; override any of them. `trainer` gives access to state, model, optimizer."""
+
+    def on_train_begin(self, trainer: "Trainer") -> None: ...
+    def on_step_end(self, trainer: "Trainer", row: dict) -> None: ...
+    def on_evaluate(self, trainer: "Trainer", metrics: dict) -> None: ...
+    def on_save(self, trainer: "Trainer", path: Path) -> None: ...
+    def on_train_end(self, trainer: "Trainer", metrics: dict) -> None: ...
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"training.device={name} but CUDA is not available here; use device: auto or cpu")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class _IterableBatches:
+    """Adapts any iterable of batches (e.g. a torch DataLoader) to the loader interface the loop uses.
+
+    Accepted batches: (inputs, targets) already aligned; a dict with `input_ids` (and optional
+    `labels`, Hugging Face style, shifted here); or a tensor of token rows (shifted here).
+    """
+
+    def __init__(self, iterable: Iterable, device: torch.device):
+        self.iterable, self.device = iterable, device
+        self.epoch, self.position, self._it = 0, 0, None
+
+    def __len__(self) -> int:
+        return len(self.iterable)  # type: ignore[arg-type]
+
+    def batches_per_epoch(self) -> int:
+        return len(self)
+
+    def _convert(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(batch, dict):
+            ids = batch["input_ids"]
+            labels = batch.get("labels", ids)
+            x, y = ids[:, :-1], labels[:, 1:]
+        elif isinstance(batch, (tuple, list)):
+            x, y = batch[0], batch[1]
+        else:
+            x, y = batch[:, :-1], batch[:, 1:]
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def next_batch(self):
+        if self._it is None:
+            self._it = iter(self.iterable)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self.epoch, self.position, self._it = self.epoch + 1, 0, iter(self.iterable)
+            batch = next(self._it)
+        self.position += 1
+        return self._convert(batch)
+
+    def __iter__(self):
+        return (self._convert(b) for b in self.iterable)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Generic iterables cannot seek: skip forward to the saved position (slower, same data)."""
+        self.epoch, self._it = state["epoch"], iter(self.iterable)
+        for _ in range(state["position"]):
+            next(self._it)
+        self.position = state["position"]
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TrainingConfig,
+        *,
+        train_dataloader,
+        val_dataloader=None,
+        tokenizer=None,
+        callbacks: Iterable[Callback] = (),
+        experiment_config: dict | None = None,
+    ):
+        self.config = config
+        self.device = resolve_device(config.device)
+        seed_everything(config.seed)
+        self.tokenizer = tokenizer
+        self.callbacks = list(callbacks)
+        self.experiment_config = experiment_config or {"training": config.to_dict()}
+        self.output_dir = Path(config.output_dir)
+        self.checkpoint_dir = config.resolved_checkpoint_dir
+
+        model_config = getattr(model, "config", None)
+        self.raw_model = model.to(self.device)
+        self.model = parallelize(
+            self.raw_model,
+            gradient_checkpointing=bool(getattr(model_config, "gradient_checkpointing", False)),
+            compile=config.compile,
+        )
+        self.optimizer = build_optimizer(self.raw_model, config, self.device)
+        self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
+
+        # Mixed precision: autocast for bf16/fp16; a GradScaler only for fp16 on CUDA.
+        amp_dtype = torch.bfloat16 if config.amp_dtype == "bfloat16" else torch.float16
+        self.autocast = torch.autocast(self.device.type, dtype=amp_dtype, enabled=config.use_amp)
+        self.scaler = torch.amp.GradScaler(
+            self.device.type, enabled=config.use_amp and amp_dtype == torch.float16 and self.device.type == "cuda"
+        )
+
+        self.train_loader = self._as_loader(train_dataloader)
+        self.val_loader = self._as_loader(val_dataloader) if val_dataloader is not None else None
+        per_epoch = self.train_loader.batches_per_epoch() // config.gradient_accumulation_steps
+        if config.max_steps is None and per_epoch == 0:
+            raise UsageError(
+                f"one epoch has {self.train_loader.batches_per_epoch()} batches, fewer than "
+                f"gradient_accumulation_steps={config.gradient_accumulation_steps}; set training.max_steps or use more data"
+            )
+        self.total_steps = config.max_steps if config.max_steps is not None else per_epoch * config.num_epochs
+        self.state = TrainState()
+        self._stop_reason: str | None = None
+        self._signal: str | None = None
+        self.loggers = []
+
+    def _as_loader(self, loader):
+        return loader if hasattr(loader, "next_batch") else _IterableBatches(loader, self.device)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def train(self) -> dict[str, Any]:
+        cfg = self.config
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.resume_from_checkpoint:
+            self._resume(cfg.resume_from_checkpoint)
+        state, accum = self.state, cfg.gradient_accumulation_steps
+        self.loggers = build_loggers(cfg.report_to, self.output_dir, self.experiment_config, cfg.progress_bar)
+        self._log_start()
+        for cb in self.callbacks:
+            cb.on_train_begin(self)
+        progress = self._progress_bar()
+        self.model.train()
+        started = window_start = time.perf_counter()
+        start_step, window_tokens, last_saved = state.step, 0, None
+        final_eval: dict | None = None
+
+        with self._signals_handled():
+            while state.step < self.total_steps and self._stop_reason is None:
+                step = state.step
+                lr = learning_rate_at(step, cfg, self.total_steps)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+
+                # Forward/backward over the micro-batches. Each micro-batch's summed loss is divided by
+                # the target tokens of the whole step, so k micro-batches of b rows equal one batch of k*b.
+                micro = [self.train_loader.next_batch() for _ in range(accum)]
+                n_targets = sum((y != IGNORE_INDEX).sum() for _, y in micro).clamp(min=1)  # device tensor: no sync
+                loss_sum = torch.zeros((), device=self.device)
+                for i, (inputs, targets) in enumerate(micro):
+                    with self._no_sync(last=i == accum - 1), self.autocast:
+                        nll = self._summed_nll(inputs, targets)
+                    self.scaler.scale(nll / n_targets).backward()
+                    loss_sum += nll.detach().float()
+
+                # Clip, then step only if loss and gradients are finite (a bad step never reaches the weights).
+                self.scaler.unscale_(self.optimizer)
+                grad_norm = self._clip_gradients()
+                finite = torch.isfinite(loss_sum) & (torch.isfinite(grad_norm) | self.scaler.is_enabled())
+                if bool(finite):  # the one host sync per step (free on CPU)
+                    self.scaler.step(self.optimizer)
+                    state.consecutive_bad_steps = 0
+                else:
+                    state.skipped_steps += 1
+                    state.consecutive_bad_steps += 1
+                self.scaler.update()
+                self.optimizer.zero_grad(set_to_none=True)
+                state.step += 1
+                step_tokens = sum(x.numel() for x, _ in micro)
+                state.tokens_seen += step_tokens
+                window_tokens += step_tokens
+                if progress is not None:
+                    progress.update(1)
+
+                if state.consecutive_bad_steps >= cfg.max_consecutive_bad_steps:
+                    self._fail_on_bad_steps()
+
+                # Log (the only place the loss leaves the device).
+                if state.step % cfg.logging_steps == 0 or state.step == self.total_steps:
+                    now = time.perf_counter()
+                    row = {
+                        "step": state.step,
+                        "epoch": self.train_loader.epoch,
+                        "loss": float(loss_sum / n_targets),
+                        "lr": lr,
+                        "grad_norm": float(grad_norm),
+                        "tokens_seen": state.tokens_seen,
+                        "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
+                        "skipped_steps": state.skipped_steps,
+                    }
+                    window_start, window_tokens = now, 0
+                    self._log_metrics(row)
+                    if progress is not None:
+                        progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:,.0f}")
+                    for cb in self.callbacks:
+                        cb.on_step_end(self, row)
+
+                # Evaluate; track the best model; early stopping.
+                at_end = state.step == self.total_steps
+                if self.val_loader is not None and (at_end or (cfg.eval_steps and state.step % cfg.eval_steps == 0)):
+                    final_eval = self._evaluate_and_track()
+
+                # Checkpoint periodically, at the end, and when a signal asked us to stop.
+                stopping = at_end or self._signal is not None or self._stop_reason is not None
+                if stopping or (cfg.save_steps and state.step % cfg.save_steps == 0):
+                    last_saved = self.save_checkpoint()
+                if self._signal is not None:
+                    self._stop_reason = f"received {self._signal}"
+
+        if progress is not None:
+            progress.close()
+        if self.val_loader is not None and final_eval is None and state.step > start_step:
+            final_eval = self._evaluate_and_track()
+        elapsed = time.perf_counter() - started
+        summary = {
+            "event": "train_end",
+            "step": state.step,
+            "train_runtime_s": elapsed,
+            "tokens_per_s": (state.tokens_seen - self._tokens_at_start) / max(elapsed, 1e-9),
+            "tokens_seen": state.tokens_seen,
+            "skipped_steps": state.skipped_steps,
+            "stopped_early": self._stop_reason,
+            "best_val_loss": state.best_val_loss,
+            "checkpoint": str(last_saved) if last_saved else None,
+            **({"val_loss": final_eval["val_loss"], "perplexity": final_eval["perplexity"]} if final_eval else {}),
+        }
+        self._log_metrics(summary)
+        self._log_end(summary)
+        for cb in self.callbacks:
+            cb.on_train_end(self, summary)
+        for logger in self.loggers:
+            logger.close()
+        return summary
+
+    # -- pieces of a step ---------------------------------------------------------------------------
+
+    def _summed_nll(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        output = self.model(inputs)
+        if isinstance(output, torch.Tensor) or getattr(output, "logits", None) is not None:
+            return summed_nll(logits_of(output), targets)
+        return output.loss * (targets != IGNORE_INDEX).sum()  # a model that only reports a mean loss
+
+    def _clip_gradients(self) -> torch.Tensor:
+        if self.config.max_grad_norm:
+            return torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm, foreach=True)
+        return torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], foreach=True)
+
+    def _no_sync(self, last: bool):
+        """Skip the gradient all-reduce on all but the last micro-batch (DDP); a no-op otherwise."""
+        no_sync = getattr(self.model, "no_sync", None)
+        return contextlib.nullcontext() if last or no_sync is None else no_sync()
+
+    def _fail_on_bad_steps(self) -> None:
+        n = self.state.consecutive_bad_steps
+        raise TrainingStopped(
+            f"stopping: {n} steps in a row had a non-finite loss or gradient (step {self.state.step}); the weights "
+            f"were not updated by them and the last checkpoint in {self.checkpoint_dir} is untouched. Lower "
+            f"training.learning_rate, enable clipping (max_grad_norm) or use bfloat16 instead of float16"
+        )
+
+    # -- evaluation -------------------------------------------------------------------------------
+
+    def evaluate(self) -> dict:
+        if self.val_loader is None:
+            raise UsageError("no validation data: pass val_dataloader or set data.validation_split")
+        return evaluate(self.model, self.val_loader, autocast=self.autocast, max_batches=self.config.eval_max_batches)
+
+    def _evaluate_and_track(self) -> dict:
+        cfg, state = self.config, self.state
+        metrics = self.evaluate()
+        improved = state.best_val_loss is None or metrics["val_loss"] < state.best_val_loss - cfg.early_stopping_min_delta
+        if improved:
+            state.best_val_loss, state.best_step, state.evals_without_improvement = metrics["val_loss"], state.step, 0
+            ckpt.save_best_model(
+                self.checkpoint_dir, self.raw_model, tokenizer_json=self._tokenizer_json(),
+                config=self.experiment_config, metrics={**metrics, "step": state.step},
+            )
+        else:
+            state.evals_without_improvement += 1
+            if cfg.early_stopping_patience and state.evals_without_improvement >= cfg.early_stopping_patience:
+                self._stop_reason = (
+                    f"early stopping: val_loss did not improve by {cfg.early_stopping_min_delta} for "
+                    f"{state.evals_without_improvement} evaluations (best {state.best_val_loss:.4f} at step {state.best_step})"
+                )
+                log(self._stop_reason)
+        self._log_metrics({"step": state.step, **metrics})
+        for cb in self.callbacks:
+            cb.on_evaluate(self, metrics)
+        return metrics
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def _tokenizer_json(self) -> str | None:
+        return self.tokenizer.to_json() if self.tokenizer is not None and hasattr(self.tokenizer, "to_json") else None
+
+    def save_checkpoint(self) -> Path:
+        rng_tensors = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng_tensors["cuda"] = torch.cuda.get_rng_state_all()
+        np_state = np.random.get_state()
+        train_state = {
+            **dataclasses.asdict(self.state),
+            "epoch": self.train_loader.epoch,
+            "data": self.train_loader.state_dict(),
+            "schedule": {"name": self.config.lr_scheduler, "total_steps": self.total_steps},
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            "rng": {
+                "python": _listify(random.getstate()),
+                "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            },
+        }
+        path = ckpt.save_checkpoint(
+            self.checkpoint_dir, self.state.step,
+            model=self.raw_model,
+            optimizer_state=self.optimizer.state_dict(),
+            train_state=train_state,
+            rng_tensors=rng_tensors,
+            config=self.experiment_config,
+            tokenizer_json=self._tokenizer_json(),
+        )
+        best = f"{ckpt.PREFIX}{self.state.best_step:08d}" if self.state.best_step is not None else None
+        ckpt.rotate(self.checkpoint_dir, self.config.save_total_limit, protect={path.name, best} - {None})
+        for cb in self.callbacks:
+            cb.on_save(self, path)
+        return path
+
+    def _resume(self, spec: str) -> None:
+        path = ckpt.resolve_checkpoint(spec, self.checkpoint_dir)
+        if path is None:
+            log(f"resume: no checkpoint in {self.checkpoint_dir} yet; starting from step 0")
+            return
+        parts = ckpt.load_checkpoint(path, map_location=self.device)
+        load_model_state(self.raw_model, parts["model"], str(path))
+        try:
+            self.optimizer.load_state_dict(parts["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise UsageError(f"optimizer state in {path} does not match this model/optimizer: {exc}") from None
+        saved = parts["train_state"]
+        fields = {f.name for f in dataclasses.fields(TrainState)}
+        self.state = TrainState(**{k: v for k, v in saved.items() if k in fields})
+        if saved["schedule"]["total_steps"] != self.total_steps:
+            log(f"resume: the run length changed ({saved['schedule']['total_steps']} -> {self.total_steps} steps); the schedule follows the new length")
+        try:
+            self.train_loader.load_state_dict(saved["data"])
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if saved.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(saved["scaler"])
+        torch.set_rng_state(parts["rng"]["torch"])
+        if "cuda" in parts["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(parts["rng"]["cuda"])
+        random.setstate(_tuplify(saved["rng"]["python"]))
+        kind, keys, *rest = saved["rng"]["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+        log(f"resume: continuing from {path} (step {self.state.step}, {self.state.tokens_seen:,} tokens seen)")
+
+    # -- signals ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _signals_handled(self):
+        """SIGTERM/SIGINT: finish the current step, save a checkpoint, stop. A second Ctrl-C aborts."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            if self._signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self._signal = signal.Signals(signum).name
+            log(f"{self._signal}: saving a checkpoint at the end of this step, then stopping")
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    # -- output -----------------------------------------------------------------------------------
+
+    def _log_metrics(self, row: dict) -> None:
+        """Send one row to every backend; override to add metrics (e.g. `custom/...`)."""
+        for logger in self.loggers:
+            logger.log(row)
+
+    def _progress_bar(self):
+        if not self.config.progress_bar or not is_main_process():
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True, mininterval=0.5)
+
+    def _log_start(self) -> None:
+        self._tokens_at_start = self.state.tokens_seen
+        n_params = sum(p.numel() for p in self.params)
+        cfg = self.config
+        log(
+            f"train: {n_params:,} parameters on {self.device}, {self.total_steps} steps, batch {cfg.batch_size} x "
+            f"{cfg.gradient_accumulation_steps} accumulation, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}), "
+            f"{'amp ' + cfg.amp_dtype if cfg.use_amp else 'float32'}{', compiled' if cfg.compile else ''}"
+        )
+
+    def _log_end(self, summary: dict) -> None:
+        parts = [f"{summary['step']} steps", f"{summary['train_runtime_s']:.1f}s", f"{summary['tokens_per_s']:,.0f} tok/s"]
+        if "val_loss" in summary:
+            parts.append(f"val_loss {summary['val_loss']:.4f} (perplexity {summary['perplexity']:.2f})")
+        if summary["skipped_steps"]:
+            parts.append(f"{summary['skipped_steps']} non-finite steps skipped")
+        log("done: " + ", ".join(parts))
+        if self._signal is not None:
+            log(f"stopped by {self._signal}; resume with training.resume_from_checkpoint=latest")
+        elif summary["stopped_early"]:
+            log(summary["stopped_early"])
+
+
+def _listify(value):
+    return [_listify(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _tuplify(value):
+    return tuple(_tuplify(v) for v in value) if isinstance(value, list) else value

@@ -1,0 +1,150 @@
+"""Configs: the documented fields, presets, validation errors, YAML/JSON files and dotted overrides."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_trainer.cli import PRESETS
+from llm_trainer.config import DataConfig, ModelConfig, TrainingConfig, load_experiment
+from llm_trainer.errors import UsageError
+from llm_trainer.model import Transformer
+
+
+def test_public_fields_accept_the_documented_names():
+    ModelConfig(vocab_size=100, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_seq_len=32, dropout=0.1,
+                attention_dropout=0.1, activation="relu", pre_norm=False, gradient_checkpointing=True,
+                architecture="gpt2", norm="rmsnorm", position_embedding="rope", n_kv_heads=2,
+                tie_embeddings=False, rms_norm_eps=1e-6)
+    TrainingConfig(batch_size=4, learning_rate=1e-3, weight_decay=0.0, num_epochs=2, max_steps=10,
+                   lr_scheduler="wsd", min_lr=1e-5, warmup_steps=2, optimizer="adam", adam_beta1=0.8,
+                   adam_beta2=0.9, adam_epsilon=1e-6, gradient_accumulation_steps=2, use_amp=True,
+                   amp_dtype="float16", max_grad_norm=0.5, save_steps=5, save_total_limit=1, eval_steps=5,
+                   logging_steps=1, checkpoint_dir="c", report_to=["jsonl"], resume_from_checkpoint="latest",
+                   early_stopping_patience=2, early_stopping_min_delta=0.01, compile=False, seed=1, device="cpu")
+    DataConfig(dataset_name="x", dataset_config="y", dataset_split="train", validation_split="validation",
+               data_files=["a.txt"], text_column="content", max_length=32, min_length=5, pack_sequences=False,
+               packing_strategy="first_fit", preprocessing_num_workers=2, tokenizer="char",
+               tokenizer_vocab_size=1000, cache_dir="cache")
+
+
+def test_architecture_presets_fill_unset_fields():
+    gpt2 = ModelConfig(architecture="gpt2")
+    assert (gpt2.norm, gpt2.activation, gpt2.position_embedding, gpt2.bias, gpt2.tie_embeddings) == (
+        "layernorm", "gelu", "learned", True, True)
+    assert gpt2.d_ff == 4 * gpt2.d_model
+    llama = ModelConfig(architecture="llama", d_model=4096, n_heads=32)
+    assert (llama.norm, llama.activation, llama.position_embedding, llama.bias, llama.tie_embeddings) == (
+        "rmsnorm", "swiglu", "rope", False, False)
+    assert llama.d_ff == 11008  # LLaMA-7B's hidden size from the 8/3 rule rounded to 256
+    # An explicit value beats the preset.
+    assert ModelConfig(architecture="llama", norm="layernorm").norm == "layernorm"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(d_model=30, n_heads=4), "divisible by n_heads"),
+    (dict(n_heads=4, n_kv_heads=3), "multiple of n_kv_heads"),
+    (dict(dropout=1.5), "dropout must be in [0, 1)"),
+    (dict(n_layers=0), "n_layers must be positive"),
+    (dict(activation="tanh"), "activation must be"),
+    (dict(d_model="big"), "d_model must be an integer"),
+    (dict(d_model=True), "d_model must be an integer"),
+])
+def test_model_config_errors_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)")):
+        ModelConfig(**kwargs)
+
+
+def test_training_and_data_config_errors():
+    with pytest.raises(ValueError, match="learning_rate must be positive"):
+        TrainingConfig(learning_rate=0)
+    with pytest.raises(ValueError, match="min_lr"):
+        TrainingConfig(learning_rate=1e-3, min_lr=1e-2)
+    with pytest.raises(ValueError, match="lr_scheduler"):
+        TrainingConfig(lr_scheduler="step")
+    with pytest.raises(ValueError, match="device"):
+        TrainingConfig(device="tpu")
+    with pytest.raises(ValueError, match="needs a source"):
+        DataConfig()
+    with pytest.raises(ValueError, match="validation_split"):
+        DataConfig(dataset_name="x", validation_split=1.5)
+    with pytest.raises(TypeError):
+        TrainingConfig(8)  # keyword-only
+
+
+def test_ints_are_accepted_for_floats_and_stored_as_floats():
+    assert isinstance(TrainingConfig(learning_rate=1).learning_rate, float)
+
+
+def test_unknown_key_names_the_closest(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  d_modle: 64\ndata:\n  dataset_name: python-stdlib\n")
+    with pytest.raises(UsageError, match=r"unknown key model.d_modle; did you mean model.d_model\?"):
+        load_experiment(path)
+    path.write_text("trainig:\n  batch_size: 2\n")
+    with pytest.raises(UsageError, match="did you mean training"):
+        load_experiment(path)
+
+
+def test_yaml_json_and_overrides(tmp_path):
+    values = {"model": {"d_model": 64}, "training": {"batch_size": 2}, "data": {"dataset_name": "python-stdlib"}}
+    (tmp_path / "c.json").write_text(json.dumps(values))
+    exp = load_experiment(tmp_path / "c.json", ["training.learning_rate=3e-4", "model.n_layers=3",
+                                                  "training.report_to=[jsonl]", "data.validation_split=0.2"])
+    assert exp.training.learning_rate == 3e-4 and exp.model.n_layers == 3 and exp.model.d_model == 64
+    assert exp.training.report_to == ["jsonl"] and exp.data.validation_split == 0.2
+    with pytest.raises(UsageError, match="section.key=value"):
+        load_experiment(tmp_path / "c.json", ["learning_rate"])
+    with pytest.raises(UsageError, match="batch_size must be an integer"):
+        load_experiment(tmp_path / "c.json", ["training.batch_size=big"])
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "is empty"),
+    ("model: [1, 2", "could not be parsed"),
+    ("- a\n- b\n", "must hold a mapping"),
+])
+def test_bad_config_files(tmp_path, content, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(content)
+    with pytest.raises(UsageError, match=message):
+        load_experiment(path)
+    with pytest.raises(UsageError, match="not found"):
+        load_experiment(tmp_path / "missing.yaml")
+
+
+def test_every_preset_loads_and_small_ones_build():
+    presets = sorted(PRESETS.glob("*.yaml"))
+    assert {p.stem for p in presets} >= {"quickstart", "tiny", "small", "gpt2-small", "large", "llama-7b"}
+    for path in presets:
+        exp = load_experiment(path)
+        model_config = exp.model
+        if model_config.vocab_size is None:
+            model_config = ModelConfig(**{**model_config.to_dict(), "vocab_size": 50257})
+        if model_config.d_model * model_config.n_layers <= 256 * 4:
+            model = Transformer(model_config)
+            logits = model(torch.zeros(1, 4, dtype=torch.long))
+            assert logits.shape == (1, 4, model_config.vocab_size)
+    llama = load_experiment(PRESETS / "llama-7b.yaml").model
+    with torch.device("meta"):
+        n = Transformer(llama).num_parameters()
+    assert 6.5e9 < n < 6.9e9  # LLaMA-7B has 6.74B parameters
+    with torch.device("meta"):
+        gpt2 = Transformer(ModelConfig(**{**load_experiment(PRESETS / "gpt2-small.yaml").model.to_dict(), "vocab_size": 50257}))
+    assert 124e6 < gpt2.num_parameters() < 125e6  # GPT-2 small: 124M
+
+
+def test_cli_bad_config_is_one_line_exit_2(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("training:\n  learning_rat: 1.0e-3\ndata:\n  dataset_name: python-stdlib\n")
+    result = subprocess.run([sys.executable, "-m", "llm_trainer", "train", "--config", str(path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "did you mean training.learning_rate" in result.stderr and "Traceback" not in result.stderr
+    result = subprocess.run([sys.executable, "-m", "llm_trainer", "train", "--config", "tiny", "model.n_heads=3"],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 2 and "divisible by n_heads" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,863 @@
+"""Data pipeline: sources, cleaning, splitting, tokenizers, the prepare cache, row layouts, the batch loader, the CLI.
+
+Every corpus here is a few kilobytes written into `tmp_path`; tokenizers are char-level unless the test
+is about BPE, so the whole file runs in seconds.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llm_trainer.config import DataConfig
+from llm_trainer.data import prepare as prepare_module
+from llm_trainer.data.loader import IGNORE_INDEX, BatchLoader, DocumentRows, WindowRows, first_fit_decreasing
+from llm_trainer.data.prepare import MANIFEST, clean_text, prepare_data
+from llm_trainer.data.sources import stdlib_files
+from llm_trainer.errors import UsageError
+from llm_trainer.tokenizer import EOT, UNK, Tokenizer
+
+REPO_SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def config(tmp_path: Path, **overrides) -> DataConfig:
+    """A DataConfig with a cache inside tmp_path and the (fast) char tokenizer unless told otherwise."""
+    overrides.setdefault("cache_dir", str(tmp_path / "cache"))
+    overrides.setdefault("tokenizer", "char")
+    return DataConfig(**overrides)
+
+
+def documents(prepared, split: str) -> list[str]:
+    """Decode a split back into its documents, checking that each ends in exactly one end-of-text."""
+    if prepared.manifest["splits"][split]["tokens"] == 0:
+        return []
+    tokens = np.asarray(prepared.tokens(split))
+    offsets = prepared.offsets(split)
+    assert offsets[0] == 0 and offsets[-1] == len(tokens)
+    eot = prepared.tokenizer.eot_id
+    out = []
+    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        assert tokens[end - 1] == eot
+        assert eot not in tokens[start : end - 1].tolist()
+        out.append(prepared.tokenizer.decode(tokens[start : end - 1].tolist()))
+    return out
+
+
+def write_jsonl(path: Path, records: list, *, compress: bool = False) -> Path:
+    lines = "".join(json.dumps(r) + "\n" for r in records)
+    if compress:
+        with gzip.open(path, "wt", encoding="utf-8") as handle:
+            handle.write(lines)
+    else:
+        path.write_text(lines, encoding="utf-8")
+    return path
+
+
+def numbered_docs(n: int) -> list[str]:
+    return [f"document number {i}\n    indented line {i * 7}" for i in range(n)]
+
+
+def finished_folders(cache: Path) -> list[Path]:
+    """Every folder under the cache (temporary ones included) that holds a manifest."""
+    return sorted({p.parent for p in cache.rglob(MANIFEST)})
+
+
+# ----------------------------------------------------------------------------------------------
+# sources
+
+
+def test_text_file(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("first line\nsecond line\n", encoding="utf-8")
+    prepared = prepare_data(config(tmp_path, data_files=str(path), validation_split=0.0))
+    assert documents(prepared, "train") == ["first line\nsecond line"]
+    assert prepared.manifest["splits"]["val"] == {"documents": 0, "tokens": 0}
+    assert len(prepared.tokens("val")) == 0  # an empty split reads as an empty array
+    assert prepared.manifest["documents_in"] == prepared.manifest["documents_out"] == 1
+
+
+def test_folder_recursive_skips_and_counts_bad_files(tmp_path):
+    root = tmp_path / "corpus"
+    (root / "sub" / "deeper").mkdir(parents=True)
+    (root / "a.txt").write_text("alpha text", encoding="utf-8")
+    (root / "sub" / "b.md").write_text("# beta\n\nmarkdown", encoding="utf-8")
+    (root / "sub" / "deeper" / "c.py").write_text("def gamma():\n    return 3\n", encoding="utf-8")
+    (root / "blob.txt").write_bytes(b"GIF89a\x00\x01\x02binary")
+    (root / "latin.txt").write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
+    (root / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    (root / ".hidden.txt").write_text("never read", encoding="utf-8")
+
+    prepared = prepare_data(config(tmp_path, data_files=str(root), validation_split=0.0))
+    assert documents(prepared, "train") == ["alpha text", "# beta\n\nmarkdown", "def gamma():\n    return 3"]
+    removed = prepared.manifest["removed"]
+    assert removed["binary_files"] == 1
+    assert removed["non_utf8_files"] == 1
+    assert removed["unsupported_files"] == 1
+    assert removed["min_length"] == 0
+    assert prepared.manifest["documents_out"] == 3
+
+
+def test_glob(tmp_path):
+    (tmp_path / "g" / "nested").mkdir(parents=True)
+    (tmp_path / "g" / "one.txt").write_text("one", encoding="utf-8")
+    (tmp_path / "g" / "nested" / "two.txt").write_text("two", encoding="utf-8")
+    (tmp_path / "g" / "nested" / "skip.md").write_text("not matched", encoding="utf-8")
+    pattern = str(tmp_path / "g" / "**" / "*.txt")
+    prepared = prepare_data(config(tmp_path, data_files=[pattern], validation_split=0.0))
+    assert documents(prepared, "train") == ["two", "one"]  # sorted by path: g/nested/two.txt < g/one.txt
+
+
+def test_jsonl_and_gzipped_jsonl(tmp_path):
+    plain = write_jsonl(tmp_path / "a.jsonl", [{"text": "plain one", "id": 1}, {"text": "plain two"}])
+    with plain.open("a", encoding="utf-8") as handle:
+        handle.write("\n")  # blank lines are ignored
+        handle.write(json.dumps({"text": None}) + "\n")  # non-string values are skipped
+    packed = write_jsonl(tmp_path / "b.jsonl.gz", [{"text": "zipped \u00fcn\u00efcode"}], compress=True)
+    prepared = prepare_data(config(tmp_path, data_files=[str(plain), str(packed)], validation_split=0.0))
+    assert documents(prepared, "train") == ["plain one", "plain two", "zipped \u00fcn\u00efcode"]
+
+
+def test_jsonl_custom_text_column(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"content": "from content"}, {"content": "second"}])
+    prepared = prepare_data(config(tmp_path, data_files=str(path), text_column="content", validation_split=0.0))
+    assert documents(prepared, "train") == ["from content", "second"]
+
+
+def test_parquet_with_several_row_groups(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    texts = [f"row {i} body" for i in range(7)]
+    table = pa.table({"id": list(range(7)), "body": texts})
+    path = tmp_path / "data.parquet"
+    pq.write_table(table, path, row_group_size=2)
+    assert pq.ParquetFile(path).num_row_groups == 4
+    prepared = prepare_data(config(tmp_path, data_files=str(path), text_column="body", validation_split=0.0))
+    assert documents(prepared, "train") == texts
+
+
+def test_local_hf_dataset_saved_to_disk(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.disable_progress_bars()
+    folder = tmp_path / "ds"
+    texts = [f"hf document {i}" for i in range(5)]
+    datasets.Dataset.from_dict({"text": texts, "n": list(range(5))}).save_to_disk(str(folder))
+    prepared = prepare_data(config(tmp_path, dataset_name=str(folder), validation_split=0.0))
+    assert documents(prepared, "train") == texts
+
+    # the folder is the source: new content under the same name must not reuse the old cache
+    folder2 = tmp_path / "ds_new"
+    datasets.Dataset.from_dict({"text": ["replaced"], "n": [0]}).save_to_disk(str(folder2))
+    import shutil
+
+    shutil.rmtree(folder)
+    shutil.copytree(folder2, folder)
+    again = prepare_data(config(tmp_path, dataset_name=str(folder), validation_split=0.0))
+    assert again.directory != prepared.directory
+    assert documents(again, "train") == ["replaced"]
+
+    # a single saved split has no other named split to validate on
+    with pytest.raises(UsageError, match="single split, so it has no split .test."):
+        prepare_data(config(tmp_path, dataset_name=str(folder), validation_split="test"))
+
+
+def test_local_hf_dataset_dict_named_validation_split(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.disable_progress_bars()
+    folder = tmp_path / "dd"
+    train = [f"train doc {i}" for i in range(5)]
+    test = [f"test doc {i}" for i in range(4)]
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"text": train}), "test": datasets.Dataset.from_dict({"text": test})}
+    ).save_to_disk(str(folder))
+    prepared = prepare_data(config(tmp_path, dataset_name=str(folder), validation_split="test"))
+    assert documents(prepared, "train") == train
+    assert documents(prepared, "val") == test
+    # max_documents caps each split, so validation is not starved by the training split's count
+    capped = prepare_data(config(tmp_path, dataset_name=str(folder), validation_split="test", max_documents=3))
+    assert documents(capped, "train") == train[:3]
+    assert documents(capped, "val") == test[:3]
+
+
+def test_python_stdlib_source(tmp_path):
+    cfg = config(tmp_path, dataset_name="python-stdlib", max_documents=3, validation_split=0.0)
+    prepared = prepare_data(cfg)
+    assert prepared.manifest["documents_out"] == 3
+    expected = []
+    for path in stdlib_files():
+        try:
+            text = clean_text(path.read_bytes().decode("utf-8"), cfg)
+        except UnicodeDecodeError:
+            continue
+        if text.strip():
+            expected.append(text)
+        if len(expected) == 3:
+            break
+    assert documents(prepared, "train") == expected
+
+
+# -- source errors
+
+
+def _error(tmp_path, **overrides) -> str:
+    with pytest.raises(UsageError) as info:
+        prepare_data(config(tmp_path, **overrides))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_missing_file_is_an_error(tmp_path):
+    assert "nowhere.txt" in _error(tmp_path, data_files=str(tmp_path / "nowhere.txt"))
+
+
+def test_explicit_binary_file_is_an_error(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\x00\x01\x02\x03" * 10)
+    message = _error(tmp_path, data_files=str(path))
+    assert str(path) in message and "binary" in message
+
+
+def test_explicit_non_utf8_file_is_an_error(tmp_path):
+    path = tmp_path / "latin.txt"
+    path.write_bytes("na\u00efve".encode("latin-1"))
+    message = _error(tmp_path, data_files=str(path))
+    assert str(path) in message and "UTF-8" in message
+
+
+def test_jsonl_line_that_is_not_json(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": oops}\n', encoding="utf-8")
+    assert f"{path}:2" in _error(tmp_path, data_files=str(path))
+
+
+def test_jsonl_without_text_column(tmp_path):
+    path = write_jsonl(tmp_path / "other.jsonl", [{"body": "x"}])
+    message = _error(tmp_path, data_files=str(path))
+    assert f"{path}:1" in message and "'text'" in message
+
+
+def test_jsonl_not_utf8_is_an_error(tmp_path):
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes('{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    message = _error(tmp_path, data_files=str(path))
+    assert str(path) in message and "UTF-8" in message
+
+
+def test_parquet_without_the_column(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "cols.parquet"
+    pq.write_table(pa.table({"body": ["a", "b"]}), path)
+    message = _error(tmp_path, data_files=str(path))
+    assert str(path) in message and "'text'" in message and "body" in message
+
+
+def test_glob_matching_nothing(tmp_path):
+    pattern = str(tmp_path / "*.nomatch")
+    message = _error(tmp_path, data_files=pattern)
+    assert pattern in message and "matches no files" in message
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "bpe"])
+def test_sources_with_no_text_give_no_training_documents(tmp_path, tokenizer):
+    path = tmp_path / "blank.txt"
+    path.write_text("   \n\n\t\n", encoding="utf-8")
+    kwargs = {"tokenizer_vocab_size": 300} if tokenizer == "bpe" else {}
+    assert "no training documents" in _error(tmp_path, data_files=str(path), tokenizer=tokenizer, **kwargs)
+    assert finished_folders(tmp_path / "cache") == []
+    assert list((tmp_path / "cache").iterdir()) == []  # the temporary folder is gone too
+
+
+# ----------------------------------------------------------------------------------------------
+# cleaning
+
+
+def test_clean_text_rules(tmp_path):
+    cfg = config(tmp_path, data_files="unused")
+    assert clean_text("a\r\nb\rc\r\n", cfg) == "a\nb\nc"
+    assert clean_text("x = 1   \ny = 2\t\nlast line  \t", cfg) == "x = 1\ny = 2\nlast line"
+    assert clean_text("a\n\n\n\n\nb\n\n\nc", cfg) == "a\n\nb\n\nc"
+    assert clean_text("a\n   \n\t\n\nb", cfg) == "a\n\nb"  # whitespace-only lines are blank lines
+    code = "def f(x):\n    if x:\n\t\treturn  x\n    return 0"
+    assert clean_text(code, cfg) == code
+    assert clean_text("\n\n    indented first line\n", cfg) == "    indented first line"
+
+
+def test_clean_text_without_normalization(tmp_path):
+    cfg = config(tmp_path, data_files="unused", normalize_whitespace=False)
+    text = "a   \n\n\n\n\tb  \n\n"
+    assert clean_text(text, cfg) == text
+    assert clean_text("a \r\nb", cfg) == "a \nb"  # newlines are still unified
+
+
+def test_cleaning_and_min_length_in_prepare(tmp_path):
+    docs = ["short", "long enough   \r\n\r\n\r\n\r\n  kept", "tiny", "   ", "another long document"]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in docs])
+    prepared = prepare_data(config(tmp_path, data_files=str(path), min_length=10, validation_split=0.0))
+    assert documents(prepared, "train") == ["long enough\n\n  kept", "another long document"]
+    manifest = prepared.manifest
+    assert manifest["removed"]["min_length"] == 3
+    assert manifest["documents_in"] == 5 and manifest["documents_out"] == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# splits
+
+
+@pytest.mark.parametrize("n, fraction, val_indices", [(20, 0.1, [9, 19]), (8, 0.25, [3, 7]), (10, 0.5, [1, 3, 5, 7, 9]), (10, 0.3, [3, 6, 9])])
+def test_fractional_split_is_even_and_deterministic(tmp_path, n, fraction, val_indices):
+    docs = numbered_docs(n)
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in docs])
+    prepared = prepare_data(config(tmp_path, data_files=str(path), validation_split=fraction))
+    assert documents(prepared, "val") == [docs[i] for i in val_indices]
+    assert documents(prepared, "train") == [d for i, d in enumerate(docs) if i not in val_indices]
+    assert prepared.manifest["splits"]["val"]["documents"] == len(val_indices)
+    again = prepare_data(config(tmp_path, data_files=str(path), validation_split=fraction, cache_dir=str(tmp_path / "c2")))
+    assert again.directory.name == prepared.directory.name
+    for split in ("train", "val"):
+        assert (again.directory / f"{split}.bin").read_bytes() == (prepared.directory / f"{split}.bin").read_bytes()
+
+
+def test_single_document_is_split_by_position(tmp_path):
+    text = "".join(chr(ord("a") + i % 26) for i in range(100))
+    path = tmp_path / "one.txt"
+    path.write_text(text + "\n", encoding="utf-8")
+    prepared = prepare_data(config(tmp_path, data_files=str(path), validation_split=0.1))
+    assert documents(prepared, "train") == [text[:90]]
+    assert documents(prepared, "val") == [text[90:]]
+
+
+def test_train_bin_decodes_to_documents_joined_by_eot(tmp_path):
+    docs = [
+        "def add(a, b):\n    return a + b  \n",
+        "Plain prose,\r\nwith \u00fcmlauts and emoji \U0001f600.\n\n\n\n",
+        "\tclass Tab:\n\t\tpass",
+        "x = [1, 2, 3]\nprint(x)",
+    ]
+    path = write_jsonl(tmp_path / "mixed.jsonl", [{"text": t} for t in docs])
+    cfg = config(tmp_path, data_files=str(path), tokenizer="bpe", tokenizer_vocab_size=300, validation_split=0.25)
+    prepared = prepare_data(cfg)
+    cleaned = [clean_text(t, cfg) for t in docs]
+    train = [cleaned[i] for i in (0, 1, 2)]  # document 3 is the validation one at 0.25
+    tokens = np.asarray(prepared.tokens("train")).tolist()
+    assert prepared.tokenizer.decode(tokens, skip_special_tokens=False) == "".join(t + EOT for t in train)
+    val = np.asarray(prepared.tokens("val")).tolist()
+    assert prepared.tokenizer.decode(val, skip_special_tokens=False) == cleaned[3] + EOT
+    assert documents(prepared, "train") == train
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizers
+
+
+def test_char_tokenizer_round_trip_and_unknown():
+    text = "def f(x):\n\treturn x  # \u00e9t\u00e9 \u03bb\u2192 \U0001f600\n\nend"
+    tok = Tokenizer.build_char([text])
+    ids = tok.encode(text)
+    assert len(ids) == len(text)  # one token per character, newlines and emoji included
+    assert tok.decode(ids) == text
+    assert tok.vocab_size == len(set(text)) + 2
+    unk = tok.backend.token_to_id(UNK)
+    assert tok.encode("Z\u4e2d") == [unk, unk]
+    assert tok.encode("x") == [tok.backend.token_to_id("x")]
+    assert tok.decode(tok.encode("de") + [tok.eot_id] + tok.encode("fx"), skip_special_tokens=False) == "de" + EOT + "fx"
+
+
+def test_bpe_trains_to_requested_size_and_round_trips():
+    corpus = ["def function_name(argument):\n    return argument * 2\n" * 20, "caf\u00e9 na\u00efve \U0001f600 " * 20]
+    tok = Tokenizer.train_bpe(corpus, vocab_size=300, max_chars=10**6)
+    assert 257 < tok.vocab_size <= 300  # 256 bytes + end-of-text + merges
+    assert tok.backend.token_to_id(EOT) == tok.eot_id
+    for text in corpus + ["unseen \u4e2d\u6587 text\twith\ttabs\n\n  and spaces  ", ""]:
+        assert tok.decode(tok.encode(text)) == text
+    assert len(tok.encode(corpus[0])) < len(corpus[0]) / 2  # merges were learnt
+
+
+def test_bpe_respects_max_chars():
+    small = Tokenizer.train_bpe(["abcd" * 1000], vocab_size=400, max_chars=8)
+    large = Tokenizer.train_bpe(["abcd" * 1000], vocab_size=400, max_chars=10**6)
+    assert small.vocab_size <= large.vocab_size
+    assert len(small.encode("abcd" * 8)) > len(large.encode("abcd" * 8))
+
+
+def test_tokenizer_path_is_used_as_is(tmp_path):
+    own = Tokenizer.build_char(["abcdefgh ij\n"])
+    folder = tmp_path / "tok"
+    file = own.save(folder)
+    source = tmp_path / "text.txt"
+    source.write_text("a bad cafe\nhi jig", encoding="utf-8")
+    for spec in (file, folder):
+        prepared = prepare_data(config(tmp_path, data_files=str(source), tokenizer=str(spec), validation_split=0.0))
+        assert prepared.tokenizer.to_json() == own.to_json()
+        assert prepared.manifest["tokenizer_fingerprint"] == own.fingerprint()
+        tokens = np.asarray(prepared.tokens("train")).tolist()
+        assert tokens == own.encode("a bad cafe\nhi jig") + [own.eot_id]
+
+
+def test_bad_tokenizer_json_is_a_usage_error(tmp_path):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"version": "1.0", "model": ', encoding="utf-8")
+    source = tmp_path / "text.txt"
+    source.write_text("some text", encoding="utf-8")
+    with pytest.raises(UsageError, match="tokenizer.json"):
+        Tokenizer.load(bad)
+    message = _error(tmp_path, data_files=str(source), tokenizer=str(bad))
+    assert str(bad) in message
+    assert "missing" in _error(tmp_path, data_files=str(source), tokenizer=str(tmp_path / "missing"))
+
+
+# ----------------------------------------------------------------------------------------------
+# the prepare cache
+
+
+def test_second_prepare_reuses_the_folder(tmp_path):
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in numbered_docs(12)])
+    first = prepare_data(config(tmp_path, data_files=str(path)))
+    stamp = (first.directory / "train.bin").stat().st_mtime_ns
+    manifest_text = (first.directory / MANIFEST).read_text()
+    time.sleep(0.02)
+    second = prepare_data(config(tmp_path, data_files=str(path)))
+    assert second.directory == first.directory
+    assert (second.directory / "train.bin").stat().st_mtime_ns == stamp
+    assert (second.directory / MANIFEST).read_text() == manifest_text
+    assert second.manifest == first.manifest
+    assert second.tokenizer.to_json() == first.tokenizer.to_json()
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+
+
+def test_changes_give_a_new_fingerprint(tmp_path):
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in numbered_docs(12)])
+    base = prepare_data(config(tmp_path, data_files=str(path)))
+    changed_setting = prepare_data(config(tmp_path, data_files=str(path), min_length=3))
+    changed_tokenizer = prepare_data(config(tmp_path, data_files=str(path), tokenizer="bpe", tokenizer_vocab_size=280))
+    workers_only = prepare_data(config(tmp_path, data_files=str(path), preprocessing_num_workers=2))
+    assert workers_only.directory == base.directory  # how the work is spread is not an input
+    time.sleep(0.02)
+    write_jsonl(path, [{"text": t.upper()} for t in numbered_docs(12)])  # same size, new content
+    changed_content = prepare_data(config(tmp_path, data_files=str(path)))
+    names = {p.directory.name for p in (base, changed_setting, changed_tokenizer, changed_content)}
+    assert len(names) == 4
+    assert documents(changed_content, "train")[0] == numbered_docs(12)[0].upper()
+
+
+def test_parallel_workers_give_identical_token_files(tmp_path):
+    docs = [f"doc {i}: " + "word " * (i % 13) + f"\n    line {i}" for i in range(600)]  # > 2 encode batches
+    path = write_jsonl(tmp_path / "many.jsonl", [{"text": t} for t in docs])
+    common = dict(data_files=str(path), tokenizer="bpe", tokenizer_vocab_size=300)
+    one = prepare_data(config(tmp_path, cache_dir=str(tmp_path / "w1"), preprocessing_num_workers=1, **common))
+    two = prepare_data(config(tmp_path, cache_dir=str(tmp_path / "w2"), preprocessing_num_workers=2, **common))
+    assert one.directory.name == two.directory.name
+    for name in ("train.bin", "val.bin", "train.idx.npy", "val.idx.npy", "tokenizer.json"):
+        assert (one.directory / name).read_bytes() == (two.directory / name).read_bytes(), name
+    assert one.manifest["splits"]["train"]["documents"] == 540
+
+
+def test_token_dtype_follows_vocab_size(tmp_path):
+    source = tmp_path / "text.txt"
+    source.write_text("w69999 w3 w65536 w1", encoding="utf-8")
+    small = prepare_data(config(tmp_path, data_files=str(source), validation_split=0.0))
+    assert small.manifest["dtype"] == "uint16"
+    assert (small.directory / "train.bin").stat().st_size == 2 * small.manifest["splits"]["train"]["tokens"]
+
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+
+    vocab = {EOT: 0, UNK: 1, **{f"w{i}": i + 2 for i in range(70_000)}}
+    backend = HFTokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    big_file = Tokenizer(backend).save(tmp_path / "big")
+    big = prepare_data(config(tmp_path, data_files=str(source), tokenizer=str(big_file), validation_split=0.0))
+    assert big.manifest["dtype"] == "uint32"
+    assert np.asarray(big.tokens("train")).tolist() == [70_001, 5, 65_538, 3, 0]
+
+
+# -- interrupted prepare
+
+
+def test_failure_mid_prepare_leaves_no_finished_folder(tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / "many.jsonl", [{"text": t} for t in numbered_docs(600)])
+    cfg = config(tmp_path, data_files=str(path))
+    real = Tokenizer.encode_batch
+    calls = []
+
+    def failing(self, texts):
+        calls.append(len(texts))
+        if len(calls) == 2:
+            raise RuntimeError("tokenizer died")
+        return real(self, texts)
+
+    monkeypatch.setattr(Tokenizer, "encode_batch", failing)
+    with pytest.raises(RuntimeError, match="tokenizer died"):
+        prepare_data(cfg)
+    cache = tmp_path / "cache"
+    assert finished_folders(cache) == []
+    assert list(cache.iterdir()) == []
+
+    monkeypatch.setattr(Tokenizer, "encode_batch", real)
+    prepared = prepare_data(cfg)
+    assert (prepared.directory / MANIFEST).is_file()
+    assert len(documents(prepared, "train")) + len(documents(prepared, "val")) == 600
+
+
+def test_killed_prepare_leaves_no_finished_folder(tmp_path):
+    path = write_jsonl(tmp_path / "many.jsonl", [{"text": t} for t in numbered_docs(600)])
+    marker = tmp_path / "started"
+    cache = tmp_path / "cache"
+    script = textwrap.dedent(
+        f"""
+        import time
+        from pathlib import Path
+        from llm_trainer.config import DataConfig
+        from llm_trainer.data.prepare import prepare_data
+        from llm_trainer.tokenizer import Tokenizer
+
+        real = Tokenizer.encode_batch
+        calls = []
+
+        def slow(self, texts):
+            calls.append(1)
+            if len(calls) == 2:  # half of the token files are written: stop here until killed
+                Path({str(marker)!r}).write_text("x")
+                time.sleep(120)
+            return real(self, texts)
+
+        Tokenizer.encode_batch = slow
+        prepare_data(DataConfig(data_files={str(path)!r}, tokenizer="char", cache_dir={str(cache)!r}))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "the child never reached the tokenizer"
+            time.sleep(0.05)
+        assert any(p.name.endswith(".bin") for p in cache.rglob("*"))  # it was mid-way through writing
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert finished_folders(cache) == []
+
+    prepared = prepare_data(config(tmp_path, data_files=str(path)))
+    assert (prepared.directory / MANIFEST).is_file()
+    assert documents(prepared, "train") + documents(prepared, "val") != []
+    assert prepared.manifest["documents_out"] == 600
+    assert finished_folders(cache) == [prepared.directory]
+
+
+# ----------------------------------------------------------------------------------------------
+# row layouts
+
+
+def test_window_rows_cover_shifted_windows():
+    tokens = np.arange(103, dtype=np.uint16)
+    L = 10
+    rows = WindowRows(tokens, L)
+    assert rows.offset == 0 and len(rows) == 10
+    x, y = rows.batch(np.arange(len(rows)))
+    for i in range(len(rows)):
+        assert x[i].tolist() == list(range(i * L, i * L + L))
+        assert y[i].tolist() == list(range(i * L + 1, i * L + L + 1))
+
+    for seed in range(5):
+        seeded = WindowRows(tokens, L, seed=seed)
+        for epoch in range(4):
+            seeded.set_epoch(epoch)
+            off = seeded.offset
+            assert 0 <= off < L
+            assert len(seeded) == (len(tokens) - 1 - off) // L
+            x, y = seeded.batch(np.arange(len(seeded)))
+            assert x.dtype == np.int64 and x.shape == (len(seeded), L)
+            for i in range(len(seeded)):
+                window = tokens[off + i * L : off + i * L + L + 1].tolist()
+                assert x[i].tolist() == window[:-1] and y[i].tolist() == window[1:]
+            assert (y[:, :-1] == x[:, 1:]).all()
+
+
+def test_window_offset_changes_with_epoch_and_follows_the_seed():
+    tokens = np.arange(1000, dtype=np.uint16)
+
+    def offsets(seed):
+        rows = WindowRows(tokens, 64, seed=seed)
+        out = []
+        for epoch in range(12):
+            rows.set_epoch(epoch)
+            out.append(rows.offset)
+        return out
+
+    first = offsets(7)
+    assert len(set(first)) > 1
+    assert offsets(7) == first
+    assert offsets(8) != first
+    rows = WindowRows(tokens, 64, seed=7)
+    rows.set_epoch(5)
+    rows.set_epoch(2)
+    assert rows.offset == first[2]  # depends on (seed, epoch) only, not on the order of calls
+
+
+def test_window_rows_keep_partial():
+    tokens = np.arange(47, dtype=np.uint16)
+    L = 10
+    rows = WindowRows(tokens, L, keep_partial=True)
+    assert len(rows) == 5
+    x, y = rows.batch(np.arange(len(rows)))
+    assert y[4].tolist() == [41, 42, 43, 44, 45, 46] + [IGNORE_INDEX] * 4
+    assert x[4, :6].tolist() == [40, 41, 42, 43, 44, 45]
+    targets = y[y != IGNORE_INDEX]
+    assert sorted(targets.tolist()) == list(range(1, 47))  # every token but the first, exactly once
+    exact = WindowRows(np.arange(41, dtype=np.uint16), L, keep_partial=True)
+    assert len(exact) == 4 and (exact.batch(np.arange(4))[1] != IGNORE_INDEX).all()
+
+
+def _doc_offsets(sizes) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+
+def test_document_rows_unpacked():
+    sizes = [3, 14, 6, 1]
+    offsets = _doc_offsets(sizes)
+    tokens = np.arange(offsets[-1], dtype=np.uint16) + 100
+    L, pad = 5, 7
+    rows = DocumentRows(tokens, offsets, L, pack=False, pad_id=pad)
+    expected_pieces = [(0, 3), (3, 9), (9, 15), (15, 17), (17, 23), (23, 24)]
+    assert [tuple(r) for row in rows.rows for r in row] == expected_pieces
+    assert all(len(row) == 1 for row in rows.rows)
+    x, y = rows.batch(np.arange(len(rows)))
+    for r, (s, e) in enumerate(expected_pieces):
+        n = e - s - 1
+        assert x[r, :n].tolist() == tokens[s : e - 1].tolist()
+        assert y[r, :n].tolist() == tokens[s + 1 : e].tolist()
+        assert (x[r, n:] == pad).all()
+        assert (y[r, n:] == IGNORE_INDEX).all()
+
+
+def test_first_fit_rows_keep_documents_whole():
+    rng = np.random.default_rng(0)
+    L = 31
+    capacity = L + 1
+    sizes = rng.integers(1, 80, size=120)
+    offsets = _doc_offsets(sizes)
+    tokens = np.arange(offsets[-1], dtype=np.uint32)
+    packed = DocumentRows(tokens, offsets, L, pack=True, pad_id=0)
+    unpacked = DocumentRows(tokens, offsets, L, pack=False, pad_id=0)
+    doc_of = {int(s): (int(s), int(e)) for s, e in zip(offsets[:-1], offsets[1:])}
+    seen = []
+    for row in packed.rows:
+        assert sum(e - s for s, e in row) <= capacity
+        for s, e in row:
+            doc_start = max(d for d in doc_of if d <= s)
+            ds, de = doc_of[doc_start]
+            if de - ds <= capacity:
+                assert (s, e) == (ds, de)  # a document that fits a row is never split
+            seen.extend(range(s, e))
+    assert sorted(seen) == list(range(len(tokens)))  # every token exactly once
+    assert packed.padding_fraction() <= unpacked.padding_fraction()
+    assert len(packed) < len(unpacked)
+    x, y = packed.batch(np.arange(len(packed)))
+    for r, row in enumerate(packed.rows):
+        flat = np.concatenate([tokens[s:e] for s, e in row]).astype(np.int64)
+        assert x[r, : len(flat) - 1].tolist() == flat[:-1].tolist()
+        assert y[r, : len(flat) - 1].tolist() == flat[1:].tolist()
+        assert (y[r, len(flat) - 1 :] == IGNORE_INDEX).all()
+
+
+def _brute_force_ffd(pieces: np.ndarray, capacity: int) -> list[list[tuple[int, int]]]:
+    sizes = (pieces[:, 1] - pieces[:, 0]).tolist()
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])  # stable: ties keep input order
+    bins: list[list[tuple[int, int]]] = []
+    free: list[int] = []
+    for i in order:
+        for b in range(len(bins)):
+            if free[b] >= sizes[i]:
+                break
+        else:
+            b = len(bins)
+            bins.append([])
+            free.append(capacity)
+        bins[b].append((int(pieces[i, 0]), int(pieces[i, 1])))
+        free[b] -= sizes[i]
+    return bins
+
+
+def test_first_fit_decreasing_matches_brute_force():
+    rng = np.random.default_rng(1234)
+    for trial in range(40):
+        capacity = int(rng.integers(1, 64))
+        n = int(rng.integers(0, 150))
+        sizes = rng.integers(1, capacity + 1, size=n)
+        if trial % 3 == 0:
+            sizes = rng.choice([1, capacity // 2 or 1, capacity], size=n)  # many ties and exact fits
+        offsets = _doc_offsets(sizes)
+        pieces = np.stack([offsets[:-1], offsets[1:]], axis=1).reshape(-1, 2)
+        assert first_fit_decreasing(pieces, capacity) == _brute_force_ffd(pieces, capacity), (trial, capacity, n)
+
+
+# ----------------------------------------------------------------------------------------------
+# batch loader
+
+
+def identity_rows(n_rows: int, L: int = 4) -> WindowRows:
+    """Row i starts at token i*L, so a batch's first column names its rows."""
+    return WindowRows(np.arange(n_rows * L + 1, dtype=np.uint16), L)
+
+
+def row_ids(x, L: int = 4) -> list[int]:
+    return (x[:, 0] // L).tolist()
+
+
+def test_batch_loader_seeded_permutation():
+    def take(seed, k):
+        loader = BatchLoader(identity_rows(24), 4, shuffle=True, seed=seed)
+        return [row_ids(loader.next_batch()[0]) for _ in range(k)]
+
+    first = take(3, 12)
+    assert take(3, 12) == first
+    assert take(4, 12) != first
+    epoch0, epoch1 = first[:6], first[6:]
+    assert sorted(sum(epoch0, [])) == list(range(24))  # every row once per epoch
+    assert sorted(sum(epoch1, [])) == list(range(24))
+    assert epoch0 != epoch1  # a new order each epoch
+    ordered = BatchLoader(identity_rows(24), 4, shuffle=False)
+    assert [row_ids(ordered.next_batch()[0]) for _ in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    x, y = ordered.next_batch()
+    assert x.dtype == y.dtype == torch.int64 and tuple(x.shape) == (4, 4)
+
+
+def _varying_rows():
+    """Seeded windows whose row count differs between epoch 0 and epoch 1."""
+    tokens = np.arange(82, dtype=np.uint16)
+    for seed in range(200):
+        rows = WindowRows(tokens, 8, seed=seed)
+        counts = []
+        for epoch in range(2):
+            rows.set_epoch(epoch)
+            counts.append(len(rows))
+        if counts[0] != counts[1]:
+            return tokens, seed, counts
+    raise AssertionError("no seed gives different row counts")
+
+
+def test_batch_loader_resumes_exactly():
+    tokens, seed, counts = _varying_rows()
+
+    def fresh():
+        return BatchLoader(WindowRows(tokens, 8, seed=seed), 1, shuffle=True, seed=seed)
+
+    reference = fresh()
+    stream = [reference.next_batch() for _ in range(40)]
+    # every position through epochs 0 and 1 (whose row counts differ) and into epoch 2
+    for k in range(counts[0] + counts[1] + 2):
+        original = fresh()
+        for _ in range(k):
+            original.next_batch()
+        state = original.state_dict()
+        resumed = fresh()
+        resumed.load_state_dict(json.loads(json.dumps(state)))  # checkpoints store it as JSON
+        for j in range(k, 40):
+            x, y = resumed.next_batch()
+            assert (x == stream[j][0]).all() and (y == stream[j][1]).all(), (k, j)
+        assert resumed.state_dict() == reference.state_dict()
+
+
+def test_batch_loader_ranks_split_the_global_batches():
+    B, n = 3, 30
+    single = BatchLoader(identity_rows(n), B, shuffle=True, seed=11)
+    ranks = [BatchLoader(identity_rows(n), B, shuffle=True, seed=11, rank=r, world_size=2) for r in range(2)]
+    assert len(ranks[0]) == n // (2 * B) == 5
+    reference = [row_ids(single.next_batch()[0]) for _ in range(2 * len(ranks[0]) * 2)]  # two epochs
+    for epoch in range(2):
+        per_epoch = reference[epoch * 10 : (epoch + 1) * 10]
+        for p in range(5):
+            r0 = row_ids(ranks[0].next_batch()[0])
+            r1 = row_ids(ranks[1].next_batch()[0])
+            assert not set(r0) & set(r1)
+            assert r0 == per_epoch[2 * p] and r1 == per_epoch[2 * p + 1]
+
+
+def test_batch_loader_refuses_state_from_another_world_size():
+    one = BatchLoader(identity_rows(16), 2, shuffle=True, seed=0)
+    one.next_batch()
+    two = BatchLoader(identity_rows(16), 2, shuffle=True, seed=0, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="world size"):
+        two.load_state_dict(one.state_dict())
+
+
+def test_batch_loader_needs_one_batch():
+    with pytest.raises(ValueError, match="not enough data for one batch") as info:
+        BatchLoader(identity_rows(3), 4, shuffle=True)
+    assert "batch_size 4" in str(info.value)
+    with pytest.raises(ValueError, match="not enough data"):
+        BatchLoader(identity_rows(6), 4, shuffle=True, world_size=2)
+    assert len(BatchLoader(identity_rows(3), 4, shuffle=False, drop_last=False)) == 1
+
+
+def test_validation_loader_reads_everything_once():
+    rows = WindowRows(np.arange(47, dtype=np.uint16), 10, keep_partial=True)
+    loader = BatchLoader(rows, 2, shuffle=False, drop_last=False)
+    targets = [t for _, y in loader for t in y[y != IGNORE_INDEX].tolist()]
+    assert targets == list(range(1, 47))
+
+
+# ----------------------------------------------------------------------------------------------
+# the command line
+
+
+def run_cli(*args, cwd):
+    env = {**os.environ, "PYTHONPATH": str(REPO_SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "llm_trainer", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_prepare_prints_json(tmp_path):
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in numbered_docs(10)])
+    yaml_file = tmp_path / "exp.yaml"
+    yaml_file.write_text(
+        f"data:\n  data_files: [{str(source)!r}]\n  tokenizer: char\n  cache_dir: {str(tmp_path / 'cache')!r}\n  validation_split: 0.2\n",
+        encoding="utf-8",
+    )
+    result = run_cli("prepare", "--config", str(yaml_file), "data.min_length=1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["splits"]["train"]["documents"] == 8 and out["splits"]["val"]["documents"] == 2
+    assert out["documents_out"] == 10
+    assert (Path(out["directory"]) / MANIFEST).is_file()
+    assert json.loads((Path(out["directory"]) / MANIFEST).read_text())["config"]["min_length"] == 1
+
+
+@pytest.mark.parametrize("where", ["file", "override"])
+def test_cli_bad_key_is_one_line(tmp_path, where):
+    yaml_file = tmp_path / "exp.yaml"
+    body = "data:\n  data_files: [x.txt]\n"
+    extra = []
+    if where == "file":
+        body += "  max_lenght: 64\n"
+    else:
+        extra = ["data.max_lenght=64"]
+    yaml_file.write_text(body, encoding="utf-8")
+    result = run_cli("prepare", "--config", str(yaml_file), *extra, cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error:")
+    assert "max_lenght" in lines[0] and "data.max_length" in lines[0]
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""

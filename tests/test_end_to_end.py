@@ -1,0 +1,82 @@
+"""The whole path through the CLI: prepare -> train -> eval -> generate, and the outputs a run leaves."""
+
+import json
+import subprocess
+import sys
+
+import yaml
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "llm_trainer", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_prepare_train_eval_generate(tmp_path, corpus):
+    config = {
+        "model": {"architecture": "llama", "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "n_layers": 2, "max_seq_len": 32},
+        "training": {"batch_size": 8, "max_steps": 40, "learning_rate": 3e-3, "warmup_steps": 5, "eval_steps": 20,
+                     "save_steps": 20, "logging_steps": 10, "output_dir": "run", "device": "cpu", "progress_bar": False},
+        "data": {"data_files": [str(corpus)], "tokenizer": "bpe", "tokenizer_vocab_size": 300, "validation_split": 0.2},
+    }
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(config))
+
+    prepared = _cli("prepare", "--config", "exp.yaml", cwd=tmp_path)
+    assert prepared.returncode == 0, prepared.stderr
+    info = json.loads(prepared.stdout)
+    assert info["splits"]["train"]["documents"] == 10 and info["splits"]["val"]["documents"] == 2
+
+    trained = _cli("train", "--config", "exp.yaml", cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr
+    assert "reusing" in trained.stderr  # prepare's output was cached
+    run = tmp_path / "run"
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["model"]["vocab_size"] <= 300 and saved["model"]["norm"] == "rmsnorm"
+    assert (run / "tokenizer.json").is_file()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "lr" in r]
+    eval_rows = [r for r in rows if "val_loss" in r and "event" not in r]
+    assert [r["step"] for r in train_rows] == [10, 20, 30, 40]
+    assert [r["step"] for r in eval_rows] == [20, 40]
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"]
+    assert rows[-1]["event"] == "train_end" and rows[-1]["val_loss"] == eval_rows[-1]["val_loss"]
+    checkpoints = run / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "checkpoint-00000040"
+    assert (checkpoints / "best_model" / "model.safetensors").is_file()
+
+    evaluated = _cli("eval", "--checkpoint", str(checkpoints / "checkpoint-00000040"), "--json", cwd=tmp_path)
+    assert evaluated.returncode == 0, evaluated.stderr
+    result = json.loads(evaluated.stdout)
+    assert abs(result["loss"] - eval_rows[-1]["val_loss"]) < 1e-5  # the same number the run reported
+    assert abs(result["perplexity"] - 2.718281828 ** result["loss"]) < 1e-3
+
+    text_file = tmp_path / "probe.txt"
+    text_file.write_text("the cat sat on the mat number 3.\n" * 5)
+    on_file = json.loads(_cli("eval", "--checkpoint", str(run), "--data", str(text_file), "--json", cwd=tmp_path).stdout)
+    assert on_file["tokens"] > 10 and on_file["loss"] < result["loss"] + 2
+
+    generated = _cli("generate", "--checkpoint", str(checkpoints / "best_model"), "--prompt", "the cat",
+                     "--max_new_tokens", "12", "--temperature", "0", cwd=tmp_path)
+    assert generated.returncode == 0, generated.stderr
+    assert generated.stdout.startswith("the cat") and len(generated.stdout.strip()) > len("the cat")
+    again = _cli("generate", "--checkpoint", str(checkpoints / "best_model"), "--prompt", "the cat",
+                 "--max_new_tokens", "12", "--temperature", "0", cwd=tmp_path)
+    assert again.stdout == generated.stdout
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    missing = _cli("eval", "--checkpoint", str(tmp_path / "nope"), cwd=tmp_path)
+    assert missing.returncode == 2 and missing.stderr.startswith("error:") and "Traceback" not in missing.stderr
+    (tmp_path / "bad.yaml").write_text("data:\n  data_files: [missing.txt]\n")
+    bad = _cli("train", "--config", "bad.yaml", cwd=tmp_path)
+    assert bad.returncode == 2 and "missing.txt not found" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "output").exists()  # nothing half-written
+    binary = tmp_path / "blob.txt"
+    binary.write_bytes(b"\x00\x01\x02binary")
+    (tmp_path / "bin.yaml").write_text(f"data:\n  data_files: [{binary}]\n")
+    result = _cli("prepare", "--config", "bin.yaml", cwd=tmp_path)
+    assert result.returncode == 2 and "binary" in result.stderr
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("café".encode("latin-1"))
+    (tmp_path / "latin.yaml").write_text(f"data:\n  data_files: [{latin}]\n")
+    result = _cli("prepare", "--config", "latin.yaml", cwd=tmp_path)
+    assert result.returncode == 2 and "not UTF-8" in result.stderr

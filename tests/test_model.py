@@ -1,0 +1,118 @@
+"""The architecture: shapes, presets, initialisation, masking, GQA, RoPE, KV cache, weight tying."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_model_config
+from llm_trainer.model import KVCache, Transformer, apply_rope, rope_tables
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_logits_shape_and_causality(arch):
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config(architecture=arch)).eval()
+    x = torch.randint(0, 61, (3, 10))
+    logits = model(x)
+    assert logits.shape == (3, 10, 61)
+    # Changing a future token never changes earlier logits.
+    y = x.clone()
+    y[:, 6] = (y[:, 6] + 1) % 61
+    changed = model(y)
+    assert torch.equal(logits[:, :6], changed[:, :6])
+    assert not torch.allclose(logits[:, 6:], changed[:, 6:])
+
+
+def test_gpt2_and_llama_modules_match_their_presets():
+    gpt2 = Transformer(tiny_model_config(architecture="gpt2"))
+    assert isinstance(gpt2.blocks[0].attn_norm, torch.nn.LayerNorm) and gpt2.pos_emb is not None
+    assert gpt2.blocks[0].attn.qkv.bias is not None and gpt2.lm_head.weight is gpt2.tok_emb.weight
+    assert isinstance(gpt2.blocks[0].mlp.act, torch.nn.GELU)
+    llama = Transformer(tiny_model_config(architecture="llama", n_kv_heads=1))
+    assert isinstance(llama.blocks[0].attn_norm, torch.nn.RMSNorm) and llama.pos_emb is None
+    assert llama.blocks[0].attn.qkv.bias is None and llama.lm_head.weight is not llama.tok_emb.weight
+    assert llama.blocks[0].mlp.gated and llama.blocks[0].mlp.fc.out_features == 2 * llama.config.d_ff
+    # GQA: one key/value head -> q (16) + k (8) + v (8)
+    assert llama.blocks[0].attn.qkv.out_features == 16 + 8 + 8
+
+
+def test_activation_choices_reach_the_mlp():
+    for name, cls in [("relu", torch.nn.ReLU), ("silu", torch.nn.SiLU), ("gelu", torch.nn.GELU)]:
+        assert isinstance(Transformer(tiny_model_config(activation=name)).blocks[0].mlp.act, cls)
+
+
+def test_gpt2_initialisation_scales_residual_projections():
+    torch.manual_seed(0)
+    config = tiny_model_config(d_model=256, n_heads=4, n_layers=8, vocab_size=2000)
+    model = Transformer(config)
+    assert abs(model.tok_emb.weight.std().item() - 0.02) < 0.001
+    assert abs(model.blocks[0].attn.qkv.weight.std().item() - 0.02) < 0.001
+    expected = 0.02 / math.sqrt(2 * 8)
+    assert abs(model.blocks[0].attn.proj.weight.std().item() - expected) < 0.0005
+    assert abs(model.blocks[3].mlp.proj.weight.std().item() - expected) < 0.0005
+    assert torch.all(model.blocks[0].attn.qkv.bias == 0)
+
+
+def test_attention_matches_a_hand_written_reference():
+    torch.manual_seed(0)
+    config = tiny_model_config(architecture="llama", n_heads=4, n_kv_heads=2)
+    model = Transformer(config).eval()
+    attn = model.blocks[0].attn
+    x = torch.randn(2, 7, 16)
+    cos, sin = model.rope_cos[:7], model.rope_sin[:7]
+    q, k, v = attn.qkv(x).split([16, 8, 8], dim=-1)
+    q = apply_rope(q.view(2, 7, 4, 4).transpose(1, 2), cos, sin)
+    k = apply_rope(k.view(2, 7, 2, 4).transpose(1, 2), cos, sin).repeat_interleave(2, dim=1)
+    v = v.view(2, 7, 2, 4).transpose(1, 2).repeat_interleave(2, dim=1)
+    scores = (q @ k.transpose(-1, -2)) / 2.0
+    scores = scores.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+    expected = attn.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 7, 16))
+    torch.testing.assert_close(attn(x, (cos, sin), None, 0), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_rope_rotates_relative_positions():
+    cos, sin = rope_tables(8, 32, 10000.0)
+    q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+    def score(i, j):
+        return (apply_rope(q, cos[i:i+1], sin[i:i+1]) * apply_rope(k, cos[j:j+1], sin[j:j+1])).sum()
+    torch.testing.assert_close(score(3, 1), score(10, 8))  # depends only on i - j
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_kv_cache_gives_the_same_logits(arch):
+    torch.manual_seed(0)
+    config = tiny_model_config(architecture=arch, n_kv_heads=1)
+    model = Transformer(config).eval()
+    x = torch.randint(0, 61, (2, 12))
+    full = model(x)
+    cache = KVCache.empty(config, 2, config.max_seq_len, "cpu", torch.float32)
+    pieces = [model(x[:, :5], cache=cache), model(x[:, 5:6], cache=cache), model(x[:, 6:12], cache=cache)]
+    torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=1e-5)
+    assert cache.length == 12
+
+
+def test_post_norm_and_untied_head():
+    model = Transformer(tiny_model_config(pre_norm=False, tie_embeddings=False))
+    assert isinstance(model.norm, torch.nn.Identity)
+    assert model.lm_head.weight is not model.tok_emb.weight
+    loss = F.cross_entropy(model(torch.randint(0, 61, (2, 8))).flatten(0, 1), torch.randint(0, 61, (16,)))
+    loss.backward()
+    assert model.lm_head.weight.grad is not None
+
+
+def test_too_long_sequence_is_refused():
+    model = Transformer(tiny_model_config())
+    with pytest.raises(ValueError, match="longer than max_seq_len"):
+        model(torch.zeros(1, 25, dtype=torch.long))
+
+
+def test_save_and_load_pretrained(tmp_path):
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config(architecture="llama"))
+    model.save_pretrained(tmp_path)
+    again = Transformer.from_pretrained(tmp_path)
+    x = torch.randint(0, 61, (1, 9))
+    assert torch.equal(model(x), again(x))
+    assert again.config == model.config
