@@ -217,17 +217,21 @@ class TrainingConfig(_Validated):
     eval_steps: int | None = 500  # None or 0: evaluate only at the end
     eval_max_batches: int | None = None  # None: the whole validation set
     logging_steps: int = 10
-    report_to: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = field(
+    report_to: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] = field(
         default_factory=lambda: ["console", "jsonl"]
     )
+    mlflow_tracking_uri: str | None = None  # report_to mlflow: a URI or a folder; None: $MLFLOW_TRACKING_URI or ./mlruns
     progress_bar: bool = True
+    speed_window_size: int = 20  # steps averaged by the speed monitor (tokens/s, step time, MFU)
+    peak_flops: float | None = None  # the device's peak FLOP/s for MFU; None: looked up for known GPUs
     resume_from_checkpoint: str | None = None  # a checkpoint folder, or "latest"
     early_stopping_patience: int | None = None  # evaluations without improvement before stopping
     early_stopping_min_delta: float = 0.0
     max_consecutive_bad_steps: int = 5  # non-finite loss/grad steps in a row before the run stops
 
     def _check(self) -> None:
-        for name in ("batch_size", "gradient_accumulation_steps", "num_epochs", "logging_steps", "max_consecutive_bad_steps"):
+        for name in ("batch_size", "gradient_accumulation_steps", "num_epochs", "logging_steps", "max_consecutive_bad_steps",
+                     "speed_window_size"):
             _require(getattr(self, name) > 0, f"TrainingConfig.{name} must be positive, got {getattr(self, name)}")
         for name in ("max_steps", "save_total_limit", "eval_max_batches", "early_stopping_patience"):
             value = getattr(self, name)
@@ -251,6 +255,7 @@ class TrainingConfig(_Validated):
             f"TrainingConfig.device must be auto, cpu, cuda[:N] or mps, got {self.device!r}",
         )
         _require(self.early_stopping_min_delta >= 0, "TrainingConfig.early_stopping_min_delta must be >= 0")
+        _require(self.peak_flops is None or self.peak_flops > 0, "TrainingConfig.peak_flops must be positive")
 
     @property
     def resolved_checkpoint_dir(self) -> Path:

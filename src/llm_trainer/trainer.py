@@ -33,6 +33,7 @@ from .metrics import build_loggers
 from .model_files import load_model_state, unwrap
 from .optim import build_optimizer, learning_rate_at
 from .parallelize import parallelize
+from .speed import SpeedMonitor
 
 
 class TrainingStopped(RuntimeError):
@@ -180,6 +181,12 @@ class Trainer:
             )
         self.total_steps = config.max_steps if config.max_steps is not None else per_epoch * config.num_epochs
         self.state = TrainState()
+        self.speed = SpeedMonitor(config.speed_window_size, _flops_per_token(self.raw_model, self.train_loader),
+                                  config.peak_flops or _peak_flops(self.device, config), self.device)
+        # Non-finite steps are counted on the device and read at logging steps (no per-step host sync).
+        self._bad_total = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._bad_run = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._bad_run_max = torch.zeros((), dtype=torch.int64, device=self.device)
         self._stop_reason: str | None = None
         self._signal: str | None = None
         self.loggers = []
@@ -201,8 +208,8 @@ class Trainer:
             cb.on_train_begin(self)
         progress = self._progress_bar()
         self.model.train()
-        started = window_start = time.perf_counter()
-        start_step, window_tokens, last_saved = state.step, 0, None
+        started = time.perf_counter()
+        start_step, last_saved = state.step, None
         final_eval: dict | None = None
 
         with self._signals_handled():
@@ -214,7 +221,8 @@ class Trainer:
 
                 # Forward/backward over the micro-batches. Each micro-batch's summed loss is divided by
                 # the target tokens of the whole step, so k micro-batches of b rows equal one batch of k*b.
-                micro = [self.train_loader.next_batch() for _ in range(accum)]
+                self.speed.start_step()
+                micro = [self.speed.timed_batch(self.train_loader) for _ in range(accum)]
                 n_targets = sum((y != IGNORE_INDEX).sum() for _, y in micro).clamp(min=1)  # device tensor: no sync
                 loss_sum = torch.zeros((), device=self.device)
                 for i, (inputs, targets) in enumerate(micro):
@@ -226,28 +234,24 @@ class Trainer:
                 # Clip, then step only if loss and gradients are finite (a bad step never reaches the weights).
                 self.scaler.unscale_(self.optimizer)
                 grad_norm = self._clip_gradients()
-                finite = torch.isfinite(loss_sum) & (torch.isfinite(grad_norm) | self.scaler.is_enabled())
-                if bool(finite):  # the one host sync per step (free on CPU)
-                    self.scaler.step(self.optimizer)
-                    state.consecutive_bad_steps = 0
-                else:
-                    state.skipped_steps += 1
-                    state.consecutive_bad_steps += 1
+                finite = torch.isfinite(loss_sum)
+                if not self.scaler.is_enabled():  # under fp16 scaling, overflowing gradients are routine
+                    finite = finite & torch.isfinite(grad_norm)
+                self._optimizer_step(finite)
                 self.scaler.update()
                 self.optimizer.zero_grad(set_to_none=True)
                 state.step += 1
                 step_tokens = sum(x.numel() for x, _ in micro)
                 state.tokens_seen += step_tokens
-                window_tokens += step_tokens
+                self.speed.end_step(step_tokens, sum(len(x) for x, _ in micro))
                 if progress is not None:
                     progress.update(1)
 
-                if state.consecutive_bad_steps >= cfg.max_consecutive_bad_steps:
-                    self._fail_on_bad_steps()
-
-                # Log (the only place the loss leaves the device).
-                if state.step % cfg.logging_steps == 0 or state.step == self.total_steps:
-                    now = time.perf_counter()
+                # Log: the only place values leave the device (on CPU, where reads are free, check every step).
+                log_now = state.step % cfg.logging_steps == 0 or state.step == self.total_steps
+                if log_now or self.device.type == "cpu":
+                    self._read_bad_steps()
+                if log_now:
                     row = {
                         "step": state.step,
                         "epoch": self.train_loader.epoch,
@@ -255,10 +259,9 @@ class Trainer:
                         "lr": lr,
                         "grad_norm": float(grad_norm),
                         "tokens_seen": state.tokens_seen,
-                        "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
+                        **self.speed.metrics(),
                         "skipped_steps": state.skipped_steps,
                     }
-                    window_start, window_tokens = now, 0
                     self._log_metrics(row)
                     if progress is not None:
                         progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:,.0f}")
@@ -279,6 +282,7 @@ class Trainer:
 
         if progress is not None:
             progress.close()
+        self._read_bad_steps()
         if self.val_loader is not None and final_eval is None and state.step > start_step:
             final_eval = self._evaluate_and_track()
         elapsed = time.perf_counter() - started
@@ -309,6 +313,32 @@ class Trainer:
         if isinstance(output, torch.Tensor) or getattr(output, "logits", None) is not None:
             return summed_nll(logits_of(output), targets)
         return output.loss * (targets != IGNORE_INDEX).sum()  # a model that only reports a mean loss
+
+    def _optimizer_step(self, finite: torch.Tensor) -> None:
+        """Apply the update only where `finite`; fused Adam/AdamW skip on the device, with no host sync."""
+        bad = (~finite).to(torch.int64)
+        self._bad_total += bad
+        self._bad_run = (self._bad_run + 1) * bad
+        self._bad_run_max = torch.maximum(self._bad_run_max, self._bad_run)
+        if self.scaler.is_enabled():  # fp16: the scaler skips steps whose gradients overflowed
+            self.scaler.step(self.optimizer)
+        elif self.optimizer.defaults.get("fused"):
+            self.optimizer.grad_scale, self.optimizer.found_inf = None, bad.float()
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale, self.optimizer.found_inf
+        elif bool(finite):  # other optimizers: one host sync
+            self.optimizer.step()
+
+    def _read_bad_steps(self) -> None:
+        """Copy the device-side non-finite counters into the state; stop after too many in a row."""
+        state = self.state
+        state.skipped_steps = self._skipped_before + int(self._bad_total)
+        state.consecutive_bad_steps = int(self._bad_run)
+        if int(self._bad_run_max) >= self.config.max_consecutive_bad_steps:
+            state.consecutive_bad_steps = max(state.consecutive_bad_steps, int(self._bad_run_max))
+            self._fail_on_bad_steps()
 
     def _clip_gradients(self) -> torch.Tensor:
         if self.config.max_grad_norm:
@@ -364,6 +394,7 @@ class Trainer:
         return self.tokenizer.to_json() if self.tokenizer is not None and hasattr(self.tokenizer, "to_json") else None
 
     def save_checkpoint(self) -> Path:
+        self._read_bad_steps()
         rng_tensors = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng_tensors["cuda"] = torch.cuda.get_rng_state_all()
@@ -462,6 +493,8 @@ class Trainer:
 
     def _log_start(self) -> None:
         self._tokens_at_start = self.state.tokens_seen
+        self._skipped_before = self.state.skipped_steps
+        self._bad_run.fill_(self.state.consecutive_bad_steps)
         n_params = sum(p.numel() for p in self.params)
         cfg = self.config
         log(
@@ -481,6 +514,26 @@ class Trainer:
             log(f"stopped by {self._signal}; resume with training.resume_from_checkpoint=latest")
         elif summary["stopped_early"]:
             log(summary["stopped_early"])
+
+
+def _flops_per_token(model: nn.Module, loader) -> float | None:
+    """Training FLOPs per token for our architecture (None for other models: MFU is then not shown)."""
+    config = getattr(model, "config", None)
+    length = getattr(getattr(loader, "rows", None), "length", None) or getattr(config, "max_seq_len", None)
+    if config is None or not hasattr(config, "n_layers") or length is None:
+        return None
+    from .estimate import flops_per_token
+
+    return flops_per_token(config, length)
+
+
+def _peak_flops(device: torch.device, config: TrainingConfig) -> float | None:
+    if device.type != "cuda":
+        return None
+    from .estimate import peak_flops
+
+    dtype = (torch.bfloat16 if config.amp_dtype == "bfloat16" else torch.float16) if config.use_amp else torch.float32
+    return peak_flops(torch.cuda.get_device_name(device), dtype)
 
 
 def _listify(value):
