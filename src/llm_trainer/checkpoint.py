@@ -15,8 +15,8 @@
     best_model/                                 standalone model folder of the best evaluation
 
 Writing: every part goes into a hidden temporary folder (`.tmp-<name>-<host>-<pid>`); each file is
-checksummed and fsynced by worker threads while the next one is written; meta.json goes in last,
-then the folder is fsynced, renamed into place, and `latest` is replaced. A crash, a kill -9 or a
+checksummed by worker threads while the next one is written; then all are fsynced, meta.json goes
+in last, the folder is fsynced, renamed into place, and `latest` is replaced. A crash, a kill -9 or a
 full disk at any point leaves every earlier checkpoint untouched; leftovers of a dead writer are
 removed by the next save.
 
@@ -30,8 +30,12 @@ Optimizer tensors go to safetensors (written about 3x faster than torch.save's z
 memory-mapped on load); optimizer.pt keeps only the structure around them, with a reference in
 place of each tensor.
 
-Checksums ("sha256-64MiB-tree"): sha256 over the sha256 digests of the file's consecutive 64 MiB
-chunks, so every core can hash a large file. Format 1 checkpoints (plain sha256 per file) still load.
+Checksums ("crc32-64MiB-tree"): the CRC-32 of each consecutive 64 MiB chunk of a file, and sha256
+over those CRCs; chunks are checksummed in parallel. They detect truncation, bit flips and torn
+writes (a file's size is checked too); tampering is the safe loader's job, not theirs. CRC-32 is
+about twice as fast as sha256 here, and the checksum pass is most of the cost of a verified load.
+meta.json carries a sha256 of its own content. Format 1 checkpoints (plain sha256 per file, the whole
+optimizer state in optimizer.pt) still load.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import shutil
 import socket
 import threading
 import time
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -53,10 +58,11 @@ import torch
 
 from .errors import UsageError
 from .logs import log, warn
-from .model_files import WEIGHTS_NAME, save_model_folder
+from .model_files import WEIGHTS_NAME, save_model_folder, write_model_config
+from .sharded_checkpoint import SHARDED_DIR
 
 FORMAT_VERSION = 2
-CHECKSUM = "sha256-64MiB-tree"
+CHECKSUM = "crc32-64MiB-tree"
 PREFIX = "checkpoint-"
 META = "meta.json"
 LATEST = "latest"
@@ -66,7 +72,10 @@ OPTIMIZER_TENSORS = "optimizer.safetensors"
 RNG = "rng.pt"
 TRAIN_STATE = "train_state.json"
 # Files a training checkpoint cannot be resumed without; meta.json must list each of them.
-REQUIRED = {"checkpoint": (WEIGHTS_NAME, "model_config.json", OPTIMIZER, OPTIMIZER_TENSORS, RNG, TRAIN_STATE)}
+REQUIRED = {
+    "checkpoint": (WEIGHTS_NAME, "model_config.json", OPTIMIZER, OPTIMIZER_TENSORS, RNG, TRAIN_STATE),
+    "sharded_checkpoint": ("model_config.json", RNG, TRAIN_STATE, f"{SHARDED_DIR}/.metadata"),
+}
 
 _CHUNK = 64 << 20  # bytes per checksum chunk (one unit of parallel work)
 _BUFFER = 1 << 20  # read buffer per worker thread, reused (no page faults per read)
@@ -77,36 +86,55 @@ class CheckpointError(UsageError):
     """A checkpoint could not be written or read; the message says which and why."""
 
 
-# -- checksums, computed by a small pool of worker threads (hashlib and fsync release the GIL) -----
+# -- checksums, computed by a small pool of worker threads (zlib.crc32 and fsync release the GIL) ---
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
+_sync_pool: ThreadPoolExecutor | None = None
 _thread_buffers = threading.local()
 
 
 def _workers() -> ThreadPoolExecutor:
+    """Checksum jobs (CPU): one thread per core."""
     global _pool
     with _pool_lock:
         if _pool is None:
-            # +2: fsync jobs wait on the disk, not the CPU; they should not hold back the hashing.
-            _pool = ThreadPoolExecutor(max_workers=min(16, (os.cpu_count() or 2) + 2), thread_name_prefix="checkpoint-io")
+            _pool = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 2), thread_name_prefix="checkpoint-hash")
         return _pool
 
 
-def _hash_range(path: Path, offset: int, length: int) -> bytes:
+def _syncers() -> ThreadPoolExecutor:
+    """fsync jobs (disk): their own threads, so they run while the checksums are computed."""
+    global _sync_pool
+    with _pool_lock:
+        if _sync_pool is None:
+            _sync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="checkpoint-fsync")
+        return _sync_pool
+
+
+def _forget_pool_after_fork() -> None:  # a forked child (a data-loader worker) has none of the threads
+    global _pool, _sync_pool, _pool_lock
+    _pool, _sync_pool, _pool_lock = None, None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+def _hash_range(path: Path, offset: int, length: int) -> int:
     buffer = getattr(_thread_buffers, "view", None)
     if buffer is None:
         buffer = _thread_buffers.view = memoryview(bytearray(_BUFFER))
-    digest = hashlib.sha256()
+    crc = 0
     with open(path, "rb", buffering=0) as handle:
         handle.seek(offset)
         while length > 0:
             n = handle.readinto(buffer[: min(_BUFFER, length)])
             if not n:
-                break  # the file is shorter than its recorded size: the digest will not match
-            digest.update(buffer[:n])
+                break  # the file is shorter than its recorded size: the checksum will not match
+            crc = zlib.crc32(buffer[:n], crc)
             length -= n
-    return digest.digest()
+    return crc
 
 
 def _checksum_jobs(path: Path, size: int) -> list[Future]:
@@ -116,12 +144,12 @@ def _checksum_jobs(path: Path, size: int) -> list[Future]:
 def _combine(jobs: Iterable[Future]) -> str:
     top = hashlib.sha256()
     for job in jobs:
-        top.update(job.result())
+        top.update(job.result().to_bytes(4, "big"))
     return top.hexdigest()
 
 
 def file_checksum(path: str | Path) -> str:
-    """The "sha256-64MiB-tree" checksum of a file: sha256 over the sha256 of each 64 MiB chunk."""
+    """The "crc32-64MiB-tree" checksum of a file: sha256 over the CRC-32 of each 64 MiB chunk."""
     path = Path(path)
     return _combine(_checksum_jobs(path, path.stat().st_size))
 
@@ -210,15 +238,24 @@ def _io_failure(exc: BaseException) -> bool:
     return isinstance(exc, OSError) or "i/o error" in str(exc).lower() or "file write failed" in str(exc).lower()
 
 
-Writer = Callable[[Path], None]
+Writer = Callable[[Path], None]  # creates one or more files in the folder it is given
+
+
+def _files(folder: Path) -> list[Path]:
+    """The files of a checkpoint folder: its own, and those of its `sharded/` subfolder (FSDP)."""
+    files = [p for p in sorted(folder.iterdir()) if p.is_file()]
+    if (folder / SHARDED_DIR).is_dir():
+        files += [p for p in sorted((folder / SHARDED_DIR).iterdir()) if p.is_file()]
+    return files
 
 
 def write_folder_atomically(final: Path, writers: Iterable[Writer], meta: dict[str, Any]) -> Path:
     """Create `final` by calling each writer on a temporary folder; add meta.json with sizes and checksums.
 
-    Each file a writer produced is checksummed and fsynced by worker threads while the next writer
-    runs. Then meta.json is written, the folder is fsynced and renamed to `final` (replacing an older
-    folder of that name), and the parent folder is fsynced. On any error the temporary folder is
+    Each file a writer produced is checksummed by worker threads (from the page cache, in 64 MiB
+    chunks) while the next writer runs. Then every file is fsynced,
+    meta.json is written, the folder is fsynced and renamed to `final` (replacing an older folder of
+    that name), and the parent folder is fsynced. On any error the temporary folder is
     removed and `final` (if it existed) is left as it was; a full disk says so.
     """
     final = Path(final)
@@ -228,18 +265,17 @@ def write_folder_atomically(final: Path, writers: Iterable[Writer], meta: dict[s
     jobs: dict[str, tuple[int, list[Future]]] = {}
     syncs: list[Future] = []
 
-    def schedule_new_files() -> None:
-        for path in sorted(tmp.iterdir()):
-            if path.is_file() and path.name not in jobs:
-                size = path.stat().st_size
-                jobs[path.name] = (size, _checksum_jobs(path, size))
-                syncs.append(_workers().submit(_fsync, path))
-
     try:
         tmp.mkdir()
         for write in writers:
             write(tmp)
-            schedule_new_files()
+            for path in _files(tmp):  # checksum the new files while the next writer runs
+                name = path.relative_to(tmp).as_posix()
+                if name not in jobs:
+                    size = path.stat().st_size
+                    jobs[name] = (size, _checksum_jobs(path, size))
+        # fsync only now: on ext4 an fsync stalls concurrent writes to other files of the same folder.
+        syncs.extend(_syncers().submit(_fsync, tmp / name) for name in sorted(jobs))
         files = {name: {"size": size, "checksum": _combine(chunks)} for name, (size, chunks) in sorted(jobs.items())}
         full = {**meta, "format_version": FORMAT_VERSION, "checksum": CHECKSUM, "files": files}
         full["meta_sha256"] = _meta_checksum(full)
@@ -249,12 +285,18 @@ def write_folder_atomically(final: Path, writers: Iterable[Writer], meta: dict[s
             os.fsync(handle.fileno())
         for job in syncs:
             job.result()
+        if (tmp / SHARDED_DIR).is_dir():
+            _fsync_dir(tmp / SHARDED_DIR)
         _fsync_dir(tmp)
         if final.exists():
             old = final.parent / f".old-{final.name}-{_owner()}"
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
-            tmp.rename(final)
+            try:
+                tmp.rename(final)
+            except BaseException:
+                old.rename(final)  # put the previous version back
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
@@ -329,16 +371,17 @@ def split_tensors(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     Tensors safetensors cannot hold (sparse, quantized, unusual dtypes) stay in the structure.
     """
     tensors: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, int]] = set()
+    seen: set[int] = set()
 
     def walk(value: Any, where: str) -> Any:
         if isinstance(value, torch.Tensor):
             if value.layout != torch.strided or value.is_quantized or value.dtype not in _SAFETENSORS_DTYPES:
                 return value
             tensor = value.detach().to("cpu").contiguous()
-            if tensor.numel() and (tensor.data_ptr(), tensor.nbytes) in seen:
-                tensor = tensor.clone()  # safetensors refuses two names for one memory
-            seen.add((tensor.data_ptr(), tensor.nbytes))
+            storage = tensor.untyped_storage()
+            if tensor.numel() and (storage.data_ptr() in seen or storage.nbytes() != tensor.nbytes):
+                tensor = tensor.clone()  # a view into shared memory: safetensors wants each tensor on its own
+            seen.add(tensor.untyped_storage().data_ptr())
             key = where if where not in tensors else f"{where}#{len(tensors)}"
             tensors[key] = tensor
             return {_TENSOR_REF: key}
@@ -365,49 +408,66 @@ def join_tensors(structure: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return structure
 
 
+def _text_writer(name: str, content: str) -> Writer:
+    def write(folder: Path) -> None:
+        (folder / name).write_text(content, encoding="utf-8")
+
+    return write
+
+
 def save_checkpoint(
     root: Path,
     step: int,
     *,
     model: torch.nn.Module,
-    optimizer_state: dict,
+    optimizer_state: dict | None,
     train_state: dict,
     rng_tensors: dict,
     config: dict,
     tokenizer_json: str | None,
     extra_meta: dict | None = None,
+    sharded_dir: Path | None = None,
 ) -> Path:
+    """Write one checkpoint. With `sharded_dir` (FSDP: every rank's DCP shards of model and optimizer,
+    already written), that folder moves in as `sharded/` in place of the weight and optimizer files."""
     root = Path(root)
     remove_stale(root)
 
-    def text(name: str, content: str) -> Writer:
-        return lambda tmp: (tmp / name).write_text(content, encoding="utf-8")
-
     from safetensors.torch import save_file
 
-    optimizer_structure, optimizer_tensors = split_tensors(optimizer_state)
     writers: list[Writer] = [
-        lambda tmp: save_model_folder(model, tmp),  # model.safetensors + model_config.json
-        lambda tmp: save_file(optimizer_tensors, str(tmp / OPTIMIZER_TENSORS), metadata={"format": "pt"}),
-        lambda tmp: torch.save(optimizer_structure, tmp / OPTIMIZER),
         lambda tmp: torch.save(rng_tensors, tmp / RNG),
-        text(TRAIN_STATE, json.dumps(train_state, indent=2)),
+        _text_writer(TRAIN_STATE, json.dumps(train_state, indent=2)),
     ]
+    weights_sharded = sharded_dir is not None and (Path(sharded_dir) / ".metadata").is_file()
+    if not weights_sharded:
+        optimizer_structure, optimizer_tensors = split_tensors(optimizer_state)
+        writers[:0] = [
+            lambda tmp: save_model_folder(model, tmp),  # model.safetensors + model_config.json
+            lambda tmp: save_file(optimizer_tensors, str(tmp / OPTIMIZER_TENSORS), metadata={"format": "pt"}),
+            lambda tmp: torch.save(optimizer_structure, tmp / OPTIMIZER),
+        ]
+    else:
+        writers.insert(0, lambda tmp: write_model_config(model, tmp))
+    if sharded_dir is not None:  # per-rank files: RNG states, and the DCP shards under FSDP
+        writers.insert(0, lambda tmp: shutil.move(str(sharded_dir), tmp / SHARDED_DIR))
     if tokenizer_json is not None:
-        writers.append(text("tokenizer.json", tokenizer_json))
+        writers.append(_text_writer("tokenizer.json", tokenizer_json))
     meta = {
-        "kind": "checkpoint", "step": step, "sequence": _next_sequence(root), "created": time.time(),
-        "config": config, **(extra_meta or {}),
+        "kind": "sharded_checkpoint" if weights_sharded else "checkpoint", "step": step,
+        "sequence": _next_sequence(root), "created": time.time(), "config": config, **(extra_meta or {}),
     }
     path = write_folder_atomically(root / f"{PREFIX}{step:08d}", writers, meta)
     _write_atomically(root / LATEST, path.name)
     return path
 
 
-def save_best_model(root: Path, model: torch.nn.Module, *, tokenizer_json: str | None, config: dict, metrics: dict) -> Path:
-    writers: list[Writer] = [lambda tmp: save_model_folder(model, tmp)]
+def save_best_model(root: Path, model: torch.nn.Module, *, tokenizer_json: str | None, config: dict, metrics: dict,
+                    state: dict[str, torch.Tensor] | None = None) -> Path:
+    """A standalone model folder; `state` gives the weights when the model itself is sharded."""
+    writers: list[Writer] = [lambda tmp: save_model_folder(model, tmp, state=state)]
     if tokenizer_json is not None:
-        writers.append(lambda tmp: (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8"))
+        writers.append(_text_writer("tokenizer.json", tokenizer_json))
     return write_folder_atomically(Path(root) / BEST, writers, {"kind": "best_model", "config": config, "metrics": metrics})
 
 
@@ -426,6 +486,16 @@ def _signature(path: Path) -> tuple | None:
         return None
 
 
+def _safe_file_name(name) -> bool:
+    """A plain file name, or one inside the `sharded/` subfolder; nothing that could leave the folder."""
+    if not isinstance(name, str):
+        return False
+    parts = name.split("/")
+    if len(parts) == 2 and parts[0] == SHARDED_DIR:
+        parts = parts[1:]
+    return len(parts) == 1 and Path(parts[0]).name == parts[0] and parts[0] not in ("", ".", "..")
+
+
 def verify(path: Path) -> str | None:
     """None if the folder is a complete checkpoint whose files match their sizes and checksums, else the reason."""
     path = Path(path)
@@ -439,6 +509,8 @@ def verify(path: Path) -> str | None:
     files, kind, version = meta["files"], meta.get("kind"), meta.get("format_version", 1)
     if not isinstance(version, int) or version > FORMAT_VERSION:
         return f"unknown checkpoint format {version!r} (this llm-trainer reads up to {FORMAT_VERSION}); upgrade llm-trainer"
+    if version >= 2 and meta.get("checksum") != CHECKSUM:
+        return f"unknown checksum kind {meta.get('checksum')!r} in meta.json"
     for name in REQUIRED.get(kind, ()) if isinstance(kind, str) else ():
         if name not in files and (version >= 2 or name != OPTIMIZER_TENSORS):
             return f"meta.json does not list {name}"
@@ -446,7 +518,7 @@ def verify(path: Path) -> str | None:
     jobs: dict[str, Any] = {}
     for name, entry in files.items():
         file = path / name
-        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        if not _safe_file_name(name):
             return f"meta.json names an invalid file {name!r}"
         if not file.is_file():
             return f"{name} is missing"
@@ -499,8 +571,12 @@ def _newest_first(root: Path) -> list[Path]:
         except (OSError, UnicodeDecodeError):
             warn(f"{pointer} is unreadable; choosing the checkpoint by save order")
 
+    sequences = {path: _sequence(path) for path in candidates}
+
     def key(path: Path):
-        sequence = _sequence(path)
+        sequence = sequences[path]
+        if sequence is None and path.name == named:  # `latest` names it but its meta is unreadable:
+            sequence = 1 << 62  # try it first, so the warning says why it was skipped
         return (sequence if sequence is not None else -1, path.name == named, int(path.name[len(PREFIX):]))
 
     return sorted(candidates, key=key, reverse=True)
@@ -577,10 +653,14 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu", *, ver
             tensors = {k: v.to(map_location) for k, v in tensors.items()}
         return join_tensors(structure, tensors)
 
-    parts: dict[str, Any] = {}
+    sharded = (path / SHARDED_DIR / ".metadata").is_file()  # FSDP: each rank reads its model/optimizer part
+    parts: dict[str, Any] = {"model": None, "optimizer": None,
+                             "sharded": path / SHARDED_DIR if (path / SHARDED_DIR).is_dir() else None}
     for key, name, load in (
-        ("model", WEIGHTS_NAME, lambda f: load_file(str(f), device="cpu")),
-        ("optimizer", OPTIMIZER, optimizer),
+        *(() if sharded else (
+            ("model", WEIGHTS_NAME, lambda f: load_file(str(f), device="cpu")),
+            ("optimizer", OPTIMIZER, optimizer),
+        )),
         ("rng", RNG, lambda f: _torch_load(f, "cpu")),
         ("train_state", TRAIN_STATE, lambda f: json.loads(f.read_text(encoding="utf-8"))),
         ("meta", META, lambda f: json.loads(f.read_text(encoding="utf-8"))),

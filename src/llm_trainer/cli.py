@@ -136,6 +136,18 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_consolidate(args) -> int:
+    """A sharded (FSDP) checkpoint -> one standalone model folder (safetensors, config, tokenizer)."""
+    from .model_files import save_model_folder
+    from .pipeline import load_for_inference
+
+    model, tokenizer, _ = load_for_inference(args.checkpoint)
+    save_model_folder(model, args.output)
+    tokenizer.save(args.output)
+    print(f"consolidated {args.checkpoint} into {args.output}")
+    return 0
+
+
 def cmd_quickstart(args) -> int:
     """Prepare the built-in corpus, train the tiny preset on CPU, evaluate, print a sample."""
     from .config import load_experiment
@@ -150,6 +162,129 @@ def cmd_quickstart(args) -> int:
     print("sample:\n" + "-" * 40)
     cmd_generate(gen)
     print("-" * 40 + f"\noutputs in {experiment.training.output_dir}/ (metrics.jsonl, config.yaml, checkpoints/)")
+    return 0
+
+
+# -- watch, tune, keep track (issue 7) ------------------------------------------------------------
+
+
+def cmd_plot(args) -> int:
+    from .plots import plot_runs
+
+    output = Path(args.output) if args.output else (Path(args.runs[0]) / "plots" if len(args.runs) == 1 else Path("plots"))
+    written = plot_runs(args.runs, output, labels=args.labels, strict=True)
+    for path in written.values():
+        print(path)
+    return 0
+
+
+def cmd_lr_find(args) -> int:
+    from .lr_finder import run_lr_finder
+
+    experiment = _experiment(args)
+    try:
+        import matplotlib  # noqa: F401
+
+        plot_path = Path(args.output)
+    except ImportError:
+        from .logs import warn
+
+        warn("matplotlib is not installed: no plot (pip install 'llm-trainer[tracking]')")
+        plot_path = None
+    result = run_lr_finder(experiment, start_lr=args.start_lr, end_lr=args.end_lr, num_steps=args.num_steps, plot_path=plot_path)
+    if args.json:
+        out = result.to_dict()
+        out["plot"] = str(plot_path) if plot_path else None
+        print(json.dumps(out))
+        return 0
+    how = "diverged" if result.diverged else "reached end_lr"
+    print(f"lr-find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e} ({how})")
+    if result.suggested_lr is None:
+        print("no suggestion: the loss curve is too short; raise --num-steps or widen --start-lr/--end-lr")
+    else:
+        print(f"suggested learning rate: {result.suggested_lr:.2e}   (training.learning_rate={result.suggested_lr:.2e})")
+    print(f"lowest smoothed loss at lr {result.best_lr:.2e}")
+    if plot_path:
+        print(f"plot: {plot_path}")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from .sweep import SweepInterrupted, best_command, override, results_table, run_sweep
+
+    config = resolve_config_path(args.config)
+    try:
+        result = run_sweep(
+            config, args.search_space, args.trials, overrides=args.overrides, output_dir=args.output_dir,
+            storage=args.storage, study_name=args.study_name, pruner=args.pruner,
+        )
+    except SweepInterrupted as exc:
+        print(f"interrupted: {exc}", file=sys.stderr)
+        return 130
+    print(results_table(result.study))
+    best = result.best
+    if best is None:
+        print("no trial completed yet")
+        return 0
+    print(f"\nbest trial {best.number}: val_loss {best.value:.4f}  ({best.user_attrs.get('output_dir')})")
+    print("overrides: " + " ".join(override(k, v) for k, v in best.params.items()))
+    print("train it:  " + best_command(result, args.config, args.overrides))
+    print(f"study: {result.storage} (rerun this command to resume; raise --trials to extend)")
+    return 0
+
+
+def _registry(args):
+    from .registry import open_registry
+
+    return open_registry(args.db)
+
+
+def cmd_registry_add(args) -> int:
+    registry = _registry(args)
+    version = registry.add(args.run_dir, args.name, export_path=args.export, description=args.description)
+    print(json.dumps(version.to_dict(), indent=2) if args.json else f"registered {version.ref} ({version.model_path})")
+    return 0
+
+
+def cmd_registry_list(args) -> int:
+    from .registry import format_table
+
+    versions = _registry(args).list(args.name)
+    if args.json:
+        print(json.dumps([{k: v for k, v in x.to_dict().items() if k != "config"} for x in versions], indent=2))
+    else:
+        print(format_table(versions))
+    return 0
+
+
+def cmd_registry_show(args) -> int:
+    from .registry import parse_ref
+
+    name, version = parse_ref(args.ref)
+    print(json.dumps(_registry(args).get(name, version).to_dict(), indent=2))
+    return 0
+
+
+def cmd_registry_promote(args) -> int:
+    from .registry import parse_ref
+
+    name, version = parse_ref(args.ref)
+    if not isinstance(version, int):
+        raise UsageError(f"promote needs NAME:VERSION with a version number, got {args.ref!r}")
+    promoted = _registry(args).promote(name, version, args.stage, keep_existing=args.keep_existing)
+    print(json.dumps(promoted.to_dict(), indent=2) if args.json else f"{promoted.ref} -> {promoted.stage}")
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    from .estimate import estimate_report, format_report
+
+    report = estimate_report(
+        _experiment(args), world_size=args.world_size, sharding=args.sharding, device_memory_gb=args.device_memory,
+        vocab_size=args.vocab_size, batch_size=args.batch_size,
+        gradient_checkpointing=True if args.gradient_checkpointing else None,
+    )
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
 
@@ -189,9 +324,73 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True)
     p.set_defaults(func=cmd_export)
 
+    p = sub.add_parser("consolidate", help="merge a sharded (FSDP) checkpoint into one safetensors model folder")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--output", required=True)
+    p.set_defaults(func=cmd_consolidate)
+
     p = sub.add_parser("quickstart", help="train the tiny preset on the built-in corpus, evaluate, sample")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.max_steps=100")
     p.set_defaults(func=cmd_quickstart)
+
+    p = sub.add_parser("plot", help="PNG figures of loss, perplexity and lr vs steps and tokens, runs overlaid")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (each with metrics.jsonl)")
+    p.add_argument("--output", "-o", help="folder for the PNGs (default: RUN_DIR/plots for one run, ./plots for several)")
+    p.add_argument("--labels", nargs="+", help="legend names, one per run (default: the folder names)")
+    p.set_defaults(func=cmd_plot)
+
+    p = with_config(sub.add_parser("lr-find", help="learning-rate range test on a copy of the model; suggests a rate"))
+    p.add_argument("--start-lr", "--start_lr", type=float, default=1e-7)
+    p.add_argument("--end-lr", "--end_lr", type=float, default=10.0)
+    p.add_argument("--num-steps", "--num_steps", type=int, default=100)
+    p.add_argument("--output", "-o", default="lr_find.png", help="the loss-vs-lr plot (default: ./lr_find.png)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_lr_find)
+
+    p = with_config(sub.add_parser("sweep", help="hyperparameter search with Optuna (TPE, pruning, resumable)"))
+    p.add_argument("--search-space", "--search_space", required=True, help="YAML of dotted keys to ranges (see llm_trainer.sweep)")
+    p.add_argument("--trials", type=int, required=True, help="finished trials the study should hold (a rerun resumes)")
+    p.add_argument("--output-dir", "--output_dir", help="folder for trial runs and study.db (default: {training.output_dir}/sweep)")
+    p.add_argument("--storage", help="Optuna storage URL (default: sqlite:///{output-dir}/study.db)")
+    p.add_argument("--study-name", "--study_name", help="default: the config file's name")
+    p.add_argument("--pruner", choices=["median", "none"], default="median")
+    p.set_defaults(func=cmd_sweep)
+
+    reg = sub.add_parser("registry", help="model registry: add, list, show, promote versions")
+    reg_sub = reg.add_subparsers(dest="registry_command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--db", help="registry SQLite file, or mlflow:URI (default: $LLM_TRAINER_REGISTRY or ~/.llm_trainer/registry.db)")
+    common.add_argument("--json", action="store_true", help="print JSON")
+    p = reg_sub.add_parser("add", parents=[common], help="register a run folder as a new version of NAME")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--name", required=True)
+    p.add_argument("--export", help="an exported Hugging Face folder of this model (default: found in RUN_DIR)")
+    p.add_argument("--description")
+    p.set_defaults(func=cmd_registry_add)
+    p = reg_sub.add_parser("list", parents=[common], help="registered versions")
+    p.add_argument("name", nargs="?", help="only this model")
+    p.set_defaults(func=cmd_registry_list)
+    p = reg_sub.add_parser("show", parents=[common], help="one version in full: NAME, NAME:VERSION or NAME:STAGE")
+    p.add_argument("ref", metavar="NAME[:VERSION]")
+    p.set_defaults(func=cmd_registry_show)
+    p = reg_sub.add_parser("promote", parents=[common], help="set the stage of NAME:VERSION")
+    p.add_argument("ref", metavar="NAME:VERSION")
+    p.add_argument("--stage", required=True, choices=["none", "staging", "production", "archived"])
+    p.add_argument("--keep-existing", "--keep_existing", action="store_true",
+                   help="do not archive the version that held this stage")
+    p.set_defaults(func=cmd_registry_promote)
+
+    p = with_config(sub.add_parser("estimate", help="parameters, FLOPs per token and memory per device; does it fit?"))
+    p.add_argument("--world-size", "--world_size", type=int, default=1)
+    p.add_argument("--sharding", choices=["none", "zero1", "zero2", "fsdp"], default="none",
+                   help="zero1: optimizer state sharded; zero2: + gradients; fsdp (ZeRO-3): + parameters")
+    p.add_argument("--device-memory", "--device_memory", type=float, metavar="GB", help="device memory in GiB: say whether it fits")
+    p.add_argument("--vocab-size", "--vocab_size", type=int, help="when model.vocab_size is unset (default: from the tokenizer settings)")
+    p.add_argument("--batch-size", "--batch_size", type=int, help="per-device micro-batch (default: training.batch_size)")
+    p.add_argument("--gradient-checkpointing", "--gradient_checkpointing", action="store_true",
+                   help="assume activation checkpointing even if the config does not set it")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_estimate)
     return parser
 
 

@@ -225,6 +225,15 @@ class TrainingConfig(_Validated):
     speed_window_size: int = 20  # steps averaged by the speed monitor (tokens/s, step time, MFU)
     peak_flops: float | None = None  # the device's peak FLOP/s for MFU; None: looked up for known GPUs
     resume_from_checkpoint: str | None = None  # a checkpoint folder, or "latest"
+    # Multi-process (under torchrun): rank and world size come from the launcher's environment.
+    distributed_strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = "auto"  # auto: ddp when world size > 1
+    world_size: int | None = None  # when set, must equal the launcher's WORLD_SIZE
+    distributed_backend: Literal["nccl", "gloo"] | None = None  # None: nccl on CUDA, gloo on CPU
+    distributed_timeout_s: int = 1800  # a rank that stops answering fails the job after this long
+    ddp_find_unused_parameters: bool = False
+    fsdp_sharding: Literal["full_shard", "shard_grad_op", "hybrid_shard"] = "full_shard"
+    use_deepspeed: bool = False  # same as distributed_strategy: deepspeed
+    deepspeed_config: str | dict | None = None  # a DeepSpeed JSON path or inline dict ("auto" values filled from here)
     early_stopping_patience: int | None = None  # evaluations without improvement before stopping
     early_stopping_min_delta: float = 0.0
     max_consecutive_bad_steps: int = 5  # non-finite loss/grad steps in a row before the run stops
@@ -256,6 +265,14 @@ class TrainingConfig(_Validated):
         )
         _require(self.early_stopping_min_delta >= 0, "TrainingConfig.early_stopping_min_delta must be >= 0")
         _require(self.peak_flops is None or self.peak_flops > 0, "TrainingConfig.peak_flops must be positive")
+        _require(self.world_size is None or self.world_size > 0, "TrainingConfig.world_size must be positive")
+        _require(self.distributed_timeout_s > 0, "TrainingConfig.distributed_timeout_s must be positive")
+        if self.use_deepspeed:
+            _require(
+                self.distributed_strategy in ("auto", "deepspeed"),
+                f"TrainingConfig.use_deepspeed conflicts with distributed_strategy={self.distributed_strategy!r}",
+            )
+            self.distributed_strategy = "deepspeed"
 
     @property
     def resolved_checkpoint_dir(self) -> Path:
@@ -268,13 +285,18 @@ class TrainingConfig(_Validated):
 
 @dataclass(kw_only=True)
 class DataConfig(_Validated):
-    """Where the text comes from and how it becomes fixed-length token sequences."""
+    """Where the text comes from and how it becomes fixed-length token sequences.
+
+    The stages of `prepare` in order: sources (a weighted mixture) -> cleaning -> quality filters ->
+    deduplication -> split -> tokenization into shards; loader-time settings (packing, document mask,
+    curriculum) come last. See `llm_trainer.data` for each stage.
+    """
 
     dataset_name: str | None = None  # "python-stdlib" (built in), a HF datasets name, or a local dataset path
     dataset_config: str | None = None
     dataset_split: str = "train"
     validation_split: str | float = 0.1  # a split name, or the held-out fraction of documents
-    data_files: list[str] | str | None = None  # files, folders or globs (.txt/.md/.py/..., .jsonl, .parquet)
+    data_files: list[str] | str | None = None  # files, folders or globs (.txt/.md/.py/..., .jsonl[.gz|.zst], .parquet)
     text_column: str = "text"
     max_documents: int | None = None
     max_length: int | None = None  # tokens per training sequence; None: model.max_seq_len
@@ -288,10 +310,63 @@ class DataConfig(_Validated):
     normalize_whitespace: bool = True  # strip trailing spaces and collapse blank-line runs; indentation is kept
     cache_dir: str = "data_cache"
 
+    # -- sources: several at once, with weights ----------------------------------------------------
+    # A mixture: a list of {name, data_files | dataset_name, weight, dataset_config, dataset_split,
+    # text_column, include, exclude, streaming, max_documents}; unset keys take the values above.
+    # Replaces data_files/dataset_name (which form one source named "data" when this is null).
+    sources: list[dict] | None = None
+    mixture_stopping: Literal["first_exhausted", "all_exhausted"] = "all_exhausted"  # when one source runs out: stop, or go on with the rest
+    seed: int = 0  # seeds the mixture's draw (prepare); the loader's order follows training.seed
+    include: list[str] | None = None  # globs a file found in a folder must match, e.g. ["*.py"] ("*" spans folders)
+    exclude: list[str] | None = None  # globs that leave out files found in folders, e.g. ["tests/*", "*.min.js"]
+    streaming: bool = False  # read Hugging Face datasets as a stream instead of downloading them first
+    on_bad_input: Literal["error", "skip", "skip_in_folders"] = "skip_in_folders"  # skip_in_folders: skip+count bad files found in folders/globs, error on named ones
+
+    # -- cleaning ----------------------------------------------------------------------------------
+    corpus_type: Literal["prose", "code"] = "prose"  # code: whitespace inside lines is never touched
+    unicode_normalization: Literal["NFC", "NFKC", "none"] = "NFC"
+    remove_control_chars: bool = True  # C0/C1 control characters other than tab and newline
+    collapse_spaces: bool = False  # prose only: runs of spaces/tabs after a line's indentation become one space
+    invalid_utf8: Literal["bad_input", "replace", "drop"] = "bad_input"  # bad_input: handled as on_bad_input says
+    remove_boilerplate: bool = False  # drop whole lines matching boilerplate_patterns
+    boilerplate_patterns: list[str] | None = None  # regexes for whole lines; None: a built-in English list
+
+    # -- quality filters (each counted in data_report.json) -----------------------------------------
+    # A preset fills the thresholds left null below; "off" applies only the ones set explicitly.
+    # Off by default: the presets would drop the short documents of small experiments.
+    quality_filters: Literal["off", "prose", "code"] = "off"
+    max_chars: int | None = None  # documents longer than this many characters are dropped
+    min_words: int | None = None
+    max_words: int | None = None
+    min_alpha_fraction: float | None = None  # letters / non-whitespace characters
+    min_mean_word_length: float | None = None
+    max_mean_word_length: float | None = None
+    max_repeated_line_fraction: float | None = None  # non-blank lines that repeat an earlier line
+    max_duplicate_ngram_fraction: float | None = None  # word n-grams that repeat an earlier one
+    duplicate_ngram_size: int = 5  # n of the n-grams above
+    min_char_entropy: float | None = None  # Shannon entropy of the character distribution, bits per character
+
+    # -- deduplication, across all sources ---------------------------------------------------------
+    deduplication: Literal["none", "exact", "near"] = "exact"  # near: exact + MinHash/LSH near-duplicates
+    deduplication_threshold: float = 0.8  # Jaccard similarity of word shingles above which a document is a near-duplicate
+    minhash_num_perm: int = 128
+    minhash_shingle_words: int = 5
+
+    # -- output and loading ------------------------------------------------------------------------
+    shard_tokens: int = 32 * 2**20  # tokens per shard: the unit an interrupted prepare resumes from
+    progress_bar: bool = True  # a progress bar on stderr while preparing (terminals only)
+    document_mask: bool = False  # attention stays within each document; positions restart per document
+    curriculum: list[dict] | None = None  # stages [{until_step: N, max_difficulty: X}, ...] in optimizer steps
+    curriculum_key: str = "length"  # "length" (tokens of a document) or a numeric column of the sources
+
     def _check(self) -> None:
         _require(
-            self.dataset_name is not None or self.data_files is not None,
-            "DataConfig needs a source: set data.dataset_name (e.g. python-stdlib) or data.data_files",
+            self.dataset_name is not None or self.data_files is not None or bool(self.sources),
+            "DataConfig needs a source: set data.dataset_name (e.g. python-stdlib), data.data_files or data.sources",
+        )
+        _require(
+            not (self.sources and (self.dataset_name is not None or self.data_files is not None)),
+            "DataConfig: set either data.sources or data.data_files/dataset_name, not both",
         )
         if isinstance(self.validation_split, float):
             _require(
@@ -305,6 +380,73 @@ class DataConfig(_Validated):
         _require(self.tokenizer_vocab_size >= 64, "DataConfig.tokenizer_vocab_size must be at least 64")
         _require(self.tokenizer_train_max_chars > 0, "DataConfig.tokenizer_train_max_chars must be positive")
         _require(bool(self.tokenizer), "DataConfig.tokenizer must be bpe, char or a path")
+        for source in self.sources or []:
+            self._check_source(source)
+        names = [s.get("name") for s in self.sources or []]
+        _require(len(set(names)) == len(names), f"DataConfig.sources names must be unique, got {names}")
+        _require(
+            not (self.collapse_spaces and self.corpus_type == "code"),
+            "DataConfig.collapse_spaces would change code; it needs corpus_type: prose",
+        )
+        for name in ("boilerplate_patterns", "include", "exclude"):
+            values = getattr(self, name) or []
+            _require(all(v for v in values), f"DataConfig.{name} must not hold empty strings")
+        for pattern in self.boilerplate_patterns or []:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"DataConfig.boilerplate_patterns: {pattern!r} is not a valid regex ({exc})") from None
+        for name in ("max_chars", "min_words", "max_words", "duplicate_ngram_size", "minhash_shingle_words", "shard_tokens"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"DataConfig.{name} must be positive, got {value}")
+        for name in ("min_alpha_fraction", "max_repeated_line_fraction", "max_duplicate_ngram_fraction"):
+            value = getattr(self, name)
+            _require(value is None or 0.0 <= value <= 1.0, f"DataConfig.{name} must be in [0, 1], got {value}")
+        for name in ("min_mean_word_length", "max_mean_word_length", "min_char_entropy"):
+            value = getattr(self, name)
+            _require(value is None or value >= 0, f"DataConfig.{name} must be >= 0, got {value}")
+        for low, high in (("min_words", "max_words"), ("min_mean_word_length", "max_mean_word_length"), ("min_length", "max_chars")):
+            a, b = getattr(self, low), getattr(self, high)
+            _require(a is None or b is None or a <= b, f"DataConfig.{low} ({a}) must not exceed {high} ({b})")
+        _require(0.0 < self.deduplication_threshold <= 1.0, "DataConfig.deduplication_threshold must be in (0, 1]")
+        _require(8 <= self.minhash_num_perm <= 1024, "DataConfig.minhash_num_perm must be between 8 and 1024")
+        _require(bool(self.curriculum_key), "DataConfig.curriculum_key must be length or a column name")
+        last = 0
+        for i, stage in enumerate(self.curriculum or []):
+            where = f"DataConfig.curriculum[{i}]"
+            _require(isinstance(stage, dict) and set(stage) == {"until_step", "max_difficulty"},
+                     f"{where} must be a mapping with until_step and max_difficulty, got {stage!r}")
+            step, limit = stage["until_step"], stage["max_difficulty"]
+            _require(isinstance(step, int) and not isinstance(step, bool) and step > last,
+                     f"{where}.until_step must be an integer above the previous stage's ({last}), got {step!r}")
+            _require(isinstance(limit, (int, float)) and not isinstance(limit, bool), f"{where}.max_difficulty must be a number")
+            last = step
+
+    # Keys of one entry of `sources` and their types (validated in _check_source).
+    _SOURCE_KEYS = {
+        "name": str, "data_files": (str, list), "dataset_name": str, "dataset_config": str, "dataset_split": str,
+        "text_column": str, "include": list, "exclude": list, "streaming": bool, "weight": (int, float), "max_documents": int,
+    }
+
+    @staticmethod
+    def _check_source(source: Any) -> None:
+        """One entry of DataConfig.sources: known keys of the right types, a name, a place to read from."""
+        _require(isinstance(source, dict), f"each of DataConfig.sources must be a mapping, got {source!r}")
+        name = source.get("name")
+        _require(isinstance(name, str) and bool(name), f"each of DataConfig.sources needs a name, got {source!r}")
+        for key, value in source.items():
+            if key not in DataConfig._SOURCE_KEYS:
+                close = difflib.get_close_matches(str(key), list(DataConfig._SOURCE_KEYS), n=1, cutoff=0.5)
+                hint = f"; did you mean {close[0]}?" if close else f"; valid keys: {', '.join(DataConfig._SOURCE_KEYS)}"
+                raise ValueError(f"unknown key {key!r} in data source {name!r}{hint}")
+            ok = isinstance(value, DataConfig._SOURCE_KEYS[key]) and not (isinstance(value, bool) and key in ("weight", "max_documents"))
+            _require(ok or (value is None and key != "name"), f"data source {name!r}: {key} has the wrong type ({value!r})")
+        _require(
+            source.get("data_files") is not None or source.get("dataset_name") is not None,
+            f"data source {name!r} needs data_files or dataset_name",
+        )
+        _require(source.get("weight") is None or source["weight"] > 0, f"data source {name!r}: weight must be positive")
+        _require(source.get("max_documents") is None or source["max_documents"] > 0, f"data source {name!r}: max_documents must be positive")
 
 
 # ----------------------------------------------------------------------------------------------

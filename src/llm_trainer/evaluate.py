@@ -22,21 +22,28 @@ def summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Iterable, *, autocast=None, max_batches: int | None = None) -> dict:
-    """{"val_loss", "perplexity", "tokens"} with every target token weighted equally."""
+def evaluate(model: torch.nn.Module, batches: Iterable, *, autocast=None, max_batches: int | None = None,
+             reduce=None) -> dict:
+    """{"val_loss", "perplexity", "tokens"} with every target token weighted equally.
+
+    `reduce` (an in-place all-reduce) sums the totals over ranks when each rank evaluated its part.
+    """
     was_training = model.training
     model.eval()
-    total = torch.zeros((), dtype=torch.float64)
-    count = 0
+    device = next(model.parameters(), torch.empty(0)).device
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # (summed nll, target count)
     for i, (inputs, targets) in enumerate(batches):
         if max_batches is not None and i >= max_batches:
             break
         with autocast if autocast is not None else torch.autocast("cpu", enabled=False):
             logits = logits_of(model(inputs))
-        total += summed_nll(logits, targets).double().cpu()
-        count += int((targets != IGNORE_INDEX).sum())
+        totals[0] += summed_nll(logits, targets).double()
+        totals[1] += (targets != IGNORE_INDEX).sum()
     model.train(was_training)
+    if reduce is not None:
+        reduce(totals)
+    total, count = totals.tolist()
     if count == 0:
         raise ValueError("the evaluation data has no target tokens")
-    loss = float(total) / count
-    return {"val_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count}
+    loss = total / count
+    return {"val_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(count)}

@@ -1,24 +1,71 @@
 """Metric backends behind one small interface: `log(row)` and `close()`.
 
-Rows are flat dicts with a `step`; training rows carry loss/lr/grad_norm/tokens, evaluation rows
-val_loss/perplexity. Only rank 0 builds loggers; other ranks get none.
+`training.report_to` picks any number of them: `console`, `jsonl` (metrics.jsonl, what `llm-trainer
+plot` and the registry read), `tensorboard`, `wandb`, `mlflow`. Only rank 0 builds loggers; other
+ranks get none. The optional backends import their package only when chosen; a missing package is a
+one-line `UsageError` naming the extra to install.
+
+Rows are flat dicts with a `step`. Training rows carry loss/lr/grad_norm/tokens_seen and the speed
+monitor's keys (tokens_per_s, mfu, ...), evaluation rows val_loss/perplexity/tokens, and the
+end-of-run row has `event: train_end`. The tracking backends name them (`scalar_items`):
+
+    training row   key        -> train/<key>      (train/loss, train/lr, train/grad_norm, train/mfu, ...)
+    eval row       val_loss   -> eval/loss, perplexity -> eval/perplexity, other -> eval/<key>
+    train_end row  key        -> summary/<key>
+    any row        a key with "/" (e.g. custom/accuracy from a Trainer subclass) is kept as it is
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import time
 from pathlib import Path
 from typing import Protocol
 
 from .errors import UsageError
-from .logs import is_main_process, log
+from .logs import is_main_process, log, warn
+
+INSTALL_HINT = "pip install 'llm-trainer[tracking]'"
 
 
 class MetricLogger(Protocol):
     def log(self, row: dict) -> None: ...
 
     def close(self) -> None: ...
+
+
+def scalar_items(row: dict) -> list[tuple[str, float]]:
+    """The numeric values of a row under their backend names (see the module docstring)."""
+    kind = "summary" if "event" in row else "eval" if "val_loss" in row else "train"
+    items = []
+    for key, value in row.items():
+        if key in ("step", "event") or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if "/" in key:
+            name = key
+        elif kind == "eval":
+            name = {"val_loss": "eval/loss", "perplexity": "eval/perplexity"}.get(key, f"eval/{key}")
+        else:
+            name = f"{kind}/{key}"
+        items.append((name, float(value)))
+    return items
+
+
+def flatten_config(config: dict, prefix: str = "") -> dict[str, object]:
+    """{"training": {"learning_rate": 3e-4}} -> {"training.learning_rate": 3e-4}; lists/None become text."""
+    flat: dict[str, object] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten_config(value, name + "."))
+        elif isinstance(value, (bool, int, float, str)):
+            flat[name] = value
+        else:
+            flat[name] = json.dumps(value, default=str)
+    return flat
 
 
 class JsonlLogger:
@@ -58,57 +105,173 @@ class ConsoleLogger:
 
 
 class TensorBoardLogger:
+    """`{output_dir}/tensorboard`: scalars (train/loss, eval/perplexity, ...), the config as text and hparams."""
+
     def __init__(self, directory: Path, config: dict):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise UsageError("report_to tensorboard needs tensorboard: pip install 'llm-trainer[tracking]'") from None
+            raise UsageError(f"report_to tensorboard needs tensorboard: {INSTALL_HINT}") from None
         self.writer = SummaryWriter(str(directory / "tensorboard"))
-        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```")
+        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```")
+        self._write_hparams(config)
+
+    def _write_hparams(self, config: dict) -> None:
+        """The flattened config in TensorBoard's HPARAMS tab, in this same run (no extra sub-run)."""
+        try:
+            from torch.utils.tensorboard.summary import hparams
+        except ImportError:  # pragma: no cover - part of torch
+            return
+        values = {k: v for k, v in flatten_config(config).items()}
+        metrics = {"eval/loss": 0.0, "eval/perplexity": 0.0, "train/loss": 0.0}  # names only
+        try:
+            experiment, start, self._hparams_end = hparams(values, metrics)
+        except Exception as exc:  # hparams are a convenience; never fail a run for them
+            warn(f"tensorboard: config not written as hparams ({exc})")
+            self._hparams_end = None
+            return
+        writer = self.writer._get_file_writer()
+        writer.add_summary(experiment)
+        writer.add_summary(start)
 
     def log(self, row: dict) -> None:
-        prefix = "eval" if "val_loss" in row else "train"
-        for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)):
-                name = {"val_loss": "loss"}.get(key, key)
-                self.writer.add_scalar(f"{prefix}/{name}", value, row["step"])
+        for name, value in scalar_items(row):
+            self.writer.add_scalar(name, value, row["step"])
 
     def close(self) -> None:
+        if getattr(self, "_hparams_end", None) is not None:
+            self.writer._get_file_writer().add_summary(self._hparams_end)
         self.writer.close()
 
 
 class WandbLogger:
-    """Weights & Biases; honours WANDB_MODE=offline, so no network is needed unless the user wants it."""
+    """Weights & Biases; honours WANDB_MODE=offline (and WANDB_PROJECT), so no network is needed unless wanted.
+
+    The run lives in `{output_dir}/wandb/`; the end-of-run row goes to the run summary.
+    """
 
     def __init__(self, directory: Path, config: dict):
         try:
             import wandb
         except ImportError:
-            raise UsageError("report_to wandb needs wandb: pip install 'llm-trainer[tracking]'") from None
-        self.run = wandb.init(dir=str(directory), config=config, project="llm-trainer")
+            raise UsageError(f"report_to wandb needs wandb: {INSTALL_HINT}") from None
+        directory.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            dir=str(directory), config=config, project=os.environ.get("WANDB_PROJECT", "llm-trainer"),
+            name=os.environ.get("WANDB_NAME") or directory.resolve().name,
+        )
 
     def log(self, row: dict) -> None:
-        prefix = "eval" if "val_loss" in row else "train"
-        self.run.log({f"{prefix}/{k}": v for k, v in row.items() if k != "step"}, step=row["step"])
+        values = dict(scalar_items(row))
+        if "event" in row:
+            self.run.summary.update(values)
+        elif values:
+            self.run.log(values, step=row["step"])
 
     def close(self) -> None:
         self.run.finish()
 
 
+def resolve_mlflow_uri(configured: str | None) -> tuple[str, Path | None]:
+    """(tracking URI, local folder or None). A URI with a scheme (http://, sqlite:///, databricks, file:)
+    is used as given; a plain folder, and the default `./mlruns`, becomes `sqlite:///{folder}/mlflow.db`
+    with artifacts in `{folder}/artifacts` (MLflow's file store is deprecated)."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or "mlruns"
+    if uri == "databricks" or re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", uri):
+        return uri, None
+    folder = Path(uri).expanduser().resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{folder / 'mlflow.db'}", folder
+
+
+def mlflow_client(configured: str | None):
+    """An `MlflowClient` for the configured tracking URI, and the local folder (None for a remote URI)."""
+    try:
+        from mlflow.tracking import MlflowClient
+    except ImportError:
+        raise UsageError(f"mlflow is not installed: {INSTALL_HINT}") from None
+    uri, folder = resolve_mlflow_uri(configured)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri), folder
+
+
+class MLflowLogger:
+    """MLflow through its client API (no global active run, so several runs in one process are fine).
+
+    Tracking URI: `training.mlflow_tracking_uri`, else $MLFLOW_TRACKING_URI, else `./mlruns`
+    (see `resolve_mlflow_uri`); experiment: $MLFLOW_EXPERIMENT_NAME or "llm-trainer"; the run is named
+    after the output folder. The config goes in as params (flattened) and as `config.json`.
+    """
+
+    def __init__(self, directory: Path, config: dict):
+        try:
+            from mlflow.entities import Param
+        except ImportError:
+            raise UsageError(f"report_to mlflow needs mlflow: {INSTALL_HINT}") from None
+        self.client, folder = mlflow_client((config.get("training") or {}).get("mlflow_tracking_uri"))
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "llm-trainer")
+        experiment = self.client.get_experiment_by_name(name)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        else:
+            location = (folder / "artifacts").as_uri() if folder is not None else None
+            experiment_id = self.client.create_experiment(name, artifact_location=location)
+        run = self.client.create_run(
+            experiment_id, run_name=directory.resolve().name, tags={"output_dir": str(directory.resolve())}
+        )
+        self.run_id = run.info.run_id
+        params = [Param(k, str(v)[:500]) for k, v in flatten_config(config).items()]
+        for i in range(0, len(params), 100):
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+        try:
+            self.client.log_text(self.run_id, json.dumps(config, indent=2, default=str), "config.json")
+        except Exception as exc:  # an artifact store we cannot reach must not stop training
+            warn(f"mlflow: config.json not stored as an artifact ({exc})")
+
+    def log(self, row: dict) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(name, value, now, int(row["step"])) for name, value in scalar_items(row)]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED")
+
+
 def build_loggers(report_to: list[str], output_dir: Path, config: dict, progress_bar: bool) -> list[MetricLogger]:
+    """The loggers `report_to` names, in order; [] on ranks other than 0."""
     if not is_main_process():
         return []
+    output_dir = Path(output_dir)
     loggers: list[MetricLogger] = []
-    for name in report_to:
-        if name == "console":
-            loggers.append(ConsoleLogger(show_train_rows=not progress_bar))
-        elif name == "jsonl":
-            loggers.append(JsonlLogger(output_dir))
-        elif name == "tensorboard":
-            loggers.append(TensorBoardLogger(output_dir, config))
-        elif name == "wandb":
-            loggers.append(WandbLogger(output_dir, config))
+    try:
+        for name in dict.fromkeys(report_to):  # each backend once
+            if name == "console":
+                loggers.append(ConsoleLogger(show_train_rows=not progress_bar))
+            elif name == "jsonl":
+                loggers.append(JsonlLogger(output_dir))
+            elif name == "tensorboard":
+                loggers.append(TensorBoardLogger(output_dir, config))
+            elif name == "wandb":
+                loggers.append(WandbLogger(output_dir, config))
+            elif name == "mlflow":
+                loggers.append(MLflowLogger(output_dir, config))
+            else:
+                raise UsageError(f"unknown report_to backend {name!r}; use console, jsonl, tensorboard, wandb, mlflow")
+    except BaseException:
+        close_loggers(loggers)
+        raise
     return loggers
+
+
+def close_loggers(loggers: list[MetricLogger]) -> None:
+    """Close each logger; one that fails to close is reported, not raised, so the others still close."""
+    for logger in loggers:
+        try:
+            logger.close()
+        except Exception as exc:
+            warn(f"closing {type(logger).__name__} failed: {exc}")
 
 
 def _jsonable(value):

@@ -56,6 +56,19 @@ class KVCache:
         )
 
 
+def document_attention(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) document index of each token (contiguous runs) -> the block-diagonal causal mask
+    (B, 1, T, T) bool (True: may attend) and each token's position within its document (B, T)."""
+    T = doc_ids.shape[1]
+    t = torch.arange(T, device=doc_ids.device)
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+    mask = same & (t[:, None] >= t[None, :])  # causal within the document
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values  # (B, T): where each token's document starts
+    return mask[:, None], t - first
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -67,7 +80,8 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.use_rope = config.position_embedding == "rope"
 
-    def forward(self, x, rope, cache: KVCache | None, layer: int):
+    def forward(self, x, rope, cache: KVCache | None, layer: int, doc_mask: torch.Tensor | None = None):
+        """doc_mask: None (causal), or (B, 1, T, T) bool block-diagonal causal mask from `document_attention`."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split([C, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
@@ -85,7 +99,9 @@ class Attention(nn.Module):
             k = cache.keys[layer][:, :, : start + T]  # (B, K, start+T, D)
             v = cache.values[layer][:, :, : start + T]
 
-        if start == 0:
+        if doc_mask is not None:  # packed documents: attention stays within each one
+            mask, causal = doc_mask, False
+        elif start == 0:
             mask, causal = None, True
         elif T == 1:
             mask, causal = None, False  # one new query sees every cached position
@@ -139,11 +155,11 @@ class Block(nn.Module):
         self.mlp_norm = _norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope=None, cache: KVCache | None = None):
+    def forward(self, x, rope=None, cache: KVCache | None = None, doc_mask: torch.Tensor | None = None):
         if self.pre_norm:
-            x = x + self.attn(self.attn_norm(x), rope, cache, self.layer)
+            x = x + self.attn(self.attn_norm(x), rope, cache, self.layer, doc_mask)
             return x + self.mlp(self.mlp_norm(x))
-        x = self.attn_norm(x + self.attn(x, rope, cache, self.layer))
+        x = self.attn_norm(x + self.attn(x, rope, cache, self.layer, doc_mask))
         return self.mlp_norm(x + self.mlp(x))
 
 
@@ -161,32 +177,43 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = _norm(config) if config.pre_norm else nn.Identity()
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
+        self.tie_weights()
         if config.position_embedding == "rope":
-            cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
+        self.init_buffers()
         self.reset_parameters()
 
+    def tie_weights(self) -> None:
+        """Share the token embedding with the output head (again after `to_empty`, which unties them)."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def init_buffers(self) -> None:
+        """Computed (non-learned) tensors; called again after a meta-device model is materialised."""
+        if self.config.position_embedding == "rope" and not self.rope_cos.is_meta:
+            cos, sin = rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
     def reset_parameters(self) -> None:
-        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layers)."""
+        """GPT-2 initialisation, parameter by parameter in a fixed order (see `init_weight`)."""
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                self.init_weight(name, param)
+
+    def init_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """N(0, 0.02) for matrices and embeddings, residual projections scaled by 1/sqrt(2 * n_layers),
+        zero biases, unit norm weights. By name, so a sharded model can initialise full tensors too."""
         std = self.config.init_std
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-                if module.weight is not None:
-                    nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-        for block in self.blocks:
-            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layers))
-            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layers))
+        if name.endswith("bias"):
+            nn.init.zeros_(tensor)
+        elif "norm" in name:
+            nn.init.ones_(tensor)
+        elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+            nn.init.normal_(tensor, mean=0.0, std=std / math.sqrt(2 * self.config.n_layers))
+        else:
+            nn.init.normal_(tensor, mean=0.0, std=std)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -194,18 +221,33 @@ class Transformer(nn.Module):
             n -= self.pos_emb.weight.numel()
         return n
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """doc_ids: optional (B, T) document index of each token (packed rows): attention is restricted
+        to each document and positions restart at 0 for each one. None: one causal sequence."""
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
         if start + T > self.config.max_seq_len:
             raise ValueError(f"sequence of {start + T} tokens is longer than max_seq_len={self.config.max_seq_len}")
+        doc_mask = positions = None
+        if doc_ids is not None:
+            if cache is not None:
+                raise ValueError("doc_ids (document masking) is for training and evaluation; it cannot be used with a KV cache")
+            doc_mask, positions = document_attention(doc_ids)  # (B, 1, T, T) bool, (B, T) int64
         x = self.tok_emb(input_ids)  # (B, T, C)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(start, start + T, device=input_ids.device))  # (T, C) broadcast
+            if positions is None:
+                x = x + self.pos_emb(torch.arange(start, start + T, device=input_ids.device))  # (T, C) broadcast
+            else:
+                x = x + self.pos_emb(positions)  # (B, T, C)
         x = self.drop(x)
-        rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T]) if self.pos_emb is None else None
+        rope = None
+        if self.pos_emb is None:
+            if positions is None:
+                rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])  # (T, D) each
+            else:
+                rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))  # (B, 1, T, D) each
         for block in self.blocks:
-            x = block(x, rope, cache)
+            x = block(x, rope, cache) if doc_mask is None else block(x, rope, cache, doc_mask)
         if cache is not None:
             cache.length = start + T
         return self.lm_head(self.norm(x))  # (B, T, V)

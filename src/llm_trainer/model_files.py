@@ -71,13 +71,25 @@ def _is_tied(model: nn.Module, name: str) -> bool:
     return name == "lm_head.weight" and getattr(getattr(model, "config", None), "tie_embeddings", False)
 
 
-def save_model_folder(model: nn.Module, directory: str | Path, extra_metadata: dict | None = None) -> None:
+def save_model_folder(model: nn.Module, directory: str | Path, extra_metadata: dict | None = None,
+                      state: dict[str, torch.Tensor] | None = None) -> None:
+    """model.safetensors (the model's weights, or `state` when given, e.g. gathered from shards) and its config."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    tensors = model_state_dict(unwrap(model)) if state is None else _dedupe_tied(state, model)
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    write_model_config(model, directory, extra_metadata)
+
+
+def write_model_config(model: nn.Module, directory: str | Path, extra_metadata: dict | None = None) -> None:
     bare = unwrap(model)
-    save_file(model_state_dict(bare), str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
     config = bare.config.to_dict() if hasattr(bare, "config") else {}
-    (directory / CONFIG_NAME).write_text(json.dumps({**config, **(extra_metadata or {})}, indent=2))
+    (Path(directory) / CONFIG_NAME).write_text(json.dumps({**config, **(extra_metadata or {})}, indent=2))
+
+
+def _dedupe_tied(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """A gathered state lists a tied head separately; files store it once, like `model_state_dict`."""
+    return {k: v.contiguous() for k, v in state.items() if not _is_tied(unwrap(model), k)}
 
 
 def read_model_config(directory: str | Path) -> ModelConfig:

@@ -15,23 +15,34 @@ import torch
 from .config import DataConfig, ExperimentConfig, ModelConfig
 from .data.loader import BatchLoader, DocumentRows, WindowRows
 from .data.prepare import PreparedData, prepare_data
+from . import distributed
 from .errors import UsageError
 from .logs import log
 from .model import Transformer
-from .model_files import load_model_folder
+from .model_files import load_model_folder, load_model_state, read_model_config
+from .sharded_checkpoint import consolidate, is_sharded
 from .tokenizer import Tokenizer
 from .trainer import Trainer, resolve_device, seed_everything
 
 __all__ = ["build_model", "prepare_data", "build_loaders", "train", "load_for_inference"]
 
 
-def build_model(config: ModelConfig) -> Transformer:
-    """A freshly initialised model, or one continued from `config.init_from` (a transformers folder)."""
+def build_model(config: ModelConfig, *, meta: bool = False) -> Transformer:
+    """A freshly initialised model, or one continued from `config.init_from`.
+
+    init_from: one of our model folders (a checkpoint, best_model) or a transformers GPT-2/LLaMA
+    folder or hub name. meta=True builds without storage (FSDP materialises it after sharding).
+    """
     if config.init_from:
+        if (Path(config.init_from) / "model_config.json").is_file():
+            return load_model_folder(config.init_from)
         from .hf_interop import import_from_hf
 
         model, _ = import_from_hf(config.init_from)
         return model
+    if meta:
+        with torch.device("meta"):
+            return Transformer(config)
     return Transformer(config)
 
 
@@ -46,23 +57,44 @@ def sequence_length(experiment: ExperimentConfig) -> int:
 
 
 def build_rows(prepared: PreparedData, split: str, data: DataConfig, length: int, seed: int | None):
-    """The row layout for a split: greedy windows, first-fit bins, or one document per row."""
+    """The row layout for a split: greedy windows, first-fit bins, or one document per row.
+
+    With data.document_mask the rows also yield (B, L) document ids: batches are (inputs, targets, doc_ids).
+    """
     tokens = prepared.tokens(split)
+    eot = prepared.tokenizer.eot_id
     if data.pack_sequences and data.packing_strategy == "greedy":
-        return WindowRows(tokens, length, seed=seed, keep_partial=seed is None)
-    return DocumentRows(tokens, prepared.offsets(split), length, pack=data.pack_sequences, pad_id=prepared.tokenizer.eot_id)
+        return WindowRows(tokens, length, seed=seed, keep_partial=seed is None, eot_id=eot if data.document_mask else None)
+    return DocumentRows(tokens, prepared.offsets(split), length, pack=data.pack_sequences, pad_id=eot,
+                        document_ids=data.document_mask)
 
 
-def build_loaders(experiment: ExperimentConfig, prepared: PreparedData, device: torch.device):
-    """Training loader (shuffled, seeded, seekable) and validation loader (in order, everything)."""
+def build_loaders(experiment: ExperimentConfig, prepared: PreparedData, device: torch.device,
+                  rank: int = 0, world_size: int = 1):
+    """Training loader (shuffled, seeded, seekable) and validation loader (in order, everything);
+    with several ranks each reads its own part."""
     length = sequence_length(experiment)
     t = experiment.training
+    shard = dict(rank=rank, world_size=world_size, device=device)
     train_rows = build_rows(prepared, "train", experiment.data, length, seed=t.seed)
-    train_loader = BatchLoader(train_rows, t.batch_size, shuffle=True, seed=t.seed, drop_last=True, device=device)
+    if isinstance(train_rows, DocumentRows):
+        log(f"data: {experiment.data.packing_strategy if experiment.data.pack_sequences else 'unpacked'} rows: "
+            f"{len(train_rows):,} of {length} tokens, {train_rows.padding_fraction():.1%} padding")
+    if experiment.data.curriculum:  # easy rows first, in stages (see data/curriculum.py)
+        from .data.curriculum import CurriculumLoader, document_difficulty, row_difficulty
+
+        offsets = prepared.offsets("train")
+        difficulty = row_difficulty(
+            train_rows, offsets, document_difficulty(offsets, prepared.scores("train"), experiment.data.curriculum_key)
+        )
+        train_loader = CurriculumLoader(train_rows, t.batch_size, difficulty=difficulty, stages=experiment.data.curriculum,
+                                        accumulation=t.gradient_accumulation_steps, seed=t.seed, **shard)
+    else:
+        train_loader = BatchLoader(train_rows, t.batch_size, shuffle=True, seed=t.seed, drop_last=True, **shard)
     val_loader = None
     if prepared.manifest["splits"]["val"]["tokens"] > 1:
         val_rows = build_rows(prepared, "val", experiment.data, length, seed=None)
-        val_loader = BatchLoader(val_rows, t.batch_size, shuffle=False, drop_last=False, device=device)
+        val_loader = BatchLoader(val_rows, t.batch_size, shuffle=False, drop_last=False, **shard)
     return train_loader, val_loader
 
 
@@ -86,19 +118,33 @@ def train(experiment: ExperimentConfig, callbacks=()) -> dict:
         if tokenizer_file.is_file():  # continued pretraining keeps the model's own tokenizer
             experiment = dataclasses.replace(experiment, data=dataclasses.replace(experiment.data, tokenizer=str(tokenizer_file)))
     sequence_length(experiment)
-    prepared = prepare_data(experiment.data)
-    experiment = _fit_model_config(experiment, prepared.tokenizer)
-    seed_everything(experiment.training.seed)  # the initial weights depend on the seed alone
-    model = build_model(experiment.model)
-    if experiment.model.init_from:
-        experiment = dataclasses.replace(experiment, model=model.config)
+    dist_info, device = distributed.setup(experiment.training, resolve_device(experiment.training.device))
+    try:
+        if not dist_info.is_main:  # rank 0 prepares the data; the others then reuse its cache
+            distributed.barrier()
+        prepared = prepare_data(experiment.data)
+        if dist_info.is_main:
+            distributed.barrier()
+        experiment = _fit_model_config(experiment, prepared.tokenizer)
+        seed_everything(experiment.training.seed)  # the initial weights depend on the seed alone
+        # Built on the meta device and initialised on the target device by the trainer (after sharding
+        # under FSDP): every strategy and world size starts from the same weights for the same seed.
+        model = build_model(experiment.model, meta=True)
+        if experiment.model.init_from:
+            experiment = dataclasses.replace(experiment, model=model.config)
 
-    device = resolve_device(experiment.training.device)
-    train_loader, val_loader = build_loaders(experiment, prepared, device)
-    output = Path(experiment.training.output_dir)
-    output.mkdir(parents=True, exist_ok=True)
-    experiment.save(output / "config.yaml")
-    prepared.tokenizer.save(output)
+        train_loader, val_loader = build_loaders(experiment, prepared, device, dist_info.rank, dist_info.world_size)
+        output = Path(experiment.training.output_dir)
+        if dist_info.is_main:
+            output.mkdir(parents=True, exist_ok=True)
+            experiment.save(output / "config.yaml")
+            prepared.tokenizer.save(output)
+        return _run_trainer(experiment, model, train_loader, val_loader, prepared, callbacks)
+    finally:
+        distributed.teardown()
+
+
+def _run_trainer(experiment, model, train_loader, val_loader, prepared, callbacks) -> dict:
     trainer = Trainer(
         model,
         experiment.training,
@@ -124,7 +170,12 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
         if found is None:
             raise UsageError(f"{path} holds no checkpoint; pass a checkpoint or best_model folder")
         path = found
-    model = load_model_folder(path, device=device)
+    if is_sharded(path):  # an FSDP checkpoint: gather its shards in this one process
+        model = Transformer(read_model_config(path))
+        load_model_state(model, consolidate(path, model), str(path))
+        model = model.to(device)
+    else:
+        model = load_model_folder(path, device=device)
     tokenizer = Tokenizer.load(path)
     meta_file = path / "meta.json"
     experiment = json.loads(meta_file.read_text()).get("config", {}) if meta_file.is_file() else {}

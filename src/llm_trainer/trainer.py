@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import math
 import random
+import shutil
 import signal
 import threading
 import time
@@ -32,7 +33,10 @@ from .logs import is_main_process, log
 from .metrics import build_loggers
 from .model_files import load_model_state, unwrap
 from .optim import build_optimizer, learning_rate_at
+from . import distributed
+from .distributed import all_reduce_
 from .parallelize import parallelize
+from .sharded_checkpoint import full_model_state, load_sharded, save_sharded
 from .speed import SpeedMonitor
 
 
@@ -146,7 +150,9 @@ class Trainer:
         experiment_config: dict | None = None,
     ):
         self.config = config
-        self.device = resolve_device(config.device)
+        self.dist, self.device = distributed.setup(config, resolve_device(config.device))
+        if self.dist.strategy == "deepspeed":
+            raise UsageError("distributed_strategy deepspeed is not available in this version; use ddp or fsdp")
         seed_everything(config.seed)
         self.tokenizer = tokenizer
         self.callbacks = list(callbacks)
@@ -155,12 +161,15 @@ class Trainer:
         self.checkpoint_dir = config.resolved_checkpoint_dir
 
         model_config = getattr(model, "config", None)
-        self.raw_model = model.to(self.device)
-        self.model = parallelize(
-            self.raw_model,
+        wrapped = parallelize(
+            model, config=config, dist=self.dist, device=self.device,
             gradient_checkpointing=bool(getattr(model_config, "gradient_checkpointing", False)),
-            compile=config.compile,
         )
+        self.raw_model = model  # the bare module (sharded in place under FSDP): state dicts, evaluation
+        self.model, self._ddp = wrapped.model, wrapped.ddp  # what the step calls
+        self.sharded = wrapped.fsdp
+        if self.dist.world_size > 1:  # same initial weights everywhere, different dropout per rank
+            torch.manual_seed(config.seed + self.dist.rank)
         self.optimizer = build_optimizer(self.raw_model, config, self.device)
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
 
@@ -173,6 +182,12 @@ class Trainer:
 
         self.train_loader = self._as_loader(train_dataloader)
         self.val_loader = self._as_loader(val_dataloader) if val_dataloader is not None else None
+        loader_world = getattr(self.train_loader, "world_size", self.dist.world_size)
+        if loader_world != self.dist.world_size:
+            raise UsageError(
+                f"the training loader is split for {loader_world} process(es) but {self.dist.world_size} are running; "
+                "build it with rank and world_size from the environment (llm_trainer.build_loaders does)"
+            )
         per_epoch = self.train_loader.batches_per_epoch() // config.gradient_accumulation_steps
         if config.max_steps is None and per_epoch == 0:
             raise UsageError(
@@ -188,7 +203,8 @@ class Trainer:
         self._bad_run = torch.zeros((), dtype=torch.int64, device=self.device)
         self._bad_run_max = torch.zeros((), dtype=torch.int64, device=self.device)
         self._stop_reason: str | None = None
-        self._signal: str | None = None
+        self._signal_received: str | None = None  # set by the handler on this process
+        self._signal: str | None = None  # acted on: the same step on every rank
         self.loggers = []
 
     def _as_loader(self, loader):
@@ -212,99 +228,116 @@ class Trainer:
         start_step, last_saved = state.step, None
         final_eval: dict | None = None
 
-        with self._signals_handled():
-            while state.step < self.total_steps and self._stop_reason is None:
-                step = state.step
-                lr = learning_rate_at(step, cfg, self.total_steps)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
+        try:
+            with self._signals_handled():
+                while state.step < self.total_steps and self._stop_reason is None:
+                    step = state.step
+                    lr = learning_rate_at(step, cfg, self.total_steps)
+                    for group in self.optimizer.param_groups:
+                        group["lr"] = lr
 
-                # Forward/backward over the micro-batches. Each micro-batch's summed loss is divided by
-                # the target tokens of the whole step, so k micro-batches of b rows equal one batch of k*b.
-                self.speed.start_step()
-                micro = [self.speed.timed_batch(self.train_loader) for _ in range(accum)]
-                n_targets = sum((y != IGNORE_INDEX).sum() for _, y in micro).clamp(min=1)  # device tensor: no sync
-                loss_sum = torch.zeros((), device=self.device)
-                for i, (inputs, targets) in enumerate(micro):
-                    with self._no_sync(last=i == accum - 1), self.autocast:
-                        nll = self._summed_nll(inputs, targets)
-                    self.scaler.scale(nll / n_targets).backward()
-                    loss_sum += nll.detach().float()
+                    # Forward/backward over the micro-batches. Each micro-batch's summed loss is divided by
+                    # the target tokens of the whole step, so k micro-batches of b rows equal one batch of k*b.
+                    self.speed.start_step()
+                    micro = [self.speed.timed_batch(self.train_loader) for _ in range(accum)]
+                    n_targets = sum((y != IGNORE_INDEX).sum() for _, y in micro).float()  # device tensor: no sync
+                    n_targets = all_reduce_(n_targets).clamp(min=1)  # over all ranks: DDP then averages exactly
+                    loss_sum = torch.zeros((), device=self.device)
+                    for i, (inputs, targets) in enumerate(micro):
+                        with self._no_sync(last=i == accum - 1), self.autocast:
+                            nll = self._summed_nll(inputs, targets)
+                        self.scaler.scale(nll * self.dist.world_size / n_targets).backward()
+                        loss_sum += nll.detach().float()
+                    if self.dist.world_size > 1:  # one small collective: global loss and whether any rank got a signal
+                        shared = all_reduce_(torch.stack([loss_sum, torch.tensor(float(self._signal_received is not None), device=self.device)]))
+                        loss_sum, signal_seen = shared[0], shared[1]
 
-                # Clip, then step only if loss and gradients are finite (a bad step never reaches the weights).
-                self.scaler.unscale_(self.optimizer)
-                grad_norm = self._clip_gradients()
-                finite = torch.isfinite(loss_sum)
-                if not self.scaler.is_enabled():  # under fp16 scaling, overflowing gradients are routine
-                    finite = finite & torch.isfinite(grad_norm)
-                self._optimizer_step(finite)
-                self.scaler.update()
-                self.optimizer.zero_grad(set_to_none=True)
-                state.step += 1
-                step_tokens = sum(x.numel() for x, _ in micro)
-                state.tokens_seen += step_tokens
-                self.speed.end_step(step_tokens, sum(len(x) for x, _ in micro))
-                if progress is not None:
-                    progress.update(1)
-
-                # Log: the only place values leave the device (on CPU, where reads are free, check every step).
-                log_now = state.step % cfg.logging_steps == 0 or state.step == self.total_steps
-                if log_now or self.device.type == "cpu":
-                    self._read_bad_steps()
-                if log_now:
-                    row = {
-                        "step": state.step,
-                        "epoch": self.train_loader.epoch,
-                        "loss": float(loss_sum / n_targets),
-                        "lr": lr,
-                        "grad_norm": float(grad_norm),
-                        "tokens_seen": state.tokens_seen,
-                        **self.speed.metrics(),
-                        "skipped_steps": state.skipped_steps,
-                    }
-                    self._log_metrics(row)
+                    # Clip, then step only if loss and gradients are finite (a bad step never reaches the weights).
+                    self.scaler.unscale_(self.optimizer)
+                    grad_norm = self._clip_gradients()
+                    finite = torch.isfinite(loss_sum)
+                    if not self.scaler.is_enabled():  # under fp16 scaling, overflowing gradients are routine
+                        finite = finite & torch.isfinite(grad_norm)
+                    self._optimizer_step(finite)
+                    self.scaler.update()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    state.step += 1
+                    step_tokens = sum(x.numel() for x, _ in micro)
+                    state.tokens_seen += step_tokens
+                    self.speed.end_step(step_tokens, sum(len(x) for x, _ in micro))
                     if progress is not None:
-                        progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:,.0f}")
-                    for cb in self.callbacks:
-                        cb.on_step_end(self, row)
+                        progress.update(1)
 
-                # Evaluate; track the best model; early stopping.
-                at_end = state.step == self.total_steps
-                if self.val_loader is not None and (at_end or (cfg.eval_steps and state.step % cfg.eval_steps == 0)):
-                    final_eval = self._evaluate_and_track()
+                    # Log: the only place values leave the device (on CPU, where reads are free, check every step).
+                    log_now = state.step % cfg.logging_steps == 0 or state.step == self.total_steps
+                    if self.dist.world_size == 1:
+                        self._signal = self._signal_received
+                    if log_now or self.device.type == "cpu":
+                        self._read_bad_steps()
+                        if self.dist.world_size > 1 and self._signal is None and bool(signal_seen):
+                            self._signal = self._signal_received or "a signal on another rank"  # all ranks stop together
+                    if log_now:
+                        row = {
+                            "step": state.step,
+                            "epoch": self.train_loader.epoch,
+                            "loss": float(loss_sum / n_targets),
+                            "lr": lr,
+                            "grad_norm": float(grad_norm),
+                            "tokens_seen": state.tokens_seen,
+                            **self.speed.metrics(),
+                            "skipped_steps": state.skipped_steps,
+                        }
+                        self._log_metrics(row)
+                        if progress is not None:
+                            progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:,.0f}")
+                        for cb in self.callbacks:
+                            cb.on_step_end(self, row)
 
-                # Checkpoint periodically, at the end, and when a signal asked us to stop.
-                stopping = at_end or self._signal is not None or self._stop_reason is not None
-                if stopping or (cfg.save_steps and state.step % cfg.save_steps == 0):
-                    last_saved = self.save_checkpoint()
-                if self._signal is not None:
-                    self._stop_reason = f"received {self._signal}"
+                    # Evaluate; track the best model; early stopping.
+                    at_end = state.step == self.total_steps
+                    if self.val_loader is not None and (at_end or (cfg.eval_steps and state.step % cfg.eval_steps == 0)):
+                        final_eval = self._evaluate_and_track()
 
-        if progress is not None:
-            progress.close()
-        self._read_bad_steps()
-        if self.val_loader is not None and final_eval is None and state.step > start_step:
-            final_eval = self._evaluate_and_track()
-        elapsed = time.perf_counter() - started
-        summary = {
-            "event": "train_end",
-            "step": state.step,
-            "train_runtime_s": elapsed,
-            "tokens_per_s": (state.tokens_seen - self._tokens_at_start) / max(elapsed, 1e-9),
-            "tokens_seen": state.tokens_seen,
-            "skipped_steps": state.skipped_steps,
-            "stopped_early": self._stop_reason,
-            "best_val_loss": state.best_val_loss,
-            "checkpoint": str(last_saved) if last_saved else None,
-            **({"val_loss": final_eval["val_loss"], "perplexity": final_eval["perplexity"]} if final_eval else {}),
-        }
-        self._log_metrics(summary)
-        self._log_end(summary)
-        for cb in self.callbacks:
-            cb.on_train_end(self, summary)
-        for logger in self.loggers:
-            logger.close()
-        return summary
+                    # Checkpoint periodically, at the end, and when a signal asked us to stop.
+                    if self.dist.world_size == 1:
+                        self._signal = self._signal_received  # one that came during logging/evaluation counts now
+                    stopping = at_end or self._signal is not None or self._stop_reason is not None
+                    if stopping or (cfg.save_steps and state.step % cfg.save_steps == 0):
+                        last_saved = self.save_checkpoint()
+                    if self._signal is not None:
+                        self._stop_reason = f"received {self._signal}"
+
+            self._read_bad_steps()
+            if self.val_loader is not None and final_eval is None and state.step > start_step:
+                final_eval = self._evaluate_and_track()
+            elapsed = time.perf_counter() - started
+            summary = {
+                "event": "train_end",
+                "step": state.step,
+                "train_runtime_s": elapsed,
+                "tokens_per_s": (state.tokens_seen - self._tokens_at_start) / max(elapsed, 1e-9),
+                "tokens_seen": state.tokens_seen,
+                "skipped_steps": state.skipped_steps,
+                "stopped_early": self._stop_reason,
+                "best_val_loss": state.best_val_loss,
+                "checkpoint": str(last_saved) if last_saved else None,
+                **({"val_loss": final_eval["val_loss"], "perplexity": final_eval["perplexity"]} if final_eval else {}),
+            }
+            self._log_metrics(summary)
+            self._log_end(summary)
+            for cb in self.callbacks:
+                cb.on_train_end(self, summary)
+            if "jsonl" in cfg.report_to and is_main_process():
+                from .plots import plot_runs  # warns, never raises: a plot must not fail a finished run
+
+                plot_runs([self.output_dir], self.output_dir / "plots")
+            return summary
+        finally:  # also when a callback or a stop raises: logs flushed, bar closed
+            if progress is not None:
+                progress.close()
+            for logger in self.loggers:
+                logger.close()
+            self.loggers = []
 
     # -- pieces of a step ---------------------------------------------------------------------------
 
@@ -342,13 +375,25 @@ class Trainer:
 
     def _clip_gradients(self) -> torch.Tensor:
         if self.config.max_grad_norm:
-            return torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm, foreach=True)
-        return torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], foreach=True)
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a replicated DTensor
 
+    @contextlib.contextmanager
     def _no_sync(self, last: bool):
-        """Skip the gradient all-reduce on all but the last micro-batch (DDP); a no-op otherwise."""
-        no_sync = getattr(self.model, "no_sync", None)
-        return contextlib.nullcontext() if last or no_sync is None else no_sync()
+        """Skip the gradient reduction on all but the last micro-batch (DDP no_sync, FSDP2's switch)."""
+        if last or not self.dist.enabled:
+            yield
+        elif self._ddp is not None:
+            with self._ddp.no_sync():
+                yield
+        else:
+            self.raw_model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.raw_model.set_requires_gradient_sync(True)
 
     def _fail_on_bad_steps(self) -> None:
         n = self.state.consecutive_bad_steps
@@ -363,7 +408,8 @@ class Trainer:
     def evaluate(self) -> dict:
         if self.val_loader is None:
             raise UsageError("no validation data: pass val_dataloader or set data.validation_split")
-        return evaluate(self.model, self.val_loader, autocast=self.autocast, max_batches=self.config.eval_max_batches)
+        return evaluate(self.raw_model, self.val_loader, autocast=self.autocast, max_batches=self.config.eval_max_batches,
+                        reduce=all_reduce_)
 
     def _evaluate_and_track(self) -> dict:
         cfg, state = self.config, self.state
@@ -371,10 +417,12 @@ class Trainer:
         improved = state.best_val_loss is None or metrics["val_loss"] < state.best_val_loss - cfg.early_stopping_min_delta
         if improved:
             state.best_val_loss, state.best_step, state.evals_without_improvement = metrics["val_loss"], state.step, 0
-            ckpt.save_best_model(
-                self.checkpoint_dir, self.raw_model, tokenizer_json=self._tokenizer_json(),
-                config=self.experiment_config, metrics={**metrics, "step": state.step},
-            )
+            weights = full_model_state(self.raw_model) if self.sharded else None  # a collective under FSDP
+            if self.dist.is_main:
+                ckpt.save_best_model(
+                    self.checkpoint_dir, self.raw_model, tokenizer_json=self._tokenizer_json(),
+                    config=self.experiment_config, metrics={**metrics, "step": state.step}, state=weights,
+                )
         else:
             state.evals_without_improvement += 1
             if cfg.early_stopping_patience and state.evals_without_improvement >= cfg.early_stopping_patience:
@@ -394,10 +442,33 @@ class Trainer:
         return self.tokenizer.to_json() if self.tokenizer is not None and hasattr(self.tokenizer, "to_json") else None
 
     def save_checkpoint(self) -> Path:
+        """Every rank calls this at the same step; rank 0 writes the checkpoint folder. With several
+        ranks, each first writes its RNG state (and under FSDP its model and optimizer shards, through
+        torch.distributed.checkpoint) into a staging folder that becomes the checkpoint's `sharded/`."""
         self._read_bad_steps()
         rng_tensors = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng_tensors["cuda"] = torch.cuda.get_rng_state_all()
+        path = self.checkpoint_dir / f"{ckpt.PREFIX}{self.state.step:08d}"
+        staging = None
+        if self.dist.world_size > 1:
+            staging = self.checkpoint_dir / f".staging-{path.name}"
+            if self.dist.is_main:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+            distributed.barrier()
+            torch.save(rng_tensors, staging / f"rng-rank{self.dist.rank}.pt")
+            if self.sharded:
+                save_sharded(self.raw_model, self.optimizer, staging)
+            distributed.barrier()
+        if self.dist.is_main:
+            path = self._write_checkpoint(rng_tensors, staging)
+        distributed.barrier()
+        for cb in self.callbacks:
+            cb.on_save(self, path)
+        return path
+
+    def _write_checkpoint(self, rng_tensors: dict, staging: Path | None) -> Path:
         np_state = np.random.get_state()
         train_state = {
             **dataclasses.asdict(self.state),
@@ -413,16 +484,16 @@ class Trainer:
         path = ckpt.save_checkpoint(
             self.checkpoint_dir, self.state.step,
             model=self.raw_model,
-            optimizer_state=self.optimizer.state_dict(),
+            optimizer_state=None if self.sharded else self.optimizer.state_dict(),
             train_state=train_state,
             rng_tensors=rng_tensors,
             config=self.experiment_config,
             tokenizer_json=self._tokenizer_json(),
+            sharded_dir=staging,
+            extra_meta={"world_size": self.dist.world_size, "strategy": self.dist.strategy},
         )
         best = f"{ckpt.PREFIX}{self.state.best_step:08d}" if self.state.best_step is not None else None
         ckpt.rotate(self.checkpoint_dir, self.config.save_total_limit, protect={path.name, best} - {None})
-        for cb in self.callbacks:
-            cb.on_save(self, path)
         return path
 
     def _resume(self, spec: str) -> None:
@@ -431,11 +502,17 @@ class Trainer:
             log(f"resume: no checkpoint in {self.checkpoint_dir} yet; starting from step 0")
             return
         parts = ckpt.load_checkpoint(path, map_location=self.device)
-        load_model_state(self.raw_model, parts["model"], str(path))
-        try:
-            self.optimizer.load_state_dict(parts["optimizer"])
-        except (ValueError, KeyError) as exc:
-            raise UsageError(f"optimizer state in {path} does not match this model/optimizer: {exc}") from None
+        if parts["model"] is None:  # sharded (FSDP): each rank reads its part, at any world size
+            if not self.sharded:
+                raise UsageError(f"{path} is a sharded FSDP checkpoint; resume it with distributed_strategy: fsdp, "
+                                 "or turn it into a model folder with `llm-trainer consolidate`")
+            load_sharded(self.raw_model, self.optimizer, parts["sharded"])
+        else:
+            load_model_state(self.raw_model, parts["model"], str(path))
+            try:
+                self.optimizer.load_state_dict(parts["optimizer"])
+            except (ValueError, KeyError) as exc:
+                raise UsageError(f"optimizer state in {path} does not match this model/optimizer: {exc}") from None
         saved = parts["train_state"]
         fields = {f.name for f in dataclasses.fields(TrainState)}
         self.state = TrainState(**{k: v for k, v in saved.items() if k in fields})
@@ -447,9 +524,13 @@ class Trainer:
             raise UsageError(str(exc)) from None
         if saved.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(saved["scaler"])
-        torch.set_rng_state(parts["rng"]["torch"])
-        if "cuda" in parts["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(parts["rng"]["cuda"])
+        rng = parts["rng"]
+        own = parts["sharded"] / f"rng-rank{self.dist.rank}.pt" if parts["sharded"] is not None else None
+        if own is not None and own.is_file():  # each rank continues its own dropout stream
+            rng = torch.load(own, map_location="cpu", weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
         random.setstate(_tuplify(saved["rng"]["python"]))
         kind, keys, *rest = saved["rng"]["numpy"]
         np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
@@ -465,10 +546,10 @@ class Trainer:
             return
 
         def handler(signum, frame):
-            if self._signal is not None and signum == signal.SIGINT:
+            if self._signal_received is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            self._signal = signal.Signals(signum).name
-            log(f"{self._signal}: saving a checkpoint at the end of this step, then stopping")
+            self._signal_received = signal.Signals(signum).name
+            log(f"{self._signal_received}: saving a checkpoint at the end of this step, then stopping")
 
         previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -497,9 +578,12 @@ class Trainer:
         self._bad_run.fill_(self.state.consecutive_bad_steps)
         n_params = sum(p.numel() for p in self.params)
         cfg = self.config
+        world = self.dist.world_size
+        effective = cfg.batch_size * cfg.gradient_accumulation_steps * world
         log(
-            f"train: {n_params:,} parameters on {self.device}, {self.total_steps} steps, batch {cfg.batch_size} x "
-            f"{cfg.gradient_accumulation_steps} accumulation, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}), "
+            f"train: {n_params:,} parameters on {self.device}, {self.total_steps} steps, effective batch {effective} "
+            f"= {cfg.batch_size} x {cfg.gradient_accumulation_steps} accumulation x {world} process(es)"
+            f"{' (' + self.dist.strategy + ')' if world > 1 else ''}, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}), "
             f"{'amp ' + cfg.amp_dtype if cfg.use_amp else 'float32'}{', compiled' if cfg.compile else ''}"
         )
 
@@ -524,7 +608,10 @@ def _flops_per_token(model: nn.Module, loader) -> float | None:
         return None
     from .estimate import flops_per_token
 
-    return flops_per_token(config, length)
+    try:
+        return flops_per_token(config, length)
+    except ValueError:  # a model config we cannot count (e.g. a user's own architecture)
+        return None
 
 
 def _peak_flops(device: torch.device, config: TrainingConfig) -> float | None:

@@ -8,6 +8,11 @@ Row layouts:
              shifts the window grid by a seeded offset so the model sees new boundaries
   first_fit  first-fit-decreasing bins: documents are never split unless longer than a row
   unpacked   one document (or a row-sized piece of a long one) per row, padded
+
+Document boundaries: rows built with `eot_id` (greedy) or `document_ids=True` (the others) return a
+third array, the document index of each input token within its row (an end-of-text token belongs to
+the document it ends; each padding token is its own document). The model turns it into a
+block-diagonal causal mask and positions that restart per document (`Transformer.forward(doc_ids=)`).
 """
 
 from __future__ import annotations
@@ -15,14 +20,27 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .packing import _pieces, first_fit_decreasing  # noqa: F401  (re-exported)
+
 IGNORE_INDEX = -100
 
 
-class WindowRows:
-    """Greedy packing: row i of epoch e is tokens[offset_e + i*L : offset_e + i*L + L + 1]."""
+def document_ids(x: np.ndarray, eot_id: int) -> np.ndarray:
+    """(B, L) inputs -> (B, L) int64: how many documents end before each token in its row."""
+    ends = x == eot_id
+    return (np.cumsum(ends, axis=1) - ends).astype(np.int64)  # exclusive: end-of-text stays with its document
 
-    def __init__(self, tokens: np.ndarray, length: int, *, seed: int | None = None, keep_partial: bool = False):
+
+class WindowRows:
+    """Greedy packing: row i of epoch e is tokens[offset_e + i*L : offset_e + i*L + L + 1].
+
+    eot_id: when set, `batch` also returns document ids (for document masking).
+    """
+
+    def __init__(self, tokens: np.ndarray, length: int, *, seed: int | None = None, keep_partial: bool = False,
+                 eot_id: int | None = None):
         self.tokens, self.length, self.seed, self.keep_partial = tokens, length, seed, keep_partial
+        self.eot_id = eot_id
         self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> None:
@@ -36,26 +54,34 @@ class WindowRows:
     def __len__(self) -> int:
         return self.count
 
-    def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def batch(self, indices: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(inputs, targets) each (B, L) int64, plus (B, L) document ids when eot_id is set."""
         L = self.length
         starts = self.offset + np.asarray(indices, dtype=np.int64) * L  # (B,)
         if not self.keep_partial:
             rows = self.tokens[starts[:, None] + np.arange(L + 1)].astype(np.int64)  # (B, L+1)
-            return rows[:, :-1], rows[:, 1:]
-        x = np.zeros((len(starts), L), dtype=np.int64)
-        y = np.full((len(starts), L), IGNORE_INDEX, dtype=np.int64)
-        for r, s in enumerate(starts):
-            row = self.tokens[s : s + L + 1].astype(np.int64)
-            x[r, : len(row) - 1] = row[:-1]
-            y[r, : len(row) - 1] = row[1:]
-        return x, y
+            x, y = rows[:, :-1], rows[:, 1:]
+        else:
+            x = np.zeros((len(starts), L), dtype=np.int64)
+            y = np.full((len(starts), L), IGNORE_INDEX, dtype=np.int64)
+            for r, s in enumerate(starts):
+                row = self.tokens[s : s + L + 1].astype(np.int64)
+                x[r, : len(row) - 1] = row[:-1]
+                y[r, : len(row) - 1] = row[1:]
+        if self.eot_id is None:
+            return x, y
+        return x, y, document_ids(x, self.eot_id)
 
 
 class DocumentRows:
-    """Rows made of whole documents (first_fit) or one document piece each (unpacked), padded."""
+    """Rows made of whole documents (first_fit) or one document piece each (unpacked), padded.
 
-    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, length: int, *, pack: bool, pad_id: int):
-        self.tokens, self.length, self.pad_id = tokens, length, pad_id
+    pad_id must be the end-of-text id when document_ids=True (padding then reads as one-token documents).
+    """
+
+    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, length: int, *, pack: bool, pad_id: int,
+                 document_ids: bool = False):
+        self.tokens, self.length, self.pad_id, self.document_ids = tokens, length, pad_id, document_ids
         pieces = _pieces(offsets, length + 1)  # (N, 2) start, end
         self.rows = first_fit_decreasing(pieces, length + 1) if pack else [[p] for p in pieces.tolist()]
 
@@ -65,7 +91,8 @@ class DocumentRows:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def batch(self, indices: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(inputs, targets) each (B, L) int64, plus (B, L) document ids when document_ids is set."""
         L = self.length
         x = np.full((len(indices), L), self.pad_id, dtype=np.int64)
         y = np.full((len(indices), L), IGNORE_INDEX, dtype=np.int64)
@@ -73,50 +100,13 @@ class DocumentRows:
             row = np.concatenate([self.tokens[s:e] for s, e in self.rows[i]]).astype(np.int64)
             x[r, : len(row) - 1] = row[:-1]
             y[r, : len(row) - 1] = row[1:]
-        return x, y
+        if not self.document_ids:
+            return x, y
+        return x, y, document_ids(x, self.pad_id)
 
     def padding_fraction(self) -> float:
         used = sum(e - s for row in self.rows for s, e in row)
         return 1.0 - used / max(1, len(self.rows) * (self.length + 1))
-
-
-def _pieces(offsets: np.ndarray, capacity: int) -> np.ndarray:
-    """Cut documents longer than `capacity` into capacity-sized pieces; (N, 2) [start, end) pairs."""
-    out = []
-    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-        for s in range(start, end, capacity):
-            out.append((s, min(s + capacity, end)))
-    return np.asarray(out, dtype=np.int64).reshape(-1, 2)
-
-
-def first_fit_decreasing(pieces: np.ndarray, capacity: int) -> list[list[tuple[int, int]]]:
-    """Longest first, each into the first bin with room; a segment tree finds that bin in O(log n)."""
-    order = np.argsort(-(pieces[:, 1] - pieces[:, 0]), kind="stable")
-    size = 1
-    while size < max(1, len(pieces)):
-        size *= 2
-    room = np.zeros(2 * size, dtype=np.int64)  # max free space in each subtree; leaves = bins
-    bins: list[list[tuple[int, int]]] = []
-    for i in order.tolist():
-        start, end = int(pieces[i, 0]), int(pieces[i, 1])
-        need = end - start
-        if room[1] >= need:  # descend to the leftmost bin with enough room
-            node = 1
-            while node < size:
-                node = 2 * node if room[2 * node] >= need else 2 * node + 1
-            b = node - size
-        else:
-            b = len(bins)
-            bins.append([])
-            node = b + size
-            room[node] = capacity
-        bins[b].append((start, end))
-        room[node] -= need
-        node //= 2
-        while node:
-            room[node] = max(room[2 * node], room[2 * node + 1])
-            node //= 2
-    return bins
 
 
 class BatchLoader:
@@ -161,8 +151,8 @@ class BatchLoader:
             )
         self.epoch, self.position, self.seed, self._order = state["epoch"], state["position"], state["seed"], None
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next (inputs, targets), each (B, L) int64 on the loader's device; rolls over epochs."""
+    def next_batch(self) -> tuple[torch.Tensor, ...]:
+        """The next (inputs, targets[, doc_ids]), each (B, L) int64 on the loader's device; rolls over epochs."""
         self._epoch_order()  # lay the rows out for this epoch first: their count can change with the epoch
         if self.position >= self.batches_per_epoch():
             self.epoch, self.position, self._order = self.epoch + 1, 0, None
@@ -170,16 +160,23 @@ class BatchLoader:
         global_batch = self.position * self.world_size + self.rank
         indices = order[global_batch * self.batch_size : (global_batch + 1) * self.batch_size]
         self.position += 1
-        x, y = self.rows.batch(indices)
-        return _to_device(x, self.device), _to_device(y, self.device)
+        return tuple(_to_device(a, self.device) for a in self.rows.batch(indices))
 
     def __iter__(self):
-        """One pass over the data in order (for evaluation); does not touch the saved position."""
+        """One pass over the data in order (for evaluation); does not touch the saved position.
+
+        With several ranks, every rank yields the same number of batches (sharded models run
+        collectives in forward): a rank short of data gets a batch whose targets are all ignored.
+        """
         order = self._epoch_order()
         per, n = self.batch_size, len(self.rows)
-        for b in range(self.rank, n // per if self.drop_last else -(-n // per), self.world_size):
-            x, y = self.rows.batch(order[b * per : (b + 1) * per])
-            yield _to_device(x, self.device), _to_device(y, self.device)
+        n_batches = n // per if self.drop_last else -(-n // per)
+        padded = -(-n_batches // self.world_size) * self.world_size
+        for b in range(self.rank, padded, self.world_size):
+            x, y, *rest = self.rows.batch(order[b * per : (b + 1) * per] if b < n_batches else order[:per])
+            if b >= n_batches:
+                y = np.full_like(y, IGNORE_INDEX)
+            yield tuple(_to_device(a, self.device) for a in (x, y, *rest))
 
     def __len__(self) -> int:
         return self.batches_per_epoch()

@@ -1,29 +1,40 @@
-"""`prepare`: raw documents -> cleaned, split, tokenized, memory-mapped token files with a manifest.
+"""`prepare`: sources -> cleaned, filtered, deduplicated, tokenized shards -> memory-mapped token files.
 
 Output folder `{cache_dir}/{fingerprint}/`:
   train.bin / val.bin          every document's tokens followed by end-of-text, uint16 or uint32
   train.idx.npy / val.idx.npy  int64 offsets: document i is tokens[idx[i]:idx[i+1]]
-  tokenizer.json, manifest.json (written last: its presence marks a complete, reusable folder)
+  train.sources.npy / ...      int16 per document: its source, an index into manifest["source_names"]
+  train.scores.npy / ...       per-document curriculum scores (when curriculum_key names a column)
+  tokenizer.json, data_report.json, manifest.json (written last: its presence marks a complete folder)
 
-The fingerprint covers the data settings, the sources (paths, sizes, times) and the tokenizer choice,
-so a second `prepare` with the same inputs reuses the folder and any change builds a new one. The
-folder is built under a temporary name and renamed when complete: an interrupted run leaves no
-folder that could be taken for a finished one.
+The stages stream, so memory stays flat as the corpus grows:
+  read + mix (main) -> clean, filter, dedup keys (main, or worker processes) -> dedup decision and
+  train/val split (main, in stream order) -> tokenize (a thread running the Rust tokenizer on its own
+  threads, or worker processes) -> shard writer (main)
+Batches are pipelined: while one batch is being tokenized the main process prepares the next.
+
+Resumable: the work happens in `{cache_dir}/.{fingerprint}.partial/`, shard by shard (see `shards`).
+An interrupted run (Ctrl-C, SIGKILL, a crash of the machine) leaves that folder and the next run with
+the same fingerprint resumes after its last committed shard, producing byte-identical output. An
+error (bad input, a bug) removes it instead: fixing the cause changes the fingerprint anyway. The
+fingerprint covers the data settings, the sources (paths, sizes, times) and the tokenizer, so a
+changed config or source never reuses a folder, finished or partial.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import multiprocessing as mp
-import os
-import re
 import shutil
 import time
-from dataclasses import dataclass
+from collections import Counter, deque
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -31,12 +42,22 @@ from ..config import DataConfig
 from ..errors import UsageError
 from ..logs import log
 from ..tokenizer import Tokenizer
-from .sources import SourceStats, iter_documents, source_fingerprint
+from .clean import clean_text  # noqa: F401  (re-exported: the cleaning rules used by prepare)
+from .dedup import Deduplicator
+from .filters import FILTERS, QualityFilter
+from .mixture import interleave
+from .process import DocumentProcessor, Processed, encode, worker_encode, worker_init, worker_process
+from .report import Counts, Progress, build_report, padding_fractions, print_summary, write_report
+from .shards import SHARDS, SPLITS, ShardWriter
+from .sources import Document, SourceStats, iter_source, source_fingerprint, source_specs
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
-SPLITS = ("train", "val")
-_ENCODE_BATCH = 256
+_BATCH = 256  # raw documents per pipeline batch
+_TOKENIZE_THREADS = 2
+# Settings that change how the work is done or how the loader reads it, not what prepare writes.
+_NOT_FINGERPRINTED = ("preprocessing_num_workers", "cache_dir", "progress_bar", "shard_tokens", "pack_sequences",
+                      "packing_strategy", "document_mask", "curriculum")
 
 
 @dataclass
@@ -53,177 +74,408 @@ class PreparedData:
     def offsets(self, split: str) -> np.ndarray:
         return np.load(self.directory / f"{split}.idx.npy")
 
+    def sources(self, split: str) -> list[str]:
+        """The source name of each document of the split."""
+        names = self.manifest["source_names"]
+        return [names[i] for i in np.load(self.directory / f"{split}.sources.npy").tolist()]
 
-def clean_text(text: str, config: DataConfig) -> str:
-    """Unify newlines; optionally strip trailing spaces and collapse runs of blank lines (indentation kept)."""
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    if config.normalize_whitespace:
-        text = re.sub(r"[ \t]+$", "", text, flags=re.MULTILINE)  # the last line too
-        text = re.sub(r"\n{3,}", "\n\n", text).strip("\n")
-    return text
+    def scores(self, split: str) -> np.ndarray | None:
+        """Per-document curriculum scores (float64, NaN where a document had none), or None."""
+        path = self.directory / f"{split}.scores.npy"
+        return np.load(path) if path.is_file() else None
 
 
 def _fingerprint(config: DataConfig) -> str:
-    settings = {k: v for k, v in config.to_dict().items() if k not in ("preprocessing_num_workers", "cache_dir")}
+    settings = {k: v for k, v in config.to_dict().items() if k not in _NOT_FINGERPRINTED}
     if config.tokenizer not in ("bpe", "char"):
         settings["tokenizer"] = Tokenizer.load(config.tokenizer).fingerprint()
     payload = json.dumps([FORMAT_VERSION, settings, source_fingerprint(config)], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def _split_documents(config: DataConfig, stats: SourceStats, counts: dict) -> Iterator[tuple[str, str]]:
-    """(split, cleaned text) for every kept document, in a fixed order.
+# ----------------------------------------------------------------------------------------------
+# the document stream: phases (one, or train then val for a named split) of mixed sources
 
-    A fractional validation_split sends document i to validation when floor((i+1)f) > floor(if): an
-    even, deterministic spread that needs no second pass. A corpus of one document (a single text
-    file) is split by position instead: the first 1-f of its characters train, the rest validate.
-    """
 
-    def cleaned(split: str | None = None) -> Iterator[str]:
-        kept = 0  # max_documents caps each split read, not the running total of both
-        for text in iter_documents(config, stats, split):
-            counts["documents_in"] += 1
-            text = clean_text(text, config)
-            if not text.strip() or len(text) < config.min_length:
-                counts["removed_min_length"] += 1
+def _phases(config: DataConfig) -> list[tuple[str | None, Callable[[SourceStats], Iterator[Document]]]]:
+    """(split or None, stream factory) per phase; None: the split is drawn per document by fraction."""
+    specs = source_specs(config)
+
+    def stream(split: str | None) -> Callable[[SourceStats], Iterator[Document]]:
+        def make(stats: SourceStats) -> Iterator[Document]:
+            readers = [iter_source(spec, config, stats, split) for spec in specs]
+            return interleave(readers, [s.weight for s in specs], seed=config.seed, stopping=config.mixture_stopping)
+
+        return make
+
+    if isinstance(config.validation_split, str):
+        if any(spec.dataset_name is None for spec in specs):
+            raise UsageError("data.validation_split names a split, which needs a dataset_name; use a fraction such as 0.1 for files")
+        return [("train", stream(None)), ("val", stream(config.validation_split))]
+    return [(None, stream(None))]
+
+
+def _fraction_split(i: int, fraction: float) -> str:
+    """Document i goes to validation when floor((i+1)f) > floor(if): an even, deterministic spread."""
+    return "val" if int((i + 1) * fraction) > int(i * fraction) else "train"
+
+
+def _kept_texts(config: DataConfig, splits: tuple[str, ...]) -> Iterator[str]:
+    """Cleaned, filtered, deduplicated texts of the given splits in stream order (the tokenizer's corpus)."""
+    processor, dedup = DocumentProcessor(config), Deduplicator(config)
+    for split, make in _phases(config):
+        yield from _phase_texts(config, processor, dedup, split, make(SourceStats()), splits)
+
+
+def _phase_texts(config, processor, dedup, split, documents, splits) -> Iterator[str]:
+    kept = 0
+    for batch in _batched(documents, _BATCH):
+        result = processor([d.text for d in batch])
+        for i, text in enumerate(result.texts):
+            if text is None or _duplicate(dedup, result, i):
                 continue
-            counts["documents_out"] += 1
+            doc_split = split or _fraction_split(kept, config.validation_split)
             kept += 1
-            yield text
+            if doc_split in splits:
+                yield text
             if config.max_documents is not None and kept >= config.max_documents:
                 return
 
-    if isinstance(config.validation_split, str):
-        if config.dataset_name is None:
-            raise UsageError("data.validation_split names a split, which needs a dataset_name; use a fraction such as 0.1 for files")
-        yield from (("train", t) for t in cleaned())
-        yield from (("val", t) for t in cleaned(config.validation_split))
-        return
 
-    fraction = config.validation_split
-    docs = cleaned()
-    head = list(itertools.islice(docs, 2))
-    if len(head) == 1 and fraction > 0:
-        cut = int(len(head[0]) * (1 - fraction))
-        yield "train", head[0][:cut]
-        yield "val", head[0][cut:]
-        return
-    for i, text in enumerate(itertools.chain(head, docs)):
-        yield ("val" if int((i + 1) * fraction) > int(i * fraction) else "train"), text
+def _duplicate(dedup: Deduplicator, result: Processed, i: int) -> str | None:
+    signature = result.signatures[i] if result.signatures is not None else None
+    bands = result.bands[i] if result.bands is not None else None
+    return dedup.check(int(result.keys[i]), signature, bands)
 
 
-def _build_tokenizer(config: DataConfig, documents: Iterable[tuple[str, str]]) -> Tokenizer:
+def _batched(documents: Iterator[Document], size: int) -> Iterator[list[Document]]:
+    while batch := list(itertools.islice(documents, size)):
+        yield batch
+
+
+def _build_tokenizer(config: DataConfig) -> Tokenizer:
     if config.tokenizer == "char":  # vocabulary of the whole corpus, as char-level experiments expect
-        return Tokenizer.build_char(text for _, text in documents)
-    if config.tokenizer == "bpe":
-        return Tokenizer.train_bpe(
-            (text for split, text in documents if split == "train"),
-            vocab_size=config.tokenizer_vocab_size,
-            max_chars=config.tokenizer_train_max_chars,
-        )
+        return Tokenizer.build_char(_kept_texts(config, ("train", "val")))
+    if config.tokenizer == "bpe":  # trained on a bounded sample: train_bpe stops reading at max_chars
+        return Tokenizer.train_bpe(_kept_texts(config, ("train",)), vocab_size=config.tokenizer_vocab_size,
+                                   max_chars=config.tokenizer_train_max_chars)
     return Tokenizer.load(config.tokenizer)
 
 
-# Worker processes keep their own tokenizer, built once from JSON.
-_worker_tokenizer: Tokenizer | None = None
+# ----------------------------------------------------------------------------------------------
+# pipelining
 
 
-def _worker_init(tokenizer_json: str) -> None:
-    global _worker_tokenizer
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from tokenizers import Tokenizer as HFTokenizer
+class _Done:
+    """A finished 'future' for work done inline."""
 
-    _worker_tokenizer = Tokenizer(HFTokenizer.from_str(tokenizer_json))
+    def __init__(self, value):
+        self.value = value
 
-
-def _worker_encode(texts: list[str]) -> list[list[int]]:
-    assert _worker_tokenizer is not None
-    return _worker_tokenizer.encode_batch(texts)
+    def result(self):
+        return self.value
 
 
-def _encoded_batches(tokenizer: Tokenizer, documents: Iterator[tuple[str, str]], workers: int):
-    """Yield (splits, token lists) per batch of documents, in order, over `workers` processes."""
-
-    def batches():
-        while batch := list(itertools.islice(documents, _ENCODE_BATCH)):
-            yield batch
-
-    if workers <= 1:  # the Rust tokenizer already uses threads inside encode_batch
-        for batch in batches():
-            yield [s for s, _ in batch], tokenizer.encode_batch([t for _, t in batch])
-        return
-    with mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(tokenizer.to_json(),)) as pool:
-        pending = []
-        for batch in batches():
-            pending.append(([s for s, _ in batch], pool.apply_async(_worker_encode, ([t for _, t in batch],))))
-            if len(pending) > 2 * workers:
-                splits, result = pending.pop(0)
-                yield splits, result.get()
-        for splits, result in pending:
-            yield splits, result.get()
+def _ordered(items: Iterator, submit: Callable[[object], Future | _Done], depth: int) -> Iterator[tuple[object, object]]:
+    """(item, result) in input order, with at most `depth` items submitted ahead of the one yielded."""
+    pending: deque = deque()
+    for item in items:
+        pending.append((item, submit(item)))
+        if len(pending) > depth:
+            first, future = pending.popleft()
+            yield first, future.result()
+    while pending:
+        first, future = pending.popleft()
+        yield first, future.result()
 
 
-def prepare_data(config: DataConfig) -> PreparedData:
-    """Build (or reuse) the token files for `config`; see the module docstring for the layout."""
-    cache_root = Path(config.cache_dir)
-    directory = cache_root / _fingerprint(config)
-    if (directory / MANIFEST).is_file():
-        manifest = json.loads((directory / MANIFEST).read_text())
-        log(f"data: reusing {directory} ({manifest['splits']['train']['tokens']:,} training tokens)")
-        return PreparedData(directory, Tokenizer.load(directory), manifest)
+@dataclass
+class _Decided:
+    """One batch after the dedup decision: what to tokenize (train texts first) and what to count."""
 
-    started = time.perf_counter()
-    tmp = cache_root / f".{directory.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        log(f"data: preparing {directory}")
-        stats = SourceStats()
-        counts = {"documents_in": 0, "documents_out": 0, "removed_min_length": 0}
-        tokenizer = _build_tokenizer(config, _split_documents(config, SourceStats(), dict(counts)))
+    documents: list[Document]
+    processed: Processed
+    outcomes: list[str | None]  # per raw document: removal reason, or None if kept
+    kept: list[int]  # raw indices of kept documents, stream order
+    kept_splits: list[str]
+    end: int  # stream position after this batch
+    texts: list[str] = field(default_factory=list)  # kept texts, train ones first
+    n_train: int = 0
+
+
+@dataclass
+class _State:
+    """Where the build stands; saved with every committed shard."""
+
+    phase: int = 0
+    position: int = 0  # raw documents of the current phase consumed
+    kept: int = 0  # documents kept in the current phase
+    counts: dict | None = None
+    skipped_done: dict = field(default_factory=dict)  # reader skips of finished phases
+    seconds: float = 0.0  # time spent by earlier, interrupted runs
+
+
+class _Build:
+    def __init__(self, config: DataConfig, fingerprint: str, work: Path, directory: Path):
+        self.config, self.fingerprint, self.work, self.directory = config, fingerprint, work, directory
+        self.near = config.deduplication == "near"
+        self.with_scores = config.curriculum_key != "length"
+        self.source_names = [spec.name for spec in source_specs(config)]
+        self.source_index = {name: i for i, name in enumerate(self.source_names)}
+
+    def run(self) -> PreparedData:
+        self.started = time.perf_counter()
+        tokenizer = self._tokenizer()
         dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-        sizes = {split: 0 for split in SPLITS}
-        offsets = {split: [0] for split in SPLITS}
-        files = {split: open(tmp / f"{split}.bin", "wb") for split in SPLITS}
-        with files["train"], files["val"]:
-            documents = _split_documents(config, stats, counts)
-            for splits, token_lists in _encoded_batches(tokenizer, documents, config.preprocessing_num_workers):
-                for split, ids in zip(splits, token_lists):
-                    ids.append(tokenizer.eot_id)
-                    files[split].write(np.asarray(ids, dtype=dtype).tobytes())
-                    sizes[split] += len(ids)
-                    offsets[split].append(sizes[split])
-            for handle in files.values():
-                handle.flush()
-                os.fsync(handle.fileno())
-        if sizes["train"] == 0:
+        writer = ShardWriter(self.work, dtype, self.fingerprint, with_signatures=self.near, with_scores=self.with_scores)
+        record = writer.resume()
+        state = _State(**record["state"]) if record else _State()
+        self.earlier_seconds = state.seconds
+        removed_keys = QualityFilter(self.config).active()
+        if self.config.deduplication != "none":
+            removed_keys += ["exact_duplicates"] + (["near_duplicates"] if self.near else [])
+        counts = Counts.from_json(state.counts) if state.counts else Counts(removed_keys)
+        if record:
+            log(f"data: resuming {self.directory.name} after shard {writer.index - 1} "
+                f"({counts.documents_in:,} documents already read)")
+        else:
+            log(f"data: preparing {self.directory}")
+        skipped = Counter(state.skipped_done)
+        if not (record and record["done"]):
+            dedup = Deduplicator(self.config)
+            writer.restore_dedup(dedup)
+            progress = Progress(self.config.progress_bar, counts.bytes_in)
+            try:
+                skipped = self._stream(tokenizer, dtype, writer, dedup, state, counts, progress)
+            finally:
+                writer.close()
+                progress.close()
+        splits = {s: dict(writer.totals[s]) for s in SPLITS}
+        if self._single_document(splits):
+            splits = self._split_single_document(tokenizer, dtype, writer, state, counts)
+        if splits["train"]["tokens"] == 0:
             raise UsageError("the data sources produced no training documents; check data_files / dataset_name and min_length")
-        for split in SPLITS:
-            np.save(tmp / f"{split}.idx.npy", np.asarray(offsets[split], dtype=np.int64))
-        tokenizer.save(tmp)
-        manifest = {
+        writer.finalize(self.work)
+        seconds = self._elapsed()
+        padding = None
+        if self.config.max_length:
+            padding = padding_fractions(np.load(self.work / "train.idx.npy"), self.config.max_length)
+        report = build_report(counts, splits, seconds=seconds, reader_skipped=skipped, padding=padding,
+                              shards=writer.index, resumed_from_shard=(record["shard"] + 1) if record else None)
+        write_report(self.work, report)
+        manifest = self._manifest(tokenizer, dtype, splits, counts, skipped, seconds)
+        (self.work / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        shutil.rmtree(self.directory, ignore_errors=True)  # a folder without a manifest is an old partial one
+        self.work.rename(self.directory)
+        shutil.rmtree(self.directory / SHARDS, ignore_errors=True)
+        (self.directory / ".lock").unlink(missing_ok=True)
+        print_summary(report)
+        return PreparedData(self.directory, tokenizer, manifest)
+
+    def _elapsed(self) -> float:
+        """Seconds of work on this folder, earlier interrupted runs included."""
+        return self.earlier_seconds + time.perf_counter() - self.started
+
+    def _tokenizer(self) -> Tokenizer:
+        """Built once per fingerprint and kept in the work folder, so a resumed run uses the same one."""
+        saved = self.work / "tokenizer.json"
+        if saved.is_file():
+            return Tokenizer.load(saved)
+        tokenizer = _build_tokenizer(self.config)
+        tokenizer.save(self.work)
+        return tokenizer
+
+    # -- the streaming pipeline -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _executors(self, tokenizer: Tokenizer, dtype):
+        """(submit for stage one, submit for tokenization, lookahead depth)."""
+        workers = self.config.preprocessing_num_workers
+        if workers <= 1:  # the Rust tokenizer runs on its own threads, without the GIL, beside the main thread
+            processor = DocumentProcessor(self.config)
+            # Two threads: while one turns a finished batch's ids into arrays (under the GIL), the other
+            # keeps the Rust tokenizer busy with the next batch.
+            with ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize") as pool:
+                yield ((lambda texts: _Done(processor(texts))),
+                       (lambda texts: pool.submit(encode, tokenizer, texts, dtype)), _TOKENIZE_THREADS + 1)
+            return
+        context = mp.get_context("spawn")
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=worker_init,
+                                 initargs=(self.config, tokenizer.to_json(), np.dtype(dtype).name)) as pool:
+            yield ((lambda texts: pool.submit(worker_process, texts)),
+                   (lambda texts: pool.submit(worker_encode, texts)), 2 * workers)
+
+    def _stream(self, tokenizer, dtype, writer, dedup, state: _State, counts: Counts, progress: Progress) -> Counter:
+        """Run the phases from `state` to the end, committing shards; returns the readers' skip counts."""
+        skipped = Counter(state.skipped_done)
+        phases = _phases(self.config)
+        writer.start()
+        with self._executors(tokenizer, dtype) as (submit_process, submit_encode, depth):
+            for phase in range(state.phase, len(phases)):
+                split, make = phases[phase]
+                stats = SourceStats()
+                if phase != state.phase:
+                    state.phase, state.position, state.kept = phase, 0, 0
+                start = state.position  # raw documents that committed shards already hold: replayed, skipped
+                documents = itertools.islice(make(stats), start, None)
+                raw = ((start + i * _BATCH, batch) for i, batch in enumerate(_batched(documents, _BATCH)))
+                processed = _ordered(raw, lambda item: submit_process([d.text for d in item[1]]), depth)
+                decided = self._decide(processed, dedup, split, state.kept)
+                for batch, (tokens, lengths) in _ordered(decided, lambda d: submit_encode(d.texts), depth):
+                    self._write(batch, tokens, lengths, writer, counts, progress)
+                    state.position, state.kept = batch.end, state.kept + len(batch.kept)
+                    if writer.pending_tokens() >= self.config.shard_tokens:
+                        writer.commit(self._snapshot(state, counts))
+                        writer.start()
+                skipped.update(stats.skipped)
+                state.skipped_done = dict(skipped)
+        state.phase, state.position, state.kept = len(phases), 0, 0
+        writer.commit(self._snapshot(state, counts), done=True)
+        return skipped
+
+    def _decide(self, processed, dedup: Deduplicator, split: str | None, kept: int) -> Iterator[_Decided]:
+        """Dedup decisions and splits, in stream order; stops after max_documents kept documents."""
+        cap = self.config.max_documents
+        if cap is not None and kept >= cap:  # resumed after the cap was reached
+            return
+        for (start, documents), result in processed:
+            outcomes, kept_idx, kept_splits = [], [], []
+            for i in range(len(documents)):
+                reason = result.reasons[i] or _duplicate(dedup, result, i)
+                outcomes.append(reason)
+                if reason is None:
+                    kept_idx.append(i)
+                    kept_splits.append(split or _fraction_split(kept, self.config.validation_split))
+                    kept += 1
+                    if cap is not None and kept >= cap:
+                        documents = documents[: i + 1]
+                        break
+            batch = _Decided(documents, result, outcomes, kept_idx, kept_splits, start + len(documents))
+            for wanted in SPLITS:
+                batch.texts += [result.texts[i] for i, s in zip(kept_idx, kept_splits) if s == wanted]
+            batch.n_train = kept_splits.count("train")
+            yield batch
+            if cap is not None and kept >= cap:
+                return
+
+    def _write(self, batch: _Decided, tokens: np.ndarray, lengths: np.ndarray, writer: ShardWriter, counts: Counts,
+               progress: Progress) -> None:
+        n_train = batch.n_train
+        cut = int(lengths[:n_train].sum())
+        order = [i for s in SPLITS for i, split in zip(batch.kept, batch.kept_splits) if split == s]  # raw index per row
+        sources = np.asarray([self.source_index[batch.documents[i].source] for i in order], dtype=np.int16)
+        scores = None
+        if self.with_scores:
+            scores = np.asarray([np.nan if batch.documents[i].score is None else batch.documents[i].score for i in order])
+        writer.add("train", tokens[:cut], lengths[:n_train], sources[:n_train], None if scores is None else scores[:n_train])
+        writer.add("val", tokens[cut:], lengths[n_train:], sources[n_train:], None if scores is None else scores[n_train:])
+        result = batch.processed
+        writer.add_keys(result.keys[batch.kept], result.signatures[batch.kept] if self.near else None)
+        tokens_of = dict(zip(order, lengths.tolist()))
+        for i, document in enumerate(batch.documents):
+            counts.document(document.source, result.nbytes[i], batch.outcomes[i], tokens_of.get(i, 0))
+        progress.update(sum(result.nbytes[: len(batch.documents)]), counts.documents_out,
+                        writer.totals["train"]["tokens"] + writer.totals["val"]["tokens"] + writer.pending_tokens())
+
+    # -- a corpus of one document (a single text file) is split by position -----------------------
+
+    def _single_document(self, splits: dict) -> bool:
+        fraction = self.config.validation_split
+        return isinstance(fraction, float) and fraction > 0 and splits["train"]["documents"] + splits["val"]["documents"] == 1
+
+    def _split_single_document(self, tokenizer, dtype, writer, state, counts) -> dict:
+        """The first 1-f of its characters train, the rest validate (read again: it is one document)."""
+        text = next(_kept_texts(self.config, ("train", "val")))
+        cut = int(len(text) * (1 - self.config.validation_split))
+        writer.discard()
+        writer.start()
+        source = next(self.source_index[name] for name, per in counts.sources.items() if per["documents_out"])
+        for split, part in zip(SPLITS, (text[:cut], text[cut:])):
+            tokens, lengths = encode(tokenizer, [part], dtype)
+            writer.add(split, tokens, lengths, np.full(1, source, np.int16), np.full(1, np.nan) if self.with_scores else None)
+        writer.add_keys(np.zeros(0, np.uint64), np.zeros((0, self.config.minhash_num_perm), np.uint32) if self.near else None)
+        writer.commit(self._snapshot(state, counts), done=True)
+        return {s: dict(writer.totals[s]) for s in SPLITS}
+
+    def _snapshot(self, state: _State, counts: Counts) -> dict:
+        """The state to resume from, saved in the record of the shard being committed."""
+        return {"phase": state.phase, "position": state.position, "kept": state.kept, "counts": counts.to_json(),
+                "skipped_done": dict(state.skipped_done), "seconds": round(self._elapsed(), 3)}
+
+    def _manifest(self, tokenizer, dtype, splits, counts: Counts, skipped: Counter, seconds: float) -> dict:
+        settings = {k: v for k, v in self.config.to_dict().items() if k not in _NOT_FINGERPRINTED}
+        return {
             "format_version": FORMAT_VERSION,
-            "fingerprint": directory.name,
+            "fingerprint": self.fingerprint,
             "dtype": np.dtype(dtype).name,
             "vocab_size": tokenizer.vocab_size,
             "eot_id": tokenizer.eot_id,
             "tokenizer_fingerprint": tokenizer.fingerprint(),
-            "source_fingerprint": hashlib.sha256(json.dumps(source_fingerprint(config), default=str).encode()).hexdigest()[:16],
-            "splits": {s: {"documents": len(offsets[s]) - 1, "tokens": sizes[s]} for s in SPLITS},
-            "documents_in": counts["documents_in"],
-            "documents_out": counts["documents_out"],
-            "removed": {"min_length": counts["removed_min_length"], **dict(stats.skipped)},
-            "seconds": round(time.perf_counter() - started, 3),
-            "config": config.to_dict(),
+            "source_fingerprint": _short_hash(source_fingerprint(self.config)),
+            "settings_fingerprint": _short_hash(settings),
+            "splits": splits,
+            "source_names": self.source_names,
+            "tokens": sum(s["tokens"] for s in splits.values()),
+            "documents_in": counts.documents_in,
+            "documents_out": counts.documents_out,
+            "removed": {**dict(counts.removed), **dict(skipped)},
+            "seconds": round(seconds, 3),
+            "config": self.config.to_dict(),
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        shutil.rmtree(directory, ignore_errors=True)  # a folder without a manifest is an old partial one
-        tmp.rename(directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log(
-        f"data: {manifest['documents_out']:,} documents -> {sizes['train']:,} train / {sizes['val']:,} val tokens "
-        f"(vocab {tokenizer.vocab_size:,}) in {manifest['seconds']:.1f}s"
-    )
-    return PreparedData(directory, tokenizer, manifest)
+
+
+def _short_hash(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# the entry point
+
+
+@contextlib.contextmanager
+def _locked(work: Path):
+    """One prepare per work folder at a time; a second waits (the lock dies with its process)."""
+    work.mkdir(parents=True, exist_ok=True)
+    handle = open(work / ".lock", "a")
+    try:
+        try:
+            import fcntl
+
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except ImportError:  # pragma: no cover - Windows: no locking
+            pass
+        yield
+    finally:
+        handle.close()
+
+
+def _load(directory: Path) -> PreparedData:
+    manifest = json.loads((directory / MANIFEST).read_text())
+    shutil.rmtree(directory / SHARDS, ignore_errors=True)  # left if the last run stopped right after its rename
+    log(f"data: reusing {directory} ({manifest['splits']['train']['tokens']:,} training tokens)")
+    return PreparedData(directory, Tokenizer.load(directory), manifest)
+
+
+def prepare_data(config: DataConfig) -> PreparedData:
+    """Build (or reuse, or resume) the token files for `config`; see the module docstring for the layout."""
+    cache_root = Path(config.cache_dir)
+    fingerprint = _fingerprint(config)
+    directory = cache_root / fingerprint
+    if (directory / MANIFEST).is_file():
+        return _load(directory)
+    work = cache_root / f".{fingerprint}.partial"
+    with _locked(work):
+        if (directory / MANIFEST).is_file():  # another process finished it while this one waited
+            shutil.rmtree(work, ignore_errors=True)
+            return _load(directory)
+        try:
+            return _Build(config, fingerprint, work, directory).run()
+        except (KeyboardInterrupt, SystemExit):
+            log(f"data: interrupted; the next prepare with this config resumes from the shards in {work}")
+            raise
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+
+
+__all__ = ["PreparedData", "prepare_data", "clean_text", "MANIFEST", "FORMAT_VERSION", "FILTERS"]

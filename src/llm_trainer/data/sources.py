@@ -1,35 +1,111 @@
-"""Where documents come from: files, folders, globs, JSONL, Parquet, Hugging Face datasets, the Python stdlib.
+"""Where documents come from: files, folders, globs, JSONL (.gz, .zst), Parquet, Hugging Face datasets, the stdlib.
 
-Each reader yields plain strings, one per document, in a deterministic order. A file the user named
-explicitly that cannot be read is an error; a bad file found while walking a folder is skipped and
-counted, because one stray binary in a corpus folder should not stop a run.
+Each source is read into `Document`s (text + the source's name, + a curriculum score when one is
+read), in a deterministic order, in constant memory: JSONL line by line, Parquet in record batches,
+datasets in batches or as a stream. Several sources are mixed by `mixture.interleave`.
+
+Bad input (a missing file, a binary file, a JSONL line that is not JSON or lacks the column, a
+Parquet file without the column, an empty source) goes through `BadInput`: skipped and counted, or a
+one-line `UsageError` naming the file and line, as `DataConfig.on_bad_input` says. The default,
+`skip_in_folders`, skips what was found by walking a folder or glob (one stray binary in a corpus
+folder should not stop a run) and refuses what the user named.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import gzip
+import io
+import itertools
 import json
+import math
 import os
 import sysconfig
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from ..config import DataConfig
 from ..errors import UsageError
 
 BUILTIN_STDLIB = "python-stdlib"
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".html", ".tex", ".csv"}
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".jsonl.zst", ".json.zst", ".ndjson.gz", ".ndjson.zst")
+DEFAULT_SOURCE = "data"  # the name of the one source that data_files / dataset_name make
+_BATCH_ROWS = 1024  # Parquet / datasets rows read at a time
+
+
+class Document(NamedTuple):
+    text: str
+    source: str  # the name of the source it came from
+    score: float | None = None  # the curriculum_key column's value, when that is a column
 
 
 @dataclass
 class SourceStats:
-    """What the readers skipped, reported in the manifest."""
+    """What the readers skipped, by kind (binary_files, bad_json_lines, ...), reported in the manifest."""
 
     skipped: Counter = field(default_factory=Counter)
+
+
+class BadInput:
+    """Skip-and-count or a one-line UsageError, as `on_bad_input` says.
+
+    `in_folder`: the problem is a whole file found by walking a folder or a glob, which the
+    default mode skips; lines inside a file and files named explicitly are errors unless mode is skip.
+    """
+
+    def __init__(self, mode: str, stats: SourceStats):
+        self.mode, self.stats = mode, stats
+
+    def __call__(self, kind: str, message: str, *, in_folder: bool = False) -> None:
+        if self.mode == "skip" or (self.mode == "skip_in_folders" and in_folder):
+            self.stats.skipped[kind] += 1
+            return
+        raise UsageError(message)
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One source of the mixture; DataConfig.sources entries, with unset keys from the top-level fields."""
+
+    name: str
+    data_files: tuple[str, ...] | None = None
+    dataset_name: str | None = None
+    dataset_config: str | None = None
+    dataset_split: str = "train"
+    text_column: str = "text"
+    include: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] | None = None
+    streaming: bool = False
+    weight: float = 1.0
+    max_documents: int | None = None  # raw documents read from this source at most
+
+
+def source_specs(config: DataConfig) -> list[SourceSpec]:
+    def files(value) -> tuple[str, ...] | None:
+        return None if value is None else ((value,) if isinstance(value, str) else tuple(value))
+
+    common = dict(
+        dataset_config=config.dataset_config, dataset_split=config.dataset_split, text_column=config.text_column,
+        include=files(config.include), exclude=files(config.exclude), streaming=config.streaming,
+    )
+    if not config.sources:
+        return [SourceSpec(name=DEFAULT_SOURCE, data_files=files(config.data_files), dataset_name=config.dataset_name, **common)]
+    specs = []
+    for entry in config.sources:
+        values = {**common, **{k: v for k, v in entry.items() if v is not None}}
+        for key in ("data_files", "include", "exclude"):
+            values[key] = files(values.get(key))
+        values["weight"] = float(values.get("weight", 1.0))
+        specs.append(SourceSpec(**values))
+    return specs
+
+
+# ----------------------------------------------------------------------------------------------
+# files
 
 
 def stdlib_files() -> list[Path]:
@@ -43,152 +119,311 @@ def stdlib_files() -> list[Path]:
     return sorted(found)
 
 
-def resolve_files(specs: list[str] | str) -> list[tuple[Path, bool]]:
-    """Expand files, folders and globs into (path, named_explicitly) pairs, sorted within each spec."""
+def _selected(relative: str, include, exclude) -> bool:
+    """include/exclude globs against a path relative to its folder ("*" spans folders) or its file name."""
+
+    def hit(patterns) -> bool:
+        name = relative.rsplit("/", 1)[-1]
+        return any(fnmatch.fnmatchcase(relative, p) or fnmatch.fnmatchcase(name, p) for p in patterns)
+
+    return (not include or hit(include)) and not (exclude and hit(exclude))
+
+
+def _glob_base(spec: str) -> Path:
+    """The folder part of a glob before its first wildcard: include/exclude match below it."""
+    static = list(itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), Path(spec).parts))
+    return Path(*static) if static else Path(".")
+
+
+def resolve_files(specs, include=None, exclude=None, bad: BadInput | None = None) -> list[tuple[Path, bool]]:
+    """Expand files, folders and globs into (path, named_explicitly) pairs, sorted within each spec.
+
+    include/exclude filter the files found in folders and globs; a file named explicitly is always read.
+    """
+    bad = bad or BadInput("error", SourceStats())
     if isinstance(specs, str):
         specs = [specs]
     out: list[tuple[Path, bool]] = []
     for spec in specs:
-        path = Path(os.path.expanduser(spec))
+        expanded = os.path.expanduser(spec)
+        path = Path(expanded)
         if any(ch in spec for ch in "*?["):
-            matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
-            if not matches:
-                raise UsageError(f"data_files pattern {spec!r} matches no files; check the path and the pattern")
-            out += [(p, False) for p in matches]
+            base = _glob_base(expanded)
+            matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True) if Path(p).is_file())
+            chosen = [p for p in matches if _selected(_relative(p, base), include, exclude)]
+            if not chosen:
+                bad("missing_files", f"data_files pattern {spec!r} matches no files; check the path and the pattern")
+            out += [(p, False) for p in chosen]
         elif path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-            if not found:
-                raise UsageError(f"data folder {path} has no files")
-            out += [(p, False) for p in found]
+            chosen = [p for p in found if _selected(p.relative_to(path).as_posix(), include, exclude)]
+            if not chosen:
+                bad("empty_folders", f"data folder {path} has no files" + (" matching include/exclude" if found else ""))
+            out += [(p, False) for p in chosen]
         elif path.is_file():
             out.append((path, True))
         else:
-            raise UsageError(f"data file {path} not found; fix data.data_files (files, folders or globs)")
+            bad("missing_files", f"data file {path} not found; fix data.data_files (files, folders or globs)")
     return out
 
 
-def read_text_file(path: Path, explicit: bool, stats: SourceStats) -> str | None:
-    raw = path.read_bytes()
+def _relative(path: Path, base: Path) -> str:
+    try:
+        return path.relative_to(base).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+@dataclass
+class _ReadOptions:
+    text_column: str
+    score_column: str | None  # the curriculum column, or None
+    invalid_utf8: str  # bad_input | replace | drop
+    bad: BadInput
+
+
+def read_text_file(path: Path, explicit: bool, stats: SourceStats, *, invalid_utf8: str = "bad_input",
+                   bad: BadInput | None = None) -> str | None:
+    """A whole file as one document, or None when it is skipped (binary, not UTF-8, ...)."""
+    bad = bad or BadInput("skip_in_folders", stats)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        bad("unreadable_files", f"{path} could not be read ({exc.strerror})", in_folder=not explicit)
+        return None
     if b"\x00" in raw[:8192]:
-        if explicit:
-            raise UsageError(f"{path} looks like a binary file, not text; remove it from data.data_files")
-        stats.skipped["binary_files"] += 1
+        hint = "remove it from data.data_files" if explicit else "exclude it (data.exclude) or set data.on_bad_input: skip"
+        bad("binary_files", f"{path} looks like a binary file, not text; {hint}", in_folder=not explicit)
         return None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        if explicit:
-            raise UsageError(f"{path} is not UTF-8 text (bad byte at offset {exc.start}); convert it to UTF-8") from None
-        stats.skipped["non_utf8_files"] += 1
+        if invalid_utf8 == "replace":
+            return raw.decode("utf-8", errors="replace")
+        if invalid_utf8 == "drop":
+            stats.skipped["invalid_utf8"] += 1
+            return None
+        bad("non_utf8_files", f"{path} is not UTF-8 text (bad byte at offset {exc.start}); convert it to UTF-8",
+            in_folder=not explicit)
         return None
 
 
-def _read_jsonl(path: Path, text_column: str) -> Iterator[str]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for line_no, line in _checked_lines(path, handle):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise UsageError(f"{path}:{line_no} is not valid JSON") from None
-            if not isinstance(record, dict) or text_column not in record:
-                raise UsageError(f"{path}:{line_no} has no {text_column!r} field; set data.text_column")
-            if isinstance(record[text_column], str):
-                yield record[text_column]
+def _open_lines(path: Path):
+    """A binary line iterator for .jsonl, .jsonl.gz and .jsonl.zst."""
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if name.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError:
+            raise UsageError(f"reading {path} needs the zstandard package: pip install zstandard") from None
+        handle = open(path, "rb")
+        reader = zstandard.ZstdDecompressor().stream_reader(handle, read_across_frames=True, closefd=True)
+        return io.BufferedReader(reader)
+    return open(path, "rb")
 
 
-def _checked_lines(path: Path, handle) -> Iterator[tuple[int, str]]:
-    """Numbered lines; undecodable bytes or a broken .gz are a one-line UsageError naming the file."""
+def _read_jsonl(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple[str, float | None]]:
     try:
-        yield from enumerate(handle, 1)
+        handle = _open_lines(path)
+    except OSError as exc:
+        opt.bad("unreadable_files", f"{path} could not be read ({exc.strerror})", in_folder=not explicit)
+        return
+    with handle:
+        line_no = 0
+        try:
+            for line_no, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                item = _jsonl_record(path, line_no, line, opt)
+                if item is not None:
+                    yield item
+        except (gzip.BadGzipFile, EOFError, OSError) as exc:  # zstandard.ZstdError is an OSError-free Exception
+            opt.bad("unreadable_files", f"{path}:{line_no + 1} could not be decompressed ({exc})", in_folder=not explicit)
+        except Exception as exc:
+            if type(exc).__name__ != "ZstdError":
+                raise
+            opt.bad("unreadable_files", f"{path}:{line_no + 1} could not be decompressed ({exc})", in_folder=not explicit)
+
+
+def _jsonl_record(path: Path, line_no: int, line: bytes, opt: _ReadOptions) -> tuple[str, float | None] | None:
+    try:
+        decoded = line.decode("utf-8")
     except UnicodeDecodeError:
-        raise UsageError(f"{path} is not UTF-8 text; convert it to UTF-8") from None
-    except (gzip.BadGzipFile, EOFError) as exc:
-        raise UsageError(f"{path} is not a readable gzip file ({exc})") from None
+        if opt.invalid_utf8 == "replace":
+            decoded = line.decode("utf-8", errors="replace")
+        elif opt.invalid_utf8 == "drop":
+            opt.bad.stats.skipped["invalid_utf8"] += 1
+            return None
+        else:
+            opt.bad("non_utf8_lines", f"{path}:{line_no} is not UTF-8 text; convert it to UTF-8 or set data.invalid_utf8")
+            return None
+    try:
+        record = json.loads(decoded)
+    except json.JSONDecodeError:
+        opt.bad("bad_json_lines", f"{path}:{line_no} is not valid JSON")
+        return None
+    if not isinstance(record, dict) or opt.text_column not in record:
+        opt.bad("missing_column", f"{path}:{line_no} has no {opt.text_column!r} field; set data.text_column")
+        return None
+    text = record[opt.text_column]
+    if not isinstance(text, str):
+        return None
+    score = None
+    if opt.score_column is not None:
+        score = _number(record.get(opt.score_column))
+        if score is None:
+            opt.bad("missing_column", f"{path}:{line_no} has no numeric {opt.score_column!r} field (data.curriculum_key)")
+            return None
+    return text, score
 
 
-def _read_parquet(path: Path, text_column: str) -> Iterator[str]:
+def _number(value) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _read_parquet(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple[str, float | None]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise UsageError("reading Parquet needs pyarrow: pip install 'llm-trainer[hf]'") from None
-    file = pq.ParquetFile(path)
-    if text_column not in file.schema_arrow.names:
-        raise UsageError(f"{path} has no column {text_column!r} (columns: {', '.join(file.schema_arrow.names)}); set data.text_column")
-    for group in range(file.num_row_groups):  # one row group at a time keeps memory flat
-        for text in file.read_row_group(group, columns=[text_column]).column(0).to_pylist():
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for a file that is not Parquet
+        opt.bad("unreadable_files", f"{path} is not a readable Parquet file ({str(exc).splitlines()[0]})", in_folder=not explicit)
+        return
+    names = file.schema_arrow.names
+    columns = [opt.text_column] + ([opt.score_column] if opt.score_column else [])
+    for column in columns:
+        if column not in names:
+            opt.bad("missing_column", f"{path} has no column {column!r} (columns: {', '.join(names)}); set data.text_column",
+                    in_folder=not explicit)
+            return
+    # Record batches, not whole row groups: memory stays flat however large the file's row groups are.
+    for batch in file.iter_batches(batch_size=_BATCH_ROWS, columns=columns):
+        texts = batch.column(0).to_pylist()
+        scores = batch.column(1).to_pylist() if opt.score_column else [None] * len(texts)
+        for text, score in zip(texts, scores):
             if isinstance(text, str):
-                yield text
+                yield text, _number(score)
 
 
-def _iter_files(config: DataConfig, stats: SourceStats) -> Iterator[str]:
-    for path, explicit in resolve_files(config.data_files):
+def _iter_files(spec: SourceSpec, stats: SourceStats, opt: _ReadOptions) -> Iterator[tuple[str, float | None]]:
+    for path, explicit in resolve_files(spec.data_files, spec.include, spec.exclude, opt.bad):
         name = path.name.lower()
         if name.endswith(JSONL_SUFFIXES):
-            yield from _read_jsonl(path, config.text_column)
+            yield from _read_jsonl(path, explicit, opt)
         elif name.endswith(".parquet"):
-            yield from _read_parquet(path, config.text_column)
+            yield from _read_parquet(path, explicit, opt)
         elif explicit or path.suffix.lower() in TEXT_SUFFIXES or not path.suffix:
-            text = read_text_file(path, explicit, stats)
+            text = read_text_file(path, explicit, stats, invalid_utf8=opt.invalid_utf8, bad=opt.bad)
             if text is not None:
-                yield text
+                yield text, None
         else:
             stats.skipped["unsupported_files"] += 1
 
 
-def _iter_hf_dataset(config: DataConfig, split: str) -> Iterator[str]:
+# ----------------------------------------------------------------------------------------------
+# Hugging Face datasets
+
+
+def _iter_hf_dataset(spec: SourceSpec, split: str, opt: _ReadOptions) -> Iterator[tuple[str, float | None]]:
     try:
         import datasets
     except ImportError:
-        raise UsageError(f"dataset {config.dataset_name!r} needs the datasets package: pip install 'llm-trainer[hf]'") from None
-    name = config.dataset_name
+        raise UsageError(f"dataset {spec.dataset_name!r} needs the datasets package: pip install 'llm-trainer[hf]'") from None
+    name = spec.dataset_name
     try:
         if Path(name).is_dir() and any((Path(name) / f).is_file() for f in ("dataset_info.json", "dataset_dict.json")):
             loaded = datasets.load_from_disk(name)
             single = not isinstance(loaded, datasets.DatasetDict)
             ds = loaded if single else loaded[split]
+            if spec.streaming:
+                ds = ds.to_iterable_dataset()
         else:
-            single, ds = False, datasets.load_dataset(name, config.dataset_config, split=split)
-    except (FileNotFoundError, ValueError, KeyError) as exc:
+            single = False
+            ds = datasets.load_dataset(name, spec.dataset_config, split=split, streaming=spec.streaming)
+    except (FileNotFoundError, ValueError, KeyError, ConnectionError, OSError) as exc:
         raise UsageError(f"could not load dataset {name!r} split {split!r}: {str(exc).splitlines()[0]}") from None
-    if single and split != config.dataset_split:  # a saved Dataset is one split: never reuse it for validation
+    if single and split != spec.dataset_split:  # a saved Dataset is one split: never reuse it for validation
         raise UsageError(f"dataset {name!r} is a single split, so it has no split {split!r}; use a fraction for data.validation_split")
-    if config.text_column not in ds.column_names:
-        raise UsageError(f"dataset {name!r} has no column {config.text_column!r} (columns: {', '.join(ds.column_names)}); set data.text_column")
-    for text in ds[config.text_column]:
-        if isinstance(text, str):
-            yield text
+    columns = [opt.text_column] + ([opt.score_column] if opt.score_column else [])
+    known = ds.column_names  # None for a stream whose features are unknown until read
+    for column in columns:
+        if known is not None and column not in known:
+            opt.bad("missing_column", f"dataset {name!r} has no column {column!r} (columns: {', '.join(known)}); set data.text_column")
+            return
+    if spec.streaming:
+        for i, record in enumerate(ds):
+            if opt.text_column not in record:
+                opt.bad("missing_column", f"dataset {name!r} record {i} has no {opt.text_column!r} field; set data.text_column")
+                continue
+            text = record[opt.text_column]
+            if isinstance(text, str):
+                yield text, _number(record.get(opt.score_column)) if opt.score_column else None
+        return
+    for batch in ds.select_columns(columns).iter(batch_size=_BATCH_ROWS):  # Arrow-backed: memory-mapped, read in batches
+        scores = batch[opt.score_column] if opt.score_column else [None] * len(batch[opt.text_column])
+        for text, score in zip(batch[opt.text_column], scores):
+            if isinstance(text, str):
+                yield text, _number(score)
 
 
-def iter_documents(config: DataConfig, stats: SourceStats, split: str | None = None) -> Iterator[str]:
-    """Every raw document of the configured sources (or of one named split of a HF dataset)."""
-    if config.dataset_name == BUILTIN_STDLIB:
-        for path in stdlib_files():
-            text = read_text_file(path, False, stats)
-            if text is not None:
-                yield text
-    elif config.dataset_name is not None:
-        yield from _iter_hf_dataset(config, split or config.dataset_split)
-    if config.data_files is not None:
-        yield from _iter_files(config, stats)
+# ----------------------------------------------------------------------------------------------
+# one source, all sources
+
+
+def read_options(config: DataConfig, stats: SourceStats) -> _ReadOptions:
+    score = None if config.curriculum_key == "length" else config.curriculum_key
+    return _ReadOptions(config.text_column, score, config.invalid_utf8, BadInput(config.on_bad_input, stats))
+
+
+def iter_source(spec: SourceSpec, config: DataConfig, stats: SourceStats, split: str | None = None) -> Iterator[Document]:
+    """Every raw document of one source (of its named split `split`, for a dataset's validation split)."""
+    opt = read_options(config, stats)
+    opt.text_column = spec.text_column
+
+    def raw() -> Iterator[tuple[str, float | None]]:
+        if spec.dataset_name == BUILTIN_STDLIB:
+            for path in stdlib_files():
+                text = read_text_file(path, False, stats, invalid_utf8=opt.invalid_utf8)
+                if text is not None:
+                    yield text, None
+        elif spec.dataset_name is not None:
+            yield from _iter_hf_dataset(spec, split or spec.dataset_split, opt)
+        if spec.data_files is not None and split is None:
+            yield from _iter_files(spec, stats, opt)
+
+    count = 0
+    for text, score in raw():
+        yield Document(text, spec.name, score)
+        count += 1
+        if spec.max_documents is not None and count >= spec.max_documents:
+            return
+    if count == 0:
+        opt.bad("empty_sources", f"data source {spec.name!r} has no documents; check its files, dataset and text_column")
 
 
 def source_fingerprint(config: DataConfig) -> list:
     """What identifies the input: file paths with sizes and times, or the dataset's name and version."""
     items: list = []
-    if config.dataset_name == BUILTIN_STDLIB:
-        items.append([BUILTIN_STDLIB, sysconfig.get_python_version(), len(stdlib_files())])
-    elif config.dataset_name is not None:
-        items.append([config.dataset_name, config.dataset_config, config.dataset_split])
-        local = Path(config.dataset_name)
-        if local.is_dir():  # a local dataset folder changes without changing its name
-            for path in sorted(p for p in local.rglob("*") if p.is_file()):
+    quiet = BadInput("skip", SourceStats())  # errors are reported when reading, not while fingerprinting
+    for spec in source_specs(config):
+        if spec.dataset_name == BUILTIN_STDLIB:
+            items.append([BUILTIN_STDLIB, sysconfig.get_python_version(), len(stdlib_files())])
+        elif spec.dataset_name is not None:
+            items.append([spec.dataset_name, spec.dataset_config, spec.dataset_split])
+            local = Path(spec.dataset_name)
+            if local.is_dir():  # a local dataset folder changes without changing its name
+                for path in sorted(p for p in local.rglob("*") if p.is_file()):
+                    stat = path.stat()
+                    items.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
+        if spec.data_files is not None:
+            for path, _ in resolve_files(spec.data_files, spec.include, spec.exclude, quiet):
                 stat = path.stat()
                 items.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
-    if config.data_files is not None:
-        for path, _ in resolve_files(config.data_files):
-            stat = path.stat()
-            items.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
     return items
+

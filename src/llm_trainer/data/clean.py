@@ -1,0 +1,90 @@
+"""Cleaning: one document's text in, its normalised text out (possibly empty, which the filters drop).
+
+In order: byte-order mark and literal end-of-text markers removed (a document must not contain the
+token that separates documents), lone surrogates replaced, newlines unified, Unicode NFC (or NFKC),
+control characters removed, boilerplate lines dropped, whitespace normalised.
+
+Whitespace normalisation strips trailing spaces and collapses runs of blank lines; it never touches a
+line's leading indentation. `collapse_spaces` (prose only; refused for `corpus_type: code`) also
+collapses runs of spaces inside lines. Every step has a fast path for text that needs no change,
+because cleaning runs on every byte of the corpus and must stay cheap next to the tokenizer.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+from ..config import DataConfig
+from ..tokenizer import EOT
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # C0/C1 except \t \n (and \r, unified before)
+_CONTROL_BYTES = bytes([*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F])  # the ASCII part of _CONTROL
+_SURROGATES = re.compile("[\ud800-\udfff]")
+_TRAILING = re.compile(r"[ \t]+\n")
+_BLANK_RUNS = re.compile(r"\n{3,}")
+_INNER_SPACES = re.compile(r"(?<=\S)[ \t]{2,}")
+# Lines that are navigation or legal chrome rather than content, in English web text.
+DEFAULT_BOILERPLATE = [
+    r"(?i)(all rights reserved\.?|copyright ©?.{0,80})",
+    r"(?i).{0,40}(cookie policy|privacy policy|terms of (use|service)).{0,40}",
+    r"(?i)(we use cookies|this (web)?site uses cookies).{0,200}",
+    r"(?i)(skip to (main )?content|back to top|share this( article| post)?|click here.{0,60}|read more\.?)",
+    r"(?i)(subscribe to our newsletter|sign up for our newsletter|follow us on .{0,40})",
+    r"(?i)(home|menu|search|login|log in|sign in|sign up|register)( [|>/·] .{0,30})*",
+]
+
+
+def _has_control(text: str) -> bool:
+    if text.isascii():  # bytes.translate runs at memory speed, a regex search at ~130 MB/s
+        raw = text.encode("ascii")
+        return len(raw.translate(None, _CONTROL_BYTES)) != len(raw)
+    return _CONTROL.search(text) is not None
+
+
+class Cleaner:
+    """Built once from the config (regexes compiled), then called per document; picklable for workers."""
+
+    def __init__(self, config: DataConfig):
+        self.normalization = None if config.unicode_normalization == "none" else config.unicode_normalization
+        self.control = config.remove_control_chars
+        self.whitespace = config.normalize_whitespace
+        self.collapse = config.collapse_spaces and config.corpus_type == "prose"
+        self.boilerplate = None
+        if config.remove_boilerplate:
+            patterns = config.boilerplate_patterns if config.boilerplate_patterns is not None else DEFAULT_BOILERPLATE
+            self.boilerplate = [re.compile(p) for p in patterns] or None  # separately: each may carry its own flags
+
+    def __call__(self, text: str) -> str:
+        if text.startswith("\ufeff"):
+            text = text[1:]
+        if EOT in text:
+            text = text.replace(EOT, "")
+        if not text.isascii():  # isascii is O(1); everything below it is for non-ASCII text only
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # lone surrogates (e.g. from "\ud800" in JSON) cannot be tokenized
+                text = _SURROGATES.sub("\ufffd", text)
+            if self.normalization and not unicodedata.is_normalized(self.normalization, text):
+                text = unicodedata.normalize(self.normalization, text)
+        if "\r" in text:
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
+        if self.control and _has_control(text):
+            text = _CONTROL.sub("", text)
+        if self.boilerplate is not None:
+            text = "\n".join(line for line in text.split("\n") if not any(p.fullmatch(line.strip()) for p in self.boilerplate))
+        if self.whitespace:
+            if " \n" in text or "\t\n" in text:
+                text = _TRAILING.sub("\n", text)
+            text = text.rstrip(" \t")  # the last line's trailing spaces
+            if "\n\n\n" in text:
+                text = _BLANK_RUNS.sub("\n\n", text)
+            text = text.strip("\n")
+        if self.collapse and ("  " in text or "\t" in text):
+            text = _INNER_SPACES.sub(" ", text)
+        return text
+
+
+def clean_text(text: str, config: DataConfig) -> str:
+    """Clean one document as `prepare` does (builds the Cleaner each call: for tests and one-offs)."""
+    return Cleaner(config)(text)

@@ -1,0 +1,139 @@
+"""What `prepare` did, in numbers: counters while it runs, a progress bar, data_report.json, a printed summary.
+
+The counters are plain JSON so that every committed shard can carry a snapshot of them and a resumed
+run continues counting from there (the report of a resumed run equals that of an uninterrupted one).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from ..logs import log
+from .packing import _pieces, first_fit_decreasing
+
+REPORT = "data_report.json"
+
+
+class Counts:
+    """documents in/out, removals by reason, per-source figures and bytes read."""
+
+    def __init__(self, removed_keys: list[str] = ()):
+        self.documents_in = 0
+        self.documents_out = 0
+        self.bytes_in = 0
+        self.removed: Counter = Counter({key: 0 for key in removed_keys})  # zeros: every active filter is listed
+        self.sources: dict[str, Counter] = {}
+
+    def document(self, source: str, nbytes: int, reason: str | None, tokens: int = 0) -> None:
+        per = self.sources.setdefault(source, Counter(documents_in=0, documents_out=0, tokens=0, bytes=0))
+        self.documents_in += 1
+        self.bytes_in += nbytes
+        per["documents_in"] += 1
+        per["bytes"] += nbytes
+        if reason is None:
+            self.documents_out += 1
+            per["documents_out"] += 1
+            per["tokens"] += tokens
+        else:
+            self.removed[reason] += 1
+
+    def to_json(self) -> dict:
+        return {
+            "documents_in": self.documents_in, "documents_out": self.documents_out, "bytes_in": self.bytes_in,
+            "removed": dict(self.removed), "sources": {k: dict(v) for k, v in self.sources.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Counts":
+        counts = cls()
+        counts.documents_in, counts.documents_out, counts.bytes_in = data["documents_in"], data["documents_out"], data["bytes_in"]
+        counts.removed = Counter(data["removed"])
+        counts.sources = {k: Counter(v) for k, v in data["sources"].items()}
+        return counts
+
+
+def padding_fractions(offsets: np.ndarray, length: int) -> dict[str, float]:
+    """Share of row positions that are padding under each layout, for rows of `length` tokens.
+
+    greedy has none (windows are cut from one stream; only the last partial window is dropped);
+    first_fit and unpacked pad every row to length + 1 tokens (inputs plus the last target).
+    """
+    sizes = np.diff(offsets)
+    total = int(sizes.sum())
+    if total == 0:
+        return {"greedy": 0.0, "first_fit": 0.0, "unpacked": 0.0}
+    capacity = length + 1
+    pieces = _pieces(offsets, capacity)
+    first_fit_rows = len(first_fit_decreasing(pieces, capacity))
+    return {
+        "greedy": 0.0,
+        "first_fit": round(1.0 - total / (first_fit_rows * capacity), 6),
+        "unpacked": round(1.0 - total / (len(pieces) * capacity), 6),
+    }
+
+
+class Progress:
+    """A tqdm bar of bytes read (terminals only: tqdm turns itself off when stderr is not a TTY)."""
+
+    def __init__(self, enabled: bool, initial_bytes: int = 0):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc="prepare", unit="B", unit_scale=True, initial=initial_bytes, file=sys.stderr,
+                            disable=None, dynamic_ncols=True, leave=False)
+
+    def update(self, nbytes: int, documents: int, tokens: int) -> None:
+        if self.bar is not None:
+            self.bar.update(nbytes)
+            self.bar.set_postfix(docs=documents, tokens=tokens, refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def build_report(counts: Counts, splits: dict, *, seconds: float, reader_skipped: Counter, padding: dict | None,
+                 shards: int, resumed_from_shard: int | None) -> dict:
+    tokens = sum(s["tokens"] for s in splits.values())
+    return {
+        "documents_in": counts.documents_in,
+        "documents_out": counts.documents_out,
+        "tokens": tokens,
+        "splits": splits,
+        "removed": dict(counts.removed),
+        "skipped_inputs": dict(reader_skipped),
+        "sources": {k: dict(v) for k, v in counts.sources.items()},
+        "padding_fraction": padding,
+        "bytes_in": counts.bytes_in,
+        "seconds": round(seconds, 3),
+        "bytes_per_second": round(counts.bytes_in / seconds, 1) if seconds > 0 else None,
+        "shards": shards,
+        "resumed_from_shard": resumed_from_shard,
+    }
+
+
+def write_report(directory: Path, report: dict) -> None:
+    (directory / REPORT).write_text(json.dumps(report, indent=2))
+
+
+def print_summary(report: dict) -> None:
+    """The report as a few lines on stderr."""
+    removed = ", ".join(f"{k} {v:,}" for k, v in sorted(report["removed"].items()) if v) or "none"
+    skipped = ", ".join(f"{k} {v:,}" for k, v in sorted(report["skipped_inputs"].items()) if v)
+    mb = report["bytes_in"] / 1e6
+    speed = (report["bytes_per_second"] or 0) / 1e6
+    log(f"data: {report['documents_in']:,} documents in -> {report['documents_out']:,} out, {report['tokens']:,} tokens "
+        f"({mb:,.1f} MB in {report['seconds']:.1f}s, {speed:.2f} MB/s)")
+    log(f"data: removed: {removed}" + (f"; skipped inputs: {skipped}" if skipped else ""))
+    if len(report["sources"]) > 1:
+        for name, per in report["sources"].items():
+            log(f"data: source {name}: {per['documents_in']:,} in -> {per['documents_out']:,} out, {per['tokens']:,} tokens")
+    if report["padding_fraction"]:
+        pads = ", ".join(f"{k} {v:.1%}" for k, v in report["padding_fraction"].items())
+        log(f"data: padding at max_length: {pads}")

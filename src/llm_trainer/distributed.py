@@ -1,0 +1,84 @@
+"""Process-group setup for runs under `torchrun`, and the few collectives the loop needs.
+
+We use PyTorch's own engines (DDP, FSDP2) and DeepSpeed's; this module only reads the launcher's
+environment (RANK, WORLD_SIZE, LOCAL_RANK), checks it against the config, picks the backend and the
+device, and opens the process group with a timeout so a dead rank fails the job instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .config import TrainingConfig
+from .errors import UsageError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    strategy: str = "single"  # single, ddp, fsdp, deepspeed
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1 or self.strategy == "deepspeed"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launcher_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def setup(config: TrainingConfig, device: torch.device) -> tuple[DistInfo, torch.device]:
+    """Open the process group when launched with several processes; idempotent.
+
+    Returns the rank information and the device this process should use (cuda:LOCAL_RANK on GPUs).
+    """
+    world = launcher_world_size()
+    if config.world_size is not None and config.world_size != world:
+        raise UsageError(
+            f"training.world_size={config.world_size} but the launcher started {world} process(es); "
+            f"use torchrun --nproc_per_node={config.world_size} (times nodes) or remove training.world_size"
+        )
+    strategy = config.distributed_strategy
+    if world == 1 and strategy != "deepspeed":
+        return DistInfo(), device
+    if strategy == "auto":
+        strategy = "ddp"
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = config.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "nccl" and device.type != "cuda":
+            raise UsageError("training.distributed_backend=nccl needs CUDA; use gloo on CPU")
+        dist.init_process_group(backend, timeout=timedelta(seconds=config.distributed_timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world, strategy=strategy), device
+
+
+def all_reduce_(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce when a process group is open; a no-op in a single process."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

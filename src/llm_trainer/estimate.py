@@ -1,0 +1,493 @@
+"""Memory and compute estimates for a training run, before it starts.
+
+Everything here follows how *this* trainer runs a model, so the numbers can be checked against it:
+
+* **Parameters** are counted exactly, by building the model on the meta device (no memory used).
+* **Precision.** Parameters, gradients and optimizer state are always fp32 (4 bytes): the trainer
+  keeps fp32 weights and, with `use_amp`, runs the forward under `torch.autocast` (bf16/fp16). There
+  is no separate "master copy": the fp32 parameters *are* the master weights. Autocast casts every
+  matmul weight to the 16-bit type once per forward and keeps the copy alive until its backward, so
+  amp adds 2 bytes per matmul parameter, and activations that feed or leave a matmul are 16-bit;
+  the residual stream and the norms' inputs stay fp32.
+* **Optimizer state**: AdamW/Adam keep two fp32 moments (8 bytes/param), SGD with momentum one
+  (4 bytes/param) and plain SGD none. The fused (CUDA) / foreach (CPU) steps add no full-size copy
+  on CUDA; on CPU the foreach step makes about one fp32 temporary per parameter.
+* **Activations**, per token and layer, are the tensors autograd saves for our blocks (pre-norm):
+  the block input and the mid-block residual (fp32, for the norms; RMSNorm also keeps its normalised
+  fp32 input), the inputs of the qkv and fc projections, the qkv output, the rotary q/k (LLaMA), the
+  attention output (flash / memory-efficient attention: no T x T matrix is kept), the MLP hidden
+  (GELU/SiLU: input and output; SwiGLU: the gate/up pair, SiLU output and product; ReLU: the output
+  only) and dropout masks when dropout > 0 (one byte on CUDA, the activation's size on CPU). The
+  output head keeps the fp32 log-softmax (4 V bytes a token); its backward briefly holds three
+  V-sized fp32 tensors (12 V bytes a token), which for small models with large vocabularies is the
+  largest single item.
+  With gradient checkpointing a block keeps only its fp32 input, and one block's activations are
+  rebuilt at a time during backward.
+* **Peak** = parameters + optimizer state + the largest of three phases: the end of the forward /
+  start of the backward (amp weight copies, all activations, the head's backward, the head's
+  gradient), the end of the backward (all gradients, one block's amp copies), the optimizer step
+  (all gradients, plus the CPU foreach temporary). Gradients are freed after each step
+  (`zero_grad(set_to_none=True)`).
+* **Sharding** over `world_size` devices: `zero1` shards optimizer state, `zero2` also gradients,
+  `fsdp` (= ZeRO-3) also parameters (plus two gathered blocks in flight, fp32, the way our trainer
+  keeps weights). Activations are per device: `training.batch_size` is the per-device micro-batch.
+
+Not modelled: the CUDA context (~0.3-0.5 GiB outside `max_memory_allocated`), allocator
+fragmentation, torch.compile workspaces, attention kernels that materialise T x T (the math path:
+attention dropout, or a document mask for packed rows), communication buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .config import ExperimentConfig, ModelConfig, TrainingConfig
+
+GiB = 1024**3
+
+SHARDING = ("none", "zero1", "zero2", "fsdp")
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters and FLOPs
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    total: int  # unique parameters (a tied head counted once)
+    embedding: int  # lookups only: the token embedding when untied, learned position embeddings
+    matmul: int  # total - embedding: the N of 6N (includes the output head, norms and biases)
+    matmul_weights: int  # weights of nn.Linear layers only (what autocast copies to 16-bit)
+    per_block: int  # parameters of one transformer block
+    block_matmul_weights: int  # nn.Linear weights of one block
+    head: int  # parameters of the output head matrix (V x d)
+
+
+def meta_model(model_config: ModelConfig):
+    """Our Transformer built on the meta device: exact shapes, no memory, no initialisation cost."""
+    from .model import Transformer
+
+    if model_config.vocab_size is None:
+        raise ValueError("model.vocab_size is not set; set it (or pass vocab_size) to count parameters")
+    with torch.device("meta"):
+        return Transformer(model_config)
+
+
+def count_parameters(model_config: ModelConfig) -> ParameterCount:
+    """Exact parameter counts from the model built on the meta device."""
+    model = meta_model(model_config)
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+    embedding = 0
+    if model.pos_emb is not None:
+        embedding += model.pos_emb.weight.numel()
+    if model.lm_head.weight is not model.tok_emb.weight:
+        embedding += model.tok_emb.weight.numel()
+    seen: set[int] = set()
+    linear = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            linear += module.weight.numel()
+    first = model.blocks[0] if len(model.blocks) else torch.nn.Module()
+    return ParameterCount(
+        total=total, embedding=embedding, matmul=total - embedding, matmul_weights=linear,
+        per_block=sum(p.numel() for p in first.parameters()),
+        block_matmul_weights=sum(m.weight.numel() for m in first.modules() if isinstance(m, torch.nn.Linear)),
+        head=model.lm_head.weight.numel(),
+    )
+
+
+def flops_per_token(model_config: ModelConfig, seq_len: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward), PaLM appendix B / nanoGPT's `estimate_mfu`:
+
+        6 * N  +  12 * n_layers * d_model * seq_len
+
+    * `N` = every parameter except embedding *lookups*: the token embedding is left out when it is
+      untied, learned position embeddings always; the output head (d_model x vocab) stays in, since it
+      is a real matmul. For tied GPT-2 this equals nanoGPT's `get_num_params()` (124M model: 123.65M).
+      Norm weights and biases are included (negligible).
+    * 6 = 2 FLOPs per multiply-add x (1 forward + 2 backward).
+    * The attention term counts QK^T and AV (2 matmuls of d_model x seq_len per token per layer, x 6
+      for forward + backward) over the *full* seq_len, as PaLM does: causal masking and flash
+      kernels' recomputation are ignored, so MFU is comparable with published numbers.
+
+    `seq_len` defaults to `model_config.max_seq_len`; pass the training sequence length. Our
+    `Transformer` is accepted in place of its config; so is any other `nn.Module` (e.g. a Hugging Face
+    model), counted from its own parameters (nn.Embedding weights not shared with a Linear are lookups)
+    with the layer count and width read from its `config` (n_layers/n_layer/num_hidden_layers,
+    d_model/n_embd/hidden_size). Raises ValueError when that is not possible.
+    """
+    config = getattr(model_config, "config", model_config)
+    if isinstance(config, ModelConfig):
+        seq_len = config.max_seq_len if seq_len is None else int(seq_len)
+        n = count_parameters(config).matmul
+        return float(6 * n + 12 * config.n_layers * config.d_model * seq_len)
+    if isinstance(model_config, torch.nn.Module):
+        return _module_flops_per_token(model_config, seq_len)
+    raise ValueError(f"flops_per_token needs a ModelConfig or a model, got {type(model_config).__name__}")
+
+
+def _config_value(config, *names):
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _module_flops_per_token(model: torch.nn.Module, seq_len: int | None) -> float:
+    config = getattr(model, "config", None)
+    layers = _config_value(config, "n_layers", "n_layer", "num_hidden_layers", "num_layers")
+    width = _config_value(config, "d_model", "n_embd", "hidden_size")
+    seq_len = seq_len or _config_value(config, "max_seq_len", "n_positions", "max_position_embeddings")
+    if not (layers and width and seq_len):
+        raise ValueError("cannot tell the model's layers, width and sequence length from its config")
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} - linear
+    n = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+    return float(6 * n + 12 * layers * width * int(seq_len))
+
+
+# Dense (no structured sparsity) peak FLOP/s. Keys are matched against torch.cuda.get_device_name()
+# in order; values: (16-bit tensor core, TF32 tensor core, FP32 without tensor cores). None = the
+# dtype has no fast path there (V100/T4 have no bf16; they fall back to their fp32 rate).
+_PEAKS: list[tuple[str, tuple[float | None, float | None, float]]] = [
+    (r"\bB200\b", (2250e12, 1100e12, 80e12)),
+    (r"\bGH200\b|\bH200\b", (989.4e12, 494.7e12, 66.9e12)),
+    (r"\bH100\b.*\bNVL\b", (835.5e12, 417.5e12, 60.0e12)),
+    (r"\bH100\b.*\bPCI[Ee]\b", (756.0e12, 378.0e12, 51.2e12)),
+    (r"\bH100\b", (989.4e12, 494.7e12, 66.9e12)),  # SXM ("NVIDIA H100 80GB HBM3")
+    (r"\bA100\b", (312.0e12, 156.0e12, 19.5e12)),
+    (r"\bA10G\b", (70.0e12, 35.0e12, 31.2e12)),  # AWS g5
+    (r"\bA10\b", (125.0e12, 62.5e12, 31.2e12)),
+    (r"\bL40S\b", (362.05e12, 183.0e12, 91.6e12)),
+    (r"\bL4\b", (121.0e12, 60.0e12, 30.3e12)),
+    (r"\bRTX A6000\b", (154.8e12, 77.4e12, 38.7e12)),
+    (r"\bV100\b.*\bPCI[Ee]\b", (112.0e12, None, 14.0e12)),
+    (r"\bV100\b", (125.0e12, None, 15.7e12)),  # SXM2; fp16 only (no bf16)
+    (r"\bRTX 4090\b", (165.2e12, 82.6e12, 82.6e12)),  # fp16/bf16 with fp32 accumulate
+    (r"\bRTX 3090\b", (71.0e12, 35.6e12, 35.6e12)),
+    (r"\bT4\b", (65.0e12, None, 8.1e12)),  # fp16 only (no bf16)
+]
+_NO_BF16 = (r"\bV100\b", r"\bT4\b")
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = str(dtype).replace("torch.", "").lower()
+    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+            "tf32": "tfloat32"}.get(name, name)
+
+
+def peak_flops(device_name: str, dtype: Any = torch.float32, *, tf32: bool | None = None) -> float | None:
+    """The device's dense peak FLOP/s for matmuls in `dtype`, or None (CPU, MPS, an unknown device).
+
+    `device_name` is `torch.cuda.get_device_name()` (e.g. "NVIDIA H100 80GB HBM3"); `dtype` a torch
+    dtype or its name ("bfloat16", "float16", "float32"). For float32, TF32 tensor cores count when
+    `tf32` is true or, if None, when `torch.get_float32_matmul_precision()` allows them ("high"/"medium").
+    """
+    name = (device_name or "").strip()
+    if not name or name.lower().split(":")[0] in ("cpu", "mps", "meta"):
+        return None
+    kind = _dtype_name(dtype)
+    for pattern, (half, tf, fp32) in _PEAKS:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            if kind == "bfloat16" and any(re.search(p, name, flags=re.IGNORECASE) for p in _NO_BF16):
+                return fp32
+            if kind in ("bfloat16", "float16"):
+                return half
+            if kind == "tfloat32":
+                return tf or fp32
+            if tf32 is None:
+                tf32 = torch.get_float32_matmul_precision() in ("high", "medium")
+            return (tf or fp32) if tf32 else fp32
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory
+
+
+def _act_bytes(training: TrainingConfig) -> int:
+    return 2 if training.use_amp else 4
+
+
+def activation_bytes_per_token(model_config: ModelConfig, training: TrainingConfig, device_type: str = "cuda") -> dict[str, float]:
+    """Bytes autograd keeps per token: `per_layer` (one block), `embedding` (ids, final norm, head input)
+    and `head` (the saved fp32 log-softmax). Checked against the tensors autograd actually saves."""
+    c = model_config
+    d, f, kv = c.d_model, c.d_ff, c.n_kv_heads * c.head_dim
+    a, r = _act_bytes(training), 4  # activation bytes; residual stream and norm inputs stay fp32
+    stats = 8  # per norm: mean and rstd (LayerNorm) or rstd (RMSNorm), fp32
+    norm_extra = d * 4 if c.norm == "rmsnorm" else 0  # RMSNorm also keeps its normalised fp32 input
+    layer = 0.0
+    layer += 2 * (d * r + stats + norm_extra)  # the two norms (block input, mid-block residual)
+    layer += 2 * d * a  # inputs of the qkv and fc projections (the norms' outputs, 16-bit under amp)
+    layer += (d + 2 * kv) * a  # qkv output (v is a view of it, saved by attention)
+    if c.position_embedding == "rope":
+        layer += (d + kv) * a  # rotated q and k
+    layer += d * a + c.n_heads * 4  # attention output (already (B, T, H, D): it is proj's input), logsumexp
+    layer += {"swiglu": 4 * f, "relu": f}.get(c.activation, 2 * f) * a  # MLP hidden
+    mask = 1 if device_type == "cuda" else a  # dropout masks: bool on CUDA, the input's dtype on CPU
+    if c.dropout > 0:
+        layer += 2 * d * mask  # the two residual dropouts
+    embedding = 8 + (d * (1 if device_type == "cuda" else 4) if c.dropout > 0 else 0)  # ids (int64), mask
+    final = d * r + stats + norm_extra + d * a  # final norm and the head's input
+    return {"per_layer": layer, "embedding": embedding + final, "head": 4 * c.vocab_size}
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per device; `peak` is what `torch.cuda.max_memory_allocated` should report."""
+
+    parameters: int
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    amp_weight_copies_bytes: float
+    activations_bytes: float  # saved for backward, whole model, one micro-batch
+    head_peak_bytes: float  # output head's backward transient (beyond the saved log-softmax)
+    optimizer_temp_bytes: float
+    peak_bytes: float
+    tokens_per_micro_batch: int
+    world_size: int = 1
+    sharding: str = "none"
+    details: dict = field(default_factory=dict)
+
+    @property
+    def states_bytes(self) -> float:
+        """Parameters + gradients + optimizer state: the activation-free part."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    def fits(self, device_memory_gb: float, reserve_gb: float = 0.0) -> bool:
+        return self.peak_bytes <= (device_memory_gb - reserve_gb) * GiB
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["states_bytes"] = self.states_bytes
+        return out
+
+
+def estimate_memory(
+    model_config: ModelConfig,
+    training: TrainingConfig,
+    *,
+    seq_len: int | None = None,
+    batch_size: int | None = None,
+    world_size: int = 1,
+    sharding: str = "none",
+    gradient_checkpointing: bool | None = None,
+    device_type: str = "cuda",
+) -> MemoryEstimate:
+    """Per-device memory of one training step of our trainer (see the module docstring for the model)."""
+    if sharding not in SHARDING:
+        raise ValueError(f"sharding must be one of {', '.join(SHARDING)}, got {sharding!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    c = model_config
+    seq_len = int(seq_len or c.max_seq_len)
+    batch_size = int(batch_size or training.batch_size)
+    checkpointing = c.gradient_checkpointing if gradient_checkpointing is None else gradient_checkpointing
+    counts = count_parameters(c)
+    n = counts.total
+    w = world_size if sharding != "none" else 1
+
+    params = 4.0 * n / (w if sharding == "fsdp" else 1)
+    grads = 4.0 * n / (w if sharding in ("zero2", "fsdp") else 1)
+    states = {"adamw": 2, "adam": 2, "sgd": 1 if training.sgd_momentum else 0}[training.optimizer]
+    optimizer = 4.0 * states * n / w  # every sharding mode shards optimizer state
+    if sharding == "fsdp" and w > 1:
+        params += 2 * 4.0 * counts.per_block  # two fp32 blocks gathered at a time (current + prefetch)
+    amp_copies = 2.0 * counts.matmul_weights if training.use_amp else 0.0
+
+    tokens = batch_size * seq_len
+    per_token = activation_bytes_per_token(c, training, device_type)
+    if checkpointing:
+        layers = c.n_layers * c.d_model * 4 + per_token["per_layer"]  # block inputs + one rebuilt block
+    else:
+        layers = c.n_layers * per_token["per_layer"]
+    activations = tokens * (layers + per_token["embedding"] + per_token["head"])
+    head_peak = tokens * 2 * per_token["head"]  # log-softmax's grad_out and grad_in beside the saved output
+    head_grad = 4.0 * counts.head / (w if sharding in ("zero2", "fsdp") else 1)
+    optimizer_temp = 4.0 * n / w if device_type == "cpu" and states else 0.0
+
+    steady = params + optimizer
+    phases = {
+        "forward_backward": steady + amp_copies + activations + head_peak + head_grad,
+        # each block's 16-bit weight copies are freed by its own backward, as its gradients appear
+        "end_of_backward": steady + grads + (2.0 * counts.block_matmul_weights if training.use_amp else 0.0),
+        "optimizer_step": steady + grads + optimizer_temp,
+    }
+    peak_phase = max(phases, key=phases.get)
+    return MemoryEstimate(
+        parameters=n,
+        params_bytes=params,
+        grads_bytes=grads,
+        optimizer_bytes=optimizer,
+        amp_weight_copies_bytes=amp_copies,
+        activations_bytes=activations,
+        head_peak_bytes=head_peak,
+        optimizer_temp_bytes=optimizer_temp,
+        peak_bytes=phases[peak_phase],
+        tokens_per_micro_batch=tokens,
+        world_size=world_size,
+        sharding=sharding,
+        details={"phases": phases, "peak_phase": peak_phase, "checkpointing": checkpointing,
+                 "per_token": per_token, "optimizer_states_per_param": states},
+    )
+
+
+def max_batch_size(model_config: ModelConfig, training: TrainingConfig, device_memory_gb: float, **kwargs) -> int:
+    """The largest per-device micro-batch whose estimated peak fits `device_memory_gb` (0 if none)."""
+    def fits(b: int) -> bool:
+        return estimate_memory(model_config, training, batch_size=b, **kwargs).fits(device_memory_gb)
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi) and hi < 1 << 20:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+# ----------------------------------------------------------------------------------------------
+# The report behind `llm-trainer estimate`
+
+
+def resolve_vocab_size(experiment: ExperimentConfig) -> tuple[int, str]:
+    """The vocabulary the model will get, without preparing data: (size, where it came from)."""
+    if experiment.model.vocab_size is not None:
+        return experiment.model.vocab_size, "model.vocab_size"
+    tok = experiment.data.tokenizer
+    if tok == "bpe":
+        return experiment.data.tokenizer_vocab_size, "data.tokenizer_vocab_size"
+    if tok == "char":
+        return 256, "assumed for the char tokenizer (set model.vocab_size for the exact count)"
+    from .tokenizer import Tokenizer
+
+    return Tokenizer.load(tok).vocab_size, tok
+
+
+def _sequence_length(experiment: ExperimentConfig) -> int:
+    return min(experiment.data.max_length or experiment.model.max_seq_len, experiment.model.max_seq_len)
+
+
+def estimate_report(
+    experiment: ExperimentConfig,
+    *,
+    world_size: int = 1,
+    sharding: str = "none",
+    device_memory_gb: float | None = None,
+    vocab_size: int | None = None,
+    batch_size: int | None = None,
+    gradient_checkpointing: bool | None = None,
+) -> dict:
+    """Everything `llm-trainer estimate` prints, as a dict (bytes and FLOPs as numbers)."""
+    if vocab_size is not None:
+        vocab, source = vocab_size, "--vocab-size"
+    else:
+        vocab, source = resolve_vocab_size(experiment)
+    model_config = dataclasses.replace(experiment.model, vocab_size=vocab)
+    training = experiment.training
+    seq_len = _sequence_length(experiment)
+    counts = count_parameters(model_config)
+    fpt = flops_per_token(model_config, seq_len)
+    micro = batch_size or training.batch_size
+    tokens_per_step = micro * seq_len * training.gradient_accumulation_steps * world_size
+    device_type = "cpu" if training.device == "cpu" else "cuda"
+    mem = estimate_memory(model_config, training, seq_len=seq_len, batch_size=micro, world_size=world_size,
+                          sharding=sharding, gradient_checkpointing=gradient_checkpointing, device_type=device_type)
+    report = {
+        "parameters": counts.total,
+        "non_embedding_parameters": counts.matmul,
+        "vocab_size": vocab,
+        "vocab_source": source,
+        "seq_len": seq_len,
+        "micro_batch_size": micro,
+        "world_size": world_size,
+        "sharding": sharding,
+        "precision": f"fp32 weights + autocast {training.amp_dtype}" if training.use_amp else "fp32",
+        "optimizer": training.optimizer,
+        "gradient_checkpointing": mem.details["checkpointing"],
+        "flops_per_token": fpt,
+        "tokens_per_optimizer_step": tokens_per_step,
+        "flops_per_optimizer_step": fpt * tokens_per_step,
+        "memory": {
+            "params_gb": mem.params_bytes / GiB,
+            "grads_gb": mem.grads_bytes / GiB,
+            "optimizer_gb": mem.optimizer_bytes / GiB,
+            "amp_weight_copies_gb": mem.amp_weight_copies_bytes / GiB,
+            "activations_gb": mem.activations_bytes / GiB,
+            "output_head_peak_gb": mem.head_peak_bytes / GiB,
+            "peak_gb": mem.peak_bytes / GiB,
+            "peak_phase": mem.details["peak_phase"],
+        },
+    }
+    if device_memory_gb is not None:
+        report["device_memory_gb"] = device_memory_gb
+        report["fits"] = mem.fits(device_memory_gb)
+        report["max_micro_batch_size"] = max_batch_size(
+            model_config, training, device_memory_gb, seq_len=seq_len, world_size=world_size, sharding=sharding,
+            gradient_checkpointing=gradient_checkpointing, device_type=device_type,
+        )
+        if not report["fits"]:
+            report["advice"] = _advice(model_config, training, device_memory_gb, seq_len, world_size, sharding,
+                                       gradient_checkpointing, device_type, report["max_micro_batch_size"])
+    return report
+
+
+def _advice(model_config, training, device_gb, seq_len, world_size, sharding, checkpointing, device_type, max_micro) -> str:
+    """What to change so it fits: a smaller micro-batch, checkpointing, then sharding over more devices."""
+    tips = []
+    if max_micro:
+        tips.append(f"training.batch_size={max_micro} (raise gradient_accumulation_steps to keep the tokens per step)")
+        return "; ".join(tips)
+    kwargs = dict(seq_len=seq_len, batch_size=1, device_type=device_type)
+    if not (checkpointing or model_config.gradient_checkpointing):
+        if estimate_memory(model_config, training, world_size=world_size, sharding=sharding,
+                           gradient_checkpointing=True, **kwargs).fits(device_gb):
+            return "model.gradient_checkpointing=true with a small training.batch_size"
+    for world in (2, 4, 8, 16, 32, 64, 128, 256, 512):
+        if world <= world_size:
+            continue
+        for mode in ("zero1", "zero2", "fsdp"):
+            if estimate_memory(model_config, training, world_size=world, sharding=mode,
+                               gradient_checkpointing=True, **kwargs).fits(device_gb):
+                return f"distributed: --world-size {world} --sharding {mode} with gradient checkpointing"
+    return "does not fit even when sharded over 512 devices; use a smaller model"
+
+
+def format_report(report: dict) -> str:
+    m = report["memory"]
+    lines = [
+        f"parameters        {report['parameters']:,} ({report['non_embedding_parameters']:,} without embedding lookups)",
+        f"vocab_size        {report['vocab_size']:,} ({report['vocab_source']})",
+        f"sequence          {report['seq_len']} tokens, micro-batch {report['micro_batch_size']}, "
+        f"world size {report['world_size']}, sharding {report['sharding']}",
+        f"precision         {report['precision']}, optimizer {report['optimizer']}, "
+        f"gradient checkpointing {'on' if report['gradient_checkpointing'] else 'off'}",
+        f"FLOPs per token   {report['flops_per_token']:.4g} (6N + attention)",
+        f"FLOPs per step    {report['flops_per_optimizer_step']:.4g} ({report['tokens_per_optimizer_step']:,} tokens)",
+        "memory per device (GiB):",
+        f"  parameters      {m['params_gb']:9.3f}",
+        f"  gradients       {m['grads_gb']:9.3f}",
+        f"  optimizer state {m['optimizer_gb']:9.3f}",
+        f"  amp copies      {m['amp_weight_copies_gb']:9.3f}",
+        f"  activations     {m['activations_gb']:9.3f}",
+        f"  head backward   {m['output_head_peak_gb']:9.3f}",
+        f"  peak            {m['peak_gb']:9.3f}  ({m['peak_phase'].replace('_', ' ')})",
+    ]
+    if "fits" in report:
+        verdict = "fits" if report["fits"] else "does NOT fit"
+        lines.append(f"{verdict} in {report['device_memory_gb']:g} GiB; largest micro-batch that fits: "
+                     f"{report['max_micro_batch_size']}")
+        if report.get("advice"):
+            lines.append(f"to fit: {report['advice']}")
+    return "\n".join(lines)

@@ -1,0 +1,185 @@
+"""Learning-rate range test (Smith 2017, fastai's `lr_find`): train a *copy* of the model for a few
+steps while the learning rate grows exponentially from `start_lr` to `end_lr`, record the loss, stop
+once it diverges (smoothed loss above `diverge_factor` x the best smoothed loss, or not finite), and
+suggest the rate where the smoothed loss falls fastest (steepest negative slope against log lr,
+before the minimum).
+
+Nothing of the real run is touched: the model is deep-copied (the original's weights, gradients and
+device stay as they are), the optimizer is a fresh one, the loader's position and the torch / numpy /
+Python random states are restored afterwards, and no checkpoint or metrics file is written.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .config import TrainingConfig
+from .data.loader import IGNORE_INDEX
+from .evaluate import logits_of, summed_nll
+from .model_files import unwrap
+
+
+@dataclass
+class LRFinderResult:
+    lrs: list[float]
+    losses: list[float]  # raw training loss at each lr
+    smoothed: list[float]  # bias-corrected exponential moving average of the loss
+    suggested_lr: float | None  # steepest descent of the smoothed curve; None if the curve is too short
+    diverged: bool  # stopped because the loss blew up (before reaching end_lr)
+    best_lr: float  # lr at the lowest smoothed loss (an upper bound: prefer the suggestion)
+
+    def plot(self, path) -> Path:
+        from .plots import plot_lr_finder
+
+        return plot_lr_finder(self.lrs, self.losses, self.smoothed, self.suggested_lr, path)
+
+    def to_dict(self) -> dict:
+        return {"suggested_lr": self.suggested_lr, "best_lr": self.best_lr, "diverged": self.diverged,
+                "steps": len(self.lrs), "lrs": self.lrs, "losses": self.losses, "smoothed": self.smoothed}
+
+
+def suggest_lr(lrs: list[float], smoothed: list[float], skip_start: int | None = None) -> float | None:
+    """The lr of steepest descent of the smoothed loss (against log lr), searched before its minimum."""
+    n = len(smoothed)
+    if n < 5:
+        return None
+    values = np.asarray(smoothed, dtype=np.float64)
+    values = np.where(np.isfinite(values), values, np.inf)
+    end = int(np.argmin(values)) + 1  # up to and including the minimum
+    start = max(1, n // 10) if skip_start is None else skip_start  # the first points are noise
+    if end - start < 3:
+        start = 0
+    if end - start < 3:
+        return None
+    x = np.log10(np.asarray(lrs[start:end], dtype=np.float64))
+    slope = np.gradient(values[start:end], x)
+    return float(lrs[start + int(np.argmin(slope))])
+
+
+def find_lr(
+    model: nn.Module,
+    loader,
+    *,
+    start_lr: float = 1e-7,
+    end_lr: float = 10.0,
+    num_steps: int = 100,
+    beta: float = 0.98,
+    diverge_factor: float = 4.0,
+    training: TrainingConfig | None = None,
+    device: torch.device | str | None = None,
+    accumulation_steps: int | None = None,
+) -> LRFinderResult:
+    """Run the range test on a copy of `model` with batches from `loader`; see the module docstring.
+
+    `loader`: our `BatchLoader` (anything with `next_batch()`), or any iterable of batches the
+    `Trainer` accepts ((inputs, targets), a dict with input_ids, or token rows); it is cycled.
+    `training` supplies the optimizer (type, betas, weight-decay groups), clipping, amp and the
+    accumulation steps of the real run (defaults: `TrainingConfig()`). `device` defaults to the
+    model's own.
+    """
+    if not (0 < start_lr < end_lr):
+        raise ValueError(f"need 0 < start_lr < end_lr, got {start_lr} and {end_lr}")
+    if num_steps < 2:
+        raise ValueError(f"num_steps must be at least 2, got {num_steps}")
+    from .optim import build_optimizer
+    from .trainer import _IterableBatches
+
+    training = training or TrainingConfig()
+    original = unwrap(model)
+    if device is None:
+        first = next(original.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    device = torch.device(device)
+    accum = accumulation_steps or training.gradient_accumulation_steps
+    batches = loader if hasattr(loader, "next_batch") else _IterableBatches(loader, device)
+    saved_position = batches.state_dict() if hasattr(batches, "state_dict") else None
+    py_state, np_state = random.getstate(), np.random.get_state()
+    cuda_devices = [device] if device.type == "cuda" else []
+
+    with torch.random.fork_rng(devices=cuda_devices):
+        work = copy.deepcopy(original).to(device)
+        work.train()
+        optimizer = build_optimizer(work, training, device)
+        params = [p for p in work.parameters() if p.requires_grad]
+        amp_dtype = torch.bfloat16 if training.amp_dtype == "bfloat16" else torch.float16
+        autocast = torch.autocast(device.type, dtype=amp_dtype, enabled=training.use_amp)
+        scaler = torch.amp.GradScaler(
+            device.type, enabled=training.use_amp and amp_dtype == torch.float16 and device.type == "cuda"
+        )
+        ratio = (end_lr / start_lr) ** (1.0 / (num_steps - 1))
+        lrs, losses, smoothed = [], [], []
+        average, best, diverged = 0.0, math.inf, False
+        try:
+            for i in range(num_steps):
+                lr = start_lr * ratio**i
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                micro = [batches.next_batch() for _ in range(accum)]
+                micro = [(x.to(device), y.to(device)) for x, y in micro]
+                n_targets = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro) or 1
+                total = 0.0
+                for inputs, targets in micro:
+                    with autocast:
+                        nll = summed_nll(logits_of(work(inputs)), targets)
+                    scaler.scale(nll / n_targets).backward()
+                    total += float(nll.detach())
+                scaler.unscale_(optimizer)
+                if training.max_grad_norm:
+                    torch.nn.utils.clip_grad_norm_(params, training.max_grad_norm)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+
+                loss = total / n_targets
+                lrs.append(lr)
+                losses.append(loss)
+                if not math.isfinite(loss):
+                    smoothed.append(math.inf)
+                    diverged = True
+                    break
+                average = beta * average + (1 - beta) * loss
+                value = average / (1 - beta ** (i + 1))
+                smoothed.append(value)
+                best = min(best, value)
+                if i > 0 and value > diverge_factor * best:
+                    diverged = True
+                    break
+        finally:
+            del work, optimizer
+            if saved_position is not None:
+                batches.load_state_dict(saved_position)
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+    finite = [(v, lr) for v, lr in zip(smoothed, lrs) if math.isfinite(v)]
+    best_lr = min(finite)[1] if finite else lrs[0]
+    return LRFinderResult(lrs=lrs, losses=losses, smoothed=smoothed, suggested_lr=suggest_lr(lrs, smoothed),
+                          diverged=diverged, best_lr=best_lr)
+
+
+def run_lr_finder(experiment, *, start_lr: float, end_lr: float, num_steps: int, plot_path=None) -> LRFinderResult:
+    """What `llm-trainer lr-find` does: data, tokenizer and a freshly initialised model exactly as
+    `train` would build them, then `find_lr`; writes only the plot (and the shared data cache)."""
+    from .pipeline import _fit_model_config, build_loaders, build_model, prepare_data, sequence_length
+    from .trainer import resolve_device, seed_everything
+
+    sequence_length(experiment)
+    prepared = prepare_data(experiment.data)
+    experiment = _fit_model_config(experiment, prepared.tokenizer)
+    seed_everything(experiment.training.seed)
+    model = build_model(experiment.model)
+    device = resolve_device(experiment.training.device)
+    train_loader, _ = build_loaders(experiment, prepared, device)
+    result = find_lr(model, train_loader, start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,
+                     training=experiment.training, device=device)
+    if plot_path is not None:
+        result.plot(plot_path)
+    return result

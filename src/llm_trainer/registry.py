@@ -1,0 +1,440 @@
+"""Model registry: named, numbered versions of trained models with what made them.
+
+    llm-trainer registry add runs/tiny --name tiny-code          -> tiny-code:1
+    llm-trainer registry list
+    llm-trainer registry show tiny-code            (latest)  /  tiny-code:1  /  tiny-code:production
+    llm-trainer registry promote tiny-code:1 --stage production
+
+A version records, from the run folder: the experiment config, the final metrics (the `train_end`
+row of metrics.jsonl, with the best evaluation), the data fingerprint (prepared-data cache key,
+from the checkpoint's saved config), the tokenizer fingerprint (sha256 of tokenizer.json), the git
+commit of the run folder's repository (null outside git), the model folder (best_model, else the
+newest checkpoint) and an exported Hugging Face folder when there is one (`--export PATH`, or a
+subfolder of the run holding config.json + model.safetensors). Files are referenced, not copied.
+
+Stages: none (new versions), staging, production, archived. Promoting to staging/production moves
+the version that held that stage to archived (unless `keep_existing`).
+
+Backends: a local SQLite file (no server), by default `~/.llm_trainer/registry.db`, overridden by
+`--db PATH` or $LLM_TRAINER_REGISTRY; or the MLflow model registry when the spec is `mlflow:URI`
+(e.g. `mlflow:sqlite:///mlruns/mlflow.db`, `mlflow:http://host:5000`; `mlflow:` alone uses
+$MLFLOW_TRACKING_URI or ./mlruns): versions become MLflow model versions with the same fields as
+tags, and a stage is an MLflow alias of that name.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import sqlite3
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import UsageError
+
+STAGES = ("none", "staging", "production", "archived")
+DEFAULT_DB = Path("~/.llm_trainer/registry.db")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass
+class ModelVersion:
+    name: str
+    version: int
+    stage: str = "none"
+    created_at: str = ""
+    run_dir: str | None = None
+    model_path: str | None = None
+    export_path: str | None = None
+    data_fingerprint: str | None = None
+    tokenizer_fingerprint: str | None = None
+    git_commit: str | None = None
+    description: str | None = None
+    metrics: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}:{self.version}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# What a run folder tells about itself
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _final_metrics(run_dir: Path) -> dict:
+    """The last train_end row of metrics.jsonl (else the last evaluation row), without the event key."""
+    file = run_dir / "metrics.jsonl"
+    if not file.is_file():
+        return {}
+    end, last_eval = None, None
+    for line in file.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(row, dict):
+            continue
+        if row.get("event") == "train_end":
+            end = row
+        elif "val_loss" in row:
+            last_eval = row
+    chosen = end or last_eval or {}
+    return {k: v for k, v in chosen.items() if k != "event"}
+
+
+def git_commit(path: Path) -> str | None:
+    """HEAD of the git repository holding `path`, or None (not in a repository, or no git)."""
+    try:
+        out = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and re.fullmatch(r"[0-9a-f]{40,64}", commit) else None
+
+
+def _find_export(run_dir: Path) -> Path | None:
+    for sub in sorted(p for p in run_dir.iterdir() if p.is_dir()):
+        if (sub / "config.json").is_file() and any(sub.glob("*.safetensors")):
+            return sub
+    return None
+
+
+def collect_run_info(run_dir: str | Path, export_path: str | Path | None = None) -> dict:
+    """The fields of a new version, read from a run folder (see the module docstring)."""
+    from .checkpoint import BEST, META, list_checkpoints
+
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise UsageError(f"run folder {run} not found")
+    config = None
+    if (run / "config.yaml").is_file():
+        try:
+            config = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+        except yaml.YAMLError:
+            config = None
+    training = (config or {}).get("training") or {}
+    ckpt_root = Path(training["checkpoint_dir"]) if training.get("checkpoint_dir") else run / "checkpoints"
+    if not ckpt_root.is_absolute() and not ckpt_root.is_dir():
+        ckpt_root = run / "checkpoints"
+    best = ckpt_root / BEST
+    newest = next(iter(list_checkpoints(ckpt_root)), None)
+    model_path = best if (best / "model.safetensors").is_file() else newest
+    meta = None
+    for folder in (newest, best):  # the checkpoint's config carries data_fingerprint
+        if folder is not None and (folder / META).is_file():
+            meta = _read_json(folder / META)
+            if meta:
+                break
+    saved = dict((meta or {}).get("config") or {})
+    data_fingerprint = saved.pop("data_fingerprint", None)
+    config = config or {k: v for k, v in saved.items() if k in ("model", "training", "data")}
+    if not config and model_path is None:
+        raise UsageError(f"{run} is not a run folder: no config.yaml and no checkpoint")
+    metrics = _final_metrics(run)
+    best_meta = _read_json(best / META) if best.is_dir() else None
+    if best_meta and isinstance(best_meta.get("metrics"), dict):
+        metrics.setdefault("best_model", best_meta["metrics"])
+    tokenizer = run / "tokenizer.json"
+    if not tokenizer.is_file() and model_path is not None:
+        tokenizer = Path(model_path) / "tokenizer.json"
+    if export_path is not None:
+        export = Path(export_path)
+        if not export.exists():
+            raise UsageError(f"--export {export} not found")
+    else:
+        export = _find_export(run)
+    return {
+        "run_dir": str(run.resolve()),
+        "model_path": str(Path(model_path).resolve()) if model_path is not None else None,
+        "export_path": str(export.resolve()) if export is not None else None,
+        "data_fingerprint": data_fingerprint,
+        "tokenizer_fingerprint": hashlib.sha256(tokenizer.read_bytes()).hexdigest() if tokenizer.is_file() else None,
+        "git_commit": git_commit(run),
+        "metrics": metrics,
+        "config": config,
+    }
+
+
+def parse_ref(ref: str) -> tuple[str, int | str | None]:
+    """"name" -> (name, None = latest); "name:3" -> (name, 3); "name:production" -> (name, "production")."""
+    name, _, version = ref.partition(":")
+    if not name:
+        raise UsageError(f"model reference {ref!r} must look like NAME, NAME:VERSION or NAME:STAGE")
+    if not version:
+        return name, None
+    if version.isdigit():
+        return name, int(version)
+    if version in STAGES or version == "latest":
+        return name, None if version == "latest" else version
+    raise UsageError(f"{ref!r}: the part after ':' must be a version number or a stage ({', '.join(STAGES)})")
+
+
+def _check_name(name: str) -> None:
+    if not NAME_RE.match(name or ""):
+        raise UsageError(f"model name {name!r} must start with a letter or digit and hold only letters, digits, '.', '_', '-'")
+
+
+def _check_stage(stage: str) -> None:
+    if stage not in STAGES:
+        raise UsageError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# SQLite backend
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS versions (
+    name TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    stage TEXT NOT NULL DEFAULT 'none',
+    created_at TEXT NOT NULL,
+    run_dir TEXT,
+    model_path TEXT,
+    export_path TEXT,
+    data_fingerprint TEXT,
+    tokenizer_fingerprint TEXT,
+    git_commit TEXT,
+    description TEXT,
+    metrics TEXT NOT NULL DEFAULT '{}',
+    config TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (name, version)
+);
+CREATE TABLE IF NOT EXISTS stage_history (
+    name TEXT NOT NULL, version INTEGER NOT NULL, stage TEXT NOT NULL, changed_at TEXT NOT NULL
+);
+"""
+_COLUMNS = ("name", "version", "stage", "created_at", "run_dir", "model_path", "export_path", "data_fingerprint",
+            "tokenizer_fingerprint", "git_commit", "description", "metrics", "config")
+
+
+class SQLiteRegistry:
+    """The registry in one SQLite file; safe for several processes (writes take an immediate lock)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).expanduser()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
+            self.db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            raise UsageError(f"registry {self.path} is not usable: {exc}") from None
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _row(self, row) -> ModelVersion:
+        values = dict(zip(_COLUMNS, row))
+        values["metrics"] = json.loads(values["metrics"] or "{}")
+        values["config"] = json.loads(values["config"] or "{}")
+        return ModelVersion(**values)
+
+    def _select(self, where: str = "", args: tuple = ()) -> list[ModelVersion]:
+        sql = f"SELECT {', '.join(_COLUMNS)} FROM versions {where} ORDER BY name, version"
+        return [self._row(r) for r in self.db.execute(sql, args)]
+
+    def add(self, run_dir, name: str, *, export_path=None, description: str | None = None) -> ModelVersion:
+        _check_name(name)
+        info = collect_run_info(run_dir, export_path)
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            (latest,) = self.db.execute("SELECT MAX(version) FROM versions WHERE name = ?", (name,)).fetchone()
+            version = ModelVersion(name=name, version=(latest or 0) + 1, created_at=_now(), description=description, **info)
+            values = version.to_dict()
+            values["metrics"] = json.dumps(values["metrics"], default=str)
+            values["config"] = json.dumps(values["config"], default=str)
+            self.db.execute(
+                f"INSERT INTO versions ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' for _ in _COLUMNS)})",
+                tuple(values[c] for c in _COLUMNS),
+            )
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        return version
+
+    def list(self, name: str | None = None) -> list[ModelVersion]:
+        return self._select("WHERE name = ?", (name,)) if name else self._select()
+
+    def get(self, name: str, version: int | str | None = None) -> ModelVersion:
+        if version is None:
+            found = self._select("WHERE name = ? AND version = (SELECT MAX(version) FROM versions WHERE name = ?)", (name, name))
+        elif isinstance(version, int):
+            found = self._select("WHERE name = ? AND version = ?", (name, version))
+        else:
+            _check_stage(version)
+            found = self._select("WHERE name = ? AND stage = ?", (name, version))[-1:]
+        if not found:
+            known = sorted({v.name for v in self._select()})
+            what = f"{name}:{version}" if version is not None else name
+            hint = f"; registered: {', '.join(known)}" if known else "; the registry is empty"
+            raise UsageError(f"no model version {what} in {self.path}{hint}")
+        return found[0]
+
+    def promote(self, name: str, version: int, stage: str, *, keep_existing: bool = False) -> ModelVersion:
+        _check_stage(stage)
+        target = self.get(name, version)
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            now = _now()
+            if stage in ("staging", "production") and not keep_existing:
+                for (other,) in self.db.execute(
+                    "SELECT version FROM versions WHERE name = ? AND stage = ? AND version != ?", (name, stage, version)
+                ).fetchall():
+                    self.db.execute("UPDATE versions SET stage = 'archived' WHERE name = ? AND version = ?", (name, other))
+                    self.db.execute("INSERT INTO stage_history VALUES (?, ?, 'archived', ?)", (name, other, now))
+            self.db.execute("UPDATE versions SET stage = ? WHERE name = ? AND version = ?", (stage, name, version))
+            self.db.execute("INSERT INTO stage_history VALUES (?, ?, ?, ?)", (name, version, stage, now))
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        target.stage = stage
+        return target
+
+
+# ----------------------------------------------------------------------------------------------
+# MLflow backend (thin)
+
+
+class MLflowRegistry:
+    """The MLflow model registry as the backend. Versions are numbered by MLflow; our fields are tags
+    (the config split into one JSON tag per section, to stay under tag-length limits); a stage is an
+    alias (`production`, `staging`) plus a `stage` tag on the version."""
+
+    def __init__(self, tracking_uri: str | None):
+        from .metrics import mlflow_client, resolve_mlflow_uri
+
+        self.path, _ = resolve_mlflow_uri(tracking_uri or None)
+        self.client, _ = mlflow_client(self.path)
+
+    def close(self) -> None:
+        pass
+
+    def _exists(self, name: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_registered_model(name)
+            return True
+        except MlflowException:
+            return False
+
+    def add(self, run_dir, name: str, *, export_path=None, description: str | None = None) -> ModelVersion:
+        _check_name(name)
+        info = collect_run_info(run_dir, export_path)
+        if not self._exists(name):
+            self.client.create_registered_model(name)
+        tags = {k: ("" if v is None else str(v)) for k, v in info.items() if k not in ("metrics", "config")}
+        tags["metrics"] = json.dumps(info["metrics"], default=str)[:5000]
+        for section, values in (info["config"] or {}).items():
+            tags[f"config.{section}"] = json.dumps(values, default=str, separators=(",", ":"))[:5000]
+        tags["stage"] = "none"
+        source = info["export_path"] or info["model_path"] or info["run_dir"]
+        mv = self.client.create_model_version(name, source=Path(source).as_uri(), tags=tags, description=description)
+        return self._version(mv)
+
+    def _version(self, mv) -> ModelVersion:
+        tags = dict(mv.tags or {})
+        config = {k.split(".", 1)[1]: json.loads(v) for k, v in tags.items() if k.startswith("config.")}
+        created = _dt.datetime.fromtimestamp(mv.creation_timestamp / 1000, _dt.timezone.utc).replace(microsecond=0).isoformat()
+        return ModelVersion(
+            name=mv.name, version=int(mv.version), stage=tags.get("stage", "none"), created_at=created,
+            run_dir=tags.get("run_dir") or None, model_path=tags.get("model_path") or None,
+            export_path=tags.get("export_path") or None, data_fingerprint=tags.get("data_fingerprint") or None,
+            tokenizer_fingerprint=tags.get("tokenizer_fingerprint") or None, git_commit=tags.get("git_commit") or None,
+            description=mv.description or None, metrics=json.loads(tags.get("metrics") or "{}"), config=config,
+        )
+
+    def list(self, name: str | None = None) -> list[ModelVersion]:
+        names = [name] if name else sorted(m.name for m in self.client.search_registered_models())
+        out = []
+        for n in names:
+            versions = self.client.search_model_versions(f"name='{n}'")
+            out += sorted((self._version(v) for v in versions), key=lambda v: v.version)
+        return out
+
+    def get(self, name: str, version: int | str | None = None) -> ModelVersion:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            if isinstance(version, int):
+                return self._version(self.client.get_model_version(name, str(version)))
+            if isinstance(version, str):
+                _check_stage(version)
+                return self._version(self.client.get_model_version_by_alias(name, version))
+            versions = self.list(name)
+        except MlflowException:
+            versions = []
+        if not versions:
+            raise UsageError(f"no model version {name}{'' if version is None else f':{version}'} in MLflow registry {self.path}")
+        return versions[-1]
+
+    def promote(self, name: str, version: int, stage: str, *, keep_existing: bool = False) -> ModelVersion:
+        _check_stage(stage)
+        self.get(name, version)
+        if stage in ("staging", "production") and not keep_existing:
+            for other in self.list(name):
+                if other.stage == stage and other.version != version:
+                    self.client.set_model_version_tag(name, str(other.version), "stage", "archived")
+        from mlflow.exceptions import MlflowException
+
+        self.client.set_model_version_tag(name, str(version), "stage", stage)
+        for alias in ("staging", "production"):  # an alias points at the version holding that stage, if any
+            if alias == stage:
+                self.client.set_registered_model_alias(name, alias, str(version))
+                continue
+            try:
+                holder = self.client.get_model_version_by_alias(name, alias)
+            except MlflowException:
+                continue
+            if int(holder.version) == version:
+                self.client.delete_registered_model_alias(name, alias)
+        return self.get(name, version)
+
+
+def default_spec() -> str:
+    return os.environ.get("LLM_TRAINER_REGISTRY") or str(DEFAULT_DB)
+
+
+def open_registry(spec: str | Path | None = None):
+    """`SQLiteRegistry` for a path, `MLflowRegistry` for `mlflow:[URI]`; default: $LLM_TRAINER_REGISTRY or
+    ~/.llm_trainer/registry.db."""
+    spec = str(spec) if spec else default_spec()
+    if spec.startswith("mlflow:"):
+        return MLflowRegistry(spec[len("mlflow:"):])
+    return SQLiteRegistry(Path(spec).expanduser())
+
+
+def format_table(versions: list[ModelVersion]) -> str:
+    header = ["model", "version", "stage", "val_loss", "created", "model_path"]
+    rows = []
+    for v in versions:
+        loss = v.metrics.get("val_loss", v.metrics.get("best_val_loss"))
+        rows.append([v.name, str(v.version), v.stage, f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
+                     v.created_at.replace("+00:00", "Z"), v.model_path or "-"])
+    if not rows:
+        return "(no models registered)"
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])

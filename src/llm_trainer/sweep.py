@@ -1,0 +1,332 @@
+"""Hyperparameter search with Optuna: `llm-trainer sweep --config C --search-space S.yaml --trials N`.
+
+Each trial is an ordinary training run (`llm_trainer.pipeline.train`) of the experiment file with
+dotted overrides sampled from the search space, in its own folder `{root}/trial-0007/`. The
+objective is the trial's best validation loss (so the data needs a validation split). TPE samples;
+a median pruner stops trials whose intermediate validation loss (each `training.eval_steps`) is worse
+than the median of earlier trials at the same step. The study lives in a SQLite file,
+`{root}/study.db`, so running the same command again resumes it.
+
+Search-space file (YAML), one entry per dotted config key:
+
+    training.learning_rate: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}
+    training.weight_decay:  {type: float, low: 0.0, high: 0.2, step: 0.05}
+    model.n_layers:         {type: int, low: 2, high: 6}            # optional: step, log
+    model.activation:       {type: categorical, choices: [gelu, swiglu]}
+    model.dropout:          [0.0, 0.1]                              # a list: shorthand for categorical
+    training.warmup_steps:  20                                      # a plain value: fixed for every trial
+
+`--trials N` is the number of finished trials (complete, pruned, or failed on a bad config / a
+diverged run) the study should hold: rerunning the same command after an interruption runs only
+the missing ones, a larger N extends the sweep. Ctrl-C or SIGTERM stops the running trial's
+training cleanly, marks that trial failed (not counted: it is run again on resume) and ends the
+sweep. A trial whose run diverged (`TrainingStopped`) gets the value +inf; one whose sampled config
+is invalid fails with the reason kept as the trial's `error` attribute; both count as finished.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import _yaml_load, load_experiment
+from .errors import UsageError
+from .logs import log
+from .trainer import Callback
+
+KINDS = ("float", "int", "categorical")
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """A signal stopped a trial's run; the trial is recorded as failed (not counted) and the sweep stops."""
+
+
+@dataclass
+class SearchParam:
+    name: str  # dotted config key, e.g. training.learning_rate
+    kind: str  # float | int | categorical | fixed
+    low: Any = None
+    high: Any = None
+    log: bool = False
+    step: Any = None
+    choices: list = field(default_factory=list)
+    value: Any = None  # for fixed
+
+    def suggest(self, trial):
+        if self.kind == "float":
+            return trial.suggest_float(self.name, self.low, self.high, log=self.log, step=self.step)
+        if self.kind == "int":
+            return trial.suggest_int(self.name, self.low, self.high, log=self.log, step=self.step or 1)
+        if self.kind == "categorical":
+            return trial.suggest_categorical(self.name, self.choices)
+        return self.value
+
+    def example(self):
+        return {"float": self.low, "int": self.low, "categorical": (self.choices or [None])[0]}.get(self.kind, self.value)
+
+
+def parse_search_space(data: Any, source: str = "search space") -> list[SearchParam]:
+    """Validate the search-space mapping (see the module docstring) into `SearchParam`s."""
+    if not isinstance(data, dict) or not data:
+        raise UsageError(f"{source} must be a mapping of dotted config keys to ranges, e.g. "
+                         "training.learning_rate: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}")
+    params = []
+    for name, spec in data.items():
+        where = f"{source}: {name}"
+        if not isinstance(name, str) or len(name.split(".")) != 2 or not all(name.split(".")):
+            raise UsageError(f"{where}: keys must be section.key (e.g. training.learning_rate)")
+        if isinstance(spec, list):
+            spec = {"type": "categorical", "choices": spec}
+        if not isinstance(spec, dict):
+            params.append(SearchParam(name, "fixed", value=spec))
+            continue
+        unknown = set(spec) - {"type", "low", "high", "log", "step", "choices"}
+        if unknown:
+            raise UsageError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; use type, low, high, log, step, choices")
+        kind = spec.get("type") or ("categorical" if "choices" in spec else None)
+        if kind not in KINDS:
+            raise UsageError(f"{where}: type must be float, int or categorical, got {kind!r}")
+        if kind == "categorical":
+            choices = spec.get("choices")
+            if not isinstance(choices, list) or not choices:
+                raise UsageError(f"{where}: categorical needs a non-empty list of choices")
+            if not all(c is None or isinstance(c, (bool, int, float, str)) for c in choices):
+                raise UsageError(f"{where}: choices must be plain values (numbers, strings, true/false, null)")
+            params.append(SearchParam(name, kind, choices=list(choices)))
+            continue
+        if "low" not in spec or "high" not in spec:
+            raise UsageError(f"{where}: {kind} needs low and high")
+        cast = float if kind == "float" else int
+        try:
+            low, high = cast(spec["low"]), cast(spec["high"])
+            step = cast(spec["step"]) if spec.get("step") is not None else None
+        except (TypeError, ValueError):
+            raise UsageError(f"{where}: low, high and step must be {'numbers' if kind == 'float' else 'integers'}") from None
+        if kind == "int" and any(isinstance(spec.get(k), float) and not float(spec[k]).is_integer() for k in ("low", "high", "step")):
+            raise UsageError(f"{where}: int ranges need integer low/high/step")
+        log_scale = bool(spec.get("log", False))
+        if low > high:
+            raise UsageError(f"{where}: low ({low}) is above high ({high})")
+        if log_scale and low <= 0:
+            raise UsageError(f"{where}: a log range needs low > 0")
+        if log_scale and step is not None:
+            raise UsageError(f"{where}: log and step cannot be combined")
+        params.append(SearchParam(name, kind, low=low, high=high, log=log_scale, step=step))
+    return params
+
+
+def load_search_space(path: str | Path) -> list[SearchParam]:
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"search space {path} not found")
+    try:
+        data = _yaml_load(path.read_text(encoding="utf-8"))
+    except Exception as exc:
+        raise UsageError(f"search space {path} could not be parsed: {str(exc).splitlines()[0]}") from None
+    return parse_search_space(data, str(path))
+
+
+def override(name: str, value) -> str:
+    """A dotted override whose value reads back as the same YAML scalar (JSON is valid YAML)."""
+    return f"{name}={json.dumps(value)}"
+
+
+def _optuna():
+    try:
+        import optuna
+    except ImportError:
+        raise UsageError("sweep needs optuna: pip install 'llm-trainer[hpo]'") from None
+    return optuna
+
+
+class OptunaPruningCallback(Callback):
+    """Reports each evaluation's val_loss to the trial and raises `optuna.TrialPruned` when the pruner
+    says so. The run's loggers are closed first (metrics.jsonl, TensorBoard, W&B, MLflow end cleanly);
+    the exception then leaves `Trainer.train` and `pipeline.train` untouched, and Optuna records the
+    trial as pruned."""
+
+    def __init__(self, trial):
+        self.trial = trial
+
+    def on_evaluate(self, trainer, metrics: dict) -> None:
+        optuna = _optuna()
+        step = trainer.state.step
+        self.trial.report(float(metrics["val_loss"]), step)
+        if self.trial.should_prune():
+            from .metrics import close_loggers
+
+            close_loggers(trainer.loggers)
+            trainer.loggers = []
+            raise optuna.TrialPruned(f"pruned at step {step} (val_loss {metrics['val_loss']:.4f})")
+
+
+def _finished(trial) -> bool:
+    state = trial.state.name
+    return state in ("COMPLETE", "PRUNED") or (state == "FAIL" and "error" in trial.user_attrs)
+
+
+@dataclass
+class SweepResult:
+    study: Any
+    root: Path
+    storage: str
+    ran: int  # trials run by this call
+
+    @property
+    def best(self):
+        done = [t for t in self.study.trials if t.state.name == "COMPLETE" and t.value is not None and math.isfinite(t.value)]
+        return min(done, key=lambda t: t.value) if done else None
+
+
+def run_sweep(
+    config_path: str | Path,
+    search_space: str | Path | list[SearchParam],
+    n_trials: int,
+    *,
+    overrides: list[str] | tuple[str, ...] = (),
+    output_dir: str | Path | None = None,
+    storage: str | None = None,
+    study_name: str | None = None,
+    pruner: Any = "median",
+    seed: int | None = None,
+    callbacks: list | tuple = (),
+) -> SweepResult:
+    """Run (or resume) the study until it holds `n_trials` finished trials; see the module docstring.
+
+    `pruner`: "median", "none", or an `optuna.pruners.BasePruner`. `callbacks`: extra trainer
+    callbacks for every trial's run (after the pruning callback).
+    """
+    optuna = _optuna()
+    from .pipeline import train
+    from .trainer import TrainingStopped
+
+    if n_trials < 1:
+        raise UsageError(f"--trials must be at least 1, got {n_trials}")
+    params = search_space if isinstance(search_space, list) else load_search_space(search_space)
+    base = load_experiment(config_path, list(overrides))
+    # Catch wrong keys and types now, not in the middle of the sweep.
+    load_experiment(config_path, [*overrides, *(override(p.name, p.example()) for p in params)])
+    root = Path(output_dir) if output_dir is not None else Path(base.training.output_dir) / "sweep"
+    root.mkdir(parents=True, exist_ok=True)
+    storage = storage or f"sqlite:///{root.resolve() / 'study.db'}"
+    study_name = study_name or Path(config_path).stem
+    if pruner == "median":
+        pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
+    elif pruner in (None, "none"):
+        pruner = optuna.pruners.NopPruner()
+    elif isinstance(pruner, str):
+        raise UsageError(f"pruner must be median or none, got {pruner!r}")
+
+    previous = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        study = optuna.create_study(study_name=study_name, storage=storage, direction="minimize",
+                                    pruner=pruner, load_if_exists=True)
+        done = sum(_finished(t) for t in study.trials)
+        todo = max(0, n_trials - done)
+        # A fresh seed per invocation: a resumed study must not replay the first invocation's samples.
+        sampler_seed = (base.training.seed if seed is None else seed) + len(study.trials)
+        study.sampler = optuna.samplers.TPESampler(seed=sampler_seed, n_startup_trials=max(2, min(10, n_trials // 3)))
+        if done:
+            log(f"sweep: study {study_name!r} in {storage} has {done} finished trial(s); running {todo} more")
+        else:
+            log(f"sweep: study {study_name!r} in {storage}; running {todo} trial(s)")
+
+        errors: list[str] = []
+
+        def objective(trial):
+            sampled = {p.name: p.suggest(trial) for p in params}
+            trial_dir = root / f"trial-{trial.number:04d}"
+            trial_overrides = [override(k, v) for k, v in sampled.items()]
+            trial.set_user_attr("overrides", trial_overrides)
+            trial.set_user_attr("output_dir", str(trial_dir))
+            searched = {k: v for k, v in sampled.items() if any(p.name == k and p.kind != "fixed" for p in params)}
+            log(f"sweep: trial {trial.number} " + " ".join(override(k, v) for k, v in searched.items()))
+            try:
+                experiment = load_experiment(
+                    config_path, [*overrides, *trial_overrides, override("training.output_dir", str(trial_dir)),
+                                  "training.resume_from_checkpoint=null"],
+                )
+            except UsageError as exc:  # a sampled combination the config rejects (e.g. d_model % n_heads)
+                trial.set_user_attr("error", str(exc))
+                errors.append(str(exc))
+                log(f"sweep: trial {trial.number} failed: {exc}")
+                return float("nan")
+            try:
+                summary = train(experiment, callbacks=[OptunaPruningCallback(trial), *callbacks])
+            except TrainingStopped as exc:  # diverged: the worst possible value, and the sweep goes on
+                trial.set_user_attr("error", str(exc))
+                log(f"sweep: trial {trial.number} diverged")
+                return float("inf")
+            stopped = str(summary.get("stopped_early") or "")
+            if stopped.startswith("received "):  # SIGINT/SIGTERM: the run saved and stopped; so does the sweep
+                raise SweepInterrupted(f"sweep interrupted during trial {trial.number} ({stopped}); rerun the same command to resume")
+            value = summary.get("best_val_loss")
+            if value is None:
+                value = summary.get("val_loss")
+            if value is None:
+                raise UsageError("sweep needs validation data: set data.validation_split (e.g. 0.1)")
+            trial.set_user_attr("summary", {k: summary.get(k) for k in ("step", "val_loss", "perplexity", "best_val_loss", "train_runtime_s")})
+            log(f"sweep: trial {trial.number} val_loss {value:.4f}")
+            return float(value)
+
+        if todo:
+            study.optimize(objective, n_trials=todo, catch=())
+        ran = todo
+        if todo and len(errors) == todo:
+            raise UsageError(f"every trial failed on its config; the last: {errors[-1]}")
+    finally:
+        optuna.logging.set_verbosity(previous)
+    return SweepResult(study=study, root=root, storage=storage, ran=ran)
+
+
+def results_table(study, params: list[str] | None = None) -> str:
+    """The study's trials as a text table, best first."""
+    trials = list(study.trials)
+    names = params or sorted({k for t in trials for k in t.params})
+    header = ["trial", "state", "val_loss", "minutes"] + names
+    rows = []
+
+    def key(t):
+        value = t.value if t.value is not None and not (isinstance(t.value, float) and math.isnan(t.value)) else math.inf
+        order = {"COMPLETE": 0, "PRUNED": 1}.get(t.state.name, 2)
+        return (order, value, t.number)
+
+    for t in sorted(trials, key=key):
+        duration = (t.datetime_complete - t.datetime_start).total_seconds() / 60 if t.datetime_complete and t.datetime_start else None
+        value = t.value
+        if value is None and t.intermediate_values:  # pruned: its last reported value
+            value = t.intermediate_values[max(t.intermediate_values)]
+        rows.append([
+            str(t.number), t.state.name.lower(),
+            "-" if value is None else f"{value:.4f}",
+            "-" if duration is None else f"{duration:.2f}",
+            *[_short(t.params.get(n, "-")) for n in names],
+        ])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    return "\n".join(lines)
+
+
+def _short(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def best_command(result: SweepResult, config: str, overrides: list[str] | tuple[str, ...] = ()) -> str | None:
+    best = result.best
+    if best is None:
+        return None
+    parts = ["llm-trainer", "train", "--config", config, *overrides,
+             *[o for o in best.user_attrs.get("overrides", []) if not o.startswith("training.output_dir=")]]
+    return " ".join(_quote(p) for p in parts)
+
+
+def _quote(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)

@@ -1,0 +1,476 @@
+"""Tools around training runs: the memory/compute estimator (against tensors actually allocated and
+saved), plots, the learning-rate finder, the Optuna sweep (completes, prunes, resumes) and the model
+registry, through the Python API and the CLI."""
+
+import hashlib
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import tiny_model_config
+from llm_trainer.cli import main
+from llm_trainer.config import ModelConfig, TrainingConfig
+from llm_trainer.errors import UsageError
+from llm_trainer.estimate import count_parameters, estimate_memory, flops_per_token, peak_flops
+from llm_trainer.model import Transformer
+
+
+def write_corpus(folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [f"the {w} sat on the mat number {i % 7}.\n" for i, w in enumerate(["cat", "dog", "bird", "fox"] * 30)]
+    for d in range(12):
+        (folder / f"doc{d:02d}.txt").write_text("".join(lines[d * 10 : d * 10 + 10]))
+    return folder
+
+
+def tiny_config_file(root, name="exp.yaml", **training):
+    values = {"batch_size": 4, "max_steps": 6, "learning_rate": 3e-3, "eval_steps": 3, "save_steps": 0,
+              "logging_steps": 2, "output_dir": str(root / "run"), "device": "cpu", "progress_bar": False,
+              "report_to": ["jsonl"]}
+    values.update(training)
+    config = {
+        "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 24},
+        "training": values,
+        "data": {"data_files": [str(write_corpus(root / "corpus"))], "tokenizer": "char", "validation_split": 0.2,
+                 "cache_dir": str(root / "cache")},
+    }
+    path = root / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    from llm_trainer.config import load_experiment
+    from llm_trainer.pipeline import train
+
+    root = tmp_path_factory.mktemp("tools")
+    summary = train(load_experiment(tiny_config_file(root)))
+    return root / "run", summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Estimator
+
+
+def test_parameter_count_and_flops_per_token_match_gpt2_small_and_llama_7b():
+    gpt2 = ModelConfig(vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024)
+    counts = count_parameters(gpt2)
+    assert counts.total == 124_439_808  # Hugging Face gpt2
+    assert counts.matmul == 124_439_808 - 1024 * 768 == 123_653_376  # nanoGPT's get_num_params()
+    assert flops_per_token(gpt2, 1024) == 6 * 123_653_376 + 12 * 12 * 768 * 1024
+    assert flops_per_token(Transformer(tiny_model_config()), 24) == flops_per_token(tiny_model_config(), 24)
+    ours = Transformer(tiny_model_config())
+    plain = torch.nn.Sequential(*ours.children())  # any other module: counted from its own parameters
+    plain.config = type("Cfg", (), {"n_layer": 2, "n_embd": 16, "n_positions": 24})()
+    assert flops_per_token(plain) == flops_per_token(tiny_model_config(), 24)
+    with pytest.raises(ValueError):
+        flops_per_token(object())
+    llama = ModelConfig(architecture="llama", vocab_size=32000, d_model=4096, n_heads=32, n_layers=32, d_ff=11008,
+                        max_seq_len=4096)
+    counts = count_parameters(llama)
+    assert counts.total == 6_738_415_616  # LLaMA-7B
+    assert counts.matmul == counts.total - 32000 * 4096  # untied: the embedding lookup is left out
+
+
+def test_peak_flops_table():
+    assert peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4e12
+    assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
+    assert peak_flops("NVIDIA H200", torch.float16) == 989.4e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", torch.float32, tf32=True) == 156e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", torch.float32, tf32=False) == 19.5e12
+    assert peak_flops("NVIDIA A10", torch.bfloat16) == 125e12
+    assert peak_flops("NVIDIA A10G", torch.bfloat16) == 70e12
+    assert peak_flops("NVIDIA L4", torch.bfloat16) == 121e12
+    assert peak_flops("Tesla V100-SXM2-16GB", torch.float16) == 125e12
+    assert peak_flops("Tesla T4", torch.bfloat16) == 8.1e12  # no bf16 tensor cores: the fp32 rate
+    assert peak_flops("NVIDIA GeForce RTX 4090", torch.bfloat16) == 165.2e12
+    assert peak_flops("NVIDIA GeForce RTX 3090", torch.bfloat16) == 71e12
+    assert peak_flops("cpu", torch.float32) is None and peak_flops("", torch.bfloat16) is None
+    assert peak_flops("Some Future Accelerator", torch.bfloat16) is None
+
+
+def _tensor_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+@pytest.mark.parametrize("overrides, optimizer", [
+    (dict(), "adamw"),
+    (dict(architecture="llama", n_kv_heads=1), "adamw"),
+    (dict(), "sgd"),
+])
+def test_parameters_gradients_and_optimizer_state_match_the_measured_allocation(overrides, optimizer):
+    from llm_trainer.optim import build_optimizer
+
+    config = tiny_model_config(**overrides)
+    training = TrainingConfig(device="cpu", optimizer=optimizer)
+    model = Transformer(config)
+    opt = build_optimizer(model, training, torch.device("cpu"))
+    x = torch.randint(0, config.vocab_size, (2, 16))
+    torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    opt.step()
+    params = list(model.parameters())
+    measured = {
+        "params": _tensor_bytes(params),
+        "grads": _tensor_bytes(p.grad for p in params),
+        "optimizer": _tensor_bytes(v for state in opt.state.values() for v in state.values()),
+    }
+    estimate = estimate_memory(config, training, device_type="cpu")
+    assert estimate.parameters == sum(p.numel() for p in params) < 10_000
+    measured_total = sum(measured.values())
+    assert abs(estimate.states_bytes - measured_total) / measured_total < 0.10, (estimate.states_bytes, measured)
+    assert estimate.params_bytes == measured["params"] and estimate.grads_bytes == measured["grads"]
+
+
+@pytest.mark.parametrize("amp", [False, True])
+@pytest.mark.parametrize("overrides", [dict(), dict(activation="relu", dropout=0.1),
+                                       dict(architecture="llama", n_kv_heads=1)])
+def test_activation_estimate_matches_the_tensors_autograd_saves(amp, overrides):
+    """Every tensor saved for backward (unique storage, parameters and buffers excluded), one forward."""
+    from llm_trainer.evaluate import summed_nll
+
+    config = tiny_model_config(d_model=32, n_heads=4, n_layers=2, max_seq_len=32, **overrides)
+    training = TrainingConfig(device="cpu", use_amp=amp, batch_size=4)
+    model = Transformer(config).train()
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in own:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randint(0, config.vocab_size, (4, 32))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            summed_nll(model(x), x)
+    measured = sum(saved.values())
+    est = estimate_memory(config, training, seq_len=32, batch_size=4, device_type="cpu")
+    predicted = est.activations_bytes + est.amp_weight_copies_bytes  # autocast's 16-bit weights are saved too
+    assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
+
+
+def test_sharding_divides_the_sharded_parts():
+    config = tiny_model_config(d_model=64, n_heads=4, n_layers=4, vocab_size=1000)
+    training = TrainingConfig(device="cpu")
+    base = estimate_memory(config, training)
+    z1 = estimate_memory(config, training, world_size=4, sharding="zero1")
+    z2 = estimate_memory(config, training, world_size=4, sharding="zero2")
+    fsdp = estimate_memory(config, training, world_size=4, sharding="fsdp")
+    assert z1.optimizer_bytes == base.optimizer_bytes / 4 and z1.grads_bytes == base.grads_bytes
+    assert z2.grads_bytes == base.grads_bytes / 4 and z2.params_bytes == base.params_bytes
+    assert base.params_bytes / 4 < fsdp.params_bytes < base.params_bytes  # plus the gathered blocks
+    assert z1.activations_bytes == base.activations_bytes  # activations are per device
+    assert base.peak_bytes > z1.peak_bytes > z2.peak_bytes > fsdp.peak_bytes
+    checkpointed = estimate_memory(config, training, gradient_checkpointing=True)
+    assert checkpointed.activations_bytes < base.activations_bytes
+
+
+def test_estimate_cli(tmp_path, capsys):
+    config = tiny_config_file(tmp_path)
+    assert main(["estimate", "--config", str(config), "--device-memory", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fits"] is True and report["max_micro_batch_size"] > 4
+    assert report["parameters"] == count_parameters(ModelConfig(d_model=16, n_heads=2, n_layers=1, max_seq_len=24,
+                                                                vocab_size=256)).total
+    assert main(["estimate", "--config", "llama-7b", "--device-memory", "80"]) == 0
+    text = capsys.readouterr().out
+    assert "6,738,415,616" in text and "does NOT fit in 80 GiB" in text and "distributed" in text
+    assert main(["estimate", "--config", "llama-7b", "--device-memory", "80", "--world-size", "8",
+                 "--sharding", "fsdp", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] is True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_peak_memory_prediction_on_gpu_gpt2_small(tmp_path):
+    """GPT-2 small, bf16 autocast, fused AdamW: the predicted peak within 15% of max_memory_allocated."""
+    from llm_trainer.trainer import Trainer
+
+    config = ModelConfig(vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024)
+    training = TrainingConfig(device="cuda", use_amp=True, batch_size=8, max_steps=3, save_steps=0, eval_steps=0,
+                              report_to=[], progress_bar=False, output_dir=str(tmp_path / "run"))
+    tokens = torch.randint(0, 50257, (64, 1025))
+    loader = [(tokens[i : i + 8, :-1], tokens[i : i + 8, 1:]) for i in range(0, 64, 8)]
+    torch.cuda.reset_peak_memory_stats()
+    Trainer(Transformer(config), training, train_dataloader=loader).train()
+    measured = torch.cuda.max_memory_allocated()
+    predicted = estimate_memory(config, training, seq_len=1024).peak_bytes
+    assert abs(predicted - measured) / measured < 0.15, (predicted / 2**30, measured / 2**30)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plots
+
+
+def _fake_run(folder, steps=20, scale=1.0, resumed=False):
+    folder.mkdir(parents=True)
+    rows = []
+    for s in range(2, steps + 1, 2):
+        rows.append({"step": s, "loss": scale * 4 / s**0.3, "lr": 1e-3 * min(1, s / 6), "tokens_seen": 96 * s,
+                     "grad_norm": 1.0, "tokens_per_s": 1000.0})
+        if s % 10 == 0:
+            rows.append({"step": s, "val_loss": scale * 4.2 / s**0.3, "perplexity": math.exp(scale * 4.2 / s**0.3), "tokens": 50})
+    if resumed:  # a resume from step 10 repeats steps 12.. in the file
+        rows += [r for r in rows if r["step"] > 10]
+    rows.append({"event": "train_end", "step": steps, "val_loss": 1.0, "perplexity": 2.7})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_plots_overlay_runs_with_the_expected_lines(tmp_path):
+    pytest.importorskip("matplotlib")
+    from llm_trainer.plots import make_figures, plot_runs, read_run
+
+    a = _fake_run(tmp_path / "a")
+    b = _fake_run(tmp_path / "b", steps=30, scale=1.2, resumed=True)
+    runs = [read_run(a), read_run(b)]
+    assert sorted(runs[1].train) == list(range(2, 31, 2))  # duplicates from the resume collapse
+    assert runs[1].tokens_at([10, 11, 30]) == [960, 1056, 2880]
+    figures = make_figures(runs)
+    assert set(figures) == {f"{q}_vs_{x}" for q in ("loss", "perplexity", "lr") for x in ("steps", "tokens")}
+    lines = {name: fig.axes[0].get_lines() for name, fig in figures.items()}
+    assert len(lines["loss_vs_steps"]) == 4 and len(lines["perplexity_vs_tokens"]) == 4  # train + val per run
+    assert len(lines["lr_vs_steps"]) == 2 and len(lines["lr_vs_tokens"]) == 2
+    val_b = [ln for ln in lines["loss_vs_tokens"] if ln.get_label() == "b validation"][0]
+    assert list(val_b.get_xdata()) == [960, 1920, 2880]
+
+    written = plot_runs([a, b], tmp_path / "plots")
+    assert len(written) == 6
+    for path in written.values():
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    import matplotlib.image
+
+    assert matplotlib.image.imread(written["loss_vs_steps"]).shape[:2] == (500, 800)
+
+
+def test_plots_never_raise_by_default_and_the_cli_reports(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from llm_trainer.plots import plot_runs
+
+    assert plot_runs([tmp_path / "missing"], tmp_path / "out") == {}  # a warning, no exception
+    with pytest.raises(UsageError, match="metrics.jsonl"):
+        plot_runs([tmp_path / "missing"], tmp_path / "out", strict=True)
+    assert main(["plot", str(tmp_path / "missing")]) == 2
+    run = _fake_run(tmp_path / "run")
+    assert main(["plot", str(run)]) == 0
+    assert len(capsys.readouterr().out.split()) == 6 and (run / "plots" / "lr_vs_tokens.png").is_file()
+
+
+# ----------------------------------------------------------------------------------------------
+# LR finder
+
+
+def test_lr_finder_suggests_a_sane_rate_and_leaves_the_model_untouched():
+    from llm_trainer.data.loader import BatchLoader, WindowRows
+    from llm_trainer.lr_finder import find_lr
+
+    rng = np.random.default_rng(0)
+    tokens = (np.cumsum(rng.integers(1, 3, size=4000)) % 61).astype(np.uint16)
+    loader = BatchLoader(WindowRows(tokens, 24, seed=0), 8, shuffle=True, seed=0)
+    loader.next_batch()
+    position = loader.state_dict()
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng_before, py_before = torch.get_rng_state(), random.getstate()
+
+    result = find_lr(model, loader, start_lr=1e-5, end_lr=10.0, num_steps=60, training=TrainingConfig(device="cpu"))
+
+    assert result.diverged and len(result.lrs) < 60  # stopped at divergence, before end_lr
+    assert result.smoothed[-1] > 4 * min(result.smoothed) or not math.isfinite(result.losses[-1])
+    assert 1e-4 < result.suggested_lr < 1.0 and result.suggested_lr <= result.best_lr
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert loader.state_dict() == position
+    assert torch.equal(torch.get_rng_state(), rng_before) and random.getstate() == py_before
+
+
+def test_lr_find_cli_writes_the_plot_and_no_run_outputs(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    config = tiny_config_file(tmp_path)
+    plot = tmp_path / "lr.png"
+    assert main(["lr-find", "--config", str(config), "--num-steps", "40", "--start-lr", "1e-5", "--output", str(plot), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 1e-5 <= out["suggested_lr"] <= 10 and out["plot"] == str(plot)
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "run").exists()  # no checkpoints, no metrics, no config: no trace on the run
+
+
+# ----------------------------------------------------------------------------------------------
+# Sweep
+
+
+def test_search_space_format_and_errors(tmp_path):
+    from llm_trainer.sweep import load_search_space, parse_search_space
+
+    path = tmp_path / "space.yaml"
+    path.write_text(
+        "training.learning_rate: {type: float, low: 1e-4, high: 1e-2, log: true}\n"
+        "model.n_layers: {type: int, low: 1, high: 3}\n"
+        "model.activation: [gelu, relu]\n"
+        "training.warmup_steps: 2\n"
+    )
+    params = {p.name: p for p in load_search_space(path)}
+    assert params["training.learning_rate"].low == 1e-4 and params["training.learning_rate"].log
+    assert params["model.n_layers"].kind == "int" and params["model.activation"].choices == ["gelu", "relu"]
+    assert params["training.warmup_steps"].kind == "fixed" and params["training.warmup_steps"].value == 2
+    for bad, message in [
+        ({"learning_rate": {"type": "float", "low": 0, "high": 1}}, "section.key"),
+        ({"training.learning_rate": {"type": "float", "low": 0, "high": 1, "log": True}}, "low > 0"),
+        ({"training.learning_rate": {"type": "uniform", "low": 0, "high": 1}}, "type must be"),
+        ({"training.learning_rate": {"type": "float", "low": 1}}, "needs low and high"),
+        ({"training.learning_rate": {"type": "float", "low": 1, "high": 2, "scale": 3}}, "unknown field"),
+    ]:
+        with pytest.raises(UsageError, match=message):
+            parse_search_space(bad)
+
+
+def test_sweep_completes_prunes_and_resumes(tmp_path, capsys):
+    optuna = pytest.importorskip("optuna")
+    from llm_trainer.sweep import run_sweep
+
+    class PruneTrialOne(optuna.pruners.BasePruner):
+        def prune(self, study, trial):
+            return trial.number == 1
+
+    config = tiny_config_file(tmp_path, max_steps=4, eval_steps=2, logging_steps=2)
+    space = tmp_path / "space.yaml"
+    space.write_text("training.learning_rate: {type: float, low: 1e-3, high: 3e-2, log: true}\n"
+                     "model.n_layers: [1, 2]\n")
+    result = run_sweep(config, space, 3, pruner=PruneTrialOne())
+    trials = result.study.trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "PRUNED", "COMPLETE"]
+    assert trials[1].intermediate_values == {2: pytest.approx(trials[1].intermediate_values[2])}  # pruned at its first eval
+    assert result.root == tmp_path / "run" / "sweep" and (result.root / "study.db").is_file()
+    for t in trials:
+        run = result.root / f"trial-{t.number:04d}"
+        assert t.user_attrs["output_dir"] == str(run) and (run / "metrics.jsonl").is_file()
+        assert f"training.learning_rate={json.dumps(t.params['training.learning_rate'])}" in t.user_attrs["overrides"]
+    pruned_rows = (result.root / "trial-0001" / "metrics.jsonl").read_text().splitlines()
+    assert all(json.loads(r)["step"] <= 2 for r in pruned_rows)  # the pruned run stopped at its first evaluation
+    assert result.best.value == min(t.value for t in trials if t.state.name == "COMPLETE")
+
+    again = run_sweep(config, space, 3)  # the same command again: nothing left to do
+    assert again.ran == 0 and len(again.study.trials) == 3
+
+    assert main(["sweep", "--config", str(config), "--search-space", str(space), "--trials", "4"]) == 0  # extend by one
+    out = capsys.readouterr().out
+    resumed = optuna.load_study(study_name="exp", storage=f"sqlite:///{tmp_path / 'run' / 'sweep' / 'study.db'}")
+    assert [t.number for t in resumed.trials] == [0, 1, 2, 3]
+    assert [t.params for t in resumed.trials[:3]] == [t.params for t in trials]  # earlier trials kept as they were
+    assert "best trial" in out and "llm-trainer train --config" in out and "training.learning_rate=" in out
+    assert len([line for line in out.splitlines() if line.split()[:1] and line.split()[0].isdigit()]) == 4  # the table
+
+
+def test_an_interrupted_sweep_stops_and_reruns_the_interrupted_trial(tmp_path):
+    pytest.importorskip("optuna")
+    import os
+    import signal
+
+    from llm_trainer.sweep import SweepInterrupted, run_sweep
+    from llm_trainer.trainer import Callback
+
+    class CtrlC(Callback):
+        def on_step_end(self, trainer, row):
+            if row["step"] == 2:
+                os.kill(os.getpid(), signal.SIGINT)  # the trainer saves at the end of this step and stops
+
+    config = tiny_config_file(tmp_path, max_steps=4, eval_steps=2, logging_steps=2)
+    space = tmp_path / "space.yaml"
+    space.write_text("training.learning_rate: {type: float, low: 1e-3, high: 3e-2, log: true}\n")
+    with pytest.raises(SweepInterrupted):
+        run_sweep(config, space, 2, callbacks=[CtrlC()])
+    resumed = run_sweep(config, space, 2)
+    assert [t.state.name for t in resumed.study.trials] == ["FAIL", "COMPLETE", "COMPLETE"] and resumed.ran == 2
+
+
+def test_sweep_rejects_unknown_keys_before_running(tmp_path):
+    pytest.importorskip("optuna")
+    from llm_trainer.sweep import run_sweep
+
+    config = tiny_config_file(tmp_path)
+    space = tmp_path / "space.yaml"
+    space.write_text("training.learning_rte: {type: float, low: 1e-3, high: 1e-2}\n")
+    with pytest.raises(UsageError, match="learning_rate"):
+        run_sweep(config, space, 2)
+    assert not (tmp_path / "run" / "sweep").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry
+
+
+def test_registry_round_trip(trained_run, tmp_path):
+    from llm_trainer.registry import SQLiteRegistry, parse_ref
+
+    run, summary = trained_run
+    registry = SQLiteRegistry(tmp_path / "registry.db")
+    v1 = registry.add(run, "tiny")
+    v2 = registry.add(run, "tiny", description="second")
+    other = registry.add(run, "other")
+    assert (v1.version, v2.version, other.version) == (1, 2, 1)
+
+    meta = json.loads((run / "checkpoints" / "best_model" / "meta.json").read_text())
+    assert v1.data_fingerprint and v1.data_fingerprint == meta["config"]["data_fingerprint"]
+    assert v1.tokenizer_fingerprint == hashlib.sha256((run / "tokenizer.json").read_bytes()).hexdigest()
+    assert v1.metrics["val_loss"] == pytest.approx(summary["val_loss"]) and v1.metrics["step"] == 6
+    assert v1.config["model"]["d_model"] == 16 and "data_fingerprint" not in v1.config
+    assert v1.model_path == str((run / "checkpoints" / "best_model").resolve())
+    assert v1.git_commit is None or len(v1.git_commit) == 40
+    assert v1.export_path is None and v1.stage == "none"
+
+    assert [(v.name, v.version) for v in registry.list()] == [("other", 1), ("tiny", 1), ("tiny", 2)]
+    assert registry.get("tiny").version == 2 and registry.get("tiny", 1).description is None
+    registry.promote("tiny", 1, "production")
+    assert registry.get(*parse_ref("tiny:production")).version == 1
+    registry.promote("tiny", 2, "production")
+    assert registry.get("tiny", "production").version == 2 and registry.get("tiny", 1).stage == "archived"
+    registry.promote("tiny", 1, "staging")
+    assert registry.get("tiny", 2).stage == "production"  # another stage does not touch production
+    with pytest.raises(UsageError, match="no model version tiny:9"):
+        registry.get("tiny", 9)
+    with pytest.raises(UsageError, match="model name"):
+        registry.add(run, "bad:name")
+    with pytest.raises(UsageError, match="not found"):
+        registry.add(tmp_path / "nope", "tiny")
+
+
+def test_registry_cli_round_trip(trained_run, tmp_path, monkeypatch, capsys):
+    run, _ = trained_run
+    export = tmp_path / "hf"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    db = tmp_path / "reg.db"
+    monkeypatch.setenv("LLM_TRAINER_REGISTRY", str(db))
+    assert main(["registry", "add", str(run), "--name", "tiny", "--export", str(export)]) == 0
+    assert "registered tiny:1" in capsys.readouterr().out and db.is_file()
+    assert main(["registry", "add", str(run), "--name", "tiny", "--db", str(tmp_path / "elsewhere.db")]) == 0
+    assert "registered tiny:1" in capsys.readouterr().out  # a different database numbers on its own
+    assert main(["registry", "add", str(run), "--name", "tiny"]) == 0
+    assert "registered tiny:2" in capsys.readouterr().out
+    assert main(["registry", "promote", "tiny:1", "--stage", "production"]) == 0
+    assert capsys.readouterr().out.strip() == "tiny:1 -> production"
+    assert main(["registry", "list"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:3] == ["model", "version", "stage"]
+    assert [line.split()[:3] for line in table[1:]] == [["tiny", "1", "production"], ["tiny", "2", "none"]]
+    assert main(["registry", "show", "tiny:production"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["version"] == 1 and shown["export_path"] == str(export.resolve()) and shown["data_fingerprint"]
+    assert main(["registry", "show", "tiny"]) == 0
+    assert json.loads(capsys.readouterr().out)["version"] == 2
+    assert main(["registry", "show", "tiny:7"]) == 2
+    assert "no model version tiny:7" in capsys.readouterr().err
+    assert main(["registry", "promote", "tiny", "--stage", "production"]) == 2

@@ -1,0 +1,227 @@
+"""Tracking backends against their own readers: TensorBoard's EventAccumulator, the W&B offline run
+file, MLflow's client; the install hint for a missing package; rank-0-only logging; the MLflow
+model-registry backend.
+
+One tiny run logs to every installed backend at once (module fixture); each test then skips cleanly
+when its package is not installed.
+"""
+
+import importlib.util
+import json
+import struct
+import sys
+
+import pytest
+import yaml
+
+from llm_trainer.errors import UsageError
+from llm_trainer.metrics import build_loggers, scalar_items
+
+HAVE = {name: importlib.util.find_spec(module) is not None
+        for name, module in [("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow")]}
+
+TRAIN_SCALARS = ["train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu"]
+EVAL_SCALARS = ["eval/loss", "eval/perplexity"]
+
+
+def write_corpus(folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [f"the {w} sat on the mat number {i % 7}.\n" for i, w in enumerate(["cat", "dog", "bird", "fox"] * 30)]
+    for d in range(12):
+        (folder / f"doc{d:02d}.txt").write_text("".join(lines[d * 10 : d * 10 + 10]))
+    return folder
+
+
+def tiny_experiment(root, report_to, **training):
+    values = {"batch_size": 4, "max_steps": 6, "learning_rate": 3e-3, "eval_steps": 3, "save_steps": 0,
+              "logging_steps": 2, "output_dir": str(root / "run"), "device": "cpu", "progress_bar": False,
+              "report_to": report_to, "peak_flops": 1e12}
+    values.update(training)
+    config = {
+        "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 24},
+        "training": values,
+        "data": {"data_files": [str(write_corpus(root / "corpus"))], "tokenizer": "char", "validation_split": 0.2,
+                 "cache_dir": str(root / "cache")},
+    }
+    path = root / "exp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory):
+    """A 6-step run logging to jsonl and every installed tracking backend; W&B offline, MLflow local."""
+    from llm_trainer.config import load_experiment
+    from llm_trainer.pipeline import train
+
+    root = tmp_path_factory.mktemp("tracked")
+    report_to = ["jsonl"] + [name for name, ok in HAVE.items() if ok]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WANDB_MODE", "offline")
+    mp.setenv("WANDB_SILENT", "true")
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    try:
+        config = tiny_experiment(root, report_to, mlflow_tracking_uri=str(root / "mlruns"))
+        summary = train(load_experiment(config))
+    finally:
+        mp.undo()
+    return root / "run", summary, root / "mlruns"
+
+
+def test_scalar_names_follow_the_backend_convention():
+    assert dict(scalar_items({"step": 3, "loss": 2.0, "lr": 0.1, "epoch": 0, "custom/acc": 0.5})) == {
+        "train/loss": 2.0, "train/lr": 0.1, "train/epoch": 0.0, "custom/acc": 0.5}
+    assert dict(scalar_items({"step": 3, "val_loss": 2.0, "perplexity": 7.4, "tokens": 10})) == {
+        "eval/loss": 2.0, "eval/perplexity": 7.4, "eval/tokens": 10.0}
+    assert dict(scalar_items({"event": "train_end", "step": 3, "val_loss": 2.0, "stopped_early": None, "best_val_loss": 1.9})) == {
+        "summary/val_loss": 2.0, "summary/best_val_loss": 1.9}
+
+
+def test_tensorboard_event_files_hold_the_scalars_and_config(tracked_run):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, _, _ = tracked_run
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    for tag in TRAIN_SCALARS + EVAL_SCALARS:
+        assert tag in scalars, (tag, scalars)
+    assert [e.step for e in acc.Scalars("train/loss")] == [2, 4, 6]
+    assert [e.step for e in acc.Scalars("eval/loss")] == [3, 6]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "val_loss" in r and "event" not in r]
+    assert acc.Scalars("eval/perplexity")[-1].value == pytest.approx(evals[-1]["perplexity"], rel=1e-5)
+    assert all(0 < e.value < 1 for e in acc.Scalars("train/mfu"))
+    assert "config/text_summary" in acc.Tags()["tensors"]
+    hparams = acc.PluginTagToContent("hparams")
+    assert "_hparams_/session_start_info" in hparams and "_hparams_/experiment" in hparams
+    assert b"training.learning_rate" in hparams["_hparams_/session_start_info"]
+
+
+def _wandb_records(path):
+    """Records of a .wandb file (LevelDB-log framing: 7-byte header, 32 KiB blocks, 7-byte record headers)."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, buffer = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pos += 7
+        buffer += data[pos : pos + length]
+        pos += length
+        if kind in (1, 4):  # FULL or LAST
+            yield buffer
+            buffer = b""
+        elif kind == 0 and length == 0:
+            continue
+
+
+def test_wandb_offline_run_holds_the_logged_keys(tracked_run):
+    pytest.importorskip("wandb")
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    run, _, _ = tracked_run
+    files = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, list((run / "wandb").rglob("*"))
+    keys, config_keys = set(), set()
+    for raw in _wandb_records(files[0]):
+        record = pb.Record()
+        record.ParseFromString(raw)
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            keys |= {item.key or "/".join(item.nested_key) for item in record.history.item}
+        elif kind == "config":
+            config_keys |= {item.key for item in record.config.update}
+        elif kind == "run":
+            config_keys |= {item.key for item in record.run.config.update}
+    assert set(TRAIN_SCALARS + EVAL_SCALARS) <= keys, keys
+    assert {"model", "training", "data"} <= config_keys
+
+
+def test_mlflow_local_run_holds_the_metrics_and_params(tracked_run):
+    pytest.importorskip("mlflow")
+    from llm_trainer.metrics import mlflow_client
+
+    run, _, mlruns = tracked_run
+    client, folder = mlflow_client(str(mlruns))
+    assert folder == mlruns.resolve() and (mlruns / "mlflow.db").is_file()
+    experiment = client.get_experiment_by_name("llm-trainer")
+    (found,) = client.search_runs([experiment.experiment_id])
+    assert found.info.status == "FINISHED" and found.data.tags["output_dir"] == str(run.resolve())
+    for key in TRAIN_SCALARS + EVAL_SCALARS:
+        assert key in found.data.metrics, key
+    assert [m.step for m in client.get_metric_history(found.info.run_id, "train/loss")] == [2, 4, 6]
+    assert float(found.data.params["training.learning_rate"]) == pytest.approx(3e-3)
+
+
+def test_mlflow_model_registry_backend_round_trip(tracked_run):
+    pytest.importorskip("mlflow")
+    from llm_trainer.registry import open_registry
+
+    run, _, mlruns = tracked_run
+    registry = open_registry(f"mlflow:{mlruns}")
+    first = registry.add(run, "tiny-tracked")
+    second = registry.add(run, "tiny-tracked", description="again")
+    assert (first.version, second.version) == (1, 2)
+    assert first.data_fingerprint and first.tokenizer_fingerprint and first.metrics["step"] == 6
+    assert [v.version for v in registry.list("tiny-tracked")] == [1, 2]
+    registry.promote("tiny-tracked", 1, "production")
+    assert registry.get("tiny-tracked", "production").version == 1
+    registry.promote("tiny-tracked", 2, "production")
+    assert registry.get("tiny-tracked", "production").version == 2
+    assert registry.get("tiny-tracked", 1).stage == "archived"
+    registry.promote("tiny-tracked", 2, "archived")
+    with pytest.raises(UsageError):
+        registry.get("tiny-tracked", "production")  # nothing holds production any more
+    shown = registry.get("tiny-tracked")
+    assert shown.version == 2 and shown.config["model"]["d_model"] == 16 and shown.description == "again"
+
+
+@pytest.mark.parametrize("backend, modules", [
+    ("tensorboard", ["torch.utils.tensorboard"]),
+    ("wandb", ["wandb"]),
+    ("mlflow", ["mlflow", "mlflow.entities", "mlflow.tracking"]),
+])
+def test_a_missing_package_is_a_one_line_install_hint(tmp_path, monkeypatch, backend, modules):
+    for module in modules:
+        monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
+    with pytest.raises(UsageError) as info:
+        build_loggers(["jsonl", backend], tmp_path, {"training": {}}, progress_bar=False)
+    message = str(info.value)
+    assert "\n" not in message and "pip install 'llm-trainer[tracking]'" in message and backend in message
+
+
+def test_only_rank_zero_logs(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    assert build_loggers(["console", "jsonl", "tensorboard", "wandb", "mlflow"], tmp_path, {}, progress_bar=False) == []
+    assert not (tmp_path / "metrics.jsonl").exists()
+    monkeypatch.setenv("RANK", "0")
+    loggers = build_loggers(["console", "jsonl"], tmp_path, {}, progress_bar=False)
+    assert len(loggers) == 2
+    for logger in loggers:
+        logger.close()
+
+
+def test_report_to_accepts_mlflow_and_a_tracking_uri():
+    from llm_trainer.config import TrainingConfig
+
+    config = TrainingConfig(report_to=["console", "mlflow"], mlflow_tracking_uri="sqlite:///x.db")
+    assert config.report_to == ["console", "mlflow"]
+    with pytest.raises(ValueError):
+        TrainingConfig(report_to=["neptune"])
+
+
+def test_mlflow_uri_resolution(tmp_path, monkeypatch):
+    from llm_trainer.metrics import resolve_mlflow_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_mlflow_uri("http://tracking:5000") == ("http://tracking:5000", None)
+    assert resolve_mlflow_uri("databricks") == ("databricks", None)
+    uri, folder = resolve_mlflow_uri(str(tmp_path / "mlruns"))
+    assert uri == f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}" and folder == tmp_path / "mlruns"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")
+    assert resolve_mlflow_uri(None) == ("sqlite:///elsewhere.db", None)
