@@ -830,6 +830,47 @@ def test_format_1_checkpoints_still_load(tmp_path):
     assert "does not match its checksum" in ckpt.verify(folder)
 
 
+def test_format_2_crc32_checkpoints_still_load(tmp_path):
+    """Format 2: CRC-32 per 64 MiB chunk ("crc32-64MiB-tree"); new saves record XXH3 chunks (format 3)."""
+    model, optimizer = tiny_parts()
+    folder = save(tmp_path / "checkpoints", 1, model, optimizer)
+    meta = json.loads((folder / ckpt.META).read_text())
+    assert (meta["format_version"], meta["checksum"]) == (3, ckpt.XXH3_TREE)
+    for name in meta["files"]:
+        meta["files"][name]["checksum"] = ckpt.file_checksum(folder / name, ckpt.CRC32_TREE)
+    meta.update(format_version=2, checksum=ckpt.CRC32_TREE)
+    meta["meta_sha256"] = ckpt._meta_checksum(meta)
+    (folder / ckpt.META).write_text(json.dumps(meta))
+    assert ckpt.verify(folder) is None
+    loaded = ckpt.load_checkpoint(folder)["optimizer"]
+    assert torch.equal(loaded["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    flip_byte(folder / WEIGHTS_NAME)
+    assert "does not match its checksum" in ckpt.verify(folder)
+
+
+def test_chunk_checksums_catch_a_flip_in_any_chunk_and_a_short_read(tmp_path, monkeypatch):
+    """Files over one chunk: a flip in the second chunk is caught, and so is a file that shrank after its
+    size was checked (read, not memory-mapped past the end)."""
+    monkeypatch.setattr(ckpt, "_CHUNK", 1 << 16)
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(3 * (1 << 16) + 123))
+    for kind in (ckpt.XXH3_TREE, ckpt.CRC32_TREE):
+        before = ckpt.file_checksum(path, kind)
+        assert ckpt.file_checksum(path, kind) == before
+        data = bytearray(path.read_bytes())
+        data[(1 << 16) + 5] ^= 1
+        path.write_bytes(data)
+        assert ckpt.file_checksum(path, kind) != before
+        data[(1 << 16) + 5] ^= 1
+        path.write_bytes(data)
+        size = path.stat().st_size
+        jobs = ckpt._checksum_jobs(path, size, kind)
+        assert ckpt._combine(jobs, kind) == before
+        path.write_bytes(data[:-200])  # shorter than the size the jobs were made for
+        assert ckpt._combine(ckpt._checksum_jobs(path, size, kind), kind) != before
+        path.write_bytes(data)
+
+
 def test_explicit_missing_checkpoint_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match="not found"):
         ckpt.resolve_checkpoint(str(tmp_path / "nope"), tmp_path)

@@ -80,3 +80,18 @@ def test_cli_errors_are_one_line(tmp_path):
     (tmp_path / "latin.yaml").write_text(f"data:\n  data_files: [{latin}]\n")
     result = _cli("prepare", "--config", "latin.yaml", cwd=tmp_path)
     assert result.returncode == 2 and "not UTF-8" in result.stderr
+
+
+def test_document_mask_trains_and_evaluates(tmp_path, corpus):
+    """With data.document_mask the loader yields document ids and the loop passes them to the model."""
+    from llm_trainer import load_experiment, train
+
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump({
+        "model": {"architecture": "llama", "d_model": 32, "n_heads": 2, "n_layers": 2, "max_seq_len": 32},
+        "training": {"batch_size": 4, "max_steps": 6, "eval_steps": 3, "save_steps": 0, "device": "cpu",
+                     "progress_bar": False, "report_to": ["jsonl"], "output_dir": str(tmp_path / "run")},
+        "data": {"data_files": [str(corpus)], "tokenizer": "char", "max_length": 32, "document_mask": True,
+                 "packing_strategy": "first_fit", "cache_dir": str(tmp_path / "cache")},
+    }))
+    summary = train(load_experiment(tmp_path / "exp.yaml"))
+    assert summary["step"] == 6 and summary["val_loss"] < 5.0

@@ -1,4 +1,5 @@
-"""`llm-trainer prepare | train | eval | generate | export | quickstart`: a thin layer over the Python API.
+"""`llm-trainer prepare | train | eval | generate | export | consolidate | plot | lr-find | sweep | registry |
+estimate | quickstart`: a thin layer over the Python API.
 
 A user error prints one line, `error: ...`, and exits with status 2; no traceback.
 """

@@ -16,6 +16,18 @@ def logits_of(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
+def batch_nll(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+              doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed negative log-likelihood of one batch; `doc_ids` (B, T) restricts attention to each document.
+
+    Works for models returning logits, objects with `.logits`, or objects with only a mean `.loss`.
+    """
+    output = model(inputs) if doc_ids is None else model(inputs, doc_ids=doc_ids)
+    if isinstance(output, torch.Tensor) or getattr(output, "logits", None) is not None:
+        return summed_nll(logits_of(output), targets)
+    return output.loss * (targets != IGNORE_INDEX).sum()
+
+
 def summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum (not mean) of -log p(target) over non-ignored targets; logits (B, T, V), targets (B, T)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
@@ -32,12 +44,12 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, autocast=None, max_ba
     model.eval()
     device = next(model.parameters(), torch.empty(0)).device
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # (summed nll, target count)
-    for i, (inputs, targets) in enumerate(batches):
+    for i, (inputs, targets, *doc_ids) in enumerate(batches):
         if max_batches is not None and i >= max_batches:
             break
         with autocast if autocast is not None else torch.autocast("cpu", enabled=False):
-            logits = logits_of(model(inputs))
-        totals[0] += summed_nll(logits, targets).double()
+            nll = batch_nll(model, inputs, targets, *doc_ids)
+        totals[0] += nll.double()
         totals[1] += (targets != IGNORE_INDEX).sum()
     model.train(was_training)
     if reduce is not None:

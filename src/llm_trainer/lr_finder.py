@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from .config import TrainingConfig
 from .data.loader import IGNORE_INDEX
-from .evaluate import logits_of, summed_nll
+from .evaluate import batch_nll
 from .model_files import unwrap
 
 
@@ -123,12 +123,12 @@ def find_lr(
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 micro = [batches.next_batch() for _ in range(accum)]
-                micro = [(x.to(device), y.to(device)) for x, y in micro]
-                n_targets = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro) or 1
+                micro = [tuple(t.to(device) for t in batch) for batch in micro]
+                n_targets = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in micro) or 1
                 total = 0.0
-                for inputs, targets in micro:
+                for inputs, targets, *doc_ids in micro:
                     with autocast:
-                        nll = summed_nll(logits_of(work(inputs)), targets)
+                        nll = batch_nll(work, inputs, targets, *doc_ids)
                     scaler.scale(nll / n_targets).backward()
                     total += float(nll.detach())
                 scaler.unscale_(optimizer)

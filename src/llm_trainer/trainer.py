@@ -28,7 +28,7 @@ from . import checkpoint as ckpt
 from .config import TrainingConfig
 from .data.loader import IGNORE_INDEX
 from .errors import UsageError
-from .evaluate import evaluate, logits_of, summed_nll
+from .evaluate import batch_nll, evaluate
 from .logs import is_main_process, log
 from .metrics import build_loggers
 from .model_files import load_model_state, unwrap
@@ -107,6 +107,8 @@ class _IterableBatches:
             labels = batch.get("labels", ids)
             x, y = ids[:, :-1], labels[:, 1:]
         elif isinstance(batch, (tuple, list)):
+            if len(batch) > 2:  # (inputs, targets, doc_ids)
+                return tuple(t.to(self.device, non_blocking=True) for t in batch[:3])
             x, y = batch[0], batch[1]
         else:
             x, y = batch[:, :-1], batch[:, 1:]
@@ -240,12 +242,12 @@ class Trainer:
                     # the target tokens of the whole step, so k micro-batches of b rows equal one batch of k*b.
                     self.speed.start_step()
                     micro = [self.speed.timed_batch(self.train_loader) for _ in range(accum)]
-                    n_targets = sum((y != IGNORE_INDEX).sum() for _, y in micro).float()  # device tensor: no sync
+                    n_targets = sum((batch[1] != IGNORE_INDEX).sum() for batch in micro).float()  # device tensor: no sync
                     n_targets = all_reduce_(n_targets).clamp(min=1)  # over all ranks: DDP then averages exactly
                     loss_sum = torch.zeros((), device=self.device)
-                    for i, (inputs, targets) in enumerate(micro):
+                    for i, (inputs, targets, *doc_ids) in enumerate(micro):  # doc_ids with data.document_mask
                         with self._no_sync(last=i == accum - 1), self.autocast:
-                            nll = self._summed_nll(inputs, targets)
+                            nll = batch_nll(self.model, inputs, targets, *doc_ids)
                         self.scaler.scale(nll * self.dist.world_size / n_targets).backward()
                         loss_sum += nll.detach().float()
                     if self.dist.world_size > 1:  # one small collective: global loss and whether any rank got a signal
@@ -262,9 +264,9 @@ class Trainer:
                     self.scaler.update()
                     self.optimizer.zero_grad(set_to_none=True)
                     state.step += 1
-                    step_tokens = sum(x.numel() for x, _ in micro)
+                    step_tokens = sum(batch[0].numel() for batch in micro)
                     state.tokens_seen += step_tokens
-                    self.speed.end_step(step_tokens, sum(len(x) for x, _ in micro))
+                    self.speed.end_step(step_tokens, sum(len(batch[0]) for batch in micro))
                     if progress is not None:
                         progress.update(1)
 
@@ -340,12 +342,6 @@ class Trainer:
             self.loggers = []
 
     # -- pieces of a step ---------------------------------------------------------------------------
-
-    def _summed_nll(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        output = self.model(inputs)
-        if isinstance(output, torch.Tensor) or getattr(output, "logits", None) is not None:
-            return summed_nll(logits_of(output), targets)
-        return output.loss * (targets != IGNORE_INDEX).sum()  # a model that only reports a mean loss
 
     def _optimizer_step(self, finite: torch.Tensor) -> None:
         """Apply the update only where `finite`; fused Adam/AdamW skip on the device, with no host sync."""
