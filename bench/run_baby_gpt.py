@@ -34,7 +34,10 @@ REPO_ROOT = BENCH_DIR.parent
 CONFIG = "bench/configs/baby_gpt_shakespeare.yaml"
 DATA_ENV_VAR = "BABY_GPT_DATA"  # same override as bench/shakespeare.py
 TOKENS_PER_STEP = 12 * 64  # batch 12 x 64 predicted tokens
-BASE_RUNNERS = ("bare_loop", "hf_trainer", "ours")
+BASE_RUNNERS = ("bare_loop", "hf_trainer", "ours", "ours_llama")
+# ours_llama: the same setting (width, depth, heads, context, batch, steps, schedule) with the LLaMA block
+# (RMSNorm, SwiGLU of the same parameter count, RoPE, no biases): our recommended architecture.
+VARIANTS = {"ours_llama": ["model.architecture=llama"]}
 ALIASES = {"bare": "bare_loop", "hf": "hf_trainer", "llm_trainer": "ours"}
 
 
@@ -177,6 +180,7 @@ def run_ours(name: str, steps: int, compile_: bool, timeout: float | None, keep:
         f"training.output_dir={out_dir}",
         f"training.max_steps={steps}",
         f"data.cache_dir={out_dir / 'data_cache'}",  # cold cache, like the other runners; repo stays clean
+        *VARIANTS.get(name.removesuffix("_compile"), []),
     ]
     if compile_:
         cmd.append("training.compile=true")
@@ -244,13 +248,15 @@ def ratios(runs: dict[str, dict]) -> dict:
         if hf and bare and not suffix:
             out["hf_vs_bare_wall"] = _ratio(hf.get("wall_s"), bare.get("wall_s"))
             out["hf_vs_bare_throughput"] = _ratio(hf.get("tokens_per_s"), bare.get("tokens_per_s"))
+    if runs.get("ours_llama") and runs.get("hf_trainer"):
+        out["ours_llama_vs_hf_throughput"] = _ratio(runs["ours_llama"].get("tokens_per_s"), runs["hf_trainer"].get("tokens_per_s"))
     if runs.get("ours_compile") and runs.get("hf_trainer"):
         out["ours_compile_vs_hf_throughput"] = _ratio(runs["ours_compile"].get("tokens_per_s"), runs["hf_trainer"].get("tokens_per_s"))
     return out
 
 
 def _selected(only: str | None, compile_: bool) -> list[str]:
-    order = ["bare_loop", "bare_loop_compile", "hf_trainer", "ours", "ours_compile"]
+    order = ["bare_loop", "bare_loop_compile", "hf_trainer", "ours", "ours_compile", "ours_llama"]
     if only is None:
         chosen = set(BASE_RUNNERS)
     else:
