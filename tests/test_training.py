@@ -302,3 +302,19 @@ def test_gradient_checkpointing_and_clipping_and_bf16(tmp_path):
                              learning_rate=1.0, max_grad_norm=1e-3, weight_decay=0.0), train_dataloader=loader).train()
     delta = torch.sqrt(sum(((model.state_dict()[k] - v) ** 2).sum() for k, v in before.items() if k != "lm_head.weight"))
     assert delta.item() == pytest.approx(1e-3, rel=1e-3)  # SGD step of lr 1 moves by exactly the clipped norm
+
+
+def test_speed_monitor_reports_throughput_data_wait_and_mfu(tmp_path):
+    from llm_trainer.estimate import flops_per_token
+
+    tokens = _tokens()
+    config = tiny_model_config()
+    loader = BatchLoader(WindowRows(tokens, 16), 4, shuffle=True, seed=0)
+    training = _training(tmp_path, max_steps=6, logging_steps=3, peak_flops=1e9, speed_window_size=3)
+    Trainer(Transformer(config), training, train_dataloader=loader).train()
+    rows = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl") if '"lr"' in l]
+    for row in rows:
+        assert row["flops_per_token"] == flops_per_token(config, 16)
+        assert row["mfu"] == pytest.approx(row["flops_per_token"] * row["tokens_per_s"] / 1e9)
+        assert row["samples_per_s"] == pytest.approx(row["tokens_per_s"] / 16)
+        assert 0 <= row["data_wait_fraction"] < 1 and row["step_time_s"] > 0 and row["peak_memory_mb"] > 0
