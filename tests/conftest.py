@@ -15,12 +15,15 @@ def tiny_model_config(**overrides):
     return ModelConfig(**values)
 
 
-@pytest.fixture
-def corpus(tmp_path):
-    """A small multi-document text folder with enough repetition to learn from."""
-    folder = tmp_path / "corpus"
-    folder.mkdir()
+def write_corpus(folder):
+    """A small multi-document text folder (12 files) with enough repetition to learn from."""
+    folder.mkdir(parents=True, exist_ok=True)
     lines = [f"the {w} sat on the mat number {i % 7}.\n" for i, w in enumerate(["cat", "dog", "bird", "fox"] * 30)]
     for d in range(12):
         (folder / f"doc{d:02d}.txt").write_text("".join(lines[d * 10 : d * 10 + 10]))
     return folder
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return write_corpus(tmp_path / "corpus")

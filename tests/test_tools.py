@@ -18,14 +18,7 @@ from llm_trainer.config import ModelConfig, TrainingConfig
 from llm_trainer.errors import UsageError
 from llm_trainer.estimate import count_parameters, estimate_memory, flops_per_token, peak_flops
 from llm_trainer.model import Transformer
-
-
-def write_corpus(folder):
-    folder.mkdir(parents=True, exist_ok=True)
-    lines = [f"the {w} sat on the mat number {i % 7}.\n" for i, w in enumerate(["cat", "dog", "bird", "fox"] * 30)]
-    for d in range(12):
-        (folder / f"doc{d:02d}.txt").write_text("".join(lines[d * 10 : d * 10 + 10]))
-    return folder
+from conftest import write_corpus
 
 
 def tiny_config_file(root, name="exp.yaml", **training):

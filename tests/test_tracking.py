@@ -16,20 +16,13 @@ import yaml
 
 from llm_trainer.errors import UsageError
 from llm_trainer.metrics import build_loggers, scalar_items
+from conftest import write_corpus
 
 HAVE = {name: importlib.util.find_spec(module) is not None
         for name, module in [("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow")]}
 
 TRAIN_SCALARS = ["train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu"]
 EVAL_SCALARS = ["eval/loss", "eval/perplexity"]
-
-
-def write_corpus(folder):
-    folder.mkdir(parents=True, exist_ok=True)
-    lines = [f"the {w} sat on the mat number {i % 7}.\n" for i, w in enumerate(["cat", "dog", "bird", "fox"] * 30)]
-    for d in range(12):
-        (folder / f"doc{d:02d}.txt").write_text("".join(lines[d * 10 : d * 10 + 10]))
-    return folder
 
 
 def tiny_experiment(root, report_to, **training):
