@@ -95,3 +95,20 @@ def test_document_mask_trains_and_evaluates(tmp_path, corpus):
     }))
     summary = train(load_experiment(tmp_path / "exp.yaml"))
     assert summary["step"] == 6 and summary["val_loss"] < 5.0
+
+
+def test_eval_refuses_a_corrupt_checkpoint(tmp_path, corpus):
+    config = {
+        "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 16},
+        "training": {"batch_size": 4, "max_steps": 2, "save_steps": 0, "eval_steps": 0, "output_dir": "run",
+                     "device": "cpu", "progress_bar": False, "report_to": []},
+        "data": {"data_files": [str(corpus)], "tokenizer": "char"},
+    }
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(config))
+    assert _cli("train", "--config", "exp.yaml", cwd=tmp_path).returncode == 0
+    weights = tmp_path / "run" / "checkpoints" / "checkpoint-00000002" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF  # flip a bit inside the tensor bytes
+    weights.write_bytes(bytes(data))
+    result = _cli("eval", "--checkpoint", str(weights.parent), "--json", cwd=tmp_path)
+    assert result.returncode == 2 and "model.safetensors" in result.stderr and "Traceback" not in result.stderr

@@ -170,6 +170,12 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
         if found is None:
             raise UsageError(f"{path} holds no checkpoint; pass a checkpoint or best_model folder")
         path = found
+    if (path / "meta.json").is_file():  # checkpoints and best_model carry checksums: never use a corrupt one
+        from .checkpoint import verify
+
+        problem = verify(path)
+        if problem:
+            raise UsageError(f"{path} is unusable: {problem}")
     if is_sharded(path):  # an FSDP checkpoint: gather its shards in this one process
         model = Transformer(read_model_config(path))
         load_model_state(model, consolidate(path, model), str(path))
