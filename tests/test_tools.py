@@ -10,7 +10,6 @@ import random
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from conftest import tiny_model_config
 from llm_trainer.cli import main
@@ -18,23 +17,7 @@ from llm_trainer.config import ModelConfig, TrainingConfig
 from llm_trainer.errors import UsageError
 from llm_trainer.estimate import count_parameters, estimate_memory, flops_per_token, peak_flops
 from llm_trainer.model import Transformer
-from conftest import write_corpus
-
-
-def tiny_config_file(root, name="exp.yaml", **training):
-    values = {"batch_size": 4, "max_steps": 6, "learning_rate": 3e-3, "eval_steps": 3, "save_steps": 0,
-              "logging_steps": 2, "output_dir": str(root / "run"), "device": "cpu", "progress_bar": False,
-              "report_to": ["jsonl"]}
-    values.update(training)
-    config = {
-        "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 24},
-        "training": values,
-        "data": {"data_files": [str(write_corpus(root / "corpus"))], "tokenizer": "char", "validation_split": 0.2,
-                 "cache_dir": str(root / "cache")},
-    }
-    path = root / name
-    path.write_text(yaml.safe_dump(config))
-    return path
+from conftest import write_tiny_experiment
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +26,7 @@ def trained_run(tmp_path_factory):
     from llm_trainer.pipeline import train
 
     root = tmp_path_factory.mktemp("tools")
-    summary = train(load_experiment(tiny_config_file(root)))
+    summary = train(load_experiment(write_tiny_experiment(root)))
     return root / "run", summary
 
 
@@ -171,7 +154,7 @@ def test_sharding_divides_the_sharded_parts():
 
 
 def test_estimate_cli(tmp_path, capsys):
-    config = tiny_config_file(tmp_path)
+    config = write_tiny_experiment(tmp_path)
     assert main(["estimate", "--config", str(config), "--device-memory", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["fits"] is True and report["max_micro_batch_size"] > 4
@@ -292,7 +275,7 @@ def test_lr_finder_suggests_a_sane_rate_and_leaves_the_model_untouched():
 
 def test_lr_find_cli_writes_the_plot_and_no_run_outputs(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    config = tiny_config_file(tmp_path)
+    config = write_tiny_experiment(tmp_path)
     plot = tmp_path / "lr.png"
     assert main(["lr-find", "--config", str(config), "--num-steps", "40", "--start-lr", "1e-5", "--output", str(plot), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -338,7 +321,7 @@ def test_sweep_completes_prunes_and_resumes(tmp_path, capsys):
         def prune(self, study, trial):
             return trial.number == 1
 
-    config = tiny_config_file(tmp_path, max_steps=4, eval_steps=2, logging_steps=2)
+    config = write_tiny_experiment(tmp_path, max_steps=4, eval_steps=2, logging_steps=2)
     space = tmp_path / "space.yaml"
     space.write_text("training.learning_rate: {type: float, low: 1e-3, high: 3e-2, log: true}\n"
                      "model.n_layers: [1, 2]\n")
@@ -380,7 +363,7 @@ def test_an_interrupted_sweep_stops_and_reruns_the_interrupted_trial(tmp_path):
             if row["step"] == 2:
                 os.kill(os.getpid(), signal.SIGINT)  # the trainer saves at the end of this step and stops
 
-    config = tiny_config_file(tmp_path, max_steps=4, eval_steps=2, logging_steps=2)
+    config = write_tiny_experiment(tmp_path, max_steps=4, eval_steps=2, logging_steps=2)
     space = tmp_path / "space.yaml"
     space.write_text("training.learning_rate: {type: float, low: 1e-3, high: 3e-2, log: true}\n")
     with pytest.raises(SweepInterrupted):
@@ -393,7 +376,7 @@ def test_sweep_rejects_unknown_keys_before_running(tmp_path):
     pytest.importorskip("optuna")
     from llm_trainer.sweep import run_sweep
 
-    config = tiny_config_file(tmp_path)
+    config = write_tiny_experiment(tmp_path)
     space = tmp_path / "space.yaml"
     space.write_text("training.learning_rte: {type: float, low: 1e-3, high: 1e-2}\n")
     with pytest.raises(UsageError, match="learning_rate"):

@@ -12,11 +12,10 @@ import struct
 import sys
 
 import pytest
-import yaml
 
 from llm_trainer.errors import UsageError
 from llm_trainer.metrics import build_loggers, scalar_items
-from conftest import write_corpus
+from conftest import write_tiny_experiment
 
 HAVE = {name: importlib.util.find_spec(module) is not None
         for name, module in [("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow")]}
@@ -26,19 +25,7 @@ EVAL_SCALARS = ["eval/loss", "eval/perplexity"]
 
 
 def tiny_experiment(root, report_to, **training):
-    values = {"batch_size": 4, "max_steps": 6, "learning_rate": 3e-3, "eval_steps": 3, "save_steps": 0,
-              "logging_steps": 2, "output_dir": str(root / "run"), "device": "cpu", "progress_bar": False,
-              "report_to": report_to, "peak_flops": 1e12}
-    values.update(training)
-    config = {
-        "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 24},
-        "training": values,
-        "data": {"data_files": [str(write_corpus(root / "corpus"))], "tokenizer": "char", "validation_split": 0.2,
-                 "cache_dir": str(root / "cache")},
-    }
-    path = root / "exp.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_tiny_experiment(root, report_to=report_to, peak_flops=1e12, **training)
 
 
 @pytest.fixture(scope="module")

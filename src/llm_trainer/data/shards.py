@@ -41,13 +41,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _save_npy(path: Path, array: np.ndarray) -> None:
+def _write_durably(path: Path, write, mode: str = "wb") -> None:
+    """Write through `write(handle)` into a temporary file, fsync it, then replace `path` atomically."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        np.save(handle, array)
+    with open(tmp, mode) as handle:
+        write(handle)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    _write_durably(path, lambda handle: np.save(handle, array))
 
 
 class ShardWriter:
@@ -151,13 +156,7 @@ class ShardWriter:
         files = {p.name: p.stat().st_size for p in sorted(self.folder.glob(f"{self.index:05d}.*")) if not p.name.endswith(".json")}
         record = {"fingerprint": self.fingerprint, "shard": self.index, "done": done, "files": files,
                   "splits": self.pending, "state": state}
-        path = self._name("json")
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as handle:
-            json.dump(record, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        _write_durably(self._name("json"), lambda handle: json.dump(record, handle), mode="w")
         _fsync_dir(self.folder)
         for split in SPLITS:
             for key in ("documents", "tokens"):
