@@ -60,20 +60,24 @@ def pause(trainer, where):
         time.sleep(0.01)  # signal handlers run here, as they would in the middle of a step
 
 
-class Plan(Callback):
-    def on_train_begin(self, trainer):
-        if "pause_in_save_at" in plan:  # the model's state_dict is read inside the save, tmp folder made
-            def hook(module, state_dict, prefix, local_metadata):
-                if trainer.state.step == plan["pause_in_save_at"]:
-                    pause(trainer, "in-save")
-            trainer.raw_model.register_state_dict_post_hook(hook)
+if "pause_in_save_at" in plan:  # inside the save (in the writer thread if it is a background save),
+    import llm_trainer.checkpoint as ckpt  # the temporary folder made and the weights written into it
+    write_weights = ckpt.save_model_folder
 
+    def paused_write(model, folder, *args, **kwargs):
+        write_weights(model, folder, *args, **kwargs)
+        if f"checkpoint-{plan['pause_in_save_at']:08d}-" in str(folder):
+            pause(None, "in-save")
+    ckpt.save_model_folder = paused_write
+
+
+class Plan(Callback):
     def on_step_end(self, trainer, row):
         if row["step"] == plan.get("pause_after_step"):
             pause(trainer, "after-step")
 
-    def on_save(self, trainer, path):
-        if trainer.state.step == plan.get("pause_after_save_at"):
+    def on_save(self, trainer, path):  # called once the checkpoint is complete (later, for a background save)
+        if path.name == f"checkpoint-{plan.get('pause_after_save_at', -1):08d}":
             pause(trainer, "after-save")
 
 
@@ -244,23 +248,32 @@ def cli_train(run: Path, *overrides: str) -> int:
 
 
 @pytest.mark.parametrize(
-    "accum, plan_key, pause_step, resumes_from, crosses_epoch",
+    "accum, plan_key, pause_step, resumes_from, crosses_epoch, async_save",
     [
-        pytest.param(1, "pause_after_step", 2, None, False, id="before-first-save"),
-        pytest.param(1, "pause_after_save_at", 4, 4, False, id="right-after-save"),
-        pytest.param(1, "pause_in_save_at", 8, 4, True, id="during-save-epoch-boundary-in-span"),
-        pytest.param(2, "pause_after_step", 7, 4, True, id="accum2-epoch-boundary-in-span"),
+        pytest.param(1, "pause_after_step", 2, None, False, True, id="before-first-save"),
+        pytest.param(1, "pause_after_save_at", 4, 4, False, True, id="right-after-save"),
+        pytest.param(1, "pause_in_save_at", 8, 4, True, True, id="during-background-save-epoch-boundary-in-span"),
+        pytest.param(1, "pause_in_save_at", 8, 4, True, False, id="during-synchronous-save"),
+        pytest.param(2, "pause_after_step", 7, 4, True, True, id="accum2-epoch-boundary-in-span"),
     ],
 )
 def test_kill9_then_resume_is_bitwise_identical(
-    workspace, reference, reference_accum2, tmp_path, accum, plan_key, pause_step, resumes_from, crosses_epoch
+    workspace, reference, reference_accum2, tmp_path, accum, plan_key, pause_step, resumes_from, crosses_epoch,
+    async_save,
 ):
+    """A background save paused mid-write lets training run on to the final save, which waits for it;
+    a synchronous one holds the training thread. Either way the kill loses only the unfinished save."""
     ref = reference if accum == 1 else reference_accum2
     run = tmp_path / "run"
-    config = write_config(workspace, run, gradient_accumulation_steps=accum)
+    config = write_config(workspace, run, gradient_accumulation_steps=accum, async_checkpoint=async_save)
     ready = tmp_path / "ready"
     proc = launch(workspace, config, plan={plan_key: pause_step, "ready_file": str(ready)})
     wait_until_ready(proc, ready)
+    if async_save and plan_key == "pause_in_save_at":  # training went on while the write was held
+        deadline = time.monotonic() + 60
+        while (train_rows(run) or [{"step": 0}])[-1]["step"] < MAX_STEPS and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert train_rows(run)[-1]["step"] == MAX_STEPS
     tmp_folders = sorted(p.name for p in checkpoints(run).glob(".tmp-checkpoint-*"))
     if plan_key == "pause_in_save_at":  # the parent sees the save in progress before it kills
         assert tmp_folders and tmp_folders[0].startswith(f".tmp-{ckpt.PREFIX}{pause_step:08d}-")
@@ -288,6 +301,50 @@ def test_kill9_then_resume_is_bitwise_identical(
     assert list(checkpoints(run).glob(".tmp-*")) == [], "the dead writer's temporary folder was removed"
     expected = f"continuing from {checkpoints(run) / ckpt.PREFIX}{resumes_from:08d}" if resumes_from else "starting from step 0"
     assert expected in stderr_of(resumed)
+
+
+# -- background saves: the same files as synchronous ones; their errors stop the run -------------------
+
+
+def test_background_checkpoints_equal_synchronous_ones(workspace, reference, tmp_path):
+    """The reference saved in the background (the default) while training changed the weights; each
+    of its checkpoints holds exactly the bytes of a synchronous save at the same step."""
+    run = tmp_path / "run"
+    write_config(workspace, run, async_checkpoint=False)
+    assert cli_train(run) == 0
+    names = [p.name for p in ckpt.list_checkpoints(checkpoints(reference))]
+    assert names == [f"{ckpt.PREFIX}{step:08d}" for step in (12, 8, 4)]
+    assert [p.name for p in ckpt.list_checkpoints(checkpoints(run))] == names
+    for name in names:
+        ours, theirs = checkpoints(run) / name, checkpoints(reference) / name
+        files = sorted(p.name for p in theirs.iterdir() if p.name != ckpt.META)  # meta.json has the time
+        assert sorted(p.name for p in ours.iterdir() if p.name != ckpt.META) == files
+        for file in files:
+            assert (ours / file).read_bytes() == (theirs / file).read_bytes(), f"{name}/{file}"
+
+
+def test_disk_full_in_a_background_save_stops_the_run_and_keeps_the_previous_checkpoint(
+    workspace, tmp_path, monkeypatch, capsys
+):
+    run = tmp_path / "run"
+    write_config(workspace, run)
+    import llm_trainer.model_files as model_files
+
+    real_save_file = model_files.save_file
+
+    def full_at_step_8(tensors, filename, *args, **kwargs):
+        if f".tmp-{ckpt.PREFIX}{8:08d}-" in str(filename):
+            safetensors_enospc()
+        return real_save_file(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(model_files, "save_file", full_at_step_8)
+    assert cli_train(run) == 2
+    error = the_error(capsys.readouterr().err)
+    assert "disk full while saving checkpoint-00000008" in error and "intact" in error
+    assert [p.name for p in ckpt.list_checkpoints(checkpoints(run))] == [f"{ckpt.PREFIX}{4:08d}"]
+    assert latest_name(run) == f"{ckpt.PREFIX}{4:08d}"
+    assert ckpt.verify(checkpoints(run) / latest_name(run)) is None
+    assert not [p for p in checkpoints(run).iterdir() if p.name.startswith(".")]
 
 
 # -- 6. SIGTERM: checkpoint at the step boundary, status 143, resume bitwise ---------------------------

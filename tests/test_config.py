@@ -1,6 +1,7 @@
 """Configs: the documented fields, presets, validation errors, YAML/JSON files and dotted overrides."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -148,3 +149,39 @@ def test_cli_bad_config_is_one_line_exit_2(tmp_path):
     result = subprocess.run([sys.executable, "-m", "llm_trainer", "train", "--config", "tiny", "model.n_heads=3"],
                             capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 2 and "divisible by n_heads" in result.stderr and "Traceback" not in result.stderr
+
+
+# -- DeepSpeed config: "auto" filled from TrainingConfig, conflicts refused ---------------------------
+
+
+def test_deepspeed_config_fills_auto_from_training(tmp_path):
+    from llm_trainer.deepspeed_engine import build_config
+
+    shipped = Path(__file__).resolve().parents[1] / "src" / "llm_trainer" / "configs" / "deepspeed"
+    training = TrainingConfig(batch_size=4, gradient_accumulation_steps=3, max_grad_norm=0.5, use_amp=True,
+                              amp_dtype="bfloat16", deepspeed_config=str(shipped / "zero3.json"))
+    cfg = build_config(training, world_size=2, d_model=64)
+    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], cfg["train_batch_size"]) == (4, 3, 24)
+    assert cfg["gradient_clipping"] == 0.5 and cfg["bf16"]["enabled"] is True and cfg["fp16"]["enabled"] is False
+    zero = cfg["zero_optimization"]
+    assert zero["stage"] == 3 and zero["reduce_bucket_size"] == 64 * 64 and zero["stage3_param_persistence_threshold"] == 640
+    assert "optimizer" not in cfg and "scheduler" not in cfg  # all "auto": ours stand in for them
+    assert cfg["managed_gradient_accumulation"] is False
+    assert build_config(TrainingConfig(), world_size=1, d_model=None)["zero_optimization"] == {"stage": 2}
+
+
+@pytest.mark.parametrize("deepspeed_config, message", [
+    ({"optimizer": {"type": "Adam", "params": {"lr": 0.1}}}, "sets optimizer values; llm-trainer takes them from training.optimizer"),
+    ({"train_micro_batch_size_per_gpu": 16}, "train_micro_batch_size_per_gpu=16 but the training config gives 8"),
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage must be 0, 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 2, "sub_group_size": "auto"}}, "cannot fill \"auto\" for zero_optimization.sub_group_size"),
+    ("missing.json", "missing.json does not exist"),
+    ("bad.json", "bad.json is not valid JSON"),
+])
+def test_deepspeed_config_errors_name_the_problem(tmp_path, monkeypatch, deepspeed_config, message):
+    from llm_trainer.deepspeed_engine import build_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(UsageError, match=re.escape(message)):
+        build_config(TrainingConfig(batch_size=8, deepspeed_config=deepspeed_config), world_size=1, d_model=32)

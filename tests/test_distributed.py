@@ -173,3 +173,206 @@ def _is_rank(pid: str, rank: str) -> bool:
     except OSError:
         return False
     return f"RANK={rank}".encode() in environ and b"llm_trainer" in cmdline and b"torch.distributed.run" not in cmdline
+
+
+# -- DeepSpeed ZeRO, through DeepSpeed's own engine ---------------------------------------------------
+
+needs_deepspeed = pytest.mark.skipif(
+    subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True).returncode != 0,
+    reason="DeepSpeed is not installed (pip install '.[deepspeed]')",
+)
+SHIPPED = Path(__file__).resolve().parents[1] / "src" / "llm_trainer" / "configs" / "deepspeed"
+
+
+def _deepspeed(config) -> str:
+    return f"training.deepspeed_config={json.dumps(config) if isinstance(config, dict) else config}"
+
+
+@needs_deepspeed
+def test_deepspeed_zero_stages_equal_one_process(workdir):
+    """ZeRO 1, 2 and 3 (the shipped ZeRO-3 file: CPU optimizer offload) on 2 ranks of batch 4 train
+    like one process of batch 8; DeepSpeed alone in one process (no torchrun) does too."""
+    _single(workdir, "training.output_dir=single")
+    runs = {
+        "zero1": {"zero_optimization": {"stage": 1}},
+        "zero2_offload": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+        "zero3_shipped": str(SHIPPED / "zero3.json"),
+    }
+    for name, config in runs.items():
+        result = _torchrun(workdir, f"training.output_dir={name}", "training.batch_size=4",
+                           "training.distributed_strategy=deepspeed", _deepspeed(config))
+        assert "effective batch 8 = 4 x 1 accumulation x 2 process(es) (deepspeed)" in result.stderr
+        _assert_same_run(workdir / "single", workdir / name)
+        a = load_file(workdir / "single/checkpoints/checkpoint-00000006/model.safetensors")
+        b = load_file(workdir / name / "checkpoints/checkpoint-00000006/model.safetensors")  # ZeRO-3: gathered
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4)
+    _single(workdir, "training.output_dir=alone", "training.use_deepspeed=true")
+    _assert_same_run(workdir / "single", workdir / "alone")
+
+
+@needs_deepspeed
+def test_deepspeed_checkpoint_resumes_exactly_and_is_verified_before_loading(workdir):
+    """ZeRO-2 (the shipped file) with accumulation: step 3's checkpoint resumes to the same steps 4-6;
+    its DeepSpeed files are checksummed, and a damaged one is refused before DeepSpeed unpickles it."""
+    from llm_trainer import checkpoint as ckpt
+
+    args = ("training.batch_size=2", "training.gradient_accumulation_steps=2", "training.distributed_strategy=deepspeed",
+            _deepspeed(SHIPPED / "zero2.json"))
+    _torchrun(workdir, "training.output_dir=full", *args)
+    step3 = workdir / "full" / "checkpoints" / "checkpoint-00000003"
+    meta = json.loads((step3 / "meta.json").read_text())
+    assert meta["kind"] == "deepspeed_checkpoint" and meta["strategy"] == "deepspeed"
+    ds_files = sorted(name for name in meta["files"] if name.startswith("sharded/") and name.endswith("_states.pt"))
+    assert ds_files == ["sharded/mp_rank_00_model_states.pt", "sharded/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                        "sharded/zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert not list((workdir / "full" / "checkpoints").glob(".staging*")) and not list(step3.glob("*.py"))
+
+    resumed = workdir / "resumed" / "checkpoints"
+    resumed.mkdir(parents=True)
+    subprocess.run(["cp", "-r", str(step3), str(resumed)], check=True)
+    _torchrun(workdir, "training.output_dir=resumed", *args, "training.resume_from_checkpoint=latest")
+    full, part = _losses(workdir / "full")[0], _losses(workdir / "resumed")[0]
+    assert part == full[3:]  # bitwise
+
+    # eval takes the checkpoint's model folder like any other
+    result = subprocess.run([sys.executable, "-m", "llm_trainer", "eval", "--checkpoint",
+                             str(workdir / "full" / "checkpoints" / "checkpoint-00000006"), "--json"],
+                            cwd=workdir, capture_output=True, text=True, env=_env())
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["loss"] == pytest.approx(_losses(workdir / "full")[1][-1], rel=1e-5)
+
+    # a flipped byte in DeepSpeed's optimizer file: refused by its checksum, DeepSpeed never reads it
+    damaged = resumed / "checkpoint-00000003" / "sharded" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    assert "does not match its checksum" in ckpt.verify(resumed / "checkpoint-00000003")
+    result = _torchrun(workdir, "training.output_dir=resumed", *args,
+                       "training.resume_from_checkpoint=resumed/checkpoints/checkpoint-00000003", check=False)
+    assert result.returncode != 0 and "does not match its checksum" in result.stderr
+
+
+# Rank 1's forward returns NaN logits during step 4 (its loss is NaN; rank 0's is fine).
+POISONED_RUNNER = r'''
+import os, sys
+import llm_trainer.pipeline as pipeline
+from llm_trainer import Callback
+from llm_trainer.cli import main
+
+
+class PoisonStep4(Callback):
+    def on_train_begin(self, trainer):
+        def hook(module, inputs, output):
+            if trainer.state.step == 3 and os.environ["RANK"] == "1" and module.training:
+                return output * float("nan")
+        trainer.raw_model.register_forward_hook(hook)
+
+
+original = pipeline.train
+pipeline.train = lambda experiment, callbacks=(): original(experiment, callbacks=[*callbacks, PoisonStep4()])
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+@needs_deepspeed
+def test_deepspeed_skips_a_nonfinite_step_on_every_rank(workdir):
+    """A NaN loss on one rank: the step is skipped everywhere (the weights of step 4 are those of
+    step 3), counted, and training goes on with finite weights."""
+    (workdir / "poisoned.py").write_text(POISONED_RUNNER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}",
+           "poisoned.py", "train", "--config", "exp.yaml", "training.output_dir=ds", "training.batch_size=4",
+           "training.distributed_strategy=deepspeed", "training.save_steps=1", "training.eval_steps=0",
+           "training.save_total_limit=null"]
+    result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300, env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (workdir / "ds" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "lr" in r]
+    assert [r["skipped_steps"] for r in train] == [0, 0, 0, 1, 1, 1]
+    checkpoints = workdir / "ds" / "checkpoints"
+    weights = {step: load_file(checkpoints / f"checkpoint-{step:08d}" / "model.safetensors") for step in (3, 4, 5)}
+    assert all(torch.equal(weights[3][k], weights[4][k]) for k in weights[3])
+    assert not all(torch.equal(weights[4][k], weights[5][k]) for k in weights[4])
+    assert all(torch.isfinite(v).all() for v in weights[5].values())
+
+
+@needs_deepspeed
+def test_deepspeed_checkpoint_needs_deepspeed_to_resume(workdir):
+    _torchrun(workdir, "training.output_dir=ds", "training.batch_size=4", "training.distributed_strategy=deepspeed")
+    result = _torchrun(workdir, "training.output_dir=ds", "training.batch_size=4", "training.distributed_strategy=ddp",
+                       "training.resume_from_checkpoint=latest", "training.max_steps=9", check=False)
+    assert result.returncode != 0 and "saved with distributed_strategy deepspeed" in result.stderr
+
+
+# -- several "nodes" and elastic restarts --------------------------------------------------------------
+
+
+def test_hybrid_shard_on_two_nodes_equals_one_process(workdir):
+    """The README's multi-node recipe on one machine: two torchrun agents (2 "nodes" x 2 processes)
+    meet through the c10d rendezvous; FSDP2 hybrid_shard replicates across the nodes and shards within."""
+    init = _initial_weights(workdir)
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}")
+    endpoint = f"127.0.0.1:{_free_port()}"
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
+             f"--rdzv_endpoint={endpoint}", "--rdzv_id=hybrid-test", "-m", "llm_trainer", "train", "--config", "exp.yaml",
+             "training.output_dir=hybrid", "training.batch_size=2", "training.distributed_strategy=fsdp",
+             "training.fsdp_sharding=hybrid_shard", f"model.init_from={init}"],
+            cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
+        for _ in range(2)
+    ]
+    try:
+        outputs = [agent.communicate(timeout=300)[1] for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    assert any("effective batch 8 = 2 x 1 accumulation x 4 process(es) (fsdp)" in o for o in outputs)
+    _assert_same_run(workdir / "single", workdir / "hybrid")
+
+
+# A worker that dies at step 5 of the first attempt, once step 3's checkpoint is on disk.
+FAULTY_RUNNER = r'''
+import os, sys, time
+import llm_trainer.pipeline as pipeline
+from llm_trainer import Callback
+from llm_trainer.cli import main
+
+
+class DieOnce(Callback):
+    def on_step_end(self, trainer, row):
+        if row["step"] == 5 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+            latest = trainer.checkpoint_dir / "latest"
+            while not (latest.is_file() and latest.read_text().strip() == "checkpoint-00000003"):
+                time.sleep(0.01)
+            os._exit(17)
+
+
+original = pipeline.train
+pipeline.train = lambda experiment, callbacks=(): original(experiment, callbacks=[*callbacks, DieOnce()])
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_elastic_restart_resumes_from_the_latest_checkpoint(workdir):
+    """torchrun --max-restarts=1: a rank dies at step 5; the restarted group resumes from step 3's
+    checkpoint by itself and ends where an uninterrupted run ends."""
+    (workdir / "faulty.py").write_text(FAULTY_RUNNER)
+    common = ("training.batch_size=4", "training.resume_from_checkpoint=latest", "training.logging_steps=1")
+    _torchrun(workdir, "training.output_dir=steady", *common)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_free_port()}", "faulty.py", "train", "--config", "exp.yaml",
+           "training.output_dir=elastic", *common]
+    result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300, env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "failed (exitcode: 17) local_rank: 1" in result.stderr  # the first attempt did die
+    assert "resume: no checkpoint in elastic/checkpoints yet; starting from step 0" in result.stderr
+    assert "resume: continuing from elastic/checkpoints/checkpoint-00000003 (step 3" in result.stderr
+    steady, elastic = _losses(workdir / "steady")[0], _losses(workdir / "elastic")[0]
+    assert elastic[:5] == steady[:5] and elastic[5:] == steady[3:]  # steps 1-5, then 4-6 again after the restart
+    a = load_file(workdir / "steady/checkpoints/checkpoint-00000006/model.safetensors")
+    b = load_file(workdir / "elastic/checkpoints/checkpoint-00000006/model.safetensors")
+    assert all(torch.equal(a[name], b[name]) for name in a)

@@ -218,7 +218,8 @@ def test_users_own_model_and_dataloader(tmp_path):
     Trainer(wrapped, _training(tmp_path / "b", max_steps=4), train_dataloader=tuples).train()
 
 
-def test_callbacks_and_log_metrics_override(tmp_path):
+@pytest.mark.parametrize("async_checkpoint", [False, True], ids=["sync-save", "background-save"])
+def test_callbacks_and_log_metrics_override(tmp_path, async_checkpoint):
     calls = []
 
     class Recorder(Callback):
@@ -247,11 +248,18 @@ def test_callbacks_and_log_metrics_override(tmp_path):
     torch.manual_seed(0)
     loader = BatchLoader(WindowRows(tokens, 16), 4, shuffle=True, seed=0)
     val = BatchLoader(WindowRows(tokens[:500], 16, keep_partial=True), 4, shuffle=False, drop_last=False)
-    training = _training(tmp_path, max_steps=4, eval_steps=2, save_steps=2, logging_steps=2)
+    training = _training(tmp_path, max_steps=4, eval_steps=2, save_steps=2, logging_steps=2,
+                         async_checkpoint=async_checkpoint)
     CustomTrainer(Transformer(tiny_model_config()), training, train_dataloader=loader, val_dataloader=val,
                   callbacks=[Recorder()]).train()
-    assert calls == ["begin", ("step", 2), ("eval", 2), ("save", "checkpoint-00000002"),
-                     ("step", 4), ("eval", 4), ("save", "checkpoint-00000004"), "end"]
+    expected = ["begin", ("step", 2), ("eval", 2), ("save", "checkpoint-00000002"),
+                ("step", 4), ("eval", 4), ("save", "checkpoint-00000004"), "end"]
+    if async_checkpoint:  # on_save comes once the write is complete: at a later step boundary at the latest
+        first_save = calls.index(("save", "checkpoint-00000002"))
+        assert first_save > calls.index(("eval", 2)) and first_save < calls.index(("save", "checkpoint-00000004"))
+        calls.remove(("save", "checkpoint-00000002"))
+        expected.remove(("save", "checkpoint-00000002"))
+    assert calls == expected
     rows = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
     assert all(r["custom/loss_x2"] == pytest.approx(2 * r["loss"]) for r in rows if "lr" in r)
     train_rows = [r for r in rows if "lr" in r]

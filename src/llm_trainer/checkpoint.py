@@ -87,6 +87,7 @@ TRAIN_STATE = "train_state.json"
 REQUIRED = {
     "checkpoint": (WEIGHTS_NAME, "model_config.json", OPTIMIZER, OPTIMIZER_TENSORS, RNG, TRAIN_STATE),
     "sharded_checkpoint": ("model_config.json", RNG, TRAIN_STATE, f"{SHARDED_DIR}/.metadata"),
+    "deepspeed_checkpoint": (WEIGHTS_NAME, "model_config.json", RNG, TRAIN_STATE),  # + DeepSpeed's files in sharded/
 }
 
 _CHUNK = 64 << 20  # bytes per checksum chunk (one unit of parallel work)
@@ -542,9 +543,12 @@ def save_checkpoint(
     tokenizer_json: str | None,
     extra_meta: dict | None = None,
     sharded_dir: Path | None = None,
+    model_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write one checkpoint. With `sharded_dir` (FSDP: every rank's DCP shards of model and optimizer,
-    already written), that folder moves in as `sharded/` in place of the weight and optimizer files."""
+    already written), that folder moves in as `sharded/` in place of the weight and optimizer files.
+    `model_state`, when given, holds the weights to write (a copy taken earlier, for a background
+    save); `model` then only supplies the config."""
     root = Path(root)
     remove_stale(root)
 
@@ -556,20 +560,22 @@ def save_checkpoint(
     ]
     weights_sharded = sharded_dir is not None and (Path(sharded_dir) / ".metadata").is_file()
     if not weights_sharded:
+        writers.insert(0, lambda tmp: save_model_folder(model, tmp, state=model_state))  # model.safetensors + config
+    if not weights_sharded and optimizer_state is not None:  # None: DeepSpeed's files in sharded_dir hold it
         optimizer_structure, optimizer_tensors = split_tensors(optimizer_state)
-        writers[:0] = [
-            lambda tmp: save_model_folder(model, tmp),  # model.safetensors + model_config.json
+        writers[1:1] = [
             lambda tmp: save_file(optimizer_tensors, str(tmp / OPTIMIZER_TENSORS), metadata={"format": "pt"}),
             lambda tmp: torch.save(optimizer_structure, tmp / OPTIMIZER),
         ]
-    else:
+    if weights_sharded:
         writers.insert(0, lambda tmp: write_model_config(model, tmp))
     if sharded_dir is not None:  # per-rank files: RNG states, and the DCP shards under FSDP
         writers.insert(0, lambda tmp: shutil.move(str(sharded_dir), tmp / SHARDED_DIR))
     if tokenizer_json is not None:
         writers.append(_text_writer("tokenizer.json", tokenizer_json))
     meta = {
-        "kind": "sharded_checkpoint" if weights_sharded else "checkpoint", "step": step,
+        "kind": "sharded_checkpoint" if weights_sharded else "checkpoint" if optimizer_state is not None
+        else "deepspeed_checkpoint", "step": step,
         "sequence": _next_sequence(root), "created": time.time(), "config": config, **(extra_meta or {}),
     }
     path = write_folder_atomically(root / f"{PREFIX}{step:08d}", writers, meta)
@@ -621,7 +627,7 @@ def verify(path: Path) -> str | None:
         return "meta.json is corrupt"
     if "meta_sha256" in meta and meta["meta_sha256"] != _meta_checksum(meta):
         return "meta.json does not match its checksum (corrupt)"
-    files, kind, version = meta["files"], meta.get("kind"), meta.get("format_version", 1)
+    files, folder_kind, version = meta["files"], meta.get("kind"), meta.get("format_version", 1)
     if not isinstance(version, int) or version > FORMAT_VERSION:
         return f"unknown checkpoint format {version!r} (this llm-trainer reads up to {FORMAT_VERSION}); upgrade llm-trainer"
     kind = meta.get("checksum") if version >= 2 else None
@@ -629,7 +635,7 @@ def verify(path: Path) -> str | None:
         return f"unknown checksum kind {kind!r} in meta.json"
     if kind == XXH3_TREE and xxhash is None:
         return f"its checksums are {XXH3_TREE}, which needs the xxhash package (pip install xxhash)"
-    for name in REQUIRED.get(kind, ()) if isinstance(kind, str) else ():
+    for name in REQUIRED.get(folder_kind, ()) if isinstance(folder_kind, str) else ():
         if name not in files and (version >= 2 or name != OPTIMIZER_TENSORS):
             return f"meta.json does not list {name}"
     plain_sha256 = version < 2
@@ -772,13 +778,12 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu", *, ver
         return join_tensors(structure, tensors)
 
     sharded = (path / SHARDED_DIR / ".metadata").is_file()  # FSDP: each rank reads its model/optimizer part
+    deepspeed = (_read_meta(path) or {}).get("kind") == "deepspeed_checkpoint"  # optimizer in DeepSpeed's files
     parts: dict[str, Any] = {"model": None, "optimizer": None,
                              "sharded": path / SHARDED_DIR if (path / SHARDED_DIR).is_dir() else None}
     for key, name, load in (
-        *(() if sharded else (
-            ("model", WEIGHTS_NAME, lambda f: load_file(str(f), device="cpu")),
-            ("optimizer", OPTIMIZER, optimizer),
-        )),
+        *(() if sharded else (("model", WEIGHTS_NAME, lambda f: load_file(str(f), device="cpu")),)),
+        *(() if sharded or deepspeed else (("optimizer", OPTIMIZER, optimizer),)),
         ("rng", RNG, lambda f: _torch_load(f, "cpu")),
         ("train_state", TRAIN_STATE, lambda f: json.loads(f.read_text(encoding="utf-8"))),
         ("meta", META, lambda f: json.loads(f.read_text(encoding="utf-8"))),

@@ -214,6 +214,7 @@ class TrainingConfig(_Validated):
     checkpoint_dir: str | None = None  # default: {output_dir}/checkpoints
     save_steps: int | None = 500  # None or 0: only the final checkpoint
     save_total_limit: int | None = 3
+    async_checkpoint: bool = True  # periodic saves: copy the state, write it from a background thread
     eval_steps: int | None = 500  # None or 0: evaluate only at the end
     eval_max_batches: int | None = None  # None: the whole validation set
     logging_steps: int = 10

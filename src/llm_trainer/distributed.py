@@ -8,6 +8,7 @@ device, and opens the process group with a timeout so a dead rank fails the job 
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -62,9 +63,33 @@ def setup(config: TrainingConfig, device: torch.device) -> tuple[DistInfo, torch
         backend = config.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
         if backend == "nccl" and device.type != "cuda":
             raise UsageError("training.distributed_backend=nccl needs CUDA; use gloo on CPU")
-        dist.init_process_group(backend, timeout=timedelta(seconds=config.distributed_timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        if "MASTER_ADDR" not in os.environ:  # DeepSpeed in one process, started without torchrun
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
+                              WORLD_SIZE="1")
+        timeout = timedelta(seconds=config.distributed_timeout_s)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+                                **_restart_safe_store(rank, world, timeout))
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world, strategy=strategy), device
+
+
+def _restart_safe_store(rank: int, world: int, timeout: timedelta) -> dict:
+    """Under torchrun, the rendezvous store of this attempt, under a prefix of its own.
+
+    torchrun's agent keeps one store across elastic restarts (`--max-restarts`), and the addresses the
+    workers of a failed attempt published there stay: a restarted worker may read one and fail with
+    "Connection refused" (pytorch/pytorch#167288). A per-attempt prefix hides them."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}  # not torchrun's agent store: the env:// rendezvous as usual
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"llm_trainer/attempt-{attempt}", store), "rank": rank, "world_size": world}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def all_reduce_(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:

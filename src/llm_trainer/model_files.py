@@ -37,16 +37,21 @@ def unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
-def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Contiguous CPU tensors under clean names, each shared tensor (tied head) stored once."""
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's own tensors (wherever they live) under clean names, each shared one (tied head) once."""
     state, seen = {}, set()
     for name, tensor in unwrap(model).state_dict().items():
         key = (tensor.data_ptr(), tensor.shape) if tensor.numel() else None
         if key is not None and key in seen:
             continue
         seen.add(key)
-        state[clean_name(name)] = tensor.detach().to("cpu").contiguous()
+        state[clean_name(name)] = tensor.detach()
     return state
+
+
+def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors under clean names, each shared tensor (tied head) stored once."""
+    return {name: tensor.to("cpu").contiguous() for name, tensor in model_tensors(model).items()}
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:

@@ -4,6 +4,9 @@
     2. data parallelism: DDP, or FSDP2 (`fully_shard` per block, then the root)
     3. torch.compile of the whole (wrapped) model
 
+DeepSpeed takes the place of 2 and 3: its engine needs the optimizer, so the Trainer wraps the model
+right after building it (`deepspeed_engine.wrap`, which also compiles through the engine).
+
 `model.py` stays the plain architecture. Wrappers never change parameter names in files
 (`model_files.clean_name`). A model built on the meta device is materialised here after sharding,
 so a model larger than one device's memory can start.
@@ -113,6 +116,6 @@ def parallelize(model: nn.Module, *, config: TrainingConfig, dist: DistInfo, dev
                 find_unused_parameters=config.ddp_find_unused_parameters,
             )
             result.model = result.ddp
-    if config.compile:
+    if config.compile and dist.strategy != "deepspeed":
         result.model = torch.compile(result.model)
     return result

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import random
 import shutil
@@ -18,24 +19,26 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
 import torch.nn as nn
 
 from . import checkpoint as ckpt
+from .background_save import BackgroundWriter, HostSnapshot
 from .config import TrainingConfig
 from .data.loader import IGNORE_INDEX
 from .errors import UsageError
 from .evaluate import batch_nll, evaluate
 from .logs import is_main_process, log
 from .metrics import build_loggers
-from .model_files import load_model_state, unwrap
+from .model_files import load_model_state, model_tensors, unwrap
 from .optim import build_optimizer, learning_rate_at
 from . import distributed
 from .distributed import all_reduce_
 from .parallelize import parallelize
+from . import deepspeed_engine
 from .sharded_checkpoint import full_model_state, load_sharded, save_sharded
 from .speed import SpeedMonitor
 
@@ -153,8 +156,6 @@ class Trainer:
     ):
         self.config = config
         self.dist, self.device = distributed.setup(config, resolve_device(config.device))
-        if self.dist.strategy == "deepspeed":
-            raise UsageError("distributed_strategy deepspeed is not available in this version; use ddp or fsdp")
         seed_everything(config.seed)
         self.tokenizer = tokenizer
         self.callbacks = list(callbacks)
@@ -173,13 +174,18 @@ class Trainer:
         if self.dist.world_size > 1:  # same initial weights everywhere, different dropout per rank
             torch.manual_seed(config.seed + self.dist.rank)
         self.optimizer = build_optimizer(self.raw_model, config, self.device)
+        self.engine = None  # DeepSpeed's engine: it takes our model and optimizer, so it comes last
+        if self.dist.strategy == "deepspeed":
+            self.model = self.engine = deepspeed_engine.wrap(self.raw_model, self.optimizer, config,
+                                                             self.dist.world_size, self.device)
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
 
         # Mixed precision: autocast for bf16/fp16; a GradScaler only for fp16 on CUDA.
         amp_dtype = torch.bfloat16 if config.amp_dtype == "bfloat16" else torch.float16
         self.autocast = torch.autocast(self.device.type, dtype=amp_dtype, enabled=config.use_amp)
-        self.scaler = torch.amp.GradScaler(
-            self.device.type, enabled=config.use_amp and amp_dtype == torch.float16 and self.device.type == "cuda"
+        self.scaler = torch.amp.GradScaler(  # (DeepSpeed scales fp16 losses itself)
+            self.device.type,
+            enabled=config.use_amp and amp_dtype == torch.float16 and self.device.type == "cuda" and self.engine is None,
         )
 
         self.train_loader = self._as_loader(train_dataloader)
@@ -204,9 +210,12 @@ class Trainer:
         self._bad_total = torch.zeros((), dtype=torch.int64, device=self.device)
         self._bad_run = torch.zeros((), dtype=torch.int64, device=self.device)
         self._bad_run_max = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._skipped_before, self._tokens_at_start = 0, 0  # counts at the start of this train() (set there)
         self._stop_reason: str | None = None
         self._signal_received: str | None = None  # set by the handler on this process
         self._signal: str | None = None  # acted on: the same step on every rank
+        self._writer: BackgroundWriter | None = None  # rank 0's checkpoint writer thread, while train() runs
+        self._snapshot = HostSnapshot()  # host buffers for background saves, reused from one save to the next
         self.loggers = []
 
     def _as_loader(self, loader):
@@ -225,6 +234,8 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_train_begin(self)
         progress = self._progress_bar()
+        if cfg.async_checkpoint and self.dist.is_main and not self.sharded:  # FSDP shards are written by every rank
+            self._writer = BackgroundWriter()
         self.model.train()
         started = time.perf_counter()
         start_step, last_saved = state.step, None
@@ -248,7 +259,7 @@ class Trainer:
                     for i, (inputs, targets, *doc_ids) in enumerate(micro):  # doc_ids with data.document_mask
                         with self._no_sync(last=i == accum - 1), self.autocast:
                             nll = batch_nll(self.model, inputs, targets, *doc_ids)
-                        self.scaler.scale(nll * self.dist.world_size / n_targets).backward()
+                        self._backward(nll * self.dist.world_size / n_targets)
                         loss_sum += nll.detach().float()
                     if self.dist.world_size > 1:  # one small collective: global loss and whether any rank got a signal
                         shared = all_reduce_(torch.stack([loss_sum, torch.tensor(float(self._signal_received is not None), device=self.device)]))
@@ -256,13 +267,15 @@ class Trainer:
 
                     # Clip, then step only if loss and gradients are finite (a bad step never reaches the weights).
                     self.scaler.unscale_(self.optimizer)
-                    grad_norm = self._clip_gradients()
+                    grad_norm = self._clip_gradients()  # None under DeepSpeed, which clips inside its step
                     finite = torch.isfinite(loss_sum)
-                    if not self.scaler.is_enabled():  # under fp16 scaling, overflowing gradients are routine
+                    if grad_norm is not None and not self.scaler.is_enabled():  # fp16 scaling: overflows are routine
                         finite = finite & torch.isfinite(grad_norm)
                     self._optimizer_step(finite)
+                    if grad_norm is None:
+                        norm = self.engine.get_global_grad_norm()  # DeepSpeed's, computed in its step
+                        grad_norm = torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32)
                     self.scaler.update()
-                    self.optimizer.zero_grad(set_to_none=True)
                     state.step += 1
                     step_tokens = sum(batch[0].numel() for batch in micro)
                     state.tokens_seen += step_tokens
@@ -300,12 +313,13 @@ class Trainer:
                     if self.val_loader is not None and (at_end or (cfg.eval_steps and state.step % cfg.eval_steps == 0)):
                         final_eval = self._evaluate_and_track()
 
-                    # Checkpoint periodically, at the end, and when a signal asked us to stop.
+                    # Checkpoint periodically (in the background), at the end and when a signal asked us to stop.
+                    self._report_background_save()
                     if self.dist.world_size == 1:
                         self._signal = self._signal_received  # one that came during logging/evaluation counts now
                     stopping = at_end or self._signal is not None or self._stop_reason is not None
                     if stopping or (cfg.save_steps and state.step % cfg.save_steps == 0):
-                        last_saved = self.save_checkpoint()
+                        last_saved = self.save_checkpoint(background=not stopping)
                     if self._signal is not None:
                         self._stop_reason = f"received {self._signal}"
 
@@ -334,7 +348,8 @@ class Trainer:
 
                 plot_runs([self.output_dir], self.output_dir / "plots")
             return summary
-        finally:  # also when a callback or a stop raises: logs flushed, bar closed
+        finally:  # also when a callback or a stop raises: a checkpoint being written finished, logs flushed, bar closed
+            self._stop_writer()
             if progress is not None:
                 progress.close()
             for logger in self.loggers:
@@ -343,13 +358,27 @@ class Trainer:
 
     # -- pieces of a step ---------------------------------------------------------------------------
 
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.engine is not None:  # DeepSpeed reduces (and partitions) the gradients; the loss is scaled already
+            self.engine.backward(loss, scale_wrt_gas=False)
+        else:
+            self.scaler.scale(loss).backward()
+
     def _optimizer_step(self, finite: torch.Tensor) -> None:
-        """Apply the update only where `finite`; fused Adam/AdamW skip on the device, with no host sync."""
+        """Apply the update only where `finite`, then clear the gradients. Fused Adam/AdamW skip on the
+        device, with no host sync."""
         bad = (~finite).to(torch.int64)
         self._bad_total += bad
         self._bad_run = (self._bad_run + 1) * bad
         self._bad_run_max = torch.maximum(self._bad_run_max, self._bad_run)
-        if self.scaler.is_enabled():  # fp16: the scaler skips steps whose gradients overflowed
+        if self.engine is not None:  # DeepSpeed steps our fused optimizer on its partitions: skipped where bad
+            self.optimizer.grad_scale, self.optimizer.found_inf = None, bad.float()
+            try:
+                self.engine.step()  # also clears the gradients (its buffers stay allocated)
+            finally:
+                del self.optimizer.grad_scale, self.optimizer.found_inf
+            return
+        elif self.scaler.is_enabled():  # fp16: the scaler skips steps whose gradients overflowed
             self.scaler.step(self.optimizer)
         elif self.optimizer.defaults.get("fused"):
             self.optimizer.grad_scale, self.optimizer.found_inf = None, bad.float()
@@ -359,6 +388,7 @@ class Trainer:
                 del self.optimizer.grad_scale, self.optimizer.found_inf
         elif bool(finite):  # other optimizers: one host sync
             self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _read_bad_steps(self) -> None:
         """Copy the device-side non-finite counters into the state; stop after too many in a row."""
@@ -369,7 +399,9 @@ class Trainer:
             state.consecutive_bad_steps = max(state.consecutive_bad_steps, int(self._bad_run_max))
             self._fail_on_bad_steps()
 
-    def _clip_gradients(self) -> torch.Tensor:
+    def _clip_gradients(self) -> torch.Tensor | None:
+        if self.engine is not None:
+            return None
         if self.config.max_grad_norm:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm, foreach=True)
         else:
@@ -379,7 +411,7 @@ class Trainer:
     @contextlib.contextmanager
     def _no_sync(self, last: bool):
         """Skip the gradient reduction on all but the last micro-batch (DDP no_sync, FSDP2's switch)."""
-        if last or not self.dist.enabled:
+        if last or not self.dist.enabled or self.engine is not None:  # DeepSpeed: reduces at step(), or per bucket
             yield
         elif self._ddp is not None:
             with self._ddp.no_sync():
@@ -413,7 +445,7 @@ class Trainer:
         improved = state.best_val_loss is None or metrics["val_loss"] < state.best_val_loss - cfg.early_stopping_min_delta
         if improved:
             state.best_val_loss, state.best_step, state.evals_without_improvement = metrics["val_loss"], state.step, 0
-            weights = full_model_state(self.raw_model) if self.sharded else None  # a collective under FSDP
+            weights = self._gathered_weights()
             if self.dist.is_main:
                 ckpt.save_best_model(
                     self.checkpoint_dir, self.raw_model, tokenizer_json=self._tokenizer_json(),
@@ -437,17 +469,21 @@ class Trainer:
     def _tokenizer_json(self) -> str | None:
         return self.tokenizer.to_json() if self.tokenizer is not None and hasattr(self.tokenizer, "to_json") else None
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, background: bool = False) -> Path:
         """Every rank calls this at the same step; rank 0 writes the checkpoint folder. With several
         ranks, each first writes its RNG state (and under FSDP its model and optimizer shards, through
-        torch.distributed.checkpoint) into a staging folder that becomes the checkpoint's `sharded/`."""
+        torch.distributed.checkpoint) into a staging folder that becomes the checkpoint's `sharded/`.
+
+        `background` (inside train(), with training.async_checkpoint): rank 0 copies the state and
+        its writer thread writes the folder while training goes on; `on_save` runs once it is complete."""
+        self._finish_background_save()  # one write at a time, in step order
         self._read_bad_steps()
         rng_tensors = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng_tensors["cuda"] = torch.cuda.get_rng_state_all()
         path = self.checkpoint_dir / f"{ckpt.PREFIX}{self.state.step:08d}"
-        staging = None
-        if self.dist.world_size > 1:
+        staging, weights = None, None
+        if self.dist.world_size > 1 or self.engine is not None:
             staging = self.checkpoint_dir / f".staging-{path.name}"
             if self.dist.is_main:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -456,15 +492,59 @@ class Trainer:
             torch.save(rng_tensors, staging / f"rng-rank{self.dist.rank}.pt")
             if self.sharded:
                 save_sharded(self.raw_model, self.optimizer, staging)
+            if self.engine is not None:
+                deepspeed_engine.save(self.engine, staging, self.dist.is_main)
+                weights = self._gathered_weights()  # ZeRO-3: for the checkpoint's model folder
             distributed.barrier()
+        background = background and self._writer is not None
         if self.dist.is_main:
-            path = self._write_checkpoint(rng_tensors, staging)
+            write = self._checkpoint_job(rng_tensors, staging, snapshot=background, weights=weights)
+            if background:
+                self._writer.submit(write)
+            else:
+                path = write()
         distributed.barrier()
-        for cb in self.callbacks:
-            cb.on_save(self, path)
+        if not background:
+            self._after_save(path)
         return path
 
-    def _write_checkpoint(self, rng_tensors: dict, staging: Path | None) -> Path:
+    def _after_save(self, path: Path) -> None:
+        for cb in self.callbacks:
+            cb.on_save(self, path)
+
+    def _report_background_save(self) -> None:
+        """At a step boundary: `on_save` for a background write that has completed (errors raised here)."""
+        if self._writer is not None and (path := self._writer.finished()) is not None:
+            self._after_save(path)
+
+    def _finish_background_save(self) -> None:
+        if self._writer is not None and (path := self._writer.wait()) is not None:
+            self._after_save(path)
+
+    def _stop_writer(self) -> None:
+        """End of train(): a write still in flight (only when train() raised) is completed, never abandoned."""
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        try:
+            writer.wait()
+        except Exception as exc:  # train() is already raising its own error; do not hide it
+            log(f"warning: the checkpoint being written in the background failed: {exc}")
+        finally:
+            writer.close()
+
+    def _gathered_weights(self) -> dict[str, torch.Tensor] | None:
+        """Full weights, copied, when this rank holds only a part of them (FSDP, ZeRO-3): a collective.
+        None when the module itself has them whole."""
+        if self.sharded:
+            return full_model_state(self.raw_model)
+        return deepspeed_engine.full_model_state(self.engine) if self.engine is not None else None
+
+    def _checkpoint_job(self, rng_tensors: dict, staging: Path | None, snapshot: bool,
+                        weights: dict[str, torch.Tensor] | None = None) -> Callable[[], Path]:
+        """The write of this step's checkpoint, as a function. Everything it needs is read now;
+        `snapshot` copies the tensors too, so the write may run while training changes them.
+        `weights`: the full model gathered from its shards (a copy already)."""
         np_state = np.random.get_state()
         train_state = {
             **dataclasses.asdict(self.state),
@@ -477,20 +557,34 @@ class Trainer:
                 "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
             },
         }
-        path = ckpt.save_checkpoint(
-            self.checkpoint_dir, self.state.step,
-            model=self.raw_model,
-            optimizer_state=None if self.sharded else self.optimizer.state_dict(),
-            train_state=train_state,
-            rng_tensors=rng_tensors,
-            config=self.experiment_config,
-            tokenizer_json=self._tokenizer_json(),
-            sharded_dir=staging,
-            extra_meta={"world_size": self.dist.world_size, "strategy": self.dist.strategy},
-        )
+        train_state = json.loads(json.dumps(train_state))  # plain data, detached from the live loader
+        # Optimizer state: in the DCP shards (FSDP) or DeepSpeed's files, else here (references the live tensors).
+        optimizer_state = None if self.sharded or self.engine is not None else self.optimizer.state_dict()
+        model_state = weights  # None: the live model's weights, read by the write itself
+        if snapshot:
+            live = model_tensors(self.raw_model) if weights is None else None
+            copied, optimizer_state = self._snapshot.take((live, optimizer_state))
+            model_state = weights if weights is not None else copied
+        step, tokenizer_json = self.state.step, self._tokenizer_json()
         best = f"{ckpt.PREFIX}{self.state.best_step:08d}" if self.state.best_step is not None else None
-        ckpt.rotate(self.checkpoint_dir, self.config.save_total_limit, protect={path.name, best} - {None})
-        return path
+
+        def write() -> Path:
+            path = ckpt.save_checkpoint(
+                self.checkpoint_dir, step,
+                model=self.raw_model,
+                model_state=model_state,
+                optimizer_state=optimizer_state,
+                train_state=train_state,
+                rng_tensors=rng_tensors,
+                config=self.experiment_config,
+                tokenizer_json=tokenizer_json,
+                sharded_dir=staging,
+                extra_meta={"world_size": self.dist.world_size, "strategy": self.dist.strategy},
+            )
+            ckpt.rotate(self.checkpoint_dir, self.config.save_total_limit, protect={path.name, best} - {None})
+            return path
+
+        return write
 
     def _resume(self, spec: str) -> None:
         path = ckpt.resolve_checkpoint(spec, self.checkpoint_dir)
@@ -498,7 +592,12 @@ class Trainer:
             log(f"resume: no checkpoint in {self.checkpoint_dir} yet; starting from step 0")
             return
         parts = ckpt.load_checkpoint(path, map_location=self.device)
-        if parts["model"] is None:  # sharded (FSDP): each rank reads its part, at any world size
+        if self.engine is not None:  # DeepSpeed's files hold model and optimizer (every rank reads its part)
+            deepspeed_engine.load(self.engine, parts["sharded"] or path / ckpt.SHARDED_DIR)
+        elif parts["meta"].get("kind") == "deepspeed_checkpoint":
+            raise UsageError(f"{path} was saved with distributed_strategy deepspeed; resume it with that strategy "
+                             "(its model folder also works as model.init_from for a fresh run)")
+        elif parts["model"] is None:  # sharded (FSDP): each rank reads its part, at any world size
             if not self.sharded:
                 raise UsageError(f"{path} is a sharded FSDP checkpoint; resume it with distributed_strategy: fsdp, "
                                  "or turn it into a model folder with `llm-trainer consolidate`")

@@ -1,0 +1,84 @@
+"""Checkpoints written by a background thread, so training stalls only for a copy of its state.
+
+The training loop copies every tensor it saves (model and optimizer) into host memory, hands the
+copy to one worker thread and goes on training. The worker writes it with the same atomic,
+checksummed, fsynced `checkpoint.save_checkpoint` a synchronous save uses. At most one write is in
+flight: the next save, the final one and a stop wait for it first, and a write's error (a full
+disk, say) is raised there, in the training thread. A crash or a kill -9 during a write loses only
+that checkpoint: `latest` and every earlier checkpoint are untouched, as with a synchronous save.
+
+The price is host memory for one copy of the model and optimizer state, kept for the whole run so
+later saves reuse it (`training.async_checkpoint=false` writes in the training thread instead).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+class HostSnapshot:
+    """Copies of the state's tensors in host memory, in buffers kept from one save to the next.
+
+    The first save allocates them; later saves only copy into them. On a VM, first touches of fresh
+    memory (page faults) cost several times the copy itself, so reuse is what keeps the stall short.
+    CUDA tensors are copied into pinned buffers without blocking, then synchronized once.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, state: Any) -> Any:
+        """The same nested structure with every tensor replaced by its host copy. The copies stay
+        valid until the next take(): the caller waits for the previous write before taking again."""
+        copied = self._copy(state, "")
+        if any(buffer.is_pinned() for buffer in self._buffers.values()):
+            torch.cuda.synchronize()
+        return copied
+
+    def _copy(self, value: Any, where: str) -> Any:
+        if torch.is_tensor(value):
+            buffer = self._buffers.get(where)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                self._buffers[where] = buffer
+            return buffer.copy_(value.detach(), non_blocking=value.is_cuda)
+        if isinstance(value, dict):
+            return {key: self._copy(item, f"{where}/{key}") for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._copy(item, f"{where}/{i}") for i, item in enumerate(value))
+        return value
+
+
+class BackgroundWriter:
+    """One worker thread that runs checkpoint writes, one at a time, in the order submitted."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._pending: Future | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._pending is not None
+
+    def submit(self, write: Callable[[], Path]) -> None:
+        assert self._pending is None, "wait() for the write in flight before submitting another"
+        self._pending = self._pool.submit(write)
+
+    def finished(self) -> Path | None:
+        """The folder of a write that has completed (its error raised here), else None. Never blocks."""
+        if self._pending is None or not self._pending.done():
+            return None
+        return self.wait()
+
+    def wait(self) -> Path | None:
+        """Block until the write in flight, if any, is complete; return its folder or raise its error."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def close(self) -> None:
+        """Let a write in flight finish (never abandon a half-written checkpoint), then stop the thread."""
+        self._pool.shutdown(wait=True)
