@@ -1,9 +1,16 @@
 """Shared fixtures: tiny configs and a tiny corpus, all in temporary folders."""
 
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
+
+REPO_SRC = Path(__file__).resolve().parents[1] / "src"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -45,3 +52,28 @@ def write_tiny_experiment(root, name="exp.yaml", **training):
     path = root / name
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def src_env() -> dict:
+    """The environment for a child Python that imports this checkout's llm_trainer."""
+    return {**os.environ, "PYTHONPATH": str(REPO_SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def kill9_when(script: str, ready, what: str, timeout: float = 60) -> None:
+    """Run `script` in a child Python; once `ready()` is true, kill it with SIGKILL (a crash at that point)."""
+    proc = subprocess.Popen([sys.executable, "-c", script], env=src_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, f"the child never reached {what}"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL

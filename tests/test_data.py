@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -20,15 +18,14 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import kill9_when, src_env
 from llm_trainer.config import DataConfig
-from llm_trainer.data import prepare as prepare_module
 from llm_trainer.data.loader import IGNORE_INDEX, BatchLoader, DocumentRows, WindowRows, first_fit_decreasing
 from llm_trainer.data.prepare import MANIFEST, clean_text, prepare_data
 from llm_trainer.data.sources import stdlib_files
 from llm_trainer.errors import UsageError
 from llm_trainer.tokenizer import EOT, UNK, Tokenizer
 
-REPO_SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -539,23 +536,8 @@ def test_killed_prepare_leaves_no_finished_folder(tmp_path):
         prepare_data(DataConfig(data_files={str(path)!r}, tokenizer="char", cache_dir={str(cache)!r}))
         """
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO_SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 60
-        while not marker.exists():
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "the child never reached the tokenizer"
-            time.sleep(0.05)
-        assert any(p.name.endswith(".bin") for p in cache.rglob("*"))  # it was mid-way through writing
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
+    kill9_when(script, marker.exists, "the tokenizer")
+    assert any(p.name.endswith(".bin") for p in cache.rglob("*"))  # it was mid-way through writing
     assert finished_folders(cache) == []
 
     prepared = prepare_data(config(tmp_path, data_files=str(path)))
@@ -823,8 +805,8 @@ def test_validation_loader_reads_everything_once():
 
 
 def run_cli(*args, cwd):
-    env = {**os.environ, "PYTHONPATH": str(REPO_SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "llm_trainer", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "llm_trainer", *args], cwd=cwd, env=src_env(), capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_cli_prepare_prints_json(tmp_path):

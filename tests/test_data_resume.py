@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import numpy as np
+from conftest import kill9_when
 from llm_trainer.config import DataConfig
 from llm_trainer.data.prepare import MANIFEST, prepare_data
 from llm_trainer.data.report import REPORT
 
-REPO_SRC = Path(__file__).resolve().parents[1] / "src"
 OUTPUTS = ("train.bin", "val.bin", "train.idx.npy", "val.idx.npy", "tokenizer.json")
 
 
@@ -68,23 +64,9 @@ def kill_mid_prepare(tmp_path: Path, values: dict, *, block_at_call: int = 7, mi
         prepare_data(DataConfig(**{values!r}))
         """
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO_SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     cache = Path(values["cache_dir"])
-    try:
-        deadline = time.monotonic() + 90
-        while not (marker.exists() and len(list(cache.glob(".*.partial/shards/*.json"))) >= min_shards):
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "the child never reached the blocked tokenizer call"
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
+    kill9_when(script, lambda: marker.exists() and len(list(cache.glob(".*.partial/shards/*.json"))) >= min_shards,
+               "the blocked tokenizer call", timeout=90)
     assert not list(cache.rglob(MANIFEST))  # nothing looks finished
     (work,) = cache.glob(".*.partial")
     return work

@@ -134,6 +134,23 @@ def test_fsdp_equals_one_process_and_its_sharded_checkpoint_resumes(workdir):
     assert json.loads(result.stdout)["loss"] == pytest.approx(_losses(workdir / "fsdp")[1][-1], rel=1e-5)
 
 
+def test_fsdp_shard_grad_op_and_bf16_mixed_precision(workdir):
+    """shard_grad_op trains like one process; under use_amp, FSDP2 computes in bf16 (params cast per
+    block, gradients reduced in fp32) close to one process's autocast, and keeps fp32 master weights."""
+    init = _initial_weights(workdir)
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}")
+    fsdp = ("training.batch_size=4", "training.distributed_strategy=fsdp", f"model.init_from={init}")
+    _torchrun(workdir, "training.output_dir=sgo", *fsdp, "training.fsdp_sharding=shard_grad_op")
+    _assert_same_run(workdir / "single", workdir / "sgo")
+
+    _single(workdir, "training.output_dir=single_amp", f"model.init_from={init}", "training.use_amp=true")
+    _torchrun(workdir, "training.output_dir=fsdp_amp", *fsdp, "training.use_amp=true")
+    (fp32, _), (amp, _), (fsdp_amp, _) = (_losses(workdir / name) for name in ("single", "single_amp", "fsdp_amp"))
+    assert fsdp_amp == pytest.approx(amp, rel=2e-3) and fsdp_amp != fp32  # bf16 arithmetic, not fp32
+    weights = load_file(workdir / "fsdp_amp/checkpoints/best_model/model.safetensors")  # gathered from the shards
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+
+
 def test_resume_at_another_world_size_is_refused(workdir):
     _torchrun(workdir, "training.output_dir=ddp", "training.batch_size=4")
     result = _single(workdir, "training.output_dir=ddp", "training.resume_from_checkpoint=latest", "training.max_steps=9",

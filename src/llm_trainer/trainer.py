@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import random
 import shutil
 import signal
@@ -33,7 +32,7 @@ from .errors import UsageError
 from .evaluate import batch_nll, evaluate
 from .logs import is_main_process, log
 from .metrics import build_loggers
-from .model_files import load_model_state, model_tensors, unwrap
+from .model_files import load_model_state, model_tensors
 from .optim import build_optimizer, learning_rate_at
 from . import distributed
 from .distributed import all_reduce_
