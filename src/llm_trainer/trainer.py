@@ -377,7 +377,7 @@ class Trainer:
             finally:
                 del self.optimizer.grad_scale, self.optimizer.found_inf
             return
-        elif self.scaler.is_enabled():  # fp16: the scaler skips steps whose gradients overflowed
+        if self.scaler.is_enabled():  # fp16: the scaler skips steps whose gradients overflowed
             self.scaler.step(self.optimizer)
         elif self.optimizer.defaults.get("fused"):
             self.optimizer.grad_scale, self.optimizer.found_inf = None, bad.float()
