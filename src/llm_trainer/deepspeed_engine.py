@@ -79,7 +79,8 @@ def build_config(training: TrainingConfig, world_size: int, d_model: int | None)
     cfg = load_user_config(training.deepspeed_config)
     for section, fields in _OWN_SECTIONS.items():  # ours replace DeepSpeed's; an all-"auto" section says just that
         given = cfg.pop(section, None)
-        if given is not None and any(value != "auto" for _, value in _flatten(given.get("params", {}))):
+        params = given.get("params", {}) if isinstance(given, dict) else given
+        if given is not None and any(value != "auto" for _, value in _flatten(params)):
             raise UsageError(f"training.deepspeed_config sets {section} values; llm-trainer takes them from "
                              f"{fields}: set them there, and \"auto\" (or nothing) in the DeepSpeed config")
     ours = {
