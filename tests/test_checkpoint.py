@@ -576,6 +576,17 @@ def test_leftovers_of_dead_writers_are_removed(tmp_path):
     assert not stale.exists() and alive.exists() and other_host.exists()
 
 
+def test_staging_folders_of_a_killed_multi_process_save_are_removed_at_the_next_start(workspace, reference, tmp_path):
+    run = copy_run(reference, tmp_path)
+    leftovers = [checkpoints(run) / f".staging-{ckpt.PREFIX}{8:08d}", checkpoints(run) / f".staging-{ckpt.PREFIX}{8:08d}-deepspeed"]
+    for folder in leftovers:
+        folder.mkdir()
+        (folder / "rng-rank1.pt").write_bytes(b"partial")
+    assert cli_train(run, "training.resume_from_checkpoint=latest", f"training.max_steps={MAX_STEPS + 2}") == 0
+    assert not any(folder.exists() for folder in leftovers)
+    assert latest_name(run) == f"{ckpt.PREFIX}{MAX_STEPS + 2:08d}"
+
+
 # -- 4. a malicious pickle with valid checksums ------------------------------------------------------
 
 

@@ -327,6 +327,16 @@ def remove_stale(root: Path) -> None:
         log(f"checkpoint: removed {name}, left by an interrupted save")
 
 
+def remove_staging(root: Path) -> None:
+    """Delete the per-rank staging folders (`.staging-*`) a multi-process save killed mid-way left.
+    Only safe before any rank saves again: call it at the start of a run, on rank 0."""
+    if not Path(root).is_dir():
+        return
+    for path in Path(root).glob(".staging-*"):
+        shutil.rmtree(path, ignore_errors=True)
+        log(f"checkpoint: removed {path.name}, left by an interrupted save")
+
+
 def _disk_full(exc: BaseException, directory: Path) -> bool:
     """ENOSPC/EDQUOT, however the writer reports it (safetensors and torch.save wrap the OS error)."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):

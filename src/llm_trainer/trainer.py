@@ -233,6 +233,8 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_train_begin(self)
         progress = self._progress_bar()
+        if self.dist.is_main:
+            ckpt.remove_staging(self.checkpoint_dir)  # no rank writes there before the first save's barrier
         if cfg.async_checkpoint and self.dist.is_main and not self.sharded:  # FSDP shards are written by every rank
             self._writer = BackgroundWriter()
         self.model.train()
