@@ -85,6 +85,8 @@ def background_trainer(model: Transformer, root: Path):
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer._writer = BackgroundWriter()  # what train() sets up when training.async_checkpoint is on
+    trainer._report_background_save()  # what train() does after its first step: host buffers allocated ahead
+    trainer._finish_background_save()
     return trainer
 
 

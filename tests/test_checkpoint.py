@@ -323,6 +323,29 @@ def test_background_checkpoints_equal_synchronous_ones(workspace, reference, tmp
             assert (ours / file).read_bytes() == (theirs / file).read_bytes(), f"{name}/{file}"
 
 
+def test_host_snapshot_copies_into_buffers_reserved_ahead_and_reused():
+    from llm_trainer.background_save import HostSnapshot
+
+    model, optimizer = tiny_parts()
+    state = ({k: v for k, v in model.state_dict().items()}, optimizer.state_dict())
+    snapshot = HostSnapshot()
+    snapshot.reserve(state)()  # what the writer thread runs after the first step
+    reserved = {where: buffer.data_ptr() for where, buffer in snapshot._buffers.items()}
+    assert len(reserved) == len(state[0]) + sum(len(s) for s in state[1]["state"].values())
+
+    first = snapshot.take(state)
+    assert {where: buffer.data_ptr() for where, buffer in snapshot._buffers.items()} == reserved  # nothing new
+    weight = next(iter(state[0]))
+    assert torch.equal(first[0][weight], state[0][weight]) and first[0][weight].data_ptr() != state[0][weight].data_ptr()
+    before = first[0][weight].clone()
+    with torch.no_grad():
+        state[0][weight].add_(1.0)  # training goes on: the copy does not move
+    assert torch.equal(first[0][weight], before)
+    second = snapshot.take(state)  # the next save reuses the same buffers
+    assert second[0][weight].data_ptr() == first[0][weight].data_ptr() and torch.equal(second[0][weight], state[0][weight])
+    assert second[1]["param_groups"] == state[1]["param_groups"]
+
+
 def test_disk_full_in_a_background_save_stops_the_run_and_keeps_the_previous_checkpoint(
     workspace, tmp_path, monkeypatch, capsys
 ):

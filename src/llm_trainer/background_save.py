@@ -31,26 +31,44 @@ class HostSnapshot:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
+    def reserve(self, state: Any) -> Callable[[], None]:
+        """A job for the writer thread: allocate (and touch) ahead of time the buffers `take(state)`
+        will fill, so that even the first save only copies. Reads only shapes and dtypes now."""
+        specs: dict[str, tuple] = {}
+        _map_tensors(state, lambda where, tensor: specs.setdefault(where, (tensor.shape, tensor.dtype, tensor.is_cuda)))
+
+        def allocate() -> None:
+            for where, (shape, dtype, pinned) in specs.items():
+                if where not in self._buffers:
+                    self._buffers[where] = torch.zeros(shape, dtype=dtype, pin_memory=pinned)
+
+        return allocate
+
     def take(self, state: Any) -> Any:
         """The same nested structure with every tensor replaced by its host copy. The copies stay
         valid until the next take(): the caller waits for the previous write before taking again."""
-        copied = self._copy(state, "")
+        copied = _map_tensors(state, self._copy)
         if any(buffer.is_pinned() for buffer in self._buffers.values()):
             torch.cuda.synchronize()
         return copied
 
-    def _copy(self, value: Any, where: str) -> Any:
-        if torch.is_tensor(value):
-            buffer = self._buffers.get(where)
-            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
-                self._buffers[where] = buffer
-            return buffer.copy_(value.detach(), non_blocking=value.is_cuda)
-        if isinstance(value, dict):
-            return {key: self._copy(item, f"{where}/{key}") for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(self._copy(item, f"{where}/{i}") for i, item in enumerate(value))
-        return value
+    def _copy(self, where: str, value: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(where)
+        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+            buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+            self._buffers[where] = buffer
+        return buffer.copy_(value.detach(), non_blocking=value.is_cuda)
+
+
+def _map_tensors(value: Any, fn: Callable[[str, torch.Tensor], Any], where: str = "") -> Any:
+    """`value` with fn(path, tensor) in place of each tensor; the path names its place in the structure."""
+    if torch.is_tensor(value):
+        return fn(where, value)
+    if isinstance(value, dict):
+        return {key: _map_tensors(item, fn, f"{where}/{key}") for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(item, fn, f"{where}/{i}") for i, item in enumerate(value))
+    return value
 
 
 class BackgroundWriter:

@@ -215,6 +215,8 @@ class Trainer:
         self._signal: str | None = None  # acted on: the same step on every rank
         self._writer: BackgroundWriter | None = None  # rank 0's checkpoint writer thread, while train() runs
         self._snapshot = HostSnapshot()  # host buffers for background saves, reused from one save to the next
+        self._buffers_reserved = False
+        self._zero3 = self.engine is not None and deepspeed_engine.zero_stage(self.engine) == 3  # weights gathered
         self.loggers = []
 
     def _as_loader(self, loader):
@@ -236,7 +238,7 @@ class Trainer:
         if self.dist.is_main:
             ckpt.remove_staging(self.checkpoint_dir)  # no rank writes there before the first save's barrier
         if cfg.async_checkpoint and self.dist.is_main and not self.sharded:  # FSDP shards are written by every rank
-            self._writer = BackgroundWriter()
+            self._writer, self._buffers_reserved = BackgroundWriter(), False
         self.model.train()
         started = time.perf_counter()
         start_step, last_saved = state.step, None
@@ -514,8 +516,17 @@ class Trainer:
             cb.on_save(self, path)
 
     def _report_background_save(self) -> None:
-        """At a step boundary: `on_save` for a background write that has completed (errors raised here)."""
-        if self._writer is not None and (path := self._writer.finished()) is not None:
+        """At a step boundary: `on_save` for a background write that has completed (errors raised here).
+        After the first step, when the optimizer state exists, the writer thread first allocates the
+        host buffers of background saves, so that the first save stalls no longer than later ones."""
+        if self._writer is None:
+            return
+        if not self._buffers_reserved:
+            self._buffers_reserved = True
+            if self.config.save_steps:
+                self._writer.submit(self._snapshot.reserve(self._snapshot_source(gathered=self._zero3)))
+            return
+        if (path := self._writer.finished()) is not None:
             self._after_save(path)
 
     def _finish_background_save(self) -> None:
@@ -541,6 +552,12 @@ class Trainer:
             return full_model_state(self.raw_model)
         return deepspeed_engine.full_model_state(self.engine) if self.engine is not None else None
 
+    def _snapshot_source(self, gathered: bool) -> tuple:
+        """The live tensors a checkpoint holds: the module's own weights (unless `gathered` from its
+        shards) and the optimizer state (references; None where DCP shards or DeepSpeed's files hold it)."""
+        optimizer_state = None if self.sharded or self.engine is not None else self.optimizer.state_dict()
+        return (None if gathered else model_tensors(self.raw_model), optimizer_state)
+
     def _checkpoint_job(self, rng_tensors: dict, staging: Path | None, snapshot: bool,
                         weights: dict[str, torch.Tensor] | None = None) -> Callable[[], Path]:
         """The write of this step's checkpoint, as a function. Everything it needs is read now;
@@ -559,12 +576,10 @@ class Trainer:
             },
         }
         train_state = json.loads(json.dumps(train_state))  # plain data, detached from the live loader
-        # Optimizer state: in the DCP shards (FSDP) or DeepSpeed's files, else here (references the live tensors).
-        optimizer_state = None if self.sharded or self.engine is not None else self.optimizer.state_dict()
-        model_state = weights  # None: the live model's weights, read by the write itself
+        source = self._snapshot_source(gathered=weights is not None)
+        optimizer_state, model_state = source[1], weights  # model_state None: the write reads the live model
         if snapshot:
-            live = model_tensors(self.raw_model) if weights is None else None
-            copied, optimizer_state = self._snapshot.take((live, optimizer_state))
+            copied, optimizer_state = self._snapshot.take(source)
             model_state = weights if weights is not None else copied
         step, tokenizer_json = self.state.step, self._tokenizer_json()
         best = f"{ckpt.PREFIX}{self.state.best_step:08d}" if self.state.best_step is not None else None
