@@ -23,8 +23,8 @@ import torch
 class HostSnapshot:
     """Copies of the state's tensors in host memory, in buffers kept from one save to the next.
 
-    The first save allocates them; later saves only copy into them. On a VM, first touches of fresh
-    memory (page faults) cost several times the copy itself, so reuse is what keeps the stall short.
+    `reserve` allocates them ahead (in the writer thread); every save then only copies into them. On
+    a VM, first touches of fresh memory (page faults) cost several times the copy itself.
     CUDA tensors are copied into pinned buffers without blocking, then synchronized once.
     """
 
@@ -77,10 +77,6 @@ class BackgroundWriter:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._pending: Future | None = None
-
-    @property
-    def busy(self) -> bool:
-        return self._pending is not None
 
     def submit(self, write: Callable[[], Path]) -> None:
         assert self._pending is None, "wait() for the write in flight before submitting another"

@@ -216,7 +216,6 @@ class Trainer:
         self._writer: BackgroundWriter | None = None  # rank 0's checkpoint writer thread, while train() runs
         self._snapshot = HostSnapshot()  # host buffers for background saves, reused from one save to the next
         self._buffers_reserved = False
-        self._zero3 = self.engine is not None and deepspeed_engine.zero_stage(self.engine) == 3  # weights gathered
         self.loggers = []
 
     def _as_loader(self, loader):
@@ -524,7 +523,7 @@ class Trainer:
         if not self._buffers_reserved:
             self._buffers_reserved = True
             if self.config.save_steps:
-                self._writer.submit(self._snapshot.reserve(self._snapshot_source(gathered=self._zero3)))
+                self._writer.submit(self._snapshot.reserve(self._snapshot_source()))
             return
         if (path := self._writer.finished()) is not None:
             self._after_save(path)
@@ -552,9 +551,11 @@ class Trainer:
             return full_model_state(self.raw_model)
         return deepspeed_engine.full_model_state(self.engine) if self.engine is not None else None
 
-    def _snapshot_source(self, gathered: bool) -> tuple:
-        """The live tensors a checkpoint holds: the module's own weights (unless `gathered` from its
-        shards) and the optimizer state (references; None where DCP shards or DeepSpeed's files hold it)."""
+    def _snapshot_source(self) -> tuple:
+        """The live tensors a checkpoint holds: the module's own weights (None where they are gathered
+        from shards instead: FSDP, ZeRO-3) and the optimizer state (references; None where DCP shards
+        or DeepSpeed's files hold it)."""
+        gathered = self.sharded or (self.engine is not None and deepspeed_engine.zero_stage(self.engine) == 3)
         optimizer_state = None if self.sharded or self.engine is not None else self.optimizer.state_dict()
         return (None if gathered else model_tensors(self.raw_model), optimizer_state)
 
@@ -576,7 +577,7 @@ class Trainer:
             },
         }
         train_state = json.loads(json.dumps(train_state))  # plain data, detached from the live loader
-        source = self._snapshot_source(gathered=weights is not None)
+        source = self._snapshot_source()
         optimizer_state, model_state = source[1], weights  # model_state None: the write reads the live model
         if snapshot:
             copied, optimizer_state = self._snapshot.take(source)
