@@ -52,7 +52,7 @@ import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
-from llm_trainer import checkpoint as ckpt
+from llm_trainer.checkpoint import format as ckpt
 from llm_trainer.config import ModelConfig
 from llm_trainer.model import Transformer
 
@@ -70,11 +70,11 @@ def build(vocab: int) -> tuple[Transformer, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def background_trainer(model: Transformer, root: Path):
-    """A Trainer around a copy of the model (one dummy batch) with its optimizer's state, saving to `root`."""
-    from llm_trainer.background_save import BackgroundWriter
+def background_checkpointer(model: Transformer, root: Path):
+    """The Checkpointer of a Trainer around a copy of the model (one dummy batch) with its optimizer's
+    state, saving to `root`, with its writer thread running and host buffers reserved."""
     from llm_trainer.config import TrainingConfig
-    from llm_trainer.trainer import Trainer
+    from llm_trainer.train.trainer import Trainer
 
     batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
     config = TrainingConfig(max_steps=1, device="cpu", checkpoint_dir=str(root), save_total_limit=None, report_to=[],
@@ -84,15 +84,15 @@ def background_trainer(model: Transformer, root: Path):
         p.grad = torch.randn_like(p) * 1e-3
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
-    trainer._writer = BackgroundWriter()  # what train() sets up when training.async_checkpoint is on
-    trainer._report_background_save()  # what train() does after its first step: host buffers allocated ahead
-    trainer._finish_background_save()
-    return trainer
+    checkpointer = trainer.checkpointer.__enter__()  # what train() does: the writer thread starts
+    checkpointer.poll()  # what train() does after its first step: host buffers allocated ahead
+    checkpointer.wait()
+    return checkpointer
 
 
 def flat_tensors(model: torch.nn.Module, optimizer_state: dict) -> dict[str, torch.Tensor]:
     """Every tensor a checkpoint holds, under unique names, for the single raw safetensors file."""
-    from llm_trainer.model_files import model_state_dict
+    from llm_trainer.checkpoint.model_folder import model_state_dict
 
     out = {f"model.{k}": v for k, v in model_state_dict(model).items()}
     for index, state in optimizer_state["state"].items():
@@ -143,7 +143,7 @@ def main() -> int:
         k: [] for k in ("ours_save", "ours_load", "raw_save", "raw_load", "raw_load_touch", "raw_read", "raw_fsync_save",
                         "ours_background_stall", "ours_background_durable")
     }
-    trainer = background_trainer(copy.deepcopy(model), base / "background")
+    checkpointer = background_checkpointer(copy.deepcopy(model), base / "background")
 
     def ours_save():
         ckpt.save_checkpoint(
@@ -180,9 +180,9 @@ def main() -> int:
 
     def ours_background():
         start = time.perf_counter()
-        trainer.save_checkpoint(background=True)
+        checkpointer.save(background=True)
         stalled = time.perf_counter() - start
-        trainer._finish_background_save()
+        checkpointer.wait()
         return stalled, time.perf_counter() - start
 
     # Every timed write starts right after the same amount of data was deleted: on a VM, writing into
@@ -208,7 +208,7 @@ def main() -> int:
         results["ours_background_durable"].append(durable)
 
     best = {k: min(v) for k, v in results.items()}
-    trainer._stop_writer()
+    checkpointer.__exit__(None, None, None)
     checkpoint_bytes = sum(p.stat().st_size for p in ckpt.list_checkpoints(root)[0].iterdir())
     report = {
         "benchmark": "checkpoint_io",

@@ -24,7 +24,7 @@ def main(argv=None) -> dict:
     parser.add_argument("model_dir")
     args = parser.parse_args(argv)
 
-    from llm_trainer.model_files import load_model_folder
+    from llm_trainer.checkpoint.model_folder import load_model_folder
     from llm_trainer.tokenizer import Tokenizer
 
     start = time.perf_counter()

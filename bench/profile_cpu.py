@@ -17,11 +17,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shakespeare  # noqa: E402
 
-from llm_trainer import optim  # noqa: E402
+from llm_trainer.train import optim  # noqa: E402
 from llm_trainer.config import ModelConfig, TrainingConfig  # noqa: E402
 from llm_trainer.data.loader import BatchLoader, WindowRows  # noqa: E402
 from llm_trainer.model import Transformer  # noqa: E402
-from llm_trainer.trainer import Trainer  # noqa: E402
+from llm_trainer.train.trainer import Trainer  # noqa: E402
 
 GROUPS = [  # (group, substrings of aten op names), first match wins
     ("optimizer", ("adam", "_foreach", "lerp", "addcdiv", "addcmul")),
@@ -53,7 +53,7 @@ def main() -> None:
             opt = original(model, config, torch.device("meta"))
             return torch.optim.AdamW(opt.param_groups, lr=config.learning_rate, foreach=True)
 
-        import llm_trainer.trainer as trainer_module
+        import llm_trainer.train.trainer as trainer_module
         trainer_module.build_optimizer = foreach_optimizer
     import numpy as np
 
@@ -62,7 +62,7 @@ def main() -> None:
                             logging_steps=50, device="cpu", report_to=[], progress_bar=False,
                             output_dir="/tmp/profile_cpu", save_total_limit=1)
     trainer = Trainer(model, config, train_dataloader=BatchLoader(WindowRows(tokens, 64, seed=0), 12, shuffle=True, seed=0))
-    trainer.save_checkpoint = lambda: None  # profile the loop, not the final save
+    trainer.checkpointer.save = lambda background=False: None  # profile the loop, not the final save
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         trainer.train()
     totals: dict[str, float] = defaultdict(float)

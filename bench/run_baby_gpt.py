@@ -191,9 +191,9 @@ def run_ours(name: str, steps: int, compile_: bool, timeout: float | None, keep:
     result.update({k: raw[k] for k in ("cmd", "returncode", "wall_s", "loadavg_before", "loadavg_after")})
     metrics_path = out_dir / "metrics.jsonl"
     rows = _read_jsonl(metrics_path) if metrics_path.is_file() else []
-    end = next((r for r in reversed(rows) if r.get("event") == "train_end"), None)
-    evals = [r for r in rows if "val_loss" in r and r.get("event") != "train_end"]
-    trains = [r for r in rows if "tokens_per_s" in r and r.get("event") != "train_end"]
+    end = next((r for r in reversed(rows) if r.get("kind") == "summary"), None)
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    trains = [r for r in rows if r.get("kind") == "train"]
     if end is not None:
         result["train_runtime_s"] = end.get("train_runtime_s")  # ours' train(): loop + final eval + checkpoint
         result["tokens_per_s_train_end"] = end.get("tokens_per_s")
@@ -212,7 +212,7 @@ def run_ours(name: str, steps: int, compile_: bool, timeout: float | None, keep:
     result["process_wall_s"] = raw["wall_s"]
     result["metrics_rows"] = len(rows)
     if raw["returncode"] != 0 or end is None:
-        why = "no train_end row in metrics.jsonl" if raw["returncode"] == 0 else ""
+        why = "no summary row in metrics.jsonl" if raw["returncode"] == 0 else ""
         result["error"] = (why + "\n" + _tail(raw["stderr"] or raw["stdout"])).strip()
     if shared_eval and end is not None:
         result.update(_shared_eval(end, out_dir, timeout))

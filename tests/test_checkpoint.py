@@ -28,13 +28,15 @@ import torch.nn as nn
 import yaml
 from safetensors.torch import load_file
 
-from llm_trainer import checkpoint as ckpt
+from llm_trainer.checkpoint import checksums, durable
+from llm_trainer.checkpoint import format as ckpt
 from llm_trainer import cli
 from llm_trainer.config import ModelConfig, TrainingConfig
 from llm_trainer.errors import UsageError
 from llm_trainer.model import Transformer
-from llm_trainer.model_files import WEIGHTS_NAME, load_model_state, model_state_dict
-from llm_trainer.trainer import Callback, Trainer, TrainingStopped
+from llm_trainer.checkpoint.model_folder import WEIGHTS_NAME, load_model_state, model_state_dict
+from llm_trainer.errors import TrainingStopped
+from llm_trainer.train.trainer import Callback, Trainer
 
 MAX_STEPS = 12
 SAVE_STEPS = 4
@@ -45,7 +47,7 @@ TRAIN_FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_seen", "skip
 # signalled and then let go. It writes `ready_file` when it gets there and goes on once `go_file` exists.
 RUNNER = r'''
 import json, os, sys, time
-import llm_trainer.pipeline as pipeline
+import llm_trainer.api as pipeline
 from llm_trainer import Callback
 from llm_trainer.cli import main
 
@@ -61,7 +63,7 @@ def pause(trainer, where):
 
 
 if "pause_in_save_at" in plan:  # inside the save (in the writer thread if it is a background save),
-    import llm_trainer.checkpoint as ckpt  # the temporary folder made and the weights written into it
+    import llm_trainer.checkpoint.format as ckpt  # the temporary folder made and the weights written into it
     write_weights = ckpt.save_model_folder
 
     def paused_write(model, folder, *args, **kwargs):
@@ -179,7 +181,7 @@ def kill9(proc: subprocess.Popen) -> None:
 
 def train_rows(run: Path, skip: int = 0) -> list[dict]:
     lines = (run / "metrics.jsonl").read_text().splitlines()[skip:]
-    return [{k: row[k] for k in TRAIN_FIELDS} for row in map(json.loads, lines) if "loss" in row]
+    return [{k: row[k] for k in TRAIN_FIELDS} for row in map(json.loads, lines) if row["kind"] == "train"]
 
 
 def line_count(run: Path) -> int:
@@ -324,7 +326,7 @@ def test_background_checkpoints_equal_synchronous_ones(workspace, reference, tmp
 
 
 def test_host_snapshot_copies_into_buffers_reserved_ahead_and_reused():
-    from llm_trainer.background_save import HostSnapshot
+    from llm_trainer.checkpoint.background import HostSnapshot
 
     model, optimizer = tiny_parts()
     state = ({k: v for k, v in model.state_dict().items()}, optimizer.state_dict())
@@ -351,7 +353,7 @@ def test_disk_full_in_a_background_save_stops_the_run_and_keeps_the_previous_che
 ):
     run = tmp_path / "run"
     write_config(workspace, run)
-    import llm_trainer.model_files as model_files
+    import llm_trainer.checkpoint.model_folder as model_files
 
     real_save_file = model_files.save_file
 
@@ -503,7 +505,7 @@ def safetensors_enospc(*args, **kwargs):  # what safetensors really raises (its 
 @pytest.mark.parametrize(
     "target, replacement",
     [
-        ("llm_trainer.model_files.save_file", safetensors_enospc),
+        ("llm_trainer.checkpoint.model_folder.save_file", safetensors_enospc),
         ("safetensors.torch.save_file", partial_then_enospc),  # the optimizer tensors
         ("torch.save", enospc),
     ],
@@ -586,7 +588,7 @@ def test_leftovers_of_dead_writers_are_removed(tmp_path):
     root = tmp_path / "checkpoints"
     model, optimizer = tiny_parts()
     save(root, 1, model, optimizer)
-    host = ckpt._owner().rsplit("-", 1)[0]
+    host = durable.owner().rsplit("-", 1)[0]
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = root / f".tmp-{ckpt.PREFIX}{2:08d}-{host}-{dead.pid}"
@@ -627,8 +629,8 @@ def reseal(folder: Path) -> None:
     """Recompute meta.json's sizes and checksums, as an attacker would, so only the safe loader remains."""
     meta = json.loads((folder / ckpt.META).read_text())
     for name in meta["files"]:
-        meta["files"][name] = {"size": (folder / name).stat().st_size, "checksum": ckpt.file_checksum(folder / name)}
-    meta["meta_sha256"] = ckpt._meta_checksum(meta)
+        meta["files"][name] = {"size": (folder / name).stat().st_size, "checksum": checksums.file_checksum(folder / name)}
+    meta["meta_sha256"] = checksums.meta_checksum(meta)
     (folder / ckpt.META).write_text(json.dumps(meta))
 
 
@@ -764,7 +766,7 @@ def test_rotation_keeps_newest_two_plus_best_and_best_model_is_standalone(worksp
     overrides = ["training.max_steps=12", "training.learning_rate=5.0", "training.max_grad_norm=null"]
     assert cli.main(["train", "--config", str(config), *overrides, "training.resume_from_checkpoint=latest"]) == 0
     evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    evals = [row for row in evals if "val_loss" in row and "event" not in row]
+    evals = [row for row in evals if row["kind"] == "eval"]
     best_eval = min(evals, key=lambda row: row["val_loss"])
     best_step = best_eval["step"]
     assert best_step <= 6, "the high learning rate should only make validation worse"
@@ -926,11 +928,11 @@ def test_format_2_crc32_checkpoints_still_load(tmp_path):
     model, optimizer = tiny_parts()
     folder = save(tmp_path / "checkpoints", 1, model, optimizer)
     meta = json.loads((folder / ckpt.META).read_text())
-    assert (meta["format_version"], meta["checksum"]) == (3, ckpt.XXH3_TREE)
+    assert (meta["format_version"], meta["checksum"]) == (3, checksums.XXH3_TREE)
     for name in meta["files"]:
-        meta["files"][name]["checksum"] = ckpt.file_checksum(folder / name, ckpt.CRC32_TREE)
-    meta.update(format_version=2, checksum=ckpt.CRC32_TREE)
-    meta["meta_sha256"] = ckpt._meta_checksum(meta)
+        meta["files"][name]["checksum"] = checksums.file_checksum(folder / name, checksums.CRC32_TREE)
+    meta.update(format_version=2, checksum=checksums.CRC32_TREE)
+    meta["meta_sha256"] = checksums.meta_checksum(meta)
     (folder / ckpt.META).write_text(json.dumps(meta))
     assert ckpt.verify(folder) is None
     loaded = ckpt.load_checkpoint(folder)["optimizer"]
@@ -942,23 +944,23 @@ def test_format_2_crc32_checkpoints_still_load(tmp_path):
 def test_chunk_checksums_catch_a_flip_in_any_chunk_and_a_short_read(tmp_path, monkeypatch):
     """Files over one chunk: a flip in the second chunk is caught, and so is a file that shrank after its
     size was checked (read, not memory-mapped past the end)."""
-    monkeypatch.setattr(ckpt, "_CHUNK", 1 << 16)
+    monkeypatch.setattr(checksums, "_CHUNK", 1 << 16)
     path = tmp_path / "blob"
     path.write_bytes(os.urandom(3 * (1 << 16) + 123))
-    for kind in (ckpt.XXH3_TREE, ckpt.CRC32_TREE):
-        before = ckpt.file_checksum(path, kind)
-        assert ckpt.file_checksum(path, kind) == before
+    for kind in (checksums.XXH3_TREE, checksums.CRC32_TREE):
+        before = checksums.file_checksum(path, kind)
+        assert checksums.file_checksum(path, kind) == before
         data = bytearray(path.read_bytes())
         data[(1 << 16) + 5] ^= 1
         path.write_bytes(data)
-        assert ckpt.file_checksum(path, kind) != before
+        assert checksums.file_checksum(path, kind) != before
         data[(1 << 16) + 5] ^= 1
         path.write_bytes(data)
         size = path.stat().st_size
-        jobs = ckpt._checksum_jobs(path, size, kind)
-        assert ckpt._combine(jobs, kind) == before
+        jobs = checksums.checksum_jobs(path, size, kind)
+        assert checksums.combine(jobs, kind) == before
         path.write_bytes(data[:-200])  # shorter than the size the jobs were made for
-        assert ckpt._combine(ckpt._checksum_jobs(path, size, kind), kind) != before
+        assert checksums.combine(checksums.checksum_jobs(path, size, kind), kind) != before
         path.write_bytes(data)
 
 

@@ -1,5 +1,6 @@
 """Configs: the documented fields, presets, validation errors, YAML/JSON files and dotted overrides."""
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -33,16 +34,36 @@ def test_public_fields_accept_the_documented_names():
 
 
 def test_architecture_presets_fill_unset_fields():
-    gpt2 = ModelConfig(architecture="gpt2")
+    gpt2 = ModelConfig(architecture="gpt2").resolved()
     assert (gpt2.norm, gpt2.activation, gpt2.position_embedding, gpt2.bias, gpt2.tie_embeddings) == (
         "layernorm", "gelu", "learned", True, True)
     assert gpt2.d_ff == 4 * gpt2.d_model
-    llama = ModelConfig(architecture="llama", d_model=4096, n_heads=32)
+    llama = ModelConfig(architecture="llama", d_model=4096, n_heads=32).resolved()
     assert (llama.norm, llama.activation, llama.position_embedding, llama.bias, llama.tie_embeddings) == (
         "rmsnorm", "swiglu", "rope", False, False)
     assert llama.d_ff == 11008  # LLaMA-7B's hidden size from the 8/3 rule rounded to 256
+    assert llama.n_kv_heads == 32
     # An explicit value beats the preset.
-    assert ModelConfig(architecture="llama", norm="layernorm").norm == "layernorm"
+    assert ModelConfig(architecture="llama", norm="layernorm").resolved().norm == "layernorm"
+
+
+def test_replace_rederives_what_the_preset_decided():
+    """The fields keep what was asked for, so replace() gives the new architecture's whole preset
+    (and sizes derived from the new width), while explicit choices survive."""
+    llama = ModelConfig(architecture="llama", d_model=512, n_heads=8)
+    gpt2 = dataclasses.replace(llama, architecture="gpt2").resolved()
+    assert (gpt2.norm, gpt2.activation, gpt2.position_embedding, gpt2.bias, gpt2.tie_embeddings) == (
+        "layernorm", "gelu", "learned", True, True)
+    assert gpt2.d_ff == 4 * 512
+    wider = dataclasses.replace(llama, d_model=1024, n_heads=16).resolved()
+    assert wider.d_ff == 2816 and wider.n_kv_heads == 16  # 8/3 x 1024 rounded up to 256; n_kv_heads follows n_heads
+    explicit = dataclasses.replace(ModelConfig(architecture="llama", norm="layernorm"), architecture="gpt2")
+    assert explicit.resolved().norm == "layernorm"
+    # A model records the resolved architecture, and nothing that is not architecture.
+    model = Transformer(dataclasses.replace(llama, vocab_size=32, gradient_checkpointing=True))
+    assert model.config.norm == "rmsnorm" and model.config.d_ff == 1536
+    recorded = model.config.architecture_dict()
+    assert recorded["activation"] == "swiglu" and "gradient_checkpointing" not in recorded and "init_from" not in recorded
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -155,7 +176,7 @@ def test_cli_bad_config_is_one_line_exit_2(tmp_path):
 
 
 def test_deepspeed_config_fills_auto_from_training(tmp_path):
-    from llm_trainer.deepspeed_engine import build_config
+    from llm_trainer.parallel.deepspeed_engine import build_config
 
     shipped = Path(__file__).resolve().parents[1] / "src" / "llm_trainer" / "configs" / "deepspeed"
     training = TrainingConfig(batch_size=4, gradient_accumulation_steps=3, max_grad_norm=0.5, use_amp=True,
@@ -179,7 +200,7 @@ def test_deepspeed_config_fills_auto_from_training(tmp_path):
     ("bad.json", "bad.json is not valid JSON"),
 ])
 def test_deepspeed_config_errors_name_the_problem(tmp_path, monkeypatch, deepspeed_config, message):
-    from llm_trainer.deepspeed_engine import build_config
+    from llm_trainer.parallel.deepspeed_engine import build_config
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bad.json").write_text("{not json")

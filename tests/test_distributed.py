@@ -66,7 +66,7 @@ def _single(workdir, *overrides, check=True):
 
 def _losses(run_dir: Path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return ([r["loss"] for r in rows if "lr" in r], [r["val_loss"] for r in rows if "val_loss" in r and "event" not in r])
+    return ([r["loss"] for r in rows if r["kind"] == "train"], [r["val_loss"] for r in rows if r["kind"] == "eval"])
 
 
 def _assert_same_run(a: Path, b: Path, rel=1e-5):
@@ -233,7 +233,7 @@ def test_deepspeed_zero_stages_equal_one_process(workdir):
 def test_deepspeed_checkpoint_resumes_exactly_and_is_verified_before_loading(workdir):
     """ZeRO-2 (the shipped file) with accumulation: step 3's checkpoint resumes to the same steps 4-6;
     its DeepSpeed files are checksummed, and a damaged one is refused before DeepSpeed unpickles it."""
-    from llm_trainer import checkpoint as ckpt
+    from llm_trainer.checkpoint import format as ckpt
 
     args = ("training.batch_size=2", "training.gradient_accumulation_steps=2", "training.distributed_strategy=deepspeed",
             _deepspeed(SHIPPED / "zero2.json"))
@@ -274,7 +274,7 @@ def test_deepspeed_checkpoint_resumes_exactly_and_is_verified_before_loading(wor
 # Rank 1's forward returns NaN logits during step 4 (its loss is NaN; rank 0's is fine).
 POISONED_RUNNER = r'''
 import os, sys
-import llm_trainer.pipeline as pipeline
+import llm_trainer.api as pipeline
 from llm_trainer import Callback
 from llm_trainer.cli import main
 
@@ -305,7 +305,7 @@ def test_deepspeed_skips_a_nonfinite_step_on_every_rank(workdir):
     result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300, env=_env())
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (workdir / "ds" / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if "lr" in r]
+    train = [r for r in rows if r["kind"] == "train"]
     assert [r["skipped_steps"] for r in train] == [0, 0, 0, 1, 1, 1]
     checkpoints = workdir / "ds" / "checkpoints"
     weights = {step: load_file(checkpoints / f"checkpoint-{step:08d}" / "model.safetensors") for step in (3, 4, 5)}
@@ -354,7 +354,7 @@ def test_hybrid_shard_on_two_nodes_equals_one_process(workdir):
 # A worker that dies at step 5 of the first attempt, once step 3's checkpoint is on disk.
 FAULTY_RUNNER = r'''
 import os, sys, time
-import llm_trainer.pipeline as pipeline
+import llm_trainer.api as pipeline
 from llm_trainer import Callback
 from llm_trainer.cli import main
 

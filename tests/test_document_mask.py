@@ -17,7 +17,7 @@ from llm_trainer.data.prepare import prepare_data
 from llm_trainer.data.report import REPORT, padding_fractions
 from llm_trainer.errors import UsageError
 from llm_trainer.model import Transformer, document_attention
-from llm_trainer.pipeline import build_loaders
+from llm_trainer.api import build_loaders
 
 EOT = 0
 

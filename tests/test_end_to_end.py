@@ -33,12 +33,12 @@ def test_prepare_train_eval_generate(tmp_path, corpus):
     assert saved["model"]["vocab_size"] <= 300 and saved["model"]["norm"] == "rmsnorm"
     assert (run / "tokenizer.json").is_file()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    train_rows = [r for r in rows if "lr" in r]
-    eval_rows = [r for r in rows if "val_loss" in r and "event" not in r]
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    eval_rows = [r for r in rows if r["kind"] == "eval"]
     assert [r["step"] for r in train_rows] == [10, 20, 30, 40]
     assert [r["step"] for r in eval_rows] == [20, 40]
     assert train_rows[-1]["loss"] < train_rows[0]["loss"]
-    assert rows[-1]["event"] == "train_end" and rows[-1]["val_loss"] == eval_rows[-1]["val_loss"]
+    assert rows[-1]["kind"] == "summary" and rows[-1]["val_loss"] == eval_rows[-1]["val_loss"]
     checkpoints = run / "checkpoints"
     assert (checkpoints / "latest").read_text() == "checkpoint-00000040"
     assert (checkpoints / "best_model" / "model.safetensors").is_file()

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 
 from llm_trainer.config import ModelConfig  # noqa: E402
 from llm_trainer.errors import UsageError  # noqa: E402
-from llm_trainer.hf_interop import export_to_hf, import_from_hf  # noqa: E402
+from llm_trainer.hf.interop import export_to_hf, import_from_hf  # noqa: E402
 from llm_trainer.model import Transformer  # noqa: E402
 
 VOCAB = 67
@@ -315,7 +315,7 @@ def test_unsupported_imports_are_refused(tmp_path):
 
 @pytest.mark.parametrize("architecture", ["gpt2", "llama"])
 def test_greedy_generation_matches_transformers(tmp_path, architecture):
-    from llm_trainer.generate import generate
+    from llm_trainer.tools.generate import generate
 
     overrides = {"n_kv_heads": 2} if architecture == "llama" else {}
     model = our_model(architecture=architecture, **overrides)

@@ -87,8 +87,8 @@ def test_continue_pretraining_a_transformers_model(tmp_path, corpus):
     assert len(tokenizer["model"]["vocab"]) == len(json.loads((tmp_path / "base" / "tokenizer.json").read_text())["model"]["vocab"])
     # Training started from the imported weights: 5 Adam steps of lr 1e-3 move each weight by at most
     # about 5e-3, while a fresh initialisation would differ by ~0.1 somewhere.
-    from llm_trainer.hf_interop import import_from_hf
-    from llm_trainer.model_files import load_model_folder
+    from llm_trainer.hf.interop import import_from_hf
+    from llm_trainer.checkpoint.model_folder import load_model_folder
 
     start, _ = import_from_hf(tmp_path / "base")
     trained = load_model_folder(tmp_path / "run" / "checkpoints" / "checkpoint-00000005")

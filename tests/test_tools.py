@@ -15,7 +15,8 @@ from conftest import tiny_model_config
 from llm_trainer.cli import main
 from llm_trainer.config import ModelConfig, TrainingConfig
 from llm_trainer.errors import UsageError
-from llm_trainer.estimate import count_parameters, estimate_memory, flops_per_token, peak_flops
+from llm_trainer.tools.estimate import estimate_memory
+from llm_trainer.train.flops import count_parameters, flops_per_token, peak_flops
 from llm_trainer.model import Transformer
 from conftest import write_tiny_experiment
 
@@ -23,7 +24,7 @@ from conftest import write_tiny_experiment
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     from llm_trainer.config import load_experiment
-    from llm_trainer.pipeline import train
+    from llm_trainer.api import train
 
     root = tmp_path_factory.mktemp("tools")
     summary = train(load_experiment(write_tiny_experiment(root)))
@@ -87,7 +88,7 @@ def _tensor_bytes(tensors) -> int:
     (dict(), "sgd"),
 ])
 def test_parameters_gradients_and_optimizer_state_match_the_measured_allocation(overrides, optimizer):
-    from llm_trainer.optim import build_optimizer
+    from llm_trainer.train.optim import build_optimizer
 
     config = tiny_model_config(**overrides)
     training = TrainingConfig(device="cpu", optimizer=optimizer)
@@ -114,7 +115,7 @@ def test_parameters_gradients_and_optimizer_state_match_the_measured_allocation(
                                        dict(architecture="llama", n_kv_heads=1)])
 def test_activation_estimate_matches_the_tensors_autograd_saves(amp, overrides):
     """Every tensor saved for backward (unique storage, parameters and buffers excluded), one forward."""
-    from llm_trainer.evaluate import summed_nll
+    from llm_trainer.train.evaluate import summed_nll
 
     config = tiny_model_config(d_model=32, n_heads=4, n_layers=2, max_seq_len=32, **overrides)
     training = TrainingConfig(device="cpu", use_amp=amp, batch_size=4)
@@ -171,7 +172,7 @@ def test_estimate_cli(tmp_path, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_peak_memory_prediction_on_gpu_gpt2_small(tmp_path):
     """GPT-2 small, bf16 autocast, fused AdamW: the predicted peak within 15% of max_memory_allocated."""
-    from llm_trainer.trainer import Trainer
+    from llm_trainer.train.trainer import Trainer
 
     config = ModelConfig(vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024)
     training = TrainingConfig(device="cuda", use_amp=True, batch_size=8, max_steps=3, save_steps=0, eval_steps=0,
@@ -206,7 +207,7 @@ def _fake_run(folder, steps=20, scale=1.0, resumed=False):
 
 def test_plots_overlay_runs_with_the_expected_lines(tmp_path):
     pytest.importorskip("matplotlib")
-    from llm_trainer.plots import make_figures, plot_runs, read_run
+    from llm_trainer.tools.plots import make_figures, plot_runs, read_run
 
     a = _fake_run(tmp_path / "a")
     b = _fake_run(tmp_path / "b", steps=30, scale=1.2, resumed=True)
@@ -233,7 +234,7 @@ def test_plots_overlay_runs_with_the_expected_lines(tmp_path):
 
 def test_plots_never_raise_by_default_and_the_cli_reports(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from llm_trainer.plots import plot_runs
+    from llm_trainer.tools.plots import plot_runs
 
     assert plot_runs([tmp_path / "missing"], tmp_path / "out") == {}  # a warning, no exception
     with pytest.raises(UsageError, match="metrics.jsonl"):
@@ -250,7 +251,7 @@ def test_plots_never_raise_by_default_and_the_cli_reports(tmp_path, capsys):
 
 def test_lr_finder_suggests_a_sane_rate_and_leaves_the_model_untouched():
     from llm_trainer.data.loader import BatchLoader, WindowRows
-    from llm_trainer.lr_finder import find_lr
+    from llm_trainer.tools.lr_finder import find_lr
 
     rng = np.random.default_rng(0)
     tokens = (np.cumsum(rng.integers(1, 3, size=4000)) % 61).astype(np.uint16)
@@ -289,7 +290,7 @@ def test_lr_find_cli_writes_the_plot_and_no_run_outputs(tmp_path, capsys):
 
 
 def test_search_space_format_and_errors(tmp_path):
-    from llm_trainer.sweep import load_search_space, parse_search_space
+    from llm_trainer.tools.sweep import load_search_space, parse_search_space
 
     path = tmp_path / "space.yaml"
     path.write_text(
@@ -315,7 +316,7 @@ def test_search_space_format_and_errors(tmp_path):
 
 def test_sweep_completes_prunes_and_resumes(tmp_path, capsys):
     optuna = pytest.importorskip("optuna")
-    from llm_trainer.sweep import run_sweep
+    from llm_trainer.tools.sweep import run_sweep
 
     class PruneTrialOne(optuna.pruners.BasePruner):
         def prune(self, study, trial):
@@ -355,8 +356,8 @@ def test_an_interrupted_sweep_stops_and_reruns_the_interrupted_trial(tmp_path):
     import os
     import signal
 
-    from llm_trainer.sweep import SweepInterrupted, run_sweep
-    from llm_trainer.trainer import Callback
+    from llm_trainer.tools.sweep import SweepInterrupted, run_sweep
+    from llm_trainer.train.trainer import Callback
 
     class CtrlC(Callback):
         def on_step_end(self, trainer, row):
@@ -374,7 +375,7 @@ def test_an_interrupted_sweep_stops_and_reruns_the_interrupted_trial(tmp_path):
 
 def test_sweep_rejects_unknown_keys_before_running(tmp_path):
     pytest.importorskip("optuna")
-    from llm_trainer.sweep import run_sweep
+    from llm_trainer.tools.sweep import run_sweep
 
     config = write_tiny_experiment(tmp_path)
     space = tmp_path / "space.yaml"
@@ -389,7 +390,7 @@ def test_sweep_rejects_unknown_keys_before_running(tmp_path):
 
 
 def test_registry_round_trip(trained_run, tmp_path):
-    from llm_trainer.registry import SQLiteRegistry, parse_ref
+    from llm_trainer.tools.registry import SQLiteRegistry, parse_ref
 
     run, summary = trained_run
     registry = SQLiteRegistry(tmp_path / "registry.db")

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from llm_trainer.errors import UsageError
-from llm_trainer.metrics import build_loggers, scalar_items
+from llm_trainer.train.metrics import build_loggers, scalar_items
 from conftest import write_tiny_experiment
 
 HAVE = {name: importlib.util.find_spec(module) is not None
@@ -32,7 +32,7 @@ def tiny_experiment(root, report_to, **training):
 def tracked_run(tmp_path_factory):
     """A 6-step run logging to jsonl and every installed tracking backend; W&B offline, MLflow local."""
     from llm_trainer.config import load_experiment
-    from llm_trainer.pipeline import train
+    from llm_trainer.api import train
 
     root = tmp_path_factory.mktemp("tracked")
     report_to = ["jsonl"] + [name for name, ok in HAVE.items() if ok]
@@ -53,8 +53,29 @@ def test_scalar_names_follow_the_backend_convention():
         "train/loss": 2.0, "train/lr": 0.1, "train/epoch": 0.0, "custom/acc": 0.5}
     assert dict(scalar_items({"step": 3, "val_loss": 2.0, "perplexity": 7.4, "tokens": 10})) == {
         "eval/loss": 2.0, "eval/perplexity": 7.4, "eval/tokens": 10.0}
-    assert dict(scalar_items({"event": "train_end", "step": 3, "val_loss": 2.0, "stopped_early": None, "best_val_loss": 1.9})) == {
+    assert dict(scalar_items({"kind": "summary", "step": 3, "val_loss": 2.0, "stopped_early": None, "best_val_loss": 1.9})) == {
         "summary/val_loss": 2.0, "summary/best_val_loss": 1.9}
+    # Rows written before rows had a kind are read by their keys.
+    assert dict(scalar_items({"event": "train_end", "step": 3, "val_loss": 2.0})) == {"summary/val_loss": 2.0}
+    assert dict(scalar_items({"step": 3, "val_loss": 2.0})) == {"eval/loss": 2.0}
+
+
+def test_every_row_kind_has_one_schema():
+    """The loop's rows come from the typed schemas: required fields always present, optional ones only
+    when set, and `kind` names the schema."""
+    from llm_trainer.train.rows import EvalRow, SummaryRow, TrainRow, row_kind
+
+    train = TrainRow(step=2, epoch=0, loss=1.5, lr=1e-3, grad_norm=0.5, tokens_seen=64, skipped_steps=0,
+                     tokens_per_s=10.0).as_dict()
+    assert train["kind"] == "train" and "mfu" not in train and train["tokens_per_s"] == 10.0
+    summary = SummaryRow(step=2, train_runtime_s=1.0, tokens_per_s=64.0, tokens_seen=64, skipped_steps=0,
+                         stopped_early=None, best_val_loss=None, checkpoint=None).as_dict()
+    assert summary["stopped_early"] is None and "val_loss" not in summary  # required-nullable vs optional
+    evaluation = EvalRow(step=2, val_loss=2.0, perplexity=7.39, tokens=100).as_dict()
+    assert [row_kind(r) for r in (train, evaluation, summary)] == ["train", "eval", "summary"]
+    with pytest.raises(TypeError):
+        TrainRow(step=2, loss=1.0)  # a row missing required fields cannot be built
+    assert row_kind({"kind": "custom", "loss": 1.0}) is None
 
 
 def test_tensorboard_event_files_hold_the_scalars_and_config(tracked_run):
@@ -70,7 +91,7 @@ def test_tensorboard_event_files_hold_the_scalars_and_config(tracked_run):
     assert [e.step for e in acc.Scalars("train/loss")] == [2, 4, 6]
     assert [e.step for e in acc.Scalars("eval/loss")] == [3, 6]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in rows if "val_loss" in r and "event" not in r]
+    evals = [r for r in rows if r["kind"] == "eval"]
     assert acc.Scalars("eval/perplexity")[-1].value == pytest.approx(evals[-1]["perplexity"], rel=1e-5)
     assert all(0 < e.value < 1 for e in acc.Scalars("train/mfu"))
     assert "config/text_summary" in acc.Tags()["tensors"]
@@ -124,7 +145,7 @@ def test_wandb_offline_run_holds_the_logged_keys(tracked_run):
 
 def test_mlflow_local_run_holds_the_metrics_and_params(tracked_run):
     pytest.importorskip("mlflow")
-    from llm_trainer.metrics import mlflow_client
+    from llm_trainer.train.metrics import mlflow_client
 
     run, _, mlruns = tracked_run
     client, folder = mlflow_client(str(mlruns))
@@ -140,7 +161,7 @@ def test_mlflow_local_run_holds_the_metrics_and_params(tracked_run):
 
 def test_mlflow_model_registry_backend_round_trip(tracked_run):
     pytest.importorskip("mlflow")
-    from llm_trainer.registry import open_registry
+    from llm_trainer.tools.registry import open_registry
 
     run, _, mlruns = tracked_run
     registry = open_registry(f"mlflow:{mlruns}")
@@ -196,7 +217,7 @@ def test_report_to_accepts_mlflow_and_a_tracking_uri():
 
 
 def test_mlflow_uri_resolution(tmp_path, monkeypatch):
-    from llm_trainer.metrics import resolve_mlflow_uri
+    from llm_trainer.train.metrics import resolve_mlflow_uri
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert resolve_mlflow_uri("http://tracking:5000") == ("http://tracking:5000", None)

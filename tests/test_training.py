@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from conftest import tiny_model_config
 from llm_trainer.config import TrainingConfig
 from llm_trainer.data.loader import BatchLoader, DocumentRows, WindowRows
-from llm_trainer.evaluate import evaluate
-from llm_trainer.generate import generate
+from llm_trainer.train.evaluate import evaluate
+from llm_trainer.tools.generate import generate
 from llm_trainer.model import Transformer
-from llm_trainer.optim import learning_rate_at, parameter_groups
-from llm_trainer.trainer import Callback, Trainer
+from llm_trainer.train.optim import learning_rate_at, parameter_groups
+from llm_trainer.train.trainer import Callback, Trainer
 
 
 def _training(tmp_path, **overrides):
@@ -117,7 +117,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
                              optimizer="sgd", learning_rate=0.5)
         summary = Trainer(model, training, train_dataloader=loader).train()
         rows_logged = [json.loads(l) for l in open(tmp_path / f"{batch}" / "run" / "metrics.jsonl")]
-        results.append((_weights(model), [r["loss"] for r in rows_logged if "loss" in r]))
+        results.append((_weights(model), [r["loss"] for r in rows_logged if r["kind"] == "train"]))
         assert summary["step"] == 3
     (w1, l1), (w2, l2) = results
     assert l1 == pytest.approx(l2, rel=1e-5)
@@ -240,7 +240,7 @@ def test_callbacks_and_log_metrics_override(tmp_path, async_checkpoint):
 
     class CustomTrainer(Trainer):
         def _log_metrics(self, row):
-            if "loss" in row:
+            if row["kind"] == "train":
                 row = {**row, "custom/loss_x2": 2 * row["loss"]}
             super()._log_metrics(row)
 
@@ -261,10 +261,10 @@ def test_callbacks_and_log_metrics_override(tmp_path, async_checkpoint):
         expected.remove(("save", "checkpoint-00000002"))
     assert calls == expected
     rows = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
-    assert all(r["custom/loss_x2"] == pytest.approx(2 * r["loss"]) for r in rows if "lr" in r)
-    train_rows = [r for r in rows if "lr" in r]
+    assert all(r["custom/loss_x2"] == pytest.approx(2 * r["loss"]) for r in rows if r["kind"] == "train")
+    train_rows = [r for r in rows if r["kind"] == "train"]
     assert set(train_rows[0]) >= {"step", "loss", "lr", "grad_norm", "tokens_seen", "tokens_per_s"}
-    assert {"step", "val_loss", "perplexity"} <= set(next(r for r in rows if "val_loss" in r and "event" not in r))
+    assert {"step", "val_loss", "perplexity"} <= set(next(r for r in rows if r["kind"] == "eval"))
 
 
 def test_early_stopping(tmp_path):
@@ -300,7 +300,7 @@ def test_gradient_checkpointing_and_clipping_and_bf16(tmp_path):
     summary = Trainer(model, _training(tmp_path / "bf16", use_amp=True, amp_dtype="bfloat16"), train_dataloader=loader).train()
     assert math.isfinite(summary["tokens_per_s"])
     rows = [json.loads(l) for l in open(tmp_path / "bf16" / "run" / "metrics.jsonl")]
-    assert all(math.isfinite(r["loss"]) for r in rows if "lr" in r)
+    assert all(math.isfinite(r["loss"]) for r in rows if r["kind"] == "train")
     # Clipping: with a tiny max norm the logged (pre-clip) norm exceeds it but the update stays small.
     torch.manual_seed(0)
     model = Transformer(tiny_model_config())
@@ -313,7 +313,7 @@ def test_gradient_checkpointing_and_clipping_and_bf16(tmp_path):
 
 
 def test_speed_monitor_reports_throughput_data_wait_and_mfu(tmp_path):
-    from llm_trainer.estimate import flops_per_token
+    from llm_trainer.train.flops import flops_per_token
 
     tokens = _tokens()
     config = tiny_model_config()

@@ -1,10 +1,11 @@
 """llm-trainer: pretrain transformer language models with PyTorch, from raw text to a model others can use."""
 
+from .api import build_loaders, build_model, train
 from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
 from .data.prepare import prepare_data
 from .model import Transformer
-from .pipeline import build_loaders, build_model, train
-from .trainer import Callback, Trainer
+from .train.callbacks import Callback
+from .train.trainer import Trainer
 
 __version__ = "0.1.0"
 __all__ = [

@@ -44,7 +44,7 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .pipeline import train
+    from .api import train
 
     experiment = _experiment(args)
     if args.resume_from_checkpoint:
@@ -62,7 +62,8 @@ def _eval_loader(model, tokenizer, experiment: dict, data_file: str | None, batc
     from .config import ExperimentConfig
     from .data.loader import BatchLoader, WindowRows
     from .data.prepare import prepare_data
-    from .pipeline import build_rows, sequence_length
+    from .api import build_rows
+    from .resolve import sequence_length
 
     length = model.config.max_seq_len
     if data_file is not None:
@@ -89,8 +90,8 @@ def _eval_loader(model, tokenizer, experiment: dict, data_file: str | None, batc
 
 
 def cmd_eval(args) -> int:
-    from .evaluate import evaluate
-    from .pipeline import load_for_inference
+    from .api import load_for_inference
+    from .train.evaluate import evaluate
 
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
     metrics = evaluate(model, _eval_loader(model, tokenizer, experiment, args.data, args.batch_size))
@@ -102,8 +103,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .generate import generate
-    from .pipeline import load_for_inference
+    from .api import load_for_inference
+    from .tools.generate import generate
 
     model, tokenizer, _ = load_for_inference(args.checkpoint)
     prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eot_id]
@@ -117,14 +118,14 @@ def cmd_generate(args) -> int:
 
 def cmd_export(args) -> int:
     try:
-        from .hf_interop import export_to_hf
+        from .hf.interop import export_to_hf
     except ImportError:
         raise UsageError("export needs transformers: pip install 'llm-trainer[hf]'") from None
-    from .pipeline import load_for_inference
+    from .api import load_for_inference
 
     path = Path(args.checkpoint)
     if not (path / "model_config.json").is_file():
-        from .checkpoint import resolve_checkpoint
+        from .checkpoint.format import resolve_checkpoint
 
         found = resolve_checkpoint("latest", path / "checkpoints" if (path / "checkpoints").is_dir() else path)
         if found is None:
@@ -139,8 +140,8 @@ def cmd_export(args) -> int:
 
 def cmd_consolidate(args) -> int:
     """A sharded (FSDP) checkpoint -> one standalone model folder (safetensors, config, tokenizer)."""
-    from .model_files import save_model_folder
-    from .pipeline import load_for_inference
+    from .api import load_for_inference
+    from .checkpoint.model_folder import save_model_folder
 
     model, tokenizer, _ = load_for_inference(args.checkpoint)
     save_model_folder(model, args.output)
@@ -151,8 +152,8 @@ def cmd_consolidate(args) -> int:
 
 def cmd_quickstart(args) -> int:
     """Prepare the built-in corpus, train the tiny preset on CPU, evaluate, print a sample."""
+    from .api import train
     from .config import load_experiment
-    from .pipeline import train
 
     experiment = load_experiment(PRESETS / "quickstart.yaml", args.overrides)
     summary = train(experiment)
@@ -170,7 +171,7 @@ def cmd_quickstart(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from .plots import plot_runs
+    from .tools.plots import plot_runs
 
     output = Path(args.output) if args.output else (Path(args.runs[0]) / "plots" if len(args.runs) == 1 else Path("plots"))
     written = plot_runs(args.runs, output, labels=args.labels, strict=True)
@@ -180,7 +181,7 @@ def cmd_plot(args) -> int:
 
 
 def cmd_lr_find(args) -> int:
-    from .lr_finder import run_lr_finder
+    from .tools.lr_finder import run_lr_finder
 
     experiment = _experiment(args)
     try:
@@ -211,7 +212,7 @@ def cmd_lr_find(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from .sweep import SweepInterrupted, best_command, override, results_table, run_sweep
+    from .tools.sweep import SweepInterrupted, best_command, override, results_table, run_sweep
 
     config = resolve_config_path(args.config)
     try:
@@ -235,7 +236,7 @@ def cmd_sweep(args) -> int:
 
 
 def _registry(args):
-    from .registry import open_registry
+    from .tools.registry import open_registry
 
     return open_registry(args.db)
 
@@ -248,7 +249,7 @@ def cmd_registry_add(args) -> int:
 
 
 def cmd_registry_list(args) -> int:
-    from .registry import format_table
+    from .tools.registry import format_table
 
     versions = _registry(args).list(args.name)
     if args.json:
@@ -259,7 +260,7 @@ def cmd_registry_list(args) -> int:
 
 
 def cmd_registry_show(args) -> int:
-    from .registry import parse_ref
+    from .tools.registry import parse_ref
 
     name, version = parse_ref(args.ref)
     print(json.dumps(_registry(args).get(name, version).to_dict(), indent=2))
@@ -267,7 +268,7 @@ def cmd_registry_show(args) -> int:
 
 
 def cmd_registry_promote(args) -> int:
-    from .registry import parse_ref
+    from .tools.registry import parse_ref
 
     name, version = parse_ref(args.ref)
     if not isinstance(version, int):
@@ -278,7 +279,7 @@ def cmd_registry_promote(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from .estimate import estimate_report, format_report
+    from .tools.estimate import estimate_report, format_report
 
     report = estimate_report(
         _experiment(args), world_size=args.world_size, sharding=args.sharding, device_memory_gb=args.device_memory,
@@ -397,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .trainer import TrainingStopped
+    from .errors import TrainingStopped
 
     try:
         return args.func(args)

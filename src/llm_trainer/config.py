@@ -69,6 +69,7 @@ class _Validated:
     """Mixin: type-check every field against its annotation, then run the class's own checks."""
 
     def __post_init__(self) -> None:
+        self._coerce()
         hints = typing.get_type_hints(type(self))
         section = type(self).__name__
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
@@ -82,6 +83,9 @@ class _Validated:
             if isinstance(value, tuple):
                 object.__setattr__(self, f.name, list(value))
         self._check()
+
+    def _coerce(self) -> None:
+        """Turn nested mappings into their typed configs before the type check (overridden where needed)."""
 
     def _check(self) -> None:  # pragma: no cover - overridden
         pass
@@ -98,7 +102,7 @@ class _Validated:
         known = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
         for key in values:
             if key not in known:
-                close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
+                close = difflib.get_close_matches(str(key), [k for k in known if not k.startswith("_")], n=1, cutoff=0.5)
                 hint = f"; did you mean {section}.{close[0]}?" if close else f"; valid keys: {', '.join(known)}"
                 raise ValueError(f"unknown key {section}.{key}{hint}")
         return cls(**values)
@@ -122,7 +126,12 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
 
 @dataclass(kw_only=True)
 class ModelConfig(_Validated):
-    """The decoder-only transformer. Fields left as None take the `architecture` preset's value."""
+    """The decoder-only transformer. Fields left as None take the `architecture` preset's value.
+
+    The fields keep what was asked for, so `dataclasses.replace(config, architecture="gpt2")` gives
+    GPT-2's norm and activation; `resolved()` fills every None and is what a model is built from and
+    what a model folder records.
+    """
 
     architecture: Literal["gpt2", "llama"] = "gpt2"
     vocab_size: int | None = None  # set from the tokenizer when None
@@ -143,33 +152,50 @@ class ModelConfig(_Validated):
     rms_norm_eps: float = 1e-5  # epsilon of RMSNorm and LayerNorm alike
     rope_theta: float = 10000.0
     init_std: float = 0.02
-    gradient_checkpointing: bool = False
-    init_from: str | None = None  # a transformers GPT-2/LLaMA folder to continue pretraining from
+    # Not the architecture (a model folder does not record them):
+    gradient_checkpointing: bool = False  # the training guide's spelling of training.gradient_checkpointing
+    init_from: str | None = None  # a transformers GPT-2/LLaMA folder or one of our model folders to start from
+
+    NOT_ARCHITECTURE = ("gradient_checkpointing", "init_from")
+
+    def _filled(self) -> dict[str, Any]:
+        """The value each preset-dependent field takes: the one set, else the architecture's."""
+        values = {name: default if getattr(self, name) is None else getattr(self, name)
+                  for name, default in ARCHITECTURE_DEFAULTS[self.architecture].items()}
+        values["n_kv_heads"] = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+        if self.d_ff is not None:
+            values["d_ff"] = self.d_ff
+        elif values["activation"] == "swiglu":
+            hidden = int(8 * self.d_model / 3)
+            values["d_ff"] = 256 * ((hidden + 255) // 256) if self.d_model >= 256 else hidden
+        else:
+            values["d_ff"] = 4 * self.d_model
+        return values
+
+    def resolved(self) -> "ModelConfig":
+        """Every preset-dependent field set explicitly."""
+        return dataclasses.replace(self, **self._filled())
+
+    def architecture_dict(self) -> dict[str, Any]:
+        """The resolved architecture as plain data: what `model_config.json` holds."""
+        return {k: v for k, v in self.resolved().to_dict().items() if k not in self.NOT_ARCHITECTURE}
 
     def _check(self) -> None:
-        for name, value in ARCHITECTURE_DEFAULTS[self.architecture].items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if self.d_ff is None:
-            if self.activation == "swiglu":
-                hidden = int(8 * self.d_model / 3)
-                self.d_ff = 256 * ((hidden + 255) // 256) if self.d_model >= 256 else hidden
-            else:
-                self.d_ff = 4 * self.d_model
-        for name in ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "n_kv_heads"):
+        filled = self._filled()
+        for name in ("d_model", "n_heads", "n_layers", "max_seq_len"):
             _require(getattr(self, name) > 0, f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        for name in ("d_ff", "n_kv_heads"):
+            _require(filled[name] > 0, f"ModelConfig.{name} must be positive, got {filled[name]}")
         _require(self.vocab_size is None or self.vocab_size > 0, f"ModelConfig.vocab_size must be positive, got {self.vocab_size}")
         _require(
             self.d_model % self.n_heads == 0,
             f"ModelConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})",
         )
         _require(
-            self.n_heads % self.n_kv_heads == 0,
-            f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})",
+            self.n_heads % filled["n_kv_heads"] == 0,
+            f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({filled['n_kv_heads']})",
         )
-        if self.position_embedding == "rope":
+        if filled["position_embedding"] == "rope":
             _require(self.head_dim % 2 == 0, f"RoPE needs an even head size, got d_model/n_heads = {self.head_dim}")
         for name in ("dropout", "attention_dropout"):
             _require(0.0 <= getattr(self, name) < 1.0, f"ModelConfig.{name} must be in [0, 1), got {getattr(self, name)}")
@@ -208,6 +234,7 @@ class TrainingConfig(_Validated):
     use_amp: bool = False
     amp_dtype: Literal["bfloat16", "float16"] = "bfloat16"
     compile: bool = False
+    gradient_checkpointing: bool = False  # recompute each block's activations in backward (also model.gradient_checkpointing)
     device: str = "auto"  # auto: CUDA, then MPS, then CPU
     seed: int = 42
     output_dir: str = "output"
@@ -285,6 +312,59 @@ class TrainingConfig(_Validated):
 
 
 @dataclass(kw_only=True)
+class SourceConfig(_Validated):
+    """One source of a weighted mixture (`data.sources`); unset fields take DataConfig's top-level values."""
+
+    name: str
+    data_files: list[str] | str | None = None
+    dataset_name: str | None = None
+    dataset_config: str | None = None
+    dataset_split: str | None = None
+    text_column: str | None = None
+    include: list[str] | None = None
+    exclude: list[str] | None = None
+    streaming: bool | None = None
+    weight: float = 1.0
+    max_documents: int | None = None
+
+    def _check(self) -> None:
+        where = f"data source {self.name!r}"
+        _require(bool(self.name), f"each of DataConfig.sources needs a name, got {self.name!r}")
+        _require(self.data_files is not None or self.dataset_name is not None, f"{where} needs data_files or dataset_name")
+        _require(self.weight > 0, f"{where}: weight must be positive")
+        _require(self.max_documents is None or self.max_documents > 0, f"{where}: max_documents must be positive")
+
+
+@dataclass(kw_only=True)
+class CurriculumStage(_Validated):
+    """Until optimizer step `until_step`, draw only rows whose difficulty is at most `max_difficulty`."""
+
+    until_step: int
+    max_difficulty: float
+
+    def _check(self) -> None:
+        _require(self.until_step > 0, f"a curriculum stage's until_step must be positive, got {self.until_step}")
+
+
+def _typed_list(values: Any, cls: type, field_name: str) -> Any:
+    """Mappings in a list field become `cls` (their errors named after the field); anything else is left
+    for the type check to report."""
+    if not isinstance(values, (list, tuple)):
+        return values
+    out = []
+    for i, value in enumerate(values):
+        if isinstance(value, dict):
+            name = value.get("name") if cls is SourceConfig else None
+            try:
+                value = cls.from_dict(value, section=f"DataConfig.{field_name}[{i}]")
+            except TypeError as exc:  # a required key is missing
+                raise ValueError(f"DataConfig.{field_name}[{i}]" + (f" ({name!r})" if name else "")
+                                 + f" is incomplete: {exc}") from None
+        out.append(value)
+    return out
+
+
+@dataclass(kw_only=True)
 class DataConfig(_Validated):
     """Where the text comes from and how it becomes fixed-length token sequences.
 
@@ -315,7 +395,7 @@ class DataConfig(_Validated):
     # A mixture: a list of {name, data_files | dataset_name, weight, dataset_config, dataset_split,
     # text_column, include, exclude, streaming, max_documents}; unset keys take the values above.
     # Replaces data_files/dataset_name (which form one source named "data" when this is null).
-    sources: list[dict] | None = None
+    sources: list[SourceConfig] | None = None
     mixture_stopping: Literal["first_exhausted", "all_exhausted"] = "all_exhausted"  # when one source runs out: stop, or go on with the rest
     seed: int = 0  # seeds the mixture's draw (prepare); the loader's order follows training.seed
     include: list[str] | None = None  # globs a file found in a folder must match, e.g. ["*.py"] ("*" spans folders)
@@ -357,7 +437,7 @@ class DataConfig(_Validated):
     shard_tokens: int = 32 * 2**20  # tokens per shard: the unit an interrupted prepare resumes from
     progress_bar: bool = True  # a progress bar on stderr while preparing (terminals only)
     document_mask: bool = False  # attention stays within each document; positions restart per document
-    curriculum: list[dict] | None = None  # stages [{until_step: N, max_difficulty: X}, ...] in optimizer steps
+    curriculum: list[CurriculumStage] | None = None  # stages [{until_step: N, max_difficulty: X}, ...] in optimizer steps
     curriculum_key: str = "length"  # "length" (tokens of a document) or a numeric column of the sources
 
     def _check(self) -> None:
@@ -381,9 +461,7 @@ class DataConfig(_Validated):
         _require(self.tokenizer_vocab_size >= 64, "DataConfig.tokenizer_vocab_size must be at least 64")
         _require(self.tokenizer_train_max_chars > 0, "DataConfig.tokenizer_train_max_chars must be positive")
         _require(bool(self.tokenizer), "DataConfig.tokenizer must be bpe, char or a path")
-        for source in self.sources or []:
-            self._check_source(source)
-        names = [s.get("name") for s in self.sources or []]
+        names = [source.name for source in self.sources or []]
         _require(len(set(names)) == len(names), f"DataConfig.sources names must be unique, got {names}")
         _require(
             not (self.collapse_spaces and self.corpus_type == "code"),
@@ -412,42 +490,14 @@ class DataConfig(_Validated):
         _require(0.0 < self.deduplication_threshold <= 1.0, "DataConfig.deduplication_threshold must be in (0, 1]")
         _require(8 <= self.minhash_num_perm <= 1024, "DataConfig.minhash_num_perm must be between 8 and 1024")
         _require(bool(self.curriculum_key), "DataConfig.curriculum_key must be length or a column name")
-        last = 0
-        for i, stage in enumerate(self.curriculum or []):
-            where = f"DataConfig.curriculum[{i}]"
-            _require(isinstance(stage, dict) and set(stage) == {"until_step", "max_difficulty"},
-                     f"{where} must be a mapping with until_step and max_difficulty, got {stage!r}")
-            step, limit = stage["until_step"], stage["max_difficulty"]
-            _require(isinstance(step, int) and not isinstance(step, bool) and step > last,
-                     f"{where}.until_step must be an integer above the previous stage's ({last}), got {step!r}")
-            _require(isinstance(limit, (int, float)) and not isinstance(limit, bool), f"{where}.max_difficulty must be a number")
-            last = step
+        steps = [stage.until_step for stage in self.curriculum or []]
+        for i in range(1, len(steps)):
+            _require(steps[i] > steps[i - 1], f"DataConfig.curriculum[{i}].until_step must be above the previous "
+                                              f"stage's ({steps[i - 1]}), got {steps[i]}")
 
-    # Keys of one entry of `sources` and their types (validated in _check_source).
-    _SOURCE_KEYS = {
-        "name": str, "data_files": (str, list), "dataset_name": str, "dataset_config": str, "dataset_split": str,
-        "text_column": str, "include": list, "exclude": list, "streaming": bool, "weight": (int, float), "max_documents": int,
-    }
-
-    @staticmethod
-    def _check_source(source: Any) -> None:
-        """One entry of DataConfig.sources: known keys of the right types, a name, a place to read from."""
-        _require(isinstance(source, dict), f"each of DataConfig.sources must be a mapping, got {source!r}")
-        name = source.get("name")
-        _require(isinstance(name, str) and bool(name), f"each of DataConfig.sources needs a name, got {source!r}")
-        for key, value in source.items():
-            if key not in DataConfig._SOURCE_KEYS:
-                close = difflib.get_close_matches(str(key), list(DataConfig._SOURCE_KEYS), n=1, cutoff=0.5)
-                hint = f"; did you mean {close[0]}?" if close else f"; valid keys: {', '.join(DataConfig._SOURCE_KEYS)}"
-                raise ValueError(f"unknown key {key!r} in data source {name!r}{hint}")
-            ok = isinstance(value, DataConfig._SOURCE_KEYS[key]) and not (isinstance(value, bool) and key in ("weight", "max_documents"))
-            _require(ok or (value is None and key != "name"), f"data source {name!r}: {key} has the wrong type ({value!r})")
-        _require(
-            source.get("data_files") is not None or source.get("dataset_name") is not None,
-            f"data source {name!r} needs data_files or dataset_name",
-        )
-        _require(source.get("weight") is None or source["weight"] > 0, f"data source {name!r}: weight must be positive")
-        _require(source.get("max_documents") is None or source["max_documents"] > 0, f"data source {name!r}: max_documents must be positive")
+    def _coerce(self) -> None:
+        self.sources = _typed_list(self.sources, SourceConfig, "sources")
+        self.curriculum = _typed_list(self.curriculum, CurriculumStage, "curriculum")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,3 +7,11 @@ single line and exits with status 2; everything else is a bug and keeps its trac
 
 class UsageError(ValueError):
     """A problem with the user's input (config, files, flags), with a message that says how to fix it."""
+
+
+class CheckpointError(UsageError):
+    """A checkpoint could not be written or read; the message says which and why."""
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (e.g. too many non-finite steps); the message says what to do. Exit status 1."""

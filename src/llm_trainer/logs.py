@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
+from .parallel import launcher
+from .parallel.launcher import is_main_process
 
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def is_main_process() -> bool:
-    return rank() == 0
+__all__ = ["is_main_process", "log", "warn"]
 
 
 def log(message: str, *, all_ranks: bool = False) -> None:
     """One line to stderr (stdout stays clean for --json output)."""
     if all_ranks or is_main_process():
-        prefix = f"[rank {rank()}] " if all_ranks and "WORLD_SIZE" in os.environ else ""
+        prefix = f"[rank {launcher.rank()}] " if all_ranks and launcher.launched() else ""
         print(prefix + message, file=sys.stderr, flush=True)
 
 

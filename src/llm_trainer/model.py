@@ -1,7 +1,7 @@
 """The decoder-only transformer: GPT-2 style and LLaMA style from one set of modules.
 
 Only the architecture lives here. Compilation, activation checkpointing and distributed wrapping are
-applied from outside by `llm_trainer.parallelize`, so this file reads like the paper.
+applied from outside by `llm_trainer.parallel.parallelize`, so this file reads like the paper.
 
 Shapes: B batch, T time (sequence), C d_model, H query heads, K key/value heads, D head size, V vocab.
 """
@@ -170,6 +170,7 @@ class Transformer(nn.Module):
         super().__init__()
         if config.vocab_size is None:
             raise ValueError("ModelConfig.vocab_size is not set; build the model after the tokenizer, or set it")
+        config = config.resolved()  # every preset value explicit: what model_config.json records
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.position_embedding == "learned" else None
@@ -256,12 +257,12 @@ class Transformer(nn.Module):
 
     def save_pretrained(self, directory) -> None:
         """Write `model.safetensors` and `model_config.json` into `directory` (tied weights stored once)."""
-        from .model_files import save_model_folder
+        from .checkpoint.model_folder import save_model_folder
 
         save_model_folder(self, directory)
 
     @classmethod
     def from_pretrained(cls, directory, device="cpu") -> "Transformer":
-        from .model_files import load_model_folder
+        from .checkpoint.model_folder import load_model_folder
 
         return load_model_folder(directory, device=device)

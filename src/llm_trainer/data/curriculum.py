@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..config import CurriculumStage
 from ..errors import UsageError
 from .loader import BatchLoader, DocumentRows, WindowRows, _to_device
 
@@ -51,17 +52,17 @@ def row_difficulty(rows, offsets: np.ndarray, doc_difficulty: np.ndarray) -> np.
 class CurriculumLoader(BatchLoader):
     """A BatchLoader whose first batches follow the curriculum stages; seekable like its parent."""
 
-    def __init__(self, rows, batch_size: int, *, difficulty: np.ndarray, stages: list[dict], accumulation: int = 1,
+    def __init__(self, rows, batch_size: int, *, difficulty: np.ndarray, stages: list[CurriculumStage], accumulation: int = 1,
                  seed: int = 0, rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu"):
         super().__init__(rows, batch_size, shuffle=True, seed=seed, drop_last=True, rank=rank, world_size=world_size,
                          device=device)
-        self.stage_ends = [s["until_step"] * accumulation for s in stages]  # in this rank's batches
+        self.stage_ends = [s.until_step * accumulation for s in stages]  # in this rank's batches
         self.eligible = []
         for i, stage in enumerate(stages):
-            chosen = np.flatnonzero(difficulty <= stage["max_difficulty"])
+            chosen = np.flatnonzero(difficulty <= stage.max_difficulty)
             if len(chosen) < batch_size:
                 raise UsageError(
-                    f"curriculum stage {i} (max_difficulty {stage['max_difficulty']}) has {len(chosen)} rows, fewer than "
+                    f"curriculum stage {i} (max_difficulty {stage.max_difficulty}) has {len(chosen)} rows, fewer than "
                     f"one batch of {batch_size}; raise its max_difficulty (row difficulties run from "
                     f"{difficulty.min():g} to {difficulty.max():g})"
                 )

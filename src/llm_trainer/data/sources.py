@@ -96,7 +96,7 @@ def source_specs(config: DataConfig) -> list[SourceSpec]:
         return [SourceSpec(name=DEFAULT_SOURCE, data_files=files(config.data_files), dataset_name=config.dataset_name, **common)]
     specs = []
     for entry in config.sources:
-        values = {**common, **{k: v for k, v in entry.items() if v is not None}}
+        values = {**common, **{k: v for k, v in entry.to_dict().items() if v is not None}}
         for key in ("data_files", "include", "exclude"):
             values[key] = files(values.get(key))
         values["weight"] = float(values.get("weight", 1.0))

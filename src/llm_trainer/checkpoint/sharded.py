@@ -21,9 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .model_files import clean_name
-
-SHARDED_DIR = "sharded"
+from .format import SHARDED_DIR
+from .model_folder import clean_name
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:

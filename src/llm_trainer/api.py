@@ -1,28 +1,29 @@
 """The full pipeline as functions: setup -> main -> fit.
 
-`build_model`, `prepare_data`, `build_loaders` and `train` are the Python API behind the CLI; each
+`prepare_data`, `build_model`, `build_loaders` and `train` are the Python API behind the CLI; each
 step can be replaced by the user's own piece (see `Trainer` for bringing your own model or data).
+`load_for_inference` opens any checkpoint, best_model or run folder for eval/generate/export.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
+from .checkpoint.model_folder import load_model_folder, load_model_state, read_model_config
+from .checkpoint.sharded import consolidate, is_sharded
 from .config import DataConfig, ExperimentConfig, ModelConfig
 from .data.loader import BatchLoader, DocumentRows, WindowRows
 from .data.prepare import PreparedData, prepare_data
-from . import distributed
 from .errors import UsageError
 from .logs import log
 from .model import Transformer
-from .model_files import load_model_folder, load_model_state, read_model_config
-from .sharded_checkpoint import consolidate, is_sharded
+from .parallel import distributed
+from .resolve import resolve, sequence_length, setup_runtime
 from .tokenizer import Tokenizer
-from .trainer import Trainer, resolve_device, seed_everything
+from .train.trainer import Trainer
 
 __all__ = ["build_model", "prepare_data", "build_loaders", "train", "load_for_inference"]
 
@@ -31,29 +32,24 @@ def build_model(config: ModelConfig, *, meta: bool = False) -> Transformer:
     """A freshly initialised model, or one continued from `config.init_from`.
 
     init_from: one of our model folders (a checkpoint, best_model) or a transformers GPT-2/LLaMA
-    folder or hub name. meta=True builds without storage (FSDP materialises it after sharding).
+    folder or hub name. meta=True builds without storage (initialised after sharding, by parallelize).
     """
     if config.init_from:
-        if (Path(config.init_from) / "model_config.json").is_file():
-            return load_model_folder(config.init_from)
-        from .hf_interop import import_from_hf
-
-        model, _ = import_from_hf(config.init_from)
-        return model
+        return load_init_model(config.init_from)
     if meta:
         with torch.device("meta"):
             return Transformer(config)
     return Transformer(config)
 
 
-def sequence_length(experiment: ExperimentConfig) -> int:
-    length = experiment.data.max_length or experiment.model.max_seq_len
-    if length > experiment.model.max_seq_len:
-        raise UsageError(
-            f"data.max_length ({length}) is longer than model.max_seq_len ({experiment.model.max_seq_len}); "
-            "lower data.max_length or raise model.max_seq_len"
-        )
-    return length
+def load_init_model(path: str) -> Transformer:
+    """The model `model.init_from` names: our model folder, or a transformers folder / hub name."""
+    if (Path(path) / "model_config.json").is_file():
+        return load_model_folder(path)
+    from .hf.interop import import_from_hf
+
+    model, _ = import_from_hf(path)
+    return model
 
 
 def build_rows(prepared: PreparedData, split: str, data: DataConfig, length: int, seed: int | None):
@@ -98,63 +94,51 @@ def build_loaders(experiment: ExperimentConfig, prepared: PreparedData, device: 
     return train_loader, val_loader
 
 
-def _fit_model_config(experiment: ExperimentConfig, tokenizer: Tokenizer) -> ExperimentConfig:
-    """Fill vocab_size from the tokenizer; refuse a vocabulary smaller than the tokenizer's."""
-    vocab = experiment.model.vocab_size
-    if vocab is None:
-        vocab = tokenizer.vocab_size
-    elif vocab < tokenizer.vocab_size:
-        raise UsageError(
-            f"model.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size}); "
-            "remove model.vocab_size to take it from the tokenizer"
-        )
-    return dataclasses.replace(experiment, model=dataclasses.replace(experiment.model, vocab_size=vocab))
-
-
 def train(experiment: ExperimentConfig, callbacks=()) -> dict:
-    """prepare -> build model -> fit; writes config.yaml, the tokenizer, metrics and checkpoints."""
+    """prepare -> resolve -> build model -> fit; writes config.yaml, the tokenizer, metrics, checkpoints
+    and (with the jsonl backend) plots."""
     if experiment.model.init_from and experiment.data.tokenizer == "bpe":
         tokenizer_file = Path(experiment.model.init_from) / "tokenizer.json"
         if tokenizer_file.is_file():  # continued pretraining keeps the model's own tokenizer
-            experiment = dataclasses.replace(experiment, data=dataclasses.replace(experiment.data, tokenizer=str(tokenizer_file)))
-    sequence_length(experiment)
-    dist_info, device = distributed.setup(experiment.training, resolve_device(experiment.training.device))
+            experiment = _replace_section(experiment, "data", tokenizer=str(tokenizer_file))
+    sequence_length(experiment)  # a bad length fails before any data is prepared
+    runtime = setup_runtime(experiment.training)
     try:
-        if not dist_info.is_main:  # rank 0 prepares the data; the others then reuse its cache
+        if not runtime.dist.is_main:  # rank 0 prepares the data; the others then reuse its cache
             distributed.barrier()
         prepared = prepare_data(experiment.data)
-        if dist_info.is_main:
+        if runtime.dist.is_main:
             distributed.barrier()
-        experiment = _fit_model_config(experiment, prepared.tokenizer)
-        seed_everything(experiment.training.seed)  # the initial weights depend on the seed alone
         # Built on the meta device and initialised on the target device by the trainer (after sharding
         # under FSDP): every strategy and world size starts from the same weights for the same seed.
-        model = build_model(experiment.model, meta=True)
-        if experiment.model.init_from:
-            experiment = dataclasses.replace(experiment, model=model.config)
-
-        train_loader, val_loader = build_loaders(experiment, prepared, device, dist_info.rank, dist_info.world_size)
-        output = Path(experiment.training.output_dir)
-        if dist_info.is_main:
+        loaded = load_init_model(experiment.model.init_from) if experiment.model.init_from else None
+        run = resolve(experiment, prepared.tokenizer, runtime, model_config=loaded.config if loaded else None)
+        model = loaded if loaded is not None else build_model(run.experiment.model, meta=True)
+        train_loader, val_loader = build_loaders(run.experiment, prepared, run.device, run.dist.rank, run.dist.world_size)
+        output = Path(run.training.output_dir)
+        if run.dist.is_main:
             output.mkdir(parents=True, exist_ok=True)
-            experiment.save(output / "config.yaml")
+            run.experiment.save(output / "config.yaml")
             prepared.tokenizer.save(output)
-        return _run_trainer(experiment, model, train_loader, val_loader, prepared, callbacks)
+        trainer = Trainer(
+            model, run.training, train_dataloader=train_loader, val_dataloader=val_loader, tokenizer=prepared.tokenizer,
+            callbacks=callbacks, run=run,
+            experiment_config={**run.experiment.to_dict(), "data_fingerprint": prepared.manifest["fingerprint"]},
+        )
+        summary = trainer.train()
+        if "jsonl" in run.training.report_to and run.dist.is_main:
+            from .tools.plots import plot_runs  # warns, never raises: a plot must not fail a finished run
+
+            plot_runs([output], output / "plots")
+        return summary
     finally:
         distributed.teardown()
 
 
-def _run_trainer(experiment, model, train_loader, val_loader, prepared, callbacks) -> dict:
-    trainer = Trainer(
-        model,
-        experiment.training,
-        train_dataloader=train_loader,
-        val_dataloader=val_loader,
-        tokenizer=prepared.tokenizer,
-        callbacks=callbacks,
-        experiment_config={**experiment.to_dict(), "data_fingerprint": prepared.manifest["fingerprint"]},
-    )
-    return trainer.train()
+def _replace_section(experiment: ExperimentConfig, section: str, **changes) -> ExperimentConfig:
+    import dataclasses
+
+    return dataclasses.replace(experiment, **{section: dataclasses.replace(getattr(experiment, section), **changes)})
 
 
 def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transformer, Tokenizer, dict]:
@@ -163,7 +147,7 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
     if not path.exists():
         raise UsageError(f"checkpoint {path} not found; pass a checkpoint, best_model or output folder")
     if not (path / "model_config.json").is_file():  # a run or checkpoints folder: take its newest checkpoint
-        from .checkpoint import resolve_checkpoint
+        from .checkpoint.format import resolve_checkpoint
 
         root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         found = resolve_checkpoint("latest", root)
@@ -171,7 +155,7 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
             raise UsageError(f"{path} holds no checkpoint; pass a checkpoint or best_model folder")
         path = found
     if (path / "meta.json").is_file():  # checkpoints and best_model carry checksums: never use a corrupt one
-        from .checkpoint import verify
+        from .checkpoint.format import verify
 
         problem = verify(path)
         if problem:

@@ -19,8 +19,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UsageError
-from .logs import warn
+from ..errors import UsageError
+from ..logs import warn
+from ..train.rows import row_kind
 
 FIGURES = ("loss", "perplexity", "lr")
 AXES = {"steps": ("step", "optimizer step"), "tokens": ("tokens_seen", "tokens seen")}
@@ -62,11 +63,12 @@ def read_run(run_dir: str | Path, label: str | None = None) -> RunSeries:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by a crash
-        if not isinstance(row, dict) or "event" in row or "step" not in row:
+        if not isinstance(row, dict) or "step" not in row:
             continue
-        if "val_loss" in row:
+        kind = row_kind(row)
+        if kind == "eval":
             series.eval[int(row["step"])] = row
-        elif "loss" in row:
+        elif kind == "train":
             series.train[int(row["step"])] = row
     return series
 

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn as nn
 
-from .config import TrainingConfig
+from ..config import TrainingConfig
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .config import TrainingConfig
-from .errors import UsageError
+from ..config import TrainingConfig
+from ..errors import UsageError
 
 TAG = "deepspeed"  # DeepSpeed's tag folder inside the staging area; its files move into `sharded/`
 
@@ -156,7 +156,7 @@ def full_model_state(engine) -> dict[str, torch.Tensor] | None:
         return None
     import deepspeed
 
-    from .model_files import model_tensors
+    from ..checkpoint.model_folder import model_tensors
 
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         return {name: tensor.to("cpu", copy=True) for name, tensor in model_tensors(engine.module).items()}

@@ -5,7 +5,7 @@
     llm-trainer registry show tiny-code            (latest)  /  tiny-code:1  /  tiny-code:production
     llm-trainer registry promote tiny-code:1 --stage production
 
-A version records, from the run folder: the experiment config, the final metrics (the `train_end`
+A version records, from the run folder: the experiment config, the final metrics (the summary
 row of metrics.jsonl, with the best evaluation), the data fingerprint (prepared-data cache key,
 from the checkpoint's saved config), the tokenizer fingerprint (sha256 of tokenizer.json), the git
 commit of the run folder's repository (null outside git), the model folder (best_model, else the
@@ -36,7 +36,8 @@ from pathlib import Path
 
 import yaml
 
-from .errors import UsageError
+from ..errors import UsageError
+from ..train.rows import row_kind
 
 STAGES = ("none", "staging", "production", "archived")
 DEFAULT_DB = Path("~/.llm_trainer/registry.db")
@@ -84,7 +85,7 @@ def _read_json(path: Path) -> dict | None:
 
 
 def _final_metrics(run_dir: Path) -> dict:
-    """The last train_end row of metrics.jsonl (else the last evaluation row), without the event key."""
+    """The last summary row of metrics.jsonl (else the last evaluation row), without its kind."""
     file = run_dir / "metrics.jsonl"
     if not file.is_file():
         return {}
@@ -96,12 +97,13 @@ def _final_metrics(run_dir: Path) -> dict:
             continue
         if not isinstance(row, dict):
             continue
-        if row.get("event") == "train_end":
+        kind = row_kind(row)
+        if kind == "summary":
             end = row
-        elif "val_loss" in row:
+        elif kind == "eval":
             last_eval = row
     chosen = end or last_eval or {}
-    return {k: v for k, v in chosen.items() if k != "event"}
+    return {k: v for k, v in chosen.items() if k not in ("kind", "event")}
 
 
 def git_commit(path: Path) -> str | None:
@@ -123,7 +125,7 @@ def _find_export(run_dir: Path) -> Path | None:
 
 def collect_run_info(run_dir: str | Path, export_path: str | Path | None = None) -> dict:
     """The fields of a new version, read from a run folder (see the module docstring)."""
-    from .checkpoint import BEST, META, list_checkpoints
+    from ..checkpoint.format import BEST, META, list_checkpoints
 
     run = Path(run_dir)
     if not run.is_dir():
@@ -324,7 +326,7 @@ class MLflowRegistry:
     alias (`production`, `staging`) plus a `stage` tag on the version."""
 
     def __init__(self, tracking_uri: str | None):
-        from .metrics import mlflow_client, resolve_mlflow_uri
+        from ..train.metrics import mlflow_client, resolve_mlflow_uri
 
         self.path, _ = resolve_mlflow_uri(tracking_uri or None)
         self.client, _ = mlflow_client(self.path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import KVCache, Transformer
+from ..model import KVCache, Transformer
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator) -> int:

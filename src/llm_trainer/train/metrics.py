@@ -5,13 +5,12 @@ plot` and the registry read), `tensorboard`, `wandb`, `mlflow`. Only rank 0 buil
 ranks get none. The optional backends import their package only when chosen; a missing package is a
 one-line `UsageError` naming the extra to install.
 
-Rows are flat dicts with a `step`. Training rows carry loss/lr/grad_norm/tokens_seen and the speed
-monitor's keys (tokens_per_s, mfu, ...), evaluation rows val_loss/perplexity/tokens, and the
-end-of-run row has `event: train_end`. The tracking backends name them (`scalar_items`):
+Rows are flat dicts of the kinds in `rows` (train, eval, summary). The tracking backends name their
+values (`scalar_items`):
 
     training row   key        -> train/<key>      (train/loss, train/lr, train/grad_norm, train/mfu, ...)
     eval row       val_loss   -> eval/loss, perplexity -> eval/perplexity, other -> eval/<key>
-    train_end row  key        -> summary/<key>
+    summary row    key        -> summary/<key>
     any row        a key with "/" (e.g. custom/accuracy from a Trainer subclass) is kept as it is
 """
 
@@ -25,8 +24,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from .errors import UsageError
-from .logs import is_main_process, log, warn
+from ..errors import UsageError
+from ..logs import is_main_process, log, warn
+from .rows import row_kind
 
 INSTALL_HINT = "pip install 'llm-trainer[tracking]'"
 
@@ -39,10 +39,10 @@ class MetricLogger(Protocol):
 
 def scalar_items(row: dict) -> list[tuple[str, float]]:
     """The numeric values of a row under their backend names (see the module docstring)."""
-    kind = "summary" if "event" in row else "eval" if "val_loss" in row else "train"
+    kind = row_kind(row) or "train"
     items = []
     for key, value in row.items():
-        if key in ("step", "event") or isinstance(value, bool) or not isinstance(value, (int, float)):
+        if key in ("step", "event", "kind") or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         if "/" in key:
             name = key
@@ -90,11 +90,10 @@ class ConsoleLogger:
         self.show_train_rows = show_train_rows
 
     def log(self, row: dict) -> None:
-        if "event" in row:  # the end-of-run summary is printed by the trainer itself
-            return
-        if "val_loss" in row:
+        kind = row_kind(row)
+        if kind == "eval":
             log(f"eval  step {row['step']:>7}  val_loss {row['val_loss']:.4f}  perplexity {row['perplexity']:.2f}")
-        elif "loss" in row and self.show_train_rows:
+        elif kind == "train" and self.show_train_rows:  # the end-of-run summary is printed by the trainer itself
             log(
                 f"train step {row['step']:>7}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
                 f"grad_norm {row.get('grad_norm', float('nan')):.3f}  {row.get('tokens_per_s', 0):,.0f} tok/s"
@@ -163,7 +162,7 @@ class WandbLogger:
 
     def log(self, row: dict) -> None:
         values = dict(scalar_items(row))
-        if "event" in row:
+        if row_kind(row) == "summary":
             self.run.summary.update(values)
         elif values:
             self.run.log(values, step=row["step"])

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import ModelConfig
-from .errors import UsageError
-from .model import Transformer
-from .model_files import load_model_folder, load_model_state
+from ..checkpoint.model_folder import load_model_folder, load_model_state
+from ..config import ModelConfig
+from ..errors import UsageError
+from ..model import Transformer
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -98,6 +98,7 @@ def _rope_kwargs(config_class, theta: float) -> dict[str, Any]:
 
 def to_hf_config(config: ModelConfig, eos_token_id: int | None = None):
     """The transformers config (GPT2Config or LlamaConfig) equivalent to `config`."""
+    config = config.resolved()
     _check_exportable(config)
     tf = _transformers()
     common = dict(
@@ -267,6 +268,7 @@ def _llama_pairs(config: ModelConfig):
 
 def to_hf_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our state dict (with `lm_head.weight`, tied or not) -> the transformers model's names and layouts."""
+    config = config.resolved()
     out: dict[str, torch.Tensor] = {}
     if config.architecture == "gpt2":
         for ours, theirs, conv in _gpt2_pairs(config):
@@ -292,6 +294,7 @@ def to_hf_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str
 
 def from_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A transformers GPT-2/LLaMA state dict -> our names and layouts (no `lm_head.weight` when tied)."""
+    config = config.resolved()
     out: dict[str, torch.Tensor] = {}
     if config.architecture == "gpt2":
         for ours, theirs, conv in _gpt2_pairs(config):

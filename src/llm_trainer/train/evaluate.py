@@ -8,7 +8,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from .data.loader import IGNORE_INDEX
+from ..data.loader import IGNORE_INDEX
 
 
 def logits_of(output) -> torch.Tensor:

@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from .config import ModelConfig
-from .errors import UsageError
+from ..config import ModelConfig
+from ..errors import UsageError
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "model_config.json"
@@ -88,7 +88,7 @@ def save_model_folder(model: nn.Module, directory: str | Path, extra_metadata: d
 
 def write_model_config(model: nn.Module, directory: str | Path, extra_metadata: dict | None = None) -> None:
     bare = unwrap(model)
-    config = bare.config.to_dict() if hasattr(bare, "config") else {}
+    config = bare.config.architecture_dict() if isinstance(getattr(bare, "config", None), ModelConfig) else {}
     (Path(directory) / CONFIG_NAME).write_text(json.dumps({**config, **(extra_metadata or {})}, indent=2))
 
 
@@ -107,7 +107,7 @@ def read_model_config(directory: str | Path) -> ModelConfig:
 
 
 def load_model_folder(directory: str | Path, device: str | torch.device = "cpu"):
-    from .model import Transformer
+    from ..model import Transformer
 
     directory = Path(directory)
     config = read_model_config(directory)

@@ -1,6 +1,6 @@
 """Hyperparameter search with Optuna: `llm-trainer sweep --config C --search-space S.yaml --trials N`.
 
-Each trial is an ordinary training run (`llm_trainer.pipeline.train`) of the experiment file with
+Each trial is an ordinary training run (`llm_trainer.api.train`) of the experiment file with
 dotted overrides sampled from the search space, in its own folder `{root}/trial-0007/`. The
 objective is the trial's best validation loss (so the data needs a validation split). TPE samples;
 a median pruner stops trials whose intermediate validation loss (each `training.eval_steps`) is worse
@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import _yaml_load, load_experiment
-from .errors import UsageError
-from .logs import log
-from .trainer import Callback
+from ..config import _yaml_load, load_experiment
+from ..errors import UsageError
+from ..logs import log
+from ..train.callbacks import Callback
 
 KINDS = ("float", "int", "categorical")
 
@@ -145,7 +145,7 @@ def _optuna():
 class OptunaPruningCallback(Callback):
     """Reports each evaluation's val_loss to the trial and raises `optuna.TrialPruned` when the pruner
     says so. The run's loggers are closed first (metrics.jsonl, TensorBoard, W&B, MLflow end cleanly);
-    the exception then leaves `Trainer.train` and `pipeline.train` untouched, and Optuna records the
+    the exception then leaves `Trainer.train` and `api.train` untouched, and Optuna records the
     trial as pruned."""
 
     def __init__(self, trial):
@@ -156,7 +156,7 @@ class OptunaPruningCallback(Callback):
         step = trainer.state.step
         self.trial.report(float(metrics["val_loss"]), step)
         if self.trial.should_prune():
-            from .metrics import close_loggers
+            from ..train.metrics import close_loggers
 
             close_loggers(trainer.loggers)
             trainer.loggers = []
@@ -200,8 +200,8 @@ def run_sweep(
     callbacks for every trial's run (after the pruning callback).
     """
     optuna = _optuna()
-    from .pipeline import train
-    from .trainer import TrainingStopped
+    from ..api import train
+    from ..errors import TrainingStopped
 
     if n_trials < 1:
         raise UsageError(f"--trials must be at least 1, got {n_trials}")

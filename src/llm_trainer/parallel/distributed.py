@@ -15,8 +15,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .config import TrainingConfig
-from .errors import UsageError
+from ..config import TrainingConfig
+from ..errors import UsageError
+from . import launcher
 
 
 @dataclass(frozen=True)
@@ -35,16 +36,12 @@ class DistInfo:
         return self.rank == 0
 
 
-def launcher_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def setup(config: TrainingConfig, device: torch.device) -> tuple[DistInfo, torch.device]:
     """Open the process group when launched with several processes; idempotent.
 
     Returns the rank information and the device this process should use (cuda:LOCAL_RANK on GPUs).
     """
-    world = launcher_world_size()
+    world = launcher.world_size()
     if config.world_size is not None and config.world_size != world:
         raise UsageError(
             f"training.world_size={config.world_size} but the launcher started {world} process(es); "
@@ -55,7 +52,7 @@ def setup(config: TrainingConfig, device: torch.device) -> tuple[DistInfo, torch
         return DistInfo(), device
     if strategy == "auto":
         strategy = "ddp"
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank = launcher.rank(), launcher.local_rank()
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

@@ -21,10 +21,14 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .config import TrainingConfig
-from .data.loader import IGNORE_INDEX
-from .evaluate import batch_nll
-from .model_files import unwrap
+from ..checkpoint.model_folder import unwrap
+from ..config import TrainingConfig
+from ..parallel.distributed import DistInfo
+from ..parallel.strategies import Parallelism
+from ..resolve import amp_dtype
+from ..train.batches import as_loader
+from ..train.optim import build_optimizer
+from ..train.step import autocast, train_step
 
 
 @dataclass
@@ -89,9 +93,6 @@ def find_lr(
         raise ValueError(f"need 0 < start_lr < end_lr, got {start_lr} and {end_lr}")
     if num_steps < 2:
         raise ValueError(f"num_steps must be at least 2, got {num_steps}")
-    from .optim import build_optimizer
-    from .trainer import _IterableBatches
-
     training = training or TrainingConfig()
     original = unwrap(model)
     if device is None:
@@ -99,7 +100,7 @@ def find_lr(
         device = first.device if first is not None else torch.device("cpu")
     device = torch.device(device)
     accum = accumulation_steps or training.gradient_accumulation_steps
-    batches = loader if hasattr(loader, "next_batch") else _IterableBatches(loader, device)
+    batches = as_loader(loader, device)
     saved_position = batches.state_dict() if hasattr(batches, "state_dict") else None
     py_state, np_state = random.getstate(), np.random.get_state()
     cuda_devices = [device] if device.type == "cuda" else []
@@ -108,12 +109,9 @@ def find_lr(
         work = copy.deepcopy(original).to(device)
         work.train()
         optimizer = build_optimizer(work, training, device)
-        params = [p for p in work.parameters() if p.requires_grad]
-        amp_dtype = torch.bfloat16 if training.amp_dtype == "bfloat16" else torch.float16
-        autocast = torch.autocast(device.type, dtype=amp_dtype, enabled=training.use_amp)
-        scaler = torch.amp.GradScaler(
-            device.type, enabled=training.use_amp and amp_dtype == torch.float16 and device.type == "cuda"
-        )
+        dtype = amp_dtype(training)
+        parallel = Parallelism(work, work, optimizer, dist=DistInfo(), device=device, amp_dtype=dtype)
+        mixed = autocast(device, dtype)
         ratio = (end_lr / start_lr) ** (1.0 / (num_steps - 1))
         lrs, losses, smoothed = [], [], []
         average, best, diverged = 0.0, math.inf, False
@@ -122,23 +120,9 @@ def find_lr(
                 lr = start_lr * ratio**i
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                micro = [batches.next_batch() for _ in range(accum)]
-                micro = [tuple(t.to(device) for t in batch) for batch in micro]
-                n_targets = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in micro) or 1
-                total = 0.0
-                for inputs, targets, *doc_ids in micro:
-                    with autocast:
-                        nll = batch_nll(work, inputs, targets, *doc_ids)
-                    scaler.scale(nll / n_targets).backward()
-                    total += float(nll.detach())
-                scaler.unscale_(optimizer)
-                if training.max_grad_norm:
-                    torch.nn.utils.clip_grad_norm_(params, training.max_grad_norm)
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-
-                loss = total / n_targets
+                micro = [tuple(t.to(device) for t in batches.next_batch()) for _ in range(accum)]
+                out = train_step(parallel, micro, autocast=mixed, max_grad_norm=training.max_grad_norm)
+                loss = float(out.loss)
                 lrs.append(lr)
                 losses.append(loss)
                 if not math.isfinite(loss):
@@ -153,7 +137,7 @@ def find_lr(
                     diverged = True
                     break
         finally:
-            del work, optimizer
+            del work, optimizer, parallel
             if saved_position is not None:
                 batches.load_state_dict(saved_position)
             random.setstate(py_state)
@@ -168,18 +152,17 @@ def find_lr(
 def run_lr_finder(experiment, *, start_lr: float, end_lr: float, num_steps: int, plot_path=None) -> LRFinderResult:
     """What `llm-trainer lr-find` does: data, tokenizer and a freshly initialised model exactly as
     `train` would build them, then `find_lr`; writes only the plot (and the shared data cache)."""
-    from .pipeline import _fit_model_config, build_loaders, build_model, prepare_data, sequence_length
-    from .trainer import resolve_device, seed_everything
+    from ..api import build_loaders, build_model, prepare_data
+    from ..resolve import local_runtime, resolve, seed_everything, sequence_length
 
     sequence_length(experiment)
     prepared = prepare_data(experiment.data)
-    experiment = _fit_model_config(experiment, prepared.tokenizer)
-    seed_everything(experiment.training.seed)
-    model = build_model(experiment.model)
-    device = resolve_device(experiment.training.device)
-    train_loader, _ = build_loaders(experiment, prepared, device)
+    run = resolve(experiment, prepared.tokenizer, local_runtime(experiment.training))
+    seed_everything(run.training.seed)
+    model = build_model(run.experiment.model)
+    train_loader, _ = build_loaders(run.experiment, prepared, run.device)
     result = find_lr(model, train_loader, start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,
-                     training=experiment.training, device=device)
+                     training=run.training, device=run.device)
     if plot_path is not None:
         result.plot(plot_path)
     return result

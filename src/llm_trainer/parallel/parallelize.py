@@ -2,35 +2,31 @@
 
     1. activation checkpointing, per transformer block
     2. data parallelism: DDP, or FSDP2 (`fully_shard` per block, then the root)
-    3. torch.compile of the whole (wrapped) model
+    3. the optimizer, over the (sharded) parameters
+    4. torch.compile of the whole (wrapped) model
 
-DeepSpeed takes the place of 2 and 3: its engine needs the optimizer, so the Trainer wraps the model
-right after building it (`deepspeed_engine.wrap`, which also compiles through the engine).
+DeepSpeed takes the place of 2 and 4: its engine takes the model and our optimizer (and compiles
+through the engine). `parallelize` returns the backend's `Parallelism` (see `strategies`), which is
+all the training loop knows of how it runs.
 
 `model.py` stays the plain architecture. Wrappers never change parameter names in files
-(`model_files.clean_name`). A model built on the meta device is materialised here after sharding,
+(`model_folder.clean_name`). A model built on the meta device is materialised here after sharding,
 so a model larger than one device's memory can start.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from .config import TrainingConfig
+from ..config import TrainingConfig
+from ..logs import log
+from . import launcher
 from .distributed import DistInfo
-from .logs import log
-
-
-@dataclass
-class Parallelized:
-    model: nn.Module  # what the loop calls: possibly compiled and wrapped
-    ddp: nn.Module | None = None  # the DDP wrapper, for no_sync()
-    fsdp: bool = False
+from .strategies import DDP, FSDP, DeepSpeed, Parallelism
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -43,23 +39,22 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         blocks[i] = checkpoint_wrapper(block, preserve_rng_state=True)
 
 
-def apply_fsdp(model: nn.Module, config: TrainingConfig, device: torch.device) -> None:
+def apply_fsdp(model: nn.Module, config: TrainingConfig, device: torch.device, amp_dtype: torch.dtype | None) -> None:
     """FSDP2: shard each block, then the root. Strategies map onto FSDP2 options and meshes:
     full_shard (reshard after forward), shard_grad_op (keep params gathered until backward),
     hybrid_shard (2-D mesh: replicate across nodes, shard within a node)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    world = int(os.environ["WORLD_SIZE"])
+    world = launcher.world_size()
     if config.fsdp_sharding == "hybrid_shard":
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        per_node = launcher.local_world_size()
         mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,))
     options = dict(mesh=mesh, reshard_after_forward=config.fsdp_sharding != "shard_grad_op")
-    if config.use_amp:  # compute in the autocast dtype, reduce gradients in float32
-        dtype = torch.bfloat16 if config.amp_dtype == "bfloat16" else torch.float16
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if amp_dtype is not None:  # compute in the autocast dtype, reduce gradients in float32
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
     for block in getattr(model, "blocks", []):
         fully_shard(block, **options)
     fully_shard(model, **options)
@@ -93,29 +88,41 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def parallelize(model: nn.Module, *, config: TrainingConfig, dist: DistInfo, device: torch.device,
-                gradient_checkpointing: bool) -> Parallelized:
-    if gradient_checkpointing:
+                amp_dtype: torch.dtype | None, activation_checkpointing: bool,
+                build_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> Parallelism:
+    """Wrap `model` for `dist.strategy` in the order above; `build_optimizer(model)` makes the optimizer
+    once the parameters are in their final (sharded, on-device) form."""
+    if activation_checkpointing:
         apply_activation_checkpointing(model)
     on_meta = any(p.is_meta for p in model.parameters())
-    result = Parallelized(model=model)
+    common = dict(dist=dist, device=device, amp_dtype=amp_dtype)
     if dist.strategy == "fsdp":
-        apply_fsdp(model, config, device)
-        if on_meta:
-            materialize(model, device)
-        result.fsdp = True
-    else:
-        if on_meta:  # built without storage (see pipeline.build_model): allocate and initialise here
-            materialize(model, device)
+        apply_fsdp(model, config, device, amp_dtype)
+    if on_meta:  # built without storage (see api.build_model): allocate and initialise here, after sharding
+        materialize(model, device)
+    if dist.strategy != "fsdp":
         model.to(device)
-        if dist.strategy == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
+    if dist.world_size > 1:  # same initial weights everywhere (drawn above), different dropout per rank
+        torch.manual_seed(config.seed + dist.rank)
+    optimizer = build_optimizer(model)
+    if dist.strategy == "deepspeed":
+        from . import deepspeed_engine
 
-            result.ddp = DistributedDataParallel(
-                model,
-                device_ids=[device.index] if device.type == "cuda" else None,
-                find_unused_parameters=config.ddp_find_unused_parameters,
-            )
-            result.model = result.ddp
-    if config.compile and dist.strategy != "deepspeed":
-        result.model = torch.compile(result.model)
-    return result
+        engine = deepspeed_engine.wrap(model, optimizer, config, dist.world_size, device)
+        return DeepSpeed(model, engine, optimizer, **common)
+    forward: nn.Module = model
+    ddp = None
+    if dist.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        forward = ddp = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=config.ddp_find_unused_parameters,
+        )
+    if config.compile:
+        forward = torch.compile(forward)
+    if dist.strategy == "fsdp":
+        return FSDP(model, forward, optimizer, **common)
+    if ddp is not None:
+        return DDP(model, forward, optimizer, ddp=ddp, **common)
+    return Parallelism(model, forward, optimizer, **common)

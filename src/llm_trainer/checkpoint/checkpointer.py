@@ -1,0 +1,230 @@
+"""The Checkpointer: everything the training loop needs from checkpoints, behind four calls.
+
+    with Checkpointer(...) as checkpointer:   # the writer thread runs while the block does
+        checkpointer.load(spec)                # resume: every part restored in place
+        ...
+        checkpointer.save(background=True)     # every rank calls it at the same step
+        checkpointer.save_best(metrics)        # after an evaluation that improved
+        checkpointer.poll()                    # at step boundaries: report finished background saves
+
+A checkpoint is a set of named parts (see `format` for the files):
+
+    model, optimizer   from the Parallelism: whole in this process, gathered, or each rank's shards
+    train_state        TrainState counters, the loader's position, the schedule, Python/NumPy RNG
+    rng                the torch generators (and each rank's own, in sharded/)
+    scaler             the fp16 GradScaler, when one is in use
+
+plus meta.json with the experiment config. With several ranks (or DeepSpeed) each rank first writes
+its own files into a staging folder that becomes the checkpoint's `sharded/`.
+
+Background saves (training.async_checkpoint): rank 0 copies the state into host buffers (reserved
+once, after the first step, by the writer thread) and the writer thread writes the folder while
+training goes on; the next save, the final one and a stop wait for it, and its error is raised at
+the next step boundary. `on_saved(path)` runs once a checkpoint is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..errors import UsageError
+from ..logs import log
+from ..parallel import distributed
+from . import format as ckpt
+from .background import BackgroundWriter, HostSnapshot
+
+
+class Checkpointer:
+    def __init__(self, root: Path, *, parallel, loader, state, schedule: dict, config: dict,
+                 tokenizer_json: str | None, keep_last: int | None, background: bool, periodic: bool,
+                 on_saved: Callable[[Path], None] = lambda path: None):
+        self.root = Path(root)
+        self.parallel, self.loader, self.state = parallel, loader, state
+        self.schedule = schedule  # {"name", "total_steps"}: a resume with another length is announced
+        self.config, self.tokenizer_json, self.keep_last = config, tokenizer_json, keep_last
+        self.dist = parallel.dist
+        self.on_saved = on_saved
+        # Rank 0 alone writes the folder, so its writer thread can (not under FSDP: every rank writes shards).
+        self.use_background = background and self.dist.is_main and parallel.background_saves
+        self.periodic = periodic  # saves every save_steps: worth host buffers kept for the whole run
+        self._writer: BackgroundWriter | None = None
+        self._snapshot = HostSnapshot()  # host buffers for background saves, reused from one save to the next
+        self._buffers_reserved = False
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> "Checkpointer":
+        if self.dist.is_main:
+            self._remove_staging()  # no rank writes there before the first save's barrier
+        if self.use_background:
+            self._writer, self._buffers_reserved = BackgroundWriter(), False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """A write still in flight (only when the loop raised) is completed, never abandoned."""
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        try:
+            writer.wait()
+        except Exception as error:  # the loop is already raising its own error; do not hide it
+            log(f"warning: the checkpoint being written in the background failed: {error}")
+        finally:
+            writer.close()
+
+    def _remove_staging(self) -> None:
+        """Delete the per-rank staging folders (`.staging-*`) a multi-process save killed mid-way left."""
+        if not self.root.is_dir():
+            return
+        for path in self.root.glob(".staging-*"):
+            shutil.rmtree(path, ignore_errors=True)
+            log(f"checkpoint: removed {path.name}, left by an interrupted save")
+
+    # -- saving -----------------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """At a step boundary: `on_saved` for a background write that has completed (its error raised
+        here). After the first step, when the optimizer state exists, the writer thread first
+        allocates the host buffers, so that the first save stalls no longer than later ones."""
+        if self._writer is None:
+            return
+        if not self._buffers_reserved:
+            self._buffers_reserved = True
+            if self.periodic:
+                self._writer.submit(self._snapshot.reserve(self.parallel.live_tensors()))
+            return
+        if (path := self._writer.finished()) is not None:
+            self.on_saved(path)
+
+    def wait(self) -> None:
+        """Block until a background write in flight is complete."""
+        if self._writer is not None and (path := self._writer.wait()) is not None:
+            self.on_saved(path)
+
+    def save(self, *, background: bool = False) -> Path:
+        """Save the current step. Every rank calls this at the same step; rank 0 writes the folder."""
+        self.wait()  # one write at a time, in step order
+        rng_tensors = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng_tensors["cuda"] = torch.cuda.get_rng_state_all()
+        path = self.root / f"{ckpt.PREFIX}{self.state.step:08d}"
+        staging, weights = None, None
+        if self.dist.world_size > 1 or self.dist.strategy == "deepspeed":  # each rank's own files first
+            staging = self.root / f".staging-{path.name}"
+            if self.dist.is_main:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+            distributed.barrier()
+            torch.save(rng_tensors, staging / f"rng-rank{self.dist.rank}.pt")
+            self.parallel.save_shards(staging)
+            if not self.parallel.weights_in_shards:  # the checkpoint's model folder needs them whole
+                weights = self.parallel.full_state_dict()  # a collective where the weights are partitioned
+            distributed.barrier()
+        background = background and self._writer is not None
+        if self.dist.is_main:
+            write = self._write_job(rng_tensors, staging, copy=background, weights=weights)
+            if background:
+                self._writer.submit(write)
+            else:
+                path = write()
+        distributed.barrier()
+        if not background:
+            self.on_saved(path)
+        return path
+
+    def _write_job(self, rng_tensors: dict, staging: Path | None, copy: bool,
+                   weights: dict[str, torch.Tensor] | None) -> Callable[[], Path]:
+        """The write of this step's checkpoint, as a function. Everything it needs is read now; `copy`
+        snapshots the tensors too, so the write may run while training changes them. `weights`: the
+        model gathered from its shards (a copy already)."""
+        np_state = np.random.get_state()
+        train_state = {
+            **self.state.state_dict(),
+            "epoch": self.loader.epoch,
+            "data": self.loader.state_dict(),
+            "schedule": self.schedule,
+            "scaler": self.parallel.scaler.state_dict() if self.parallel.scaler.is_enabled() else None,
+            "rng": {"python": _listify(random.getstate()), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]},
+        }
+        train_state = json.loads(json.dumps(train_state))  # plain data, detached from the live loader
+        live = self.parallel.live_tensors()
+        model_state, optimizer_state = weights, live[1]  # model_state None: the write reads the live model
+        if copy:
+            copied, optimizer_state = self._snapshot.take(live)
+            model_state = weights if weights is not None else copied
+        step = self.state.step
+        best = f"{ckpt.PREFIX}{self.state.best_step:08d}" if self.state.best_step is not None else None
+        model, root, keep_last = self.parallel.model, self.root, self.keep_last
+        extra = {"world_size": self.dist.world_size, "strategy": self.dist.strategy}
+
+        def write() -> Path:
+            path = ckpt.save_checkpoint(
+                root, step, model=model, model_state=model_state, optimizer_state=optimizer_state,
+                train_state=train_state, rng_tensors=rng_tensors, config=self.config,
+                tokenizer_json=self.tokenizer_json, sharded_dir=staging, extra_meta=extra,
+            )
+            ckpt.rotate(root, keep_last, protect={path.name, best} - {None})
+            return path
+
+        return write
+
+    def save_best(self, metrics: dict) -> None:
+        """The current weights as `best_model/` (every rank calls it: the weights may be gathered)."""
+        weights = self.parallel.full_state_dict()
+        if self.dist.is_main:
+            ckpt.save_best_model(self.root, self.parallel.model, tokenizer_json=self.tokenizer_json,
+                                 config=self.config, metrics={**metrics, "step": self.state.step}, state=weights)
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    def load(self, spec: str):
+        """Restore every part from a checkpoint folder or "latest" (a fresh start when there is none
+        yet). Returns the restored TrainState, or None."""
+        path = ckpt.resolve_checkpoint(spec, self.root)
+        if path is None:
+            log(f"resume: no checkpoint in {self.root} yet; starting from step 0")
+            return None
+        parts = ckpt.load_checkpoint(path, map_location=self.parallel.device)
+        self.parallel.load(parts, path)
+        saved = parts["train_state"]
+        self.state.load_state_dict(saved)
+        if saved["schedule"]["total_steps"] != self.schedule["total_steps"]:
+            log(f"resume: the run length changed ({saved['schedule']['total_steps']} -> "
+                f"{self.schedule['total_steps']} steps); the schedule follows the new length")
+        try:
+            self.loader.load_state_dict(saved["data"])
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if saved.get("scaler") and self.parallel.scaler.is_enabled():
+            self.parallel.scaler.load_state_dict(saved["scaler"])
+        _restore_rng(parts, saved, self.dist.rank)
+        log(f"resume: continuing from {path} (step {self.state.step}, {self.state.tokens_seen:,} tokens seen)")
+        return self.state
+
+
+def _restore_rng(parts: dict[str, Any], saved: dict, rank: int) -> None:
+    rng = parts["rng"]
+    own = parts["sharded"] / f"rng-rank{rank}.pt" if parts["sharded"] is not None else None
+    if own is not None and own.is_file():  # each rank continues its own dropout stream
+        rng = torch.load(own, map_location="cpu", weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    random.setstate(_tuplify(saved["rng"]["python"]))
+    kind, keys, *rest = saved["rng"]["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+
+
+def _listify(value):
+    return [_listify(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _tuplify(value):
+    return tuple(_tuplify(v) for v in value) if isinstance(value, list) else value

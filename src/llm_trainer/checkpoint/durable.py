@@ -1,0 +1,313 @@
+"""Durable, atomic writes of whole folders: a crash, a kill -9 or a full disk leaves the previous
+version untouched.
+
+`write_folder_atomically` fills a hidden temporary folder (`.tmp-<name>-<host>-<pid>`) through
+writer functions, checksums each file while the next is written, fsyncs them, writes meta.json (the
+caller's metadata plus every file's size and checksum, and a checksum of itself) last, fsyncs the
+folder, renames it into place and fsyncs the parent. Leftovers of a dead writer are removed by
+`remove_stale`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from ..errors import CheckpointError
+from ..logs import log
+from .checksums import CHECKSUM, XXH3_TREE, checksum_jobs, combine, meta_checksum
+
+FORMAT_VERSION = 3  # of meta.json: 3 = XXH3 chunk checksums, 2 = CRC-32 chunks, 1 = sha256 per file
+META = "meta.json"
+_LOW_SPACE = 16 << 20  # a write failing with less free space than this is reported as a full disk
+_pool_lock = threading.Lock()
+_sync_pool: ThreadPoolExecutor | None = None
+
+
+def _syncers() -> ThreadPoolExecutor:
+    """fsync jobs (disk): their own threads, so they run while the checksums are computed."""
+    global _sync_pool
+    with _pool_lock:
+        if _sync_pool is None:
+            _sync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="checkpoint-fsync")
+        return _sync_pool
+
+
+def _forget_pool_after_fork() -> None:  # a forked child (a data-loader worker) has none of the threads
+    global _sync_pool, _pool_lock
+    _sync_pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+def owner() -> str:
+    """`<host>-<pid>`: names this process's temporary files, so leftovers of dead writers can be found."""
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}"
+
+
+def _fsync(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _libc_sync_file_range():
+    """Linux's sync_file_range(2), or None: it starts writing a file's dirty pages back without waiting."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    function.restype = ctypes.c_int
+    return function
+
+
+_sync_file_range = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the dirty pages; wait for nothing
+_WRITEBACK_EVERY = 0.05  # seconds between two writeback kicks while the writers run
+
+
+class _Writeback:
+    """While the writers fill the temporary folder, keep the disk busy: every 50 ms, start the
+    writeback of whatever they have written so far (sync_file_range, which does not wait), so the
+    disk writes while the CPU writes the next bytes into the page cache, and the fsync at the end
+    finds little left to do. Only a head start: the fsyncs still decide durability. A no-op where
+    sync_file_range does not exist (or with LLM_TRAINER_EARLY_WRITEBACK=0)."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.handles = folder, {}
+        self.done = threading.Event()
+        self.thread = None
+        if _sync_file_range is not None and os.environ.get("LLM_TRAINER_EARLY_WRITEBACK", "1") != "0":
+            self.thread = threading.Thread(target=self._run, name="checkpoint-writeback", daemon=True)
+            self.thread.start()
+
+    def _kick(self) -> None:
+        try:
+            paths = _files(self.folder)
+        except OSError:
+            return
+        for path in paths:
+            try:
+                fd = self.handles.get(path)
+                if fd is None:
+                    fd = self.handles[path] = os.open(path, os.O_RDONLY)
+                _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+            except OSError:
+                pass  # a file moved or vanished: the fsyncs later are what count
+
+    def _run(self) -> None:
+        while not self.done.wait(_WRITEBACK_EVERY):
+            self._kick()
+        self._kick()  # the files written last
+
+    def stop(self) -> None:
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join()
+        for fd in self.handles.values():
+            os.close(fd)
+        self.handles.clear()
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name == "posix":  # directories cannot be opened for fsync on Windows; renames there are durable
+        _fsync(path, directory=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale(root: Path) -> None:
+    """Delete temporary folders/files left in `root` by writers on this host that no longer run."""
+    if os.name != "posix" or not root.is_dir():
+        return  # os.kill(pid, 0) would terminate the process on Windows
+    host = owner().rsplit("-", 1)[0]
+    for path in root.iterdir():
+        name = path.name
+        if name.startswith(".del-"):
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        if not (name.startswith((".tmp-", ".old-")) or ".tmp-" in name):  # write_text_atomically's ".{name}.tmp-"
+            continue
+        head, _, pid = name.rpartition("-")
+        if not pid.isdigit() or not head.endswith(f"-{host}") or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        log(f"checkpoint: removed {name}, left by an interrupted save")
+
+
+def _disk_full(exc: BaseException, directory: Path) -> bool:
+    """ENOSPC/EDQUOT, however the writer reports it (safetensors and torch.save wrap the OS error)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return True
+    text = str(exc).lower()
+    if "no space left" in text or "os error 28" in text or "quota exceeded" in text:
+        return True
+    if isinstance(exc, (OSError, RuntimeError)):  # torch.save says only "unexpected pos" or "file write failed"
+        try:
+            return shutil.disk_usage(directory).free < _LOW_SPACE
+        except OSError:
+            return False
+    return False
+
+
+def _io_failure(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) or "i/o error" in str(exc).lower() or "file write failed" in str(exc).lower()
+
+
+Writer = Callable[[Path], None]  # creates one or more files in the folder it is given
+
+
+def _files(folder: Path) -> list[Path]:
+    """The files of a folder being written: its own, and those of its subfolders one level down
+    (a checkpoint's `sharded/`)."""
+    files = [p for p in sorted(folder.iterdir()) if p.is_file()]
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
+        files += [p for p in sorted(sub.iterdir()) if p.is_file()]
+    return files
+
+
+def write_folder_atomically(final: Path, writers: Iterable[Writer], meta: dict[str, Any]) -> Path:
+    """Create `final` by calling each writer on a temporary folder; add meta.json with sizes and checksums.
+
+    Each file a writer produced is checksummed by worker threads (from the page cache, in 64 MiB
+    chunks) while the next writer runs, and its writeback to disk starts while the writers run
+    (see _Writeback). Then every file is fsynced,
+    meta.json is written, the folder is fsynced and renamed to `final` (replacing an older folder of
+    that name), and the parent folder is fsynced. On any error the temporary folder is
+    removed and `final` (if it existed) is left as it was; a full disk says so.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{owner()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    jobs: dict[str, tuple[int, list[Future]]] = {}
+    syncs: list[Future] = []
+    writeback: _Writeback | None = None
+
+    try:
+        tmp.mkdir()
+        writeback = _Writeback(tmp)  # the disk starts writing while the writers still run
+        for write in writers:
+            write(tmp)
+            for path in _files(tmp):  # checksum the new files while the next writer runs
+                name = path.relative_to(tmp).as_posix()
+                if name not in jobs:
+                    size = path.stat().st_size
+                    jobs[name] = (size, checksum_jobs(path, size))
+        writeback.stop()
+        # fsync only now: on ext4 an fsync stalls concurrent writes to other files of the same folder
+        # (sync_file_range, above, only starts the writeback, and does not).
+        syncs.extend(_syncers().submit(_fsync, tmp / name) for name in sorted(jobs))
+        files = {name: {"size": size, "checksum": combine(chunks)} for name, (size, chunks) in sorted(jobs.items())}
+        version = FORMAT_VERSION if CHECKSUM == XXH3_TREE else 2  # CRC-32 chunks: format 2 readers take it
+        full = {**meta, "format_version": version, "checksum": CHECKSUM, "files": files}
+        full["meta_sha256"] = meta_checksum(full)
+        with open(tmp / META, "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(full, indent=2))
+            handle.flush()
+            os.fsync(handle.fileno())
+        for job in syncs:
+            job.result()
+        for sub in (p for p in tmp.iterdir() if p.is_dir()):
+            _fsync_dir(sub)
+        _fsync_dir(tmp)
+        if final.exists():
+            old = final.parent / f".old-{final.name}-{owner()}"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            try:
+                tmp.rename(final)
+            except BaseException:
+                old.rename(final)  # put the previous version back
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _fsync_dir(final.parent)
+    except BaseException as exc:
+        if writeback is not None:
+            writeback.stop()
+        pending = [job for _, chunks in jobs.values() for job in chunks] + syncs
+        for job in pending:
+            job.cancel()
+        wait(pending)  # no worker may still read or fsync a file that is about to be deleted
+        full_disk = isinstance(exc, Exception) and _disk_full(exc, final.parent)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full_disk:
+            raise CheckpointError(
+                f"disk full while saving {final.name} to {final.parent} ({first_line(exc)}); the earlier "
+                f"checkpoints and `latest` are intact. Free space there or lower training.save_total_limit, "
+                f"then resume with training.resume_from_checkpoint=latest"
+            ) from None
+        if isinstance(exc, Exception) and _io_failure(exc):
+            raise CheckpointError(
+                f"could not write checkpoint {final} ({first_line(exc)}); the earlier checkpoints are intact"
+            ) from None
+        raise
+    return final
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Replace a small file atomically (temporary file, fsync, rename, fsync of the folder)."""
+    tmp = path.with_name(f".{path.name}.tmp-{owner()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        tmp.replace(path)
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        reason = "disk full" if _disk_full(exc, path.parent) else "write failed"
+        raise CheckpointError(f"could not update {path} ({reason}: {first_line(exc)}); the checkpoints themselves are intact") from None
+
+
+def read_meta(path: Path) -> dict | None:
+    try:
+        meta = json.loads((path / META).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def text_writer(name: str, content: str) -> Writer:
+    def write(folder: Path) -> None:
+        (folder / name).write_text(content, encoding="utf-8")
+
+    return write
+
+
+def first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return (lines[0] if lines else type(exc).__name__)[:200]

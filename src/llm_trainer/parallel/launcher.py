@@ -1,0 +1,36 @@
+"""What the launcher (torchrun, SLURM through torchrun, DeepSpeed's launcher) told this process.
+
+The one place that reads RANK / LOCAL_RANK / WORLD_SIZE. Logging asks it whether this process is
+rank 0, and `distributed.setup` builds its `DistInfo` from it, so both always agree. No torch import:
+data-preparation workers use the logger too.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_world_size() -> int:
+    """Processes on this node (torchrun sets it; without it, all of them)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size())))
+
+
+def launched() -> bool:
+    """True under a launcher (WORLD_SIZE set), even with one process."""
+    return "WORLD_SIZE" in os.environ
+
+
+def is_main_process() -> bool:
+    return rank() == 0

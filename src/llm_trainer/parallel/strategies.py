@@ -1,0 +1,221 @@
+"""What the training loop asks of a parallelism backend, one class per backend.
+
+The loop and the Checkpointer call these methods and never ask which backend runs:
+
+    no_sync(last)        gradient reduction only on a step's last micro-batch
+    backward(loss)       scaled for fp16 where a GradScaler is in use
+    clip(max_norm)       the total gradient norm (clipped when max_norm is set), or None when the
+                         backend clips inside its step (DeepSpeed)
+    step(finite)         apply the update only where `finite`, clear the gradients; returns the
+                         gradient norm when the backend computed it in the step
+    full_state_dict()    the whole model's weights gathered from shards (a collective), or None
+                         when the module holds them whole
+    save_shards(folder)  every rank's own files (FSDP's DCP shards, DeepSpeed's files)
+    load(parts, path)    model and optimizer state from a loaded checkpoint
+
+`Parallelism` is one process (and the base of the others); `DDP`, `FSDP` and `DeepSpeed` change
+only what differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..checkpoint.model_folder import load_model_state, model_tensors
+from ..errors import UsageError
+from .distributed import DistInfo
+
+
+class Parallelism:
+    """One process: the model as it is."""
+
+    checkpoint_kind = "checkpoint"  # what meta.json records; see checkpoint.format.REQUIRED
+    background_saves = True  # rank 0 alone writes the checkpoint, so a writer thread can do it
+    weights_in_shards = False  # the checkpoint's weights are only in save_shards' files (no model.safetensors)
+
+    def __init__(self, model: nn.Module, forward: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 dist: DistInfo, device: torch.device, amp_dtype: torch.dtype | None):
+        self.model = model  # the bare module (sharded in place under FSDP): state dicts, evaluation
+        self.forward = forward  # what the step calls: possibly compiled, wrapped, or DeepSpeed's engine
+        self.optimizer = optimizer
+        self.dist, self.device = dist, device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # fp16 on CUDA needs loss scaling; bf16 and CPU autocast do not.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16 and device.type == "cuda")
+
+    @property
+    def strategy(self) -> str:
+        return self.dist.strategy
+
+    # -- the step -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self, last: bool):
+        yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def clip(self, max_norm: float | None) -> torch.Tensor | None:
+        self.scaler.unscale_(self.optimizer)
+        if max_norm:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a replicated DTensor
+
+    def step(self, finite: torch.Tensor) -> torch.Tensor | None:
+        """Fused Adam/AdamW skip a non-finite step on the device (no host sync); the fp16 scaler skips
+        overflowed steps itself; other optimizers need one host sync."""
+        optimizer = self.optimizer
+        if self.scaler.is_enabled():
+            self.scaler.step(optimizer)
+        elif optimizer.defaults.get("fused"):
+            _fused_step_where(optimizer, finite, optimizer.step)
+        elif bool(finite):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.scaler.update()
+        return None
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def live_tensors(self) -> tuple[dict[str, torch.Tensor] | None, Any]:
+        """(the module's own weights, the optimizer state) as live references, for a checkpoint to copy
+        or write; None for a part that `full_state_dict` or `save_shards` supplies instead."""
+        return model_tensors(self.model), self.optimizer.state_dict()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return None
+
+    def save_shards(self, folder: Path) -> None:
+        pass
+
+    def load(self, parts: dict[str, Any], path: Path) -> None:
+        kind = parts["meta"].get("kind")
+        if kind == "deepspeed_checkpoint":
+            raise UsageError(f"{path} was saved with distributed_strategy deepspeed; resume it with that strategy "
+                             "(its model folder also works as model.init_from for a fresh run)")
+        if parts["model"] is None:
+            raise UsageError(f"{path} is a sharded FSDP checkpoint; resume it with distributed_strategy: fsdp, "
+                             "or turn it into a model folder with `llm-trainer consolidate`")
+        load_model_state(self.model, parts["model"], str(path))
+        try:
+            self.optimizer.load_state_dict(parts["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise UsageError(f"optimizer state in {path} does not match this model/optimizer: {exc}") from None
+
+
+class DDP(Parallelism):
+    """DistributedDataParallel: every rank holds the whole model; gradients are all-reduced in backward."""
+
+    def __init__(self, model: nn.Module, forward: nn.Module, optimizer, *, ddp: nn.Module, **kwargs):
+        super().__init__(model, forward, optimizer, **kwargs)
+        self.ddp = ddp
+
+    @contextlib.contextmanager
+    def no_sync(self, last: bool):
+        if last:
+            yield
+        else:
+            with self.ddp.no_sync():
+                yield
+
+
+class FSDP(Parallelism):
+    """FSDP2: parameters, gradients and optimizer state sharded; each rank checkpoints its own shards."""
+
+    checkpoint_kind = "sharded_checkpoint"
+    background_saves = False  # every rank writes its shards, in the training thread
+    weights_in_shards = True
+
+    @contextlib.contextmanager
+    def no_sync(self, last: bool):
+        if last:
+            yield
+            return
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def live_tensors(self):
+        return None, None  # weights gathered by full_state_dict, optimizer state in the DCP shards
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        from ..checkpoint.sharded import full_model_state
+
+        return full_model_state(self.model)
+
+    def save_shards(self, folder: Path) -> None:
+        from ..checkpoint.sharded import save_sharded
+
+        save_sharded(self.model, self.optimizer, folder)
+
+    def load(self, parts: dict[str, Any], path: Path) -> None:
+        if parts["model"] is not None or parts["meta"].get("kind") == "deepspeed_checkpoint":
+            return super().load(parts, path)
+        from ..checkpoint.sharded import load_sharded
+
+        load_sharded(self.model, self.optimizer, parts["sharded"])
+
+
+class DeepSpeed(Parallelism):
+    """DeepSpeed's engine runs forward, backward (its own fp16 loss scaling) and the step of our
+    optimizer on its partitions; its own files hold model and optimizer state."""
+
+    checkpoint_kind = "deepspeed_checkpoint"
+
+    def __init__(self, model: nn.Module, engine, optimizer, **kwargs):
+        super().__init__(model, engine, optimizer, **kwargs)
+        self.engine = engine
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=False)  # DeepSpeed scales fp16 losses itself
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)  # the loss is scaled for accumulation already
+
+    def clip(self, max_norm: float | None) -> None:
+        return None  # inside engine.step(), from the config's gradient_clipping
+
+    def step(self, finite: torch.Tensor) -> torch.Tensor:
+        _fused_step_where(self.optimizer, finite, self.engine.step)  # also clears the gradients
+        norm = self.engine.get_global_grad_norm()
+        return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32)
+
+    def live_tensors(self):
+        from . import deepspeed_engine
+
+        gathered = deepspeed_engine.zero_stage(self.engine) == 3
+        return (None if gathered else model_tensors(self.model)), None  # optimizer state: DeepSpeed's files
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        from . import deepspeed_engine
+
+        return deepspeed_engine.full_model_state(self.engine)
+
+    def save_shards(self, folder: Path) -> None:
+        from . import deepspeed_engine
+
+        deepspeed_engine.save(self.engine, folder, self.dist.is_main)
+
+    def load(self, parts: dict[str, Any], path: Path) -> None:
+        from ..checkpoint.format import SHARDED_DIR
+        from . import deepspeed_engine
+
+        deepspeed_engine.load(self.engine, parts["sharded"] or path / SHARDED_DIR)
+
+
+def _fused_step_where(optimizer: torch.optim.Optimizer, finite: torch.Tensor, step) -> None:
+    """Run `step` with the fused kernels' `found_inf` set where not `finite`: the update is skipped on
+    the device, with no host sync."""
+    optimizer.grad_scale, optimizer.found_inf = None, (~finite).float()
+    try:
+        step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf

@@ -1,0 +1,163 @@
+"""The run, resolved once: every value that depends on more than one config section, or on the
+machine, is decided here and read from here.
+
+    runtime = setup_runtime(experiment.training)        # device, process group, autocast dtype
+    prepared = prepare_data(experiment.data)             # the tokenizer comes from the data
+    run = resolve(experiment, prepared.tokenizer, runtime)
+
+`run.experiment` is the experiment as trained: the model's presets filled in and `vocab_size` taken
+from the tokenizer. `run.seq_len`, `run.vocab_size`, `run.device`, `run.dist` and `run.amp_dtype`
+are the only answers to those questions; nothing downstream recomputes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .config import ExperimentConfig, ModelConfig, TrainingConfig
+from .errors import UsageError
+from .parallel import distributed
+from .parallel.distributed import DistInfo
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto`: CUDA, then MPS, then CPU; an explicit device must exist here."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"training.device={name} but CUDA is not available here; use device: auto or cpu")
+    return device
+
+
+def amp_dtype(training: TrainingConfig) -> torch.dtype | None:
+    """The autocast dtype, or None when training in float32."""
+    if not training.use_amp:
+        return None
+    return torch.bfloat16 if training.amp_dtype == "bfloat16" else torch.float16
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def sequence_length(experiment: ExperimentConfig) -> int:
+    """Tokens per training row: data.max_length, else the model's context; never longer than the context."""
+    length = experiment.data.max_length or experiment.model.max_seq_len
+    if length > experiment.model.max_seq_len:
+        raise UsageError(
+            f"data.max_length ({length}) is longer than model.max_seq_len ({experiment.model.max_seq_len}); "
+            "lower data.max_length or raise model.max_seq_len"
+        )
+    return length
+
+
+def vocab_size(experiment: ExperimentConfig, tokenizer=None) -> tuple[int, str]:
+    """(the model's vocabulary size, where it came from).
+
+    With the tokenizer: its size, or model.vocab_size when that is set and large enough. Without one
+    (an estimate before any data is prepared): model.vocab_size, else what the tokenizer settings imply.
+    """
+    set_size = experiment.model.vocab_size
+    if tokenizer is not None:
+        if set_size is None:
+            return tokenizer.vocab_size, "the tokenizer"
+        if set_size < tokenizer.vocab_size:
+            raise UsageError(
+                f"model.vocab_size ({set_size}) is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size}); "
+                "remove model.vocab_size to take it from the tokenizer"
+            )
+        return set_size, "model.vocab_size"
+    if set_size is not None:
+        return set_size, "model.vocab_size"
+    kind = experiment.data.tokenizer
+    if kind == "bpe":
+        return experiment.data.tokenizer_vocab_size, "data.tokenizer_vocab_size"
+    if kind == "char":
+        return 256, "assumed for the char tokenizer (set model.vocab_size for the exact count)"
+    from .tokenizer import Tokenizer
+
+    return Tokenizer.load(kind).vocab_size, kind
+
+
+def activation_checkpointing(training: TrainingConfig, model_config: ModelConfig | None) -> bool:
+    """On when either training.gradient_checkpointing or (the training guide's spelling) model.gradient_checkpointing is."""
+    return training.gradient_checkpointing or bool(getattr(model_config, "gradient_checkpointing", False))
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and how this process trains."""
+
+    device: torch.device
+    dist: DistInfo
+    amp_dtype: torch.dtype | None  # autocast dtype; None: float32
+
+
+def setup_runtime(training: TrainingConfig) -> Runtime:
+    """Pick the device and open the process group (under a launcher); once per process."""
+    dist, device = distributed.setup(training, resolve_device(training.device))
+    return Runtime(device=device, dist=dist, amp_dtype=amp_dtype(training))
+
+
+def local_runtime(training: TrainingConfig) -> Runtime:
+    """This process alone (no process group), e.g. for the LR finder."""
+    return Runtime(device=resolve_device(training.device), dist=DistInfo(), amp_dtype=amp_dtype(training))
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    experiment: ExperimentConfig  # model resolved: presets filled, vocab_size set
+    seq_len: int
+    vocab_source: str  # where vocab_size came from
+    runtime: Runtime
+
+    @property
+    def training(self) -> TrainingConfig:
+        return self.experiment.training
+
+    @property
+    def vocab_size(self) -> int:
+        return self.experiment.model.vocab_size  # type: ignore[return-value]
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    @property
+    def dist(self) -> DistInfo:
+        return self.runtime.dist
+
+    @property
+    def amp_dtype(self) -> torch.dtype | None:
+        return self.runtime.amp_dtype
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return activation_checkpointing(self.training, self.experiment.model)
+
+
+def resolve(experiment: ExperimentConfig, tokenizer, runtime: Runtime, model_config: ModelConfig | None = None) -> ResolvedRun:
+    """Fix everything that depends on the tokenizer and the machine. `model_config`: the architecture
+    of the model loaded with model.init_from, which replaces the experiment's model section."""
+    model = experiment.model if model_config is None else dataclasses.replace(
+        model_config, gradient_checkpointing=experiment.model.gradient_checkpointing, init_from=experiment.model.init_from)
+    experiment = dataclasses.replace(experiment, model=model)
+    seq_len = sequence_length(experiment)
+    size, source = vocab_size(experiment, tokenizer)
+    if model_config is not None:
+        source = f"model.init_from ({experiment.model.init_from})"
+    model = dataclasses.replace(model.resolved(), vocab_size=size)
+    return ResolvedRun(experiment=dataclasses.replace(experiment, model=model), seq_len=seq_len, vocab_source=source,
+                       runtime=runtime)

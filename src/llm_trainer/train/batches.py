@@ -1,0 +1,68 @@
+"""Any iterable of batches (a torch DataLoader, a list) read through the loader interface the loop uses:
+`next_batch()` that cycles epochs, `epoch`, and a position a checkpoint can save and restore."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+class IterableBatches:
+    """Adapts any iterable of batches (e.g. a torch DataLoader) to the loader interface the loop uses.
+
+    Accepted batches: (inputs, targets) already aligned; a dict with `input_ids` (and optional
+    `labels`, Hugging Face style, shifted here); or a tensor of token rows (shifted here).
+    """
+
+    def __init__(self, iterable: Iterable, device: torch.device):
+        self.iterable, self.device = iterable, device
+        self.epoch, self.position, self._it = 0, 0, None
+
+    def __len__(self) -> int:
+        return len(self.iterable)  # type: ignore[arg-type]
+
+    def batches_per_epoch(self) -> int:
+        return len(self)
+
+    def _convert(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(batch, dict):
+            ids = batch["input_ids"]
+            labels = batch.get("labels", ids)
+            x, y = ids[:, :-1], labels[:, 1:]
+        elif isinstance(batch, (tuple, list)):
+            if len(batch) > 2:  # (inputs, targets, doc_ids)
+                return tuple(t.to(self.device, non_blocking=True) for t in batch[:3])
+            x, y = batch[0], batch[1]
+        else:
+            x, y = batch[:, :-1], batch[:, 1:]
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def next_batch(self):
+        if self._it is None:
+            self._it = iter(self.iterable)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self.epoch, self.position, self._it = self.epoch + 1, 0, iter(self.iterable)
+            batch = next(self._it)
+        self.position += 1
+        return self._convert(batch)
+
+    def __iter__(self):
+        return (self._convert(b) for b in self.iterable)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Generic iterables cannot seek: skip forward to the saved position (slower, same data)."""
+        self.epoch, self._it = state["epoch"], iter(self.iterable)
+        for _ in range(state["position"]):
+            next(self._it)
+        self.position = state["position"]
+
+
+def as_loader(loader, device: torch.device):
+    """Our loaders (with `next_batch`) as they are; anything else wrapped."""
+    return loader if hasattr(loader, "next_batch") else IterableBatches(loader, device)

@@ -1,0 +1,92 @@
+"""The rows every metric backend receives and metrics.jsonl holds: one type per kind of row.
+
+    TrainRow    every `logging_steps` optimizer steps: loss, lr, grad_norm, tokens, speed
+    EvalRow     every evaluation: val_loss, perplexity, and how many tokens it covered
+    SummaryRow  once, at the end of `train()`
+
+Each row is a flat JSON object with `kind` ("train", "eval", "summary") and `step`; optional fields
+that have no value (MFU on a CPU, val_loss of a run without validation data) are left out. Readers
+call `row_kind(row)`, which also reads files written before rows had a `kind`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+Kind = Literal["train", "eval", "summary"]
+
+
+class _Row:
+    kind: ClassVar[str]
+
+    def as_dict(self) -> dict:
+        """The row as the backends get it: `kind` first; optional fields (default None) only when set."""
+        out: dict = {"kind": self.kind}
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, field.name)
+            if value is None and field.default is None:
+                continue
+            out[field.name] = value
+        return out
+
+
+@dataclass(kw_only=True)
+class TrainRow(_Row):
+    kind: ClassVar[str] = "train"
+    step: int
+    epoch: int
+    loss: float  # mean over the step's target tokens, all ranks
+    lr: float
+    grad_norm: float  # before clipping
+    tokens_seen: int
+    skipped_steps: int  # non-finite steps skipped so far
+    tokens_per_s: float | None = None  # the speed monitor's window (see train/speed.py)
+    samples_per_s: float | None = None
+    step_time_s: float | None = None
+    data_wait_fraction: float | None = None
+    peak_memory_mb: float | None = None
+    flops_per_token: float | None = None
+    mfu: float | None = None
+
+
+@dataclass(kw_only=True)
+class EvalRow(_Row):
+    kind: ClassVar[str] = "eval"
+    step: int
+    val_loss: float
+    perplexity: float
+    tokens: int  # target tokens evaluated
+    batches: int | None = None  # batches evaluated (training.eval_max_batches caps them)
+
+
+@dataclass(kw_only=True)
+class SummaryRow(_Row):
+    kind: ClassVar[str] = "summary"
+    step: int
+    train_runtime_s: float
+    tokens_per_s: float  # over this train() call
+    tokens_seen: int
+    skipped_steps: int
+    stopped_early: str | None  # why the run ended before max_steps, or null
+    best_val_loss: float | None
+    checkpoint: str | None  # the last checkpoint written
+    val_loss: float | None = None  # the final evaluation
+    perplexity: float | None = None
+
+
+def row_kind(row: dict) -> Kind | None:
+    """"train", "eval" or "summary"; None for a row of none of them (e.g. a custom one)."""
+    kind = row.get("kind")
+    if kind in ("train", "eval", "summary"):
+        return kind
+    if "kind" in row:
+        return None
+    if row.get("event") == "train_end":  # files written before rows had a kind
+        return "summary"
+    if "val_loss" in row:
+        return "eval"
+    if "loss" in row:
+        return "train"
+    return None
