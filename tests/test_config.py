@@ -159,6 +159,7 @@ def test_every_preset_loads_and_small_ones_build():
     assert 124e6 < gpt2.num_parameters() < 125e6  # GPT-2 small: 124M
 
 
+@pytest.mark.slow
 def test_cli_bad_config_is_one_line_exit_2(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("training:\n  learning_rat: 1.0e-3\ndata:\n  dataset_name: python-stdlib\n")

@@ -452,6 +452,7 @@ def test_changes_give_a_new_fingerprint(tmp_path):
     assert documents(changed_content, "train")[0] == numbered_docs(12)[0].upper()
 
 
+@pytest.mark.slow
 def test_parallel_workers_give_identical_token_files(tmp_path):
     docs = [f"doc {i}: " + "word " * (i % 13) + f"\n    line {i}" for i in range(600)]  # > 2 encode batches
     path = write_jsonl(tmp_path / "many.jsonl", [{"text": t} for t in docs])
@@ -510,6 +511,7 @@ def test_failure_mid_prepare_leaves_no_finished_folder(tmp_path, monkeypatch):
     assert len(documents(prepared, "train")) + len(documents(prepared, "val")) == 600
 
 
+@pytest.mark.slow
 def test_killed_prepare_leaves_no_finished_folder(tmp_path):
     path = write_jsonl(tmp_path / "many.jsonl", [{"text": t} for t in numbered_docs(600)])
     marker = tmp_path / "started"
@@ -809,6 +811,7 @@ def run_cli(*args, cwd):
                           text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_prepare_prints_json(tmp_path):
     source = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in numbered_docs(10)])
     yaml_file = tmp_path / "exp.yaml"
@@ -825,6 +828,7 @@ def test_cli_prepare_prints_json(tmp_path):
     assert json.loads((Path(out["directory"]) / MANIFEST).read_text())["config"]["min_length"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["file", "override"])
 def test_cli_bad_key_is_one_line(tmp_path, where):
     yaml_file = tmp_path / "exp.yaml"

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import kill9_when
 from llm_trainer.config import DataConfig
 from llm_trainer.data.prepare import MANIFEST, prepare_data
@@ -76,6 +77,7 @@ def comparable(report: dict) -> dict:
     return {k: v for k, v in report.items() if k not in ("seconds", "bytes_per_second", "resumed_from_shard")}
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_gives_byte_identical_output(tmp_path):
     sources = corpus(tmp_path)
     reference = prepare_data(DataConfig(**settings(sources, tmp_path / "ref")))
@@ -103,6 +105,7 @@ def test_sigkill_then_resume_gives_byte_identical_output(tmp_path):
     assert not (resumed.directory / "shards").exists() and not work.exists()
 
 
+@pytest.mark.slow
 def test_a_damaged_shard_is_redone_not_trusted(tmp_path):
     sources = corpus(tmp_path)
     reference = prepare_data(DataConfig(**settings(sources, tmp_path / "ref")))
@@ -118,6 +121,7 @@ def test_a_damaged_shard_is_redone_not_trusted(tmp_path):
         assert (resumed.directory / name).read_bytes() == (reference.directory / name).read_bytes(), name
 
 
+@pytest.mark.slow
 def test_changed_config_or_source_does_not_resume(tmp_path):
     sources = corpus(tmp_path)
     values = settings(sources, tmp_path / "cache")
@@ -133,6 +137,7 @@ def test_changed_config_or_source_does_not_resume(tmp_path):
     assert changed.directory.name != work.name.strip(".").split(".")[0]
 
 
+@pytest.mark.slow
 def test_worker_processes_give_identical_output(tmp_path):
     sources = corpus(tmp_path)
     extra = {"quality_filters": "code"}  # cleaning, filters and MinHash run in the workers

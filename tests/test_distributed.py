@@ -19,7 +19,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available"),
+    pytest.mark.slow,  # several processes per test: the full tier only
+]
 
 EXPERIMENT = {
     "model": {"architecture": "llama", "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "n_layers": 2, "max_seq_len": 32},

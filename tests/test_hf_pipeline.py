@@ -10,6 +10,8 @@ import pytest
 import torch
 import yaml
 
+pytestmark = pytest.mark.slow  # several processes / real training runs: the full tier only
+
 transformers = pytest.importorskip("transformers")
 
 

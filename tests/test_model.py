@@ -39,8 +39,16 @@ def test_gpt2_and_llama_modules_match_their_presets():
 
 
 def test_activation_choices_reach_the_mlp():
-    for name, cls in [("relu", torch.nn.ReLU), ("silu", torch.nn.SiLU), ("gelu", torch.nn.GELU)]:
-        assert isinstance(Transformer(tiny_model_config(activation=name)).blocks[0].mlp.act, cls)
+    """Each activation computes proj(act(fc(x))) with its own function (SwiGLU: proj(silu(gate) * up))."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16)
+    functions = {"relu": F.relu, "silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh")}
+    for name, fn in functions.items():
+        mlp = Transformer(tiny_model_config(activation=name)).blocks[0].mlp.eval()
+        torch.testing.assert_close(mlp(x), mlp.proj(fn(mlp.fc(x))))
+    mlp = Transformer(tiny_model_config(architecture="llama")).blocks[0].mlp.eval()
+    gate, up = mlp.fc(x).chunk(2, dim=-1)
+    torch.testing.assert_close(mlp(x), mlp.proj(F.silu(gate) * up))
 
 
 def test_gpt2_initialisation_scales_residual_projections():

@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from conftest import tiny_model_config
 from llm_trainer.cli import main
@@ -314,6 +315,7 @@ def test_search_space_format_and_errors(tmp_path):
             parse_search_space(bad)
 
 
+@pytest.mark.slow
 def test_sweep_completes_prunes_and_resumes(tmp_path, capsys):
     optuna = pytest.importorskip("optuna")
     from llm_trainer.tools.sweep import run_sweep
@@ -335,6 +337,15 @@ def test_sweep_completes_prunes_and_resumes(tmp_path, capsys):
         run = result.root / f"trial-{t.number:04d}"
         assert t.user_attrs["output_dir"] == str(run) and (run / "metrics.jsonl").is_file()
         assert f"training.learning_rate={json.dumps(t.params['training.learning_rate'])}" in t.user_attrs["overrides"]
+        # The trial trained with what Optuna suggested, and reported its own evaluation.
+        saved = yaml.safe_load((run / "config.yaml").read_text())
+        assert saved["training"]["learning_rate"] == t.params["training.learning_rate"]
+        assert saved["model"]["n_layers"] == t.params["model.n_layers"]
+        rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+        peak_lr = max(r["lr"] for r in rows if r["kind"] == "train")
+        assert peak_lr == pytest.approx(t.params["training.learning_rate"], rel=0.5)  # the schedule peaks at it
+        if t.state.name == "COMPLETE":
+            assert t.value == [r for r in rows if r["kind"] == "eval"][-1]["val_loss"]
     pruned_rows = (result.root / "trial-0001" / "metrics.jsonl").read_text().splitlines()
     assert all(json.loads(r)["step"] <= 2 for r in pruned_rows)  # the pruned run stopped at its first evaluation
     assert result.best.value == min(t.value for t in trials if t.state.name == "COMPLETE")
@@ -351,6 +362,7 @@ def test_sweep_completes_prunes_and_resumes(tmp_path, capsys):
     assert len([line for line in out.splitlines() if line.split()[:1] and line.split()[0].isdigit()]) == 4  # the table
 
 
+@pytest.mark.slow
 def test_an_interrupted_sweep_stops_and_reruns_the_interrupted_trial(tmp_path):
     pytest.importorskip("optuna")
     import os

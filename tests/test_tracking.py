@@ -78,6 +78,7 @@ def test_every_row_kind_has_one_schema():
     assert row_kind({"kind": "custom", "loss": 1.0}) is None
 
 
+@pytest.mark.slow  # the module fixture trains with every backend
 def test_tensorboard_event_files_hold_the_scalars_and_config(tracked_run):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -121,6 +122,7 @@ def _wandb_records(path):
             continue
 
 
+@pytest.mark.slow  # the module fixture trains with every backend
 def test_wandb_offline_run_holds_the_logged_keys(tracked_run):
     pytest.importorskip("wandb")
     from wandb.proto import wandb_internal_pb2 as pb
@@ -143,6 +145,7 @@ def test_wandb_offline_run_holds_the_logged_keys(tracked_run):
     assert {"model", "training", "data"} <= config_keys
 
 
+@pytest.mark.slow  # the module fixture trains with every backend
 def test_mlflow_local_run_holds_the_metrics_and_params(tracked_run):
     pytest.importorskip("mlflow")
     from llm_trainer.train.metrics import mlflow_client
@@ -159,6 +162,7 @@ def test_mlflow_local_run_holds_the_metrics_and_params(tracked_run):
     assert float(found.data.params["training.learning_rate"]) == pytest.approx(3e-3)
 
 
+@pytest.mark.slow  # the module fixture trains with every backend
 def test_mlflow_model_registry_backend_round_trip(tracked_run):
     pytest.importorskip("mlflow")
     from llm_trainer.tools.registry import open_registry

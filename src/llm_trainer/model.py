@@ -49,6 +49,7 @@ class KVCache:
 
     @classmethod
     def empty(cls, config: ModelConfig, batch_size: int, max_len: int, device, dtype) -> "KVCache":
+        config = config.resolved()
         shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
         return cls(
             keys=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)],

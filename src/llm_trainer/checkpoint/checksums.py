@@ -32,27 +32,30 @@ CHECKSUM = XXH3_TREE if xxhash is not None else CRC32_TREE  # what new checkpoin
 _CHUNK = 64 << 20  # bytes per checksum chunk (one unit of parallel work)
 _BUFFER = 1 << 20  # read buffer per worker thread, reused (no page faults per read)
 
-_pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
 _thread_buffers = threading.local()
 
 
-def _workers() -> ThreadPoolExecutor:
-    """Checksum jobs (CPU): one thread per core."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 2), thread_name_prefix="checkpoint-hash")
-        return _pool
+class LazyPool:
+    """A thread pool started on first use, and forgotten in a forked child (a data-loader worker),
+    which has none of its threads."""
+
+    def __init__(self, max_workers: int, name: str):
+        self.max_workers, self.name = max_workers, name
+        self._lock, self._pool = threading.Lock(), None
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget)
+
+    def submit(self, fn, *args) -> Future:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=self.name)
+            return self._pool.submit(fn, *args)
+
+    def _forget(self) -> None:
+        self._lock, self._pool = threading.Lock(), None
 
 
-def _forget_pool_after_fork() -> None:  # a forked child (a data-loader worker) has none of the threads
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+_workers = LazyPool(min(16, os.cpu_count() or 2), "checkpoint-hash")  # checksum jobs (CPU): one thread per core
 
 
 def _read_chunks(handle, length: int) -> Iterable[memoryview]:
@@ -101,7 +104,7 @@ def _hash_range(path: Path, offset: int, length: int, kind: str = CHECKSUM) -> i
 
 
 def checksum_jobs(path: Path, size: int, kind: str = CHECKSUM) -> list[Future]:
-    return [_workers().submit(_hash_range, path, offset, min(_CHUNK, size - offset), kind)
+    return [_workers.submit(_hash_range, path, offset, min(_CHUNK, size - offset), kind)
             for offset in range(0, size, _CHUNK)]
 
 

@@ -18,37 +18,18 @@ import shutil
 import socket
 import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ..errors import CheckpointError
 from ..logs import log
-from .checksums import CHECKSUM, XXH3_TREE, checksum_jobs, combine, meta_checksum
+from .checksums import CHECKSUM, XXH3_TREE, LazyPool, checksum_jobs, combine, meta_checksum
 
 FORMAT_VERSION = 3  # of meta.json: 3 = XXH3 chunk checksums, 2 = CRC-32 chunks, 1 = sha256 per file
 META = "meta.json"
 _LOW_SPACE = 16 << 20  # a write failing with less free space than this is reported as a full disk
-_pool_lock = threading.Lock()
-_sync_pool: ThreadPoolExecutor | None = None
-
-
-def _syncers() -> ThreadPoolExecutor:
-    """fsync jobs (disk): their own threads, so they run while the checksums are computed."""
-    global _sync_pool
-    with _pool_lock:
-        if _sync_pool is None:
-            _sync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="checkpoint-fsync")
-        return _sync_pool
-
-
-def _forget_pool_after_fork() -> None:  # a forked child (a data-loader worker) has none of the threads
-    global _sync_pool, _pool_lock
-    _sync_pool, _pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+_syncers = LazyPool(4, "checkpoint-fsync")  # fsync jobs (disk): their own threads, beside the checksums
 
 
 def owner() -> str:
@@ -227,7 +208,7 @@ def write_folder_atomically(final: Path, writers: Iterable[Writer], meta: dict[s
         writeback.stop()
         # fsync only now: on ext4 an fsync stalls concurrent writes to other files of the same folder
         # (sync_file_range, above, only starts the writeback, and does not).
-        syncs.extend(_syncers().submit(_fsync, tmp / name) for name in sorted(jobs))
+        syncs.extend(_syncers.submit(_fsync, tmp / name) for name in sorted(jobs))
         files = {name: {"size": size, "checksum": combine(chunks)} for name, (size, chunks) in sorted(jobs.items())}
         version = FORMAT_VERSION if CHECKSUM == XXH3_TREE else 2  # CRC-32 chunks: format 2 readers take it
         full = {**meta, "format_version": version, "checksum": CHECKSUM, "files": files}
