@@ -19,6 +19,7 @@ from llm_trainer.data.prepare import prepare_data
 from llm_trainer.data.report import REPORT
 from llm_trainer.data.sources import split_long_text, stdlib_files
 from llm_trainer.data.unicode_text import letter_count, mean_word_length, words
+from llm_trainer.errors import UsageError
 from llm_trainer.tokenizer import Tokenizer, byte_level_pre_tokenizer
 
 SLICES = Path(__file__).parent / "data" / "multilingual"
@@ -138,7 +139,7 @@ def test_long_text_file_becomes_documents_only_under_max_chars(tmp_path):
     common = dict(data_files=str(book), tokenizer="char", validation_split=0.0, progress_bar=False)
     whole = prepare_data(DataConfig(cache_dir=str(tmp_path / "a"), **common))
     assert whole.manifest["splits"]["train"]["documents"] == 1  # no max_chars: the file is one document
-    limit = len(book.read_text()) // 4 + 10
+    limit = len(book.read_text()) // 3  # pieces of at most 90% of it: four
     split = prepare_data(DataConfig(cache_dir=str(tmp_path / "b"), max_chars=limit, **common))
     report = json.loads((split.directory / REPORT).read_text())
     assert split.manifest["splits"]["train"]["documents"] == 4 and report["removed"]["max_chars"] == 0
@@ -174,3 +175,8 @@ def test_report_names_removed_documents_and_warns(tmp_path, monkeypatch, capsys)
     warnings = [line for line in err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "alpha_fraction removed" in warnings[0] and str(tables[0]) in warnings[0]
     assert "min_alpha_fraction" in warnings[0]
+    (folder / "story.txt").unlink()
+    (folder / "hindi.txt").unlink()
+    with pytest.raises(UsageError, match=r"all 5 documents read were removed \(alpha_fraction 5\), e\.g\. .*table0\.txt "
+                                         r"\(alpha_fraction 0\.\d+ vs min_alpha_fraction 0\.6\); change data\.min_alpha_fraction"):
+        prepare_data(config)  # a corpus that vanishes entirely says why in its error

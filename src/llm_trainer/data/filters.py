@@ -131,7 +131,9 @@ class QualityFilter:
     def check(self, text: str) -> Removal | None:
         """None if `text` passes every filter, else the first one it fails with the measured value."""
         n = len(text)
-        if n < self.min_length or not text.strip():
+        if not text.strip():
+            return Removal("min_length")  # empty after cleaning: nothing to measure
+        if n < self.min_length:
             return Removal("min_length", n, self.min_length, "min_length")
         if self.max_chars is not None and n > self.max_chars:
             return Removal("max_chars", n, self.max_chars, "max_chars")

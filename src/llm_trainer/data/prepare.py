@@ -47,7 +47,7 @@ from .dedup import Deduplicator
 from .filters import FILTERS, QualityFilter
 from .mixture import interleave
 from .process import DocumentProcessor, Processed, encode, worker_encode, worker_init, worker_process
-from .report import Counts, Progress, build_report, padding_fractions, print_summary, write_report
+from .report import Counts, Progress, build_report, nothing_kept, padding_fractions, print_summary, write_report
 from .shards import SHARDS, SPLITS, ShardWriter
 from .sources import Document, SourceStats, iter_source, source_fingerprint, source_specs
 
@@ -254,7 +254,7 @@ class _Build:
         if self._single_document(splits):
             splits = self._split_single_document(tokenizer, dtype, writer, state, counts)
         if splits["train"]["tokens"] == 0:
-            raise UsageError("the data sources produced no training documents; check data_files / dataset_name and min_length")
+            raise UsageError(nothing_kept(counts))
         writer.finalize(self.work)
         seconds = self._elapsed()
         padding = None

@@ -165,6 +165,33 @@ def print_summary(report: dict) -> None:
         log(line)
 
 
+def _example(reason: str, entry: dict) -> str:
+    """'FILE (alpha_fraction 0.58 vs min_alpha_fraction 0.6)', or just the origin for a duplicate."""
+    if "setting" not in entry:
+        return entry["origin"]
+    return f"{entry['origin']} ({reason} {entry['value']} vs {entry['setting']} {entry['threshold']})"
+
+
+def _fix(reason: str, entry: dict, *, warning: bool = False) -> str:
+    if "setting" in entry:
+        return ("if that text is wanted, " if warning else "") + f"change data.{entry['setting']} or data.quality_filters"
+    if reason.endswith("duplicates"):
+        return "check the sources for repeated copies"
+    return "the documents are empty after cleaning; check data_files and text_column"
+
+
+def nothing_kept(counts: Counts) -> str:
+    """The one-line error for a prepare that kept no training document: what removed them, with an example."""
+    removed = [(reason, n) for reason, n in counts.removed.most_common() if n]
+    if counts.documents_in == 0 or counts.documents_out > 0 or not removed:
+        return "the data sources produced no training documents; check data_files / dataset_name and min_length"
+    reasons = ", ".join(f"{reason} {n:,}" for reason, n in removed)
+    top = removed[0][0]
+    first = counts.named[top][0]
+    return (f"no training documents: all {counts.documents_in:,} documents read were removed ({reasons}), "
+            f"e.g. {_example(top, first)}; {_fix(top, first)}")
+
+
 def warnings(report: dict) -> list[str]:
     """One line per reason that removed more than WARN_FRACTION of the bytes read: how much, an example, the fix."""
     lines = []
@@ -173,11 +200,7 @@ def warnings(report: dict) -> list[str]:
         if total == 0 or nbytes <= WARN_FRACTION * total:
             continue
         first = report["removed_documents"][reason][0]
-        example = first["origin"]
-        if "setting" in first:
-            example += f" ({reason} {first['value']} vs {first['setting']} {first['threshold']})"
-        fix = (f"if that text is wanted, change data.{first['setting']} or data.quality_filters" if "setting" in first
-               else "check the sources for repeated copies")
         lines.append(f"data: warning: {reason} removed {nbytes / total:.0%} of the bytes read "
-                     f"({report['removed'][reason]:,} documents), e.g. {example}; see removed_documents in {REPORT}; {fix}")
+                     f"({report['removed'][reason]:,} documents), e.g. {_example(reason, first)}; "
+                     f"see removed_documents in {REPORT}; {_fix(reason, first, warning=True)}")
     return lines

@@ -7,9 +7,10 @@ record batches, datasets in batches or as a stream. Several sources are mixed by
 A record (a JSONL line, a Parquet row, a dataset row) is one document. A plain-text file is one
 document too, unless it is longer than the `max_chars` filter in force (set, or from the
 `quality_filters` preset): then it is a book or a dump rather than a document, and it is cut into
-pieces of at most `max_chars` and about equal size, each at the blank line (paragraph break) nearest
-its even share, else at a line break, else at a space (`split_long_text`), instead of being dropped
-whole. Without a `max_chars`, a file stays whole, as a single file's split by position expects.
+pieces of at most 90% of `max_chars` (cleaning can lengthen text a little: NFC decomposes a few
+characters) and about equal size, each at the blank line (paragraph break) nearest its even share,
+else at a line break, else at a space (`split_long_text`), instead of being dropped whole. Without a
+`max_chars`, a file stays whole, as a single file's split by position expects.
 
 Bad input (a missing file, a binary file, a JSONL line that is not JSON or lacks the column, a
 Parquet file without the column, an empty source) goes through `BadInput`: skipped and counted, or a
@@ -44,6 +45,7 @@ BUILTIN_STDLIB = "python-stdlib"
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".html", ".tex", ".csv"}
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".jsonl.zst", ".json.zst", ".ndjson.gz", ".ndjson.zst")
 DEFAULT_SOURCE = "data"  # the name of the one source that data_files / dataset_name make
+SPLIT_SHARE = 0.9  # long text files are cut into pieces of at most this share of max_chars: cleaning can lengthen text
 _BATCH_ROWS = 1024  # Parquet / datasets rows read at a time
 
 
@@ -439,8 +441,9 @@ def _iter_hf_dataset(spec: SourceSpec, split: str, opt: _ReadOptions) -> Iterato
 
 def read_options(config: DataConfig, stats: SourceStats) -> _ReadOptions:
     score = None if config.curriculum_key == "length" else config.curriculum_key
+    max_chars = QualityFilter(config).max_chars
     return _ReadOptions(config.text_column, score, config.invalid_utf8, BadInput(config.on_bad_input, stats),
-                        QualityFilter(config).max_chars)
+                        None if max_chars is None else max(1, int(max_chars * SPLIT_SHARE)))
 
 
 def iter_source(spec: SourceSpec, config: DataConfig, stats: SourceStats, split: str | None = None) -> Iterator[Document]:
