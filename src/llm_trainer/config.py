@@ -416,7 +416,7 @@ class DataConfig(_Validated):
     # A preset fills the thresholds left null below; "off" applies only the ones set explicitly.
     # Off by default: the presets would drop the short documents of small experiments.
     quality_filters: Literal["off", "prose", "code"] = "off"
-    max_chars: int | None = None  # documents longer than this many characters are dropped
+    max_chars: int | None = None  # longer documents are dropped; longer plain-text files are cut at blank lines instead
     min_words: int | None = None
     max_words: int | None = None
     min_alpha_fraction: float | None = None  # letters / non-whitespace characters

@@ -4,6 +4,7 @@
   mixture     weighted, seeded interleaving of several sources
   clean       Unicode, control characters, boilerplate lines, whitespace (never code indentation)
   filters     quality filters with prose/code presets, each counted
+  unicode_text  letters (with combining marks) and words (also of scripts without spaces) in any script
   dedup       exact (hash) and near (NumPy MinHash + LSH) deduplication across sources
   process     the per-batch work that can run in worker processes (clean, filter, keys; tokenize)
   shards      shard files with commit records: resumable output, concatenated at the end

@@ -47,11 +47,11 @@ from .dedup import Deduplicator
 from .filters import FILTERS, QualityFilter
 from .mixture import interleave
 from .process import DocumentProcessor, Processed, encode, worker_encode, worker_init, worker_process
-from .report import Counts, Progress, build_report, padding_fractions, print_summary, write_report
+from .report import Counts, Progress, build_report, nothing_kept, padding_fractions, print_summary, write_report
 from .shards import SHARDS, SPLITS, ShardWriter
 from .sources import Document, SourceStats, iter_source, source_fingerprint, source_specs
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: Unicode-aware filters and pre-tokenizer, long text files split, removals named
 MANIFEST = "manifest.json"
 _BATCH = 256  # raw documents per pipeline batch
 _TOKENIZE_THREADS = 2
@@ -254,7 +254,7 @@ class _Build:
         if self._single_document(splits):
             splits = self._split_single_document(tokenizer, dtype, writer, state, counts)
         if splits["train"]["tokens"] == 0:
-            raise UsageError("the data sources produced no training documents; check data_files / dataset_name and min_length")
+            raise UsageError(nothing_kept(counts))
         writer.finalize(self.work)
         seconds = self._elapsed()
         padding = None
@@ -373,7 +373,8 @@ class _Build:
         writer.add_keys(result.keys[batch.kept], result.signatures[batch.kept] if self.near else None)
         tokens_of = dict(zip(order, lengths.tolist()))
         for i, document in enumerate(batch.documents):
-            counts.document(document.source, result.nbytes[i], batch.outcomes[i], tokens_of.get(i, 0))
+            counts.document(document.source, result.nbytes[i], batch.outcomes[i], tokens_of.get(i, 0),
+                            origin=document.origin, removal=result.removals[i])
         progress.update(sum(result.nbytes[: len(batch.documents)]), counts.documents_out,
                         writer.totals["train"]["tokens"] + writer.totals["val"]["tokens"] + writer.pending_tokens())
 

@@ -17,7 +17,7 @@ from ..config import DataConfig
 from ..tokenizer import Tokenizer
 from .clean import Cleaner
 from .dedup import MinHasher, exact_key
-from .filters import QualityFilter
+from .filters import QualityFilter, Removal
 
 
 @dataclass
@@ -26,6 +26,7 @@ class Processed:
 
     texts: list[str | None]  # cleaned text, None where a filter dropped the document
     reasons: list[str | None]  # the filter that dropped it, or None
+    removals: list[Removal | None]  # the same with the measured value and the threshold, for the report
     nbytes: list[int]  # UTF-8 size of the raw text (for bytes/s)
     keys: np.ndarray  # (N,) uint64 exact-dedup keys (0 for dropped documents)
     signatures: np.ndarray | None  # (N, num_perm) uint32, near dedup only
@@ -45,20 +46,23 @@ class DocumentProcessor:
     def __call__(self, raw: list[str]) -> Processed:
         texts: list[str | None] = []
         reasons: list[str | None] = []
+        removals: list[Removal | None] = []
         nbytes = [len(t) if t.isascii() else len(t.encode("utf-8", errors="surrogatepass")) for t in raw]
         keys = np.zeros(len(raw), dtype=np.uint64)
         signatures = np.zeros((len(raw), self.hasher.num_perm), dtype=np.uint32) if self.hasher else None
         for i, text in enumerate(raw):
             text = self.clean(text)
-            reason = self.filter.reason(text)
+            removal = self.filter.check(text)
+            reason = removal.reason if removal else None
             texts.append(None if reason else text)
             reasons.append(reason)
+            removals.append(removal)
             if reason is None and self.dedup:
                 keys[i] = exact_key(text)
                 if self.hasher is not None:
                     signatures[i] = self.hasher.signature(text)
         bands = self.hasher.band_keys(signatures) if self.hasher else None
-        return Processed(texts, reasons, nbytes, keys, signatures, bands)
+        return Processed(texts, reasons, removals, nbytes, keys, signatures, bands)
 
 
 def encode(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,10 @@
-"""What `prepare` did, in numbers: counters while it runs, a progress bar, data_report.json, a printed summary.
+"""What `prepare` did: counters while it runs, a progress bar, data_report.json, a printed summary.
+
+Removals are counted by reason, in documents and in bytes, and the first `NAMED_REMOVALS` of each
+reason are named: where the document was read (file, file:line, file[row], dataset:split[i]), its
+size, and for a quality filter the measured value and the threshold (the DataConfig field) it broke,
+so a user whose corpus vanished can see which files went and why. A filter that removes more than
+half of the bytes read is also printed as a one-line warning.
 
 The counters are plain JSON so that every committed shard can carry a snapshot of them and a resumed
 run continues counting from there (the report of a resumed run equals that of an uninterrupted one).
@@ -14,22 +20,28 @@ from pathlib import Path
 import numpy as np
 
 from ..logs import log
+from .filters import Removal
 from .packing import _pieces, first_fit_decreasing
 
 REPORT = "data_report.json"
+NAMED_REMOVALS = 20  # removed documents named per reason in data_report.json
+WARN_FRACTION = 0.5  # a reason that removes more than this share of the bytes read is printed as a warning
 
 
 class Counts:
-    """documents in/out, removals by reason, per-source figures and bytes read."""
+    """documents in/out, removals by reason (documents, bytes, the first ones named), per-source figures."""
 
     def __init__(self, removed_keys: list[str] = ()):
         self.documents_in = 0
         self.documents_out = 0
         self.bytes_in = 0
         self.removed: Counter = Counter({key: 0 for key in removed_keys})  # zeros: every active filter is listed
+        self.removed_bytes: Counter = Counter({key: 0 for key in removed_keys})
+        self.named: dict[str, list[dict]] = {}  # reason -> the first NAMED_REMOVALS removed documents
         self.sources: dict[str, Counter] = {}
 
-    def document(self, source: str, nbytes: int, reason: str | None, tokens: int = 0) -> None:
+    def document(self, source: str, nbytes: int, reason: str | None, tokens: int = 0, *, origin: str | None = None,
+                 removal: Removal | None = None) -> None:
         per = self.sources.setdefault(source, Counter(documents_in=0, documents_out=0, tokens=0, bytes=0))
         self.documents_in += 1
         self.bytes_in += nbytes
@@ -39,13 +51,21 @@ class Counts:
             self.documents_out += 1
             per["documents_out"] += 1
             per["tokens"] += tokens
-        else:
-            self.removed[reason] += 1
+            return
+        self.removed[reason] += 1
+        self.removed_bytes[reason] += nbytes
+        named = self.named.setdefault(reason, [])
+        if len(named) < NAMED_REMOVALS:
+            entry = {"origin": origin or source, "bytes": nbytes}
+            if removal is not None and removal.setting is not None:
+                entry.update(value=removal.value, threshold=removal.threshold, setting=removal.setting)
+            named.append(entry)
 
     def to_json(self) -> dict:
         return {
             "documents_in": self.documents_in, "documents_out": self.documents_out, "bytes_in": self.bytes_in,
-            "removed": dict(self.removed), "sources": {k: dict(v) for k, v in self.sources.items()},
+            "removed": dict(self.removed), "removed_bytes": dict(self.removed_bytes), "named": self.named,
+            "sources": {k: dict(v) for k, v in self.sources.items()},
         }
 
     @classmethod
@@ -53,6 +73,8 @@ class Counts:
         counts = cls()
         counts.documents_in, counts.documents_out, counts.bytes_in = data["documents_in"], data["documents_out"], data["bytes_in"]
         counts.removed = Counter(data["removed"])
+        counts.removed_bytes = Counter(data["removed_bytes"])
+        counts.named = {k: list(v) for k, v in data["named"].items()}
         counts.sources = {k: Counter(v) for k, v in data["sources"].items()}
         return counts
 
@@ -107,6 +129,8 @@ def build_report(counts: Counts, splits: dict, *, seconds: float, reader_skipped
         "tokens": tokens,
         "splits": splits,
         "removed": dict(counts.removed),
+        "removed_bytes": dict(counts.removed_bytes),
+        "removed_documents": counts.named,
         "skipped_inputs": dict(reader_skipped),
         "sources": {k: dict(v) for k, v in counts.sources.items()},
         "padding_fraction": padding,
@@ -137,3 +161,46 @@ def print_summary(report: dict) -> None:
     if report["padding_fraction"]:
         pads = ", ".join(f"{k} {v:.1%}" for k, v in report["padding_fraction"].items())
         log(f"data: padding at max_length: {pads}")
+    for line in warnings(report):
+        log(line)
+
+
+def _example(reason: str, entry: dict) -> str:
+    """'FILE (alpha_fraction 0.58 vs min_alpha_fraction 0.6)', or just the origin for a duplicate."""
+    if "setting" not in entry:
+        return entry["origin"]
+    return f"{entry['origin']} ({reason} {entry['value']} vs {entry['setting']} {entry['threshold']})"
+
+
+def _fix(reason: str, entry: dict, *, warning: bool = False) -> str:
+    if "setting" in entry:
+        return ("if that text is wanted, " if warning else "") + f"change data.{entry['setting']} or data.quality_filters"
+    if reason.endswith("duplicates"):
+        return "check the sources for repeated copies"
+    return "the documents are empty after cleaning; check data_files and text_column"
+
+
+def nothing_kept(counts: Counts) -> str:
+    """The one-line error for a prepare that kept no training document: what removed them, with an example."""
+    removed = [(reason, n) for reason, n in counts.removed.most_common() if n]
+    if counts.documents_in == 0 or counts.documents_out > 0 or not removed:
+        return "the data sources produced no training documents; check data_files / dataset_name and min_length"
+    reasons = ", ".join(f"{reason} {n:,}" for reason, n in removed)
+    top = removed[0][0]
+    first = counts.named[top][0]
+    return (f"no training documents: all {counts.documents_in:,} documents read were removed ({reasons}), "
+            f"e.g. {_example(top, first)}; {_fix(top, first)}")
+
+
+def warnings(report: dict) -> list[str]:
+    """One line per reason that removed more than WARN_FRACTION of the bytes read: how much, an example, the fix."""
+    lines = []
+    total = report["bytes_in"]
+    for reason, nbytes in sorted(report["removed_bytes"].items(), key=lambda item: -item[1]):
+        if total == 0 or nbytes <= WARN_FRACTION * total:
+            continue
+        first = report["removed_documents"][reason][0]
+        lines.append(f"data: warning: {reason} removed {nbytes / total:.0%} of the bytes read "
+                     f"({report['removed'][reason]:,} documents), e.g. {_example(reason, first)}; "
+                     f"see removed_documents in {REPORT}; {_fix(reason, first, warning=True)}")
+    return lines

@@ -1,8 +1,16 @@
 """Where documents come from: files, folders, globs, JSONL (.gz, .zst), Parquet, Hugging Face datasets, the stdlib.
 
-Each source is read into `Document`s (text + the source's name, + a curriculum score when one is
-read), in a deterministic order, in constant memory: JSONL line by line, Parquet in record batches,
-datasets in batches or as a stream. Several sources are mixed by `mixture.interleave`.
+Each source is read into `Document`s (text + the source's name + where it was read, + a curriculum
+score when one is read), in a deterministic order, in constant memory: JSONL line by line, Parquet in
+record batches, datasets in batches or as a stream. Several sources are mixed by `mixture.interleave`.
+
+A record (a JSONL line, a Parquet row, a dataset row) is one document. A plain-text file is one
+document too, unless it is longer than the `max_chars` filter in force (set, or from the
+`quality_filters` preset): then it is a book or a dump rather than a document, and it is cut into
+pieces of at most 90% of `max_chars` (cleaning can lengthen text a little: NFC decomposes a few
+characters) and about equal size, each at the blank line (paragraph break) nearest its even share,
+else at a line break, else at a space (`split_long_text`), instead of being dropped whole. Without a
+`max_chars`, a file stays whole, as a single file's split by position expects.
 
 Bad input (a missing file, a binary file, a JSONL line that is not JSON or lacks the column, a
 Parquet file without the column, an empty source) goes through `BadInput`: skipped and counted, or a
@@ -21,7 +29,9 @@ import itertools
 import json
 import math
 import os
+import re
 import sysconfig
+import unicodedata
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,11 +39,13 @@ from typing import Iterator, NamedTuple
 
 from ..config import DataConfig
 from ..errors import UsageError
+from .filters import QualityFilter
 
 BUILTIN_STDLIB = "python-stdlib"
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".html", ".tex", ".csv"}
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".jsonl.zst", ".json.zst", ".ndjson.gz", ".ndjson.zst")
 DEFAULT_SOURCE = "data"  # the name of the one source that data_files / dataset_name make
+SPLIT_SHARE = 0.9  # long text files are cut into pieces of at most this share of max_chars: cleaning can lengthen text
 _BATCH_ROWS = 1024  # Parquet / datasets rows read at a time
 
 
@@ -41,6 +53,7 @@ class Document(NamedTuple):
     text: str
     source: str  # the name of the source it came from
     score: float | None = None  # the curriculum_key column's value, when that is a column
+    origin: str | None = None  # where it was read (file, file:line, file[row], dataset:split[i]), named in the report
 
 
 @dataclass
@@ -180,6 +193,7 @@ class _ReadOptions:
     score_column: str | None  # the curriculum column, or None
     invalid_utf8: str  # bad_input | replace | drop
     bad: BadInput
+    split_chars: int | None = None  # plain-text files longer than this become several documents
 
 
 def read_text_file(path: Path, explicit: bool, stats: SourceStats, *, invalid_utf8: str = "bad_input",
@@ -224,7 +238,7 @@ def _open_lines(path: Path):
     return open(path, "rb")
 
 
-def _read_jsonl(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple[str, float | None]]:
+def _read_jsonl(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
     try:
         handle = _open_lines(path)
     except OSError as exc:
@@ -238,7 +252,7 @@ def _read_jsonl(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple
                     continue
                 item = _jsonl_record(path, line_no, line, opt)
                 if item is not None:
-                    yield item
+                    yield item[0], item[1], f"{path}:{line_no}"
         except (gzip.BadGzipFile, EOFError, OSError) as exc:  # zstandard.ZstdError is an OSError-free Exception
             opt.bad("unreadable_files", f"{path}:{line_no + 1} could not be decompressed ({exc})", in_folder=not explicit)
         except Exception as exc:
@@ -285,7 +299,7 @@ def _number(value) -> float | None:
     return None
 
 
-def _read_parquet(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple[str, float | None]]:
+def _read_parquet(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -303,15 +317,17 @@ def _read_parquet(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tup
                     in_folder=not explicit)
             return
     # Record batches, not whole row groups: memory stays flat however large the file's row groups are.
+    row = 0
     for batch in file.iter_batches(batch_size=_BATCH_ROWS, columns=columns):
         texts = batch.column(0).to_pylist()
         scores = batch.column(1).to_pylist() if opt.score_column else [None] * len(texts)
         for text, score in zip(texts, scores):
             if isinstance(text, str):
-                yield text, _number(score)
+                yield text, _number(score), f"{path}[{row}]"
+            row += 1
 
 
-def _iter_files(spec: SourceSpec, stats: SourceStats, opt: _ReadOptions) -> Iterator[tuple[str, float | None]]:
+def _iter_files(spec: SourceSpec, stats: SourceStats, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
     for path, explicit in resolve_files(spec.data_files, spec.include, spec.exclude, opt.bad):
         name = path.name.lower()
         if name.endswith(JSONL_SUFFIXES):
@@ -319,18 +335,63 @@ def _iter_files(spec: SourceSpec, stats: SourceStats, opt: _ReadOptions) -> Iter
         elif name.endswith(".parquet"):
             yield from _read_parquet(path, explicit, opt)
         elif explicit or path.suffix.lower() in TEXT_SUFFIXES or not path.suffix:
-            text = read_text_file(path, explicit, stats, invalid_utf8=opt.invalid_utf8, bad=opt.bad)
-            if text is not None:
-                yield text, None
+            yield from _text_file_documents(path, explicit, stats, opt)
         else:
             stats.skipped["unsupported_files"] += 1
+
+
+def _text_file_documents(path: Path, explicit: bool, stats: SourceStats, opt: _ReadOptions, *,
+                         bad_input: bool = True) -> Iterator[tuple[str, None, str]]:
+    """A plain-text file as one document, or as several when it is longer than `opt.split_chars`."""
+    text = read_text_file(path, explicit, stats, invalid_utf8=opt.invalid_utf8, bad=opt.bad if bad_input else None)
+    if text is None:
+        return
+    pieces = split_long_text(text, opt.split_chars) if opt.split_chars else [text]
+    if len(pieces) == 1:
+        yield text, None, str(path)
+        return
+    for i, piece in enumerate(pieces, 1):
+        yield piece, None, f"{path} (part {i} of {len(pieces)})"
+
+
+# Where a long text may be cut, best first: after a blank line, after a line break, after a space.
+_BREAKS = (re.compile(r"\n[ \t\r\f\v]*\n"), re.compile(r"\n"), re.compile(r"[ \t]"))
+
+
+def split_long_text(text: str, limit: int) -> list[str]:
+    """`text` cut into pieces of at most `limit` characters and about equal size (about len/limit of them),
+    each cut at the paragraph break (blank line) nearest its even share, else at a line break, else at a
+    space. The pieces joined give `text` back (a break stays at the end of the piece before it)."""
+    if len(text) <= limit:
+        return [text]
+    count = -(-len(text) // limit)
+    pieces, start = [], 0
+    while len(text) - start > limit:
+        share = -(-(len(text) - start) // count)  # an even share of what is left
+        end = _cut(text, start, min(start + share, start + limit), start + limit)
+        pieces.append(text[start:end])
+        start, count = end, max(1, count - 1)
+    pieces.append(text[start:])
+    return pieces
+
+
+def _cut(text: str, start: int, target: int, limit: int) -> int:
+    """The end of the piece that starts at `start`: the break nearest `target`, never past `limit`."""
+    for pattern in _BREAKS:
+        ends = [m.end() for m in pattern.finditer(text, start + 1, limit)]
+        if ends:
+            return min(ends, key=lambda end: abs(end - target))
+    end = target  # one unbroken run: cut anywhere, but not between a letter and its combining marks
+    while end > start + 1 and unicodedata.category(text[end])[0] == "M":
+        end -= 1
+    return end
 
 
 # ----------------------------------------------------------------------------------------------
 # Hugging Face datasets
 
 
-def _iter_hf_dataset(spec: SourceSpec, split: str, opt: _ReadOptions) -> Iterator[tuple[str, float | None]]:
+def _iter_hf_dataset(spec: SourceSpec, split: str, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
     try:
         import datasets
     except ImportError:
@@ -363,13 +424,15 @@ def _iter_hf_dataset(spec: SourceSpec, split: str, opt: _ReadOptions) -> Iterato
                 continue
             text = record[opt.text_column]
             if isinstance(text, str):
-                yield text, _number(record.get(opt.score_column)) if opt.score_column else None
+                yield text, _number(record.get(opt.score_column)) if opt.score_column else None, f"{name}:{split}[{i}]"
         return
+    row = 0
     for batch in ds.select_columns(columns).iter(batch_size=_BATCH_ROWS):  # Arrow-backed: memory-mapped, read in batches
         scores = batch[opt.score_column] if opt.score_column else [None] * len(batch[opt.text_column])
         for text, score in zip(batch[opt.text_column], scores):
             if isinstance(text, str):
-                yield text, _number(score)
+                yield text, _number(score), f"{name}:{split}[{row}]"
+            row += 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -378,7 +441,9 @@ def _iter_hf_dataset(spec: SourceSpec, split: str, opt: _ReadOptions) -> Iterato
 
 def read_options(config: DataConfig, stats: SourceStats) -> _ReadOptions:
     score = None if config.curriculum_key == "length" else config.curriculum_key
-    return _ReadOptions(config.text_column, score, config.invalid_utf8, BadInput(config.on_bad_input, stats))
+    max_chars = QualityFilter(config).max_chars
+    return _ReadOptions(config.text_column, score, config.invalid_utf8, BadInput(config.on_bad_input, stats),
+                        None if max_chars is None else max(1, int(max_chars * SPLIT_SHARE)))
 
 
 def iter_source(spec: SourceSpec, config: DataConfig, stats: SourceStats, split: str | None = None) -> Iterator[Document]:
@@ -386,20 +451,18 @@ def iter_source(spec: SourceSpec, config: DataConfig, stats: SourceStats, split:
     opt = read_options(config, stats)
     opt.text_column = spec.text_column
 
-    def raw() -> Iterator[tuple[str, float | None]]:
+    def raw() -> Iterator[tuple[str, float | None, str]]:
         if spec.dataset_name == BUILTIN_STDLIB:
             for path in stdlib_files():
-                text = read_text_file(path, False, stats, invalid_utf8=opt.invalid_utf8)
-                if text is not None:
-                    yield text, None
+                yield from _text_file_documents(path, False, stats, opt, bad_input=False)
         elif spec.dataset_name is not None:
             yield from _iter_hf_dataset(spec, split or spec.dataset_split, opt)
         if spec.data_files is not None and split is None:
             yield from _iter_files(spec, stats, opt)
 
     count = 0
-    for text, score in raw():
-        yield Document(text, spec.name, score)
+    for text, score, origin in raw():
+        yield Document(text, spec.name, score, origin)
         count += 1
         if spec.max_documents is not None and count >= spec.max_documents:
             return

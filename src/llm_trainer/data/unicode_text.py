@@ -1,0 +1,166 @@
+"""Letters and words in any script: what the quality filters count, defined so every script is measured fairly.
+
+Letters. A letter is a Unicode letter (L*) together with its combining marks (M*: Devanagari and Tamil
+vowel signs and viramas, Arabic vowel points, accents) and the zero-width (non-)joiners that sit
+inside Indic and Persian words. Counting marks as non-letters, as `str.isalpha` does, scores clean
+Hindi and Tamil news 0.57-0.59 letters per character where English scores 0.96; with marks, 0.97.
+
+Words. Text in scripts written with spaces splits on whitespace, as before. Scripts written without
+spaces between words (Han, kana and bopomofo; Thai, Lao, Khmer, Myanmar, Tibetan) have no word
+boundaries a regex can find, so their words are estimated from their characters: one word per 1.5
+CJK characters (the mean length of Chinese words in running text; the same content has 1.66 Han
+characters per English word in NTREX-128) and one per 3 characters of the others (marks excluded;
+an estimate, not calibrated on data here). Repetition in such text is measured on characters.
+
+Word length is measured in characters without the marks that attach with a nonzero canonical
+combining class (viramas, nuktas, Arabic and Hebrew vowel points, accents): they decorate a letter or
+remove its vowel rather than stand for a sound. Indic vowel signs (class 0) count, like the vowels
+they are. With it, Hindi news averages 3.9 characters a word, Tamil 7.0, Arabic 5.0, English 4.9,
+Russian 6.1 (NTREX-128); counting every code point puts Tamil at 8.4 and some documents past 10.
+
+All measures have an ASCII fast path that gives exactly the old whitespace-based figures.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import unicodedata
+from dataclasses import dataclass
+from typing import NamedTuple
+
+# Scripts without spaces between words: (first, last) code point ranges, and characters per word.
+_CJK_RANGES = [
+    (0x2E80, 0x2FDF), (0x3005, 0x3007), (0x3021, 0x3029), (0x3031, 0x3035), (0x3038, 0x303C),
+    (0x3040, 0x30FF), (0x3100, 0x312F), (0x31A0, 0x31BF), (0x31F0, 0x31FF), (0x3400, 0x4DBF), (0x4E00, 0x9FFF),
+    (0xF900, 0xFAFF), (0xFF66, 0xFF9F), (0x20000, 0x2FA1F), (0x30000, 0x323AF),
+]
+_SOUTHEAST_RANGES = [(0x0E00, 0x0EFF), (0x0F00, 0x0FFF), (0x1000, 0x109F), (0x1780, 0x17FF), (0x19E0, 0x19FF),
+                     (0xA9E0, 0xA9FF), (0xAA60, 0xAA7F)]
+CJK_CHARS_PER_WORD = 1.5
+SOUTHEAST_CHARS_PER_WORD = 3.0
+_JOINERS = "\u200c\u200d"  # zero-width non-joiner / joiner: inside words in Indic and Persian text
+
+
+def _class(ranges: list[tuple[int, int]]) -> str:
+    return "".join(re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in ranges)
+
+
+def _ranges(codepoints: list[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for cp in codepoints:
+        if out and cp == out[-1][1] + 1:
+            out[-1] = (out[-1][0], cp)
+        else:
+            out.append((cp, cp))
+    return out
+
+
+class _Marks(NamedTuple):
+    """A class of marks as two regexes: Python's regex engine tests a class of BMP characters with a bitmap
+    (~600 MB/s) but one with characters past U+FFFF range by range (~15 MB/s), so those are kept apart
+    and searched only in text that has such characters."""
+
+    bmp: re.Pattern
+    astral: re.Pattern
+
+    def count(self, text: str) -> int:
+        n = len(text) - len(self.bmp.sub("", text))
+        if len(text.encode("utf-16-le")) != 2 * len(text):  # characters past U+FFFF
+            n += len(self.astral.findall(text))
+        return n
+
+
+class _Patterns(NamedTuple):
+    marks: _Marks  # combining marks
+    attached: _Marks  # combining marks with a nonzero combining class
+    spaceless: re.Pattern  # any character of a script without spaces
+    cjk: re.Pattern  # a CJK character (telling the two spaceless groups apart)
+    runs: re.Pattern  # a run of one spaceless group (with its marks), or a run of anything else but whitespace
+
+
+def _marks(codepoints: list[int]) -> _Marks:
+    return _Marks(re.compile(f"[{_class(_ranges([c for c in codepoints if c < 0x10000]))}]"),
+                  re.compile(f"[{_class(_ranges([c for c in codepoints if c >= 0x10000]))}]"))
+
+
+@functools.cache
+def _patterns() -> _Patterns:
+    """Built on first use from this Python's Unicode database (~50 ms): marks are scanned, not listed."""
+    marks, attached = [], []
+    for cp in [*range(0x20000), *range(0xE0000, 0xE0200)]:  # no combining marks elsewhere
+        ch = chr(cp)
+        if unicodedata.category(ch)[0] == "M":
+            marks.append(cp)
+            if unicodedata.combining(ch):
+                attached.append(cp)
+    mark_class = _class(_ranges(marks))
+    cjk, southeast = _class(_CJK_RANGES), _class(_SOUTHEAST_RANGES)
+    spaceless = cjk + southeast
+    return _Patterns(
+        marks=_marks(marks),
+        attached=_marks(attached),
+        spaceless=re.compile(f"[{spaceless}]"),
+        cjk=re.compile(f"[{cjk}]"),
+        runs=re.compile(rf"[{cjk}][{cjk}{mark_class}]*|[{southeast}][{southeast}{mark_class}]*|[^\s{spaceless}]+"),
+    )
+
+
+_ASCII_LETTERS = bytes(range(65, 91)) + bytes(range(97, 123))
+_LETTERS = re.compile(r"[^\W\d_]+")  # runs of what str.isalpha calls letters (L*, no marks)
+_WORDISH = re.compile(r"[^\W_]")  # a letter or digit: a run holding none is punctuation, not a word
+
+
+def letter_count(text: str) -> int:
+    """Letters with their combining marks and joiners (see the module docstring)."""
+    if text.isascii():  # bytes.translate deletes at memory speed
+        raw = text.encode("ascii")
+        return len(raw) - len(raw.translate(None, _ASCII_LETTERS))
+    letters = sum(map(len, _LETTERS.findall(text)))
+    return letters + _patterns().marks.count(text) + sum(text.count(joiner) for joiner in _JOINERS)
+
+
+def has_spaceless(text: str) -> bool:
+    return not text.isascii() and _patterns().spaceless.search(text) is not None
+
+
+@dataclass(frozen=True)
+class Words:
+    """The word measures of one text.
+
+    spaced: the words of scripts written with spaces (whitespace-separated, as str.split gives them
+    for text without spaceless scripts). count: those plus the estimated words of spaceless runs.
+    chars: for a text with spaceless scripts, its non-whitespace characters, on which repetition is
+    measured (there are no words to make n-grams of); None otherwise.
+    """
+
+    spaced: list[str]
+    count: int
+    chars: str | None = None
+
+
+def words(text: str) -> Words:
+    if not has_spaceless(text):
+        spaced = text.split()
+        return Words(spaced, len(spaced))
+    p = _patterns()
+    spaced: list[str] = []
+    estimated = 0.0
+    for run in p.runs.findall(text):
+        if p.cjk.match(run):
+            estimated += len(run) / CJK_CHARS_PER_WORD
+        elif p.spaceless.match(run):
+            estimated += (len(run) - p.marks.count(run)) / SOUTHEAST_CHARS_PER_WORD
+        elif _WORDISH.search(run):  # "4" or "Python" inside Chinese text; "，" alone is punctuation
+            spaced.append(run)
+    return Words(spaced, len(spaced) + round(estimated), "".join(text.split()))
+
+
+def mean_word_length(spaced: list[str], text: str) -> float | None:
+    """Mean length of the spaced words of `text` (module docstring), or None when there are none."""
+    if not spaced:
+        return None
+    total = sum(map(len, spaced))
+    if not text.isascii():
+        total -= _patterns().attached.count("".join(spaced))
+    return total / len(spaced)

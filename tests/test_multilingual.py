@@ -1,0 +1,182 @@
+"""Text in every script: letters with their marks, words of scripts without spaces, the BPE pre-split,
+exact round trips, long text files, and removals named in data_report.json.
+
+The slices in tests/data/multilingual/ are one news story in six scripts (NTREX-128, CC BY-SA 4.0).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import pre_tokenizers
+
+from llm_trainer.config import DataConfig
+from llm_trainer.data import report as report_module
+from llm_trainer.data.filters import QualityFilter
+from llm_trainer.data.prepare import prepare_data
+from llm_trainer.data.report import REPORT
+from llm_trainer.data.sources import split_long_text, stdlib_files
+from llm_trainer.data.unicode_text import letter_count, mean_word_length, words
+from llm_trainer.errors import UsageError
+from llm_trainer.tokenizer import Tokenizer, byte_level_pre_tokenizer
+
+SLICES = Path(__file__).parent / "data" / "multilingual"
+LANGUAGES = ("english", "hindi", "tamil", "arabic", "russian", "chinese")
+HINDI = "भारत एक विशाल देश है जो दक्षिण एशिया में स्थित है।"
+EXTRA = {  # short texts of further scripts (written for these tests)
+    "japanese": "今日はとても良い天気です。明日も晴れるでしょう。",
+    "thai": "ภาษาไทยเป็นภาษาที่มีวรรณยุกต์ ผู้คนพูดภาษาไทยกันมาก",
+    "korean": "한국어는 띄어쓰기를 합니다.",
+    "persian": "من می‌خواهم کتاب بخوانم.",
+    "emoji_and_controls": "family 👨‍👩‍👧 done\tcafé vs cafe\u0301 \x00\x1b[0m \ufeff 𝔘𝔫𝔦 \u200b",
+}
+
+
+def read(name: str) -> str:
+    return (SLICES / f"{name}.txt").read_text(encoding="utf-8")
+
+
+def nonspace(text: str) -> int:
+    return sum(not ch.isspace() for ch in text)
+
+
+# ----------------------------------------------------------------------------------------------
+# letters and words
+
+
+def test_letter_count_keeps_combining_marks_with_their_letters():
+    assert sum(ch.isalpha() for ch in HINDI) / nonspace(HINDI) == pytest.approx(0.6)  # what the filter used to see
+    assert letter_count(HINDI) == nonspace(HINDI) - 1  # every character but the danda
+    assert letter_count("தமிழ்நாடு") == 9  # vowel signs and the pulli belong to their letters
+    assert letter_count("cafe\u0301") == 5 and letter_count("می‌خواهم") == 8  # an accent; a zero-width non-joiner
+    assert letter_count("abc 123 !?") == 3 and letter_count("٣ 12 — ।") == 0  # digits and punctuation are not letters
+    for name in LANGUAGES:  # clean prose scores like English in every script
+        text = read(name)
+        assert letter_count(text) / nonspace(text) > 0.8, name
+
+
+def test_cjk_and_thai_words_are_counted_without_spaces():
+    assert words("我们是学生").count == 3  # five Han characters: 1.5 characters a word
+    mixed = words("我有 4 本 Python 的书，很好。")
+    assert mixed.spaced == ["4", "Python"] and mixed.count == 2 + round(7 / 1.5)  # "，" and "。" are not words
+    assert words("ภาษาไทย").count == 2  # Thai: 5 letters (2 vowel marks not counted), 3 letters a word
+    assert words(EXTRA["japanese"]).count == round(22 / 1.5)
+    english = "The quick brown fox, it's said, jumps -- over 12 dogs."
+    assert words(english).spaced == english.split() and words(english).count == len(english.split())
+    chinese = read("chinese")
+    assert words(chinese).count == 117 > 4 * len(chinese.split())  # split on spaces it had 27 "words", 1 per sentence part
+
+
+def test_word_length_does_not_count_viramas_and_skips_spaceless_text(tmp_path):
+    assert mean_word_length(["स्थित"], "स्थित") == 4  # the virama joins स and थ: not a letter of its own
+    assert mean_word_length(["tamil", "தமிழ்"], "tamil தமிழ்") == 4.5
+    for name in ("hindi", "tamil", "russian", "arabic", "english"):
+        text = read(name)
+        assert 3.0 <= mean_word_length(words(text).spaced, text) <= 8.0, name
+    strict = QualityFilter(DataConfig(data_files="u", min_mean_word_length=3.0))
+    assert strict.reason("a b 4 c 5 d") == "mean_word_length"
+    assert strict.reason("我 有 4 个 苹果 和 5 个 梨") is None  # mostly spaceless: no word length to measure
+    assert strict.reason(read("chinese")) is None
+
+
+def test_prose_preset_keeps_clean_prose_in_every_script():
+    prose = QualityFilter(DataConfig(data_files="u", quality_filters="prose"))
+    for name in LANGUAGES:
+        assert prose.check(read(name)) is None, name
+    chinese = read("chinese")
+    spam = "买便宜的药，现在就买！" * 30
+    assert prose.reason(spam) == "duplicate_ngrams"  # repetition is still caught without spaces
+    assert prose.reason(chinese.strip() + chinese.splitlines()[1][:30] * 8) == "duplicate_ngrams"
+
+
+# ----------------------------------------------------------------------------------------------
+# the BPE pre-split and round trips
+
+
+def test_pre_split_keeps_marks_with_letters_and_leaves_ascii_alone():
+    split = byte_level_pre_tokenizer().pre_tokenize_str
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str
+    assert len(split("भारत है")) == 2 and len(gpt2("भारत है")) == 5  # GPT-2: भ | ा | रत | Ġह | ै
+    assert len(split("தமிழ்நாடு அரசு")) == 2
+    assert len(split(EXTRA["persian"])) == 5 and len(gpt2(EXTRA["persian"])) == 7  # the non-joiner stays in its word
+    code = stdlib_files()[0].read_text(encoding="utf-8")[:20_000]
+    for text in (code, read("english"), "It's 2024:\n\n  x = [1, 2]  # ok\t\r\n", "👨‍👩‍👧 done \x00\x1b[0m 𝔘𝔫𝔦 \u200b"):
+        assert [p for p, _ in split(text)] == [p for p, _ in gpt2(text)]  # no marks: exactly GPT-2's split
+
+
+def test_bpe_round_trips_every_script():
+    corpus = [read(name) for name in LANGUAGES] + list(EXTRA.values())
+    tok = Tokenizer.train_bpe(corpus, vocab_size=600, max_chars=10**6)
+    unseen = ["ગુજરાતી લિપિ", "ᏣᎳᎩ", "\U0001f600\U0001f9d1\u200d\U0001f4bb", "\u0301 leading mark", "a\u0300\u0301\u0302", "\x7f\x80"]
+    for text in corpus + unseen:
+        assert tok.decode(tok.encode(text)) == text, text[:20]
+    assert len(tok.encode(" है")) == 1  # a syllable with its vowel sign can be one token: GPT-2's split cuts ह | ै
+
+
+# ----------------------------------------------------------------------------------------------
+# long text files and named removals
+
+
+def test_split_long_text_cuts_at_paragraph_breaks():
+    paragraphs = [f"Paragraph {i} " + "word " * (10 + i % 7) + "end." for i in range(40)]
+    text = "\n\n".join(paragraphs) + "\n"
+    pieces = split_long_text(text, 500)
+    assert "".join(pieces) == text and all(len(p) <= 500 for p in pieces)
+    assert len(pieces) == -(-len(text) // 500) and min(map(len, pieces)) > 400  # as few as fit, of about equal size
+    assert all(p.endswith("\n\n") for p in pieces[:-1])  # every cut is at a blank line
+    assert split_long_text(text, len(text)) == [text]
+    one_line = "x" * 250 + " " + "y" * 250
+    assert split_long_text(one_line, 300) == ["x" * 250 + " ", "y" * 250]  # no line break: at a space
+    assert split_long_text("ab\u0301" * 4, 5) == ["ab\u0301a", "b\u0301a", "b\u0301ab\u0301"]  # never before an accent
+
+
+def test_long_text_file_becomes_documents_only_under_max_chars(tmp_path):
+    book = tmp_path / "book.txt"
+    paragraphs = [" ".join(f"sentence {i} of a long book with many words" for _ in range(3)) for i in range(60)]
+    book.write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
+    common = dict(data_files=str(book), tokenizer="char", validation_split=0.0, progress_bar=False)
+    whole = prepare_data(DataConfig(cache_dir=str(tmp_path / "a"), **common))
+    assert whole.manifest["splits"]["train"]["documents"] == 1  # no max_chars: the file is one document
+    limit = len(book.read_text()) // 3  # pieces of at most 90% of it: four
+    split = prepare_data(DataConfig(cache_dir=str(tmp_path / "b"), max_chars=limit, **common))
+    report = json.loads((split.directory / REPORT).read_text())
+    assert split.manifest["splits"]["train"]["documents"] == 4 and report["removed"]["max_chars"] == 0
+    records = tmp_path / "records.jsonl"
+    records.write_text(json.dumps({"text": book.read_text()}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    dropped = prepare_data(DataConfig(cache_dir=str(tmp_path / "c"), max_chars=limit, **{**common, "data_files": str(records)}))
+    assert json.loads((dropped.directory / REPORT).read_text())["removed_documents"]["max_chars"] == [
+        {"origin": f"{records}:1", "bytes": len(book.read_text()), "value": len(book.read_text().strip()),
+         "threshold": limit, "setting": "max_chars"}]  # a record is a document: too long, dropped and named
+
+
+def test_report_names_removed_documents_and_warns(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(report_module, "NAMED_REMOVALS", 3)
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    tables = []
+    for i in range(5):
+        tables.append(folder / f"table{i}.txt")
+        tables[-1].write_text(f"| {i} | 12 | 3.4 | 5.67 | 8.9 |\n" * 20, encoding="utf-8")
+    (folder / "story.txt").write_text(read("english"), encoding="utf-8")
+    (folder / "hindi.txt").write_text(read("hindi"), encoding="utf-8")
+    config = DataConfig(data_files=str(folder), tokenizer="char", validation_split=0.0, progress_bar=False,
+                        cache_dir=str(tmp_path / "cache"), quality_filters="prose")
+    prepared = prepare_data(config)
+    report = json.loads((prepared.directory / REPORT).read_text())
+    assert report["removed"]["alpha_fraction"] == 5 and report["documents_out"] == 2  # Hindi is kept
+    named = report["removed_documents"]["alpha_fraction"]
+    assert [entry["origin"] for entry in named] == [str(p) for p in tables[:3]]  # the first three, in order
+    assert named[0]["setting"] == "min_alpha_fraction" and named[0]["threshold"] == 0.6 and named[0]["value"] < 0.6
+    assert named[0]["bytes"] == tables[0].stat().st_size
+    assert report["removed_bytes"]["alpha_fraction"] == sum(p.stat().st_size for p in tables)
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "alpha_fraction removed" in warnings[0] and str(tables[0]) in warnings[0]
+    assert "min_alpha_fraction" in warnings[0]
+    (folder / "story.txt").unlink()
+    (folder / "hindi.txt").unlink()
+    with pytest.raises(UsageError, match=r"all 5 documents read were removed \(alpha_fraction 5\), e\.g\. .*table0\.txt "
+                                         r"\(alpha_fraction 0\.\d+ vs min_alpha_fraction 0\.6\); change data\.min_alpha_fraction"):
+        prepare_data(config)  # a corpus that vanishes entirely says why in its error
