@@ -63,21 +63,35 @@ def test_gpt2_initialisation_scales_residual_projections():
     assert torch.all(model.blocks[0].attn.qkv.bias == 0)
 
 
-def test_attention_matches_a_hand_written_reference():
+def _rotate_half_reference(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """transformers' LLaMA rotary embedding, written out: x (B, heads, T, D) * cos + rotate_half(x) * sin."""
+    T, D = x.shape[-2], x.shape[-1]
+    angles = torch.outer(torch.arange(T, dtype=torch.float64), 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    angles = torch.cat([angles, angles], dim=-1)
+    rotated = torch.cat([-x[..., D // 2:], x[..., : D // 2]], dim=-1)
+    return x * angles.cos().float() + rotated * angles.sin().float()
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_attention_matches_a_hand_written_reference(qk_norm):
     torch.manual_seed(0)
-    config = tiny_model_config(architecture="llama", n_heads=4, n_kv_heads=2)
+    config = tiny_model_config(architecture="llama", n_heads=4, n_kv_heads=2, qk_norm=qk_norm)
     model = Transformer(config).eval()
     attn = model.blocks[0].attn
     x = torch.randn(2, 7, 16)
-    cos, sin = model.rope_cos[:7], model.rope_sin[:7]
     q, k, v = attn.qkv(x).split([16, 8, 8], dim=-1)
-    q = apply_rope(q.view(2, 7, 4, 4).transpose(1, 2), cos, sin)
-    k = apply_rope(k.view(2, 7, 2, 4).transpose(1, 2), cos, sin).repeat_interleave(2, dim=1)
+    q, k = q.view(2, 7, 4, 4).transpose(1, 2), k.view(2, 7, 2, 4).transpose(1, 2)
+    if qk_norm:  # each head's query and key scaled to unit RMS
+        q = q / q.pow(2).mean(-1, keepdim=True).sqrt()
+        k = k / k.pow(2).mean(-1, keepdim=True).sqrt()
+    q = _rotate_half_reference(q)
+    k = _rotate_half_reference(k).repeat_interleave(2, dim=1)
     v = v.view(2, 7, 2, 4).transpose(1, 2).repeat_interleave(2, dim=1)
     scores = (q @ k.transpose(-1, -2)) / 2.0
     scores = scores.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
     expected = attn.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 7, 16))
-    torch.testing.assert_close(attn(x, (cos, sin), None, 0), expected, atol=1e-6, rtol=1e-5)
+    rope = (model.rope_cos[:7, None], model.rope_sin[:7, None])
+    torch.testing.assert_close(attn(x, rope, None, 0), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_rope_rotates_relative_positions():

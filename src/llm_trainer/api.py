@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint.format import SHARDED_DIR, resolve_checkpoint, verify
 from .checkpoint.model_folder import load_model_folder, load_model_state, read_model_config
-from .checkpoint.sharded import consolidate, is_sharded
 from .config import DataConfig, ExperimentConfig, ModelConfig
 from .data.loader import BatchLoader, DocumentRows, WindowRows
 from .data.prepare import PreparedData, prepare_data
@@ -90,7 +90,7 @@ def build_loaders(experiment: ExperimentConfig, prepared: PreparedData, device: 
     val_loader = None
     if prepared.manifest["splits"]["val"]["tokens"] > 1:
         val_rows = build_rows(prepared, "val", experiment.data, length, seed=None)
-        val_loader = BatchLoader(val_rows, t.batch_size, shuffle=False, drop_last=False, **shard)
+        val_loader = BatchLoader(val_rows, t.eval_batch_size or t.batch_size, shuffle=False, drop_last=False, **shard)
     return train_loader, val_loader
 
 
@@ -147,20 +147,18 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
     if not path.exists():
         raise UsageError(f"checkpoint {path} not found; pass a checkpoint, best_model or output folder")
     if not (path / "model_config.json").is_file():  # a run or checkpoints folder: take its newest checkpoint
-        from .checkpoint.format import resolve_checkpoint
-
         root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         found = resolve_checkpoint("latest", root)
         if found is None:
             raise UsageError(f"{path} holds no checkpoint; pass a checkpoint or best_model folder")
         path = found
     if (path / "meta.json").is_file():  # checkpoints and best_model carry checksums: never use a corrupt one
-        from .checkpoint.format import verify
-
         problem = verify(path)
         if problem:
             raise UsageError(f"{path} is unusable: {problem}")
-    if is_sharded(path):  # an FSDP checkpoint: gather its shards in this one process
+    if (path / SHARDED_DIR / ".metadata").is_file():  # an FSDP checkpoint: gather its shards in this one process
+        from .checkpoint.sharded import consolidate  # (torch.distributed.checkpoint: a second to import)
+
         model = Transformer(read_model_config(path))
         load_model_state(model, consolidate(path, model), str(path))
         model = model.to(device)

@@ -143,7 +143,7 @@ class ModelConfig(_Validated):
     max_seq_len: int = 512
     dropout: float = 0.0
     attention_dropout: float = 0.0
-    activation: Literal["gelu", "gelu_tanh", "relu", "silu", "swiglu"] | None = None
+    activation: Literal["gelu", "gelu_tanh", "relu", "relu2", "silu", "swiglu"] | None = None  # relu2: ReLU squared
     norm: Literal["layernorm", "rmsnorm"] | None = None
     position_embedding: Literal["learned", "rope"] | None = None
     bias: bool | None = None
@@ -152,11 +152,15 @@ class ModelConfig(_Validated):
     rms_norm_eps: float = 1e-5  # epsilon of RMSNorm and LayerNorm alike
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    qk_norm: bool = False  # RMS-normalise queries and keys per head (no weights) before attention
+    zero_init_projections: bool = False  # attention and MLP output projections start at zero
+    logit_softcap: float | None = None  # logits = c * tanh(logits / c)
     # Not the architecture (a model folder does not record them):
+    attention_backend: Literal["sdpa", "flex"] = "sdpa"  # flex: FlexAttention block masks for data.document_mask (GPU)
     gradient_checkpointing: bool = False  # the training guide's spelling of training.gradient_checkpointing
     init_from: str | None = None  # a transformers GPT-2/LLaMA folder or one of our model folders to start from
 
-    NOT_ARCHITECTURE = ("gradient_checkpointing", "init_from")
+    NOT_ARCHITECTURE = ("attention_backend", "gradient_checkpointing", "init_from")
 
     def _filled(self) -> dict[str, Any]:
         """The value each preset-dependent field takes: the one set, else the architecture's."""
@@ -201,6 +205,7 @@ class ModelConfig(_Validated):
             _require(0.0 <= getattr(self, name) < 1.0, f"ModelConfig.{name} must be in [0, 1), got {getattr(self, name)}")
         _require(self.rms_norm_eps > 0, "ModelConfig.rms_norm_eps must be positive")
         _require(self.init_std > 0, "ModelConfig.init_std must be positive")
+        _require(self.logit_softcap is None or self.logit_softcap > 0, "ModelConfig.logit_softcap must be positive or null")
 
     @property
     def head_dim(self) -> int:
@@ -219,12 +224,16 @@ class TrainingConfig(_Validated):
     gradient_accumulation_steps: int = 1
     num_epochs: int = 1
     max_steps: int | None = None  # optimizer steps; overrides num_epochs when set
+    max_tokens: int | None = None  # the run's length in tokens instead: max_steps = ceil(max_tokens / tokens per step)
+    total_batch_tokens: int | None = None  # tokens per optimizer step: sets gradient_accumulation_steps
     learning_rate: float = 3e-4
     min_lr: float = 0.0  # floor reached at the end of cosine/linear/wsd decay
     lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup", "wsd"] = "cosine"
     warmup_steps: int = 0
     wsd_decay_ratio: float = 0.2  # fraction of the run spent decaying under `wsd`
-    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    optimizer: Literal["adamw", "adam", "sgd", "muon"] = "adamw"  # muon: Muon for hidden matrices, AdamW for the rest
+    muon_learning_rate: float = 0.02  # peak lr of Muon's matrices (optimizer: muon); the schedule scales it as learning_rate
+    muon_momentum: float = 0.95
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -244,6 +253,8 @@ class TrainingConfig(_Validated):
     async_checkpoint: bool = True  # periodic saves: copy the state, write it from a background thread
     eval_steps: int | None = 500  # None or 0: evaluate only at the end
     eval_max_batches: int | None = None  # None: the whole validation set
+    eval_batch_size: int | None = None  # rows per evaluation batch; None: batch_size
+    target_val_loss: float | None = None  # stop once the full validation loss reaches this (time-to-target runs)
     logging_steps: int = 10
     report_to: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] = field(
         default_factory=lambda: ["console", "jsonl"]
@@ -270,7 +281,8 @@ class TrainingConfig(_Validated):
         for name in ("batch_size", "gradient_accumulation_steps", "num_epochs", "logging_steps", "max_consecutive_bad_steps",
                      "speed_window_size"):
             _require(getattr(self, name) > 0, f"TrainingConfig.{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_steps", "save_total_limit", "eval_max_batches", "early_stopping_patience"):
+        for name in ("max_steps", "save_total_limit", "eval_max_batches", "early_stopping_patience", "max_tokens",
+                     "total_batch_tokens", "eval_batch_size"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"TrainingConfig.{name} must be positive or null, got {value}")
         for name in ("save_steps", "eval_steps", "warmup_steps"):
@@ -286,6 +298,12 @@ class TrainingConfig(_Validated):
         for name in ("adam_beta1", "adam_beta2"):
             _require(0 <= getattr(self, name) < 1, f"TrainingConfig.{name} must be in [0, 1), got {getattr(self, name)}")
         _require(self.adam_epsilon > 0, "TrainingConfig.adam_epsilon must be positive")
+        _require(self.muon_learning_rate > 0, "TrainingConfig.muon_learning_rate must be positive")
+        _require(not (self.max_steps is not None and self.max_tokens is not None),
+                 "TrainingConfig: set max_steps or max_tokens, not both")
+        _require(not (self.total_batch_tokens is not None and self.gradient_accumulation_steps != 1),
+                 "TrainingConfig: total_batch_tokens sets gradient_accumulation_steps; remove one of them")
+        _require(0 <= self.muon_momentum < 1, "TrainingConfig.muon_momentum must be in [0, 1)")
         _require(self.max_grad_norm is None or self.max_grad_norm >= 0, "TrainingConfig.max_grad_norm must be >= 0")
         _require(
             self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),

@@ -8,6 +8,7 @@ Shapes: B batch, T time (sequence), C d_model, H query heads, K key/value heads,
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -25,18 +26,18 @@ def _norm(config: ModelConfig) -> nn.Module:
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, each (max_len, head_dim), in the rotate-half layout LLaMA uses."""
+    """cos and sin of the rotary angles, each (max_len, head_dim / 2): pair (i, i + D/2) turns by angle i
+    (the rotate-half layout LLaMA uses)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # (D/2,)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # (T, D/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (T, D)
     return angles.cos().float(), angles.sin().float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + D/2) of x (B, heads, T, D) by the angles for its positions; cos/sin are (T, D)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    """Rotate pairs (i, i + D/2) of x (..., T, heads, D) by the angles of their positions; cos/sin
+    (T, 1, D/2) or (B, T, 1, D/2). Half-width tables: three multiply-adds per pair, no negation."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 @dataclass
@@ -57,17 +58,46 @@ class KVCache:
         )
 
 
-def document_attention(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) document index of each token (contiguous runs) -> the block-diagonal causal mask
-    (B, 1, T, T) bool (True: may attend) and each token's position within its document (B, T)."""
-    T = doc_ids.shape[1]
-    t = torch.arange(T, device=doc_ids.device)
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
-    mask = same & (t[:, None] >= t[None, :])  # causal within the document
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document index of each token (contiguous runs) -> each token's position in its document (B, T)."""
+    t = torch.arange(doc_ids.shape[1], device=doc_ids.device)
     starts = torch.ones_like(doc_ids, dtype=torch.bool)
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     first = torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values  # (B, T): where each token's document starts
-    return mask[:, None], t - first
+    return t - first
+
+
+def document_attention(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) document ids -> the block-diagonal causal mask (B, 1, T, T) bool (True: may attend) and
+    each token's position within its document (B, T)."""
+    t = torch.arange(doc_ids.shape[1], device=doc_ids.device)
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+    mask = same & (t[:, None] >= t[None, :])  # causal within the document
+    return mask[:, None], document_positions(doc_ids)
+
+
+def document_block_mask(doc_ids: torch.Tensor):
+    """The same block-diagonal causal mask as `document_attention`, as a FlexAttention BlockMask:
+    attention computes only the blocks a document touches, on the fast kernels (no dense (B, T, T) mask)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(b, h, q, k):
+        return (q >= k) & (doc_ids[b, q] == doc_ids[b, k])
+
+    B, T = doc_ids.shape
+    return create_block_mask(same_document_causal, B, None, T, T, device=doc_ids.device)
+
+
+@functools.cache
+def _flex_kernel(compiled: bool):
+    """FlexAttention compiled (one fused kernel, on GPUs) or eager (a reference; CPU inference)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
+def _flex_attention(q, k, v, block_mask, enable_gqa: bool):
+    return _flex_kernel(q.device.type == "cuda")(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 class Attention(nn.Module):
@@ -80,17 +110,21 @@ class Attention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.resid_dropout = nn.Dropout(config.dropout)
         self.use_rope = config.position_embedding == "rope"
+        self.qk_norm = config.qk_norm
 
     def forward(self, x, rope, cache: KVCache | None, layer: int, doc_mask: torch.Tensor | None = None):
         """doc_mask: None (causal), or (B, 1, T, T) bool block-diagonal causal mask from `document_attention`."""
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split([C, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.qkv(x)  # (B, T, (H + 2K) D)
+        qk = qkv[..., : (H + K) * D].view(B, T, H + K, D)  # queries and keys: normalised and rotated together
+        if self.qk_norm:
+            qk = F.rms_norm(qk, (D,))
         if self.use_rope:
-            cos, sin = rope
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = apply_rope(qk, *rope)
+        q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
+        k = qk[:, :, H:].transpose(1, 2)  # (B, K, T, D)
+        v = qkv[..., (H + K) * D :].view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
 
         start = 0
         if cache is not None:
@@ -100,6 +134,9 @@ class Attention(nn.Module):
             k = cache.keys[layer][:, :, : start + T]  # (B, K, start+T, D)
             v = cache.values[layer][:, :, : start + T]
 
+        if doc_mask is not None and not isinstance(doc_mask, torch.Tensor):  # a FlexAttention BlockMask
+            y = _flex_attention(q, k, v, doc_mask, enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, D)
+            return self.resid_dropout(self.proj(y.transpose(1, 2).contiguous().view(B, T, C)))
         if doc_mask is not None:  # packed documents: attention stays within each one
             mask, causal = doc_mask, False
         elif start == 0:
@@ -120,6 +157,13 @@ class Attention(nn.Module):
         return self.resid_dropout(self.proj(y))
 
 
+class ReLUSquared(nn.Module):
+    """relu(x)^2 (Primer; the modded-nanoGPT speedruns): sparse like ReLU, smooth above zero."""
+
+    def forward(self, x):
+        return F.relu(x).square()
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -131,6 +175,7 @@ class MLP(nn.Module):
             "gelu": nn.GELU(),
             "gelu_tanh": nn.GELU(approximate="tanh"),
             "relu": nn.ReLU(),
+            "relu2": ReLUSquared(),
             "silu": nn.SiLU(),
             "swiglu": nn.SiLU(),
         }[config.activation]
@@ -181,8 +226,8 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.tie_weights()
         if config.position_embedding == "rope":
-            self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
-            self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
+            self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)
         self.init_buffers()
         self.reset_parameters()
 
@@ -213,7 +258,10 @@ class Transformer(nn.Module):
         elif "norm" in name:
             nn.init.ones_(tensor)
         elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
-            nn.init.normal_(tensor, mean=0.0, std=std / math.sqrt(2 * self.config.n_layers))
+            if self.config.zero_init_projections:  # each block starts as the identity (modded-nanoGPT)
+                nn.init.zeros_(tensor)
+            else:
+                nn.init.normal_(tensor, mean=0.0, std=std / math.sqrt(2 * self.config.n_layers))
         else:
             nn.init.normal_(tensor, mean=0.0, std=std)
 
@@ -234,7 +282,10 @@ class Transformer(nn.Module):
         if doc_ids is not None:
             if cache is not None:
                 raise ValueError("doc_ids (document masking) is for training and evaluation; it cannot be used with a KV cache")
-            doc_mask, positions = document_attention(doc_ids)  # (B, 1, T, T) bool, (B, T) int64
+            if self.config.attention_backend == "flex":
+                doc_mask, positions = document_block_mask(doc_ids), document_positions(doc_ids)
+            else:
+                doc_mask, positions = document_attention(doc_ids)  # (B, 1, T, T) bool, (B, T) int64
         x = self.tok_emb(input_ids)  # (B, T, C)
         if self.pos_emb is not None:
             if positions is None:
@@ -245,14 +296,18 @@ class Transformer(nn.Module):
         rope = None
         if self.pos_emb is None:
             if positions is None:
-                rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])  # (T, D) each
+                rope = (self.rope_cos[start : start + T, None], self.rope_sin[start : start + T, None])  # (T, 1, D/2) each
             else:
-                rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))  # (B, 1, T, D) each
+                rope = (self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2))  # (B, T, 1, D/2) each
         for block in self.blocks:
             x = block(x, rope, cache) if doc_mask is None else block(x, rope, cache, doc_mask)
         if cache is not None:
             cache.length = start + T
-        return self.lm_head(self.norm(x))  # (B, T, V)
+        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        if self.config.logit_softcap is not None:
+            cap = self.config.logit_softcap
+            logits = cap * torch.tanh(logits / cap)
+        return logits
 
     # -- a self-contained model folder: weights in safetensors, the ModelConfig as JSON -------------
 

@@ -91,6 +91,30 @@ def vocab_size(experiment: ExperimentConfig, tokenizer=None) -> tuple[int, str]:
     return Tokenizer.load(kind).vocab_size, kind
 
 
+def token_anchors(training: TrainingConfig, seq_len: int | None, world_size: int) -> TrainingConfig:
+    """`total_batch_tokens` and `max_tokens` turned into the gradient_accumulation_steps and max_steps
+    the loop counts in (the anchors themselves are cleared: the returned config is in steps)."""
+    if training.total_batch_tokens is None and training.max_tokens is None:
+        return training
+    if seq_len is None:
+        raise UsageError("training.max_tokens / total_batch_tokens need the sequence length; use llm_trainer.train, "
+                         "or loaders of fixed-length rows, or set max_steps and gradient_accumulation_steps")
+    per_micro_step = training.batch_size * seq_len * world_size
+    accumulation = training.gradient_accumulation_steps
+    if training.total_batch_tokens is not None:
+        accumulation, rest = divmod(training.total_batch_tokens, per_micro_step)
+        if rest or accumulation == 0:
+            raise UsageError(
+                f"training.total_batch_tokens ({training.total_batch_tokens:,}) must be a multiple of batch_size x "
+                f"sequence length x processes = {training.batch_size} x {seq_len} x {world_size} = {per_micro_step:,}"
+            )
+    max_steps = training.max_steps
+    if training.max_tokens is not None:
+        max_steps = -(-training.max_tokens // (per_micro_step * accumulation))
+    return dataclasses.replace(training, gradient_accumulation_steps=accumulation, max_steps=max_steps,
+                               total_batch_tokens=None, max_tokens=None)
+
+
 def activation_checkpointing(training: TrainingConfig, model_config: ModelConfig | None) -> bool:
     """On when either training.gradient_checkpointing or (the training guide's spelling) model.gradient_checkpointing is."""
     return training.gradient_checkpointing or bool(getattr(model_config, "gradient_checkpointing", False))
@@ -159,5 +183,6 @@ def resolve(experiment: ExperimentConfig, tokenizer, runtime: Runtime, model_con
     if model_config is not None:
         source = f"model.init_from ({experiment.model.init_from})"
     model = dataclasses.replace(model.resolved(), vocab_size=size)
-    return ResolvedRun(experiment=dataclasses.replace(experiment, model=model), seq_len=seq_len, vocab_source=source,
-                       runtime=runtime)
+    training = token_anchors(experiment.training, seq_len, runtime.dist.world_size)
+    return ResolvedRun(experiment=dataclasses.replace(experiment, model=model, training=training), seq_len=seq_len,
+                       vocab_source=source, runtime=runtime)

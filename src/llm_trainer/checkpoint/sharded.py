@@ -53,7 +53,3 @@ def consolidate(checkpoint: Path, model: nn.Module) -> dict[str, torch.Tensor]:
     state = {"model": {k: v for k, v in model.state_dict().items()}}
     dcp.load(state, checkpoint_id=str(Path(checkpoint) / SHARDED_DIR), no_dist=True)
     return state["model"]
-
-
-def is_sharded(checkpoint: Path) -> bool:
-    return (Path(checkpoint) / SHARDED_DIR / ".metadata").is_file()

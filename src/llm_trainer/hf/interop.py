@@ -69,6 +69,9 @@ def _check_exportable(config: ModelConfig) -> None:
 
     if not config.pre_norm:
         refuse("post-norm blocks (pre_norm: false) exist in neither GPT-2 nor LLaMA; only pre-norm models export")
+    for name, value in (("qk_norm", config.qk_norm), ("logit_softcap", config.logit_softcap)):
+        if value:
+            refuse(f"{name} is not part of transformers' GPT-2 or LLaMA; train without it to export")
     if config.architecture == "gpt2":
         if config.norm != "layernorm":
             refuse(f"GPT-2 uses LayerNorm, this model has norm: {config.norm} (use architecture: llama for RMSNorm)")
@@ -78,8 +81,10 @@ def _check_exportable(config: ModelConfig) -> None:
             refuse(f"GPT-2 has no grouped-query attention (n_kv_heads={config.n_kv_heads}, n_heads={config.n_heads})")
         if not config.bias:
             refuse("GPT-2 always has biases; this model has bias: false")
+        if config.activation == "swiglu":
+            refuse("GPT-2 has no gated MLP; activation: swiglu needs architecture: llama")
         if config.activation not in _GPT2_ACTIVATIONS:
-            refuse(f"GPT-2 has no gated MLP; activation: {config.activation} needs architecture: llama")
+            refuse(f"transformers' GPT-2 has no activation {config.activation}")
     else:
         if config.norm != "rmsnorm":
             refuse(f"LLaMA uses RMSNorm, this model has norm: {config.norm}")

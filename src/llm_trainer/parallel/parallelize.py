@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from ..config import TrainingConfig
+from ..errors import UsageError
 from ..logs import log
 from . import launcher
 from .distributed import DistInfo
@@ -92,6 +93,12 @@ def parallelize(model: nn.Module, *, config: TrainingConfig, dist: DistInfo, dev
                 build_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> Parallelism:
     """Wrap `model` for `dist.strategy` in the order above; `build_optimizer(model)` makes the optimizer
     once the parameters are in their final (sharded, on-device) form."""
+    if config.optimizer == "muon" and dist.strategy in ("fsdp", "deepspeed"):
+        raise UsageError(f"optimizer muon needs each weight whole, and distributed_strategy {dist.strategy} shards "
+                         "them; use distributed_strategy ddp, or optimizer adamw")
+    if getattr(getattr(model, "config", None), "attention_backend", None) == "flex" and device.type != "cuda":
+        raise UsageError("model.attention_backend flex trains on CUDA only (this torch's FlexAttention has no backward "
+                         f"on {device.type}); use attention_backend: sdpa")
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     on_meta = any(p.is_meta for p in model.parameters())

@@ -27,7 +27,7 @@ from ..parallel.distributed import DistInfo
 from ..parallel.strategies import Parallelism
 from ..resolve import amp_dtype
 from ..train.batches import as_loader
-from ..train.optim import build_optimizer
+from ..train.optim import build_optimizer, set_learning_rate
 from ..train.step import autocast, train_step
 
 
@@ -118,8 +118,7 @@ def find_lr(
         try:
             for i in range(num_steps):
                 lr = start_lr * ratio**i
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
+                set_learning_rate(optimizer, lr)
                 micro = [tuple(t.to(device) for t in batches.next_batch()) for _ in range(accum)]
                 out = train_step(parallel, micro, autocast=mixed, max_grad_norm=training.max_grad_norm)
                 loss = float(out.loss)

@@ -36,7 +36,7 @@ def summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Iterable, *, autocast=None, max_batches: int | None = None,
              reduce=None) -> dict:
-    """{"val_loss", "perplexity", "tokens"} with every target token weighted equally.
+    """{"val_loss", "perplexity", "tokens", "batches"} with every target token weighted equally.
 
     `reduce` (an in-place all-reduce) sums the totals over ranks when each rank evaluated its part.
     """
@@ -44,13 +44,15 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, autocast=None, max_ba
     model.eval()
     device = next(model.parameters(), torch.empty(0)).device
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # (summed nll, target count)
-    for i, (inputs, targets, *doc_ids) in enumerate(batches):
-        if max_batches is not None and i >= max_batches:
+    evaluated = 0
+    for inputs, targets, *doc_ids in batches:
+        if max_batches is not None and evaluated >= max_batches:
             break
         with autocast if autocast is not None else torch.autocast("cpu", enabled=False):
             nll = batch_nll(model, inputs, targets, *doc_ids)
         totals[0] += nll.double()
         totals[1] += (targets != IGNORE_INDEX).sum()
+        evaluated += 1
     model.train(was_training)
     if reduce is not None:
         reduce(totals)
@@ -58,4 +60,4 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, autocast=None, max_ba
     if count == 0:
         raise ValueError("the evaluation data has no target tokens")
     loss = total / count
-    return {"val_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(count)}
+    return {"val_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(count), "batches": evaluated}

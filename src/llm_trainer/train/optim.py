@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..config import TrainingConfig
+from .muon import MuonAdamW
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -30,13 +31,16 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, config: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
+    # Fused kernels on CUDA and CPU (on CPU 2-3x faster than foreach for small models); both also let the
+    # loop skip a non-finite step on the device, without a host sync (see parallel.strategies).
+    fused = device.type in ("cuda", "cpu")
+    if config.optimizer == "muon":
+        return MuonAdamW(muon_groups(model, config), lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                         eps=config.adam_epsilon, momentum=config.muon_momentum, fused=fused)
     groups = parameter_groups(model, config.weight_decay)
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.learning_rate, momentum=config.sgd_momentum)
     cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
-    # Fused kernels on CUDA and CPU (on CPU 2-3x faster than foreach for small models); both also let the
-    # loop skip a non-finite step on the device, without a host sync (see Trainer._optimizer_step).
-    fused = device.type in ("cuda", "cpu")
     return cls(
         groups,
         lr=config.learning_rate,
@@ -45,6 +49,26 @@ def build_optimizer(model: nn.Module, config: TrainingConfig, device: torch.devi
         fused=fused or None,
         foreach=None if fused else True,
     )
+
+
+def muon_groups(model: nn.Module, config: TrainingConfig) -> list[dict]:
+    """Muon for the weights of the linear layers inside the model (not the output head, nor a weight
+    shared with an embedding); AdamW groups as `parameter_groups` for the rest."""
+    head = getattr(model, "lm_head", None)
+    embedding = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    hidden = {id(m.weight): m.weight for m in model.modules()
+              if isinstance(m, nn.Linear) and m is not head and id(m.weight) not in embedding and m.weight.requires_grad}
+    rest = [{**group, "params": [p for p in group["params"] if id(p) not in hidden]}
+            for group in parameter_groups(model, config.weight_decay)]
+    muon = {"params": list(hidden.values()), "muon": True, "weight_decay": config.weight_decay,
+            "lr_scale": config.muon_learning_rate / config.learning_rate}
+    return [muon, *(group for group in rest if group["params"])]
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's rate on every group, times the group's `lr_scale` (Muon's matrices have their own peak)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def learning_rate_at(step: int, config: TrainingConfig, total_steps: int) -> float:

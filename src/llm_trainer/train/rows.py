@@ -74,6 +74,7 @@ class SummaryRow(_Row):
     checkpoint: str | None  # the last checkpoint written
     val_loss: float | None = None  # the final evaluation
     perplexity: float | None = None
+    time_to_target_s: float | None = None  # seconds from the start of train() to target_val_loss
 
 
 def row_kind(row: dict) -> Kind | None:

@@ -22,13 +22,13 @@ from ..errors import TrainingStopped, UsageError
 from ..logs import is_main_process, log
 from ..parallel.distributed import all_reduce_
 from ..parallel.parallelize import parallelize
-from ..resolve import ResolvedRun, activation_checkpointing, seed_everything, setup_runtime
+from ..resolve import ResolvedRun, activation_checkpointing, seed_everything, setup_runtime, token_anchors
 from .batches import as_loader
 from .callbacks import Callback
 from .evaluate import evaluate
 from .flops import flops_per_token, peak_flops
 from .metrics import build_loggers, close_loggers
-from .optim import build_optimizer, learning_rate_at
+from .optim import build_optimizer, learning_rate_at, set_learning_rate
 from .rows import EvalRow, SummaryRow, TrainRow
 from .speed import SpeedMonitor
 from .state import TrainState
@@ -58,8 +58,11 @@ class Trainer:
         experiment_config: dict | None = None,
         run: ResolvedRun | None = None,
     ):
-        self.config = config
         runtime = run.runtime if run is not None else setup_runtime(config)
+        seq_len = run.seq_len if run else getattr(getattr(train_dataloader, "rows", None), "length", None)  # our loaders know it
+        if run is None:
+            config = token_anchors(config, seq_len, runtime.dist.world_size)
+        self.config = config
         self.dist, self.device, self.amp_dtype = runtime.dist, runtime.device, runtime.amp_dtype
         seed_everything(config.seed)  # before parallelize: a meta-device model is initialised there
         self.tokenizer = tokenizer
@@ -96,7 +99,7 @@ class Trainer:
         self.total_steps = config.max_steps if config.max_steps is not None else per_epoch * config.num_epochs
         self.state = TrainState()
         self.bad_steps = NonFiniteSteps(self.device)  # renewed by train() from the (resumed) state
-        seq_len = run.seq_len if run else getattr(getattr(self.train_loader, "rows", None), "length", None)
+        self.time_to_target_s: float | None = None  # seconds into train() when target_val_loss was reached
         self.speed = SpeedMonitor(config.speed_window_size, _flops_per_token(model, seq_len),
                                   config.peak_flops or _peak_flops(self.device, self.amp_dtype), self.device)
         self.stop = StopControl(self.dist.world_size)
@@ -123,15 +126,14 @@ class Trainer:
             cb.on_train_begin(self)
         progress = self._progress_bar()
         self.model.train()
-        started = time.perf_counter()
+        started = self._started = time.perf_counter()
         last_saved, final_eval = None, None
 
         try:
             with self.checkpointer, self.stop.signals_handled():
                 while state.step < self.total_steps and not self.stop.requested:
                     lr = learning_rate_at(state.step, cfg, self.total_steps)
-                    for group in self.optimizer.param_groups:
-                        group["lr"] = lr
+                    set_learning_rate(self.optimizer, lr)
                     self.speed.start_step()
                     micro = [self.speed.timed_batch(self.train_loader) for _ in range(accum)]
                     out = train_step(self.parallel, micro, autocast=self.autocast, max_grad_norm=cfg.max_grad_norm,
@@ -182,7 +184,7 @@ class Trainer:
                 tokens_seen=state.tokens_seen, skipped_steps=state.skipped_steps, stopped_early=self.stop.reason,
                 best_val_loss=state.best_val_loss, checkpoint=str(last_saved) if last_saved else None,
                 val_loss=final_eval["val_loss"] if final_eval else None,
-                perplexity=final_eval["perplexity"] if final_eval else None,
+                perplexity=final_eval["perplexity"] if final_eval else None, time_to_target_s=self.time_to_target_s,
             ).as_dict()
             self._log_metrics(summary)
             self._log_end(summary)
@@ -209,15 +211,20 @@ class Trainer:
                 f"is untouched. Lower training.learning_rate, enable clipping (max_grad_norm) or use bfloat16 instead of float16"
             )
 
-    def evaluate(self) -> dict:
+    def evaluate(self, *, full: bool = False) -> dict:
+        """Validation loss over the first `eval_max_batches` batches, or all of them (`full`, or no cap)."""
         if self.val_loader is None:
             raise UsageError("no validation data: pass val_dataloader or set data.validation_split")
-        return evaluate(self.raw_model, self.val_loader, autocast=self.autocast, max_batches=self.config.eval_max_batches,
-                        reduce=all_reduce_)
+        return evaluate(self.raw_model, self.val_loader, autocast=self.autocast, reduce=all_reduce_,
+                        max_batches=None if full else self.config.eval_max_batches)
 
     def _evaluate_and_track(self) -> dict:
         cfg, state = self.config, self.state
         metrics = self.evaluate()
+        target = cfg.target_val_loss
+        whole = cfg.eval_max_batches is None or metrics["batches"] < cfg.eval_max_batches  # the split ended first
+        if target is not None and not whole and metrics["val_loss"] <= target * 1.01:
+            metrics, whole = self.evaluate(full=True), True  # within 1% of the target on a part: the whole split decides
         improved = state.best_val_loss is None or metrics["val_loss"] < state.best_val_loss - cfg.early_stopping_min_delta
         if improved:
             state.best_val_loss, state.best_step, state.evals_without_improvement = metrics["val_loss"], state.step, 0
@@ -229,6 +236,10 @@ class Trainer:
                     f"early stopping: val_loss did not improve by {cfg.early_stopping_min_delta} for "
                     f"{state.evals_without_improvement} evaluations (best {state.best_val_loss:.4f} at step {state.best_step})"
                 )
+        if target is not None and whole and metrics["val_loss"] <= target:
+            self.time_to_target_s = time.perf_counter() - self._started
+            self.stop.request(f"target reached: val_loss {metrics['val_loss']:.4f} <= {target} at step {state.step}, "
+                              f"{self.time_to_target_s:.1f}s after training started")
         self._log_metrics(EvalRow(step=state.step, **metrics).as_dict())
         for cb in self.callbacks:
             cb.on_evaluate(self, metrics)

@@ -1,0 +1,99 @@
+"""Muon for the hidden matrices, AdamW for everything else, as one optimizer with one state.
+
+Muon (Jordan et al. 2024, the modded-nanoGPT speedruns; `torch.optim.Muon`) replaces each 2-D
+weight's momentum-smoothed gradient by its nearest semi-orthogonal matrix (5 Newton-Schulz
+iterations in bfloat16) before the step: every direction of the update moves at the same rate.
+It is meant for the matrices inside the blocks; embeddings, the output head, norms and biases keep
+AdamW. Here both live in one `torch.optim.Optimizer` (groups marked `muon: True/False`), so a
+checkpoint holds one optimizer state and a resume is exact.
+
+Each group's learning rate is the schedule's value times the group's `lr_scale` (Muon's groups:
+`muon_learning_rate / learning_rate`), so one schedule drives both. `found_inf` (set by the loop's
+non-finite-step skip) leaves weights and state untouched without a host sync, as the fused AdamW does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.adam import adam
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (Keller Jordan's Muon)
+
+
+def orthogonalize(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Approximately U V^T for matrix = U S V^T: singular values pushed into about [0.7, 1.2]."""
+    a, b, c = NS_COEFFICIENTS
+    x = matrix.bfloat16()  # bf16 matmuls: fast on GPUs and on CPUs with AVX512-BF16/AMX
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
+    for _ in range(steps):
+        gram = x @ x.T  # (rows, rows) with rows <= cols
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
+    return (x.T if tall else x).to(matrix.dtype)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
+                 momentum: float = 0.95, ns_steps: int = 5, fused: bool = False):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0, momentum=momentum, ns_steps=ns_steps,
+                        muon=False, lr_scale=1.0, fused=fused)
+        super().__init__(groups, defaults)
+        for group in self.param_groups:
+            if group["muon"] and any(p.dim() != 2 for p in group["params"]):
+                raise ValueError("Muon groups may only hold 2-D weights")
+            group["lr"] = lr * group["lr_scale"]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = getattr(self, "found_inf", None)  # set around step() by the loop's non-finite skip
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if group["muon"]:
+                self._muon(group, params, found_inf)
+            else:
+                self._adamw(group, params, found_inf)
+        return loss
+
+    def _muon(self, group: dict, params: list[torch.Tensor], found_inf: torch.Tensor | None) -> None:
+        lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
+        keep = None if found_inf is None else 1.0 - found_inf  # 0 where the step must not happen
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            buf, grad = state["momentum_buffer"], p.grad
+            weight = 1 - momentum if keep is None else (1 - momentum) * keep
+            buf.lerp_(grad, weight)  # (with keep = 0 the buffer is unchanged)
+            update = orthogonalize(grad.lerp(buf, momentum), group["ns_steps"])  # Nesterov
+            scale = lr * math.sqrt(max(1.0, p.size(0) / p.size(1)))  # same RMS for tall and wide matrices
+            if keep is None:
+                p.mul_(1 - lr * decay).add_(update, alpha=-scale)
+            else:
+                p.mul_(1 - lr * decay * keep).sub_(update * (scale * keep))
+
+    def _adamw(self, group: dict, params: list[torch.Tensor], found_inf: torch.Tensor | None) -> None:
+        moments, squares, steps = [], [], []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if group["fused"] else "cpu")
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            moments.append(state["exp_avg"])
+            squares.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        adam(params, [p.grad for p in params], moments, squares, [], steps, fused=group["fused"] or None,
+             foreach=None if group["fused"] else True, found_inf=found_inf if group["fused"] else None,
+             decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
