@@ -42,7 +42,8 @@ def test_activation_choices_reach_the_mlp():
     """Each activation computes proj(act(fc(x))) with its own function (SwiGLU: proj(silu(gate) * up))."""
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16)
-    functions = {"relu": F.relu, "silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh")}
+    functions = {"relu": F.relu, "silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+                 "relu2": lambda h: F.relu(h) ** 2}
     for name, fn in functions.items():
         mlp = Transformer(tiny_model_config(activation=name)).blocks[0].mlp.eval()
         torch.testing.assert_close(mlp(x), mlp.proj(fn(mlp.fc(x))))

@@ -69,7 +69,8 @@ def test_every_row_kind_has_one_schema():
                      tokens_per_s=10.0).as_dict()
     assert train["kind"] == "train" and "mfu" not in train and train["tokens_per_s"] == 10.0
     summary = SummaryRow(step=2, train_runtime_s=1.0, tokens_per_s=64.0, tokens_seen=64, skipped_steps=0,
-                         stopped_early=None, best_val_loss=None, checkpoint=None).as_dict()
+                         stopped_early=None, best_val_loss=None, checkpoint=None, evaluation_s=0.0,
+                         checkpoint_s=0.0).as_dict()
     assert summary["stopped_early"] is None and "val_loss" not in summary  # required-nullable vs optional
     evaluation = EvalRow(step=2, val_loss=2.0, perplexity=7.39, tokens=100).as_dict()
     assert [row_kind(r) for r in (train, evaluation, summary)] == ["train", "eval", "summary"]

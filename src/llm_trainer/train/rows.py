@@ -72,6 +72,8 @@ class SummaryRow(_Row):
     stopped_early: str | None  # why the run ended before max_steps, or null
     best_val_loss: float | None
     checkpoint: str | None  # the last checkpoint written
+    evaluation_s: float  # of train_runtime_s: evaluating (and writing best_model)
+    checkpoint_s: float  # of train_runtime_s: the loop waiting for checkpoint saves
     val_loss: float | None = None  # the final evaluation
     perplexity: float | None = None
     time_to_target_s: float | None = None  # seconds from the start of train() to target_val_loss

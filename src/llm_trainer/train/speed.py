@@ -6,10 +6,11 @@ window averages are right even though single steps are asynchronous.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 import time
-from collections import deque
+from collections import defaultdict, deque
 
 import torch
 
@@ -52,6 +53,21 @@ class SpeedMonitor:
             if self.peak_flops:
                 out["mfu"] = self.flops_per_token * out["tokens_per_s"] / self.peak_flops
         return out
+
+
+class PhaseTimer:
+    """Seconds spent in named phases of the loop (evaluation, checkpoint), for the end-of-run summary."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def count(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -30,7 +30,7 @@ from .flops import flops_per_token, peak_flops
 from .metrics import build_loggers, close_loggers
 from .optim import build_optimizer, learning_rate_at, set_learning_rate
 from .rows import EvalRow, SummaryRow, TrainRow
-from .speed import SpeedMonitor
+from .speed import PhaseTimer, SpeedMonitor
 from .state import TrainState
 from .step import NonFiniteSteps, autocast, train_step
 from .stop import StopControl
@@ -127,6 +127,7 @@ class Trainer:
         progress = self._progress_bar()
         self.model.train()
         started = self._started = time.perf_counter()
+        timer = PhaseTimer()
         last_saved, final_eval = None, None
 
         try:
@@ -163,7 +164,8 @@ class Trainer:
                     # Evaluate; track the best model; early stopping.
                     at_end = state.step == self.total_steps
                     if self.val_loader is not None and (at_end or (cfg.eval_steps and state.step % cfg.eval_steps == 0)):
-                        final_eval = self._evaluate_and_track()
+                        with timer.count("evaluation"):
+                            final_eval = self._evaluate_and_track()
 
                     # Checkpoint periodically (in the background), at the end and when a signal asked us to stop.
                     self.checkpointer.poll()
@@ -171,18 +173,21 @@ class Trainer:
                     stopping = at_end or self.stop.stopping
                     if stopping or (cfg.save_steps and state.step % cfg.save_steps == 0):
                         self._read_bad_steps()
-                        last_saved = self.checkpointer.save(background=not stopping)
+                        with timer.count("checkpoint"):
+                            last_saved = self.checkpointer.save(background=not stopping)
                     self.stop.end_step()
 
             self._read_bad_steps()
             if self.val_loader is not None and final_eval is None and state.step > start_step:
-                final_eval = self._evaluate_and_track()
+                with timer.count("evaluation"):
+                    final_eval = self._evaluate_and_track()
             elapsed = time.perf_counter() - started
             summary = SummaryRow(
                 step=state.step, train_runtime_s=elapsed,
                 tokens_per_s=(state.tokens_seen - tokens_at_start) / max(elapsed, 1e-9),
                 tokens_seen=state.tokens_seen, skipped_steps=state.skipped_steps, stopped_early=self.stop.reason,
                 best_val_loss=state.best_val_loss, checkpoint=str(last_saved) if last_saved else None,
+                evaluation_s=timer.seconds["evaluation"], checkpoint_s=timer.seconds["checkpoint"],
                 val_loss=final_eval["val_loss"] if final_eval else None,
                 perplexity=final_eval["perplexity"] if final_eval else None, time_to_target_s=self.time_to_target_s,
             ).as_dict()
