@@ -95,10 +95,16 @@ def _eval_loader(model, tokenizer, experiment: dict, data_file: str | None, batc
         if settings.max_length is not None and settings.max_length > length:
             raise UsageError(f"the saved data.max_length ({settings.max_length}) exceeds the model's context ({length}); "
                              "pass --data FILE")
-        if int(prepared.tokens("val").max()) >= model.config.vocab_size:
-            raise UsageError(f"the prepared data in {prepared.directory} holds token ids beyond the model's vocabulary; "
-                             "it was prepared with another tokenizer. Pass --data FILE")
-        rows = build_rows(prepared, "val", settings, settings.max_length or length, seed=None)
+        try:  # files of a folder the checkpoint pointed at: whatever is wrong with them is one line
+            if int(prepared.tokens("val").max()) >= model.config.vocab_size:
+                raise UsageError(f"the prepared data in {prepared.directory} holds token ids beyond the model's "
+                                 "vocabulary; it was prepared with another tokenizer. Pass --data FILE")
+            rows = build_rows(prepared, "val", settings, settings.max_length or length, seed=None)
+        except (ValueError, OSError, IndexError) as exc:
+            if isinstance(exc, UsageError):
+                raise
+            raise UsageError(f"the prepared data in {prepared.directory} is unreadable ({str(exc).splitlines()[0][:120]}); "
+                             "pass --data FILE") from None
     return BatchLoader(rows, batch_size, shuffle=False, drop_last=False)
 
 

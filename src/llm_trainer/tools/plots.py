@@ -65,7 +65,7 @@ def read_run(run_dir: str | Path, label: str | None = None) -> RunSeries:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by a crash
-        if not isinstance(row, dict) or "step" not in row:
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             continue
         kind = row_kind(row)
         if kind == "eval":

@@ -22,33 +22,35 @@ from ..errors import UsageError
 
 LOCK_FILE = ".lock"
 _held: dict[str, list[int]] = {}  # resolved folder -> [descriptor, depth]
+_WHAT = {"training.output_dir": "output folder", "training.checkpoint_dir": "checkpoint folder"}
 
 
 def _reason(exc: OSError) -> str:
     return exc.strerror or type(exc).__name__
 
 
-def _open_lock(folder: Path) -> int:
+def _open_lock(folder: Path, setting: str) -> int:
     """The lock file's descriptor, the folder created and proven writable; a UsageError otherwise."""
+    what = f"{_WHAT.get(setting, 'folder')} {folder}"
     if folder.is_symlink() and not folder.exists():
-        raise UsageError(f"output folder {folder} is a dangling symlink; choose another training.output_dir")
+        raise UsageError(f"{what} is a dangling symlink; choose another {setting}")
     if folder.exists() and not folder.is_dir():
-        raise UsageError(f"output folder {folder} is a file; choose another training.output_dir")
+        raise UsageError(f"{what} is a file; choose another {setting}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         fd = os.open(folder / LOCK_FILE, flags, 0o644)
     except OSError as exc:
-        raise UsageError(f"cannot write into output folder {folder} ({_reason(exc)}); choose another "
-                         "training.output_dir or fix its permissions") from None
+        raise UsageError(f"cannot write into {what} ({_reason(exc)}); choose another {setting} or fix its "
+                         "permissions") from None
     probe = folder / f".write-probe-{os.getpid()}"
     try:  # the lock file may exist already: prove that new files can be made here too
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644))
         probe.unlink()
     except OSError as exc:
         os.close(fd)
-        raise UsageError(f"cannot write into output folder {folder} ({_reason(exc)}); choose another "
-                         "training.output_dir or fix its permissions") from None
+        raise UsageError(f"cannot write into {what} ({_reason(exc)}); choose another {setting} or fix its "
+                         "permissions") from None
     return fd
 
 
@@ -61,8 +63,9 @@ def _holder(fd: int) -> str:
 
 
 @contextlib.contextmanager
-def run_lock(folder: str | Path) -> Iterator[None]:
-    """Hold the exclusive lock of `folder` for the block; refuse at once if another process holds it."""
+def run_lock(folder: str | Path, setting: str = "training.output_dir") -> Iterator[None]:
+    """Hold the exclusive lock of `folder` for the block; refuse at once if another process holds it.
+    `setting`: the config field that named the folder, for the messages."""
     folder = Path(folder)
     key = str(folder.resolve())
     created = False
@@ -70,7 +73,7 @@ def run_lock(folder: str | Path) -> Iterator[None]:
         _held[key][1] += 1
     else:
         created = not folder.exists()
-        fd = _open_lock(folder)
+        fd = _open_lock(folder, setting)
         try:
             import fcntl
 
@@ -80,10 +83,13 @@ def run_lock(folder: str | Path) -> Iterator[None]:
         except OSError:
             holder = _holder(fd)
             os.close(fd)
-            raise UsageError(f"output folder {folder} is in use by a run still going ({holder}); wait for it to end, "
-                             "or choose another training.output_dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            raise UsageError(f"{_WHAT.get(setting, 'folder')} {folder} is in use by a run still going ({holder}); "
+                             f"wait for it to end, or choose another {setting}") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:  # a full disk: the lock holds all the same, a second run just cannot name us
+            pass
         _held[key] = [fd, 1]
     try:
         yield
@@ -108,5 +114,5 @@ def lock_run_folders(output_dir: str | Path, checkpoint_dir: str | Path, is_main
             stack.enter_context(run_lock(output))
             inside = checkpoints.resolve() == output.resolve() or output.resolve() in checkpoints.resolve().parents
             if not inside:
-                stack.enter_context(run_lock(checkpoints))
+                stack.enter_context(run_lock(checkpoints, "training.checkpoint_dir"))
         yield
