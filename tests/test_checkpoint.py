@@ -179,14 +179,9 @@ def kill9(proc: subprocess.Popen) -> None:
     assert finish(proc, 30) == -signal.SIGKILL
 
 
-def train_rows(run: Path, skip: int = 0) -> list[dict]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()[skip:]
+def train_rows(run: Path) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
     return [{k: row[k] for k in TRAIN_FIELDS} for row in map(json.loads, lines) if row["kind"] == "train"]
-
-
-def line_count(run: Path) -> int:
-    path = run / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def checkpoints(run: Path) -> Path:
@@ -198,11 +193,14 @@ def final_bytes(run: Path, step: int = MAX_STEPS) -> dict[str, bytes]:
     return {name: (folder / name).read_bytes() for name in (WEIGHTS_NAME, ckpt.OPTIMIZER_TENSORS)}
 
 
-def assert_same_as_reference(run: Path, reference: Path, resumed_rows: list[dict], first_step: int) -> None:
-    """Every row the resumed run logged equals the uninterrupted run's, as do the final files' bytes."""
-    expected = [row for row in train_rows(reference) if row["step"] >= first_step]
-    assert [r["step"] for r in resumed_rows] == list(range(first_step, MAX_STEPS + 1))
-    assert resumed_rows == expected  # floats compared exactly
+def assert_same_as_reference(run: Path, reference: Path, before: list[dict], first_step: int) -> None:
+    """metrics.jsonl reads as one run, row for row the uninterrupted run's: the rows logged before the
+    resume up to its checkpoint kept as they were, every replayed step logged once (the interrupted
+    run's rows after the checkpoint dropped); and the final files' bytes are the same."""
+    rows = train_rows(run)
+    assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))
+    assert rows[: first_step - 1] == before[: first_step - 1]
+    assert rows == train_rows(reference)  # floats compared exactly
     assert final_bytes(run) == final_bytes(reference)
 
 
@@ -301,10 +299,9 @@ def test_kill9_then_resume_is_bitwise_identical(
     epochs = {row["epoch"] for row in train_rows(ref) if (resumes_from or 1) <= row["step"] <= pause_step}
     assert (len(epochs) > 1) == crosses_epoch
 
-    skip = line_count(run)
     resumed = launch(workspace, config, "training.resume_from_checkpoint=latest")
     assert finish(resumed) == 0, stderr_of(resumed)
-    assert_same_as_reference(run, ref, train_rows(run, skip), (resumes_from or 0) + 1)
+    assert_same_as_reference(run, ref, logged_before_kill, (resumes_from or 0) + 1)
     assert list(checkpoints(run).glob(".tmp-*")) == [], "the dead writer's temporary folder was removed"
     expected = f"continuing from {checkpoints(run) / ckpt.PREFIX}{resumes_from:08d}" if resumes_from else "starting from step 0"
     assert expected in stderr_of(resumed)
@@ -381,7 +378,7 @@ def test_disk_full_in_a_background_save_stops_the_run_and_keeps_the_previous_che
 
 
 @pytest.mark.slow
-def test_sigterm_saves_at_step_boundary_and_resumes_bitwise(workspace, reference, tmp_path):
+def test_sigterm_saves_at_step_boundary_and_resumes_bitwise(workspace, reference, tmp_path, capsys):
     run = tmp_path / "run"
     config = write_config(workspace, run)
     ready, go = tmp_path / "ready", tmp_path / "go"
@@ -402,9 +399,10 @@ def test_sigterm_saves_at_step_boundary_and_resumes_bitwise(workspace, reference
     assert [row["step"] for row in train_rows(run)] == list(range(1, stopped_at + 1))
     assert [p.name for p in ckpt.list_checkpoints(checkpoints(run))] == [latest_name(run), f"{ckpt.PREFIX}{4:08d}"]
 
-    skip = line_count(run)
+    before = train_rows(run)
     assert cli_train(run, "training.resume_from_checkpoint=latest") == 0
-    assert_same_as_reference(run, reference, train_rows(run, skip), stopped_at + 1)
+    assert f"continuing from {checkpoints(run) / ckpt.PREFIX}{stopped_at:08d}" in capsys.readouterr().err
+    assert_same_as_reference(run, reference, before, stopped_at + 1)
 
 
 # -- 2. truncated and bit-flipped files ------------------------------------------------------------
@@ -453,10 +451,11 @@ def test_resume_after_fallback_continues_bitwise(reference, tmp_path, capsys):
     run = copy_run(reference, tmp_path)
     shutil.rmtree(checkpoints(run) / f"{ckpt.PREFIX}{MAX_STEPS:08d}")  # as if never written: `latest` is dangling
     truncate(checkpoints(run) / f"{ckpt.PREFIX}{8:08d}" / ckpt.OPTIMIZER_TENSORS)
-    skip = line_count(run)
+    before = train_rows(run)
     assert cli_train(run, "training.resume_from_checkpoint=latest") == 0
-    assert "skipping checkpoint" in capsys.readouterr().err
-    assert_same_as_reference(run, reference, train_rows(run, skip), 5)
+    err = capsys.readouterr().err
+    assert "skipping checkpoint" in err and f"continuing from {checkpoints(run) / ckpt.PREFIX}{4:08d}" in err
+    assert_same_as_reference(run, reference, before, 5)
 
 
 def test_every_checkpoint_damaged_is_an_error(reference, tmp_path):

@@ -244,10 +244,16 @@ def test_model_card_and_overwrite_rules(tmp_path):
     assert "GPT2LMHeadModel" in card and "val_loss | 3.142" in card
     assert f"{model.num_parameters():,}" in card
 
-    # A previous export is replaced; leftovers from it do not survive.
-    (out / "stale.txt").write_text("old")
-    export_to_hf(source, tmp_path / "hf")
-    assert not (out / "stale.txt").exists() and "## Metrics" not in (out / "README.md").read_text()
+    # A second export into it is refused, nothing touched; with overwrite the export's own files are
+    # replaced and everything else (a file of the user's) is kept.
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(UsageError, match="not empty"):
+        export_to_hf(source, tmp_path / "hf")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    export_to_hf(source, tmp_path / "hf", overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine" and "## Metrics" not in (out / "README.md").read_text()
+    assert {p.name for p in out.iterdir()} == set(before)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left behind
 
     # Anything else that is not empty is refused, and left alone.

@@ -7,22 +7,27 @@ step can be replaced by the user's own piece (see `Trainer` for bringing your ow
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import torch
+import yaml
 
-from .checkpoint.format import SHARDED_DIR, resolve_checkpoint, verify
+from .checkpoint.durable import write_text_atomically
+from .checkpoint.format import SHARDED_DIR, link_outside, resolve_checkpoint, verify
 from .checkpoint.model_folder import load_model_folder, load_model_state, read_model_config
 from .config import DataConfig, ExperimentConfig, ModelConfig
 from .data.loader import BatchLoader, DocumentRows, WindowRows
 from .data.prepare import PreparedData, prepare_data
 from .errors import UsageError
-from .logs import log
+from .logs import log, warn
 from .model import Transformer
 from .parallel import distributed
 from .resolve import resolve, sequence_length, setup_runtime
-from .tokenizer import Tokenizer
+from .tokenizer import TOKENIZER_FILE, Tokenizer, vocabulary_mismatch
+from .train.callbacks import Callback
+from .train.run_lock import lock_run_folders
 from .train.trainer import Trainer
 
 __all__ = ["build_model", "prepare_data", "build_loaders", "train", "load_for_inference"]
@@ -50,6 +55,25 @@ def load_init_model(path: str) -> Transformer:
 
     model, _ = import_from_hf(path)
     return model
+
+
+def _check_init_vocabulary(init_from: str, tokenizer: Tokenizer) -> None:
+    """Refuse a tokenizer whose ids mean other tokens than the init_from model's embedding rows."""
+    source = Path(init_from) / TOKENIZER_FILE
+    if not source.is_file():
+        warn(f"model.init_from {init_from} has no {TOKENIZER_FILE}: its vocabulary cannot be checked against this "
+             "run's tokenizer; they must number the same tokens alike")
+        return
+    try:
+        wrong, total = vocabulary_mismatch(source.read_text(encoding="utf-8"), tokenizer.to_json())
+    except (OSError, UnicodeDecodeError, UsageError) as exc:
+        raise UsageError(f"model.init_from: {source} could not be read ({exc})") from None
+    if wrong:
+        raise UsageError(
+            f"model.init_from {init_from} was trained with another vocabulary: {wrong} of this run's {total} tokens "
+            f"are missing from it or have other ids, so they would read the wrong embedding rows; train with its "
+            f"tokenizer (data.tokenizer: {source})"
+        )
 
 
 def build_rows(prepared: PreparedData, split: str, data: DataConfig, length: int, seed: int | None):
@@ -103,7 +127,10 @@ def train(experiment: ExperimentConfig, callbacks=()) -> dict:
             experiment = _replace_section(experiment, "data", tokenizer=str(tokenizer_file))
     sequence_length(experiment)  # a bad length fails before any data is prepared
     runtime = setup_runtime(experiment.training)
-    try:
+    locks = contextlib.ExitStack()
+    try:  # one run per output folder; a folder we cannot write fails here, before anything is prepared
+        t = experiment.training
+        locks.enter_context(lock_run_folders(t.output_dir, t.resolved_checkpoint_dir, runtime.dist.is_main))
         if not runtime.dist.is_main:  # rank 0 prepares the data; the others then reuse its cache
             distributed.barrier()
         prepared = prepare_data(experiment.data)
@@ -112,17 +139,15 @@ def train(experiment: ExperimentConfig, callbacks=()) -> dict:
         # Built on the meta device and initialised on the target device by the trainer (after sharding
         # under FSDP): every strategy and world size starts from the same weights for the same seed.
         loaded = load_init_model(experiment.model.init_from) if experiment.model.init_from else None
+        if loaded is not None:
+            _check_init_vocabulary(experiment.model.init_from, prepared.tokenizer)
         run = resolve(experiment, prepared.tokenizer, runtime, model_config=loaded.config if loaded else None)
         model = loaded if loaded is not None else build_model(run.experiment.model, meta=True)
         train_loader, val_loader = build_loaders(run.experiment, prepared, run.device, run.dist.rank, run.dist.world_size)
         output = Path(run.training.output_dir)
-        if run.dist.is_main:
-            output.mkdir(parents=True, exist_ok=True)
-            run.experiment.save(output / "config.yaml")
-            prepared.tokenizer.save(output)
         trainer = Trainer(
             model, run.training, train_dataloader=train_loader, val_dataloader=val_loader, tokenizer=prepared.tokenizer,
-            callbacks=callbacks, run=run,
+            callbacks=[_RunFiles(output, run.experiment, prepared.tokenizer), *callbacks], run=run,
             experiment_config={**run.experiment.to_dict(), "data_fingerprint": prepared.manifest["fingerprint"]},
         )
         summary = trainer.train()
@@ -132,7 +157,21 @@ def train(experiment: ExperimentConfig, callbacks=()) -> dict:
             plot_runs([output], output / "plots")
         return summary
     finally:
+        locks.close()
         distributed.teardown()
+
+
+class _RunFiles(Callback):
+    """The run's config.yaml and tokenizer.json, written when the loop starts: after a resume has been
+    accepted, so a refused one (another model shape, another tokenizer) leaves the folder as it was."""
+
+    def __init__(self, output: Path, experiment: ExperimentConfig, tokenizer: Tokenizer):
+        self.output, self.experiment, self.tokenizer = output, experiment, tokenizer
+
+    def on_train_begin(self, trainer) -> None:
+        if trainer.dist.is_main:
+            write_text_atomically(self.output / "config.yaml", yaml.safe_dump(self.experiment.to_dict(), sort_keys=False))
+            write_text_atomically(self.output / TOKENIZER_FILE, self.tokenizer.to_json())
 
 
 def _replace_section(experiment: ExperimentConfig, section: str, **changes) -> ExperimentConfig:
@@ -156,6 +195,9 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
         problem = verify(path)
         if problem:
             raise UsageError(f"{path} is unusable: {problem}")
+    for name in ("model_config.json", "model.safetensors", "tokenizer.json", SHARDED_DIR):
+        if link_outside(path, name):
+            raise UsageError(f"{path / name} is a symlink that leads out of {path}; refusing it")
     if (path / SHARDED_DIR / ".metadata").is_file():  # an FSDP checkpoint: gather its shards in this one process
         from .checkpoint.sharded import consolidate  # (torch.distributed.checkpoint: a second to import)
 
@@ -165,6 +207,9 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
     else:
         model = load_model_folder(path, device=device)
     tokenizer = Tokenizer.load(path)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise UsageError(f"{path / 'tokenizer.json'} has {tokenizer.vocab_size} tokens but the model's vocabulary is "
+                         f"{model.config.vocab_size}; the folder holds another model's tokenizer")
     meta_file = path / "meta.json"
     experiment = json.loads(meta_file.read_text()).get("config", {}) if meta_file.is_file() else {}
     return model, tokenizer, experiment

@@ -59,11 +59,8 @@ def cmd_train(args) -> int:
 
 def _eval_loader(model, tokenizer, experiment: dict, data_file: str | None, batch_size: int):
     """Validation batches: a text file's windows, or the run's own validation split."""
-    from .config import ExperimentConfig
-    from .data.loader import BatchLoader, WindowRows
-    from .data.prepare import prepare_data
     from .api import build_rows
-    from .resolve import sequence_length
+    from .data.loader import BatchLoader, WindowRows
 
     length = model.config.max_seq_len
     if data_file is not None:
@@ -78,14 +75,36 @@ def _eval_loader(model, tokenizer, experiment: dict, data_file: str | None, batc
         if len(tokens) < 2:
             raise UsageError(f"--data {path} has fewer than two tokens; nothing to evaluate")
         rows = WindowRows(tokens, length, keep_partial=True)
-    else:
-        if not experiment:
+    else:  # the run's validation split, prepared earlier; the checkpoint's config cannot name files or folders to write
+        from .config import DataConfig
+        from .data.prepare import find_prepared
+
+        data, fingerprint = experiment.get("data"), experiment.get("data_fingerprint")
+        if not isinstance(data, dict) or fingerprint is None:
             raise UsageError("this folder has no saved config to find its validation data; pass --data FILE")
-        exp = ExperimentConfig.from_dict({k: v for k, v in experiment.items() if k in ExperimentConfig.SECTIONS})
-        prepared = prepare_data(exp.data)
+        try:
+            settings = DataConfig.from_dict(data, section="data")
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"the checkpoint's saved data settings are invalid ({exc}); pass --data FILE") from None
+        prepared = find_prepared(settings.cache_dir, fingerprint)
+        if prepared is None:
+            raise UsageError(f"the run's validation data ({fingerprint}) is not prepared in {settings.cache_dir}; "
+                             "run `llm-trainer prepare` with the run's config, or pass --data FILE")
         if prepared.manifest["splits"]["val"]["tokens"] < 2:
             raise UsageError("the run has no validation split; pass --data FILE")
-        rows = build_rows(prepared, "val", exp.data, sequence_length(exp), seed=None)
+        if settings.max_length is not None and settings.max_length > length:
+            raise UsageError(f"the saved data.max_length ({settings.max_length}) exceeds the model's context ({length}); "
+                             "pass --data FILE")
+        try:  # files of a folder the checkpoint pointed at: whatever is wrong with them is one line
+            if int(prepared.tokens("val").max()) >= model.config.vocab_size:
+                raise UsageError(f"the prepared data in {prepared.directory} holds token ids beyond the model's "
+                                 "vocabulary; it was prepared with another tokenizer. Pass --data FILE")
+            rows = build_rows(prepared, "val", settings, settings.max_length or length, seed=None)
+        except (ValueError, OSError, IndexError) as exc:
+            if isinstance(exc, UsageError):
+                raise
+            raise UsageError(f"the prepared data in {prepared.directory} is unreadable ({str(exc).splitlines()[0][:120]}); "
+                             "pass --data FILE") from None
     return BatchLoader(rows, batch_size, shuffle=False, drop_last=False)
 
 
@@ -93,6 +112,8 @@ def cmd_eval(args) -> int:
     from .api import load_for_inference
     from .train.evaluate import evaluate
 
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
     metrics = evaluate(model, _eval_loader(model, tokenizer, experiment, args.data, args.batch_size))
     if args.json:
@@ -104,8 +125,9 @@ def cmd_eval(args) -> int:
 
 def cmd_generate(args) -> int:
     from .api import load_for_inference
-    from .tools.generate import generate
+    from .tools.generate import check_sampling, generate
 
+    check_sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     model, tokenizer, _ = load_for_inference(args.checkpoint)
     prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eot_id]
     new = generate(
@@ -133,7 +155,8 @@ def cmd_export(args) -> int:
         path = found
     load_for_inference(path)  # validates the folder with our own loader first
     tokenizer_file = path / "tokenizer.json"
-    out = export_to_hf(path, args.output, tokenizer_file=tokenizer_file if tokenizer_file.is_file() else None)
+    out = export_to_hf(path, args.output, tokenizer_file=tokenizer_file if tokenizer_file.is_file() else None,
+                       overwrite=args.overwrite)
     print(f"exported to {out}")
     return 0
 
@@ -142,10 +165,16 @@ def cmd_consolidate(args) -> int:
     """A sharded (FSDP) checkpoint -> one standalone model folder (safetensors, config, tokenizer)."""
     from .api import load_for_inference
     from .checkpoint.model_folder import save_model_folder
+    from .checkpoint.publish import check_target, publish
 
+    check_target(Path(args.output), Path(args.checkpoint), args.overwrite)
     model, tokenizer, _ = load_for_inference(args.checkpoint)
-    save_model_folder(model, args.output)
-    tokenizer.save(args.output)
+
+    def build(folder: Path) -> None:
+        save_model_folder(model, folder)
+        tokenizer.save(folder)
+
+    publish(Path(args.output), build, source=Path(args.checkpoint), overwrite=args.overwrite)
     print(f"consolidated {args.checkpoint} into {args.output}")
     return 0
 
@@ -321,14 +350,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=cmd_generate)
 
+    overwrite = "replace the files this command writes in a non-empty --output folder (other files are kept)"
     p = sub.add_parser("export", help="write a Hugging Face transformers model folder")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--output", required=True)
+    p.add_argument("--overwrite", action="store_true", help=overwrite)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("consolidate", help="merge a sharded (FSDP) checkpoint into one safetensors model folder")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--output", required=True)
+    p.add_argument("--overwrite", action="store_true", help=overwrite)
     p.set_defaults(func=cmd_consolidate)
 
     p = sub.add_parser("quickstart", help="train the tiny preset on the built-in corpus, evaluate, sample")

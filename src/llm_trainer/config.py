@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 import types
 import typing
@@ -68,6 +69,8 @@ def _conforms(value: Any, tp: Any) -> bool:
 class _Validated:
     """Mixin: type-check every field against its annotation, then run the class's own checks."""
 
+    UNBOUNDED: tuple[str, ...] = ()  # float fields where +inf means "no limit" (every other one must be finite)
+
     def __post_init__(self) -> None:
         self._coerce()
         hints = typing.get_type_hints(type(self))
@@ -77,6 +80,8 @@ class _Validated:
             tp = hints[f.name]
             if not _conforms(value, tp):
                 raise ValueError(f"{section}.{f.name} must be {_type_name(tp)}, got {value!r}")
+            if isinstance(value, float) and not math.isfinite(value) and not (value > 0 and f.name in self.UNBOUNDED):
+                raise ValueError(f"{section}.{f.name} must be a finite number, got {value}")
             if tp is float or (typing.get_origin(tp) in (typing.Union, types.UnionType) and float in typing.get_args(tp)):
                 if isinstance(value, int) and not isinstance(value, bool):
                     object.__setattr__(self, f.name, float(value))
@@ -359,6 +364,8 @@ class CurriculumStage(_Validated):
 
     until_step: int
     max_difficulty: float
+
+    UNBOUNDED = ("max_difficulty",)
 
     def _check(self) -> None:
         _require(self.until_step > 0, f"a curriculum stage's until_step must be positive, got {self.until_step}")

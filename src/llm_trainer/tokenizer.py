@@ -125,6 +125,17 @@ class Tokenizer:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
 
+def vocabulary_mismatch(source_json: str, ours_json: str) -> tuple[int, int]:
+    """(tokens of ours that the source lacks or numbers otherwise, tokens of ours): the rows of an
+    embedding trained with `source_json` that would be read for the wrong token, or for none."""
+    try:
+        source = HFTokenizer.from_str(source_json).get_vocab(with_added_tokens=True)
+    except Exception as exc:  # tokenizers raises plain Exception for malformed JSON
+        raise UsageError(f"not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})") from None
+    ours = HFTokenizer.from_str(ours_json).get_vocab(with_added_tokens=True)
+    return sum(source.get(token) != index for token, index in ours.items()), len(ours)
+
+
 def _bounded(texts: Iterable[str], max_chars: int) -> Iterator[str]:
     seen = 0
     for text in texts:

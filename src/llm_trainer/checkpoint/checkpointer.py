@@ -34,11 +34,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..errors import UsageError
+from ..errors import CheckpointError, UsageError
 from ..logs import log
 from ..parallel import distributed
+from ..tokenizer import vocabulary_mismatch
 from . import format as ckpt
 from .background import BackgroundWriter, HostSnapshot
+from .durable import remove_stale
 
 
 class Checkpointer:
@@ -63,6 +65,7 @@ class Checkpointer:
     def __enter__(self) -> "Checkpointer":
         if self.dist.is_main:
             self._remove_staging()  # no rank writes there before the first save's barrier
+            remove_stale(self.root)  # a best_model an interrupted save moved aside is put back now
         if self.use_background:
             self._writer, self._buffers_reserved = BackgroundWriter(), False
         return self
@@ -192,8 +195,12 @@ class Checkpointer:
             log(f"resume: no checkpoint in {self.root} yet; starting from step 0")
             return None
         parts = ckpt.load_checkpoint(path, map_location=self.parallel.device)
-        self.parallel.load(parts, path)
+        self._check_tokenizer(path)
         saved = parts["train_state"]
+        problem = ckpt.train_state_problem(saved)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+        self.parallel.load(parts, path)
         self.state.load_state_dict(saved)
         if saved["schedule"]["total_steps"] != self.schedule["total_steps"]:
             log(f"resume: the run length changed ({saved['schedule']['total_steps']} -> "
@@ -202,11 +209,27 @@ class Checkpointer:
             self.loader.load_state_dict(saved["data"])
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        except (KeyError, TypeError) as exc:
+            raise CheckpointError(f"checkpoint {path} is unusable: train_state.json has a malformed data position ({exc})") from None
         if saved.get("scaler") and self.parallel.scaler.is_enabled():
             self.parallel.scaler.load_state_dict(saved["scaler"])
-        _restore_rng(parts, saved, self.dist.rank)
+        try:
+            _restore_rng(parts, saved, self.dist.rank)
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+            raise CheckpointError(f"checkpoint {path} is unusable: its random-number states are malformed ({exc})") from None
         log(f"resume: continuing from {path} (step {self.state.step}, {self.state.tokens_seen:,} tokens seen)")
         return self.state
+
+    def _check_tokenizer(self, path: Path) -> None:
+        """Refuse a checkpoint whose token ids mean other tokens than this run's tokenizer gives them."""
+        saved = path / "tokenizer.json"
+        if self.tokenizer_json is None or not saved.is_file():
+            return
+        wrong, total = vocabulary_mismatch(saved.read_text(encoding="utf-8"), self.tokenizer_json)
+        if wrong:
+            raise UsageError(f"{path} was trained with another tokenizer ({wrong} of this run's {total} tokens are "
+                             f"missing from it or have other ids); resume with the data and tokenizer it was trained "
+                             f"with ({saved}), or train into another output_dir")
 
 
 def _restore_rng(parts: dict[str, Any], saved: dict, rank: int) -> None:

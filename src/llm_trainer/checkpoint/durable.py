@@ -4,8 +4,11 @@ version untouched.
 `write_folder_atomically` fills a hidden temporary folder (`.tmp-<name>-<host>-<pid>`) through
 writer functions, checksums each file while the next is written, fsyncs them, writes meta.json (the
 caller's metadata plus every file's size and checksum, and a checksum of itself) last, fsyncs the
-folder, renames it into place and fsyncs the parent. Leftovers of a dead writer are removed by
-`remove_stale`.
+folder, renames it into place and fsyncs the parent. A folder that exists already (best_model) is
+swapped with the new one in one atomic exchange (Linux renameat2), so there is no moment without a
+complete one; where the exchange is missing, two renames with the old version parked as
+`.old-<name>-<host>-<pid>` in between. Leftovers of a dead writer are handled by `remove_stale`: a
+parked version whose folder is gone is put back (or the new one, when it is complete), never deleted.
 """
 
 from __future__ import annotations
@@ -46,19 +49,25 @@ def _fsync(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
-def _libc_sync_file_range():
-    """Linux's sync_file_range(2), or None: it starts writing a file's dirty pages back without waiting."""
+def _libc(name: str, argtypes: tuple, restype):
+    """A Linux libc function through ctypes (errno kept), or None elsewhere or where it is missing."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         import ctypes
 
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    function.restype = ctypes.c_int
+    function.argtypes, function.restype = argtypes, restype
     return function
+
+
+def _libc_sync_file_range():
+    """Linux's sync_file_range(2), or None: it starts writing a file's dirty pages back without waiting."""
+    import ctypes
+
+    return _libc("sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint), ctypes.c_int)
 
 
 _sync_file_range = _libc_sync_file_range()
@@ -124,11 +133,64 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _libc_renameat2():
+    """glibc's renameat2(2), or None (another libc, or not Linux)."""
+    import ctypes
+
+    return _libc("renameat2", (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint), ctypes.c_int)
+
+
+_renameat2 = _libc_renameat2()
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step; False where the system or file system cannot (nothing moved)."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    import ctypes
+
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, getattr(errno, "EOPNOTSUPP", errno.ENOTSUP)):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _recover(root: Path, parked: Path, name: str, writer: str) -> None:
+    """A dead writer parked the previous `name` as `parked`: if `name` is gone (killed between the two
+    renames), put back the writer's new folder when it is complete, else the parked one."""
+    final = root / name
+    if final.exists():
+        shutil.rmtree(parked, ignore_errors=True)  # superseded by a complete `name`
+        return
+    fresh = root / f".tmp-{name}-{writer}"
+    if fresh.is_dir() and (fresh / META).is_file():
+        from .format import verify  # the checksums say whether the new version is whole
+
+        if verify(fresh) is None:
+            fresh.rename(final)
+            shutil.rmtree(parked, ignore_errors=True)
+            log(f"checkpoint: restored {name} from the complete save an interrupted run left ({fresh.name})")
+            return
+    parked.rename(final)
+    log(f"checkpoint: restored the previous {name} that an interrupted save had moved aside ({parked.name})")
+
+
 def remove_stale(root: Path) -> None:
-    """Delete temporary folders/files left in `root` by writers on this host that no longer run."""
+    """Clean up after writers on this host that no longer run: a folder they moved aside is recovered
+    (see `_recover`), their temporary folders and files are deleted."""
     if os.name != "posix" or not root.is_dir():
         return  # os.kill(pid, 0) would terminate the process on Windows
     host = owner().rsplit("-", 1)[0]
+    for parked in sorted(root.glob(".old-*")):
+        parts = parked.name[len(".old-"):].rsplit("-", 2)  # <name>-<host>-<pid>
+        if len(parts) != 3:
+            continue
+        name, writer_host, pid = parts
+        if name and pid.isdigit() and writer_host == host and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            _recover(root, parked, name, f"{writer_host}-{pid}")
     for path in root.iterdir():
         name = path.name
         if name.startswith(".del-"):
@@ -222,7 +284,9 @@ def write_folder_atomically(final: Path, writers: Iterable[Writer], meta: dict[s
         for sub in (p for p in tmp.iterdir() if p.is_dir()):
             _fsync_dir(sub)
         _fsync_dir(tmp)
-        if final.exists():
+        if final.exists() and exchange(tmp, final):  # the new version in, the previous one now at `tmp`
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif final.exists():
             old = final.parent / f".old-{final.name}-{owner()}"
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
@@ -258,12 +322,29 @@ def write_folder_atomically(final: Path, writers: Iterable[Writer], meta: dict[s
     return final
 
 
+def no_follow(path: str, flags: int) -> int:
+    """An `open(..., opener=no_follow)` that refuses a symlink planted at the path (files we write in
+    an output folder must not be redirected elsewhere)."""
+    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
+
+
+def _new_file(path: str, flags: int) -> int:
+    return no_follow(path, flags | os.O_EXCL)
+
+
 def write_text_atomically(path: Path, text: str) -> None:
-    """Replace a small file atomically (temporary file, fsync, rename, fsync of the folder)."""
+    write_bytes_atomically(path, text.encode("utf-8"))
+
+
+def write_bytes_atomically(path: Path, data: bytes) -> None:
+    """Replace a small file atomically (temporary file, fsync, rename, fsync of the folder). The
+    temporary file is created anew and the rename replaces a symlink at `path` instead of following it."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{owner()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        tmp.unlink(missing_ok=True)
+        with open(tmp, "wb", opener=_new_file) as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         tmp.replace(path)
@@ -271,7 +352,8 @@ def write_text_atomically(path: Path, text: str) -> None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         reason = "disk full" if _disk_full(exc, path.parent) else "write failed"
-        raise CheckpointError(f"could not update {path} ({reason}: {first_line(exc)}); the checkpoints themselves are intact") from None
+        raise CheckpointError(f"could not update {path} ({reason}: {first_line(exc)}); the file is as it was, and the "
+                              "checkpoints are intact") from None
 
 
 def read_meta(path: Path) -> dict | None:

@@ -24,6 +24,9 @@ number, so a save that completed but was killed before `latest` was updated is n
 back to the previous one, with a warning naming the reason, if a file is missing, truncated or does
 not match its checksum. A checkpoint named explicitly is verified and refused if anything is wrong.
 Tensors are read with safetensors and `torch.load(weights_only=True)` only: no pickled code runs.
+A folder is read as untrusted (checksums prove integrity, not origin): meta.json and train_state.json
+are type-checked, a symlink leading out of the folder is refused, and every pickle in `sharded/` is
+proven to import nothing off an allow-list before DeepSpeed or DCP reads it (see `safe_pickle`).
 
 Optimizer tensors go to safetensors (written about 3x faster than torch.save's zip archive, and
 memory-mapped on load); optimizer.pt keeps only the structure around them, with a reference in
@@ -47,6 +50,7 @@ from .checksums import CRC32_TREE, XXH3_TREE, checksum_jobs, combine, meta_check
 from .durable import (FORMAT_VERSION, META, Writer, first_line, owner, read_meta, remove_stale, text_writer,
                       write_folder_atomically, write_text_atomically)
 from .model_folder import CONFIG_NAME, WEIGHTS_NAME, save_model_folder, write_model_config
+from .safe_pickle import DEEPSPEED, check_torch_archive
 
 SHARDED_DIR = "sharded"  # per-rank files: DCP shards (FSDP), DeepSpeed's files, RNG states
 PREFIX = "checkpoint-"
@@ -212,18 +216,60 @@ def _safe_file_name(name) -> bool:
     return len(parts) == 1 and Path(parts[0]).name == parts[0] and parts[0] not in ("", ".", "..")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# meta.json fields and the types they must have (a crafted meta.json is damage like any other).
+_META_TYPES = {"format_version": _is_int, "sequence": _is_int, "step": _is_int, "kind": lambda v: isinstance(v, str),
+               "checksum": lambda v: isinstance(v, str), "meta_sha256": lambda v: isinstance(v, str),
+               "config": lambda v: isinstance(v, dict), "metrics": lambda v: isinstance(v, dict),
+               "files": lambda v: isinstance(v, dict), "world_size": _is_int}
+
+
+def _meta_problem(meta: dict) -> str | None:
+    """None when every known field of meta.json has its type, else what is wrong."""
+    for name, ok in _META_TYPES.items():
+        if name in meta and not ok(meta[name]):
+            return f"meta.json is corrupt ({name} is {type(meta[name]).__name__})"
+    if "files" not in meta:
+        return "meta.json is corrupt"
+    plain_sha256 = meta.get("format_version", 1) < 2
+    for name, entry in meta["files"].items():
+        if plain_sha256:
+            good = isinstance(entry, str)
+        else:
+            good = isinstance(entry, dict) and _is_int(entry.get("size")) and entry["size"] >= 0 \
+                and isinstance(entry.get("checksum"), str)
+        if not good:
+            return f"meta.json is corrupt (the entry of {name!r})"
+    return None
+
+
+def link_outside(folder: Path, name: str) -> bool:
+    """Whether `folder/name` (or a folder on the way) is a symlink leading out of `folder`."""
+    try:
+        root, target = Path(folder).resolve(strict=True), (Path(folder) / name).resolve(strict=True)
+    except (OSError, RuntimeError):  # missing, or a symlink loop: not readable as a file of the folder
+        return (Path(folder) / name).is_symlink()
+    return root != target and root not in target.parents
+
+
 def verify(path: Path) -> str | None:
     """None if the folder is a complete checkpoint whose files match their sizes and checksums, else the reason."""
     path = Path(path)
     if not (path / META).is_file():
         return "incomplete: no meta.json (the save was interrupted)"
     meta = read_meta(path)
-    if meta is None or not isinstance(meta.get("files"), dict):
+    if meta is None:
         return "meta.json is corrupt"
+    problem = _meta_problem(meta)
+    if problem:
+        return problem
     if "meta_sha256" in meta and meta["meta_sha256"] != meta_checksum(meta):
         return "meta.json does not match its checksum (corrupt)"
     files, folder_kind, version = meta["files"], meta.get("kind"), meta.get("format_version", 1)
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if version > FORMAT_VERSION:
         return f"unknown checkpoint format {version!r} (this llm-trainer reads up to {FORMAT_VERSION}); upgrade llm-trainer"
     kind = meta.get("checksum") if version >= 2 else None
     if version >= 2 and kind not in (CRC32_TREE, XXH3_TREE):
@@ -234,18 +280,20 @@ def verify(path: Path) -> str | None:
         if name not in files and (version >= 2 or name != OPTIMIZER_TENSORS):
             return f"meta.json does not list {name}"
     plain_sha256 = version < 2
+    for name in files:
+        if not _safe_file_name(name):
+            return f"meta.json names an invalid file {name!r}"
+    for name in (META, SHARDED_DIR, *files):
+        if link_outside(path, name):
+            return f"{name} is a symlink that leads out of the checkpoint folder; refusing it"
     jobs: dict[str, Any] = {}
     for name, entry in files.items():
         file = path / name
-        if not _safe_file_name(name):
-            return f"meta.json names an invalid file {name!r}"
         if not file.is_file():
             return f"{name} is missing"
         if plain_sha256:
             jobs[name] = (entry, None)
             continue
-        if not isinstance(entry, dict) or "size" not in entry or "checksum" not in entry:
-            return "meta.json is corrupt"
         size = file.stat().st_size
         if size != entry["size"]:
             what = "truncated" if size < entry["size"] else "longer than written"
@@ -279,17 +327,21 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
 
 
-def _newest_first(root: Path) -> list[Path]:
+def _named_latest(root: Path) -> str | None:
+    """The checkpoint name `latest` holds, or None (no pointer, or an unreadable one, said as a warning)."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    try:
+        return pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        warn(f"{pointer} is unreadable; choosing the checkpoint by save order")
+        return None
+
+
+def _newest_first(root: Path, named: str | None) -> list[Path]:
     """Checkpoints in the order they were saved, newest first (save sequence; then `latest`; then step)."""
     candidates = list_checkpoints(root)
-    pointer = root / LATEST
-    named = None
-    if pointer.is_file():
-        try:
-            named = pointer.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError):
-            warn(f"{pointer} is unreadable; choosing the checkpoint by save order")
-
     sequences = {path: _sequence(path) for path in candidates}
 
     def key(path: Path):
@@ -320,14 +372,47 @@ def resolve_checkpoint(spec: str, root: Path) -> Path | None:
         if problem:
             raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
         return path
-    candidates = _newest_first(root)
+    named = _named_latest(root)
+    candidates = _newest_first(root, named)
+    missing = named is not None and named not in {path.name for path in candidates}
+    if missing:
+        warn(f"{root / LATEST} names {named!r}, which is not a checkpoint folder here; taking the newest complete one")
+    skipped = set()
     for path in candidates:
         problem = _verified_ok(path)
         if problem is None:
+            if named is not None and path.name != named:
+                why = ("it does not exist" if missing else "it is unusable" if named in skipped
+                       else "this one was saved after it (the run stopped before updating `latest`)")
+                log(f"checkpoint: using {path} instead of {named}, which `latest` names: {why}")
             return path
+        skipped.add(path.name)
         warn(f"skipping checkpoint {path}: {problem}; trying the previous one")
     if candidates:
         raise CheckpointError(f"no usable checkpoint in {root}: every one is corrupt or incomplete (see the warnings above)")
+    return None
+
+
+def train_state_problem(saved: Any) -> str | None:
+    """None when train_state.json has the fields a resume reads, with their types; else what is wrong."""
+    if not isinstance(saved, dict):
+        return "train_state.json is not an object"
+    counters = ("step", "tokens_seen", "evals_without_improvement", "skipped_steps", "consecutive_bad_steps")
+    for name in counters:
+        if name in saved and not (_is_int(saved[name]) and saved[name] >= 0):
+            return f"train_state.json is corrupt ({name} is {saved[name]!r})"
+    best_loss, best_step = saved.get("best_val_loss"), saved.get("best_step")
+    if not (best_loss is None or isinstance(best_loss, (int, float)) and not isinstance(best_loss, bool)) \
+            or not (best_step is None or _is_int(best_step)):
+        return "train_state.json is corrupt (best_val_loss / best_step)"
+    schedule, rng = saved.get("schedule"), saved.get("rng")
+    if not _is_int(saved.get("step")) or not isinstance(schedule, dict) or not _is_int(schedule.get("total_steps")):
+        return "train_state.json is corrupt (step / schedule)"
+    if not isinstance(saved.get("data"), dict) or not isinstance(rng, dict) \
+            or not isinstance(rng.get("python"), list) or not isinstance(rng.get("numpy"), list):
+        return "train_state.json is corrupt (data position / random-number states)"
+    if saved.get("scaler") is not None and not isinstance(saved["scaler"], dict):
+        return "train_state.json is corrupt (scaler)"
     return None
 
 
@@ -357,6 +442,10 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu", *, ver
         problem = _verified_ok(path)
         if problem:
             raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+    if (path / SHARDED_DIR).is_dir():  # DeepSpeed torch.loads these without weights_only: prove them plain first
+        for file in sorted((path / SHARDED_DIR).glob("*.pt")):
+            check_torch_archive(file, DEEPSPEED)
+
     def optimizer(file: Path) -> Any:
         structure = _torch_load(file, map_location)
         tensors_file = path / OPTIMIZER_TENSORS
@@ -403,7 +492,7 @@ def rotate(root: Path, keep_last: int | None, protect: set[str]) -> None:
     if keep_last is None:
         return
     root = Path(root)
-    for path in _newest_first(root)[keep_last:]:
+    for path in _newest_first(root, _named_latest(root))[keep_last:]:
         if path.name in protect:
             continue
         doomed = root / f".del-{path.name}-{owner()}"

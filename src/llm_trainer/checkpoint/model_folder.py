@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..config import ModelConfig
@@ -54,21 +55,30 @@ def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.to("cpu").contiguous() for name, tensor in model_tensors(model).items()}
 
 
-def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Load weights, refusing with a list of every missing, unexpected or mis-shaped tensor."""
-    target = unwrap(model)
-    expected = {clean_name(k): v for k, v in target.state_dict().items()}
-    tied = {clean_name(k) for k in expected if k not in state and _is_tied(target, k)}
+def _shape_problems(target: nn.Module, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """Every tensor of `target` missing from `shapes` or shaped otherwise, and every unexpected one."""
+    expected = {clean_name(k): tuple(v.shape) for k, v in target.state_dict().items()}
+    tied = {clean_name(k) for k in expected if k not in shapes and _is_tied(target, k)}
     problems = []
-    for name, tensor in expected.items():
-        if name not in state and name not in tied:
-            problems.append(f"missing {name} {tuple(tensor.shape)}")
-        elif name in state and tuple(state[name].shape) != tuple(tensor.shape):
-            problems.append(f"{name}: file has {tuple(state[name].shape)}, model has {tuple(tensor.shape)}")
-    problems += [f"unexpected {name}" for name in state if name not in expected]
+    for name, shape in expected.items():
+        if name not in shapes and name not in tied:
+            problems.append(f"missing {name} {shape}")
+        elif name in shapes and tuple(shapes[name]) != shape:
+            problems.append(f"{name}: file has {tuple(shapes[name])}, model has {shape}")
+    problems += [f"unexpected {name}" for name in shapes if name not in expected]
+    return problems
+
+
+def _refuse_misfit(problems: list[str], source: str) -> None:
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise UsageError(f"{source} does not fit this model ({shown}); check that model settings match the checkpoint")
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Load weights, refusing with a list of every missing, unexpected or mis-shaped tensor."""
+    target = unwrap(model)
+    _refuse_misfit(_shape_problems(target, {k: tuple(v.shape) for k, v in state.items()}), source)
     target.load_state_dict({k: v for k, v in state.items()}, strict=False)
 
 
@@ -101,9 +111,19 @@ def read_model_config(directory: str | Path) -> ModelConfig:
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
         raise UsageError(f"{directory} is not a model folder (no {CONFIG_NAME}); pass a checkpoint or best_model folder")
-    values = json.loads(path.read_text())
-    known = set(ModelConfig.__dataclass_fields__)
-    return ModelConfig(**{k: v for k, v in values.items() if k in known})
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UsageError(f"{path} is not valid JSON ({str(exc).splitlines()[0][:120]}); the model folder is corrupt") from None
+    if not isinstance(values, dict):
+        raise UsageError(f"{path} must hold a JSON object of model settings, not {type(values).__name__}; "
+                         "the model folder is corrupt")
+    # Only the architecture: a file cannot name a folder to load (init_from) or change how training runs.
+    known = set(ModelConfig.__dataclass_fields__) - set(ModelConfig.NOT_ARCHITECTURE)
+    try:
+        return ModelConfig(**{k: v for k, v in values.items() if k in known})
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{path}: {exc}; the model folder is corrupt") from None
 
 
 def load_model_folder(directory: str | Path, device: str | torch.device = "cpu"):
@@ -114,10 +134,16 @@ def load_model_folder(directory: str | Path, device: str | torch.device = "cpu")
     weights = directory / WEIGHTS_NAME
     if not weights.is_file():
         raise UsageError(f"{directory} has no {WEIGHTS_NAME}; the checkpoint is incomplete")
-    model = Transformer(config)
     try:
+        with safe_open(str(weights), framework="pt") as handle:  # the header only: names and shapes
+            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+        with torch.device("meta"):  # a config that does not match the file allocates nothing
+            _refuse_misfit(_shape_problems(Transformer(config), shapes), str(weights))
         state = load_file(str(weights), device=str(device) if str(device) != "cpu" else "cpu")
+    except UsageError:
+        raise
     except Exception as exc:  # safetensors raises its own error types for truncated or corrupt files
-        raise UsageError(f"{weights} could not be read ({exc}); the file is corrupt or truncated") from None
+        raise UsageError(f"{weights} could not be read ({str(exc).splitlines()[0][:160]}); the file is corrupt or truncated") from None
+    model = Transformer(config)
     load_model_state(model, state, str(weights))
     return model.to(device)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import UsageError
+
 from .packing import _pieces, first_fit_decreasing  # noqa: F401  (re-exported)
 
 IGNORE_INDEX = -100
@@ -123,7 +125,7 @@ class BatchLoader:
         self.epoch, self.position = 0, 0  # position: batches this rank has taken in this epoch
         self._order: np.ndarray | None = None
         if self.batches_per_epoch() == 0:
-            raise ValueError(
+            raise UsageError(
                 f"not enough data for one batch: {len(rows)} rows of {getattr(rows, 'length', '?')} tokens, "
                 f"batch_size {batch_size} x world size {world_size}; use more data or a smaller batch/max_length"
             )

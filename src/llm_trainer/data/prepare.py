@@ -24,10 +24,12 @@ changed config or source never reuses a folder, finished or partial.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
 import multiprocessing as mp
+import re
 import shutil
 import time
 from collections import Counter, deque
@@ -457,14 +459,54 @@ def _load(directory: Path) -> PreparedData:
     return PreparedData(directory, Tokenizer.load(directory), manifest)
 
 
+def find_prepared(cache_dir: str | Path, fingerprint: str) -> PreparedData | None:
+    """The finished folder `{cache_dir}/{fingerprint}/`, opened read-only, or None.
+
+    For a config that came with a checkpoint (eval's default data): it can only point at data
+    prepared earlier, in this layout; nothing is read from elsewhere, written or removed.
+    """
+    if not isinstance(fingerprint, str) or not re.fullmatch(r"[0-9a-f]{16}", fingerprint):
+        return None
+    directory = Path(cache_dir) / fingerprint
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+        val = manifest["splits"]["val"]["tokens"]
+        if manifest["fingerprint"] != fingerprint or manifest["dtype"] not in ("uint16", "uint32") \
+                or not isinstance(val, int) or any((directory / name).is_symlink() for name in
+                                                   (MANIFEST, "val.bin", "val.idx.npy", "tokenizer.json")):
+            return None
+        return PreparedData(directory, Tokenizer.load(directory), manifest)
+    except (OSError, ValueError, TypeError, KeyError):  # missing, not JSON, not our layout, no tokenizer
+        return None
+
+
 def prepare_data(config: DataConfig) -> PreparedData:
     """Build (or reuse, or resume) the token files for `config`; see the module docstring for the layout."""
     cache_root = Path(config.cache_dir)
+    if cache_root.exists() and not cache_root.is_dir():
+        raise UsageError(f"data.cache_dir {cache_root} is a file; point data.cache_dir at a folder")
     fingerprint = _fingerprint(config)
     directory = cache_root / fingerprint
     if (directory / MANIFEST).is_file():
         return _load(directory)
     work = cache_root / f".{fingerprint}.partial"
+    try:
+        return _prepare(config, fingerprint, work, directory)
+    except OSError as exc:  # the cache could not be written: nothing of it is kept (see _prepare)
+        if _disk_full(exc):
+            raise UsageError(f"disk full while preparing data in {cache_root} ({exc.strerror or exc}); free space "
+                             "there or set data.cache_dir to another disk") from None
+        if exc.filename is not None and Path(exc.filename).resolve().is_relative_to(cache_root.resolve()):
+            raise UsageError(f"cannot write the data cache {cache_root} ({exc.strerror or exc}); set data.cache_dir "
+                             "to a folder you can write") from None
+        raise
+
+
+def _disk_full(exc: OSError) -> bool:
+    return exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def _prepare(config: DataConfig, fingerprint: str, work: Path, directory: Path) -> PreparedData:
     with _locked(work):
         if (directory / MANIFEST).is_file():  # another process finished it while this one waited
             shutil.rmtree(work, ignore_errors=True)
@@ -479,4 +521,4 @@ def prepare_data(config: DataConfig) -> PreparedData:
             raise
 
 
-__all__ = ["PreparedData", "prepare_data", "clean_text", "MANIFEST", "FORMAT_VERSION", "FILTERS"]
+__all__ = ["PreparedData", "prepare_data", "find_prepared", "clean_text", "MANIFEST", "FORMAT_VERSION", "FILTERS"]

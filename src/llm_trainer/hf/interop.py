@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..checkpoint.model_folder import load_model_folder, load_model_state
+from ..checkpoint.publish import check_target, publish
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..model import Transformer
@@ -335,18 +334,6 @@ def _resolve_tokenizer_file(model_dir: Path, tokenizer_file) -> Path | None:
     return path
 
 
-def _check_output_dir(output_dir: Path, model_dir: Path) -> None:
-    if output_dir.exists() and not output_dir.is_dir():
-        raise UsageError(f"{output_dir} exists and is not a folder; choose another output folder")
-    out, src = output_dir.resolve(), model_dir.resolve()
-    if out == src or out in src.parents:
-        raise UsageError(f"the output folder {output_dir} must not contain the model folder {model_dir}")
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not (output_dir / "config.json").is_file():
-        raise UsageError(
-            f"{output_dir} is not empty and is not a previous export (no config.json); choose an empty or new folder"
-        )
-
-
 def _save_tokenizer(tokenizer_path: Path, directory: Path, max_seq_len: int) -> int | None:
     """Write the tokenizer as a PreTrainedTokenizerFast; returns the <|endoftext|> id (None if absent)."""
     from tokenizers import Tokenizer
@@ -437,18 +424,20 @@ def export_to_hf(
     tokenizer_file=None,
     metrics: dict | None = None,
     max_shard_size_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
 ) -> Path:
     """Write our model folder as a transformers GPT-2/LLaMA folder; returns `output_dir`.
 
     `tokenizer_file` defaults to `model_dir/tokenizer.json` when that exists. The folder is built next
-    to `output_dir` and renamed into place, so a failed export leaves nothing half-written; an existing
-    `output_dir` is replaced only when it is empty or a previous export (has config.json).
+    to `output_dir` first, so a failed export leaves nothing half-written; a non-empty `output_dir`
+    is refused unless `overwrite`, which replaces only the files an export writes (see
+    `checkpoint.publish`).
     """
     tf = _transformers()
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     if max_shard_size_bytes <= 0:
         raise UsageError(f"max_shard_size_bytes must be positive, got {max_shard_size_bytes}")
-    _check_output_dir(output_dir, model_dir)
+    check_target(output_dir, model_dir, overwrite)
     model = load_model_folder(model_dir)
     config = model.config
     _check_exportable(config)
@@ -456,18 +445,17 @@ def export_to_hf(
     if tokenizer_path is not None:
         from tokenizers import Tokenizer
 
-        n_tokens = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size(with_added_tokens=True)
+        try:
+            n_tokens = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size(with_added_tokens=True)
+        except Exception as exc:  # tokenizers raises plain Exception for malformed JSON
+            raise UsageError(f"{tokenizer_path} is not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})") from None
         if n_tokens > config.vocab_size:
             raise UsageError(
                 f"{tokenizer_path} has {n_tokens} tokens but the model's vocab_size is {config.vocab_size}; "
                 "wrong tokenizer?"
             )
 
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output_dir.parent / f".{output_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    def build(tmp: Path) -> None:
         eot_id = _save_tokenizer(tokenizer_path, tmp, config.max_seq_len) if tokenizer_path is not None else None
         hf_config = to_hf_config(config, eos_token_id=eot_id)
         model_class = tf.GPT2LMHeadModel if config.architecture == "gpt2" else tf.LlamaForCausalLM
@@ -484,16 +472,7 @@ def export_to_hf(
         )
         (tmp / "README.md").write_text(card)
 
-        if output_dir.exists():  # an empty folder or a previous export: swap it out, then delete it
-            old = output_dir.parent / f".{output_dir.name}.old-{os.getpid()}"
-            output_dir.rename(old)
-            tmp.rename(output_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(output_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    publish(output_dir, build, source=model_dir, overwrite=overwrite)
     return output_dir
 
 
@@ -531,17 +510,30 @@ def import_from_hf(path_or_name) -> tuple[Transformer, Tokenizer | None]:
     """
     tf = _transformers()
     folder = _local_folder(path_or_name)
-    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    try:
+        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        raise UsageError(f"{folder / 'config.json'} is not a JSON object; the transformers folder is corrupt") from None
     if model_type not in ("gpt2", "llama"):
         raise UsageError(f"cannot import model_type {model_type!r} from {path_or_name}: only gpt2 and llama work")
-    hf_config = tf.AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    config = from_hf_config(hf_config)
+    if not any(folder.glob("*.safetensors")):  # pytorch_model.bin & co. are pickles: never handed to torch.load
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"))
+        found = f" (it has {', '.join(pickles)}, a pickle that could run code)" if pickles else ""
+        raise UsageError(f"{path_or_name} has no safetensors weights{found}; convert them to model.safetensors "
+                         "in a process you trust, then import that folder")
+    try:
+        hf_config = tf.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        config = from_hf_config(hf_config)
+    except UsageError:
+        raise
+    except Exception as exc:  # transformers' own validation of a malformed config.json
+        raise UsageError(f"{folder / 'config.json'} could not be read ({str(exc).splitlines()[0][:160]})") from None
 
     major, minor = (int(p) for p in tf.__version__.split(".")[:2])
     dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
     try:
         hf_model = tf.AutoModelForCausalLM.from_pretrained(
-            str(folder), local_files_only=True, **{dtype_kw: torch.float32}
+            str(folder), local_files_only=True, use_safetensors=True, **{dtype_kw: torch.float32}
         )
     except OSError as exc:
         raise UsageError(f"could not load the weights of {path_or_name} ({exc})") from None

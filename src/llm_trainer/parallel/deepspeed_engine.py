@@ -11,8 +11,9 @@ stand for ours; concrete values there are refused with the TrainingConfig fields
 
 Checkpoints: every rank's DeepSpeed files (`engine.save_checkpoint`) become the checkpoint's
 `sharded/` folder; rank 0 adds the usual model folder, train state and RNG, so eval, generate and
-export take a DeepSpeed checkpoint like any other. DeepSpeed's files are pickles: DeepSpeed loads
-them only from a checkpoint this tool wrote, after meta.json's checksums of every file are verified.
+export take a DeepSpeed checkpoint like any other. DeepSpeed's files are pickles, which DeepSpeed
+unpickles in full: it reads them only after meta.json's checksums are verified and every pickle in
+`sharded/` is proven to import nothing off `checkpoint.safe_pickle.DEEPSPEED` (see `format.load_checkpoint`).
 """
 
 from __future__ import annotations
@@ -139,7 +140,12 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, training: TrainingC
     deepspeed = _import_deepspeed(device)
     d_model = getattr(getattr(model, "config", None), "d_model", None)
     config = build_config(training, world_size, d_model)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    except (ValueError, AssertionError, NotImplementedError) as exc:  # its sanity checks: fp16 on CPU, ...
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UsageError(f"DeepSpeed refused this configuration on {device.type}: {reason}; change "
+                         "training.use_amp / amp_dtype or training.deepspeed_config") from None
     if training.compile:
         engine.compile()
     return engine

@@ -1,10 +1,31 @@
-"""Text generation: temperature, top-k and nucleus (top-p) sampling, with or without a KV cache."""
+"""Text generation: temperature, top-k and nucleus (top-p) sampling, with or without a KV cache.
+
+Past the model's context the window slides: each new token is sampled from the last `max_seq_len`
+tokens (positions restart at the window's start, as in training), with or without the cache. A
+prompt longer than the context is read from its last `max_seq_len` tokens; both are said on stderr.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ..errors import UsageError
+from ..logs import warn
 from ..model import KVCache, Transformer
+
+
+def check_sampling(*, max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Refuse settings that would sample nonsense or fail deep inside (a NaN temperature, top_p 2)."""
+    if max_new_tokens < 0:
+        raise UsageError(f"--max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise UsageError(f"--temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UsageError(f"--top_k must be at least 1, got {top_k}")
+    if top_p is not None and not (0 < top_p <= 1):
+        raise UsageError(f"--top_p must be in (0, 1], got {top_p}")
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator) -> int:
@@ -37,7 +58,9 @@ def generate(
     eos_token_id: int | None = None,
     use_cache: bool = True,
 ) -> list[int]:
-    """The new token ids (not the prompt). Without a cache the context is cropped to max_seq_len."""
+    """The new token ids (not the prompt). The context is the last max_seq_len tokens; the KV cache
+    serves until the window first slides, then every token is computed from its window."""
+    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     model.eval()
     device = next(model.parameters()).device
     ids = prompt_ids.flatten().tolist() if isinstance(prompt_ids, torch.Tensor) else list(prompt_ids)
@@ -45,25 +68,24 @@ def generate(
         raise ValueError("the prompt is empty; give at least one token (e.g. the end-of-text id)")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     max_len = model.config.max_seq_len
-    cache = None
+    if len(ids) > max_len:
+        warn(f"generate: the prompt has {len(ids)} tokens, more than the model's context ({max_len}); "
+             f"it reads the last {max_len}")
+    if len(ids[-max_len:]) + max_new_tokens > max_len:
+        warn(f"generate: past {max_len} tokens the context window slides (each new token sees the last {max_len})")
+    cache = KVCache.empty(model.config, 1, max_len, device, next(model.parameters()).dtype) if use_cache else None
     new: list[int] = []
-    if use_cache:
-        ids = ids[-max_len:]
-        room = max_len - len(ids)
-        if room < max_new_tokens:  # the cache holds max_seq_len positions; leave room for the new tokens
-            ids = ids[-max(1, max_len - max_new_tokens):]
-        cache = KVCache.empty(model.config, 1, max_len, device, next(model.parameters()).dtype)
-        logits = model(torch.tensor([ids], device=device), cache=cache)[0, -1]  # (V,)
+    logits = None
     for _ in range(max_new_tokens):
-        if not use_cache:
-            context = (ids + new)[-max_len:]
+        context = (ids + new)[-max_len:]
+        if cache is None or len(ids) + len(new) > max_len:  # no cache, or the window moved: every position changed
             logits = model(torch.tensor([context], device=device))[0, -1]
+        elif logits is None:  # the prompt, into the cache
+            logits = model(torch.tensor([context], device=device), cache=cache)[0, -1]
+        else:
+            logits = model(torch.tensor([[new[-1]]], device=device), cache=cache)[0, -1]
         token = _sample(logits, temperature, top_k, top_p, generator)
         new.append(token)
         if token == eos_token_id:
             break
-        if use_cache:
-            if cache.length >= max_len:
-                break
-            logits = model(torch.tensor([[token]], device=device), cache=cache)[0, -1]
     return new

@@ -14,11 +14,13 @@ A resumed run's metrics.jsonl repeats steps; the last row logged for a step wins
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checkpoint.durable import write_bytes_atomically
 from ..errors import UsageError
 from ..logs import warn
 from ..train.rows import row_kind
@@ -63,7 +65,7 @@ def read_run(run_dir: str | Path, label: str | None = None) -> RunSeries:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by a crash
-        if not isinstance(row, dict) or "step" not in row:
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             continue
         kind = row_kind(row)
         if kind == "eval":
@@ -161,7 +163,7 @@ def plot_runs(run_dirs, output_dir, *, labels: list[str] | None = None, strict: 
         written = {}
         for name, fig in figures.items():
             path = out / f"{name}.png"
-            fig.savefig(path, format="png")
+            _save_png(fig, path)
             written[name] = path
         return written
     except Exception as exc:
@@ -202,8 +204,15 @@ def plot_lr_finder(lrs, losses, smoothed, suggested: float | None, path) -> Path
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
+    _save_png(fig, path)
     return path
+
+
+def _save_png(fig, path: Path) -> None:
+    """The figure as a PNG file, replaced atomically (a symlink planted at `path` is replaced, not followed)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    write_bytes_atomically(path, buffer.getvalue())
 
 
 def _disambiguate(runs: list[RunSeries], dirs: list[Path]) -> None:

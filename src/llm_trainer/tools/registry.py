@@ -136,8 +136,11 @@ def collect_run_info(run_dir: str | Path, export_path: str | Path | None = None)
             config = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
         except yaml.YAMLError:
             config = None
-    training = (config or {}).get("training") or {}
-    ckpt_root = Path(training["checkpoint_dir"]) if training.get("checkpoint_dir") else run / "checkpoints"
+    config = config if isinstance(config, dict) else None  # a folder someone else made: any shape at all
+    training = (config or {}).get("training")
+    training = training if isinstance(training, dict) else {}
+    named = training.get("checkpoint_dir")
+    ckpt_root = Path(named) if isinstance(named, str) and named else run / "checkpoints"
     if not ckpt_root.is_absolute() and not ckpt_root.is_dir():
         ckpt_root = run / "checkpoints"
     best = ckpt_root / BEST
@@ -149,7 +152,8 @@ def collect_run_info(run_dir: str | Path, export_path: str | Path | None = None)
             meta = _read_json(folder / META)
             if meta:
                 break
-    saved = dict((meta or {}).get("config") or {})
+    saved = (meta or {}).get("config")
+    saved = dict(saved) if isinstance(saved, dict) else {}
     data_fingerprint = saved.pop("data_fingerprint", None)
     config = config or {k: v for k, v in saved.items() if k in ("model", "training", "data")}
     if not config and model_path is None:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from ..checkpoint.durable import no_follow, write_text_atomically
 from ..errors import UsageError
 from ..logs import is_main_process, log, warn
 from .rows import row_kind
@@ -69,11 +70,21 @@ def flatten_config(config: dict, prefix: str = "") -> dict[str, object]:
 
 
 class JsonlLogger:
-    """metrics.jsonl: one JSON object per line, flushed each row so a crash loses nothing logged."""
+    """metrics.jsonl: one JSON object per line, flushed each row so a crash loses nothing logged.
 
-    def __init__(self, directory: Path):
+    The file reads as one run. A line cut short by a kill is dropped before the next row is appended
+    (it would swallow it), and a run resumed at step S drops the rows the interrupted run logged
+    after S (they are logged again, as the steps are replayed) and its summary rows (a new one comes
+    at the end). Opened without following a symlink planted in its place.
+    """
+
+    def __init__(self, directory: Path, resumed_at: int | None = None):
         directory.mkdir(parents=True, exist_ok=True)
-        self.handle = open(directory / "metrics.jsonl", "a", encoding="utf-8")
+        path = directory / "metrics.jsonl"
+        if path.is_symlink():
+            raise UsageError(f"{path} is a symlink; refusing to write the run's metrics through it (remove it)")
+        _clean(path, resumed_at)
+        self.handle = open(path, "a", encoding="utf-8", opener=no_follow)
 
     def log(self, row: dict) -> None:
         self.handle.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
@@ -81,6 +92,34 @@ class JsonlLogger:
 
     def close(self) -> None:
         self.handle.close()
+
+
+def _replayed(line: str, resumed_at: int | None) -> bool:
+    """Whether a row belongs to the part of the run a resume at `resumed_at` replays (or to its end)."""
+    if resumed_at is None:
+        return False
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return False  # not ours to judge
+    if not isinstance(row, dict):
+        return False
+    step = row.get("step")
+    return row_kind(row) == "summary" or (isinstance(step, int) and step > resumed_at)
+
+
+def _clean(path: Path, resumed_at: int | None) -> None:
+    """Drop a torn last line and, on a resume, the rows of the steps it replays (see JsonlLogger)."""
+    if path.is_symlink() or not path.is_file():
+        return
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    complete = text if text.endswith("\n") or not text else text[: text.rfind("\n") + 1]
+    kept = "".join(line for line in complete.splitlines(keepends=True) if not _replayed(line, resumed_at))
+    if kept != text:
+        dropped = len(text.splitlines()) - len(kept.splitlines())
+        write_text_atomically(path, kept)
+        log(f"metrics: {path} continues from step {resumed_at}: dropped {dropped} row(s) logged after it"
+            if resumed_at is not None else f"metrics: dropped the last line of {path}, cut short by an interrupted run")
 
 
 class ConsoleLogger:
@@ -238,8 +277,10 @@ class MLflowLogger:
         self.client.set_terminated(self.run_id, "FINISHED")
 
 
-def build_loggers(report_to: list[str], output_dir: Path, config: dict, progress_bar: bool) -> list[MetricLogger]:
-    """The loggers `report_to` names, in order; [] on ranks other than 0."""
+def build_loggers(report_to: list[str], output_dir: Path, config: dict, progress_bar: bool,
+                  resumed_at: int | None = None) -> list[MetricLogger]:
+    """The loggers `report_to` names, in order; [] on ranks other than 0. `resumed_at`: the step a
+    resumed run continues from (metrics.jsonl drops what was logged after it)."""
     if not is_main_process():
         return []
     output_dir = Path(output_dir)
@@ -249,7 +290,7 @@ def build_loggers(report_to: list[str], output_dir: Path, config: dict, progress
             if name == "console":
                 loggers.append(ConsoleLogger(show_train_rows=not progress_bar))
             elif name == "jsonl":
-                loggers.append(JsonlLogger(output_dir))
+                loggers.append(JsonlLogger(output_dir, resumed_at))
             elif name == "tensorboard":
                 loggers.append(TensorBoardLogger(output_dir, config))
             elif name == "wandb":

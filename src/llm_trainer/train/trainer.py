@@ -30,6 +30,7 @@ from .flops import flops_per_token, peak_flops
 from .metrics import build_loggers, close_loggers
 from .optim import build_optimizer, learning_rate_at, set_learning_rate
 from .rows import EvalRow, SummaryRow, TrainRow
+from .run_lock import lock_run_folders
 from .speed import PhaseTimer, SpeedMonitor
 from .state import TrainState
 from .step import NonFiniteSteps, autocast, train_step
@@ -114,12 +115,18 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------------
 
     def train(self) -> dict[str, Any]:
+        """The loop, holding the output folder's lock: one run per folder."""
+        with lock_run_folders(self.output_dir, self.checkpoint_dir, self.dist.is_main):
+            return self._train()
+
+    def _train(self) -> dict[str, Any]:
         cfg, state, accum = self.config, self.state, self.config.gradient_accumulation_steps
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if cfg.resume_from_checkpoint:
             self.checkpointer.load(cfg.resume_from_checkpoint)
         self.bad_steps = NonFiniteSteps(self.device, state.skipped_steps, state.consecutive_bad_steps)
-        self.loggers = build_loggers(cfg.report_to, self.output_dir, self.experiment_config, cfg.progress_bar)
+        self.loggers = build_loggers(cfg.report_to, self.output_dir, self.experiment_config, cfg.progress_bar,
+                                     resumed_at=state.step if cfg.resume_from_checkpoint else None)
         tokens_at_start, start_step = state.tokens_seen, state.step
         self._log_start()
         for cb in self.callbacks:

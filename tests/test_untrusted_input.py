@@ -1,0 +1,753 @@
+"""Nothing from outside runs code, and nothing of the user's is lost (issue #13).
+
+Folders someone else made (crafted checkpoints, planted symlinks, embedded configs), two runs in one
+folder, refused resumes, export targets, and environment errors. Every payload here would create a
+marker file if it ran: the tests prove it never does. Every refusal is one `error:` line, exit
+status 2, no traceback, and leaves the files byte-identical (the run folder's `.lock` holds the PID
+of whoever last ran there, and is left out of those comparisons).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import src_env, write_tiny_experiment
+from llm_trainer import cli
+from llm_trainer.checkpoint import checksums, durable, safe_pickle
+from llm_trainer.checkpoint import format as ckpt
+from llm_trainer.errors import CheckpointError
+
+MAX_STEPS = 6
+OPEN = f"{open.__module__}.open"  # how a pickle names the payload's callable
+
+
+class Payload:
+    """Unpickling it creates `marker`: the proof that a pickle ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and do not fight the other tests for the cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A finished run: checkpoints at steps 3 and 6, best_model, metrics; char tokenizer, one layer."""
+    root = tmp_path_factory.mktemp("untrusted")
+    config = write_tiny_experiment(root, max_steps=MAX_STEPS, save_steps=3, eval_steps=3, save_total_limit=None)
+    assert cli.main(["train", "--config", str(config)]) == 0
+    return root
+
+
+def run_copy(trained: Path, tmp_path: Path) -> Path:
+    """A copy of the run folder (its experiment file, exp.yaml, keeps pointing at the shared corpus and cache)."""
+    shutil.copytree(trained / "run", tmp_path / "run")
+    return tmp_path / "run"
+
+
+def train(trained: Path, run: Path, *overrides: str) -> int:
+    return cli.main(["train", "--config", str(trained / "exp.yaml"), f"training.output_dir={run}", *overrides])
+
+
+def the_error(stderr: str) -> str:
+    """The CLI's error: exactly one `error: ...` line, the last one, and no traceback."""
+    lines = stderr.strip().splitlines()
+    assert "Traceback" not in stderr and lines, stderr
+    assert [line for line in lines if line.startswith("error: ")] == lines[-1:], stderr
+    return lines[-1]
+
+
+def refused(capsys, *argv: str) -> str:
+    code = cli.main(list(argv))
+    error = the_error(capsys.readouterr().err)
+    assert code == 2, error
+    return error
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (symlinks as their target path), the lock file left out."""
+    files = {}
+    for path in sorted(folder.rglob("*")):
+        key = str(path.relative_to(folder))
+        if path.is_symlink():
+            files[key] = os.readlink(path).encode()
+        elif path.is_file() and path.name != ".lock":
+            files[key] = path.read_bytes()
+    return files
+
+
+def reseal(folder: Path) -> None:
+    """Recompute meta.json's sizes and checksums, as whoever crafts a folder can."""
+    meta = json.loads((folder / ckpt.META).read_text())
+    meta["files"] = {
+        str(p.relative_to(folder)): {"size": p.stat().st_size, "checksum": checksums.file_checksum(p)}
+        for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ckpt.META
+    }
+    meta["meta_sha256"] = checksums.meta_checksum(meta)
+    (folder / ckpt.META).write_text(json.dumps(meta))
+
+
+def checkpoint(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"{ckpt.PREFIX}{step:08d}"
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+# -- 1. no pickle from a folder reaches a library unproven ---------------------------------------------
+
+
+def crafted_sharded_folder(trained: Path, tmp_path: Path, metadata: bytes, with_meta: bool) -> Path:
+    """A real model_config.json and tokenizer.json, and `metadata` as sharded/.metadata."""
+    folder = tmp_path / "crafted"
+    (folder / ckpt.SHARDED_DIR).mkdir(parents=True)
+    for name in ("model_config.json", "tokenizer.json"):
+        shutil.copy(trained / "run" / "checkpoints" / ckpt.BEST / name, folder / name)
+    (folder / ckpt.SHARDED_DIR / ".metadata").write_bytes(metadata)
+    if with_meta:  # the checksums prove nothing: whoever made the folder recomputed them
+        (folder / ckpt.META).write_text(json.dumps({"kind": "best_model", "format_version": 3,
+                                                    "checksum": checksums.CHECKSUM, "files": {}}))
+        reseal(folder)
+        assert ckpt.verify(folder) is None
+    return folder
+
+
+@pytest.mark.parametrize("with_meta", [False, True], ids=["no-meta", "resealed-meta"])
+@pytest.mark.parametrize("command", ["eval", "generate", "export", "consolidate"])
+def test_a_pickle_as_dcp_metadata_never_runs(trained, tmp_path, capsys, command, with_meta):
+    marker = tmp_path / "pwned"
+    folder = crafted_sharded_folder(trained, tmp_path, pickle.dumps(Payload(marker)), with_meta)
+    before = snapshot(folder)
+    argv = {"eval": ["--data", str(trained / "corpus" / "doc00.txt")], "generate": ["--prompt", "the"],
+            "export": ["--output", str(tmp_path / "out")], "consolidate": ["--output", str(tmp_path / "out")]}[command]
+    error = refused(capsys, command, "--checkpoint", str(folder), *argv)
+    assert f"{folder / 'sharded' / '.metadata'} holds a pickle that names {OPEN}" in error
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    assert snapshot(folder) == before
+
+
+def test_a_payload_inside_real_dcp_metadata_is_caught(trained, tmp_path, capsys):
+    """A genuine DCP Metadata object with one field replaced: only a class-by-class allow-list stops it."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    marker = tmp_path / "pwned"
+    metadata = Metadata(state_dict_metadata={}, planner_data=Payload(marker))
+    folder = crafted_sharded_folder(trained, tmp_path, pickle.dumps(metadata), with_meta=False)
+    assert f"names {OPEN}" in refused(capsys, "generate", "--checkpoint", str(folder))
+    assert not marker.exists()
+
+
+def real_sharded_folder(trained: Path, tmp_path: Path, extra: dict | None = None) -> Path:
+    """The best model's weights written by torch.distributed.checkpoint, as an FSDP checkpoint holds them."""
+    import torch.distributed.checkpoint as dcp
+
+    from llm_trainer.checkpoint.model_folder import load_model_folder
+
+    folder = crafted_sharded_folder(trained, tmp_path, b"", with_meta=False)
+    (folder / ckpt.SHARDED_DIR / ".metadata").unlink()
+    model = load_model_folder(trained / "run" / "checkpoints" / ckpt.BEST)
+    dcp.save({"model": model.state_dict(), **(extra or {})}, checkpoint_id=str(folder / ckpt.SHARDED_DIR), no_dist=True)
+    return folder
+
+
+def test_real_dcp_checkpoints_still_load(trained, tmp_path, capsys):
+    """The allow-list admits what torch writes: consolidate gives back the weights exactly."""
+    folder = real_sharded_folder(trained, tmp_path)
+    assert cli.main(["consolidate", "--checkpoint", str(folder), "--output", str(tmp_path / "out")]) == 0
+    ours = load_file(tmp_path / "out" / "model.safetensors")
+    best = load_file(trained / "run" / "checkpoints" / ckpt.BEST / "model.safetensors")
+    assert ours.keys() == best.keys() and all(torch.equal(ours[k], best[k]) for k in ours)
+
+
+def test_a_payload_in_a_dcp_non_tensor_item_never_runs(trained, tmp_path):
+    """DCP's planner torch.loads non-tensor items (optimizer hyperparameters) without weights_only."""
+    from llm_trainer.checkpoint.model_folder import load_model_folder
+    from llm_trainer.checkpoint.sharded import _load
+
+    marker = tmp_path / "pwned"
+    folder = real_sharded_folder(trained, tmp_path, extra={"optimizer": {"lr": Payload(marker)}})
+    state = {"model": load_model_folder(trained / "run" / "checkpoints" / ckpt.BEST).state_dict(),
+             "optimizer": {"lr": 0.0}}
+    with pytest.raises(CheckpointError, match="optimizer.lr holds more than plain data"):
+        _load(state, folder / ckpt.SHARDED_DIR, no_dist=True)
+    assert not marker.exists()
+
+
+def test_dcp_metadata_naming_a_file_outside_the_folder_is_refused(trained, tmp_path, capsys):
+    folder = real_sharded_folder(trained, tmp_path)
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"\0" * 64)
+    metadata = safe_pickle.load_restricted(folder / ckpt.SHARDED_DIR / ".metadata", safe_pickle.DCP_METADATA)
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../secret.bin"
+    (folder / ckpt.SHARDED_DIR / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert "names the data file '../../secret.bin'" in refused(capsys, "generate", "--checkpoint", str(folder))
+
+
+def test_a_pickle_in_sharded_pt_files_never_reaches_deepspeed(trained, tmp_path, capsys):
+    """DeepSpeed torch.loads sharded/*.pt with weights_only=False: each is scanned first, whatever the strategy."""
+    run = run_copy(trained, tmp_path)
+    folder = checkpoint(run, MAX_STEPS)
+    marker = tmp_path / "pwned"
+    (folder / ckpt.SHARDED_DIR).mkdir()
+    bad = folder / ckpt.SHARDED_DIR / "mp_rank_00_model_states.pt"
+    torch.save({"module": OrderedDict(w=torch.zeros(2)), "ds_config": Payload(marker)}, bad)
+    reseal(folder)
+    assert ckpt.verify(folder) is None
+    before = snapshot(run)
+    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={run}",
+                    "training.max_steps=8", "training.resume_from_checkpoint=latest")
+    assert f"{bad} holds a pickle that names {OPEN}" in error
+    assert not marker.exists() and snapshot(run) == before
+
+
+def test_the_opcode_scanner_follows_the_memo_and_every_protocol(tmp_path):
+    marker = tmp_path / "pwned"
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        data = pickle.dumps({"ok": OrderedDict(a=1), "x": [Payload(marker)]}, protocol=protocol)
+        assert tuple(OPEN.split(".")) in list(safe_pickle.pickle_globals(data)), protocol
+        with pytest.raises(CheckpointError, match=f"names {OPEN}"):
+            safe_pickle.check_pickle(data, tmp_path / "f", safe_pickle.DEEPSPEED)
+    # Names taken back from the memo, as an attacker would reuse the strings of an allowed global.
+    crafted = (b"\x80\x04\x8c\x05posix\x940\x8c\x06system\x940"  # pushed, kept in the memo, popped
+               b"\x8c\x0bcollections\x94\x8c\x0bOrderedDict\x94\x930"  # an allowed global, popped
+               b"h\x00h\x01\x93\x8c\x04true\x94\x85R.")  # the memo's strings: posix.system("true")
+    assert list(safe_pickle.pickle_globals(crafted)) == [("collections", "OrderedDict"), ("posix", "system")]
+    with pytest.raises(CheckpointError, match="names posix.system"):
+        safe_pickle.check_pickle(crafted, tmp_path / "f", safe_pickle.DEEPSPEED)
+    # A global whose name is computed (here: the result of a call) cannot be told without running it.
+    computed = b"\x80\x04\x8c\x0bcollections\x8c\x0bOrderedDict\x93)R\x8c\x01x\x93."
+    with pytest.raises(CheckpointError, match="cannot be read without running it"):
+        safe_pickle.check_pickle(computed, tmp_path / "f", safe_pickle.DEEPSPEED)
+    assert not marker.exists()
+
+
+def test_tensor_archives_pass_the_scan(tmp_path):
+    """What our RNG files and DeepSpeed-shaped state dicts hold is on the allow-list."""
+    path = tmp_path / "state.pt"
+    torch.save({"torch": torch.get_rng_state(), "module": OrderedDict(w=torch.ones(2, dtype=torch.bfloat16)),
+                "param_shapes": [OrderedDict(w=torch.Size([2]))], "p": torch.nn.Parameter(torch.zeros(1))}, path)
+    safe_pickle.check_torch_archive(path, safe_pickle.DEEPSPEED)
+    (tmp_path / "plain.pt").write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(CheckpointError, match="is not a torch archive"):
+        safe_pickle.check_torch_archive(tmp_path / "plain.pt", safe_pickle.DEEPSPEED)
+
+
+# -- 2. the embedded config names no files to read, no folders to write -----------------------------
+
+
+def test_a_crafted_embedded_config_cannot_make_eval_read_or_write(trained, tmp_path, capsys):
+    run = run_copy(trained, tmp_path)
+    folder = checkpoint(run, MAX_STEPS)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("private words\n" * 50)
+    meta = json.loads((folder / ckpt.META).read_text())
+    meta["config"]["data"].update(data_files=[str(secret)], cache_dir=str(tmp_path / "planted_cache"))
+    meta["config"]["data_fingerprint"] = "0123456789abcdef"
+    (folder / ckpt.META).write_text(json.dumps(meta))
+    reseal(folder)
+    before = snapshot(tmp_path)
+    error = refused(capsys, "eval", "--checkpoint", str(folder))
+    assert "is not prepared in" in error and "--data FILE" in error
+    assert not (tmp_path / "planted_cache").exists() and snapshot(tmp_path) == before
+
+
+def test_eval_still_reads_the_runs_own_prepared_split(trained, capsys):
+    """The legitimate use: the recorded fingerprint finds the data the run prepared, read-only."""
+    cache = trained / "cache"
+    before = snapshot(cache)
+    assert cli.main(["eval", "--checkpoint", str(checkpoint(trained / "run", MAX_STEPS)), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = [json.loads(line) for line in (trained / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert result["loss"] == pytest.approx([r for r in rows if r["kind"] == "eval"][-1]["val_loss"], rel=1e-5)
+    assert snapshot(cache) == before
+
+
+# -- 3. symlinks ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_meta", [True, False], ids=["checkpoint", "model-folder"])
+def test_a_symlink_leading_out_of_a_checkpoint_is_refused(trained, tmp_path, capsys, with_meta):
+    folder = tmp_path / "best"
+    shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, folder)
+    outside = tmp_path / "elsewhere.json"
+    shutil.move(folder / "tokenizer.json", outside)
+    (folder / "tokenizer.json").symlink_to(outside)
+    if with_meta:
+        reseal(folder)  # verify() reads through the link: the checksums match
+    else:
+        (folder / ckpt.META).unlink()
+    error = refused(capsys, "generate", "--checkpoint", str(folder), "--prompt", "the")
+    assert "tokenizer.json is a symlink that leads out of" in error
+
+
+def test_planted_symlinks_in_the_output_folder_are_replaced_not_followed(trained, tmp_path, capsys):
+    run = run_copy(trained, tmp_path)
+    victims = {name: tmp_path / f"victim-{name.replace('/', '_')}" for name in
+               ("config.yaml", "tokenizer.json", "plots/loss_vs_steps.png", "checkpoints/latest")}
+    for name, victim in victims.items():
+        victim.write_text("the user's own file\n")
+        (run / name).unlink()
+        (run / name).symlink_to(victim)
+    assert train(trained, run, "training.max_steps=7", "training.resume_from_checkpoint=latest") == 0
+    for name, victim in victims.items():
+        assert victim.read_text() == "the user's own file\n", name
+        assert not (run / name).is_symlink(), name
+    assert yaml.safe_load((run / "config.yaml").read_text())["training"]["max_steps"] == 7
+
+    victim = tmp_path / "victim-metrics"
+    victim.write_text("mine\n")
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(victim)
+    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={run}",
+                    "training.max_steps=8", "training.resume_from_checkpoint=latest")
+    assert "metrics.jsonl is a symlink" in error and victim.read_text() == "mine\n"
+
+
+# -- 4. silent loss -----------------------------------------------------------------------------------------
+
+
+def test_a_second_run_into_a_busy_folder_fails_at_once_naming_the_holder(trained, tmp_path, capsys):
+    run = run_copy(trained, tmp_path)
+    before = snapshot(run)
+    with open(run / ".lock", "a+") as holder:  # another process's lock, as the first run holds it
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        holder.truncate(0)
+        holder.write("424242\n")
+        holder.flush()
+        error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={run}",
+                        "training.max_steps=8", "training.resume_from_checkpoint=latest")
+    assert f"output folder {run} is in use" in error and "PID 424242" in error
+    assert snapshot(run) == before
+
+
+@pytest.mark.slow
+def test_two_real_runs_into_one_folder_and_no_stale_lock_after_sigkill(tmp_path):
+    config = write_tiny_experiment(tmp_path, max_steps=400, save_steps=0, eval_steps=0)
+    first = subprocess.Popen([sys.executable, "-m", "llm_trainer", "train", "--config", str(config)],
+                             env=src_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "run" / "metrics.jsonl").is_file():  # training has begun
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
+            time.sleep(0.05)
+        second = subprocess.run([sys.executable, "-m", "llm_trainer", "train", "--config", str(config)],
+                                env=src_env(), capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and f"PID {first.pid}" in the_error(second.stderr)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        first.stderr.close()
+    third = subprocess.run([sys.executable, "-m", "llm_trainer", "train", "--config", str(config),
+                            "training.max_steps=2"], env=src_env(), capture_output=True, text=True, timeout=120)
+    assert third.returncode == 0, third.stderr  # the killed run's lock died with it
+
+
+def test_export_and_consolidate_never_delete_what_they_did_not_write(trained, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    best = trained / "run" / "checkpoints" / ckpt.BEST
+    for command, ours in (("export", "config.json"), ("consolidate", "model_config.json")):
+        target = tmp_path / command
+        target.mkdir()
+        (target / ours).write_text("{}")  # looks like an earlier output...
+        (target / "notes.txt").write_text("mine")  # ...and holds the user's work
+        before = snapshot(target)
+        error = refused(capsys, command, "--checkpoint", str(best), "--output", str(target))
+        assert "is not empty" in error and "--overwrite" in error and snapshot(target) == before
+        assert cli.main([command, "--checkpoint", str(best), "--output", str(target), "--overwrite"]) == 0
+        assert (target / "notes.txt").read_text() == "mine" and (target / ours).read_text() != "{}"
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("change", ["shape", "tokenizer"])
+def test_a_refused_resume_writes_nothing(trained, tmp_path, capsys, change):
+    run = run_copy(trained, tmp_path)
+    overrides = ["model.d_model=24"]
+    if change == "tokenizer":  # the same size, other ids: the shapes fit, the meaning does not
+        saved = json.loads((run / "tokenizer.json").read_text())
+        vocab = saved["model"]["vocab"]
+        letters = sorted(k for k in vocab if len(k) == 1 and k.isalpha())
+        vocab[letters[0]], vocab[letters[1]] = vocab[letters[1]], vocab[letters[0]]
+        (tmp_path / "other.json").write_text(json.dumps(saved))
+        overrides = [f"data.tokenizer={tmp_path / 'other.json'}"]
+    before = snapshot(run)
+    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={run}",
+                    "training.max_steps=8", "training.resume_from_checkpoint=latest", *overrides)
+    assert ("does not fit this model" if change == "shape" else "was trained with another tokenizer") in error
+    assert snapshot(run) == before
+
+
+def test_best_model_is_swapped_in_one_atomic_step(trained, tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, root / ckpt.BEST)
+    from llm_trainer.checkpoint.model_folder import load_model_folder
+
+    model = load_model_folder(root / ckpt.BEST)
+    torch.nn.init.zeros_(model.tok_emb.weight)
+    renames, exchanges = [], []
+    real_rename, real_exchange = Path.rename, durable.exchange
+    monkeypatch.setattr(Path, "rename", lambda self, target: renames.append(self.name) or real_rename(self, target))
+    monkeypatch.setattr(durable, "exchange", lambda a, b: exchanges.append(b.name) or real_exchange(a, b))
+    ckpt.save_best_model(root, model, tokenizer_json=None, config={}, metrics={"val_loss": 1.0})
+    assert exchanges == [ckpt.BEST] and ckpt.BEST not in renames  # never moved aside
+    assert torch.equal(load_file(root / ckpt.BEST / "model.safetensors")["tok_emb.weight"], model.tok_emb.weight)
+    assert sorted(p.name for p in root.iterdir()) == [ckpt.BEST]
+
+
+@pytest.mark.parametrize("new_complete", [True, False], ids=["new-version-complete", "new-version-torn"])
+def test_a_best_model_moved_aside_by_a_killed_save_is_recovered(trained, tmp_path, new_complete):
+    """Where the exchange is unavailable, a kill between the two renames leaves best_model parked as
+    .old-*: the next start puts back the new version if it is complete, else the previous one."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    writer = f"{durable.owner().rsplit('-', 1)[0]}-{dead_pid()}"
+    previous, new = root / f".old-{ckpt.BEST}-{writer}", root / f".tmp-{ckpt.BEST}-{writer}"
+    shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, previous)
+    shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, new)
+    meta = json.loads((new / ckpt.META).read_text())
+    meta["metrics"]["val_loss"] = 0.5  # tells the two apart
+    (new / ckpt.META).write_text(json.dumps(meta))
+    reseal(new)
+    if not new_complete:
+        (new / "model.safetensors").write_bytes(b"torn")
+    durable.remove_stale(root)
+    assert sorted(p.name for p in root.iterdir()) == [ckpt.BEST]
+    assert ckpt.verify(root / ckpt.BEST) is None
+    kept = json.loads((root / ckpt.BEST / ckpt.META).read_text())["metrics"]["val_loss"]
+    assert (kept == 0.5) == new_complete
+
+
+@pytest.mark.slow
+def test_a_kill_between_the_two_renames_loses_no_best_model(trained, tmp_path):
+    root = tmp_path / "checkpoints"
+    shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, root / ckpt.BEST)
+    script = f"""
+import os, signal
+from pathlib import Path
+from llm_trainer.checkpoint import durable, format as ckpt
+from llm_trainer.checkpoint.model_folder import load_model_folder
+durable._renameat2 = None  # a system without the atomic exchange
+real = Path.rename
+def rename(self, target):
+    result = real(self, target)
+    if self.name == "best_model":
+        os.kill(os.getpid(), signal.SIGKILL)  # between the two renames
+    return result
+Path.rename = rename
+root = Path({str(root)!r})
+ckpt.save_best_model(root, load_model_folder(root / "best_model"), tokenizer_json=None, config={{}}, metrics={{"val_loss": 0.5}})
+"""
+    proc = subprocess.run([sys.executable, "-c", script], env=src_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert not (root / ckpt.BEST).exists() and list(root.glob(".old-best_model-*"))  # the window the exchange closes
+    durable.remove_stale(root)  # what the next run does first
+    assert ckpt.verify(root / ckpt.BEST) is None
+    assert json.loads((root / ckpt.BEST / ckpt.META).read_text())["metrics"]["val_loss"] == 0.5
+    assert sorted(p.name for p in root.iterdir()) == [ckpt.BEST]
+
+
+def test_init_from_a_model_with_another_vocabulary_is_refused(trained, tmp_path, capsys):
+    saved = json.loads((trained / "run" / "tokenizer.json").read_text())
+    vocab = saved["model"]["vocab"]
+    letters = sorted(k for k in vocab if len(k) == 1 and k.isalpha())
+    vocab[letters[0]], vocab[letters[1]] = vocab[letters[1]], vocab[letters[0]]
+    (tmp_path / "other.json").write_text(json.dumps(saved))
+    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={tmp_path / 'new'}",
+                    f"model.init_from={trained / 'run' / 'checkpoints' / ckpt.BEST}",
+                    f"data.tokenizer={tmp_path / 'other.json'}")
+    assert "was trained with another vocabulary: 2 of this run's" in error
+    assert not (tmp_path / "new").exists()
+
+
+def metrics_rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resuming_an_older_checkpoint_leaves_one_clean_metrics_file(trained, tmp_path, capsys):
+    run = run_copy(trained, tmp_path)
+    before = metrics_rows(run)
+    with open(run / "metrics.jsonl", "a") as handle:  # a kill in the middle of a row
+        handle.write('{"kind": "train", "step": 7, "lo')
+    assert train(trained, run, f"training.resume_from_checkpoint={checkpoint(run, 3)}") == 0
+    rows = metrics_rows(run)  # every line parses: the torn one did not swallow the next row
+    train_steps = [r["step"] for r in rows if r["kind"] == "train"]
+    assert train_steps == sorted(set(train_steps)) == [s for s in range(1, MAX_STEPS + 1) if s % 2 == 0]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [3, 6]
+    assert [r["kind"] for r in rows].count("summary") == 1 and rows[-1]["kind"] == "summary"
+    kept = [r for r in before if r["step"] <= 3 and r["kind"] != "summary"]
+    assert kept and rows[: len(kept)] == kept  # the rows up to the checkpoint, kept as they were
+    assert "dropped" in capsys.readouterr().err
+
+
+def test_latest_naming_a_missing_folder_is_announced(trained, tmp_path, capsys):
+    run = run_copy(trained, tmp_path)
+    (run / "checkpoints" / ckpt.LATEST).write_text("checkpoint-00000099")
+    assert ckpt.resolve_checkpoint("latest", run / "checkpoints") == checkpoint(run, MAX_STEPS)
+    err = capsys.readouterr().err
+    assert "names 'checkpoint-00000099', which is not a checkpoint folder here" in err
+    assert f"using {checkpoint(run, MAX_STEPS)} instead of checkpoint-00000099" in err and "does not exist" in err
+
+
+# -- 5. environment and input errors: one line, exit 2, nothing half-written ---------------------------
+
+
+def test_an_output_folder_that_is_a_file(trained, tmp_path, capsys):
+    (tmp_path / "out").write_text("not a folder")
+    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={tmp_path / 'out'}")
+    assert "is a file" in error and (tmp_path / "out").read_text() == "not a folder"
+
+
+def test_an_output_folder_we_cannot_write(trained, capsys):
+    folder = Path("/sys/kernel")  # a folder even root cannot create files in
+    if not folder.is_dir() or os.access(folder, os.W_OK) and os.getuid() != 0:
+        pytest.skip("needs a folder this user cannot write")
+    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={folder}")
+    assert f"cannot write into output folder {folder}" in error
+
+
+def test_a_cache_folder_that_is_a_file_or_on_a_full_disk(trained, tmp_path, capsys, monkeypatch):
+    (tmp_path / "cache").write_text("x")
+    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={tmp_path / 'run'}",
+                    f"data.cache_dir={tmp_path / 'cache'}")
+    assert "data.cache_dir" in error and "is a file" in error and not (tmp_path / "run").exists()
+
+    from llm_trainer.data import shards
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(shards.ShardWriter, "commit", full)
+    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={tmp_path / 'run'}",
+                    f"data.cache_dir={tmp_path / 'cache2'}")
+    assert "disk full while preparing data" in error and not (tmp_path / "run").exists()
+    assert not any((tmp_path / "cache2").iterdir())  # the partial work is gone
+
+
+def test_data_smaller_than_one_batch(trained, tmp_path, capsys):
+    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={tmp_path / 'run'}",
+                    "training.batch_size=512")
+    assert "not enough data for one batch" in error and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "--batch-size", "0"], "--batch-size must be at least 1"),
+    (["generate", "--temperature", "nan"], "--temperature must be a finite number"),
+    (["generate", "--top_p", "2"], "--top_p must be in (0, 1]"),
+    (["generate", "--max_new_tokens", "-1"], "--max_new_tokens must be >= 0"),
+], ids=["eval-batch-0", "temperature-nan", "top-p-2", "negative-tokens"])
+def test_bad_flags(trained, capsys, argv, message):
+    best = str(trained / "run" / "checkpoints" / ckpt.BEST)
+    assert message in refused(capsys, argv[0], "--checkpoint", best, *argv[1:])
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "is not valid JSON"),
+    ("[1, 2]", "must hold a JSON object"),
+    ('{"d_model": "wide", "n_heads": 2}', "d_model must be an integer"),
+], ids=["not-json", "a-list", "wrong-type"])
+def test_a_broken_model_config(trained, tmp_path, capsys, content, message):
+    folder = tmp_path / "best"
+    shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, folder)
+    (folder / ckpt.META).unlink()  # a bare model folder: nothing but the file itself to go by
+    (folder / "model_config.json").write_text(content)
+    assert message in refused(capsys, "generate", "--checkpoint", str(folder))
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary(trained, tmp_path, capsys):
+    folder = tmp_path / "best"
+    shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, folder)
+    (folder / ckpt.META).unlink()
+    saved = json.loads((folder / "tokenizer.json").read_text())
+    vocab = saved["model"]["vocab"]
+    for i in range(100):
+        vocab[f"extra{i}"] = len(vocab)
+    (folder / "tokenizer.json").write_text(json.dumps(saved))
+    assert "the folder holds another model's tokenizer" in refused(capsys, "generate", "--checkpoint", str(folder))
+
+
+def test_init_from_a_folder_with_a_pickled_pytorch_model_bin(trained, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 64, "n_positions": 24,
+                                                    "n_embd": 16, "n_layer": 1, "n_head": 2}))
+    marker = tmp_path / "pwned"
+    torch.save({"transformer.wte.weight": Payload(marker)}, folder / "pytorch_model.bin")
+    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={tmp_path / 'run'}",
+                    f"model.init_from={folder}")
+    assert "has no safetensors weights (it has pytorch_model.bin, a pickle" in error
+    assert not marker.exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("field, value", [
+    ("sequence", [1]), ("kind", {"a": 1}), ("config", []), ("format_version", "3"), ("files", "all"),
+    ("files.model.safetensors.size", "big"),
+], ids=lambda v: str(v))
+def test_a_meta_json_with_wrong_types_is_damage_like_any_other(trained, tmp_path, capsys, field, value):
+    run = run_copy(trained, tmp_path)
+    newest = checkpoint(run, MAX_STEPS)
+    meta = json.loads((newest / ckpt.META).read_text())
+    if field.startswith("files."):
+        meta["files"]["model.safetensors"]["size"] = value
+    else:
+        meta[field] = value
+    meta["meta_sha256"] = checksums.meta_checksum(meta)
+    (newest / ckpt.META).write_text(json.dumps(meta))
+    assert ckpt.resolve_checkpoint("latest", run / "checkpoints") == checkpoint(run, 3)
+    assert "meta.json is corrupt" in capsys.readouterr().err
+    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={run}",
+                    "training.max_steps=8", f"training.resume_from_checkpoint={newest}")
+    assert "meta.json is corrupt" in error
+
+
+def test_a_train_state_with_wrong_types(trained, tmp_path, capsys):
+    run = run_copy(trained, tmp_path)
+    newest = checkpoint(run, MAX_STEPS)
+    state = json.loads((newest / "train_state.json").read_text())
+    state["step"] = "six"
+    (newest / "train_state.json").write_text(json.dumps(state))
+    reseal(newest)
+    before = snapshot(run)
+    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={run}",
+                    "training.max_steps=8", "training.resume_from_checkpoint=latest")
+    assert "train_state.json is corrupt" in error and snapshot(run) == before
+
+
+@pytest.mark.parametrize("value", ["inf", ".inf", "-.inf", ".nan"])
+def test_a_non_finite_learning_rate(trained, tmp_path, capsys, value):
+    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={tmp_path / 'run'}",
+                    f"training.learning_rate={value}")
+    assert "training.learning_rate" in error or "TrainingConfig.learning_rate" in error
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_deepspeed_refusing_fp16_on_cpu(trained, tmp_path):
+    pytest.importorskip("deepspeed")
+    result = subprocess.run(
+        [sys.executable, "-m", "llm_trainer", "train", "--config", str(trained / "exp.yaml"),
+         f"training.output_dir={tmp_path / 'run'}", "training.distributed_strategy=deepspeed", "training.use_amp=true",
+         "training.amp_dtype=float16"], env=src_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    error = the_error(result.stderr)
+    assert "DeepSpeed refused this configuration on cpu" in error and "fp16" in error
+
+
+@pytest.mark.slow
+def test_a_real_deepspeed_checkpoint_passes_the_scan_and_resumes(trained, tmp_path):
+    """The allow-list admits what DeepSpeed writes (ZeRO-2, one process on CPU)."""
+    pytest.importorskip("deepspeed")
+    args = [sys.executable, "-m", "llm_trainer", "train", "--config", str(trained / "exp.yaml"),
+            f"training.output_dir={tmp_path / 'run'}", "training.distributed_strategy=deepspeed"]
+    first = subprocess.run(args, env=src_env(), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    for file in (checkpoint(tmp_path / "run", 3) / ckpt.SHARDED_DIR).glob("*.pt"):
+        safe_pickle.check_torch_archive(file, safe_pickle.DEEPSPEED)
+    resumed = subprocess.run(args + ["training.max_steps=8", f"training.resume_from_checkpoint={checkpoint(tmp_path / 'run', 6)}"],
+                             env=src_env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "continuing from" in resumed.stderr
+
+
+def test_generate_past_the_context_slides_the_window(trained, capsys):
+    from llm_trainer.checkpoint.model_folder import load_model_folder
+    from llm_trainer.tools.generate import generate
+
+    model = load_model_folder(trained / "run" / "checkpoints" / ckpt.BEST)
+    context = model.config.max_seq_len
+    prompt = [int(i) % 10 + 2 for i in range(context + 5)]  # longer than the context
+    for kwargs in (dict(temperature=0.0), dict(temperature=1.0, top_k=5, seed=3)):
+        cached = generate(model, prompt, max_new_tokens=8, use_cache=True, **kwargs)
+        assert len(cached) == 8 and cached == generate(model, prompt, max_new_tokens=8, use_cache=False, **kwargs)
+    short = [3, 4, 5]  # the cache serves until the window first moves, then each token sees its own window
+    cached = generate(model, short, max_new_tokens=context, temperature=1.0, seed=1)
+    assert len(cached) == context and cached == generate(model, short, max_new_tokens=context, temperature=1.0,
+                                                         seed=1, use_cache=False)
+    err = capsys.readouterr().err
+    assert f"the prompt has {context + 5} tokens, more than the model's context ({context})" in err
+    assert "the context window slides" in err
+
+
+# -- 6. beyond the issue's list: other entry points a crafted folder reaches ---------------------------
+
+
+def test_a_pickled_npy_in_the_prepared_data_eval_is_pointed_at(trained, tmp_path, capsys):
+    """eval's default data is a prepared cache the checkpoint names; numpy refuses its object arrays."""
+    import numpy as np
+
+    run = run_copy(trained, tmp_path)
+    folder = checkpoint(run, MAX_STEPS)
+    meta = json.loads((folder / ckpt.META).read_text())
+    fingerprint = meta["config"]["data_fingerprint"]
+    shutil.copytree(trained / "cache" / fingerprint, tmp_path / "cache" / fingerprint)
+    marker = tmp_path / "pwned"
+    np.save(tmp_path / "cache" / fingerprint / "val.idx.npy", np.array([Payload(marker)], dtype=object), allow_pickle=True)
+    meta["config"]["data"].update(cache_dir=str(tmp_path / "cache"), pack_sequences=False)  # rows by document offsets
+    (folder / ckpt.META).write_text(json.dumps(meta))
+    reseal(folder)
+    error = refused(capsys, "eval", "--checkpoint", str(folder))
+    assert "is unreadable" in error and "allow_pickle" in error and not marker.exists()
+
+
+def test_a_model_config_is_only_an_architecture_and_must_match_the_weights(trained, tmp_path, capsys):
+    from llm_trainer.checkpoint.model_folder import read_model_config
+
+    folder = tmp_path / "best"
+    shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, folder)
+    (folder / ckpt.META).unlink()
+    config = json.loads((folder / "model_config.json").read_text())
+    (folder / "model_config.json").write_text(json.dumps({**config, "init_from": str(tmp_path / "elsewhere")}))
+    assert read_model_config(folder).init_from is None
+    # A config far larger than its weights is refused from the file's header, before any allocation.
+    (folder / "model_config.json").write_text(json.dumps({**config, "d_model": 1 << 14, "n_layers": 64}))
+    error = refused(capsys, "generate", "--checkpoint", str(folder))
+    assert "does not fit this model" in error and "model has (" in error
+
+
+def test_metrics_and_run_folders_of_any_shape_are_read_without_tracebacks(trained, tmp_path):
+    from llm_trainer.tools.plots import read_run
+    from llm_trainer.tools.registry import collect_run_info
+
+    run = run_copy(trained, tmp_path)
+    with open(run / "metrics.jsonl", "a") as handle:
+        handle.write('{"kind": "train", "step": "seven", "loss": 1}\n[1, 2]\n{"kind": "eval", "step": null}\n')
+    series = read_run(run)
+    assert sorted(series.train) == [2, 4, 6] and sorted(series.eval) == [3, 6]
+    (run / "config.yaml").write_text("- a list\n- not a mapping\n")
+    meta = json.loads((checkpoint(run, MAX_STEPS) / ckpt.META).read_text())
+    meta["config"] = [["model", 1]]
+    (checkpoint(run, MAX_STEPS) / ckpt.META).write_text(json.dumps(meta))
+    info = collect_run_info(run)
+    assert info["model_path"] == str((run / "checkpoints" / ckpt.BEST).resolve()) and info["data_fingerprint"] is None
