@@ -21,7 +21,7 @@ import torch
 
 from .config import ExperimentConfig, ModelConfig, TrainingConfig
 from .errors import UsageError
-from .parallel import distributed
+from .parallel import distributed, launcher
 from .parallel.distributed import DistInfo
 
 
@@ -89,6 +89,17 @@ def vocab_size(experiment: ExperimentConfig, tokenizer=None) -> tuple[int, str]:
     from .tokenizer import Tokenizer
 
     return Tokenizer.load(kind).vocab_size, kind
+
+
+def resolve_training(training: TrainingConfig) -> TrainingConfig:
+    """The training config as the run uses it: under DeepSpeed, the file's own batch sizes, clipping,
+    precision, optimizer and schedule folded in (`deepspeed_engine.merge_into_training`), before the
+    optimizer, the schedule or the loaders are built from it."""
+    if training.distributed_strategy != "deepspeed" or training.deepspeed_config is None:
+        return training
+    from .parallel.deepspeed_engine import merge_into_training
+
+    return merge_into_training(training, launcher.world_size(), resolve_device(training.device))
 
 
 def activation_checkpointing(training: TrainingConfig, model_config: ModelConfig | None) -> bool:
