@@ -165,6 +165,10 @@ def test_001_custom_trainer_logs_through_metrics_tracker_at_current_step(tmp_pat
     assert [r["step"] for r in custom] == [r["step"] for r in logged if r["kind"] != "custom"] == [2, 2, 4, 4, 4]
     assert all(r["custom/metric1"] == 0.25 and r["custom/metric2"] == 0.5 for r in custom)
     assert [r["kind"] for r in logged if r["kind"] != "custom"] == ["train", "eval", "train", "eval", "summary"]
+    from llm_trainer.train.metrics import scalar_items
+
+    assert scalar_items(custom[0]) == [("custom/metric1", 0.25), ("custom/metric2", 0.5)]  # TensorBoard/W&B/MLflow names
+    assert scalar_items({"kind": "custom", "step": 1, "accuracy": 0.5}) == [("accuracy", 0.5)]
 
 
 @pytest.mark.slow

@@ -3,15 +3,17 @@ holds them for a run.
 
 `console` lines and `jsonl` (metrics.jsonl, what `llm-trainer plot`, the registry and sweeps read) are
 always written; `training.report_to` adds `tensorboard`, `wandb`, `mlflow` (naming console or jsonl
-there is allowed and changes nothing). Only rank 0 builds loggers; other ranks get none. The optional backends import their package only when chosen; a missing package is a
-one-line `UsageError` naming the extra to install.
+there is allowed and changes nothing). Only rank 0 builds loggers; other ranks get none. The optional
+backends import their package only when chosen; a missing package is a one-line `UsageError` naming
+the extra to install.
 
-Rows are flat dicts of the kinds in `rows` (train, eval, summary). The tracking backends name their
+Rows are flat dicts of the kinds in `rows` (train, eval, summary, custom). The tracking backends name their
 values (`scalar_items`):
 
     training row   key        -> train/<key>      (train/loss, train/lr, train/grad_norm, train/mfu, ...)
     eval row       val_loss   -> eval/loss, perplexity -> eval/perplexity, other -> eval/<key>
     summary row    key        -> summary/<key>
+    custom row     key        -> key (`metrics_tracker.update({"custom/accuracy": x}, step)`)
     any row        a key with "/" (e.g. custom/accuracy from a Trainer subclass) is kept as it is
 
 TensorBoard writes to `{checkpoint_dir}/logs` when training.checkpoint_dir is set (the training
@@ -44,12 +46,12 @@ class MetricLogger(Protocol):
 
 def scalar_items(row: dict) -> list[tuple[str, float]]:
     """The numeric values of a row under their backend names (see the module docstring)."""
-    kind = row_kind(row) or "train"
+    kind = row_kind(row) or ("train" if "kind" not in row else None)
     items = []
     for key, value in row.items():
         if key in ("step", "event", "kind") or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        if "/" in key:
+        if "/" in key or kind is None:  # a custom row's names are the user's
             name = key
         elif kind == "eval":
             name = {"val_loss": "eval/loss", "perplexity": "eval/perplexity"}.get(key, f"eval/{key}")
