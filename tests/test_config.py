@@ -193,7 +193,9 @@ def test_deepspeed_config_fills_auto_from_training(tmp_path):
 
 
 @pytest.mark.parametrize("deepspeed_config, message", [
-    ({"optimizer": {"type": "Adam", "params": {"lr": 0.1}}}, "sets optimizer values; llm-trainer takes them from training.optimizer"),
+    # a file's own optimizer values are folded into the training config first (merge_into_training);
+    # one that still disagrees with it is named with both values
+    ({"optimizer": {"type": "Adam", "params": {"lr": 0.1}}}, "optimizer.params.lr=0.1 but training.learning_rate=0.0003"),
     ({"train_micro_batch_size_per_gpu": 16}, "train_micro_batch_size_per_gpu=16 but the training config gives 8"),
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage must be 0, 1, 2 or 3"),
     ({"zero_optimization": {"stage": 2, "sub_group_size": "auto"}}, "cannot fill \"auto\" for zero_optimization.sub_group_size"),

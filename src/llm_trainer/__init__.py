@@ -1,6 +1,6 @@
 """llm-trainer: pretrain transformer language models with PyTorch, from raw text to a model others can use."""
 
-from .api import build_loaders, build_model, train
+from .api import build_loaders, build_model, build_trainer, train
 from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
 from .data.prepare import prepare_data
 from .model import Transformer
@@ -10,5 +10,5 @@ from .train.trainer import Trainer
 __version__ = "0.1.0"
 __all__ = [
     "Callback", "DataConfig", "ExperimentConfig", "ModelConfig", "TrainingConfig", "Trainer", "Transformer",
-    "build_loaders", "build_model", "load_experiment", "prepare_data", "train",
+    "build_loaders", "build_model", "build_trainer", "load_experiment", "prepare_data", "train",
 ]

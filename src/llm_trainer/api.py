@@ -7,7 +7,7 @@ step can be replaced by the user's own piece (see `Trainer` for bringing your ow
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,20 +17,21 @@ import yaml
 from .checkpoint.durable import write_text_atomically
 from .checkpoint.format import SHARDED_DIR, link_outside, resolve_checkpoint, verify
 from .checkpoint.model_folder import load_model_folder, load_model_state, read_model_config
-from .config import DataConfig, ExperimentConfig, ModelConfig
+from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
 from .data.loader import BatchLoader, DocumentRows, WindowRows
 from .data.prepare import PreparedData, prepare_data
 from .errors import UsageError
 from .logs import log, warn
 from .model import Transformer
 from .parallel import distributed
-from .resolve import resolve, sequence_length, setup_runtime
+from .parallel import launcher
+from .resolve import resolve, resolve_training, sequence_length, setup_runtime
 from .tokenizer import TOKENIZER_FILE, Tokenizer, vocabulary_mismatch
 from .train.callbacks import Callback
 from .train.run_lock import lock_run_folders
 from .train.trainer import Trainer
 
-__all__ = ["build_model", "prepare_data", "build_loaders", "train", "load_for_inference"]
+__all__ = ["build_model", "prepare_data", "build_loaders", "build_trainer", "train", "load_for_inference"]
 
 
 def build_model(config: ModelConfig, *, meta: bool = False) -> Transformer:
@@ -118,46 +119,75 @@ def build_loaders(experiment: ExperimentConfig, prepared: PreparedData, device: 
     return train_loader, val_loader
 
 
-def train(experiment: ExperimentConfig, callbacks=()) -> dict:
-    """prepare -> resolve -> build model -> fit; writes config.yaml, the tokenizer, metrics, checkpoints
-    and (with the jsonl backend) plots."""
+class _PlotsAtEnd(Callback):
+    """PNG plots of the run's metrics.jsonl into `{output_dir}/plots` when training ends (rank 0)."""
+
+    def __init__(self, output: Path):
+        self.output = output
+
+    def on_train_end(self, trainer, metrics: dict) -> None:
+        if trainer.dist.is_main:
+            from .tools.plots import plot_runs  # warns, never raises: a plot must not fail a finished run
+
+            plot_runs([self.output], self.output / "plots")
+
+
+def _experiment(config, training: TrainingConfig | None, data: DataConfig | None) -> ExperimentConfig:
+    """An ExperimentConfig from one, from a config file's path, or from the three section configs."""
+    if isinstance(config, ExperimentConfig):
+        return config
+    if isinstance(config, (str, Path)):
+        return load_experiment(config)
+    if isinstance(config, ModelConfig) and data is not None:
+        return ExperimentConfig(model=config, training=training or TrainingConfig(), data=data)
+    raise UsageError("pass an ExperimentConfig, a config file, or model_config, training_config and data_config "
+                     "(the data config says where the text comes from)")
+
+
+def build_trainer(config, training: TrainingConfig | None = None, data: DataConfig | None = None, *,
+                  callbacks=(), trainer_class: type[Trainer] = Trainer) -> Trainer:
+    """prepare -> resolve -> build model -> `trainer_class(...)`, ready to `.train()`; writes config.yaml and
+    the tokenizer into the output folder, and plots at the end of training (`Trainer.from_config` is this)."""
+    experiment = _experiment(config, training, data)
     if experiment.model.init_from and experiment.data.tokenizer == "bpe":
         tokenizer_file = Path(experiment.model.init_from) / "tokenizer.json"
         if tokenizer_file.is_file():  # continued pretraining keeps the model's own tokenizer
             experiment = _replace_section(experiment, "data", tokenizer=str(tokenizer_file))
+    experiment = dataclasses.replace(experiment, training=resolve_training(experiment.training))
     sequence_length(experiment)  # a bad length fails before any data is prepared
     runtime = setup_runtime(experiment.training)
-    locks = contextlib.ExitStack()
-    try:  # one run per output folder; a folder we cannot write fails here, before anything is prepared
-        t = experiment.training
-        locks.enter_context(lock_run_folders(t.output_dir, t.resolved_checkpoint_dir, runtime.dist.is_main))
-        if not runtime.dist.is_main:  # rank 0 prepares the data; the others then reuse its cache
-            distributed.barrier()
-        prepared = prepare_data(experiment.data)
-        if runtime.dist.is_main:
-            distributed.barrier()
-        # Built on the meta device and initialised on the target device by the trainer (after sharding
-        # under FSDP): every strategy and world size starts from the same weights for the same seed.
-        loaded = load_init_model(experiment.model.init_from) if experiment.model.init_from else None
-        if loaded is not None:
-            _check_init_vocabulary(experiment.model.init_from, prepared.tokenizer)
-        run = resolve(experiment, prepared.tokenizer, runtime, model_config=loaded.config if loaded else None)
-        model = loaded if loaded is not None else build_model(run.experiment.model, meta=True)
-        train_loader, val_loader = build_loaders(run.experiment, prepared, run.device, run.dist.rank, run.dist.world_size)
-        output = Path(run.training.output_dir)
-        trainer = Trainer(
-            model, run.training, train_dataloader=train_loader, val_dataloader=val_loader, tokenizer=prepared.tokenizer,
-            callbacks=[_RunFiles(output, run.experiment, prepared.tokenizer), *callbacks], run=run,
-            experiment_config={**run.experiment.to_dict(), "data_fingerprint": prepared.manifest["fingerprint"]},
-        )
-        summary = trainer.train()
-        if "jsonl" in run.training.report_to and run.dist.is_main:
-            from .tools.plots import plot_runs  # warns, never raises: a plot must not fail a finished run
+    if not runtime.dist.is_main:  # rank 0 prepares the data; the others then reuse its cache
+        distributed.barrier()
+    prepared = prepare_data(experiment.data)
+    if runtime.dist.is_main:
+        distributed.barrier()
+    # Built on the meta device and initialised on the target device by the trainer (after sharding
+    # under FSDP): every strategy and world size starts from the same weights for the same seed.
+    loaded = load_init_model(experiment.model.init_from) if experiment.model.init_from else None
+    if loaded is not None:
+        _check_init_vocabulary(experiment.model.init_from, prepared.tokenizer)
+    run = resolve(experiment, prepared.tokenizer, runtime, model_config=loaded.config if loaded else None)
+    model = loaded if loaded is not None else build_model(run.experiment.model, meta=True)
+    train_loader, val_loader = build_loaders(run.experiment, prepared, run.device, run.dist.rank, run.dist.world_size)
+    output = Path(run.training.output_dir)
+    return trainer_class(
+        model, run.training, train_dataloader=train_loader, val_dataloader=val_loader, tokenizer=prepared.tokenizer,
+        callbacks=[_RunFiles(output, run.experiment, prepared.tokenizer), *callbacks, _PlotsAtEnd(output)], run=run,
+        experiment_config={**run.experiment.to_dict(), "data_fingerprint": prepared.manifest["fingerprint"]},
+    )
 
-            plot_runs([output], output / "plots")
-        return summary
+
+def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Trainer] = Trainer) -> dict:
+    """prepare -> resolve -> build model -> fit; writes config.yaml, the tokenizer, metrics, checkpoints
+    and plots. `trainer_class`: a Trainer subclass (e.g. one that overrides `_log_metrics`).
+
+    The output folder's lock is taken first: a second run into the same folder, or a folder that cannot
+    be written, fails before any data is prepared."""
+    try:
+        t = experiment.training
+        with lock_run_folders(t.output_dir, t.resolved_checkpoint_dir, launcher.is_main_process()):
+            return build_trainer(experiment, callbacks=callbacks, trainer_class=trainer_class).train()
     finally:
-        locks.close()
         distributed.teardown()
 
 
@@ -175,8 +205,6 @@ class _RunFiles(Callback):
 
 
 def _replace_section(experiment: ExperimentConfig, section: str, **changes) -> ExperimentConfig:
-    import dataclasses
-
     return dataclasses.replace(experiment, **{section: dataclasses.replace(getattr(experiment, section), **changes)})
 
 
@@ -206,6 +234,10 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
         model = model.to(device)
     else:
         model = load_model_folder(path, device=device)
+    if not (path / "tokenizer.json").is_file():
+        raise UsageError(f"{path} has no tokenizer.json: the Trainer that saved it was given no tokenizer it could save "
+                         "(pass tokenizer= llm-trainer's Tokenizer, a tokenizers.Tokenizer or a transformers fast "
+                         "tokenizer), or copy your tokenizer.json into it")
     tokenizer = Tokenizer.load(path)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise UsageError(f"{path / 'tokenizer.json'} has {tokenizer.vocab_size} tokens but the model's vocabulary is "

@@ -112,14 +112,20 @@ def cmd_eval(args) -> int:
     from .api import load_for_inference
     from .train.evaluate import evaluate
 
-    if args.batch_size < 1:
+    from .train.metrics import coverage
+
+    if args.batch_size is not None and args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
-    metrics = evaluate(model, _eval_loader(model, tokenizer, experiment, args.data, args.batch_size))
+    batch_size = args.batch_size or (experiment.get("training") or {}).get("batch_size") or 8  # as in training
+    metrics = evaluate(model, _eval_loader(model, tokenizer, experiment, args.data, batch_size))
     if args.json:
-        print(json.dumps({"loss": metrics["val_loss"], "perplexity": metrics["perplexity"], "tokens": metrics["tokens"]}))
-    else:
-        print(f"loss {metrics['val_loss']:.4f}  perplexity {metrics['perplexity']:.3f}  tokens {metrics['tokens']:,}")
+        print(json.dumps({"loss": metrics["val_loss"], "perplexity": metrics["perplexity"], "tokens": metrics["tokens"],
+                          "batches": metrics["batches"]}))
+    else:  # everything, where training's evaluations may cover only the first training.eval_max_batches
+        data = args.data or "the run's validation split"
+        print(f"loss {metrics['val_loss']:.4f}  perplexity {metrics['perplexity']:.3f}  tokens {metrics['tokens']:,}  "
+              f"({coverage(metrics)} of {data})")
     return 0
 
 
@@ -153,10 +159,23 @@ def cmd_export(args) -> int:
         if found is None:
             raise UsageError(f"{path} holds no checkpoint to export")
         path = found
-    load_for_inference(path)  # validates the folder with our own loader first
-    tokenizer_file = path / "tokenizer.json"
-    out = export_to_hf(path, args.output, tokenizer_file=tokenizer_file if tokenizer_file.is_file() else None,
-                       overwrite=args.overwrite)
+    model, tokenizer, _ = load_for_inference(path)  # validates the folder with our own loader first
+    from .checkpoint.format import SHARDED_DIR
+
+    if (path / SHARDED_DIR / ".metadata").is_file():  # an FSDP checkpoint: its shards, gathered above, become a model folder first
+        import tempfile
+
+        from .checkpoint.model_folder import save_model_folder
+
+        with tempfile.TemporaryDirectory(prefix="consolidated-") as folder:
+            save_model_folder(model, folder)
+            tokenizer.save(folder)
+            out = export_to_hf(Path(folder), args.output, tokenizer_file=Path(folder) / "tokenizer.json",
+                               overwrite=args.overwrite)
+    else:
+        tokenizer_file = path / "tokenizer.json"
+        out = export_to_hf(path, args.output, tokenizer_file=tokenizer_file if tokenizer_file.is_file() else None,
+                           overwrite=args.overwrite)
     print(f"exported to {out}")
     return 0
 
@@ -216,7 +235,7 @@ def cmd_lr_find(args) -> int:
     try:
         import matplotlib  # noqa: F401
 
-        plot_path = Path(args.output)
+        plot_path = Path(args.output) if args.output else Path(experiment.training.output_dir) / "lr_find.png"
     except ImportError:
         from .logs import warn
 
@@ -273,7 +292,12 @@ def _registry(args):
 def cmd_registry_add(args) -> int:
     registry = _registry(args)
     version = registry.add(args.run_dir, args.name, export_path=args.export, description=args.description)
-    print(json.dumps(version.to_dict(), indent=2) if args.json else f"registered {version.ref} ({version.model_path})")
+    if args.json:
+        print(json.dumps(version.to_dict(), indent=2))
+    elif version.already_registered:
+        print(f"already registered as {version.ref} (same run, nothing changed since); no new version")
+    else:
+        print(f"registered {version.ref} ({version.model_path})")
     return 0
 
 
@@ -330,13 +354,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     with_config(sub.add_parser("prepare", help="clean, tokenize and pack the data into token files")).set_defaults(func=cmd_prepare)
     p = with_config(sub.add_parser("train", help="train a model (runs prepare when needed)"))
-    p.add_argument("--resume_from_checkpoint", "--resume-from-checkpoint", help="a checkpoint folder or 'latest'")
+    p.add_argument("--resume_from_checkpoint", "--resume-from-checkpoint",
+                   help="a checkpoint folder (or its checkpoint-N.pt name), or 'latest'")
+    # `python -m torch.distributed.launch` passes --local-rank=N; the rank is read from the environment
+    p.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="loss and perplexity of a checkpoint")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--data", help="a text file to evaluate on (default: the run's validation split)")
-    p.add_argument("--batch-size", "--batch_size", type=int, default=8)
+    p.add_argument("--batch-size", "--batch_size", type=int, help="default: the run's training.batch_size, else 8")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_eval)
 
@@ -377,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-lr", "--start_lr", type=float, default=1e-7)
     p.add_argument("--end-lr", "--end_lr", type=float, default=10.0)
     p.add_argument("--num-steps", "--num_steps", type=int, default=100)
-    p.add_argument("--output", "-o", default="lr_find.png", help="the loss-vs-lr plot (default: ./lr_find.png)")
+    p.add_argument("--output", "-o", help="the loss-vs-lr plot (default: {training.output_dir}/lr_find.png)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_lr_find)
 
@@ -428,8 +455,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_SECTIONS = ("model", "training", "data", "distributed")
+
+
+def _dotted_options(argv: list[str]) -> list[str]:
+    """litgpt/torchtitan's `--training.max_steps 100` and `--training.max_steps=100` as our dotted
+    override `training.max_steps=100`."""
+    out, i = [], 0
+    while i < len(argv):
+        item = argv[i]
+        key = item[2:].split("=", 1)[0]
+        if item.startswith("--") and "." in key and key.split(".", 1)[0] in _SECTIONS:
+            if "=" in item:
+                out.append(item[2:])
+            elif i + 1 < len(argv):
+                out.append(f"{key}={argv[i + 1]}")
+                i += 1
+            else:
+                out.append(item)  # no value: argparse reports it
+        else:
+            out.append(item)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(_dotted_options(sys.argv[1:] if argv is None else list(argv)))
+    # argparse leaves overrides that follow an --option unparsed: they are overrides all the same
+    takes_overrides = hasattr(args, "overrides")
+    overrides = [x for x in extra if takes_overrides and "=" in x and x.split("=", 1)[0].split(".", 1)[0] in _SECTIONS]
+    unknown = [x for x in extra if x not in overrides]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
     from .errors import TrainingStopped
 
     try:

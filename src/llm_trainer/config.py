@@ -9,7 +9,6 @@ overrides (`training.learning_rate=3e-4`) and names the closest valid key for a 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import re
@@ -21,6 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
+from . import config_aliases
 from .errors import UsageError
 
 # ----------------------------------------------------------------------------------------------
@@ -105,11 +105,9 @@ class _Validated:
         if not isinstance(values, dict):
             raise ValueError(f"section {section!r} must be a mapping of field: value, got {type(values).__name__}")
         known = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-        for key in values:
-            if key not in known:
-                close = difflib.get_close_matches(str(key), [k for k in known if not k.startswith("_")], n=1, cutoff=0.5)
-                hint = f"; did you mean {section}.{close[0]}?" if close else f"; valid keys: {', '.join(known)}"
-                raise ValueError(f"unknown key {section}.{key}{hint}")
+        values, problems, _ = config_aliases.canonical_section(section, values, known)  # other frameworks' names
+        if problems:
+            raise ValueError(config_aliases.one_message(problems))
         return cls(**values)
 
 
@@ -544,11 +542,11 @@ class ExperimentConfig:
     def from_dict(cls, values: dict[str, Any]) -> "ExperimentConfig":
         if not isinstance(values, dict):
             raise ValueError("an experiment config must be a mapping with sections model:, training:, data:")
-        for key in values:
-            if key not in cls.SECTIONS:
-                close = difflib.get_close_matches(str(key), cls.SECTIONS, n=1, cutoff=0.5)
-                hint = f"; did you mean {close[0]}?" if close else "; sections are model, training, data"
-                raise ValueError(f"unknown section {key!r}{hint}")
+        known = {name: [f.name for f in dataclasses.fields(section)]
+                 for name, section in (("model", ModelConfig), ("training", TrainingConfig), ("data", DataConfig))}
+        values, problems = config_aliases.canonical_experiment(values, known)  # every problem of the file at once
+        if problems:
+            raise ValueError(config_aliases.one_message(problems))
         return cls(
             model=ModelConfig.from_dict(values.get("model") or {}, section="model"),
             training=TrainingConfig.from_dict(values.get("training") or {}, section="training"),
@@ -615,10 +613,10 @@ def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
     for text in overrides:
         (section, key), value = parse_override(text)
-        data.setdefault(section, {})
-        if not isinstance(data[section], dict):
-            raise UsageError(f"section {section!r} in {path} must be a mapping")
-        data[section][key] = value
+        try:
+            config_aliases.set_override(data, section, key, value)
+        except ValueError:
+            raise UsageError(f"section {section!r} in {path} must be a mapping") from None
     try:
         return ExperimentConfig.from_dict(data)
     except ValueError as exc:

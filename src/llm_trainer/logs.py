@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import warnings
+from typing import Iterator
 
 from .parallel import launcher
 from .parallel.launcher import is_main_process
 
-__all__ = ["is_main_process", "log", "warn"]
+__all__ = ["is_main_process", "log", "warn", "warnings_once"]
 
 
 def log(message: str, *, all_ranks: bool = False) -> None:
@@ -19,3 +22,25 @@ def log(message: str, *, all_ranks: bool = False) -> None:
 
 def warn(message: str) -> None:
     log(f"warning: {message}")
+
+
+@contextlib.contextmanager
+def warnings_once() -> Iterator[None]:
+    """Show each distinct warning once. Python's own "once per location" memory is cleared whenever a
+    library enters `warnings.catch_warnings()` or adds a filter, which some do on every step, so a
+    deprecation inside a per-step call (DeepSpeed's reduce-scatter) would otherwise print every step."""
+    seen: set[tuple] = set()
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        key = (str(message), category, filename, lineno)
+        if key not in seen:
+            seen.add(key)
+            previous(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        if warnings.showwarning is show:
+            warnings.showwarning = previous

@@ -21,7 +21,7 @@ import torch
 
 from .config import ExperimentConfig, ModelConfig, TrainingConfig
 from .errors import UsageError
-from .parallel import distributed
+from .parallel import distributed, launcher
 from .parallel.distributed import DistInfo
 
 
@@ -113,6 +113,17 @@ def token_anchors(training: TrainingConfig, seq_len: int | None, world_size: int
         max_steps = -(-training.max_tokens // (per_micro_step * accumulation))
     return dataclasses.replace(training, gradient_accumulation_steps=accumulation, max_steps=max_steps,
                                total_batch_tokens=None, max_tokens=None)
+
+
+def resolve_training(training: TrainingConfig) -> TrainingConfig:
+    """The training config as the run uses it: under DeepSpeed, the file's own batch sizes, clipping,
+    precision, optimizer and schedule folded in (`deepspeed_engine.merge_into_training`), before the
+    optimizer, the schedule or the loaders are built from it."""
+    if training.distributed_strategy != "deepspeed" or training.deepspeed_config is None:
+        return training
+    from .parallel.deepspeed_engine import merge_into_training
+
+    return merge_into_training(training, launcher.world_size(), resolve_device(training.device))
 
 
 def activation_checkpointing(training: TrainingConfig, model_config: ModelConfig | None) -> bool:

@@ -360,9 +360,11 @@ def resolve_checkpoint(spec: str, root: Path) -> Path | None:
     """
     root = Path(root)
     if spec != "latest":
-        path = Path(spec)
+        path = _folder_of(Path(spec))
         if not path.is_dir():
-            raise CheckpointError(f"checkpoint {path} not found; pass a checkpoint folder or resume_from_checkpoint=latest")
+            here = ", ".join(p.name for p in list_checkpoints(path.parent)[:3])
+            raise CheckpointError(f"checkpoint {path} not found{f' ({path.parent} holds {here})' if here else ''}; "
+                                  "pass a checkpoint folder or resume_from_checkpoint=latest")
         if not (path / META).is_file():
             if (path / LATEST).is_file() or list_checkpoints(path):  # a checkpoints root was given
                 return resolve_checkpoint("latest", path)
@@ -414,6 +416,19 @@ def train_state_problem(saved: Any) -> str | None:
     if saved.get("scaler") is not None and not isinstance(saved["scaler"], dict):
         return "train_state.json is corrupt (scaler)"
     return None
+
+
+def _folder_of(path: Path) -> Path:
+    """The training guide's `checkpoints/checkpoint-10000.pt` (also `checkpoint-10000`) names the folder
+    `checkpoints/checkpoint-00010000`: the checkpoint of step 10000."""
+    found = re.fullmatch(rf"{PREFIX}(\d+)(\.pt|\.pth|\.bin)?", path.name)
+    if path.exists() or found is None:
+        return path
+    folder = path.with_name(f"{PREFIX}{int(found.group(1)):08d}")
+    if folder.is_dir():
+        log(f"resume: {path} is the checkpoint folder {folder}")
+        return folder
+    return path
 
 
 def _refusal(exc: Exception) -> str:

@@ -19,6 +19,7 @@ from ..errors import UsageError
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "model_config.json"
+MODEL_CLASS = "model_class"  # written instead of the architecture for a model that is not our Transformer
 # Prefixes that wrappers add to parameter names; they never reach a file.
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
@@ -97,8 +98,12 @@ def save_model_folder(model: nn.Module, directory: str | Path, extra_metadata: d
 
 
 def write_model_config(model: nn.Module, directory: str | Path, extra_metadata: dict | None = None) -> None:
+    """Our architecture; for a user's own model class, its name (so loading it says what it is)."""
     bare = unwrap(model)
-    config = bare.config.architecture_dict() if isinstance(getattr(bare, "config", None), ModelConfig) else {}
+    if isinstance(getattr(bare, "config", None), ModelConfig):
+        config = bare.config.architecture_dict()
+    else:
+        config = {MODEL_CLASS: f"{type(bare).__module__}.{type(bare).__qualname__}"}
     (Path(directory) / CONFIG_NAME).write_text(json.dumps({**config, **(extra_metadata or {})}, indent=2))
 
 
@@ -118,6 +123,10 @@ def read_model_config(directory: str | Path) -> ModelConfig:
     if not isinstance(values, dict):
         raise UsageError(f"{path} must hold a JSON object of model settings, not {type(values).__name__}; "
                          "the model folder is corrupt")
+    if MODEL_CLASS in values:
+        raise UsageError(f"{directory} holds a {values[MODEL_CLASS]} model, not llm-trainer's Transformer: eval, "
+                         "generate and export need one (build it with llm_trainer.build_model); its weights are in "
+                         f"{Path(directory) / WEIGHTS_NAME} for your own class's load_state_dict")
     # Only the architecture: a file cannot name a folder to load (init_from) or change how training runs.
     known = set(ModelConfig.__dataclass_fields__) - set(ModelConfig.NOT_ARCHITECTURE)
     try:

@@ -53,7 +53,7 @@ from .report import Counts, Progress, build_report, nothing_kept, padding_fracti
 from .shards import SHARDS, SPLITS, ShardWriter
 from .sources import Document, SourceStats, iter_source, source_fingerprint, source_specs
 
-FORMAT_VERSION = 3  # 3: Unicode-aware filters and pre-tokenizer, long text files split, removals named
+FORMAT_VERSION = 4  # 4: too few documents for a fraction split: validation is each document's last tokens
 MANIFEST = "manifest.json"
 _BATCH = 256  # raw documents per pipeline batch
 _TOKENIZE_THREADS = 2
@@ -124,12 +124,17 @@ def _fraction_split(i: int, fraction: float) -> str:
 
 def _kept_texts(config: DataConfig, splits: tuple[str, ...]) -> Iterator[str]:
     """Cleaned, filtered, deduplicated texts of the given splits in stream order (the tokenizer's corpus)."""
+    return (text for text, _ in _kept_documents(config, splits))
+
+
+def _kept_documents(config: DataConfig, splits: tuple[str, ...]) -> Iterator[tuple[str, Document]]:
+    """(cleaned text, the document it came from) for the kept documents of the given splits, in stream order."""
     processor, dedup = DocumentProcessor(config), Deduplicator(config)
     for split, make in _phases(config):
-        yield from _phase_texts(config, processor, dedup, split, make(SourceStats()), splits)
+        yield from _phase_documents(config, processor, dedup, split, make(SourceStats()), splits)
 
 
-def _phase_texts(config, processor, dedup, split, documents, splits) -> Iterator[str]:
+def _phase_documents(config, processor, dedup, split, documents, splits) -> Iterator[tuple[str, Document]]:
     kept = 0
     for batch in _batched(documents, _BATCH):
         result = processor([d.text for d in batch])
@@ -139,7 +144,7 @@ def _phase_texts(config, processor, dedup, split, documents, splits) -> Iterator
             doc_split = split or _fraction_split(kept, config.validation_split)
             kept += 1
             if doc_split in splits:
-                yield text
+                yield text, batch[i]
             if config.max_documents is not None and kept >= config.max_documents:
                 return
 
@@ -253,8 +258,9 @@ class _Build:
                 writer.close()
                 progress.close()
         splits = {s: dict(writer.totals[s]) for s in SPLITS}
-        if self._single_document(splits):
-            splits = self._split_single_document(tokenizer, dtype, writer, state, counts)
+        split_by = self._split_by(splits)
+        if split_by == "tokens":
+            splits = self._split_by_tokens(tokenizer, dtype, writer, state, counts)
         if splits["train"]["tokens"] == 0:
             raise UsageError(nothing_kept(counts))
         writer.finalize(self.work)
@@ -264,8 +270,9 @@ class _Build:
             padding = padding_fractions(np.load(self.work / "train.idx.npy"), self.config.max_length)
         report = build_report(counts, splits, seconds=seconds, reader_skipped=skipped, padding=padding,
                               shards=writer.index, resumed_from_shard=(record["shard"] + 1) if record else None)
+        report["validation_split_by"] = split_by
         write_report(self.work, report)
-        manifest = self._manifest(tokenizer, dtype, splits, counts, skipped, seconds)
+        manifest = {**self._manifest(tokenizer, dtype, splits, counts, skipped, seconds), "validation_split_by": split_by}
         (self.work / MANIFEST).write_text(json.dumps(manifest, indent=2))
         shutil.rmtree(self.directory, ignore_errors=True)  # a folder without a manifest is an old partial one
         self.work.rename(self.directory)
@@ -380,22 +387,38 @@ class _Build:
         progress.update(sum(result.nbytes[: len(batch.documents)]), counts.documents_out,
                         writer.totals["train"]["tokens"] + writer.totals["val"]["tokens"] + writer.pending_tokens())
 
-    # -- a corpus of one document (a single text file) is split by position -----------------------
+    # -- too few documents for a split by documents: each one is split by position -----------------
 
-    def _single_document(self, splits: dict) -> bool:
+    def _split_by(self, splits: dict) -> str | None:
+        """How validation was taken: "name" (a named split), "documents" (a fraction of them), "tokens"
+        (a fraction that leaves no document to validate on: the end of each one instead), None (no split)."""
         fraction = self.config.validation_split
-        return isinstance(fraction, float) and fraction > 0 and splits["train"]["documents"] + splits["val"]["documents"] == 1
+        if isinstance(fraction, str):
+            return "name"
+        if fraction == 0 or splits["train"]["documents"] + splits["val"]["documents"] == 0:
+            return None
+        total = splits["train"]["documents"] + splits["val"]["documents"]
+        if splits["val"]["documents"]:
+            log(f"data: validation: {splits['val']['documents']:,} of {total:,} documents (validation_split {fraction:g})")
+            return "documents"
+        log(f"data: {total} document(s) are too few for a {fraction:g} split by documents; validation is the last "
+            f"{fraction:.0%} of each document's tokens")
+        return "tokens"
 
-    def _split_single_document(self, tokenizer, dtype, writer, state, counts) -> dict:
-        """The first 1-f of its characters train, the rest validate (read again: it is one document)."""
-        text = next(_kept_texts(self.config, ("train", "val")))
-        cut = int(len(text) * (1 - self.config.validation_split))
+    def _split_by_tokens(self, tokenizer, dtype, writer, state, counts) -> dict:
+        """Each document's first 1-f of its tokens train, the rest validate (the documents are read again)."""
+        fraction = self.config.validation_split
         writer.discard()
         writer.start()
-        source = next(self.source_index[name] for name, per in counts.sources.items() if per["documents_out"])
-        for split, part in zip(SPLITS, (text[:cut], text[cut:])):
-            tokens, lengths = encode(tokenizer, [part], dtype)
-            writer.add(split, tokens, lengths, np.full(1, source, np.int16), np.full(1, np.nan) if self.with_scores else None)
+        for text, document in _kept_documents(self.config, ("train", "val")):
+            ids = tokenizer.encode(text)
+            cut = min(len(ids) - 1, max(1, int(len(ids) * (1 - fraction)))) if len(ids) > 1 else len(ids)
+            source = np.full(1, self.source_index[document.source], np.int16)
+            score = np.full(1, np.nan if document.score is None else document.score) if self.with_scores else None
+            for split, part in zip(SPLITS, (ids[:cut], ids[cut:])):
+                if part:
+                    tokens = np.asarray([*part, tokenizer.eot_id], dtype=dtype)
+                    writer.add(split, tokens, np.asarray([len(tokens)], dtype=np.int64), source, score)
         writer.add_keys(np.zeros(0, np.uint64), np.zeros((0, self.config.minhash_num_perm), np.uint32) if self.near else None)
         writer.commit(self._snapshot(state, counts), done=True)
         return {s: dict(writer.totals[s]) for s in SPLITS}

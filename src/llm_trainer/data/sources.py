@@ -30,12 +30,14 @@ import json
 import math
 import os
 import re
+import socket
 import sysconfig
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, NamedTuple
+from urllib.parse import urlparse
 
 from ..config import DataConfig
 from ..errors import UsageError
@@ -391,6 +393,21 @@ def _cut(text: str, start: int, target: int, limit: int) -> int:
 # Hugging Face datasets
 
 
+def _require_hub(name: str) -> None:
+    """Fail at once, naming data_files, when the Hub cannot be reached (instead of `datasets` retrying for
+    tens of seconds). In offline mode (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) `datasets` reads its cache."""
+    if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as exc:
+        raise UsageError(f"data.dataset_name {name!r} is a Hugging Face Hub name and the Hub ({host}) cannot be reached "
+                         f"({exc.strerror or exc}); use data.data_files with local files (text, .jsonl, .parquet) or a "
+                         "local dataset folder, or set HF_HUB_OFFLINE=1 to read a copy already in the cache") from None
+
+
 def _iter_hf_dataset(spec: SourceSpec, split: str, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
     try:
         import datasets
@@ -406,9 +423,12 @@ def _iter_hf_dataset(spec: SourceSpec, split: str, opt: _ReadOptions) -> Iterato
                 ds = ds.to_iterable_dataset()
         else:
             single = False
+            if not Path(name).exists():
+                _require_hub(name)
             ds = datasets.load_dataset(name, spec.dataset_config, split=split, streaming=spec.streaming)
     except (FileNotFoundError, ValueError, KeyError, ConnectionError, OSError) as exc:
-        raise UsageError(f"could not load dataset {name!r} split {split!r}: {str(exc).splitlines()[0]}") from None
+        hint = "; for local files use data.data_files" if isinstance(exc, ConnectionError) else ""
+        raise UsageError(f"could not load dataset {name!r} split {split!r}: {str(exc).splitlines()[0]}{hint}") from None
     if single and split != spec.dataset_split:  # a saved Dataset is one split: never reuse it for validation
         raise UsageError(f"dataset {name!r} is a single split, so it has no split {split!r}; use a fraction for data.validation_split")
     columns = [opt.text_column] + ([opt.score_column] if opt.score_column else [])

@@ -5,9 +5,14 @@ optimizer is ours (built from TrainingConfig) and is handed to DeepSpeed as its 
 schedule sets its learning rate, and `managed_gradient_accumulation: false` lets the loop own the
 micro-batches: DeepSpeed reduces gradients and steps when the loop calls `step()`, once per step.
 
-The user's `deepspeed_config` (a JSON file or an inline dict, e.g. the usual ZeRO-2/ZeRO-3 files) has
-its "auto" values filled from TrainingConfig. Its optimizer and scheduler sections, when all "auto",
-stand for ours; concrete values there are refused with the TrainingConfig fields to set instead.
+The user's `deepspeed_config` (a JSON file or an inline dict, e.g. the usual ZeRO-2/ZeRO-3 files, or
+a guide's file with a concrete optimizer and scheduler) is honoured as written: before anything is
+built, `merge_into_training` folds what it decides that TrainingConfig also holds (micro batch,
+accumulation, total batch, clipping, fp16/bf16, AdamW's lr/betas/eps/weight_decay, WarmupLR /
+WarmupDecayLR / WarmupCosineLR) into the training config; a field the training config sets to
+another value is a conflict, and every conflict is reported in one message. Then `build_config`
+fills the remaining "auto" values from TrainingConfig and drops the optimizer and scheduler sections:
+ours (the same values, now) stand in for them.
 
 Checkpoints: every rank's DeepSpeed files (`engine.save_checkpoint`) become the checkpoint's
 `sharded/` folder; rank 0 adds the usual model folder, train state and RNG, so eval, generate and
@@ -19,6 +24,7 @@ unpickles in full: it reads them only after meta.json's checksums are verified a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import json
 import os
@@ -30,15 +36,15 @@ import torch
 import torch.nn as nn
 
 from ..config import TrainingConfig
+from ..config_aliases import one_message
 from ..errors import UsageError
+from ..logs import log
 
 TAG = "deepspeed"  # DeepSpeed's tag folder inside the staging area; its files move into `sharded/`
-
-# Fields DeepSpeed needs that TrainingConfig already decides ("auto", or absent, takes ours).
-_OWN_SECTIONS = {
-    "optimizer": "training.optimizer, learning_rate, weight_decay, adam_beta1/2, adam_epsilon",
-    "scheduler": "training.lr_scheduler, warmup_steps, min_lr",
-}
+_OWN_SECTIONS = ("optimizer", "scheduler")  # ours stand in for them (with the file's values folded in)
+_SCHEDULES = {"WarmupLR": "constant_with_warmup", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+_IGNORED_OPTIMIZER_PARAMS = ("torch_adam", "adam_w_mode", "fused", "bias_correction")
+Setting = tuple[str, str, Any]  # (where in the DeepSpeed file, TrainingConfig field, value)
 
 
 def _import_deepspeed(device: torch.device):
@@ -75,15 +81,171 @@ def load_user_config(value: str | dict | None) -> dict:
     return loaded
 
 
-def build_config(training: TrainingConfig, world_size: int, d_model: int | None) -> dict:
-    """The DeepSpeed config: the user's, with every "auto" filled from TrainingConfig."""
+def _given(value: Any) -> bool:
+    return value is not None and value != "auto"
+
+
+def _concrete(section: Any) -> bool:
+    """An optimizer/scheduler section with a value of its own (all "auto" stands for ours)."""
+    params = section.get("params", {}) if isinstance(section, dict) else section
+    return any(_given(value) for _, value in _flatten(params))
+
+
+def _precision_settings(cfg: dict) -> tuple[list[Setting], list[str]]:
+    enabled = {key: cfg[key].get("enabled", "auto") if isinstance(cfg.get(key), dict) else "auto" for key in ("fp16", "bf16")}
+    if enabled["fp16"] is True and enabled["bf16"] is True:
+        return [], ["fp16.enabled and bf16.enabled are both true; enable one"]
+    for key, dtype in (("fp16", "float16"), ("bf16", "bfloat16")):
+        if enabled[key] is True:
+            return [(f"{key}.enabled", "use_amp", True), (f"{key}.enabled", "amp_dtype", dtype)], []
+    if enabled["fp16"] is False and enabled["bf16"] is False:
+        return [("fp16/bf16.enabled", "use_amp", False)], []
+    return [], []
+
+
+def _optimizer_settings(section: dict) -> tuple[list[Setting], list[str], list[str]]:
+    settings, problems, notes = [], [], []
+    kind = str(section.get("type", "AdamW")).lower().replace("_", "")
+    params = section.get("params") or {}
+    if kind in ("adamw", "adam", "fusedadam", "cpuadam", "deepspeedcpuadam"):  # DeepSpeed's Adam is AdamW by default
+        decoupled = kind == "adamw" or params.get("adam_w_mode", True) is not False
+        settings.append(("optimizer.type", "optimizer", "adamw" if decoupled else "adam"))
+    else:
+        problems.append(f"optimizer.type {section.get('type')!r} is not supported: llm-trainer runs torch's AdamW "
+                        "(type AdamW or Adam)")
+    for key, value in params.items():
+        where = f"optimizer.params.{key}"
+        if not _given(value) or key in _IGNORED_OPTIMIZER_PARAMS:
+            continue
+        if key == "lr":
+            settings.append((where, "learning_rate", value))
+        elif key == "weight_decay":
+            settings.append((where, "weight_decay", value))
+        elif key == "eps":
+            settings.append((where, "adam_epsilon", value))
+        elif key == "betas" and isinstance(value, (list, tuple)) and len(value) == 2:
+            settings += [(where + "[0]", "adam_beta1", value[0]), (where + "[1]", "adam_beta2", value[1])]
+        else:
+            notes.append(f"{where} is not used")
+    return settings, problems, notes
+
+
+def _scheduler_settings(section: dict, lr: float) -> tuple[list[Setting], list[str], list[str]]:
+    """WarmupLR -> constant_with_warmup, WarmupDecayLR -> linear, WarmupCosineLR -> cosine; our warmup is
+    linear from lr/warmup_steps, so a log warmup or a warmup floor is followed approximately."""
+    kind = section.get("type")
+    if kind not in _SCHEDULES:
+        return [], [f"scheduler.type {kind!r} is not supported; use WarmupLR, WarmupDecayLR or WarmupCosineLR, "
+                    "or set training.lr_scheduler and remove the section"], []
+    params = {k: v for k, v in (section.get("params") or {}).items() if _given(v)}
+    where = "scheduler.params."
+    settings: list[Setting] = [("scheduler.type", "lr_scheduler", _SCHEDULES[kind])]
+    notes = []
+    if "warmup_num_steps" in params:
+        settings.append((where + "warmup_num_steps", "warmup_steps", params["warmup_num_steps"]))
+    if "total_num_steps" in params:
+        settings.append((where + "total_num_steps", "max_steps", params["total_num_steps"]))
+    if "warmup_max_lr" in params:
+        settings.append((where + "warmup_max_lr", "learning_rate", params["warmup_max_lr"]))
+        lr = params["warmup_max_lr"]
+    if kind == "WarmupDecayLR" and "warmup_min_lr" in params:
+        settings.append((where + "warmup_min_lr", "min_lr", params["warmup_min_lr"]))
+    if kind == "WarmupCosineLR":
+        settings.append((where + "cos_min_ratio", "min_lr", params.get("cos_min_ratio", 0.0001) * lr))
+    if params.get("warmup_type", "log") != "linear" and params.get("warmup_num_steps", 1) > 0:
+        notes.append(f"{where}warmup_type {params.get('warmup_type', 'log')!r}: llm-trainer warms up linearly")
+    if params.get("warmup_min_lr", 0) or params.get("warmup_min_ratio", 0):
+        notes.append("the warmup starts from learning_rate/warmup_steps, not from the file's warmup minimum")
+    return settings, [], notes
+
+
+def file_settings(cfg: dict, training: TrainingConfig) -> tuple[list[Setting], list[str], list[str]]:
+    """What a DeepSpeed config decides that TrainingConfig also holds: (settings, unsupported parts, notes)."""
+    settings: list[Setting] = []
+    for key, field in (("train_micro_batch_size_per_gpu", "batch_size"),
+                       ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+                       ("gradient_clipping", "max_grad_norm")):
+        if _given(cfg.get(key)):
+            settings.append((key, field, cfg[key]))
+    precision, problems = _precision_settings(cfg)
+    settings += precision
+    notes: list[str] = []
+    for name in _OWN_SECTIONS:  # the optimizer first: a cosine floor is a ratio of its lr
+        section = cfg.get(name)
+        if section is None or not _concrete(section):
+            continue
+        if not isinstance(section, dict):
+            problems.append(f"{name} must be a JSON object with type and params")
+            continue
+        lr = next((v for _, f, v in settings if f == "learning_rate"), training.learning_rate)
+        found = _optimizer_settings(section) if name == "optimizer" else _scheduler_settings(section, lr)
+        settings += found[0]
+        problems += found[1]
+        notes += found[2]
+    return settings, problems, notes
+
+
+def merge_into_training(training: TrainingConfig, world_size: int, device: torch.device) -> TrainingConfig:
+    """The training config with the DeepSpeed file's own values folded in (see the module docstring).
+
+    A field the training config leaves at its default takes the file's value; one it sets to another
+    value is a conflict. Every conflict, an unsupported section and fp16 on a device without it are
+    reported together in one UsageError."""
     cfg = load_user_config(training.deepspeed_config)
-    for section, fields in _OWN_SECTIONS.items():  # ours replace DeepSpeed's; an all-"auto" section says just that
-        given = cfg.pop(section, None)
-        params = given.get("params", {}) if isinstance(given, dict) else given
-        if given is not None and any(value != "auto" for _, value in _flatten(params)):
-            raise UsageError(f"training.deepspeed_config sets {section} values; llm-trainer takes them from "
-                             f"{fields}: set them there, and \"auto\" (or nothing) in the DeepSpeed config")
+    name = training.deepspeed_config if isinstance(training.deepspeed_config, str) else "the inline DeepSpeed config"
+    settings, problems, notes = file_settings(cfg, training)
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainingConfig)}
+    changes: dict[str, Any] = {}
+    taken_from: dict[str, str] = {}
+    for where, field, value in settings:
+        current = changes.get(field, getattr(training, field))
+        if current == value:
+            taken_from.setdefault(field, where)
+        elif field in taken_from:
+            problems.append(f"{taken_from[field]}={current!r} but {where}={value!r} (both set training.{field})")
+        elif current == defaults[field]:
+            changes[field], taken_from[field] = value, where
+        else:
+            problems.append(f"{where}={value!r} but training.{field}={current!r}")
+    total = cfg.get("train_batch_size")
+    if _given(total):  # = micro batch x accumulation x world size; as in DeepSpeed, a missing accumulation follows
+        micro = changes.get("batch_size", training.batch_size)
+        accum = changes.get("gradient_accumulation_steps", training.gradient_accumulation_steps)
+        if (micro * accum * world_size != total and "gradient_accumulation_steps" not in taken_from
+                and accum == defaults["gradient_accumulation_steps"] and total % (micro * world_size) == 0):
+            accum = changes["gradient_accumulation_steps"] = total // (micro * world_size)
+        if micro * accum * world_size != total:
+            problems.append(f"train_batch_size={total} but batch_size x gradient_accumulation_steps x world size = "
+                            f"{micro} x {accum} x {world_size} = {micro * accum * world_size}")
+    merged_amp = changes.get("use_amp", training.use_amp) and changes.get("amp_dtype", training.amp_dtype) == "float16"
+    if merged_amp and device.type != "cuda":
+        problems.append(f"fp16 needs a CUDA GPU and this run is on {device.type}: use bf16 instead "
+                        '("bf16": {"enabled": true} and "fp16": {"enabled": false})')
+    if problems:
+        raise UsageError(f"training.deepspeed_config {name}: {one_message(problems)}")
+    for note in notes:
+        log(f"deepspeed_config: {note}")
+    if not changes:
+        return training
+    log(f"deepspeed_config: {name} sets " + ", ".join(f"training.{k}={v!r}" for k, v in changes.items()))
+    try:
+        return dataclasses.replace(training, **changes)
+    except ValueError as exc:
+        raise UsageError(f"training.deepspeed_config {name}: {exc}") from None
+
+
+def build_config(training: TrainingConfig, world_size: int, d_model: int | None) -> dict:
+    """The DeepSpeed config: the user's, with every "auto" filled from TrainingConfig (which already
+    holds the file's own values, see `merge_into_training`)."""
+    cfg = load_user_config(training.deepspeed_config)
+    settings, problems, _ = file_settings(cfg, training)
+    checked_below = ("batch_size", "gradient_accumulation_steps", "max_grad_norm")
+    problems += [f"{where}={value!r} but training.{field}={getattr(training, field)!r}"
+                 for where, field, value in settings if field not in checked_below and getattr(training, field) != value]
+    if problems:
+        raise UsageError(f"training.deepspeed_config: {one_message(problems)}")
+    for section in _OWN_SECTIONS:  # ours, with the same values, stand in for DeepSpeed's
+        cfg.pop(section, None)
     ours = {
         "train_micro_batch_size_per_gpu": training.batch_size,
         "gradient_accumulation_steps": training.gradient_accumulation_steps,

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..config import TrainingConfig
 from ..errors import UsageError
+from ..logs import warn
 from . import launcher
 
 
@@ -49,6 +50,10 @@ def setup(config: TrainingConfig, device: torch.device) -> tuple[DistInfo, torch
         )
     strategy = config.distributed_strategy
     if world == 1 and strategy != "deepspeed":
+        if strategy in ("ddp", "fsdp"):
+            warn(f"training.distributed_strategy={strategy} in one process: nothing is "
+                 f"{'sharded' if strategy == 'fsdp' else 'replicated'}; launch with torchrun --nproc_per_node=N "
+                 "(N > 1) to use it")
         return DistInfo(), device
     if strategy == "auto":
         strategy = "ddp"

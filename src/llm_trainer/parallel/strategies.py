@@ -52,6 +52,10 @@ class Parallelism:
     def strategy(self) -> str:
         return self.dist.strategy
 
+    def parameter_count(self) -> int:
+        """Trainable parameters of the whole model (also where this rank holds only a partition)."""
+        return sum(p.numel() for p in self.params)
+
     # -- the step -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -176,6 +180,9 @@ class DeepSpeed(Parallelism):
         super().__init__(model, engine, optimizer, **kwargs)
         self.engine = engine
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=False)  # DeepSpeed scales fp16 losses itself
+
+    def parameter_count(self) -> int:
+        return sum(getattr(p, "ds_numel", p.numel()) for p in self.params)  # ZeRO-3 leaves 0-size partitions
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)  # the loss is scaled for accumulation already

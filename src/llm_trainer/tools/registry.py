@@ -12,6 +12,9 @@ commit of the run folder's repository (null outside git), the model folder (best
 newest checkpoint) and an exported Hugging Face folder when there is one (`--export PATH`, or a
 subfolder of the run holding config.json + model.safetensors). Files are referenced, not copied.
 
+Adding a run again when nothing about it changed (same folders, metrics, config, fingerprints,
+description) returns the version that already holds it instead of a duplicate.
+
 Stages: none (new versions), staging, production, archived. Promoting to staging/production moves
 the version that held that stage to archived (unless `keep_existing`).
 
@@ -59,13 +62,33 @@ class ModelVersion:
     description: str | None = None
     metrics: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
+    already_registered: bool = field(default=False, compare=False)  # add() found this run unchanged: not stored again
 
     @property
     def ref(self) -> str:
         return f"{self.name}:{self.version}"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        values = asdict(self)
+        del values["already_registered"]
+        return values
+
+
+_IDENTITY = ("run_dir", "model_path", "export_path", "data_fingerprint", "tokenizer_fingerprint", "git_commit",
+             "metrics", "config")
+
+
+def _same_run(versions: list[ModelVersion], info: dict, description: str | None) -> ModelVersion | None:
+    """The newest version that records exactly this run as it is now (and the same description), if any."""
+    def key(values: dict) -> str:
+        return json.dumps([values.get(k) for k in _IDENTITY], sort_keys=True, default=str)
+
+    wanted = key(info)
+    for version in reversed(versions):
+        if version.description == description and key(version.to_dict()) == wanted:
+            version.already_registered = True
+            return version
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,6 +288,10 @@ class SQLiteRegistry:
         info = collect_run_info(run_dir, export_path)
         self.db.execute("BEGIN IMMEDIATE")
         try:
+            existing = _same_run(self._select("WHERE name = ?", (name,)), info, description)
+            if existing is not None:
+                self.db.execute("COMMIT")
+                return existing
             (latest,) = self.db.execute("SELECT MAX(version) FROM versions WHERE name = ?", (name,)).fetchone()
             version = ModelVersion(name=name, version=(latest or 0) + 1, created_at=_now(), description=description, **info)
             values = version.to_dict()
@@ -352,6 +379,8 @@ class MLflowRegistry:
         info = collect_run_info(run_dir, export_path)
         if not self._exists(name):
             self.client.create_registered_model(name)
+        elif (existing := _same_run(self.list(name), info, description)) is not None:
+            return existing
         tags = {k: ("" if v is None else str(v)) for k, v in info.items() if k not in ("metrics", "config")}
         tags["metrics"] = json.dumps(info["metrics"], default=str)[:5000]
         for section, values in (info["config"] or {}).items():

@@ -7,17 +7,22 @@ from typing import Iterable
 
 import torch
 
+from ..data.loader import IGNORE_INDEX
+
 
 class IterableBatches:
     """Adapts any iterable of batches (e.g. a torch DataLoader) to the loader interface the loop uses.
 
     Accepted batches: (inputs, targets) already aligned; a dict with `input_ids` (and optional
-    `labels`, Hugging Face style, shifted here); or a tensor of token rows (shifted here).
+    `labels` and `attention_mask`, Hugging Face style, shifted here); or a tensor of token rows (shifted
+    here). As in `transformers`, a position whose attention_mask is 0 (padding) is never a target.
     """
 
     def __init__(self, iterable: Iterable, device: torch.device):
         self.iterable, self.device = iterable, device
         self.epoch, self.position, self._it = 0, 0, None
+        # rows per batch, for the effective batch the Trainer prints: a DataLoader knows it
+        self.batch_size: int | None = getattr(iterable, "batch_size", None)
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]
@@ -29,6 +34,9 @@ class IterableBatches:
         if isinstance(batch, dict):
             ids = batch["input_ids"]
             labels = batch.get("labels", ids)
+            mask = batch.get("attention_mask")
+            if mask is not None:  # padding is not learned (labels=-100 there, as transformers' collators do)
+                labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
             x, y = ids[:, :-1], labels[:, 1:]
         elif isinstance(batch, (tuple, list)):
             if len(batch) > 2:  # (inputs, targets, doc_ids)

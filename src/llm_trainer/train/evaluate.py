@@ -36,7 +36,8 @@ def summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Iterable, *, autocast=None, max_batches: int | None = None,
              reduce=None) -> dict:
-    """{"val_loss", "perplexity", "tokens", "batches"} with every target token weighted equally.
+    """{"val_loss", "perplexity", "tokens", "batches", "batches_total"} with every target token weighted
+    equally; `batches` of `batches_total` (None when the loader has no length) say what was covered.
 
     `reduce` (an in-place all-reduce) sums the totals over ranks when each rank evaluated its part.
     """
@@ -44,15 +45,15 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, autocast=None, max_ba
     model.eval()
     device = next(model.parameters(), torch.empty(0)).device
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # (summed nll, target count)
-    evaluated = 0
-    for inputs, targets, *doc_ids in batches:
-        if max_batches is not None and evaluated >= max_batches:
+    done = 0
+    for i, (inputs, targets, *doc_ids) in enumerate(batches):
+        if max_batches is not None and i >= max_batches:
             break
         with autocast if autocast is not None else torch.autocast("cpu", enabled=False):
             nll = batch_nll(model, inputs, targets, *doc_ids)
         totals[0] += nll.double()
         totals[1] += (targets != IGNORE_INDEX).sum()
-        evaluated += 1
+        done += 1
     model.train(was_training)
     if reduce is not None:
         reduce(totals)
@@ -60,4 +61,6 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, autocast=None, max_ba
     if count == 0:
         raise ValueError("the evaluation data has no target tokens")
     loss = total / count
-    return {"val_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(count), "batches": evaluated}
+    total_batches = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
+    return {"val_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(count), "batches": done,
+            "batches_total": total_batches}

@@ -1,17 +1,23 @@
-"""Metric backends behind one small interface: `log(row)` and `close()`.
+"""Metric backends behind one small interface: `log(row)` and `close()`, and the `MetricsTracker` that
+holds them for a run.
 
-`training.report_to` picks any number of them: `console`, `jsonl` (metrics.jsonl, what `llm-trainer
-plot` and the registry read), `tensorboard`, `wandb`, `mlflow`. Only rank 0 builds loggers; other
-ranks get none. The optional backends import their package only when chosen; a missing package is a
-one-line `UsageError` naming the extra to install.
+`console` lines and `jsonl` (metrics.jsonl, what `llm-trainer plot`, the registry and sweeps read) are
+always written; `training.report_to` adds `tensorboard`, `wandb`, `mlflow` (naming console or jsonl
+there is allowed and changes nothing). Only rank 0 builds loggers; other ranks get none. The optional
+backends import their package only when chosen; a missing package is a one-line `UsageError` naming
+the extra to install.
 
-Rows are flat dicts of the kinds in `rows` (train, eval, summary). The tracking backends name their
+Rows are flat dicts of the kinds in `rows` (train, eval, summary, custom). The tracking backends name their
 values (`scalar_items`):
 
     training row   key        -> train/<key>      (train/loss, train/lr, train/grad_norm, train/mfu, ...)
     eval row       val_loss   -> eval/loss, perplexity -> eval/perplexity, other -> eval/<key>
     summary row    key        -> summary/<key>
+    custom row     key        -> key (`metrics_tracker.update({"custom/accuracy": x}, step)`)
     any row        a key with "/" (e.g. custom/accuracy from a Trainer subclass) is kept as it is
+
+TensorBoard writes to `{checkpoint_dir}/logs` when training.checkpoint_dir is set (the training
+guide's `tensorboard --logdir ./checkpoints/logs`), else to `{output_dir}/tensorboard`.
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ from pathlib import Path
 from typing import Protocol
 
 from ..checkpoint.durable import no_follow, write_text_atomically
+from ..config import TrainingConfig
 from ..errors import UsageError
 from ..logs import is_main_process, log, warn
-from .rows import row_kind
+from .rows import custom_row, row_kind
 
 INSTALL_HINT = "pip install 'llm-trainer[tracking]'"
 
@@ -40,12 +47,12 @@ class MetricLogger(Protocol):
 
 def scalar_items(row: dict) -> list[tuple[str, float]]:
     """The numeric values of a row under their backend names (see the module docstring)."""
-    kind = row_kind(row) or "train"
+    kind = row_kind(row) or ("train" if "kind" not in row else None)
     items = []
     for key, value in row.items():
         if key in ("step", "event", "kind") or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        if "/" in key:
+        if "/" in key or kind is None:  # a custom row's names are the user's
             name = key
         elif kind == "eval":
             name = {"val_loss": "eval/loss", "perplexity": "eval/perplexity"}.get(key, f"eval/{key}")
@@ -131,7 +138,8 @@ class ConsoleLogger:
     def log(self, row: dict) -> None:
         kind = row_kind(row)
         if kind == "eval":
-            log(f"eval  step {row['step']:>7}  val_loss {row['val_loss']:.4f}  perplexity {row['perplexity']:.2f}")
+            log(f"eval  step {row['step']:>7}  val_loss {row['val_loss']:.4f}  perplexity {row['perplexity']:.2f}  "
+                f"({coverage(row)})")
         elif kind == "train" and self.show_train_rows:  # the end-of-run summary is printed by the trainer itself
             log(
                 f"train step {row['step']:>7}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
@@ -142,15 +150,27 @@ class ConsoleLogger:
         pass
 
 
+def coverage(row: dict) -> str:
+    """What an evaluation covered, in words: `all 12 batches, 3,072 tokens` or `first 4 of 12 batches, ...`."""
+    done, total = row.get("batches"), row.get("batches_total")
+    tokens = f"{row['tokens']:,} tokens"
+    if done is None:
+        return tokens
+    if total is not None and done < total:
+        return f"first {done} of {total} batches, {tokens}: training.eval_max_batches"
+    return f"all {done} batches, {tokens}"
+
+
 class TensorBoardLogger:
-    """`{output_dir}/tensorboard`: scalars (train/loss, eval/perplexity, ...), the config as text and hparams."""
+    """Scalars (train/loss, eval/perplexity, ...), the config as text and hparams, in `directory`."""
 
     def __init__(self, directory: Path, config: dict):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise UsageError(f"report_to tensorboard needs tensorboard: {INSTALL_HINT}") from None
-        self.writer = SummaryWriter(str(directory / "tensorboard"))
+        self.writer = SummaryWriter(str(directory))
+        log(f"tensorboard: writing to {directory} (view: tensorboard --logdir {directory})")
         self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```")
         self._write_hparams(config)
 
@@ -277,22 +297,30 @@ class MLflowLogger:
         self.client.set_terminated(self.run_id, "FINISHED")
 
 
+def tensorboard_dir(training: TrainingConfig) -> Path:
+    """`{checkpoint_dir}/logs` when checkpoint_dir is set, as the training guide has it; else
+    `{output_dir}/tensorboard`."""
+    if training.checkpoint_dir:
+        return Path(training.checkpoint_dir) / "logs"
+    return Path(training.output_dir) / "tensorboard"
+
+
 def build_loggers(report_to: list[str], output_dir: Path, config: dict, progress_bar: bool,
-                  resumed_at: int | None = None) -> list[MetricLogger]:
-    """The loggers `report_to` names, in order; [] on ranks other than 0. `resumed_at`: the step a
-    resumed run continues from (metrics.jsonl drops what was logged after it)."""
+                  tensorboard_dir: Path | None = None, resumed_at: int | None = None) -> list[MetricLogger]:
+    """Console and metrics.jsonl, then the backends `report_to` adds, in order; [] on ranks other than 0.
+    `resumed_at`: the step a resumed run continues from (metrics.jsonl drops what was logged after it)."""
     if not is_main_process():
         return []
     output_dir = Path(output_dir)
     loggers: list[MetricLogger] = []
     try:
-        for name in dict.fromkeys(report_to):  # each backend once
+        for name in dict.fromkeys(["console", "jsonl", *report_to]):  # each backend once
             if name == "console":
                 loggers.append(ConsoleLogger(show_train_rows=not progress_bar))
             elif name == "jsonl":
                 loggers.append(JsonlLogger(output_dir, resumed_at))
             elif name == "tensorboard":
-                loggers.append(TensorBoardLogger(output_dir, config))
+                loggers.append(TensorBoardLogger(tensorboard_dir or output_dir / "tensorboard", config))
             elif name == "wandb":
                 loggers.append(WandbLogger(output_dir, config))
             elif name == "mlflow":
@@ -303,6 +331,32 @@ def build_loggers(report_to: list[str], output_dir: Path, config: dict, progress
         close_loggers(loggers)
         raise
     return loggers
+
+
+class MetricsTracker:
+    """The run's backends as one object. The loop logs its rows with `log(row)`; a user's own values go
+    through `update(values, step)` (the training guide's `self.metrics_tracker.update(custom_metrics,
+    self.current_step)`) as a row of kind "custom"."""
+
+    def __init__(self) -> None:
+        self.loggers: list[MetricLogger] = []
+
+    def open(self, report_to: list[str], output_dir: Path, config: dict, *, progress_bar: bool,
+             tensorboard_dir: Path | None = None, resumed_at: int | None = None) -> None:
+        self.close()
+        self.loggers = build_loggers(report_to, output_dir, config, progress_bar, tensorboard_dir, resumed_at)
+
+    def log(self, row: dict) -> None:
+        for logger in self.loggers:
+            logger.log(row)
+
+    def update(self, values: dict, step: int) -> None:
+        """Log `values` ({"custom/metric": number}) at `step` to every backend."""
+        self.log(custom_row(step, values))
+
+    def close(self) -> None:
+        loggers, self.loggers = self.loggers, []
+        close_loggers(loggers)
 
 
 def close_loggers(loggers: list[MetricLogger]) -> None:

@@ -3,6 +3,7 @@
     TrainRow    every `logging_steps` optimizer steps: loss, lr, grad_norm, tokens, speed
     EvalRow     every evaluation: val_loss, perplexity, and how many tokens it covered
     SummaryRow  once, at the end of `train()`
+    "custom"    a user's own values (`Trainer.metrics_tracker.update`): `custom_row`, no fixed schema
 
 Each row is a flat JSON object with `kind` ("train", "eval", "summary") and `step`; optional fields
 that have no value (MFU on a CPU, val_loss of a run without validation data) are left out. Readers
@@ -59,6 +60,7 @@ class EvalRow(_Row):
     perplexity: float
     tokens: int  # target tokens evaluated
     batches: int | None = None  # batches evaluated (training.eval_max_batches caps them)
+    batches_total: int | None = None  # batches the validation data holds
 
 
 @dataclass(kw_only=True)
@@ -77,6 +79,19 @@ class SummaryRow(_Row):
     val_loss: float | None = None  # the final evaluation
     perplexity: float | None = None
     time_to_target_s: float | None = None  # seconds from the start of train() to target_val_loss
+
+
+def custom_row(step: int, values: dict) -> dict:
+    """A row of a user's own numbers (`{"custom/accuracy": 0.5}`) at `step`."""
+    row: dict = {"kind": "custom", "step": int(step)}
+    for key, value in values.items():
+        if key in row:
+            raise ValueError(f"custom metric names must not be {', '.join(row)}; got {key!r}")
+        try:
+            row[str(key)] = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"custom metric {key!r} must be a number, got {value!r}") from None
+    return row
 
 
 def row_kind(row: dict) -> Kind | None:

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 class TrainState:
     step: int = 0  # optimizer steps taken (including skipped ones)
     tokens_seen: int = 0  # input tokens consumed
-    best_val_loss: float | None = None
+    best_val_loss: float | None = None  # the lowest evaluation so far: best_model holds its weights
     best_step: int | None = None
+    patience_reference: float | None = None  # early stopping: the last val_loss that improved by more than min_delta
     evals_without_improvement: int = 0
     skipped_steps: int = 0  # steps whose loss or gradient was not finite
     consecutive_bad_steps: int = 0

@@ -5,29 +5,39 @@ loaders, the checkpointer. `Trainer.train` is the loop, top to bottom: set the l
 `train_step` over the micro-batches, log, evaluate, checkpoint. It never asks which backend runs:
 the `Parallelism` object and the `Checkpointer` answer for it. Everything a resumed run needs (the
 `TrainState` counters, the loader's position, optimizer, RNGs) goes into every checkpoint.
+
+Two ways in: ours, `Trainer(model, config, train_dataloader=..., val_dataloader=...).train()`, and the
+Hugging Face style of the Hindi trainer guide, `Trainer(model=..., tokenizer=..., config={...})`
+then `.train(train_dataloader=..., val_dataloader=..., num_epochs=...)` (`config` a dict or a
+`TrainingConfig`). `Trainer.from_config(model_config, training_config, data_config)` builds the whole
+pipeline (prepare, vocabulary, model, loaders) for a subclass.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.nn as nn
 
+from .. import config_aliases
 from ..checkpoint.checkpointer import Checkpointer
 from ..config import TrainingConfig
 from ..errors import TrainingStopped, UsageError
-from ..logs import is_main_process, log
+from ..logs import is_main_process, log, warnings_once
 from ..parallel.distributed import all_reduce_
 from ..parallel.parallelize import parallelize
-from ..resolve import ResolvedRun, activation_checkpointing, seed_everything, setup_runtime, token_anchors
+from ..resolve import (ResolvedRun, activation_checkpointing, resolve_training, seed_everything, setup_runtime,
+                       token_anchors)
 from .batches import as_loader
 from .callbacks import Callback
 from .evaluate import evaluate
 from .flops import flops_per_token, peak_flops
-from .metrics import build_loggers, close_loggers
+from .metrics import MetricsTracker, tensorboard_dir
 from .optim import build_optimizer, learning_rate_at, set_learning_rate
 from .rows import EvalRow, SummaryRow, TrainRow
 from .run_lock import lock_run_folders
@@ -43,26 +53,34 @@ class Trainer:
     """Trains any `nn.Module` that returns logits (or an object with `.logits` or `.loss`) on any
     iterable of batches; `llm_trainer.train` builds everything from an experiment config instead.
 
-    `run`: the resolved run (`llm_trainer.resolve`) when the caller has one; otherwise the Trainer
-    resolves the device, process group and precision from `config` itself.
+    `config`: a `TrainingConfig`, or a dict of its fields (other frameworks' names too; keys it does
+    not know are listed once and kept out). `run`: the resolved run (`llm_trainer.resolve`) when the
+    caller has one; otherwise the Trainer resolves the device, process group and precision from
+    `config` itself. The data may come here or to `train()`.
+
+    For subclasses: `_log_metrics(row)` sees every row the backends get; `self.metrics_tracker.update(
+    {"custom/x": value}, self.current_step)` logs values of your own to the same backends.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        config: TrainingConfig,
+        config: TrainingConfig | Mapping[str, Any] | None = None,
         *,
-        train_dataloader,
+        train_dataloader=None,
         val_dataloader=None,
         tokenizer=None,
         callbacks: Iterable[Callback] = (),
         experiment_config: dict | None = None,
         run: ResolvedRun | None = None,
     ):
-        runtime = run.runtime if run is not None else setup_runtime(config)
-        seq_len = run.seq_len if run else getattr(getattr(train_dataloader, "rows", None), "length", None)  # our loaders know it
+        config = _training_config(config)
         if run is None:
-            config = token_anchors(config, seq_len, runtime.dist.world_size)
+            config = resolve_training(config)  # a DeepSpeed file's own values, as the run will use them
+        runtime = run.runtime if run is not None else setup_runtime(config)
+        if run is None:  # run lengths in tokens need the rows' length, which our loaders know
+            config = token_anchors(config, getattr(getattr(train_dataloader, "rows", None), "length", None),
+                                   runtime.dist.world_size)
         self.config = config
         self.dist, self.device, self.amp_dtype = runtime.dist, runtime.device, runtime.amp_dtype
         seed_everything(config.seed)  # before parallelize: a meta-device model is initialised there
@@ -82,7 +100,42 @@ class Trainer:
         self.model = self.parallel.forward  # what the step calls
         self.optimizer = self.parallel.optimizer
         self.autocast = autocast(self.device, self.amp_dtype)
+        self.state = TrainState()
+        self.bad_steps = NonFiniteSteps(self.device)  # renewed by train() from the (resumed) state
+        self.time_to_target_s: float | None = None  # seconds into train() when target_val_loss was reached
+        self.stop = StopControl(self.dist.world_size)
+        self.metrics_tracker = MetricsTracker()  # the run's metric backends (opened by train())
+        self._seq_len = run.seq_len if run else None
+        self.train_loader = self.val_loader = None
+        self._sources = (None, None)  # the data as given, to attach again when train() changes num_epochs
+        if train_dataloader is not None:
+            self._attach_data(train_dataloader, val_dataloader)
 
+    @classmethod
+    def from_config(cls, model_config, training_config=None, data_config=None, *, callbacks: Iterable[Callback] = ()):
+        """The whole pipeline for this (sub)class: prepare the data, size the vocabulary, build the model
+        and loaders. Takes the three configs, an `ExperimentConfig`, or a config file's path."""
+        from ..api import build_trainer  # api builds on this module
+
+        return build_trainer(model_config, training_config, data_config, callbacks=callbacks, trainer_class=cls)
+
+    @property
+    def current_step(self) -> int:
+        """Optimizer steps taken so far (what the guides call `self.current_step`)."""
+        return self.state.step
+
+    @property
+    def loggers(self) -> list:
+        return self.metrics_tracker.loggers
+
+    @loggers.setter
+    def loggers(self, value: list) -> None:
+        self.metrics_tracker.loggers = value
+
+    def _attach_data(self, train_dataloader, val_dataloader) -> None:
+        """The loaders, and what depends on them: the run's length, the speed monitor, the checkpointer."""
+        config, model = self.config, self.raw_model
+        self._sources = (train_dataloader, val_dataloader)
         self.train_loader = as_loader(train_dataloader, self.device)
         self.val_loader = as_loader(val_dataloader, self.device) if val_dataloader is not None else None
         loader_world = getattr(self.train_loader, "world_size", self.dist.world_size)
@@ -98,40 +151,47 @@ class Trainer:
                 f"gradient_accumulation_steps={config.gradient_accumulation_steps}; set training.max_steps or use more data"
             )
         self.total_steps = config.max_steps if config.max_steps is not None else per_epoch * config.num_epochs
-        self.state = TrainState()
-        self.bad_steps = NonFiniteSteps(self.device)  # renewed by train() from the (resumed) state
-        self.time_to_target_s: float | None = None  # seconds into train() when target_val_loss was reached
+        seq_len = self._seq_len or getattr(getattr(self.train_loader, "rows", None), "length", None)
         self.speed = SpeedMonitor(config.speed_window_size, _flops_per_token(model, seq_len),
                                   config.peak_flops or _peak_flops(self.device, self.amp_dtype), self.device)
-        self.stop = StopControl(self.dist.world_size)
         self.checkpointer = Checkpointer(
             self.checkpoint_dir, parallel=self.parallel, loader=self.train_loader, state=self.state,
             schedule={"name": config.lr_scheduler, "total_steps": self.total_steps}, config=self.experiment_config,
             tokenizer_json=self._tokenizer_json(), keep_last=config.save_total_limit,
             background=config.async_checkpoint, periodic=bool(config.save_steps), on_saved=self._on_saved,
         )
-        self.loggers = []
 
     # -- the loop ---------------------------------------------------------------------------------
 
-    def train(self) -> dict[str, Any]:
-        """The loop, holding the output folder's lock: one run per folder."""
-        with lock_run_folders(self.output_dir, self.checkpoint_dir, self.dist.is_main):
-            return self._train()
+    def train(self, train_dataloader=None, val_dataloader=None, num_epochs: int | None = None) -> dict[str, Any]:
+        """Run the loop, holding the output folder's lock (one run per folder); returns the summary row.
+        The arguments are the Hugging Face style's: data given here (and `num_epochs`) replace what the
+        constructor was given."""
+        train_source = train_dataloader if train_dataloader is not None else self._sources[0]
+        if train_source is None:
+            raise UsageError("no training data: pass train_dataloader to Trainer(...) or to train()")
+        if num_epochs is not None:
+            self.config = dataclasses.replace(self.config, num_epochs=num_epochs)
+        if train_dataloader is not None or val_dataloader is not None or num_epochs is not None:
+            self._attach_data(train_source, val_dataloader if val_dataloader is not None else self._sources[1])
+        with lock_run_folders(self.output_dir, self.checkpoint_dir, self.dist.is_main), warnings_once():
+            return self._loop()  # (a library's per-step warning prints once, not every step)
 
-    def _train(self) -> dict[str, Any]:
+    def _loop(self) -> dict[str, Any]:
         cfg, state, accum = self.config, self.state, self.config.gradient_accumulation_steps
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if cfg.resume_from_checkpoint:
             self.checkpointer.load(cfg.resume_from_checkpoint)
         self.bad_steps = NonFiniteSteps(self.device, state.skipped_steps, state.consecutive_bad_steps)
-        self.loggers = build_loggers(cfg.report_to, self.output_dir, self.experiment_config, cfg.progress_bar,
-                                     resumed_at=state.step if cfg.resume_from_checkpoint else None)
+        show_bar = self._shows_progress_bar()
+        self.metrics_tracker.open(cfg.report_to, self.output_dir, self.experiment_config, progress_bar=show_bar,
+                                  tensorboard_dir=tensorboard_dir(cfg),
+                                  resumed_at=state.step if cfg.resume_from_checkpoint else None)
         tokens_at_start, start_step = state.tokens_seen, state.step
         self._log_start()
         for cb in self.callbacks:
             cb.on_train_begin(self)
-        progress = self._progress_bar()
+        progress = self._progress_bar() if show_bar else None
         self.model.train()
         started = self._started = time.perf_counter()
         timer = PhaseTimer()
@@ -206,8 +266,7 @@ class Trainer:
         finally:  # also when a callback or a stop raises: logs flushed, bar closed
             if progress is not None:
                 progress.close()
-            close_loggers(self.loggers)
-            self.loggers = []
+            self.metrics_tracker.close()
 
     # -- pieces of the loop -----------------------------------------------------------------------
 
@@ -224,28 +283,34 @@ class Trainer:
             )
 
     def evaluate(self, *, full: bool = False) -> dict:
-        """Validation loss over the first `eval_max_batches` batches, or all of them (`full`, or no cap)."""
+        """val_loss and perplexity over the first `eval_max_batches` validation batches, or all of them
+        (`full`, or no cap)."""
         if self.val_loader is None:
             raise UsageError("no validation data: pass val_dataloader or set data.validation_split")
         return evaluate(self.raw_model, self.val_loader, autocast=self.autocast, reduce=all_reduce_,
                         max_batches=None if full else self.config.eval_max_batches)
 
     def _evaluate_and_track(self) -> dict:
+        """Evaluate; best_model follows the lowest val_loss; early stopping's patience counts evaluations
+        that did not beat the last counted improvement by more than min_delta."""
         cfg, state = self.config, self.state
         metrics = self.evaluate()
         target = cfg.target_val_loss
-        whole = cfg.eval_max_batches is None or metrics["batches"] < cfg.eval_max_batches  # the split ended first
+        whole = cfg.eval_max_batches is None or metrics.get("batches") == metrics.get("batches_total")
         if target is not None and not whole and metrics["val_loss"] <= target * 1.01:
             metrics, whole = self.evaluate(full=True), True  # within 1% of the target on a part: the whole split decides
-        improved = state.best_val_loss is None or metrics["val_loss"] < state.best_val_loss - cfg.early_stopping_min_delta
-        if improved:
-            state.best_val_loss, state.best_step, state.evals_without_improvement = metrics["val_loss"], state.step, 0
+        loss = metrics["val_loss"]
+        if state.best_val_loss is None or loss < state.best_val_loss:
+            state.best_val_loss, state.best_step = loss, state.step
             self.checkpointer.save_best(metrics)
+        reference = state.patience_reference if state.patience_reference is not None else state.best_val_loss
+        if state.patience_reference is None or loss < reference - cfg.early_stopping_min_delta:
+            state.patience_reference, state.evals_without_improvement = loss, 0
         else:
             state.evals_without_improvement += 1
             if cfg.early_stopping_patience and state.evals_without_improvement >= cfg.early_stopping_patience:
                 self.stop.request(
-                    f"early stopping: val_loss did not improve by {cfg.early_stopping_min_delta} for "
+                    f"early stopping: val_loss did not improve by more than {cfg.early_stopping_min_delta} for "
                     f"{state.evals_without_improvement} evaluations (best {state.best_val_loss:.4f} at step {state.best_step})"
                 )
         if target is not None and whole and metrics["val_loss"] <= target:
@@ -267,30 +332,43 @@ class Trainer:
             cb.on_save(self, path)
 
     def _tokenizer_json(self) -> str | None:
-        return self.tokenizer.to_json() if self.tokenizer is not None and hasattr(self.tokenizer, "to_json") else None
+        """Ours, a `tokenizers.Tokenizer` or a transformers fast tokenizer, as tokenizer.json; else None
+        (the checkpoint then has no tokenizer, and generate/export say so)."""
+        tokenizer = self.tokenizer
+        for get in (lambda: tokenizer.to_json(), lambda: tokenizer.to_str(), lambda: tokenizer.backend_tokenizer.to_str()):
+            try:
+                text = get()
+            except AttributeError:
+                continue
+            if isinstance(text, str):
+                return text
+        return None
 
     # -- output -----------------------------------------------------------------------------------
 
     def _log_metrics(self, row: dict) -> None:
-        """Send one row to every backend; override to add metrics (e.g. `custom/...`)."""
-        for logger in self.loggers:
-            logger.log(row)
+        """Send one row (train, eval or summary) to every backend; override to add metrics (e.g.
+        `custom/...`), calling `super()._log_metrics(row)`."""
+        self.metrics_tracker.log(row)
+
+    def _shows_progress_bar(self) -> bool:
+        """A bar on a terminal only: written to a file, its redraws would glue to the log lines."""
+        return self.config.progress_bar and is_main_process() and sys.stderr.isatty()
 
     def _progress_bar(self):
-        if not self.config.progress_bar or not is_main_process():
-            return None
         from tqdm.auto import tqdm
 
         return tqdm(total=self.total_steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True, mininterval=0.5)
 
     def _log_start(self) -> None:
-        n_params = sum(p.numel() for p in self.parallel.params)
+        n_params = self.parallel.parameter_count()
         cfg = self.config
         world = self.dist.world_size
-        effective = cfg.batch_size * cfg.gradient_accumulation_steps * world
+        rows = getattr(self.train_loader, "batch_size", None) or cfg.batch_size  # a user's DataLoader decides
+        effective = rows * cfg.gradient_accumulation_steps * world
         log(
             f"train: {n_params:,} parameters on {self.device}, {self.total_steps} steps, effective batch {effective} "
-            f"= {cfg.batch_size} x {cfg.gradient_accumulation_steps} accumulation x {world} process(es)"
+            f"= {rows} x {cfg.gradient_accumulation_steps} accumulation x {world} process(es)"
             f"{' (' + self.dist.strategy + ')' if world > 1 else ''}, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}), "
             f"{'amp ' + cfg.amp_dtype if cfg.use_amp else 'float32'}{', compiled' if cfg.compile else ''}"
         )
@@ -306,6 +384,27 @@ class Trainer:
             log(f"stopped by {self.stop.signal}; resume with training.resume_from_checkpoint=latest")
         elif summary["stopped_early"]:
             log(summary["stopped_early"])
+
+
+def _training_config(config: TrainingConfig | Mapping[str, Any] | None) -> TrainingConfig:
+    """A TrainingConfig from what the caller gave: ours, a dict of its fields (e.g. a user's whole
+    experiment dict: other keys are listed once, not refused), or None for the defaults."""
+    if config is None:
+        return TrainingConfig()
+    if isinstance(config, TrainingConfig):
+        return config
+    if not isinstance(config, Mapping):
+        raise UsageError(f"config must be a TrainingConfig or a dict of its fields, got {type(config).__name__}")
+    known = [f.name for f in dataclasses.fields(TrainingConfig)]
+    values, problems, unused = config_aliases.canonical_section("training", dict(config), known, strict=False)
+    if problems:
+        raise UsageError(config_aliases.one_message(problems))
+    if unused:
+        log(f"config: {', '.join(map(str, unused))} not TrainingConfig fields; not used by the Trainer")
+    try:
+        return TrainingConfig(**values)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _flops_per_token(model: nn.Module, seq_len: int | None) -> float | None:
