@@ -12,7 +12,9 @@ Per round:
 * `ours_speedrun`: `llm-trainer train --config configs/speedrun-shakespeare.yaml` with
   `training.target_val_loss=L`: it stops at the first evaluation whose loss over the *whole*
   validation split (the same last 10% of characters as nanoGPT's split) reaches L. Whole-process
-  wall time, data preparation included. The recipe's budget: at most nanoGPT's parameter count,
+  wall time. Its final model is evaluated again afterwards, untimed, over the whole split in
+  float32 (`val_loss_float32`): the run itself evaluates in its training precision (bf16 autocast).
+  Our data is prepared once beforehand (`llm-trainer prepare`, untimed), as nanoGPT's is. The recipe's budget: at most nanoGPT's parameter count,
   context 64, 12 sequences per step, character level.
 * `ours_nanogpt_setting`: nanoGPT's setting itself in our trainer (GPT-2 block without biases, the
   same schedule, fp32, 2000 steps, a final full-split evaluation and checkpoint): whole-process wall.
@@ -85,11 +87,29 @@ def run_nanogpt(peer: Path, steps: int, timeout: float) -> dict:
     return record
 
 
+def prepare_ours(config: Path, cache: Path) -> float:
+    """`llm-trainer prepare` once, before timing (as nanoGPT's prepare.py runs before its train.py)."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "llm_trainer", "prepare", "--config", str(config), f"data.cache_dir={cache}",
+                    f"data.data_files={DATA}"], cwd=REPO_ROOT, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def float32_loss(checkpoint: Path) -> float | None:
+    """The final model's validation loss over the whole split in float32, untimed (bench/eval_ours.py)."""
+    result = subprocess.run([sys.executable, str(BENCH_DIR / "eval_ours.py"), str(checkpoint)], cwd=REPO_ROOT,
+                            capture_output=True, text=True)
+    try:
+        return json.loads(result.stdout.strip().splitlines()[-1]).get("val_loss")
+    except (ValueError, IndexError):
+        return None
+
+
 def run_ours(config: Path, work: Path, name: str, overrides: list[str], timeout: float) -> dict:
     out = work / name
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "llm_trainer", "train", "--config", str(config), f"training.output_dir={out}",
-           f"data.cache_dir={out / 'cache'}", f"data.data_files={DATA}", *overrides]
+           f"data.cache_dir={work / 'cache'}", f"data.data_files={DATA}", *overrides]
     record = timed(cmd, REPO_ROOT, timeout)
     record.pop("_stdout")
     stderr = record.pop("_stderr")
@@ -105,6 +125,9 @@ def run_ours(config: Path, work: Path, name: str, overrides: list[str], timeout:
     params = re.search(r"train: ([\d,]+) parameters", stderr)
     if params:
         record["parameters"] = int(params.group(1).replace(",", ""))
+    final = out / "checkpoints" / "latest"
+    if final.is_file():
+        record["val_loss_float32"] = float32_loss(out / "checkpoints" / final.read_text().strip())
     shutil.rmtree(out, ignore_errors=True)
     return record
 
@@ -120,8 +143,9 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="time_to_loss_"))
     peer, prepare_s = prepare_nanogpt(work)
+    ours_prepare_s = prepare_ours(SPEEDRUN, work / "cache")  # both configs read the same prepared data
     report: dict = {"benchmark": "time_to_loss", "steps": args.steps, "nanogpt_prepare_s": round(prepare_s, 2),
-                    "machine": machine_info(), "rounds": []}
+                    "ours_prepare_s": round(ours_prepare_s, 2), "machine": machine_info(), "rounds": []}
     setting_args = [f"training.max_steps={args.steps}"]
     for r in range(args.rounds):
         results: dict = {"nanogpt": run_nanogpt(peer, args.steps, args.timeout)}  # its L is the speedrun's target

@@ -242,3 +242,38 @@ def test_training_stops_at_the_first_full_evaluation_that_reaches_the_target(tmp
     assert all(r["val_loss"] == pytest.approx(probe_loss[r["step"]], rel=1e-9) for r in full)
     assert all(r["val_loss"] > target for r in full[:-1])
     assert all(r["batches"] == 1 for r in run_evals if r not in full) and full_batches > 1
+
+
+# -- bf16 on a CPU -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["causal", "mask", "gqa"])
+def test_explicit_attention_equals_sdpa(case):
+    """The attention the model writes out for bf16 training on a CPU computes what SDPA does (checked in
+    float32: values and gradients)."""
+    from llm_trainer.model import _explicit_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 9, 8, requires_grad=True)
+    kv_heads = 2 if case == "gqa" else 4
+    k, v = (torch.randn(2, kv_heads, 9, 8, requires_grad=True) for _ in range(2))
+    kwargs = dict(is_causal=case != "mask", enable_gqa=case == "gqa")
+    if case == "mask":
+        kwargs["attn_mask"] = document_attention(torch.tensor([[0] * 4 + [1] * 5, [0] * 9]))[0]
+    ours = _explicit_attention(q, k, v, **kwargs)
+    grads = torch.autograd.grad(ours.square().sum(), (q, k, v))
+    reference = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    expected = torch.autograd.grad(reference.square().sum(), (q, k, v))
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_use_amp_auto_follows_the_device(monkeypatch):
+    import llm_trainer.resolve as resolve
+
+    monkeypatch.setattr(resolve, "cpu_computes_bf16", lambda: True)
+    on = resolve.resolve_training(TrainingConfig(use_amp="auto", device="cpu", amp_dtype="float16"))
+    assert on.use_amp is True and on.amp_dtype == "bfloat16"
+    monkeypatch.setattr(resolve, "cpu_computes_bf16", lambda: False)
+    assert resolve.resolve_training(TrainingConfig(use_amp="auto", device="cpu")).use_amp is False

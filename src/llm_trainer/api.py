@@ -43,8 +43,7 @@ def build_model(config: ModelConfig, *, meta: bool = False) -> Transformer:
     if config.init_from:
         return load_init_model(config.init_from)
     if meta:
-        with torch.device("meta"):
-            return Transformer(config)
+        return Transformer.on_meta(config)
     return Transformer(config)
 
 

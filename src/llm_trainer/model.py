@@ -100,6 +100,28 @@ def _flex_attention(q, k, v, block_mask, enable_gqa: bool):
     return _flex_kernel(q.device.type == "cuda")(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
+def _explicit_is_faster(q: torch.Tensor) -> bool:
+    """bfloat16 on a CPU: SDPA's CPU flash kernel is slower in bf16 than softmax(q k^T) v written out,
+    4.5x with its backward, 1.5x forward only (context 64, head size 32; bench/cpu_bf16.py)."""
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16
+
+
+def _explicit_attention(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0, enable_gqa=False):
+    """scaled_dot_product_attention's math, written out: q (B, H, T, D), k/v (B, K, S, D)."""
+    if enable_gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, H, S, D)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, T, S)
+    if is_causal:
+        attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    weights = scores.float().softmax(dim=-1).to(q.dtype)  # (B, H, T, S); the softmax in float32, as SDPA does
+    if dropout_p:
+        weights = F.dropout(weights, p=dropout_p)
+    return weights @ v  # (B, H, T, D)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -146,7 +168,8 @@ class Attention(nn.Module):
         else:  # a chunk after a prefix: query i sees keys up to start + i
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
             causal = False
-        y = F.scaled_dot_product_attention(
+        attend = _explicit_attention if _explicit_is_faster(q) else F.scaled_dot_product_attention
+        y = attend(
             q, k, v,
             attn_mask=mask,
             is_causal=causal,
@@ -229,7 +252,24 @@ class Transformer(nn.Module):
             self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)
             self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)
         self.init_buffers()
-        self.reset_parameters()
+        if not self.tok_emb.weight.is_meta:  # on the meta device there is nothing to draw (parallelize initialises later)
+            self.reset_parameters()
+
+    @classmethod
+    def on_meta(cls, config: ModelConfig) -> "Transformer":
+        """The model on the meta device: shapes, no storage, nothing drawn (parallelize materialises and
+        initialises it). The constructors' own default initialisation is skipped too: on the meta device
+        it only costs time (a second, to import torch's compiler for meta random ops)."""
+        inits = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")
+        saved = {name: getattr(nn.init, name) for name in inits}
+        try:
+            for name in inits:
+                setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+            with torch.device("meta"):
+                return cls(config)
+        finally:
+            for name, function in saved.items():
+                setattr(nn.init, name, function)
 
     def tie_weights(self) -> None:
         """Share the token embedding with the output head (again after `to_empty`, which unties them)."""

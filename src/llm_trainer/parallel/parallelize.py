@@ -16,6 +16,7 @@ so a model larger than one device's memory can start.
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -68,9 +69,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     the weights equal a single-process initialisation at any world size (sharded random ops would
     not: on CPU meshes every rank would draw the same shard). One parameter at a time bounds memory.
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    sharded = any(_is_dtensor(p) for p in model.parameters())
     model.to_empty(device=device)
     if hasattr(model, "tie_weights") and not sharded:  # FSDP2 keeps shared parameters shared itself
         model.tie_weights()
@@ -79,13 +78,21 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         return
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if isinstance(param, DTensor):
+            if _is_dtensor(param):
+                from torch.distributed.tensor import distribute_tensor
+
                 full = torch.empty(param.shape, dtype=param.dtype, device=device)
                 model.init_weight(name, full)
                 param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements).to_local())
             else:
                 model.init_weight(name, param)
         model.init_buffers()
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """Without importing torch.distributed.tensor (most of a second) when nothing was sharded."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def parallelize(model: nn.Module, *, config: TrainingConfig, dist: DistInfo, device: torch.device,

@@ -15,7 +15,8 @@ Everything here follows how *this* trainer runs a model, so the numbers can be c
 * **Activations**, per token and layer, are the tensors autograd saves for our blocks (pre-norm):
   the block input and the mid-block residual (fp32, for the norms; RMSNorm also keeps its normalised
   fp32 input), the inputs of the qkv and fc projections, the qkv output, the rotary q/k (LLaMA), the
-  attention output (flash / memory-efficient attention: no T x T matrix is kept), the MLP hidden
+  attention output (flash / memory-efficient attention: no T x T matrix is kept; bf16 on a CPU: the softmax
+  over the keys, see model._explicit_attention), the MLP hidden
   (GELU/SiLU: input and output; SwiGLU: the gate/up pair, SiLU output and product; ReLU: the output
   only) and dropout masks when dropout > 0 (one byte on CUDA, the activation's size on CPU). The
   output head keeps the fp32 log-softmax (4 V bytes a token); its backward briefly holds three
@@ -61,7 +62,8 @@ def _act_bytes(training: TrainingConfig) -> int:
     return 2 if training.use_amp else 4
 
 
-def activation_bytes_per_token(model_config: ModelConfig, training: TrainingConfig, device_type: str = "cuda") -> dict[str, float]:
+def activation_bytes_per_token(model_config: ModelConfig, training: TrainingConfig, device_type: str = "cuda",
+                               seq_len: int | None = None) -> dict[str, float]:
     """Bytes autograd keeps per token: `per_layer` (one block), `embedding` (ids, final norm, head input)
     and `head` (the saved fp32 log-softmax). Checked against the tensors autograd actually saves."""
     c = model_config.resolved()
@@ -75,7 +77,12 @@ def activation_bytes_per_token(model_config: ModelConfig, training: TrainingConf
     layer += (d + 2 * kv) * a  # qkv output (v is a view of it, saved by attention)
     if c.position_embedding == "rope":
         layer += (d + kv) * a  # rotated q and k
-    layer += d * a + c.n_heads * 4  # attention output (already (B, T, H, D): it is proj's input), logsumexp
+    if device_type == "cpu" and training.use_amp and training.amp_dtype == "bfloat16":
+        # bf16 on a CPU: attention written out (model._explicit_attention) keeps each head's softmax over the
+        # keys, in float32 for its backward and in bf16 for the product with v
+        layer += d * a + c.n_heads * (seq_len or c.max_seq_len) * (4 + 2)
+    else:
+        layer += d * a + c.n_heads * 4  # attention output (already (B, T, H, D): it is proj's input), logsumexp
     layer += {"swiglu": 4 * f, "relu": f}.get(c.activation, 2 * f) * a  # MLP hidden
     mask = 1 if device_type == "cuda" else a  # dropout masks: bool on CUDA, the input's dtype on CPU
     if c.dropout > 0:
@@ -150,7 +157,7 @@ def estimate_memory(
     amp_copies = 2.0 * counts.matmul_weights if training.use_amp else 0.0
 
     tokens = batch_size * seq_len
-    per_token = activation_bytes_per_token(c, training, device_type)
+    per_token = activation_bytes_per_token(c, training, device_type, seq_len)
     if checkpointing:
         layers = c.n_layers * c.d_model * 4 + per_token["per_layer"]  # block inputs + one rebuilt block
     else:

@@ -12,6 +12,7 @@ Python random states are restored afterwards, and no checkpoint or metrics file 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -152,8 +153,9 @@ def run_lr_finder(experiment, *, start_lr: float, end_lr: float, num_steps: int,
     """What `llm-trainer lr-find` does: data, tokenizer and a freshly initialised model exactly as
     `train` would build them, then `find_lr`; writes only the plot (and the shared data cache)."""
     from ..api import build_loaders, build_model, prepare_data
-    from ..resolve import local_runtime, resolve, seed_everything, sequence_length
+    from ..resolve import local_runtime, resolve, resolve_training, seed_everything, sequence_length
 
+    experiment = dataclasses.replace(experiment, training=resolve_training(experiment.training))
     sequence_length(experiment)
     prepared = prepare_data(experiment.data)
     run = resolve(experiment, prepared.tokenizer, local_runtime(experiment.training))

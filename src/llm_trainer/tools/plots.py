@@ -137,7 +137,7 @@ def make_figures(runs: list[RunSeries]) -> dict:
             ax.grid(True, alpha=0.3)
             if ax.get_lines():
                 ax.legend(fontsize=8)
-            fig.tight_layout()
+            fig.subplots_adjust(left=0.11, right=0.97, top=0.92, bottom=0.11)  # fixed margins: tight_layout costs 80 ms a figure
             figures[f"{figure}_vs_{axis}"] = fig
     return figures
 

@@ -31,8 +31,7 @@ def meta_model(model_config: ModelConfig):
 
     if model_config.vocab_size is None:
         raise ValueError("model.vocab_size is not set; set it (or pass vocab_size) to count parameters")
-    with torch.device("meta"):
-        return Transformer(model_config)
+    return Transformer.on_meta(model_config)
 
 
 def count_parameters(model_config: ModelConfig) -> ParameterCount:

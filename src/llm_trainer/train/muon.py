@@ -23,8 +23,8 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (Keller Jor
 
 
 def orthogonalize(matrices: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """Approximately U V^T for each matrix U S V^T of a (..., rows, cols) stack: singular values pushed
-    into about [0.7, 1.2]. A stack of same-shape matrices runs as one batched matmul per iteration."""
+    """Approximately U V^T for each matrix U S V^T of a (n, rows, cols) stack: singular values pushed into
+    about [0.7, 1.2]. A stack of same-shape matrices runs as one batched matmul per iteration."""
     a, b, c = NS_COEFFICIENTS
     x = matrices.bfloat16()  # bf16 matmuls: fast on GPUs and on CPUs with AVX512-BF16/AMX
     tall = x.size(-2) > x.size(-1)
@@ -32,9 +32,8 @@ def orthogonalize(matrices: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> 
         x = x.mT
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm at most 1
     for _ in range(steps):
-        gram = x @ x.mT  # (..., rows, rows) with rows <= cols
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a) if x.dim() == 3 else \
-            torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
+        gram = x @ x.mT  # (n, rows, rows) with rows <= cols
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
     return (x.mT if tall else x).to(matrices.dtype)
 
 
@@ -69,10 +68,10 @@ class MuonAdamW(torch.optim.Optimizer):
     def _muon(self, group: dict, params: list[torch.Tensor], found_inf: torch.Tensor | None) -> None:
         lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
         keep = None if found_inf is None else 1.0 - found_inf  # 0 where the step must not happen
-        by_shape: dict[tuple, list[torch.Tensor]] = {}
+        by_shape: dict[tuple, list[torch.Tensor]] = {}  # wide orientation: a tall matrix is stacked transposed
         for p in params:
-            by_shape.setdefault(tuple(p.shape), []).append(p)
-        for shape, same in by_shape.items():  # e.g. every block's qkv: one batched orthogonalization
+            by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
+        for same in by_shape.values():  # e.g. every block's MLP matrices, in and out: one batched orthogonalization
             updates = []
             for p in same:
                 state = self.state[p]
@@ -80,12 +79,13 @@ class MuonAdamW(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p)
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum if keep is None else (1 - momentum) * keep)  # keep = 0: unchanged
-                updates.append(p.grad.lerp(buf, momentum))  # Nesterov
-            stack = torch.stack(updates) if len(updates) > 1 else updates[0]
-            orthogonal = orthogonalize(stack, group["ns_steps"])
-            orthogonal = orthogonal.unbind(0) if len(updates) > 1 else [orthogonal]
-            scale = lr * math.sqrt(max(1.0, shape[0] / shape[1]))  # the same RMS for tall and wide matrices
+                update = p.grad.lerp(buf, momentum)  # Nesterov
+                updates.append(update.mT if p.size(0) > p.size(1) else update)
+            orthogonal = orthogonalize(torch.stack(updates), group["ns_steps"]).unbind(0)
             for p, update in zip(same, orthogonal):
+                if p.size(0) > p.size(1):
+                    update = update.mT
+                scale = lr * math.sqrt(max(1.0, p.size(0) / p.size(1)))  # the same RMS for tall and wide matrices
                 if keep is None:
                     p.mul_(1 - lr * decay).add_(update, alpha=-scale)
                 else:

@@ -31,8 +31,8 @@ from ..errors import TrainingStopped, UsageError
 from ..logs import is_main_process, log, warnings_once
 from ..parallel.distributed import all_reduce_
 from ..parallel.parallelize import parallelize
-from ..resolve import (ResolvedRun, activation_checkpointing, resolve_training, seed_everything, setup_runtime,
-                       token_anchors)
+from ..resolve import (ResolvedRun, activation_checkpointing, native_bf16, resolve_training, seed_everything,
+                       setup_runtime, token_anchors)
 from .batches import as_loader
 from .callbacks import Callback
 from .evaluate import evaluate
@@ -103,6 +103,7 @@ class Trainer:
         self.state = TrainState()
         self.bad_steps = NonFiniteSteps(self.device)  # renewed by train() from the (resumed) state
         self.time_to_target_s: float | None = None  # seconds into train() when target_val_loss was reached
+        self._part_to_whole: float | None = None  # whole-split / screened-part validation loss, last measured
         self.stop = StopControl(self.dist.world_size)
         self.metrics_tracker = MetricsTracker()  # the run's metric backends (opened by train())
         self._seq_len = run.seq_len if run else None
@@ -283,12 +284,27 @@ class Trainer:
             )
 
     def evaluate(self, *, full: bool = False) -> dict:
-        """val_loss and perplexity over the first `eval_max_batches` validation batches, or all of them
-        (`full`, or no cap)."""
+        """val_loss and perplexity over the first `eval_max_batches` validation batches (all when unset,
+        or with `full`)."""
         if self.val_loader is None:
             raise UsageError("no validation data: pass val_dataloader or set data.validation_split")
         return evaluate(self.raw_model, self.val_loader, autocast=self.autocast, reduce=all_reduce_,
                         max_batches=None if full else self.config.eval_max_batches)
+
+    def _towards_target(self, metrics: dict, target: float) -> tuple[dict, bool]:
+        """(the evaluation to report, whether it covers the whole validation split: only that one decides
+        that target_val_loss is reached). An evaluation of part of the split calls for the whole one when
+        it predicts the target: its loss times the whole / part ratio of the last whole evaluation (before
+        there is one: within 1% of the target)."""
+        if self.config.eval_max_batches is None or metrics.get("batches") == metrics.get("batches_total"):
+            return metrics, True
+        part = metrics["val_loss"]
+        predicted = part * self._part_to_whole if self._part_to_whole is not None else part / 1.01
+        if predicted > target:
+            return metrics, False
+        whole = self.evaluate(full=True)
+        self._part_to_whole = whole["val_loss"] / part
+        return whole, True
 
     def _evaluate_and_track(self) -> dict:
         """Evaluate; best_model follows the lowest val_loss; early stopping's patience counts evaluations
@@ -296,9 +312,8 @@ class Trainer:
         cfg, state = self.config, self.state
         metrics = self.evaluate()
         target = cfg.target_val_loss
-        whole = cfg.eval_max_batches is None or metrics.get("batches") == metrics.get("batches_total")
-        if target is not None and not whole and metrics["val_loss"] <= target * 1.01:
-            metrics, whole = self.evaluate(full=True), True  # within 1% of the target on a part: the whole split decides
+        if target is not None:
+            metrics, whole = self._towards_target(metrics, target)
         loss = metrics["val_loss"]
         if state.best_val_loss is None or loss < state.best_val_loss:
             state.best_val_loss, state.best_step = loss, state.step
@@ -372,6 +387,9 @@ class Trainer:
             f"{' (' + self.dist.strategy + ')' if world > 1 else ''}, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}), "
             f"{'amp ' + cfg.amp_dtype if cfg.use_amp else 'float32'}{', compiled' if cfg.compile else ''}"
         )
+        if not cfg.use_amp and native_bf16(self.device):
+            log(f"note: this {self.device.type.upper()} computes bfloat16 natively; training.use_amp=auto (bf16 autocast) "
+                "trains faster here (CPU: 0.66x the step time at width 128, 0.36x at 512; bench/cpu_bf16.py)")
 
     def _log_end(self, summary: dict) -> None:
         parts = [f"{summary['step']} steps", f"{summary['train_runtime_s']:.1f}s", f"{summary['tokens_per_s']:,.0f} tok/s"]
