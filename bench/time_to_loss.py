@@ -159,7 +159,7 @@ def main() -> int:
         speedrun = results["ours_speedrun"]
         if nano.get("wall_s") and speedrun.get("wall_s"):
             ratios["speedrun_time_to_target_over_nanogpt"] = round(speedrun["wall_s"] / nano["wall_s"], 3)
-            ratios["speedrun_reached_target"] = bool(speedrun.get("stopped") or "").startswith("target reached")
+            ratios["speedrun_reached_target"] = (speedrun.get("stopped") or "").startswith("target reached")
         if "ours_nanogpt_setting" in results and results["ours_nanogpt_setting"].get("wall_s"):
             ratios["nanogpt_speed_over_ours_setting"] = round(nano["wall_s"] / results["ours_nanogpt_setting"]["wall_s"], 3)
         report["rounds"].append({"order": list(results), "target_val_loss": target, "results": results, "ratios": ratios})

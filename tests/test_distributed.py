@@ -107,6 +107,14 @@ def test_ddp_equals_one_process_with_twice_the_batch(workdir):
     assert len(_losses(workdir / "ddp")[0]) == 6
 
 
+def test_ddp_with_muon_equals_one_process(workdir):
+    """Muon orthogonalizes the all-reduced gradient on every rank alike: the same run as one process
+    (to 1e-4: gradients summed in another order, then orthogonalized in bf16)."""
+    _single(workdir, "training.output_dir=single", "training.optimizer=muon")
+    _torchrun(workdir, "training.output_dir=ddp", "training.batch_size=4", "training.optimizer=muon")
+    _assert_same_run(workdir / "single", workdir / "ddp", rel=1e-4)
+
+
 def test_ddp_with_gradient_accumulation(workdir):
     _single(workdir, "training.output_dir=single")
     _torchrun(workdir, "training.output_dir=ddp", "training.batch_size=2", "training.gradient_accumulation_steps=2")

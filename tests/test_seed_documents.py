@@ -692,15 +692,17 @@ def test_training_evaluation_and_eval_command_say_what_they_covered(tmp_path, ca
     from conftest import write_tiny_experiment
 
     monkeypatch.chdir(tmp_path)
-    config = write_tiny_experiment(tmp_path, eval_max_batches=1, max_steps=2, eval_steps=2)
+    config = write_tiny_experiment(tmp_path, eval_max_batches=1, max_steps=4, eval_steps=2)
     assert main(["train", "--config", str(config)]) == 0
     err = capfd.readouterr().err
-    (line,) = [x for x in err.splitlines() if x.startswith("eval  step")]
-    assert re.search(r"\(first 1 of (\d+) batches, [\d,]+ tokens: training.eval_max_batches\)", line), line
-    total = int(re.search(r"first 1 of (\d+)", line).group(1))
+    periodic, last = [x for x in err.splitlines() if x.startswith("eval  step")]
+    assert re.search(r"\(first 1 of (\d+) batches, [\d,]+ tokens: training.eval_max_batches\)", periodic), periodic
+    total = int(re.search(r"first 1 of (\d+)", periodic).group(1))
+    assert f"(all {total} batches, " in last  # the run's last evaluation covers the whole split
     assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 0
     out = capfd.readouterr().out
     assert f"(all {total} batches, " in out and "of the run's validation split)" in out
+    assert re.search(r"val_loss (\d+\.\d+)", last).group(1) == re.search(r"loss (\d+\.\d+)", out).group(1)  # one number
 
 
 def test_lr_find_writes_its_plot_into_the_run_folder(tmp_path, monkeypatch, capsys):

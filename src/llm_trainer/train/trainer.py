@@ -16,6 +16,7 @@ pipeline (prepare, vocabulary, model, loaders) for a subclass.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -232,8 +233,8 @@ class Trainer:
                     # Evaluate; track the best model; early stopping.
                     at_end = state.step == self.total_steps
                     if self.val_loader is not None and (at_end or (cfg.eval_steps and state.step % cfg.eval_steps == 0)):
-                        with timer.count("evaluation"):
-                            final_eval = self._evaluate_and_track()
+                        with timer.count("evaluation"):  # the run's last evaluation covers the whole split
+                            final_eval = self._evaluate_and_track(full=at_end)
 
                     # Checkpoint periodically (in the background), at the end and when a signal asked us to stop.
                     self.checkpointer.poll()
@@ -248,7 +249,7 @@ class Trainer:
             self._read_bad_steps()
             if self.val_loader is not None and final_eval is None and state.step > start_step:
                 with timer.count("evaluation"):
-                    final_eval = self._evaluate_and_track()
+                    final_eval = self._evaluate_and_track(full=True)
             elapsed = time.perf_counter() - started
             summary = SummaryRow(
                 step=state.step, train_runtime_s=elapsed,
@@ -306,11 +307,14 @@ class Trainer:
         self._part_to_whole = whole["val_loss"] / part
         return whole, True
 
-    def _evaluate_and_track(self) -> dict:
-        """Evaluate; best_model follows the lowest val_loss; early stopping's patience counts evaluations
-        that did not beat the last counted improvement by more than min_delta."""
+    def _evaluate_and_track(self, full: bool = False) -> dict:
+        """Evaluate (`full`: the whole split whatever eval_max_batches says); best_model follows the lowest
+        val_loss; early stopping's patience counts evaluations that did not beat the last counted
+        improvement by more than min_delta."""
         cfg, state = self.config, self.state
-        metrics = self.evaluate()
+        # (a subclass's own evaluate() that takes no arguments is called as it is)
+        metrics = self.evaluate(full=True) if full and "full" in inspect.signature(self.evaluate).parameters \
+            else self.evaluate()
         target = cfg.target_val_loss
         if target is not None:
             metrics, whole = self._towards_target(metrics, target)
