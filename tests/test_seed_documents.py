@@ -192,7 +192,8 @@ def test_001_the_guide_trains_logs_resumes_and_exports(tmp_path, monkeypatch):
     events.Reload()
     assert {"train/loss", "eval/loss", "custom/metric1"} <= set(events.Tags()["scalars"])
     output = Path(namespace["training_config"].output_dir)
-    assert [r["step"] for r in rows(output, "train")] == list(range(1, steps + 1))
+    first = rows(output, "train")
+    assert [r["step"] for r in first] == list(range(1, steps + 1))
     assert main(["plot", str(output)]) == 0 and (output / "plots" / "loss_vs_steps.png").is_file()
 
     # the command line: the same experiment as config.json, resumed from the guide's checkpoint-N.pt name
@@ -205,9 +206,12 @@ def test_001_the_guide_trains_logs_resumes_and_exports(tmp_path, monkeypatch):
     result = cli(tmp_path, sys.executable, str(TRAIN_SCRIPT), *command[2:])
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"checkpoints/checkpoint-{kept}.pt is the checkpoint folder checkpoints/checkpoint-{kept:08d}" in result.stderr
-    first, resumed = rows(output, "train")[:steps], rows(output, "train")[steps:]
-    assert [r["step"] for r in resumed] == list(range(kept + 1, steps + 1))
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in first[kept:]]  # exact resume
+    # the replayed steps' rows replace the first run's, so metrics.jsonl reads as one run with the same losses
+    after = rows(output, "train")
+    assert [r["step"] for r in after] == list(range(1, steps + 1))
+    assert [r["loss"] for r in after] == [r["loss"] for r in first]  # exact resume
+    ran_again = [int(line.split()[2]) for line in result.stderr.splitlines() if line.startswith("train step")]
+    assert ran_again == list(range(kept + 1, steps + 1))
 
     assert main(["export", "--checkpoint", "checkpoints/best_model", "--output", "hf"]) == 0
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
