@@ -139,14 +139,16 @@ class Attention(nn.Module):
         B, T, C = x.shape
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv(x)  # (B, T, (H + 2K) D)
-        qk = qkv[..., : (H + K) * D].view(B, T, H + K, D)  # queries and keys: normalised and rotated together
+        # split, not slicing: the backward of a split is one concatenation, a slice's is zeros plus a copy
+        qk, v = qkv.split([(H + K) * D, K * D], dim=-1)
+        qk = qk.view(B, T, H + K, D)  # queries and keys: normalised and rotated together
         if self.qk_norm:
             qk = F.rms_norm(qk, (D,))
         if self.use_rope:
             qk = apply_rope(qk, *rope)
-        q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
-        k = qk[:, :, H:].transpose(1, 2)  # (B, K, T, D)
-        v = qkv[..., (H + K) * D :].view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
+        q, k = qk.split([H, K], dim=2)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
+        v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
 
         start = 0
         if cache is not None:
