@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from run_baby_gpt import machine_info  # noqa: E402
+from run_baby_gpt import emit_report, machine_info  # noqa: E402
 
 from llm_trainer.config import ModelConfig, TrainingConfig  # noqa: E402
 from llm_trainer.model import Transformer  # noqa: E402
@@ -100,10 +100,7 @@ def main() -> int:
             print(json.dumps(row), file=sys.stderr, flush=True)
     report = {"benchmark": "cpu_bf16", "cpu_computes_bf16": cpu_computes_bf16(), "threads": torch.get_num_threads(),
               "machine": machine_info(), "steps": results, "attention_bf16_ms": attention_ms(args.steps)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report))
-    return 0
+    return emit_report(report, args.out)
 
 
 if __name__ == "__main__":

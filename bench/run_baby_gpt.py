@@ -48,6 +48,15 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def emit_report(report: dict, out) -> int:
+    """A benchmark's result: one JSON object on stdout, and the same, indented, in `out`."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report))
+    return 0
+
+
 def machine_info() -> dict:
     info = {
         "platform": platform.platform(),

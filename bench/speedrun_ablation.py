@@ -32,7 +32,7 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
-from run_baby_gpt import machine_info  # noqa: E402
+from run_baby_gpt import emit_report, machine_info  # noqa: E402
 
 CONFIG = REPO_ROOT / "configs" / "speedrun-shakespeare.yaml"
 DATA = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
@@ -104,10 +104,7 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     report = {"benchmark": "speedrun_ablation", "target_val_loss": args.target, "machine": machine_info(),
               "runs": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report))
-    return 0
+    return emit_report(report, args.out)
 
 
 if __name__ == "__main__":

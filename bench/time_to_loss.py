@@ -40,7 +40,7 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
-from run_baby_gpt import _loadavg, machine_info  # noqa: E402
+from run_baby_gpt import _loadavg, emit_report, machine_info  # noqa: E402
 
 SHARED = REPO_ROOT.parent / "shared"
 NANOGPT = SHARED / "peers" / "nanoGPT"
@@ -165,11 +165,7 @@ def main() -> int:
         report["rounds"].append({"order": list(results), "target_val_loss": target, "results": results, "ratios": ratios})
         print(json.dumps(report["rounds"][-1]), file=sys.stderr, flush=True)
     shutil.rmtree(work, ignore_errors=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report))
-    return 0
+    return emit_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -107,11 +107,17 @@ def test_ddp_equals_one_process_with_twice_the_batch(workdir):
     assert len(_losses(workdir / "ddp")[0]) == 6
 
 
-def test_ddp_with_muon_equals_one_process(workdir):
-    """Muon orthogonalizes the all-reduced gradient on every rank alike: the same run as one process
-    (to 1e-4: gradients summed in another order, then orthogonalized in bf16)."""
-    _single(workdir, "training.output_dir=single", "training.optimizer=muon")
-    _torchrun(workdir, "training.output_dir=ddp", "training.batch_size=4", "training.optimizer=muon")
+@pytest.mark.parametrize("options", [
+    ["training.optimizer=muon"],
+    ["training.optimizer=muon", "model.architecture=llama", "model.activation=relu2", "model.qk_norm=true",
+     "model.zero_init_projections=true", "model.logit_softcap=15"],
+], ids=["muon", "muon-and-block-options"])
+def test_ddp_with_muon_equals_one_process(workdir, options):
+    """Muon orthogonalizes the all-reduced gradient on every rank alike, and the block options are the
+    model's own: the same run as one process (to 1e-4: gradients summed in another order, then
+    orthogonalized in bf16)."""
+    _single(workdir, "training.output_dir=single", *options)
+    _torchrun(workdir, "training.output_dir=ddp", "training.batch_size=4", *options)
     _assert_same_run(workdir / "single", workdir / "ddp", rel=1e-4)
 
 
