@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Issue #17 on a lent GPU, in one device call (about 20 minutes on an H100):
+#
+#     bench/gpu.sh [OUT_DIR]        # OUT_DIR defaults to $OUT (the device machine's) or bench/out/gpu
+#
+# Prepared on a CPU-only machine and NOT YET RUN on a GPU: the first session with one runs it,
+# fixes what fails, and records the figures in bench/README.md.
+#
+# What it writes into OUT_DIR (each file small enough to come back from the device machine):
+#   env.json          GPU, driver, torch and the Python packages found
+#   tests.log         the whole suite on the GPU, GPU-only tests included (tests/test_gpu.py)
+#   gpt2.json         GPT-2 124M (context 1024, bf16, compile, fused AdamW): tokens/s, MFU, data wait
+#   llama1b.json      a 1.0B LLaMA-style model, FSDP2 on one GPU + activation checkpointing: MFU,
+#                     peak memory, and `llm-trainer estimate`'s prediction of it
+# Not covered yet: the largest model with CPU offload, float8 through torchao, dcp.async_save.
+# Data: the built-in python-stdlib corpus (no download; the device machine has no network).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-bench/out/gpu}}
+mkdir -p "$OUT_DIR"
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+WORK=$(mktemp -d)
+
+python - > "$OUT_DIR/env.json" <<'EOF'
+import importlib.util, json, torch
+mods = ["safetensors", "tokenizers", "numpy", "yaml", "tqdm", "transformers", "matplotlib", "torchao", "deepspeed"]
+print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
+                  "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                  "bf16": torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+                  "packages": {m: importlib.util.find_spec(m) is not None for m in mods}}))
+EOF
+cat "$OUT_DIR/env.json"
+
+# 1. the whole suite on the GPU (GPU-only tests skip on CPU and run here)
+timeout 900 python -m pytest -q -p no:cacheprovider -rs > "$OUT_DIR/tests.log" 2>&1
+tail -3 "$OUT_DIR/tests.log"
+
+summarise() {  # RUN_DIR NAME [estimate.json]: the run's steady-state rows as one JSON object
+  python - "$@" <<'EOF'
+import json, statistics, sys
+run, name = sys.argv[1], sys.argv[2]
+rows = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
+train = [r for r in rows if r["kind"] == "train"][2:]  # past compilation and warm-up
+out = {"name": name, "steps": rows[-1]["step"],
+       **{key: statistics.median(r[key] for r in train if key in r) if any(key in r for r in train) else None
+          for key in ("tokens_per_s", "mfu", "peak_memory_mb", "data_wait_fraction", "step_time_s")},
+       "summary": rows[-1]}
+if len(sys.argv) > 3:
+    estimate = json.load(open(sys.argv[3]))
+    out["estimate"] = estimate
+print(json.dumps(out))
+EOF
+}
+
+# 2. GPT-2 124M: bf16, compile, fused AdamW (configs/gpt2-small.yaml), flash attention through SDPA
+python -m llm_trainer train --config configs/gpt2-small.yaml training.device=cuda training.max_steps=60 \
+  training.gradient_accumulation_steps=1 training.logging_steps=5 training.eval_steps=0 training.save_steps=0 \
+  training.output_dir="$WORK/gpt2" data.cache_dir="$WORK/cache" > "$OUT_DIR/gpt2.log" 2>&1 \
+  && summarise "$WORK/gpt2" gpt2-124M > "$OUT_DIR/gpt2.json"
+tail -2 "$OUT_DIR/gpt2.log"
+
+# 3. ~1.0B LLaMA-style (1,017,526,272 parameters with the 50,257 vocabulary): 2048 wide, 18 layers, 16 heads (4 KV heads), context 2048, FSDP2 on a world of 1
+LLAMA=(model.architecture=llama model.d_model=2048 model.n_layers=18 model.n_heads=16 model.n_kv_heads=4
+       model.d_ff=5632 model.max_seq_len=2048 training.batch_size=8 training.gradient_checkpointing=true)
+python -m llm_trainer estimate --config configs/gpt2-small.yaml "${LLAMA[@]}" training.distributed_strategy=fsdp \
+  --world-size 1 --json \
+  > "$WORK/llama1b_estimate.json" 2> "$OUT_DIR/llama1b.log"
+python -m torch.distributed.run --nproc_per_node=1 -m llm_trainer train --config configs/gpt2-small.yaml "${LLAMA[@]}" \
+  training.distributed_strategy=fsdp training.device=cuda training.max_steps=30 training.logging_steps=5 \
+  training.eval_steps=0 training.save_steps=30 training.gradient_accumulation_steps=1 \
+  training.output_dir="$WORK/llama1b" data.cache_dir="$WORK/cache" >> "$OUT_DIR/llama1b.log" 2>&1 \
+  && summarise "$WORK/llama1b" llama-1.0B "$WORK/llama1b_estimate.json" > "$OUT_DIR/llama1b.json"
+tail -2 "$OUT_DIR/llama1b.log"
+cat "$OUT_DIR"/*.json
+rm -rf "$WORK"
