@@ -350,6 +350,46 @@ def test_host_snapshot_copies_into_buffers_reserved_ahead_and_reused():
     assert second[1]["param_groups"] == state[1]["param_groups"]
 
 
+def test_the_writer_thread_starts_no_thread_team_and_leaves_the_others_their_threads():
+    """An armed background writer must cost the loop nothing while idle. A thread that runs a parallel
+    torch op gets an OpenMP team of its own for the rest of the process, whose idle threads then
+    compete with the training thread's at every step: the writer runs its torch ops on one core, and
+    every other thread keeps the intra-op count it had."""
+    import threading
+
+    from llm_trainer.checkpoint.background import BackgroundWriter
+
+    def os_threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    default = torch.get_num_threads()
+    torch.set_num_threads(2)  # a team is only visible with two threads or more
+    try:
+        torch.ones(4_000_000).add_(1)  # this thread's own team exists before we count
+        before = os_threads()
+        writer = BackgroundWriter()
+        seen = {}
+
+        def write():
+            seen["threads"] = torch.get_num_threads()
+            torch.zeros(8_000_000).add_(1)  # large enough to run in parallel on two threads
+            return Path("done")
+
+        writer.submit(write)
+        assert writer.wait() == Path("done")
+        assert seen["threads"] == 1
+        assert os_threads() == before + 1  # the writer itself, and no team of its own
+        assert torch.get_num_threads() == 2
+        later = {}
+        thread = threading.Thread(target=lambda: later.setdefault("threads", torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert later["threads"] == 2  # a thread started later takes up the default, not the writer's 1
+        writer.close()
+    finally:
+        torch.set_num_threads(default)
+
+
 def test_disk_full_in_a_background_save_stops_the_run_and_keeps_the_previous_checkpoint(
     workspace, tmp_path, monkeypatch, capsys
 ):

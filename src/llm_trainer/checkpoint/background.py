@@ -72,11 +72,19 @@ def _map_tensors(value: Any, fn: Callable[[str, torch.Tensor], Any], where: str 
 
 
 class BackgroundWriter:
-    """One worker thread that runs checkpoint writes, one at a time, in the order submitted."""
+    """One worker thread that runs checkpoint writes, one at a time, in the order submitted.
+
+    The worker runs torch ops on one core only. With OpenMP, a thread that starts a parallel region
+    gets a thread team of its own that lives as long as the process; on a machine with few cores its
+    idle threads then compete with the training thread's team at every step, whether or not a write
+    is running (a writer that had once filled a buffer in parallel slowed every later step by a
+    quarter). A background write has no deadline, so it gets no team.
+    """
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._pending: Future | None = None
+        _single_threaded_torch(self._pool)
 
     def submit(self, write: Callable[[], Path]) -> None:
         assert self._pending is None, "wait() for the write in flight before submitting another"
@@ -96,3 +104,20 @@ class BackgroundWriter:
     def close(self) -> None:
         """Let a write in flight finish (never abandon a half-written checkpoint), then stop the thread."""
         self._pool.shutdown(wait=True)
+
+
+def _single_threaded_torch(pool: ThreadPoolExecutor) -> None:
+    """Make torch's intra-op parallelism one thread in the pool's (single) worker, and nowhere else.
+
+    `torch.set_num_threads` sets the calling thread's count and the default that a thread takes up
+    at its first torch op; once taken up, a thread keeps its count. So the worker takes up the
+    default, sets 1 for itself, and this thread then puts the default back for every other thread.
+    """
+    threads = torch.get_num_threads()
+    pool.submit(_one_thread_here).result()
+    torch.set_num_threads(threads)
+
+
+def _one_thread_here() -> None:
+    torch.get_num_threads()  # take up the default first: it would replace the 1 at the first op
+    torch.set_num_threads(1)
