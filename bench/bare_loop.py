@@ -24,7 +24,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shakespeare as sh  # noqa: E402
 
-
 # ----------------------------------------------------------------------------------------------
 # A minimal GPT-2: LayerNorm, exact GELU, learned positions, biases, tied embeddings, fused qkv.
 
@@ -95,9 +94,7 @@ def main(argv=None) -> dict:
     data = sh.load_data()
     model = GPT(data.vocab_size, sh.BLOCK_SIZE, sh.N_LAYER, sh.N_HEAD, sh.D_MODEL)
     train_model = torch.compile(model) if args.compile else model
-    optimizer = torch.optim.AdamW(
-        model.param_groups(sh.WEIGHT_DECAY), lr=sh.LEARNING_RATE, betas=sh.BETAS, eps=1e-8
-    )
+    optimizer = torch.optim.AdamW(model.param_groups(sh.WEIGHT_DECAY), lr=sh.LEARNING_RATE, betas=sh.BETAS, eps=1e-8)
     gen = sh.make_generator(sh.SEED)
     train_ids, vocab, steps = data.train_ids, data.vocab_size, args.steps
     params = list(model.parameters())

@@ -60,7 +60,9 @@ from llm_trainer.model import Transformer
 def build(vocab: int) -> tuple[Transformer, torch.optim.Optimizer]:
     """The gpt2-small preset shape, and AdamW after one step on random gradients."""
     torch.manual_seed(0)
-    config = ModelConfig(architecture="gpt2", vocab_size=vocab, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024)
+    config = ModelConfig(
+        architecture="gpt2", vocab_size=vocab, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024
+    )
     model = Transformer(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     for p in model.parameters():
@@ -77,8 +79,9 @@ def background_checkpointer(model: Transformer, root: Path):
     from llm_trainer.train.trainer import Trainer
 
     batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
-    config = TrainingConfig(max_steps=1, device="cpu", checkpoint_dir=str(root), save_total_limit=None, report_to=[],
-                            progress_bar=False)
+    config = TrainingConfig(
+        max_steps=1, device="cpu", checkpoint_dir=str(root), save_total_limit=None, report_to=[], progress_bar=False
+    )
     trainer = Trainer(model, config, train_dataloader=[batch])
     for p in model.parameters():  # Adam moments for every parameter, as after a training step
         p.grad = torch.randn_like(p) * 1e-3
@@ -140,15 +143,31 @@ def main() -> int:
     root = base / "checkpoints"
     raw_file = base / "raw.safetensors"
     results: dict[str, list[float]] = {
-        k: [] for k in ("ours_save", "ours_load", "raw_save", "raw_load", "raw_load_touch", "raw_read", "raw_fsync_save",
-                        "ours_background_stall", "ours_background_durable")
+        k: []
+        for k in (
+            "ours_save",
+            "ours_load",
+            "raw_save",
+            "raw_load",
+            "raw_load_touch",
+            "raw_read",
+            "raw_fsync_save",
+            "ours_background_stall",
+            "ours_background_durable",
+        )
     }
     checkpointer = background_checkpointer(copy.deepcopy(model), base / "background")
 
     def ours_save():
         ckpt.save_checkpoint(
-            root, 1, model=model, optimizer_state=opt_state, train_state={"step": 1},
-            rng_tensors={"torch": torch.get_rng_state()}, config={"bench": True}, tokenizer_json=None,
+            root,
+            1,
+            model=model,
+            optimizer_state=opt_state,
+            train_state={"step": 1},
+            rng_tensors={"torch": torch.get_rng_state()},
+            config={"bench": True},
+            tokenizer_json=None,
         )
 
     def ours_load():

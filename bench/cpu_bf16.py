@@ -23,8 +23,6 @@ import torch.nn.functional as F
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from run_baby_gpt import emit_report, machine_info  # noqa: E402
-
 from llm_trainer.config import ModelConfig, TrainingConfig  # noqa: E402
 from llm_trainer.model import Transformer  # noqa: E402
 from llm_trainer.parallel.distributed import DistInfo  # noqa: E402
@@ -32,6 +30,7 @@ from llm_trainer.parallel.strategies import Parallelism  # noqa: E402
 from llm_trainer.resolve import cpu_computes_bf16  # noqa: E402
 from llm_trainer.train.optim import build_optimizer  # noqa: E402
 from llm_trainer.train.step import autocast, train_step  # noqa: E402
+from run_baby_gpt import emit_report, machine_info  # noqa: E402
 
 
 def median_ms(fn, steps: int, rounds: int = 5) -> list[float]:
@@ -46,8 +45,9 @@ def median_ms(fn, steps: int, rounds: int = 5) -> list[float]:
 
 def step_fn(architecture: str, width: int, amp: bool):
     torch.manual_seed(0)
-    config = ModelConfig(architecture=architecture, vocab_size=67, d_model=width, n_heads=max(1, width // 32),
-                         n_layers=4, max_seq_len=64)
+    config = ModelConfig(
+        architecture=architecture, vocab_size=67, d_model=width, n_heads=max(1, width // 32), n_layers=4, max_seq_len=64
+    )
     model = Transformer(config)
     optimizer = build_optimizer(model, TrainingConfig(), torch.device("cpu"))
     dtype = torch.bfloat16 if amp else None
@@ -68,8 +68,10 @@ def attention_ms(steps: int) -> dict:
     kernels = {"sdpa": F.scaled_dot_product_attention, "explicit": _explicit_attention}
     out = {}
     for name, attend in kernels.items():
-        def run():
+
+        def run(attend=attend):
             attend(q, k, v, is_causal=True).float().sum().backward()
+
         run()
         out[name] = round(sorted(median_ms(run, steps))[2], 3)
     return out
@@ -94,12 +96,22 @@ def main() -> int:
                 for name, fn in steps.items():
                     times[name] += median_ms(fn, args.steps, rounds=2)
             ms = {name: round(sorted(t)[len(t) // 2], 2) for name, t in times.items()}
-            row = {"architecture": architecture, "d_model": width, "ms_per_step": ms,
-                   "bf16_over_float32": round(ms["bf16"] / ms["float32"], 3)}
+            row = {
+                "architecture": architecture,
+                "d_model": width,
+                "ms_per_step": ms,
+                "bf16_over_float32": round(ms["bf16"] / ms["float32"], 3),
+            }
             results.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
-    report = {"benchmark": "cpu_bf16", "cpu_computes_bf16": cpu_computes_bf16(), "threads": torch.get_num_threads(),
-              "machine": machine_info(), "steps": results, "attention_bf16_ms": attention_ms(args.steps)}
+    report = {
+        "benchmark": "cpu_bf16",
+        "cpu_computes_bf16": cpu_computes_bf16(),
+        "threads": torch.get_num_threads(),
+        "machine": machine_info(),
+        "steps": results,
+        "attention_bf16_ms": attention_ms(args.steps),
+    }
     return emit_report(report, args.out)
 
 

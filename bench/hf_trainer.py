@@ -125,7 +125,10 @@ def _check_targets(trainer) -> float:
         logits = out.logits
         ref = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch["shift_labels"].reshape(-1))
     model.train()
-    if set(batch) != {"input_ids", "labels", "shift_labels"} or batch["shift_labels"].shape != (sh.BATCH_SIZE, sh.BLOCK_SIZE):
+    if set(batch) != {"input_ids", "labels", "shift_labels"} or batch["shift_labels"].shape != (
+        sh.BATCH_SIZE,
+        sh.BLOCK_SIZE,
+    ):
         raise RuntimeError(f"unexpected training batch: { {k: tuple(v.shape) for k, v in batch.items()} }")
     if not torch.allclose(loss, ref, rtol=1e-5, atol=1e-6):
         raise RuntimeError(f"HF loss {loss.item()} != CE over 64 shifted targets {ref.item()}")

@@ -28,7 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -56,8 +57,12 @@ def gpt2_bpe(texts: list[str], vocab_size: int) -> HFTokenizer:
     backend = HFTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     backend.train_from_iterator(texts, trainer=trainer)
     return backend
 
@@ -90,8 +95,15 @@ def filter_survival(texts: list[str], preset: str, corpus_type: str, tokenizer: 
     work.mkdir(parents=True)
     data = work / "data.jsonl"
     data.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
-    config = DataConfig(data_files=str(data), quality_filters=preset, corpus_type=corpus_type, tokenizer=str(tokenizer),
-                        validation_split=0.0, cache_dir=str(work / "cache"), progress_bar=False)
+    config = DataConfig(
+        data_files=str(data),
+        quality_filters=preset,
+        corpus_type=corpus_type,
+        tokenizer=str(tokenizer),
+        validation_split=0.0,
+        cache_dir=str(work / "cache"),
+        progress_bar=False,
+    )
     prepared = prepare_data(config)
     report = json.loads((prepared.directory / REPORT).read_text())
     total = report["bytes_in"]
@@ -121,12 +133,17 @@ def measure(name: str, train: list[str], heldout: list[str], vocab_size: int, wo
     return {
         "train_bytes": sum(len(t.encode()) for t in train),
         "heldout_bytes": sum(len(t.encode()) for t in heldout),
-        "chars_per_token": {"ours": round(ours_cpt, 3), "gpt2_presplit": round(gpt2_cpt, 3),
-                            "ratio": round(ours_cpt / gpt2_cpt, 4)},
+        "chars_per_token": {
+            "ours": round(ours_cpt, 3),
+            "gpt2_presplit": round(gpt2_cpt, 3),
+            "ratio": round(ours_cpt / gpt2_cpt, 4),
+        },
         "round_trip": {"texts": 2 * (len(train) + len(heldout)), "failures": failures},  # raw and cleaned
         "filters": {
             "preset": preset,
-            "heldout": filter_survival(heldout, preset, corpus_type, work / name / "tokenizer", work / name / "heldout"),
+            "heldout": filter_survival(
+                heldout, preset, corpus_type, work / name / "tokenizer", work / name / "heldout"
+            ),
             "train": filter_survival(train, preset, corpus_type, work / name / "tokenizer", work / name / "train"),
         },
         "tokenizer_seconds": round(tokenizer_seconds, 2),
@@ -137,17 +154,24 @@ def verdicts(results: dict) -> dict:
     out = {}
     prose = {k: v["filters"]["heldout"]["kept_fraction"] for k, v in results.items() if k != "python"}
     if prose:
-        out["filters_keep_95pct_of_clean_prose"] = {"pass": min(prose.values()) >= TARGETS["filters_keep_clean_prose"],
-                                                    "min": min(prose.values()), "by_language": prose}
+        out["filters_keep_95pct_of_clean_prose"] = {
+            "pass": min(prose.values()) >= TARGETS["filters_keep_clean_prose"],
+            "min": min(prose.values()),
+            "by_language": prose,
+        }
     indic = {k: results[k]["chars_per_token"]["ratio"] for k in ("hindi", "tamil") if k in results}
     if indic:
         out["indic_ratio_at_least_1.5"] = {"pass": min(indic.values()) >= TARGETS["indic_ratio"], "ratios": indic}
     near = {k: results[k]["chars_per_token"]["ratio"] for k in ("english", "python") if k in results}
     if near:
         out["english_code_within_2pct"] = {
-            "pass": all(abs(r - 1) <= TARGETS["english_code_ratio_within"] for r in near.values()), "ratios": near}
-    out["exact_round_trip_everywhere"] = {"pass": all(v["round_trip"]["failures"] == 0 for v in results.values()),
-                                          "failures": {k: v["round_trip"]["failures"] for k, v in results.items()}}
+            "pass": all(abs(r - 1) <= TARGETS["english_code_ratio_within"] for r in near.values()),
+            "ratios": near,
+        }
+    out["exact_round_trip_everywhere"] = {
+        "pass": all(v["round_trip"]["failures"] == 0 for v in results.values()),
+        "failures": {k: v["round_trip"]["failures"] for k, v in results.items()},
+    }
     return out
 
 
@@ -160,14 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     names = args.languages.split(",")
     unknown = [n for n in names if n != "python" and n not in LANGUAGES]
     if unknown:
-        print(f"unknown language {', '.join(unknown)}; choose from {', '.join([*LANGUAGES, 'python'])}", file=sys.stderr)
+        print(
+            f"unknown language {', '.join(unknown)}; choose from {', '.join([*LANGUAGES, 'python'])}", file=sys.stderr
+        )
         return 2
     if not all((CACHE / f"{n}.{s}.jsonl").is_file() for n in LANGUAGES for s in ("train", "heldout")):
         try:
             build()
         except OSError as exc:
-            print(f"could not download the corpora ({exc}); build them from a clone of OPUS-MT-testsets: "
-                  f"python bench/multilingual_data.py --git-dir PATH", file=sys.stderr)
+            print(
+                f"could not download the corpora ({exc}); build them from a clone of OPUS-MT-testsets: "
+                f"python bench/multilingual_data.py --git-dir PATH",
+                file=sys.stderr,
+            )
             return 2
     started = time.perf_counter()
     results = {}
@@ -180,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = measure(name, train, heldout, args.vocab_size, Path(tmp))
     output = {
         "vocab_size": args.vocab_size,
-        "corpora": {"prose": (CACHE / "SOURCE").read_text().strip(), "python": f"stdlib of Python {platform.python_version()}"},
+        "corpora": {
+            "prose": (CACHE / "SOURCE").read_text().strip(),
+            "python": f"stdlib of Python {platform.python_version()}",
+        },
         "languages": results,
         "targets": verdicts(results),
         "seconds": round(time.perf_counter() - started, 1),

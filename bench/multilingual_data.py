@@ -68,8 +68,9 @@ def _blob_id(data: bytes) -> str:
 def fetch(path: str, git_dir: str | None) -> str:
     """One file of the pinned commit, checked against its blob id."""
     if git_dir:
-        data = subprocess.run(["git", "--git-dir", git_dir, "show", f"{COMMIT}:{path}"], check=True,
-                              capture_output=True).stdout
+        data = subprocess.run(
+            ["git", "--git-dir", git_dir, "show", f"{COMMIT}:{path}"], check=True, capture_output=True
+        ).stdout
     else:
         with urllib.request.urlopen(f"https://raw.githubusercontent.com/{REPO}/{COMMIT}/{path}", timeout=60) as r:
             data = r.read()
@@ -110,8 +111,10 @@ def build(git_dir: str | None = None, cache: Path = CACHE) -> Path:
     for language, (ntrex_file, flores_file) in LANGUAGES.items():
         train = _lines(fetch(NTREX + "NTREX-128/" + ntrex_file, git_dir), 1997)
         heldout = _lines(fetch(FLORES + "devtest/" + flores_file, git_dir), 1012)
-        for split, lines, groups, name in (("train", train, stories, lambda g: doc_ids[g[0]]),
-                                           ("heldout", heldout, heldout_groups, lambda g: f"flores-devtest-{g[0]}")):
+        for split, lines, groups, name in (
+            ("train", train, stories, lambda g: doc_ids[g[0]]),
+            ("heldout", heldout, heldout_groups, lambda g: f"flores-devtest-{g[0]}"),
+        ):
             records = [{"id": name(g), "text": "\n".join(lines[i] for i in g)} for g in groups]
             path = cache / f"{language}.{split}.jsonl"
             path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")

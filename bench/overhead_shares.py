@@ -47,28 +47,61 @@ CONFIG = BENCH_DIR / "configs" / "nanogpt_baby.yaml"
 
 def nanogpt_run(peer: Path, steps: int) -> dict:
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "train.py", "config/train_shakespeare_char.py",
-                             *time_to_loss.nanogpt_flags(steps)], cwd=peer, capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "train.py", "config/train_shakespeare_char.py", *time_to_loss.nanogpt_flags(steps)],
+        cwd=peer,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     wall = time.perf_counter() - start
-    step_ms = statistics.median(float(ms) for ms in re.findall(r"iter \d+: loss [\d.]+, time ([\d.]+)ms", result.stdout)[1:])
+    step_ms = statistics.median(
+        float(ms) for ms in re.findall(r"iter \d+: loss [\d.]+, time ([\d.]+)ms", result.stdout)[1:]
+    )
     return {"wall_s": round(wall, 2), "step_ms": round(step_ms, 2), "fixed_s": round(wall - steps * step_ms / 1000, 2)}
 
 
 def ours_run(work: Path, steps: int) -> dict:
     out = work / "ours"
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "llm_trainer", "train", "--config", str(CONFIG), f"training.output_dir={out}",
-                    f"data.cache_dir={work / 'cache'}", f"data.data_files={time_to_loss.DATA}", f"training.max_steps={steps}"],
-                   cwd=REPO_ROOT, capture_output=True, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llm_trainer",
+            "train",
+            "--config",
+            str(CONFIG),
+            f"training.output_dir={out}",
+            f"data.cache_dir={work / 'cache'}",
+            f"data.data_files={time_to_loss.DATA}",
+            f"training.max_steps={steps}",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        check=True,
+    )
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     step_ms = 1000 * statistics.median(r["step_time_s"] for r in rows if r["kind"] == "train" and "step_time_s" in r)
     summary = rows[-1]
-    plots = float(subprocess.run([sys.executable, "-c", PLOTS, str(out), str(work / "plots")], cwd=REPO_ROOT,
-                                 capture_output=True, text=True, check=True).stdout.split()[-1])
-    return {"wall_s": round(wall, 2), "step_ms": round(step_ms, 2), "fixed_s": round(wall - steps * step_ms / 1000, 2),
-            "evaluation_s": round(summary["evaluation_s"], 2), "checkpoint_s": round(summary["checkpoint_s"], 2),
-            "plots_s": round(plots, 2)}
+    plots = float(
+        subprocess.run(
+            [sys.executable, "-c", PLOTS, str(out), str(work / "plots")],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()[-1]
+    )
+    return {
+        "wall_s": round(wall, 2),
+        "step_ms": round(step_ms, 2),
+        "fixed_s": round(wall - steps * step_ms / 1000, 2),
+        "evaluation_s": round(summary["evaluation_s"], 2),
+        "checkpoint_s": round(summary["checkpoint_s"], 2),
+        "plots_s": round(plots, 2),
+    }
 
 
 PLOTS = r"""
@@ -79,7 +112,7 @@ plot_runs(sys.argv[1], sys.argv[2], strict=True)  # as at the end of a run: matp
 print(time.perf_counter() - start)
 """
 
-IN_PROCESS = r'''
+IN_PROCESS = r"""
 import json, sys, time, torch
 sys.path.insert(0, sys.argv[1])
 from model import GPT, GPTConfig
@@ -128,12 +161,17 @@ for _ in range(int(sys.argv[2])):
             fn()
         times[name].append((time.perf_counter() - start) / 20 * 1000)
 print(json.dumps({name: round(sorted(v)[len(v) // 2], 4) for name, v in times.items()}))
-'''
+"""
 
 
 def in_process(peer: Path, rounds: int) -> dict:
-    result = subprocess.run([sys.executable, "-c", IN_PROCESS, str(peer), str(rounds)], cwd=REPO_ROOT,
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", IN_PROCESS, str(peer), str(rounds)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -155,7 +193,9 @@ def main() -> int:
     rounds = []
     for r in range(args.rounds):
         order = ["nanogpt", "ours"] if r % 2 == 0 else ["ours", "nanogpt"]
-        results = {name: nanogpt_run(peer, args.steps) if name == "nanogpt" else ours_run(work, args.steps) for name in order}
+        results = {
+            name: nanogpt_run(peer, args.steps) if name == "nanogpt" else ours_run(work, args.steps) for name in order
+        }
         results["import_s"] = round(import_time(), 2)
         results["in_process_ms"] = in_process(peer, 8)
         rounds.append(results)
@@ -167,19 +207,33 @@ def main() -> int:
     steps = args.steps
     ip = {key: mean(lambda r, k=key: r["in_process_ms"][k]) for key in rounds[0]["in_process_ms"]}
     shares = {
-        "whole_process_s": {"nanogpt": mean(lambda r: r["nanogpt"]["wall_s"]), "ours": mean(lambda r: r["ours"]["wall_s"])},
-        "loop_s": {"nanogpt": round(steps * mean(lambda r: r["nanogpt"]["step_ms"]) / 1000, 2),
-                   "ours": round(steps * mean(lambda r: r["ours"]["step_ms"]) / 1000, 2)},
+        "whole_process_s": {
+            "nanogpt": mean(lambda r: r["nanogpt"]["wall_s"]),
+            "ours": mean(lambda r: r["ours"]["wall_s"]),
+        },
+        "loop_s": {
+            "nanogpt": round(steps * mean(lambda r: r["nanogpt"]["step_ms"]) / 1000, 2),
+            "ours": round(steps * mean(lambda r: r["ours"]["step_ms"]) / 1000, 2),
+        },
         "fixed_s": {"nanogpt": mean(lambda r: r["nanogpt"]["fixed_s"]), "ours": mean(lambda r: r["ours"]["fixed_s"])},
-        "ours_fixed_parts_s": {"import": mean(lambda r: r["import_s"]), "evaluation": mean(lambda r: r["ours"]["evaluation_s"]),
-                               "checkpoint_stall": mean(lambda r: r["ours"]["checkpoint_s"]),
-                               "plots": mean(lambda r: r["ours"]["plots_s"])},
+        "ours_fixed_parts_s": {
+            "import": mean(lambda r: r["import_s"]),
+            "evaluation": mean(lambda r: r["ours"]["evaluation_s"]),
+            "checkpoint_stall": mean(lambda r: r["ours"]["checkpoint_s"]),
+            "plots": mean(lambda r: r["ours"]["plots_s"]),
+        },
         "model_and_optimizer_step_s": round(steps * (ip["ours"] - ip["nanogpt"]) / 1000, 2),  # < 0: ours is faster
         "biases_s": round(steps * (ip["ours_biases"] - ip["ours"]) / 1000, 2),  # what nanoGPT's bias=False saves us
         "progress_bar_s": round(steps * ip["progress_bar"] / 1000, 3),
     }
-    report = {"benchmark": "overhead_shares", "steps": steps, "machine": machine_info(),
-              "in_process_ms_per_step": ip, "shares_s": shares, "rounds": rounds}
+    report = {
+        "benchmark": "overhead_shares",
+        "steps": steps,
+        "machine": machine_info(),
+        "in_process_ms_per_step": ip,
+        "shares_s": shares,
+        "rounds": rounds,
+    }
     return emit_report(report, args.out)
 
 

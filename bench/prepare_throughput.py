@@ -48,8 +48,40 @@ FILE_MB = 25  # corpus files of this size, so the half corpus is the first half 
 def make_corpus(folder: Path, megabytes: float, seed: int = 0) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    syllables = np.array(["ka", "to", "ri", "men", "sa", "lo", "ve", "nu", "tha", "qui", "es", "an", "or", "pe", "dri",
-                          "gon", "ul", "ber", "ish", "ty", "a", "e", "o", "in", "st", "el", "mar", "cor", "wen", "ith"])
+    syllables = np.array(
+        [
+            "ka",
+            "to",
+            "ri",
+            "men",
+            "sa",
+            "lo",
+            "ve",
+            "nu",
+            "tha",
+            "qui",
+            "es",
+            "an",
+            "or",
+            "pe",
+            "dri",
+            "gon",
+            "ul",
+            "ber",
+            "ish",
+            "ty",
+            "a",
+            "e",
+            "o",
+            "in",
+            "st",
+            "el",
+            "mar",
+            "cor",
+            "wen",
+            "ith",
+        ]
+    )
     common = ["the", "of", "and", "to", "a", "in", "is", "that", "for", "it", "with", "as", "was", "on", "be", "by"]
     vocab = common + ["".join(rng.choice(syllables, int(rng.integers(1, 5)))) for _ in range(40_000)]
     p = 1.0 / np.arange(1, len(vocab) + 1) ** 1.05
@@ -100,7 +132,7 @@ def bare(tokenizer_file: Path, texts: list[str], fast: bool) -> tuple[float, flo
     start, cpu = time.perf_counter(), cpu_seconds()
     for i in range(0, len(texts), 256):
         for e in encode(texts[i : i + 256], add_special_tokens=False):
-            e.ids
+            _ = e.ids
     return megabytes / (time.perf_counter() - start), (cpu_seconds() - cpu) / megabytes
 
 
@@ -148,14 +180,29 @@ print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "bytes_in": report["by
 
 def pipeline(files: list[Path], tokenizer_file: Path, cache: Path, workers: int, dedup: str) -> dict:
     """prepare_data in a fresh process (so ru_maxrss is its own); returns its measurements."""
-    settings = dict(data_files=[str(f) for f in files], tokenizer=str(tokenizer_file), cache_dir=str(cache),
-                    preprocessing_num_workers=workers, deduplication=dedup, max_length=1024, progress_bar=False)
+    settings = dict(
+        data_files=[str(f) for f in files],
+        tokenizer=str(tokenizer_file),
+        cache_dir=str(cache),
+        preprocessing_num_workers=workers,
+        deduplication=dedup,
+        max_length=1024,
+        progress_bar=False,
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TOKENIZERS_PARALLELISM", None)  # the same threads as the bare side
     # Through sh, which forks the child: a child forked straight from this (large) process would start
     # with this process's ru_maxrss, since Linux carries the peak RSS across fork and exec.
-    command = ["/bin/sh", "-c", '"$0" "$@"; status=$?; exit $status', sys.executable, "-c", _CHILD,
-               json.dumps(settings), str(REPO / "src")]
+    command = [
+        "/bin/sh",
+        "-c",
+        '"$0" "$@"; status=$?; exit $status',
+        sys.executable,
+        "-c",
+        _CHILD,
+        json.dumps(settings),
+        str(REPO / "src"),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(done.stderr)
@@ -209,7 +256,11 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     try:
         t0 = time.perf_counter()
-        files = make_corpus(root / "corpus", args.mb) if not (root / "corpus").is_dir() else sorted((root / "corpus").glob("*.jsonl"))
+        files = (
+            make_corpus(root / "corpus", args.mb)
+            if not (root / "corpus").is_dir()
+            else sorted((root / "corpus").glob("*.jsonl"))
+        )
         generated = time.perf_counter() - t0
         texts = read_texts(files)
         sys.path.insert(0, str(REPO / "src"))
@@ -250,8 +301,10 @@ def main() -> None:
         # CPU seconds per MB hardly depend on other processes' load: the work each side does. With both
         # sides keeping every core busy, bare/pipeline CPU is the throughput ratio on a quiet machine.
         bare_cpu, pipe_cpu = min(c for _, c in bare_runs), min(r["cpu_seconds_per_mb"] for r in full_runs)
-        result["cpu_seconds_per_mb"] = {"bare": [round(c, 4) for _, c in bare_runs],
-                                        "pipeline": [round(r["cpu_seconds_per_mb"], 4) for r in full_runs]}
+        result["cpu_seconds_per_mb"] = {
+            "bare": [round(c, 4) for _, c in bare_runs],
+            "pipeline": [round(r["cpu_seconds_per_mb"], 4) for r in full_runs],
+        }
         result["cpu_ratio_bare_over_pipeline"] = round(bare_cpu / pipe_cpu, 3)
         result["ratio_best_to_best"] = round(best_full / best_bare, 3)
         result["ratio_best_to_bare_encode_batch_fast"] = round(best_full / fast, 3)
@@ -261,8 +314,11 @@ def main() -> None:
         result["pipeline_half"] = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in half.items()}
         full_peak = max(r["peak_rss_mb"] for r in full_runs)
         result["peak_rss_growth_when_corpus_doubles"] = round(full_peak / half["peak_rss_mb"] - 1, 4)
-        result["peak_rss_mb"] = {"half": round(half["peak_rss_mb"], 1), "full": round(full_peak, 1),
-                                 "after_imports": round(full_runs[0]["rss_after_import_mb"], 1)}
+        result["peak_rss_mb"] = {
+            "half": round(half["peak_rss_mb"], 1),
+            "full": round(full_peak, 1),
+            "after_imports": round(full_runs[0]["rss_after_import_mb"], 1),
+        }
         if args.near:
             near = pipeline(files, tokenizer_file, root / "cache", args.workers, "near")
             result["pipeline_near_mb_per_s"] = round(near["mb_per_s"], 3)

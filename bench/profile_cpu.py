@@ -16,11 +16,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shakespeare  # noqa: E402
-
-from llm_trainer.train import optim  # noqa: E402
 from llm_trainer.config import ModelConfig, TrainingConfig  # noqa: E402
 from llm_trainer.data.loader import BatchLoader, WindowRows  # noqa: E402
 from llm_trainer.model import Transformer  # noqa: E402
+from llm_trainer.train import optim  # noqa: E402
 from llm_trainer.train.trainer import Trainer  # noqa: E402
 
 GROUPS = [  # (group, substrings of aten op names), first match wins
@@ -44,8 +43,11 @@ def main() -> None:
 
     data = shakespeare.load_data()
     torch.manual_seed(1337)
-    model = Transformer(ModelConfig(architecture="gpt2", vocab_size=len(data.chars) + 2, d_model=128, n_heads=4,
-                                    n_layers=4, max_seq_len=64))
+    model = Transformer(
+        ModelConfig(
+            architecture="gpt2", vocab_size=len(data.chars) + 2, d_model=128, n_heads=4, n_layers=4, max_seq_len=64
+        )
+    )
     if args.optimizer == "foreach":  # the state before: foreach AdamW on CPU
         original = optim.build_optimizer
 
@@ -54,14 +56,27 @@ def main() -> None:
             return torch.optim.AdamW(opt.param_groups, lr=config.learning_rate, foreach=True)
 
         import llm_trainer.train.trainer as trainer_module
+
         trainer_module.build_optimizer = foreach_optimizer
     import numpy as np
 
     tokens = np.asarray(data.train_ids, dtype=np.uint16)
-    config = TrainingConfig(batch_size=12, max_steps=args.steps, learning_rate=1e-3, eval_steps=0, save_steps=0,
-                            logging_steps=50, device="cpu", report_to=[], progress_bar=False,
-                            output_dir="/tmp/profile_cpu", save_total_limit=1)
-    trainer = Trainer(model, config, train_dataloader=BatchLoader(WindowRows(tokens, 64, seed=0), 12, shuffle=True, seed=0))
+    config = TrainingConfig(
+        batch_size=12,
+        max_steps=args.steps,
+        learning_rate=1e-3,
+        eval_steps=0,
+        save_steps=0,
+        logging_steps=50,
+        device="cpu",
+        report_to=[],
+        progress_bar=False,
+        output_dir="/tmp/profile_cpu",
+        save_total_limit=1,
+    )
+    trainer = Trainer(
+        model, config, train_dataloader=BatchLoader(WindowRows(tokens, 64, seed=0), 12, shuffle=True, seed=0)
+    )
     trainer.checkpointer.save = lambda background=False: None  # profile the loop, not the final save
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         trainer.train()
@@ -71,11 +86,16 @@ def main() -> None:
         group = next((g for g, keys in GROUPS if any(k in name for k in keys)), "other")
         totals[group] += event.self_cpu_time_total
     whole = sum(totals.values())
-    print(json.dumps({
-        "optimizer_impl": args.optimizer, "steps": args.steps,
-        "ms_per_step": round(whole / 1000 / args.steps, 2),
-        "share": {k: round(v / whole, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
-    }))
+    print(
+        json.dumps(
+            {
+                "optimizer_impl": args.optimizer,
+                "steps": args.steps,
+                "ms_per_step": round(whole / 1000 / args.steps, 2),
+                "share": {k: round(v / whole, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

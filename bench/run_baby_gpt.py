@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
@@ -113,7 +113,9 @@ def _run(cmd: list[str], timeout: float | None) -> dict:
     except subprocess.TimeoutExpired as exc:
         rc = None
         stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        stderr = (exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")) + f"\n[timed out after {timeout}s]"
+        stderr = (
+            exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        ) + f"\n[timed out after {timeout}s]"
     wall = time.perf_counter() - start
     return {
         "cmd": " ".join(cmd),
@@ -179,13 +181,24 @@ def _shared_eval(end: dict, out_dir: Path, timeout: float | None) -> dict:
     parsed = _last_json_line(raw["stdout"])
     if raw["returncode"] != 0 or parsed is None:
         return {"val_loss_shared_error": _tail(raw["stderr"] or raw["stdout"])}
-    return {"val_loss_shared": parsed["val_loss"], "val_tokens_shared": parsed["val_tokens"], "vocab_size": parsed.get("vocab_size")}
+    return {
+        "val_loss_shared": parsed["val_loss"],
+        "val_tokens_shared": parsed["val_tokens"],
+        "vocab_size": parsed.get("vocab_size"),
+    }
 
 
-def run_ours(name: str, steps: int, compile_: bool, timeout: float | None, keep: bool, shared_eval: bool = True) -> dict:
+def run_ours(
+    name: str, steps: int, compile_: bool, timeout: float | None, keep: bool, shared_eval: bool = True
+) -> dict:
     out_dir = Path(tempfile.mkdtemp(prefix="bench_ours_"))
     cmd = [
-        sys.executable, "-m", "llm_trainer", "train", "--config", CONFIG,
+        sys.executable,
+        "-m",
+        "llm_trainer",
+        "train",
+        "--config",
+        CONFIG,
         f"training.output_dir={out_dir}",
         f"training.max_steps={steps}",
         f"data.cache_dir={out_dir / 'data_cache'}",  # cold cache, like the other runners; repo stays clean
@@ -258,9 +271,13 @@ def ratios(runs: dict[str, dict]) -> dict:
             out["hf_vs_bare_wall"] = _ratio(hf.get("wall_s"), bare.get("wall_s"))
             out["hf_vs_bare_throughput"] = _ratio(hf.get("tokens_per_s"), bare.get("tokens_per_s"))
     if runs.get("ours_llama") and runs.get("hf_trainer"):
-        out["ours_llama_vs_hf_throughput"] = _ratio(runs["ours_llama"].get("tokens_per_s"), runs["hf_trainer"].get("tokens_per_s"))
+        out["ours_llama_vs_hf_throughput"] = _ratio(
+            runs["ours_llama"].get("tokens_per_s"), runs["hf_trainer"].get("tokens_per_s")
+        )
     if runs.get("ours_compile") and runs.get("hf_trainer"):
-        out["ours_compile_vs_hf_throughput"] = _ratio(runs["ours_compile"].get("tokens_per_s"), runs["hf_trainer"].get("tokens_per_s"))
+        out["ours_compile_vs_hf_throughput"] = _ratio(
+            runs["ours_compile"].get("tokens_per_s"), runs["hf_trainer"].get("tokens_per_s")
+        )
     return out
 
 
@@ -296,7 +313,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     names = _selected(args.only, args.compile)
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    started = datetime.now(UTC).isoformat(timespec="seconds")
     runs: dict[str, dict] = {}
     for name in names:
         print(f"[bench] running {name} ({args.steps} steps) ...", file=sys.stderr, flush=True)

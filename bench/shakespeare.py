@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -65,9 +65,7 @@ def data_path() -> Path:
     override = os.environ.get(DATA_ENV_VAR)
     path = Path(override).expanduser() if override else DEFAULT_DATA_PATH
     if not path.is_file():
-        raise FileNotFoundError(
-            f"Tiny Shakespeare not found at {path}; set ${DATA_ENV_VAR} to the path of input.txt"
-        )
+        raise FileNotFoundError(f"Tiny Shakespeare not found at {path}; set ${DATA_ENV_VAR} to the path of input.txt")
     return path
 
 
@@ -111,9 +109,7 @@ def load_data(path: str | Path | None = None) -> ShakespeareData:
     stoi = {c: i for i, c in enumerate(chars)}
     ids = torch.tensor([stoi[c] for c in text], dtype=torch.long)
     split_at = int(TRAIN_FRACTION * len(text))
-    return ShakespeareData(
-        text=text, chars=chars, train_ids=ids[:split_at], val_ids=ids[split_at:], split_at=split_at
-    )
+    return ShakespeareData(text=text, chars=chars, train_ids=ids[:split_at], val_ids=ids[split_at:], split_at=split_at)
 
 
 def write_split_files(out_dir: str | Path, data: ShakespeareData | None = None) -> tuple[Path, Path]:

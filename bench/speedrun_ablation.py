@@ -40,8 +40,10 @@ DATA = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 # technique -> (overrides that take it out of the recipe, or that put it in when the recipe has it not;
 #               overrides that add it to the baseline)
 TECHNIQUES = {
-    "muon": (["training.optimizer=adamw", "training.learning_rate=1e-3", "training.min_lr=1e-4"],
-             ["training.optimizer=muon", "training.learning_rate=0.04", "training.min_lr=0.004"]),
+    "muon": (
+        ["training.optimizer=adamw", "training.learning_rate=1e-3", "training.min_lr=1e-4"],
+        ["training.optimizer=muon", "training.learning_rate=0.04", "training.min_lr=0.004"],
+    ),
     "relu2": (["model.activation=relu2"], ["model.activation=relu2"]),  # not in the recipe: measured behind gelu
     "qk_norm": (["model.qk_norm=false"], ["model.qk_norm=true"]),
     "zero_init": (["model.zero_init_projections=true"], ["model.zero_init_projections=true"]),  # not in the recipe
@@ -50,9 +52,17 @@ TECHNIQUES = {
     "bf16": (["training.use_amp=false"], ["training.use_amp=auto"]),
 }
 IN_RECIPE = {"muon", "qk_norm", "softcap", "rope", "bf16"}
-BASELINE = ["model.position_embedding=learned", "model.activation=gelu", "model.qk_norm=false",
-            "model.zero_init_projections=false", "model.logit_softcap=null", "training.use_amp=false",
-            "training.optimizer=adamw", "training.learning_rate=1e-3", "training.min_lr=1e-4"]
+BASELINE = [
+    "model.position_embedding=learned",
+    "model.activation=gelu",
+    "model.qk_norm=false",
+    "model.zero_init_projections=false",
+    "model.logit_softcap=null",
+    "training.use_amp=false",
+    "training.optimizer=adamw",
+    "training.learning_rate=1e-3",
+    "training.min_lr=1e-4",
+]
 
 
 def variants() -> dict[str, list[str]]:
@@ -65,9 +75,20 @@ def variants() -> dict[str, list[str]]:
 
 def run(name: str, overrides: list[str], target: float, work: Path) -> dict:
     out = work / name
-    cmd = [sys.executable, "-m", "llm_trainer", "train", "--config", str(CONFIG), f"training.output_dir={out}",
-           f"data.cache_dir={work / 'cache'}", f"data.data_files={DATA}", f"training.target_val_loss={target}",
-           "training.progress_bar=false", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llm_trainer",
+        "train",
+        "--config",
+        str(CONFIG),
+        f"training.output_dir={out}",
+        f"data.cache_dir={work / 'cache'}",
+        f"data.data_files={DATA}",
+        f"training.target_val_loss={target}",
+        "training.progress_bar=false",
+        *overrides,
+    ]
     start = time.perf_counter()
     result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
     record: dict = {"overrides": overrides, "wall_s": round(time.perf_counter() - start, 2)}
@@ -77,9 +98,13 @@ def run(name: str, overrides: list[str], target: float, work: Path) -> dict:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = rows[-1]
     loop = [r["tokens_per_s"] for r in rows if r["kind"] == "train" and "tokens_per_s" in r]
-    record.update(reached=(summary.get("stopped_early") or "").startswith("target reached"), step=summary["step"],
-                  val_loss=summary.get("val_loss"), loop_tokens_per_s=round(sum(loop) / len(loop)) if loop else None,
-                  evaluation_s=round(summary["evaluation_s"], 2))
+    record.update(
+        reached=(summary.get("stopped_early") or "").startswith("target reached"),
+        step=summary["step"],
+        val_loss=summary.get("val_loss"),
+        loop_tokens_per_s=round(sum(loop) / len(loop)) if loop else None,
+        evaluation_s=round(summary["evaluation_s"], 2),
+    )
     shutil.rmtree(out, ignore_errors=True)
     return record
 
@@ -91,9 +116,21 @@ def main() -> int:
     parser.add_argument("--out", default=str(BENCH_DIR / "out" / "speedrun_ablation.json"))
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ablation_"))
-    subprocess.run([sys.executable, "-m", "llm_trainer", "prepare", "--config", str(CONFIG),
-                    f"data.cache_dir={work / 'cache'}", f"data.data_files={DATA}"], cwd=REPO_ROOT, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llm_trainer",
+            "prepare",
+            "--config",
+            str(CONFIG),
+            f"data.cache_dir={work / 'cache'}",
+            f"data.data_files={DATA}",
+        ],
+        cwd=REPO_ROOT,
+        check=True,
+        capture_output=True,
+    )
     chosen = variants()
     if args.only:
         chosen = {name: chosen[name] for name in args.only.split(",")}
@@ -102,8 +139,12 @@ def main() -> int:
         results[name] = run(name, overrides, args.target, work)
         print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)
     shutil.rmtree(work, ignore_errors=True)
-    report = {"benchmark": "speedrun_ablation", "target_val_loss": args.target, "machine": machine_info(),
-              "runs": results}
+    report = {
+        "benchmark": "speedrun_ablation",
+        "target_val_loss": args.target,
+        "machine": machine_info(),
+        "runs": results,
+    }
     return emit_report(report, args.out)
 
 

@@ -50,9 +50,22 @@ SETTING = REPO_ROOT / "bench" / "configs" / "nanogpt_baby.yaml"
 
 
 def nanogpt_flags(steps: int) -> list[str]:
-    return ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
-            "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", f"--max_iters={steps}",
-            f"--lr_decay_iters={steps}", "--dropout=0.0", f"--eval_interval={steps}", "--always_save_checkpoint=False"]
+    return [
+        "--device=cpu",
+        "--compile=False",
+        "--eval_iters=20",
+        "--log_interval=1",
+        "--block_size=64",
+        "--batch_size=12",
+        "--n_layer=4",
+        "--n_head=4",
+        "--n_embd=128",
+        f"--max_iters={steps}",
+        f"--lr_decay_iters={steps}",
+        "--dropout=0.0",
+        f"--eval_interval={steps}",
+        "--always_save_checkpoint=False",
+    ]
 
 
 def prepare_nanogpt(work: Path) -> tuple[Path, float]:
@@ -70,15 +83,21 @@ def timed(cmd: list[str], cwd: Path, timeout: float) -> dict:
     start = time.perf_counter()
     result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - start
-    record = {"wall_s": round(wall, 2), "returncode": result.returncode, "loadavg_before": before,
-              "loadavg_after": _loadavg()}
+    record = {
+        "wall_s": round(wall, 2),
+        "returncode": result.returncode,
+        "loadavg_before": before,
+        "loadavg_after": _loadavg(),
+    }
     if result.returncode != 0:
         record["error"] = (result.stderr or result.stdout)[-2000:]
     return record | {"_stdout": result.stdout, "_stderr": result.stderr}
 
 
 def run_nanogpt(peer: Path, steps: int, timeout: float) -> dict:
-    record = timed([sys.executable, "train.py", "config/train_shakespeare_char.py", *nanogpt_flags(steps)], peer, timeout)
+    record = timed(
+        [sys.executable, "train.py", "config/train_shakespeare_char.py", *nanogpt_flags(steps)], peer, timeout
+    )
     found = re.findall(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)", record.pop("_stdout"))
     record.pop("_stderr")
     if found:
@@ -90,15 +109,32 @@ def run_nanogpt(peer: Path, steps: int, timeout: float) -> dict:
 def prepare_ours(config: Path, cache: Path) -> float:
     """`llm-trainer prepare` once, before timing (as nanoGPT's prepare.py runs before its train.py)."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "llm_trainer", "prepare", "--config", str(config), f"data.cache_dir={cache}",
-                    f"data.data_files={DATA}"], cwd=REPO_ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llm_trainer",
+            "prepare",
+            "--config",
+            str(config),
+            f"data.cache_dir={cache}",
+            f"data.data_files={DATA}",
+        ],
+        cwd=REPO_ROOT,
+        check=True,
+        capture_output=True,
+    )
     return time.perf_counter() - start
 
 
 def float32_loss(checkpoint: Path) -> float | None:
     """The final model's validation loss over the whole split in float32, untimed (bench/eval_ours.py)."""
-    result = subprocess.run([sys.executable, str(BENCH_DIR / "eval_ours.py"), str(checkpoint)], cwd=REPO_ROOT,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "eval_ours.py"), str(checkpoint)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
     try:
         return json.loads(result.stdout.strip().splitlines()[-1]).get("val_loss")
     except (ValueError, IndexError):
@@ -108,8 +144,18 @@ def float32_loss(checkpoint: Path) -> float | None:
 def run_ours(config: Path, work: Path, name: str, overrides: list[str], timeout: float) -> dict:
     out = work / name
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "llm_trainer", "train", "--config", str(config), f"training.output_dir={out}",
-           f"data.cache_dir={work / 'cache'}", f"data.data_files={DATA}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llm_trainer",
+        "train",
+        "--config",
+        str(config),
+        f"training.output_dir={out}",
+        f"data.cache_dir={work / 'cache'}",
+        f"data.data_files={DATA}",
+        *overrides,
+    ]
     record = timed(cmd, REPO_ROOT, timeout)
     record.pop("_stdout")
     stderr = record.pop("_stderr")
@@ -118,10 +164,15 @@ def run_ours(config: Path, work: Path, name: str, overrides: list[str], timeout:
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         summary = next((r for r in reversed(rows) if r.get("kind") == "summary"), {})
         evals = [r for r in rows if r.get("kind") == "eval"]
-        record.update(step=summary.get("step"), val_loss=summary.get("val_loss"),
-                      stopped=summary.get("stopped_early"), time_to_target_s=summary.get("time_to_target_s"),
-                      train_runtime_s=summary.get("train_runtime_s"), tokens_per_s=summary.get("tokens_per_s"),
-                      evaluations=[(r["step"], round(r["val_loss"], 4), r.get("batches")) for r in evals])
+        record.update(
+            step=summary.get("step"),
+            val_loss=summary.get("val_loss"),
+            stopped=summary.get("stopped_early"),
+            time_to_target_s=summary.get("time_to_target_s"),
+            train_runtime_s=summary.get("train_runtime_s"),
+            tokens_per_s=summary.get("tokens_per_s"),
+            evaluations=[(r["step"], round(r["val_loss"], 4), r.get("batches")) for r in evals],
+        )
     params = re.search(r"train: ([\d,]+) parameters", stderr)
     if params:
         record["parameters"] = int(params.group(1).replace(",", ""))
@@ -144,16 +195,29 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="time_to_loss_"))
     peer, prepare_s = prepare_nanogpt(work)
     ours_prepare_s = prepare_ours(SPEEDRUN, work / "cache")  # both configs read the same prepared data
-    report: dict = {"benchmark": "time_to_loss", "steps": args.steps, "nanogpt_prepare_s": round(prepare_s, 2),
-                    "ours_prepare_s": round(ours_prepare_s, 2), "machine": machine_info(), "rounds": []}
+    report: dict = {
+        "benchmark": "time_to_loss",
+        "steps": args.steps,
+        "nanogpt_prepare_s": round(prepare_s, 2),
+        "ours_prepare_s": round(ours_prepare_s, 2),
+        "machine": machine_info(),
+        "rounds": [],
+    }
     setting_args = [f"training.max_steps={args.steps}"]
-    for r in range(args.rounds):
+    for _ in range(args.rounds):
         results: dict = {"nanogpt": run_nanogpt(peer, args.steps, args.timeout)}  # its L is the speedrun's target
         target = results["nanogpt"].get("val_loss")
-        results["ours_speedrun"] = run_ours(SPEEDRUN, work, "ours_speedrun",
-                                            [f"training.target_val_loss={target}"] if target is not None else [], args.timeout)
+        results["ours_speedrun"] = run_ours(
+            SPEEDRUN,
+            work,
+            "ours_speedrun",
+            [f"training.target_val_loss={target}"] if target is not None else [],
+            args.timeout,
+        )
         if not args.quick:
-            results["ours_nanogpt_setting"] = run_ours(SETTING, work, "ours_nanogpt_setting", setting_args, args.timeout)
+            results["ours_nanogpt_setting"] = run_ours(
+                SETTING, work, "ours_nanogpt_setting", setting_args, args.timeout
+            )
         nano = results["nanogpt"]
         ratios = {}
         speedrun = results["ours_speedrun"]
@@ -161,8 +225,12 @@ def main() -> int:
             ratios["speedrun_time_to_target_over_nanogpt"] = round(speedrun["wall_s"] / nano["wall_s"], 3)
             ratios["speedrun_reached_target"] = (speedrun.get("stopped") or "").startswith("target reached")
         if "ours_nanogpt_setting" in results and results["ours_nanogpt_setting"].get("wall_s"):
-            ratios["nanogpt_speed_over_ours_setting"] = round(nano["wall_s"] / results["ours_nanogpt_setting"]["wall_s"], 3)
-        report["rounds"].append({"order": list(results), "target_val_loss": target, "results": results, "ratios": ratios})
+            ratios["nanogpt_speed_over_ours_setting"] = round(
+                nano["wall_s"] / results["ours_nanogpt_setting"]["wall_s"], 3
+            )
+        report["rounds"].append(
+            {"order": list(results), "target_val_loss": target, "results": results, "ratios": ratios}
+        )
         print(json.dumps(report["rounds"][-1]), file=sys.stderr, flush=True)
     shutil.rmtree(work, ignore_errors=True)
     return emit_report(report, args.out)

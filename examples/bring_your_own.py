@@ -34,8 +34,15 @@ loader = torch.utils.data.DataLoader(rows, batch_size=16, shuffle=True)
 
 trainer = Trainer(
     Bigram(len(vocab)),
-    TrainingConfig(max_steps=200, learning_rate=0.05, eval_steps=100, output_dir="runs/bring-your-own",
-                   device="cpu", report_to=["jsonl"], progress_bar=False),
+    TrainingConfig(
+        max_steps=200,
+        learning_rate=0.05,
+        eval_steps=100,
+        output_dir="runs/bring-your-own",
+        device="cpu",
+        report_to=["jsonl"],
+        progress_bar=False,
+    ),
     train_dataloader=loader,
     val_dataloader=loader,
     callbacks=[PrintEvals()],

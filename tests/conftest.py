@@ -39,15 +39,28 @@ def corpus(tmp_path):
 
 def write_tiny_experiment(root, name="exp.yaml", **training):
     """An experiment file for a one-layer char model on `write_corpus`; `training` overrides its fields."""
-    values = {"batch_size": 4, "max_steps": 6, "learning_rate": 3e-3, "eval_steps": 3, "save_steps": 0,
-              "logging_steps": 2, "output_dir": str(root / "run"), "device": "cpu", "progress_bar": False,
-              "report_to": ["jsonl"]}
+    values = {
+        "batch_size": 4,
+        "max_steps": 6,
+        "learning_rate": 3e-3,
+        "eval_steps": 3,
+        "save_steps": 0,
+        "logging_steps": 2,
+        "output_dir": str(root / "run"),
+        "device": "cpu",
+        "progress_bar": False,
+        "report_to": ["jsonl"],
+    }
     values.update(training)
     config = {
         "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 24},
         "training": values,
-        "data": {"data_files": [str(write_corpus(root / "corpus"))], "tokenizer": "char", "validation_split": 0.2,
-                 "cache_dir": str(root / "cache")},
+        "data": {
+            "data_files": [str(write_corpus(root / "corpus"))],
+            "tokenizer": "char",
+            "validation_split": 0.2,
+            "cache_dir": str(root / "cache"),
+        },
     }
     path = root / name
     path.write_text(yaml.safe_dump(config))
@@ -61,8 +74,9 @@ def src_env() -> dict:
 
 def kill9_when(script: str, ready, what: str, timeout: float = 60) -> None:
     """Run `script` in a child Python; once `ready()` is true, kill it with SIGKILL (a crash at that point)."""
-    proc = subprocess.Popen([sys.executable, "-c", script], env=src_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], env=src_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         deadline = time.monotonic() + timeout
         while not ready():

@@ -28,14 +28,13 @@ import torch.nn as nn
 import yaml
 from safetensors.torch import load_file
 
+from llm_trainer import cli
 from llm_trainer.checkpoint import checksums, durable
 from llm_trainer.checkpoint import format as ckpt
-from llm_trainer import cli
-from llm_trainer.config import ModelConfig, TrainingConfig
-from llm_trainer.errors import UsageError
-from llm_trainer.model import Transformer
 from llm_trainer.checkpoint.model_folder import WEIGHTS_NAME, load_model_state, model_state_dict
-from llm_trainer.errors import TrainingStopped
+from llm_trainer.config import ModelConfig, TrainingConfig
+from llm_trainer.errors import TrainingStopped, UsageError
+from llm_trainer.model import Transformer
 from llm_trainer.train.trainer import Callback, Trainer
 
 MAX_STEPS = 12
@@ -45,7 +44,7 @@ TRAIN_FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_seen", "skip
 # The child process: the real CLI, with a callback that stops at a chosen point (after a step, just
 # after a save, or inside a save with its temporary folder created) and waits there to be killed, or
 # signalled and then let go. It writes `ready_file` when it gets there and goes on once `go_file` exists.
-RUNNER = r'''
+RUNNER = r"""
 import json, os, sys, time
 import llm_trainer.api as pipeline
 from llm_trainer import Callback
@@ -86,7 +85,7 @@ class Plan(Callback):
 original = pipeline.train
 pipeline.train = lambda experiment, callbacks=(): original(experiment, callbacks=[*callbacks, Plan()])
 sys.exit(main(sys.argv[1:]))
-'''
+"""
 
 
 # -- fixtures and helpers ----------------------------------------------------------------------------
@@ -117,12 +116,23 @@ def write_config(workspace: Path, run: Path, **training) -> Path:
     config = {
         "model": {"architecture": "gpt2", "d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 32},
         "training": {
-            "batch_size": 4, "max_steps": MAX_STEPS, "learning_rate": 1e-2, "eval_steps": 0, "save_steps": SAVE_STEPS,
-            "save_total_limit": None, "logging_steps": 1, "output_dir": str(run), "device": "cpu",
-            "progress_bar": False, "report_to": ["jsonl"], **training,
+            "batch_size": 4,
+            "max_steps": MAX_STEPS,
+            "learning_rate": 1e-2,
+            "eval_steps": 0,
+            "save_steps": SAVE_STEPS,
+            "save_total_limit": None,
+            "logging_steps": 1,
+            "output_dir": str(run),
+            "device": "cpu",
+            "progress_bar": False,
+            "report_to": ["jsonl"],
+            **training,
         },
         "data": {
-            "data_files": str(workspace / "corpus.txt"), "tokenizer": "char", "validation_split": 0.0,
+            "data_files": str(workspace / "corpus.txt"),
+            "tokenizer": "char",
+            "validation_split": 0.0,
             "cache_dir": str(workspace / "cache"),
         },
     }
@@ -138,7 +148,9 @@ def launch(workspace: Path, config: Path, *overrides: str, plan: dict | None = N
     with open(log, "w") as stderr:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(
             [sys.executable, str(workspace / "runner.py"), "train", "--config", str(config), *overrides],
-            stdout=subprocess.DEVNULL, stderr=stderr, env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=env,
         )
     proc.stderr_path = log  # type: ignore[attr-defined]
     return proc
@@ -259,7 +271,15 @@ def cli_train(run: Path, *overrides: str) -> int:
     ],
 )
 def test_kill9_then_resume_is_bitwise_identical(
-    workspace, reference, reference_accum2, tmp_path, accum, plan_key, pause_step, resumes_from, crosses_epoch,
+    workspace,
+    reference,
+    reference_accum2,
+    tmp_path,
+    accum,
+    plan_key,
+    pause_step,
+    resumes_from,
+    crosses_epoch,
     async_save,
 ):
     """A background save paused mid-write lets training run on to the final save, which waits for it;
@@ -303,7 +323,11 @@ def test_kill9_then_resume_is_bitwise_identical(
     assert finish(resumed) == 0, stderr_of(resumed)
     assert_same_as_reference(run, ref, logged_before_kill, (resumes_from or 0) + 1)
     assert list(checkpoints(run).glob(".tmp-*")) == [], "the dead writer's temporary folder was removed"
-    expected = f"continuing from {checkpoints(run) / ckpt.PREFIX}{resumes_from:08d}" if resumes_from else "starting from step 0"
+    expected = (
+        f"continuing from {checkpoints(run) / ckpt.PREFIX}{resumes_from:08d}"
+        if resumes_from
+        else "starting from step 0"
+    )
     assert expected in stderr_of(resumed)
 
 
@@ -340,13 +364,17 @@ def test_host_snapshot_copies_into_buffers_reserved_ahead_and_reused():
     first = snapshot.take(state)
     assert {where: buffer.data_ptr() for where, buffer in snapshot._buffers.items()} == reserved  # nothing new
     weight = next(iter(state[0]))
-    assert torch.equal(first[0][weight], state[0][weight]) and first[0][weight].data_ptr() != state[0][weight].data_ptr()
+    assert (
+        torch.equal(first[0][weight], state[0][weight]) and first[0][weight].data_ptr() != state[0][weight].data_ptr()
+    )
     before = first[0][weight].clone()
     with torch.no_grad():
         state[0][weight].add_(1.0)  # training goes on: the copy does not move
     assert torch.equal(first[0][weight], before)
     second = snapshot.take(state)  # the next save reuses the same buffers
-    assert second[0][weight].data_ptr() == first[0][weight].data_ptr() and torch.equal(second[0][weight], state[0][weight])
+    assert second[0][weight].data_ptr() == first[0][weight].data_ptr() and torch.equal(
+        second[0][weight], state[0][weight]
+    )
     assert second[1]["param_groups"] == state[1]["param_groups"]
 
 
@@ -434,7 +462,7 @@ def test_sigterm_saves_at_step_boundary_and_resumes_bitwise(workspace, reference
     assert "Traceback" not in err
     # Saved at a step boundary (the end of step 5, or of step 6 if the signal is acted on at the next
     # step's check), not at a save_steps multiple, and nothing after it was trained.
-    stopped_at = int(latest_name(run)[len(ckpt.PREFIX):])
+    stopped_at = int(latest_name(run)[len(ckpt.PREFIX) :])
     assert stopped_at in (5, 6)
     assert [row["step"] for row in train_rows(run)] == list(range(1, stopped_at + 1))
     assert [p.name for p in ckpt.list_checkpoints(checkpoints(run))] == [latest_name(run), f"{ckpt.PREFIX}{4:08d}"]
@@ -466,7 +494,11 @@ def truncate(path: Path) -> None:
         (truncate, ckpt.OPTIMIZER_TENSORS, "optimizer.safetensors is truncated"),
         (flip_byte, WEIGHTS_NAME, "model.safetensors does not match its checksum"),
         (flip_byte, ckpt.OPTIMIZER, "optimizer.pt does not match its checksum"),
-        (lambda p: p.write_text(p.read_text().replace('"step": 12', '"step": 13')), ckpt.META, "meta.json does not match its checksum"),
+        (
+            lambda p: p.write_text(p.read_text().replace('"step": 12', '"step": 13')),
+            ckpt.META,
+            "meta.json does not match its checksum",
+        ),
         (lambda p: p.unlink(), ckpt.RNG, "rng.pt is missing"),
         (lambda p: p.unlink(), ckpt.META, "no meta.json"),
     ],
@@ -529,8 +561,14 @@ def tiny_parts(seed: int = 0):
 
 def save(root: Path, step: int, model, optimizer) -> Path:
     return ckpt.save_checkpoint(
-        root, step, model=model, optimizer_state=optimizer.state_dict(), train_state={"step": step},
-        rng_tensors={"torch": torch.get_rng_state()}, config={"test": True}, tokenizer_json=None,
+        root,
+        step,
+        model=model,
+        optimizer_state=optimizer.state_dict(),
+        train_state={"step": step},
+        rng_tensors={"torch": torch.get_rng_state()},
+        config={"test": True},
+        tokenizer_json=None,
     )
 
 
@@ -648,7 +686,10 @@ def test_leftovers_of_dead_writers_are_removed(tmp_path):
 
 def test_staging_folders_of_a_killed_multi_process_save_are_removed_at_the_next_start(workspace, reference, tmp_path):
     run = copy_run(reference, tmp_path)
-    leftovers = [checkpoints(run) / f".staging-{ckpt.PREFIX}{8:08d}", checkpoints(run) / f".staging-{ckpt.PREFIX}{8:08d}-deepspeed"]
+    leftovers = [
+        checkpoints(run) / f".staging-{ckpt.PREFIX}{8:08d}",
+        checkpoints(run) / f".staging-{ckpt.PREFIX}{8:08d}-deepspeed",
+    ]
     for folder in leftovers:
         folder.mkdir()
         (folder / "rng-rank1.pt").write_bytes(b"partial")
@@ -674,7 +715,10 @@ def reseal(folder: Path) -> None:
     """Recompute meta.json's sizes and checksums, as an attacker would, so only the safe loader remains."""
     meta = json.loads((folder / ckpt.META).read_text())
     for name in meta["files"]:
-        meta["files"][name] = {"size": (folder / name).stat().st_size, "checksum": checksums.file_checksum(folder / name)}
+        meta["files"][name] = {
+            "size": (folder / name).stat().st_size,
+            "checksum": checksums.file_checksum(folder / name),
+        }
     meta["meta_sha256"] = checksums.meta_checksum(meta)
     (folder / ckpt.META).write_text(json.dumps(meta))
 
@@ -762,15 +806,24 @@ def batches(vocab: int = 11, n: int = 16):
 
 def test_nonfinite_step_is_skipped_without_touching_weights(tmp_path):
     config = TrainingConfig(
-        max_steps=8, save_steps=4, logging_steps=1, learning_rate=1e-2, output_dir=str(tmp_path / "run"),
-        device="cpu", progress_bar=False, report_to=["jsonl"], max_consecutive_bad_steps=3,
+        max_steps=8,
+        save_steps=4,
+        logging_steps=1,
+        learning_rate=1e-2,
+        output_dir=str(tmp_path / "run"),
+        device="cpu",
+        progress_bar=False,
+        report_to=["jsonl"],
+        max_consecutive_bad_steps=3,
     )
     snapshots = Snapshots()
     trainer = Trainer(Poisoned(poison={3, 6}), config, train_dataloader=batches(), callbacks=[snapshots])
     summary = trainer.train()
     assert summary["skipped_steps"] == 2 and trainer.state.skipped_steps == 2
     for bad in (3, 6):
-        assert all(torch.equal(snapshots.weights[bad][k], snapshots.weights[bad - 1][k]) for k in snapshots.weights[bad])
+        assert all(
+            torch.equal(snapshots.weights[bad][k], snapshots.weights[bad - 1][k]) for k in snapshots.weights[bad]
+        )
     for good in (2, 4, 5, 7):
         assert not torch.equal(snapshots.weights[good]["head.weight"], snapshots.weights[good - 1]["head.weight"])
     assert [r["skipped_steps"] for r in snapshots.rows] == [0, 0, 1, 1, 1, 2, 2, 2]
@@ -779,8 +832,15 @@ def test_nonfinite_step_is_skipped_without_touching_weights(tmp_path):
 
 def test_too_many_nonfinite_steps_stop_and_leave_last_checkpoint_untouched(tmp_path):
     config = TrainingConfig(
-        max_steps=12, save_steps=4, logging_steps=1, learning_rate=1e-2, output_dir=str(tmp_path / "run"),
-        device="cpu", progress_bar=False, report_to=["jsonl"], max_consecutive_bad_steps=3,
+        max_steps=12,
+        save_steps=4,
+        logging_steps=1,
+        learning_rate=1e-2,
+        output_dir=str(tmp_path / "run"),
+        device="cpu",
+        progress_bar=False,
+        report_to=["jsonl"],
+        max_consecutive_bad_steps=3,
     )
     snapshots = Snapshots()
     trainer = Trainer(Poisoned(poison={6, 7, 8}), config, train_dataloader=batches(), callbacks=[snapshots])
@@ -802,7 +862,13 @@ def test_too_many_nonfinite_steps_stop_and_leave_last_checkpoint_untouched(tmp_p
 def test_rotation_keeps_newest_two_plus_best_and_best_model_is_standalone(workspace, tmp_path, capsys):
     run = tmp_path / "run"
     config = write_config(
-        workspace, run, max_steps=6, save_steps=2, eval_steps=2, save_total_limit=2, lr_scheduler="constant",
+        workspace,
+        run,
+        max_steps=6,
+        save_steps=2,
+        eval_steps=2,
+        save_total_limit=2,
+        lr_scheduler="constant",
     )
     text = yaml.safe_load(config.read_text())
     text["data"]["validation_split"] = 0.3
@@ -816,11 +882,16 @@ def test_rotation_keeps_newest_two_plus_best_and_best_model_is_standalone(worksp
     best_eval = min(evals, key=lambda row: row["val_loss"])
     best_step = best_eval["step"]
     assert best_step <= 6, "the high learning rate should only make validation worse"
-    kept = sorted(int(p.name[len(ckpt.PREFIX):]) for p in ckpt.list_checkpoints(checkpoints(run)))
+    kept = sorted(int(p.name[len(ckpt.PREFIX) :]) for p in ckpt.list_checkpoints(checkpoints(run)))
     assert kept == sorted({10, 12, best_step})  # the newest two, and the best
 
     best = checkpoints(run) / ckpt.BEST
-    assert sorted(p.name for p in best.iterdir()) == [ckpt.META, "model.safetensors", "model_config.json", "tokenizer.json"]
+    assert sorted(p.name for p in best.iterdir()) == [
+        ckpt.META,
+        "model.safetensors",
+        "model_config.json",
+        "tokenizer.json",
+    ]
     assert json.loads((best / ckpt.META).read_text())["metrics"]["step"] == best_step
     a = load_file(str(best / WEIGHTS_NAME))
     b = load_file(str(checkpoints(run) / f"{ckpt.PREFIX}{best_step:08d}" / WEIGHTS_NAME))
@@ -830,7 +901,10 @@ def test_rotation_keeps_newest_two_plus_best_and_best_model_is_standalone(worksp
     assert cli.main(["eval", "--checkpoint", str(best), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["loss"] == pytest.approx(best_eval["val_loss"], rel=1e-6)
-    assert cli.main(["generate", "--checkpoint", str(best), "--prompt", "the ", "--max_new_tokens", "8", "--seed", "0"]) == 0
+    assert (
+        cli.main(["generate", "--checkpoint", str(best), "--prompt", "the ", "--max_new_tokens", "8", "--seed", "0"])
+        == 0
+    )
     assert capsys.readouterr().out.startswith("the ")
 
 
@@ -856,7 +930,9 @@ class DDPLike(nn.Module):
         return self.module(*args)
 
 
-@pytest.mark.parametrize("wrap", [torch.compile, DDPLike, lambda m: DDPLike(torch.compile(m))], ids=["compile", "ddp", "ddp+compile"])
+@pytest.mark.parametrize(
+    "wrap", [torch.compile, DDPLike, lambda m: DDPLike(torch.compile(m))], ids=["compile", "ddp", "ddp+compile"]
+)
 def test_wrapped_models_save_clean_names(tmp_path, wrap):
     model, optimizer = tiny_parts()
     wrapped = wrap(model)
@@ -884,8 +960,14 @@ def test_checkpoint_from_another_device_loads_on_cpu(tmp_path, monkeypatch):
 
     monkeypatch.setattr(serialization, "location_tag", lambda storage: "cuda:0")
     folder = ckpt.save_checkpoint(
-        tmp_path / "checkpoints", 1, model=model, optimizer_state=state, train_state={"step": 1},
-        rng_tensors={"torch": torch.get_rng_state(), "cuda": [torch.get_rng_state()]}, config={}, tokenizer_json=None,
+        tmp_path / "checkpoints",
+        1,
+        model=model,
+        optimizer_state=state,
+        train_state={"step": 1},
+        rng_tensors={"torch": torch.get_rng_state(), "cuda": [torch.get_rng_state()]},
+        config={},
+        tokenizer_json=None,
     )
     monkeypatch.undo()
     if not torch.cuda.is_available():  # the file really is tagged for a device this machine lacks
@@ -896,8 +978,14 @@ def test_checkpoint_from_another_device_loads_on_cpu(tmp_path, monkeypatch):
     import safetensors.torch as st
 
     real_load_file, real_torch_load = st.load_file, torch.load
-    monkeypatch.setattr(st, "load_file", lambda f, device="cpu", **kw: calls["load_file"].append(device) or real_load_file(f, device=device, **kw))
-    monkeypatch.setattr(torch, "load", lambda f, **kw: calls["torch.load"].append(kw.get("map_location")) or real_torch_load(f, **kw))
+    monkeypatch.setattr(
+        st,
+        "load_file",
+        lambda f, device="cpu", **kw: calls["load_file"].append(device) or real_load_file(f, device=device, **kw),
+    )
+    monkeypatch.setattr(
+        torch, "load", lambda f, **kw: calls["torch.load"].append(kw.get("map_location")) or real_torch_load(f, **kw)
+    )
     parts = ckpt.load_checkpoint(folder, map_location="cpu")
     assert calls["load_file"] and set(calls["load_file"]) == {"cpu"}
     assert calls["torch.load"] and None not in calls["torch.load"]
@@ -929,7 +1017,9 @@ def test_optimizer_state_round_trips_exactly(tmp_path):
         assert loaded["state"][index].keys() == values.keys()
         for key, value in values.items():
             assert torch.equal(loaded["state"][index][key], value) and loaded["state"][index][key].dtype == value.dtype
-    assert torch.load(folder / ckpt.OPTIMIZER, weights_only=True)["state"][0]["exp_avg"] == {"__llm_trainer_tensor__": "state.0.exp_avg"}
+    assert torch.load(folder / ckpt.OPTIMIZER, weights_only=True)["state"][0]["exp_avg"] == {
+        "__llm_trainer_tensor__": "state.0.exp_avg"
+    }
 
 
 def test_optimizer_state_with_views_of_one_buffer_round_trips(tmp_path):
@@ -941,8 +1031,14 @@ def test_optimizer_state_with_views_of_one_buffer_round_trips(tmp_path):
     }
     model, _ = tiny_parts()
     folder = ckpt.save_checkpoint(
-        tmp_path / "checkpoints", 1, model=model, optimizer_state=state, train_state={}, rng_tensors={},
-        config={}, tokenizer_json=None,
+        tmp_path / "checkpoints",
+        1,
+        model=model,
+        optimizer_state=state,
+        train_state={},
+        rng_tensors={},
+        config={},
+        tokenizer_json=None,
     )
     loaded = ckpt.load_checkpoint(folder)["optimizer"]
     assert loaded["param_groups"] == state["param_groups"] and isinstance(loaded["param_groups"][0]["betas"], tuple)

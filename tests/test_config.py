@@ -17,30 +17,91 @@ from llm_trainer.model import Transformer
 
 
 def test_public_fields_accept_the_documented_names():
-    ModelConfig(vocab_size=100, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_seq_len=32, dropout=0.1,
-                attention_dropout=0.1, activation="relu", pre_norm=False, gradient_checkpointing=True,
-                architecture="gpt2", norm="rmsnorm", position_embedding="rope", n_kv_heads=2,
-                tie_embeddings=False, rms_norm_eps=1e-6)
-    TrainingConfig(batch_size=4, learning_rate=1e-3, weight_decay=0.0, num_epochs=2, max_steps=10,
-                   lr_scheduler="wsd", min_lr=1e-5, warmup_steps=2, optimizer="adam", adam_beta1=0.8,
-                   adam_beta2=0.9, adam_epsilon=1e-6, gradient_accumulation_steps=2, use_amp=True,
-                   amp_dtype="float16", max_grad_norm=0.5, save_steps=5, save_total_limit=1, eval_steps=5,
-                   logging_steps=1, checkpoint_dir="c", report_to=["jsonl"], resume_from_checkpoint="latest",
-                   early_stopping_patience=2, early_stopping_min_delta=0.01, compile=False, seed=1, device="cpu")
-    DataConfig(dataset_name="x", dataset_config="y", dataset_split="train", validation_split="validation",
-               data_files=["a.txt"], text_column="content", max_length=32, min_length=5, pack_sequences=False,
-               packing_strategy="first_fit", preprocessing_num_workers=2, tokenizer="char",
-               tokenizer_vocab_size=1000, cache_dir="cache")
+    ModelConfig(
+        vocab_size=100,
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        d_ff=128,
+        max_seq_len=32,
+        dropout=0.1,
+        attention_dropout=0.1,
+        activation="relu",
+        pre_norm=False,
+        gradient_checkpointing=True,
+        architecture="gpt2",
+        norm="rmsnorm",
+        position_embedding="rope",
+        n_kv_heads=2,
+        tie_embeddings=False,
+        rms_norm_eps=1e-6,
+    )
+    TrainingConfig(
+        batch_size=4,
+        learning_rate=1e-3,
+        weight_decay=0.0,
+        num_epochs=2,
+        max_steps=10,
+        lr_scheduler="wsd",
+        min_lr=1e-5,
+        warmup_steps=2,
+        optimizer="adam",
+        adam_beta1=0.8,
+        adam_beta2=0.9,
+        adam_epsilon=1e-6,
+        gradient_accumulation_steps=2,
+        use_amp=True,
+        amp_dtype="float16",
+        max_grad_norm=0.5,
+        save_steps=5,
+        save_total_limit=1,
+        eval_steps=5,
+        logging_steps=1,
+        checkpoint_dir="c",
+        report_to=["jsonl"],
+        resume_from_checkpoint="latest",
+        early_stopping_patience=2,
+        early_stopping_min_delta=0.01,
+        compile=False,
+        seed=1,
+        device="cpu",
+    )
+    DataConfig(
+        dataset_name="x",
+        dataset_config="y",
+        dataset_split="train",
+        validation_split="validation",
+        data_files=["a.txt"],
+        text_column="content",
+        max_length=32,
+        min_length=5,
+        pack_sequences=False,
+        packing_strategy="first_fit",
+        preprocessing_num_workers=2,
+        tokenizer="char",
+        tokenizer_vocab_size=1000,
+        cache_dir="cache",
+    )
 
 
 def test_architecture_presets_fill_unset_fields():
     gpt2 = ModelConfig(architecture="gpt2").resolved()
     assert (gpt2.norm, gpt2.activation, gpt2.position_embedding, gpt2.bias, gpt2.tie_embeddings) == (
-        "layernorm", "gelu", "learned", True, True)
+        "layernorm",
+        "gelu",
+        "learned",
+        True,
+        True,
+    )
     assert gpt2.d_ff == 4 * gpt2.d_model
     llama = ModelConfig(architecture="llama", d_model=4096, n_heads=32).resolved()
     assert (llama.norm, llama.activation, llama.position_embedding, llama.bias, llama.tie_embeddings) == (
-        "rmsnorm", "swiglu", "rope", False, False)
+        "rmsnorm",
+        "swiglu",
+        "rope",
+        False,
+        False,
+    )
     assert llama.d_ff == 11008  # LLaMA-7B's hidden size from the 8/3 rule rounded to 256
     assert llama.n_kv_heads == 32
     # An explicit value beats the preset.
@@ -53,7 +114,12 @@ def test_replace_rederives_what_the_preset_decided():
     llama = ModelConfig(architecture="llama", d_model=512, n_heads=8)
     gpt2 = dataclasses.replace(llama, architecture="gpt2").resolved()
     assert (gpt2.norm, gpt2.activation, gpt2.position_embedding, gpt2.bias, gpt2.tie_embeddings) == (
-        "layernorm", "gelu", "learned", True, True)
+        "layernorm",
+        "gelu",
+        "learned",
+        True,
+        True,
+    )
     assert gpt2.d_ff == 4 * 512
     wider = dataclasses.replace(llama, d_model=1024, n_heads=16).resolved()
     assert wider.d_ff == 2816 and wider.n_kv_heads == 16  # 8/3 x 1024 rounded up to 256; n_kv_heads follows n_heads
@@ -63,18 +129,23 @@ def test_replace_rederives_what_the_preset_decided():
     model = Transformer(dataclasses.replace(llama, vocab_size=32, gradient_checkpointing=True))
     assert model.config.norm == "rmsnorm" and model.config.d_ff == 1536
     recorded = model.config.architecture_dict()
-    assert recorded["activation"] == "swiglu" and "gradient_checkpointing" not in recorded and "init_from" not in recorded
+    assert (
+        recorded["activation"] == "swiglu" and "gradient_checkpointing" not in recorded and "init_from" not in recorded
+    )
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(d_model=30, n_heads=4), "divisible by n_heads"),
-    (dict(n_heads=4, n_kv_heads=3), "multiple of n_kv_heads"),
-    (dict(dropout=1.5), "dropout must be in [0, 1)"),
-    (dict(n_layers=0), "n_layers must be positive"),
-    (dict(activation="tanh"), "activation must be"),
-    (dict(d_model="big"), "d_model must be an integer"),
-    (dict(d_model=True), "d_model must be an integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(d_model=30, n_heads=4), "divisible by n_heads"),
+        (dict(n_heads=4, n_kv_heads=3), "multiple of n_kv_heads"),
+        (dict(dropout=1.5), "dropout must be in [0, 1)"),
+        (dict(n_layers=0), "n_layers must be positive"),
+        (dict(activation="tanh"), "activation must be"),
+        (dict(d_model="big"), "d_model must be an integer"),
+        (dict(d_model=True), "d_model must be an integer"),
+    ],
+)
 def test_model_config_errors_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)")):
         ModelConfig(**kwargs)
@@ -114,8 +185,10 @@ def test_unknown_key_names_the_closest(tmp_path):
 def test_yaml_json_and_overrides(tmp_path):
     values = {"model": {"d_model": 64}, "training": {"batch_size": 2}, "data": {"dataset_name": "python-stdlib"}}
     (tmp_path / "c.json").write_text(json.dumps(values))
-    exp = load_experiment(tmp_path / "c.json", ["training.learning_rate=3e-4", "model.n_layers=3",
-                                                  "training.report_to=[jsonl]", "data.validation_split=0.2"])
+    exp = load_experiment(
+        tmp_path / "c.json",
+        ["training.learning_rate=3e-4", "model.n_layers=3", "training.report_to=[jsonl]", "data.validation_split=0.2"],
+    )
     assert exp.training.learning_rate == 3e-4 and exp.model.n_layers == 3 and exp.model.d_model == 64
     assert exp.training.report_to == ["jsonl"] and exp.data.validation_split == 0.2
     with pytest.raises(UsageError, match="section.key=value"):
@@ -124,11 +197,14 @@ def test_yaml_json_and_overrides(tmp_path):
         load_experiment(tmp_path / "c.json", ["training.batch_size=big"])
 
 
-@pytest.mark.parametrize("content, message", [
-    ("", "is empty"),
-    ("model: [1, 2", "could not be parsed"),
-    ("- a\n- b\n", "must hold a mapping"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "is empty"),
+        ("model: [1, 2", "could not be parsed"),
+        ("- a\n- b\n", "must hold a mapping"),
+    ],
+)
 def test_bad_config_files(tmp_path, content, message):
     path = tmp_path / "c.yaml"
     path.write_text(content)
@@ -155,7 +231,9 @@ def test_every_preset_loads_and_small_ones_build():
         n = Transformer(llama).num_parameters()
     assert 6.5e9 < n < 6.9e9  # LLaMA-7B has 6.74B parameters
     with torch.device("meta"):
-        gpt2 = Transformer(ModelConfig(**{**load_experiment(PRESETS / "gpt2-small.yaml").model.to_dict(), "vocab_size": 50257}))
+        gpt2 = Transformer(
+            ModelConfig(**{**load_experiment(PRESETS / "gpt2-small.yaml").model.to_dict(), "vocab_size": 50257})
+        )
     assert 124e6 < gpt2.num_parameters() < 125e6  # GPT-2 small: 124M
 
 
@@ -163,13 +241,18 @@ def test_every_preset_loads_and_small_ones_build():
 def test_cli_bad_config_is_one_line_exit_2(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("training:\n  learning_rat: 1.0e-3\ndata:\n  dataset_name: python-stdlib\n")
-    result = subprocess.run([sys.executable, "-m", "llm_trainer", "train", "--config", str(path)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "llm_trainer", "train", "--config", str(path)], capture_output=True, text=True
+    )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "did you mean training.learning_rate" in result.stderr and "Traceback" not in result.stderr
-    result = subprocess.run([sys.executable, "-m", "llm_trainer", "train", "--config", "tiny", "model.n_heads=3"],
-                            capture_output=True, text=True, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "llm_trainer", "train", "--config", "tiny", "model.n_heads=3"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert result.returncode == 2 and "divisible by n_heads" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -180,28 +263,51 @@ def test_deepspeed_config_fills_auto_from_training(tmp_path):
     from llm_trainer.parallel.deepspeed_engine import build_config
 
     shipped = Path(__file__).resolve().parents[1] / "src" / "llm_trainer" / "configs" / "deepspeed"
-    training = TrainingConfig(batch_size=4, gradient_accumulation_steps=3, max_grad_norm=0.5, use_amp=True,
-                              amp_dtype="bfloat16", deepspeed_config=str(shipped / "zero3.json"))
+    training = TrainingConfig(
+        batch_size=4,
+        gradient_accumulation_steps=3,
+        max_grad_norm=0.5,
+        use_amp=True,
+        amp_dtype="bfloat16",
+        deepspeed_config=str(shipped / "zero3.json"),
+    )
     cfg = build_config(training, world_size=2, d_model=64)
-    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], cfg["train_batch_size"]) == (4, 3, 24)
+    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], cfg["train_batch_size"]) == (
+        4,
+        3,
+        24,
+    )
     assert cfg["gradient_clipping"] == 0.5 and cfg["bf16"]["enabled"] is True and cfg["fp16"]["enabled"] is False
     zero = cfg["zero_optimization"]
-    assert zero["stage"] == 3 and zero["reduce_bucket_size"] == 64 * 64 and zero["stage3_param_persistence_threshold"] == 640
+    assert (
+        zero["stage"] == 3
+        and zero["reduce_bucket_size"] == 64 * 64
+        and zero["stage3_param_persistence_threshold"] == 640
+    )
     assert "optimizer" not in cfg and "scheduler" not in cfg  # all "auto": ours stand in for them
     assert cfg["managed_gradient_accumulation"] is False
     assert build_config(TrainingConfig(), world_size=1, d_model=None)["zero_optimization"] == {"stage": 2}
 
 
-@pytest.mark.parametrize("deepspeed_config, message", [
-    # a file's own optimizer values are folded into the training config first (merge_into_training);
-    # one that still disagrees with it is named with both values
-    ({"optimizer": {"type": "Adam", "params": {"lr": 0.1}}}, "optimizer.params.lr=0.1 but training.learning_rate=0.0003"),
-    ({"train_micro_batch_size_per_gpu": 16}, "train_micro_batch_size_per_gpu=16 but the training config gives 8"),
-    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage must be 0, 1, 2 or 3"),
-    ({"zero_optimization": {"stage": 2, "sub_group_size": "auto"}}, "cannot fill \"auto\" for zero_optimization.sub_group_size"),
-    ("missing.json", "missing.json does not exist"),
-    ("bad.json", "bad.json is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "deepspeed_config, message",
+    [
+        # a file's own optimizer values are folded into the training config first (merge_into_training);
+        # one that still disagrees with it is named with both values
+        (
+            {"optimizer": {"type": "Adam", "params": {"lr": 0.1}}},
+            "optimizer.params.lr=0.1 but training.learning_rate=0.0003",
+        ),
+        ({"train_micro_batch_size_per_gpu": 16}, "train_micro_batch_size_per_gpu=16 but the training config gives 8"),
+        ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage must be 0, 1, 2 or 3"),
+        (
+            {"zero_optimization": {"stage": 2, "sub_group_size": "auto"}},
+            'cannot fill "auto" for zero_optimization.sub_group_size',
+        ),
+        ("missing.json", "missing.json does not exist"),
+        ("bad.json", "bad.json is not valid JSON"),
+    ],
+)
 def test_deepspeed_config_errors_name_the_problem(tmp_path, monkeypatch, deepspeed_config, message):
     from llm_trainer.parallel.deepspeed_engine import build_config
 

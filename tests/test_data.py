@@ -26,8 +26,6 @@ from llm_trainer.data.sources import stdlib_files
 from llm_trainer.errors import UsageError
 from llm_trainer.tokenizer import EOT, UNK, Tokenizer
 
-
-
 # ----------------------------------------------------------------------------------------------
 # helpers
 
@@ -316,7 +314,10 @@ def test_cleaning_and_min_length_in_prepare(tmp_path):
 # splits
 
 
-@pytest.mark.parametrize("n, fraction, val_indices", [(20, 0.1, [9, 19]), (8, 0.25, [3, 7]), (10, 0.5, [1, 3, 5, 7, 9]), (10, 0.3, [3, 6, 9])])
+@pytest.mark.parametrize(
+    "n, fraction, val_indices",
+    [(20, 0.1, [9, 19]), (8, 0.25, [3, 7]), (10, 0.5, [1, 3, 5, 7, 9]), (10, 0.3, [3, 6, 9])],
+)
 def test_fractional_split_is_even_and_deterministic(tmp_path, n, fraction, val_indices):
     docs = numbered_docs(n)
     path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in docs])
@@ -324,7 +325,9 @@ def test_fractional_split_is_even_and_deterministic(tmp_path, n, fraction, val_i
     assert documents(prepared, "val") == [docs[i] for i in val_indices]
     assert documents(prepared, "train") == [d for i, d in enumerate(docs) if i not in val_indices]
     assert prepared.manifest["splits"]["val"]["documents"] == len(val_indices)
-    again = prepare_data(config(tmp_path, data_files=str(path), validation_split=fraction, cache_dir=str(tmp_path / "c2")))
+    again = prepare_data(
+        config(tmp_path, data_files=str(path), validation_split=fraction, cache_dir=str(tmp_path / "c2"))
+    )
     assert again.directory.name == prepared.directory.name
     for split in ("train", "val"):
         assert (again.directory / f"{split}.bin").read_bytes() == (prepared.directory / f"{split}.bin").read_bytes()
@@ -372,7 +375,9 @@ def test_char_tokenizer_round_trip_and_unknown():
     unk = tok.backend.token_to_id(UNK)
     assert tok.encode("Z\u4e2d") == [unk, unk]
     assert tok.encode("x") == [tok.backend.token_to_id("x")]
-    assert tok.decode(tok.encode("de") + [tok.eot_id] + tok.encode("fx"), skip_special_tokens=False) == "de" + EOT + "fx"
+    assert (
+        tok.decode(tok.encode("de") + [tok.eot_id] + tok.encode("fx"), skip_special_tokens=False) == "de" + EOT + "fx"
+    )
 
 
 def test_bpe_trains_to_requested_size_and_round_trips():
@@ -472,7 +477,8 @@ def test_token_dtype_follows_vocab_size(tmp_path):
     assert small.manifest["dtype"] == "uint16"
     assert (small.directory / "train.bin").stat().st_size == 2 * small.manifest["splits"]["train"]["tokens"]
 
-    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
 
     vocab = {EOT: 0, UNK: 1, **{f"w{i}": i + 2 for i in range(70_000)}}
     backend = HFTokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
@@ -807,8 +813,14 @@ def test_validation_loader_reads_everything_once():
 
 
 def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "llm_trainer", *args], cwd=cwd, env=src_env(), capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "llm_trainer", *args],
+        cwd=cwd,
+        env=src_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.slow

@@ -95,7 +95,9 @@ def test_whitespace_never_touches_code_indentation(tmp_path):
 
 
 def test_boilerplate_lines(tmp_path):
-    text = "Skip to main content\nReal content here.\nPrivacy Policy | Terms of Use\nMore content.\nAll rights reserved."
+    text = (
+        "Skip to main content\nReal content here.\nPrivacy Policy | Terms of Use\nMore content.\nAll rights reserved."
+    )
     assert clean_text(text, config(tmp_path, data_files="u")) == text  # off by default
     on = config(tmp_path, data_files="u", remove_boilerplate=True)
     assert clean_text(text, on) == "Real content here.\nMore content."
@@ -134,14 +136,30 @@ FILTER_CASES = [
     ("alpha_fraction", dict(min_alpha_fraction=0.6), "12 345 6789 !!! ## ab", "mostly letters, 42 only"),
     ("mean_word_length", dict(min_mean_word_length=3.0), "a b c d e f g h", "these words have ordinary lengths"),
     ("mean_word_length", dict(max_mean_word_length=12.0), "x" * 30 + " " + "y" * 30, "normal words again"),
-    ("repeated_lines", dict(max_repeated_line_fraction=0.3), "menu\nhome\nmenu\nhome\nmenu\ntext", "one\ntwo\nthree\nfour"),
-    ("duplicate_ngrams", dict(max_duplicate_ngram_fraction=0.2, duplicate_ngram_size=3),
-     "buy now cheap buy now cheap buy now cheap buy now cheap", PROSE),
-    ("char_entropy", dict(min_char_entropy=3.0), "aaaaaaaaaabbbbbbbbbbaaaaab", "The quick brown fox jumps over the lazy dog"),
+    (
+        "repeated_lines",
+        dict(max_repeated_line_fraction=0.3),
+        "menu\nhome\nmenu\nhome\nmenu\ntext",
+        "one\ntwo\nthree\nfour",
+    ),
+    (
+        "duplicate_ngrams",
+        dict(max_duplicate_ngram_fraction=0.2, duplicate_ngram_size=3),
+        "buy now cheap buy now cheap buy now cheap buy now cheap",
+        PROSE,
+    ),
+    (
+        "char_entropy",
+        dict(min_char_entropy=3.0),
+        "aaaaaaaaaabbbbbbbbbbaaaaab",
+        "The quick brown fox jumps over the lazy dog",
+    ),
 ]
 
 
-@pytest.mark.parametrize("name, thresholds, bad, good", FILTER_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(FILTER_CASES)])
+@pytest.mark.parametrize(
+    "name, thresholds, bad, good", FILTER_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(FILTER_CASES)]
+)
 def test_each_filter_removes_and_keeps(tmp_path, name, thresholds, bad, good):
     qf = QualityFilter(config(tmp_path, data_files="u", **thresholds))
     assert qf.reason(bad) == name
@@ -289,7 +307,9 @@ def test_include_exclude_globs(tmp_path):
     (root / "b.md").write_text("# b", encoding="utf-8")
     (root / "tests" / "test_a.py").write_text("assert a", encoding="utf-8")
     (root / "pkg" / "c.min.js").write_text("var c", encoding="utf-8")
-    prepared = prepare_data(config(tmp_path, data_files=str(root), include=["*.py", "*.js"], exclude=["tests/*", "*.min.js"]))
+    prepared = prepare_data(
+        config(tmp_path, data_files=str(root), include=["*.py", "*.js"], exclude=["tests/*", "*.min.js"])
+    )
     assert documents(prepared) == ["a = 1"]
     globbed = prepare_data(config(tmp_path, data_files=str(root / "**" / "*.py"), exclude=["tests/*"]))
     assert documents(globbed) == ["a = 1"]
@@ -348,18 +368,27 @@ def test_bad_input_skipped_and_counted_when_asked(tmp_path):
     sources = _bad_inputs(tmp_path)
     prepared = prepare_data(config(tmp_path, sources=sources, on_bad_input="skip", deduplication="none"))
     skipped = report(prepared)["skipped_inputs"]
-    assert skipped == {"bad_json_lines": 1, "missing_column": 2, "missing_files": 1, "binary_files": 1, "empty_sources": 1}
+    assert skipped == {
+        "bad_json_lines": 1,
+        "missing_column": 2,
+        "missing_files": 1,
+        "binary_files": 1,
+        "empty_sources": 1,
+    }
     assert sorted(set(documents(prepared))) == ["good one", "good two", "kept"]
     assert prepared.manifest["removed"]["bad_json_lines"] == 1
 
 
-@pytest.mark.parametrize("source, expected", [
-    (1, "lines.jsonl:2 is not valid JSON"),
-    (2, "nowhere.txt not found"),
-    (3, "blob.bin looks like a binary file"),
-    (4, "nocol.parquet has no column 'text'"),
-    (5, "data source 'empty' has no documents"),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        (1, "lines.jsonl:2 is not valid JSON"),
+        (2, "nowhere.txt not found"),
+        (3, "blob.bin looks like a binary file"),
+        (4, "nocol.parquet has no column 'text'"),
+        (5, "data source 'empty' has no documents"),
+    ],
+)
 def test_bad_input_is_a_one_line_error_by_default(tmp_path, source, expected):
     sources = _bad_inputs(tmp_path)
     with pytest.raises(UsageError) as info:

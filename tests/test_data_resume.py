@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from conftest import kill9_when
 from llm_trainer.config import DataConfig
 from llm_trainer.data.prepare import MANIFEST, prepare_data
@@ -37,8 +38,17 @@ def corpus(tmp_path: Path) -> list[dict]:
 
 
 def settings(sources, cache: Path, **extra) -> dict:
-    return dict(sources=sources, tokenizer="char", deduplication="near", cache_dir=str(cache), shard_tokens=3000,
-                validation_split=0.1, progress_bar=False, max_length=32, **extra)
+    return dict(
+        sources=sources,
+        tokenizer="char",
+        deduplication="near",
+        cache_dir=str(cache),
+        shard_tokens=3000,
+        validation_split=0.1,
+        progress_bar=False,
+        max_length=32,
+        **extra,
+    )
 
 
 def kill_mid_prepare(tmp_path: Path, values: dict, *, block_at_call: int = 7, min_shards: int = 4) -> Path:
@@ -66,8 +76,12 @@ def kill_mid_prepare(tmp_path: Path, values: dict, *, block_at_call: int = 7, mi
         """
     )
     cache = Path(values["cache_dir"])
-    kill9_when(script, lambda: marker.exists() and len(list(cache.glob(".*.partial/shards/*.json"))) >= min_shards,
-               "the blocked tokenizer call", timeout=90)
+    kill9_when(
+        script,
+        lambda: marker.exists() and len(list(cache.glob(".*.partial/shards/*.json"))) >= min_shards,
+        "the blocked tokenizer call",
+        timeout=90,
+    )
     assert not list(cache.rglob(MANIFEST))  # nothing looks finished
     (work,) = cache.glob(".*.partial")
     return work
@@ -146,4 +160,6 @@ def test_worker_processes_give_identical_output(tmp_path):
     assert one.directory.name == two.directory.name
     for name in OUTPUTS:
         assert (one.directory / name).read_bytes() == (two.directory / name).read_bytes(), name
-    assert comparable(json.loads((one.directory / REPORT).read_text())) == comparable(json.loads((two.directory / REPORT).read_text()))
+    assert comparable(json.loads((one.directory / REPORT).read_text())) == comparable(
+        json.loads((two.directory / REPORT).read_text())
+    )

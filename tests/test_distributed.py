@@ -26,8 +26,18 @@ pytestmark = [
 
 EXPERIMENT = {
     "model": {"architecture": "llama", "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "n_layers": 2, "max_seq_len": 32},
-    "training": {"batch_size": 8, "max_steps": 6, "learning_rate": 3e-3, "warmup_steps": 2, "logging_steps": 1,
-                 "eval_steps": 3, "save_steps": 3, "device": "cpu", "progress_bar": False, "report_to": ["jsonl"]},
+    "training": {
+        "batch_size": 8,
+        "max_steps": 6,
+        "learning_rate": 3e-3,
+        "warmup_steps": 2,
+        "logging_steps": 1,
+        "eval_steps": 3,
+        "save_steps": 3,
+        "device": "cpu",
+        "progress_bar": False,
+        "report_to": ["jsonl"],
+    },
     "data": {"data_files": ["corpus.txt"], "tokenizer": "char", "max_length": 32},
 }
 
@@ -51,8 +61,19 @@ def _env():
 
 
 def _torchrun(workdir, *overrides, nproc=2, check=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master-port={_free_port()}",
-           "-m", "llm_trainer", "train", "--config", "exp.yaml", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master-port={_free_port()}",
+        "-m",
+        "llm_trainer",
+        "train",
+        "--config",
+        "exp.yaml",
+        *overrides,
+    ]
     result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300, env=_env())
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
@@ -60,8 +81,14 @@ def _torchrun(workdir, *overrides, nproc=2, check=True):
 
 
 def _single(workdir, *overrides, check=True):
-    result = subprocess.run([sys.executable, "-m", "llm_trainer", "train", "--config", "exp.yaml", *overrides],
-                            cwd=workdir, capture_output=True, text=True, timeout=300, env=_env())
+    result = subprocess.run(
+        [sys.executable, "-m", "llm_trainer", "train", "--config", "exp.yaml", *overrides],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -81,8 +108,13 @@ def _assert_same_run(a: Path, b: Path, rel=1e-5):
 
 def _initial_weights(workdir) -> str:
     """A model folder both runs start from (FSDP builds on the meta device, so init must be shared)."""
-    subprocess.run([sys.executable, "-m", "llm_trainer", "prepare", "--config", "exp.yaml"], cwd=workdir, check=True,
-                   capture_output=True, env=_env())
+    subprocess.run(
+        [sys.executable, "-m", "llm_trainer", "prepare", "--config", "exp.yaml"],
+        cwd=workdir,
+        check=True,
+        capture_output=True,
+        env=_env(),
+    )
     from llm_trainer.config import ModelConfig
     from llm_trainer.model import Transformer
 
@@ -107,11 +139,21 @@ def test_ddp_equals_one_process_with_twice_the_batch(workdir):
     assert len(_losses(workdir / "ddp")[0]) == 6
 
 
-@pytest.mark.parametrize("options", [
-    ["training.optimizer=muon"],
-    ["training.optimizer=muon", "model.architecture=llama", "model.activation=relu2", "model.qk_norm=true",
-     "model.zero_init_projections=true", "model.logit_softcap=15"],
-], ids=["muon", "muon-and-block-options"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["training.optimizer=muon"],
+        [
+            "training.optimizer=muon",
+            "model.architecture=llama",
+            "model.activation=relu2",
+            "model.qk_norm=true",
+            "model.zero_init_projections=true",
+            "model.logit_softcap=15",
+        ],
+    ],
+    ids=["muon", "muon-and-block-options"],
+)
 def test_ddp_with_muon_equals_one_process(workdir, options):
     """Muon orthogonalizes the all-reduced gradient on every rank alike, and the block options are the
     model's own: the same run as one process (to 1e-4: gradients summed in another order, then
@@ -130,8 +172,13 @@ def test_ddp_with_gradient_accumulation(workdir):
 def test_fsdp_equals_one_process_and_its_sharded_checkpoint_resumes(workdir):
     init = _initial_weights(workdir)
     _single(workdir, "training.output_dir=single", f"model.init_from={init}")
-    _torchrun(workdir, "training.output_dir=fsdp", "training.batch_size=4", "training.distributed_strategy=fsdp",
-              f"model.init_from={init}")
+    _torchrun(
+        workdir,
+        "training.output_dir=fsdp",
+        "training.batch_size=4",
+        "training.distributed_strategy=fsdp",
+        f"model.init_from={init}",
+    )
     _assert_same_run(workdir / "single", workdir / "fsdp")
 
     # Resume the sharded checkpoint of step 3 at world size 2: steps 4-6 are the same.
@@ -139,14 +186,33 @@ def test_fsdp_equals_one_process_and_its_sharded_checkpoint_resumes(workdir):
     resumed = workdir / "resumed" / "checkpoints"
     resumed.mkdir(parents=True)
     subprocess.run(["cp", "-r", str(checkpoints / "checkpoint-00000003"), str(resumed)], check=True)
-    _torchrun(workdir, "training.output_dir=resumed", "training.batch_size=4", "training.distributed_strategy=fsdp",
-              f"model.init_from={init}", "training.resume_from_checkpoint=latest")
+    _torchrun(
+        workdir,
+        "training.output_dir=resumed",
+        "training.batch_size=4",
+        "training.distributed_strategy=fsdp",
+        f"model.init_from={init}",
+        "training.resume_from_checkpoint=latest",
+    )
     full, part = _losses(workdir / "fsdp")[0], _losses(workdir / "resumed")[0]
     assert part == pytest.approx(full[3:], rel=1e-6)
 
     # A sharded checkpoint loads at world size 1: eval gives the loss the run reported at step 6.
-    result = subprocess.run([sys.executable, "-m", "llm_trainer", "eval", "--checkpoint", str(checkpoints / "checkpoint-00000006"),
-                             "--json"], cwd=workdir, capture_output=True, text=True, env=_env())
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llm_trainer",
+            "eval",
+            "--checkpoint",
+            str(checkpoints / "checkpoint-00000006"),
+            "--json",
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        env=_env(),
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["loss"] == pytest.approx(_losses(workdir / "fsdp")[1][-1], rel=1e-5)
 
@@ -170,8 +236,13 @@ def test_fsdp_shard_grad_op_and_bf16_mixed_precision(workdir):
 
 def test_resume_at_another_world_size_is_refused(workdir):
     _torchrun(workdir, "training.output_dir=ddp", "training.batch_size=4")
-    result = _single(workdir, "training.output_dir=ddp", "training.resume_from_checkpoint=latest", "training.max_steps=9",
-                     check=False)
+    result = _single(
+        workdir,
+        "training.output_dir=ddp",
+        "training.resume_from_checkpoint=latest",
+        "training.max_steps=9",
+        check=False,
+    )
     assert result.returncode == 2 and "world size 2" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -181,9 +252,24 @@ def test_world_size_must_match_the_launcher(workdir):
 
 
 def test_a_dead_rank_fails_the_job_instead_of_hanging(workdir):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}",
-           "-m", "llm_trainer", "train", "--config", "exp.yaml", "training.output_dir=run", "training.batch_size=4",
-           "training.max_steps=100000", "training.save_steps=0", "training.eval_steps=0", "training.distributed_timeout_s=30"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master-port={_free_port()}",
+        "-m",
+        "llm_trainer",
+        "train",
+        "--config",
+        "exp.yaml",
+        "training.output_dir=run",
+        "training.batch_size=4",
+        "training.max_steps=100000",
+        "training.save_steps=0",
+        "training.eval_steps=0",
+        "training.distributed_timeout_s=30",
+    ]
     job = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
     try:
         metrics = workdir / "run" / "metrics.jsonl"
@@ -233,8 +319,13 @@ def test_deepspeed_zero_stages_equal_one_process(workdir):
         "zero3_shipped": str(SHIPPED / "zero3.json"),
     }
     for name, config in runs.items():
-        result = _torchrun(workdir, f"training.output_dir={name}", "training.batch_size=4",
-                           "training.distributed_strategy=deepspeed", _deepspeed(config))
+        result = _torchrun(
+            workdir,
+            f"training.output_dir={name}",
+            "training.batch_size=4",
+            "training.distributed_strategy=deepspeed",
+            _deepspeed(config),
+        )
         assert "effective batch 8 = 4 x 1 accumulation x 2 process(es) (deepspeed)" in result.stderr
         _assert_same_run(workdir / "single", workdir / name)
         a = load_file(workdir / "single/checkpoints/checkpoint-00000006/model.safetensors")
@@ -252,15 +343,22 @@ def test_deepspeed_checkpoint_resumes_exactly_and_is_verified_before_loading(wor
     its DeepSpeed files are checksummed, and a damaged one is refused before DeepSpeed unpickles it."""
     from llm_trainer.checkpoint import format as ckpt
 
-    args = ("training.batch_size=2", "training.gradient_accumulation_steps=2", "training.distributed_strategy=deepspeed",
-            _deepspeed(SHIPPED / "zero2.json"))
+    args = (
+        "training.batch_size=2",
+        "training.gradient_accumulation_steps=2",
+        "training.distributed_strategy=deepspeed",
+        _deepspeed(SHIPPED / "zero2.json"),
+    )
     _torchrun(workdir, "training.output_dir=full", *args)
     step3 = workdir / "full" / "checkpoints" / "checkpoint-00000003"
     meta = json.loads((step3 / "meta.json").read_text())
     assert meta["kind"] == "deepspeed_checkpoint" and meta["strategy"] == "deepspeed"
     ds_files = sorted(name for name in meta["files"] if name.startswith("sharded/") and name.endswith("_states.pt"))
-    assert ds_files == ["sharded/mp_rank_00_model_states.pt", "sharded/zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                        "sharded/zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert ds_files == [
+        "sharded/mp_rank_00_model_states.pt",
+        "sharded/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "sharded/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
     assert not list((workdir / "full" / "checkpoints").glob(".staging*")) and not list(step3.glob("*.py"))
 
     resumed = workdir / "resumed" / "checkpoints"
@@ -271,9 +369,21 @@ def test_deepspeed_checkpoint_resumes_exactly_and_is_verified_before_loading(wor
     assert part == full[3:]  # bitwise
 
     # eval takes the checkpoint's model folder like any other
-    result = subprocess.run([sys.executable, "-m", "llm_trainer", "eval", "--checkpoint",
-                             str(workdir / "full" / "checkpoints" / "checkpoint-00000006"), "--json"],
-                            cwd=workdir, capture_output=True, text=True, env=_env())
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llm_trainer",
+            "eval",
+            "--checkpoint",
+            str(workdir / "full" / "checkpoints" / "checkpoint-00000006"),
+            "--json",
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        env=_env(),
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["loss"] == pytest.approx(_losses(workdir / "full")[1][-1], rel=1e-5)
 
@@ -283,13 +393,18 @@ def test_deepspeed_checkpoint_resumes_exactly_and_is_verified_before_loading(wor
     data[len(data) // 2] ^= 0xFF
     damaged.write_bytes(bytes(data))
     assert "does not match its checksum" in ckpt.verify(resumed / "checkpoint-00000003")
-    result = _torchrun(workdir, "training.output_dir=resumed", *args,
-                       "training.resume_from_checkpoint=resumed/checkpoints/checkpoint-00000003", check=False)
+    result = _torchrun(
+        workdir,
+        "training.output_dir=resumed",
+        *args,
+        "training.resume_from_checkpoint=resumed/checkpoints/checkpoint-00000003",
+        check=False,
+    )
     assert result.returncode != 0 and "does not match its checksum" in result.stderr
 
 
 # Rank 1's forward returns NaN logits during step 4 (its loss is NaN; rank 0's is fine).
-POISONED_RUNNER = r'''
+POISONED_RUNNER = r"""
 import os, sys
 import llm_trainer.api as pipeline
 from llm_trainer import Callback
@@ -307,7 +422,7 @@ class PoisonStep4(Callback):
 original = pipeline.train
 pipeline.train = lambda experiment, callbacks=(): original(experiment, callbacks=[*callbacks, PoisonStep4()])
 sys.exit(main(sys.argv[1:]))
-'''
+"""
 
 
 @needs_deepspeed
@@ -315,10 +430,23 @@ def test_deepspeed_skips_a_nonfinite_step_on_every_rank(workdir):
     """A NaN loss on one rank: the step is skipped everywhere (the weights of step 4 are those of
     step 3), counted, and training goes on with finite weights."""
     (workdir / "poisoned.py").write_text(POISONED_RUNNER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}",
-           "poisoned.py", "train", "--config", "exp.yaml", "training.output_dir=ds", "training.batch_size=4",
-           "training.distributed_strategy=deepspeed", "training.save_steps=1", "training.eval_steps=0",
-           "training.save_total_limit=null"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master-port={_free_port()}",
+        "poisoned.py",
+        "train",
+        "--config",
+        "exp.yaml",
+        "training.output_dir=ds",
+        "training.batch_size=4",
+        "training.distributed_strategy=deepspeed",
+        "training.save_steps=1",
+        "training.eval_steps=0",
+        "training.save_total_limit=null",
+    ]
     result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300, env=_env())
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (workdir / "ds" / "metrics.jsonl").read_text().splitlines()]
@@ -334,8 +462,15 @@ def test_deepspeed_skips_a_nonfinite_step_on_every_rank(workdir):
 @needs_deepspeed
 def test_deepspeed_checkpoint_needs_deepspeed_to_resume(workdir):
     _torchrun(workdir, "training.output_dir=ds", "training.batch_size=4", "training.distributed_strategy=deepspeed")
-    result = _torchrun(workdir, "training.output_dir=ds", "training.batch_size=4", "training.distributed_strategy=ddp",
-                       "training.resume_from_checkpoint=latest", "training.max_steps=9", check=False)
+    result = _torchrun(
+        workdir,
+        "training.output_dir=ds",
+        "training.batch_size=4",
+        "training.distributed_strategy=ddp",
+        "training.resume_from_checkpoint=latest",
+        "training.max_steps=9",
+        check=False,
+    )
     assert result.returncode != 0 and "saved with distributed_strategy deepspeed" in result.stderr
 
 
@@ -350,11 +485,32 @@ def test_hybrid_shard_on_two_nodes_equals_one_process(workdir):
     endpoint = f"127.0.0.1:{_free_port()}"
     agents = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
-             f"--rdzv_endpoint={endpoint}", "--rdzv_id=hybrid-test", "-m", "llm_trainer", "train", "--config", "exp.yaml",
-             "training.output_dir=hybrid", "training.batch_size=2", "training.distributed_strategy=fsdp",
-             "training.fsdp_sharding=hybrid_shard", f"model.init_from={init}"],
-            cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc_per_node=2",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint={endpoint}",
+                "--rdzv_id=hybrid-test",
+                "-m",
+                "llm_trainer",
+                "train",
+                "--config",
+                "exp.yaml",
+                "training.output_dir=hybrid",
+                "training.batch_size=2",
+                "training.distributed_strategy=fsdp",
+                "training.fsdp_sharding=hybrid_shard",
+                f"model.init_from={init}",
+            ],
+            cwd=workdir,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
         for _ in range(2)
     ]
     try:
@@ -369,7 +525,7 @@ def test_hybrid_shard_on_two_nodes_equals_one_process(workdir):
 
 
 # A worker that dies at step 5 of the first attempt, once step 3's checkpoint is on disk.
-FAULTY_RUNNER = r'''
+FAULTY_RUNNER = r"""
 import os, sys, time
 import llm_trainer.api as pipeline
 from llm_trainer import Callback
@@ -388,7 +544,7 @@ class DieOnce(Callback):
 original = pipeline.train
 pipeline.train = lambda experiment, callbacks=(): original(experiment, callbacks=[*callbacks, DieOnce()])
 sys.exit(main(sys.argv[1:]))
-'''
+"""
 
 
 def test_elastic_restart_resumes_from_the_latest_checkpoint(workdir):
@@ -397,9 +553,21 @@ def test_elastic_restart_resumes_from_the_latest_checkpoint(workdir):
     (workdir / "faulty.py").write_text(FAULTY_RUNNER)
     common = ("training.batch_size=4", "training.resume_from_checkpoint=latest", "training.logging_steps=1")
     _torchrun(workdir, "training.output_dir=steady", *common)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_free_port()}", "faulty.py", "train", "--config", "exp.yaml",
-           "training.output_dir=elastic", *common]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
+        "faulty.py",
+        "train",
+        "--config",
+        "exp.yaml",
+        "training.output_dir=elastic",
+        *common,
+    ]
     result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300, env=_env())
     assert result.returncode == 0, result.stderr[-3000:]
     assert "failed (exitcode: 17) local_rank: 1" in result.stderr  # the first attempt did die
@@ -408,8 +576,11 @@ def test_elastic_restart_resumes_from_the_latest_checkpoint(workdir):
     steady, elastic = _losses(workdir / "steady")[0], _losses(workdir / "elastic")[0]
     # steps 4-5 ran twice; the restarted run drops the first attempt's rows, so the log reads as one run
     assert elastic == steady and len(steady) == 6
-    steps = [json.loads(line)["step"] for line in (workdir / "elastic/metrics.jsonl").read_text().splitlines()
-             if json.loads(line)["kind"] == "train"]
+    steps = [
+        json.loads(line)["step"]
+        for line in (workdir / "elastic/metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "train"
+    ]
     assert steps == [1, 2, 3, 4, 5, 6]
     a = load_file(workdir / "steady/checkpoints/checkpoint-00000006/model.safetensors")
     b = load_file(workdir / "elastic/checkpoints/checkpoint-00000006/model.safetensors")

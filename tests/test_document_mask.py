@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from llm_trainer.api import build_loaders
 from llm_trainer.config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig
 from llm_trainer.data.curriculum import CurriculumLoader, document_difficulty, row_difficulty
 from llm_trainer.data.loader import IGNORE_INDEX, DocumentRows, WindowRows, document_ids
@@ -17,7 +18,6 @@ from llm_trainer.data.prepare import prepare_data
 from llm_trainer.data.report import REPORT, padding_fractions
 from llm_trainer.errors import UsageError
 from llm_trainer.model import Transformer, document_attention
-from llm_trainer.api import build_loaders
 
 EOT = 0
 
@@ -32,8 +32,9 @@ def corpus(seed: int = 0, n: int = 40, low: int = 2, high: int = 30) -> tuple[np
 
 def model(architecture: str) -> Transformer:
     torch.manual_seed(0)
-    config = ModelConfig(architecture=architecture, vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
-                         max_seq_len=48)
+    config = ModelConfig(
+        architecture=architecture, vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=48
+    )
     return Transformer(config).eval()
 
 
@@ -110,8 +111,11 @@ def test_padding_fraction_per_strategy(tmp_path):
     assert abs(packed.padding_fraction() - fractions["first_fit"]) < 1e-6
     source = tmp_path / "d.jsonl"
     source.write_text("".join(json.dumps({"text": "x" * (i % 37 + 1) + str(i)}) + "\n" for i in range(300)))
-    prepared = prepare_data(DataConfig(data_files=str(source), tokenizer="char", cache_dir=str(tmp_path / "c"),
-                                       max_length=32, progress_bar=False))
+    prepared = prepare_data(
+        DataConfig(
+            data_files=str(source), tokenizer="char", cache_dir=str(tmp_path / "c"), max_length=32, progress_bar=False
+        )
+    )
     reported = json.loads((prepared.directory / REPORT).read_text())["padding_fraction"]
     assert reported["first_fit"] < reported["unpacked"]
 
@@ -119,13 +123,21 @@ def test_padding_fraction_per_strategy(tmp_path):
 def _experiment(tmp_path, **data) -> tuple[ExperimentConfig, object]:
     source = tmp_path / "d.jsonl"
     rng = np.random.default_rng(0)
-    texts = ["".join(rng.choice(list("abcdefgh "), size=int(n))) + f" {i}" for i, n in enumerate(rng.integers(3, 60, 400))]
+    texts = [
+        "".join(rng.choice(list("abcdefgh "), size=int(n))) + f" {i}" for i, n in enumerate(rng.integers(3, 60, 400))
+    ]
     source.write_text("".join(json.dumps({"text": t, "difficulty": i % 10}) + "\n" for i, t in enumerate(texts)))
     experiment = ExperimentConfig(
         model=ModelConfig(architecture="llama", vocab_size=None, d_model=32, n_heads=2, n_layers=1, max_seq_len=32),
         training=TrainingConfig(batch_size=4, seed=3, device="cpu"),
-        data=DataConfig(data_files=str(source), tokenizer="char", cache_dir=str(tmp_path / "c"), max_length=32,
-                        progress_bar=False, **data),
+        data=DataConfig(
+            data_files=str(source),
+            tokenizer="char",
+            cache_dir=str(tmp_path / "c"),
+            max_length=32,
+            progress_bar=False,
+            **data,
+        ),
     )
     return experiment, prepare_data(experiment.data)
 
@@ -138,8 +150,16 @@ def test_loaders_yield_document_ids_the_model_uses(tmp_path, strategy):
     assert x.shape == y.shape == ids.shape == (4, 32)
     assert torch.equal(ids, torch.from_numpy(document_ids(x.numpy(), prepared.tokenizer.eot_id)))
     assert all(len(batch) == 3 for batch in val)
-    net = Transformer(ModelConfig(architecture="llama", vocab_size=prepared.tokenizer.vocab_size, d_model=32, n_heads=2,
-                                  n_layers=1, max_seq_len=32))
+    net = Transformer(
+        ModelConfig(
+            architecture="llama",
+            vocab_size=prepared.tokenizer.vocab_size,
+            d_model=32,
+            n_heads=2,
+            n_layers=1,
+            max_seq_len=32,
+        )
+    )
     assert net(x, doc_ids=ids).shape == (4, 32, prepared.tokenizer.vocab_size)
     plain = dataclasses.replace(experiment, data=dataclasses.replace(experiment.data, document_mask=False))
     assert prepare_data(plain.data).directory == prepared.directory  # a loader setting: same prepared data
@@ -182,8 +202,9 @@ def test_curriculum_stages_by_length_are_seeded_and_seekable(tmp_path):
 
 def test_curriculum_by_score_column(tmp_path):
     stages = [{"until_step": 6, "max_difficulty": 2}]
-    experiment, prepared = _experiment(tmp_path, curriculum=stages, curriculum_key="difficulty", pack_sequences=False,
-                                       validation_split=0.0)
+    experiment, prepared = _experiment(
+        tmp_path, curriculum=stages, curriculum_key="difficulty", pack_sequences=False, validation_split=0.0
+    )
     scores = prepared.scores("train")
     assert scores is not None and len(scores) == prepared.manifest["splits"]["train"]["documents"]
     train, _ = build_loaders(experiment, prepared, torch.device("cpu"))
@@ -193,7 +214,10 @@ def test_curriculum_by_score_column(tmp_path):
         indices = train._stage_batch()
         assert set(indices.tolist()) <= eligible
         train.next_batch()
-    too_hard = ExperimentConfig(model=experiment.model, training=experiment.training,
-                                data=DataConfig(**{**experiment.data.to_dict(), "curriculum": [{"until_step": 2, "max_difficulty": -1}]}))
+    too_hard = ExperimentConfig(
+        model=experiment.model,
+        training=experiment.training,
+        data=DataConfig(**{**experiment.data.to_dict(), "curriculum": [{"until_step": 2, "max_difficulty": -1}]}),
+    )
     with pytest.raises(UsageError, match="curriculum stage 0"):
         build_loaders(too_hard, prepared, torch.device("cpu"))

@@ -12,15 +12,34 @@ from llm_trainer import Callback
 
 
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "llm_trainer", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "llm_trainer", *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 @pytest.mark.slow
 def test_prepare_train_eval_generate(tmp_path, corpus):
     config = {
-        "model": {"architecture": "llama", "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "n_layers": 2, "max_seq_len": 32},
-        "training": {"batch_size": 8, "max_steps": 40, "learning_rate": 3e-3, "warmup_steps": 5, "eval_steps": 20,
-                     "save_steps": 20, "logging_steps": 10, "output_dir": "run", "device": "cpu", "progress_bar": False},
+        "model": {
+            "architecture": "llama",
+            "d_model": 32,
+            "n_heads": 2,
+            "n_kv_heads": 1,
+            "n_layers": 2,
+            "max_seq_len": 32,
+        },
+        "training": {
+            "batch_size": 8,
+            "max_steps": 40,
+            "learning_rate": 3e-3,
+            "warmup_steps": 5,
+            "eval_steps": 20,
+            "save_steps": 20,
+            "logging_steps": 10,
+            "output_dir": "run",
+            "device": "cpu",
+            "progress_bar": False,
+        },
         "data": {"data_files": [str(corpus)], "tokenizer": "bpe", "tokenizer_vocab_size": 300, "validation_split": 0.2},
     }
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(config))
@@ -56,15 +75,37 @@ def test_prepare_train_eval_generate(tmp_path, corpus):
 
     text_file = tmp_path / "probe.txt"
     text_file.write_text("the cat sat on the mat number 3.\n" * 5)
-    on_file = json.loads(_cli("eval", "--checkpoint", str(run), "--data", str(text_file), "--json", cwd=tmp_path).stdout)
+    on_file = json.loads(
+        _cli("eval", "--checkpoint", str(run), "--data", str(text_file), "--json", cwd=tmp_path).stdout
+    )
     assert on_file["tokens"] > 10 and on_file["loss"] < math.log(saved["model"]["vocab_size"]) - 1.0  # text it learned
 
-    generated = _cli("generate", "--checkpoint", str(checkpoints / "best_model"), "--prompt", "the cat",
-                     "--max_new_tokens", "12", "--temperature", "0", cwd=tmp_path)
+    generated = _cli(
+        "generate",
+        "--checkpoint",
+        str(checkpoints / "best_model"),
+        "--prompt",
+        "the cat",
+        "--max_new_tokens",
+        "12",
+        "--temperature",
+        "0",
+        cwd=tmp_path,
+    )
     assert generated.returncode == 0, generated.stderr
     assert generated.stdout.startswith("the cat") and len(generated.stdout.strip()) > len("the cat")
-    again = _cli("generate", "--checkpoint", str(checkpoints / "best_model"), "--prompt", "the cat",
-                 "--max_new_tokens", "12", "--temperature", "0", cwd=tmp_path)
+    again = _cli(
+        "generate",
+        "--checkpoint",
+        str(checkpoints / "best_model"),
+        "--prompt",
+        "the cat",
+        "--max_new_tokens",
+        "12",
+        "--temperature",
+        "0",
+        cwd=tmp_path,
+    )
     assert again.stdout == generated.stdout
 
 
@@ -92,19 +133,39 @@ def test_document_mask_trains_and_evaluates(tmp_path, corpus):
     """With data.document_mask the loader yields document ids and the loop passes them to the model."""
     from llm_trainer import load_experiment, train
 
-    (tmp_path / "exp.yaml").write_text(yaml.safe_dump({
-        "model": {"architecture": "llama", "d_model": 32, "n_heads": 2, "n_layers": 2, "max_seq_len": 32},
-        "training": {"batch_size": 4, "max_steps": 30, "learning_rate": 1e-2, "eval_steps": 15, "save_steps": 0, "device": "cpu",
-                     "progress_bar": False, "report_to": ["jsonl"], "output_dir": str(tmp_path / "run")},
-        "data": {"data_files": [str(corpus)], "tokenizer": "char", "max_length": 32, "document_mask": True,
-                 "packing_strategy": "first_fit", "cache_dir": str(tmp_path / "cache")},
-    }))
+    (tmp_path / "exp.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "model": {"architecture": "llama", "d_model": 32, "n_heads": 2, "n_layers": 2, "max_seq_len": 32},
+                "training": {
+                    "batch_size": 4,
+                    "max_steps": 30,
+                    "learning_rate": 1e-2,
+                    "eval_steps": 15,
+                    "save_steps": 0,
+                    "device": "cpu",
+                    "progress_bar": False,
+                    "report_to": ["jsonl"],
+                    "output_dir": str(tmp_path / "run"),
+                },
+                "data": {
+                    "data_files": [str(corpus)],
+                    "tokenizer": "char",
+                    "max_length": 32,
+                    "document_mask": True,
+                    "packing_strategy": "first_fit",
+                    "cache_dir": str(tmp_path / "cache"),
+                },
+            }
+        )
+    )
     seen = []
 
     class RecordDocIds(Callback):
         def on_train_begin(self, trainer):
             trainer.raw_model.register_forward_pre_hook(
-                lambda module, args, kwargs: seen.append(kwargs.get("doc_ids")), with_kwargs=True)
+                lambda module, args, kwargs: seen.append(kwargs.get("doc_ids")), with_kwargs=True
+            )
 
     experiment = load_experiment(tmp_path / "exp.yaml")
     summary = train(experiment, callbacks=[RecordDocIds()])
@@ -119,8 +180,16 @@ def test_document_mask_trains_and_evaluates(tmp_path, corpus):
 def test_eval_refuses_a_corrupt_checkpoint(tmp_path, corpus):
     config = {
         "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 16},
-        "training": {"batch_size": 4, "max_steps": 2, "save_steps": 0, "eval_steps": 0, "output_dir": "run",
-                     "device": "cpu", "progress_bar": False, "report_to": []},
+        "training": {
+            "batch_size": 4,
+            "max_steps": 2,
+            "save_steps": 0,
+            "eval_steps": 0,
+            "output_dir": "run",
+            "device": "cpu",
+            "progress_bar": False,
+            "report_to": [],
+        },
         "data": {"data_files": [str(corpus)], "tokenizer": "char"},
     }
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(config))

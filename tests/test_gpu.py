@@ -40,17 +40,23 @@ def test_mixed_precision_trains_like_float32(tmp_path, dtype):
 def test_the_grad_scaler_skips_overflowing_steps():
     """fp16 on CUDA: a step whose scaled gradients overflow is skipped (weights untouched) and the scale
     halves; the next finite step goes through."""
+    from llm_trainer.config import TrainingConfig
     from llm_trainer.parallel.distributed import DistInfo
     from llm_trainer.parallel.strategies import Parallelism
-    from llm_trainer.config import TrainingConfig
     from llm_trainer.train.optim import build_optimizer
     from llm_trainer.train.step import autocast, train_step
 
     torch.manual_seed(0)
     model = Transformer(tiny_model_config()).cuda()
     device = torch.device("cuda")
-    parallel = Parallelism(model, model, build_optimizer(model, TrainingConfig(), device), dist=DistInfo(),
-                           device=device, amp_dtype=torch.float16)
+    parallel = Parallelism(
+        model,
+        model,
+        build_optimizer(model, TrainingConfig(), device),
+        dist=DistInfo(),
+        device=device,
+        amp_dtype=torch.float16,
+    )
     assert parallel.scaler.is_enabled()
     batch = tuple(torch.randint(0, 61, (4, 16), device=device) for _ in range(2))
     train_step(parallel, [batch], autocast=autocast(device, torch.float16), max_grad_norm=1.0)

@@ -16,14 +16,25 @@ transformers = pytest.importorskip("transformers")
 
 
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "llm_trainer", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "llm_trainer", *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 def _experiment(tmp_path, corpus, architecture, **model):
     config = {
         "model": {"architecture": architecture, "d_model": 32, "n_heads": 2, "n_layers": 2, "max_seq_len": 32, **model},
-        "training": {"batch_size": 8, "max_steps": 20, "learning_rate": 3e-3, "eval_steps": 0, "save_steps": 0,
-                     "output_dir": "run", "device": "cpu", "progress_bar": False, "report_to": ["jsonl"]},
+        "training": {
+            "batch_size": 8,
+            "max_steps": 20,
+            "learning_rate": 3e-3,
+            "eval_steps": 0,
+            "save_steps": 0,
+            "output_dir": "run",
+            "device": "cpu",
+            "progress_bar": False,
+            "report_to": ["jsonl"],
+        },
         "data": {"data_files": [str(corpus)], "tokenizer": "bpe", "tokenizer_vocab_size": 300},
     }
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(config))
@@ -62,21 +73,42 @@ def test_continue_pretraining_a_transformers_model(tmp_path, corpus):
 
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.train_from_iterator([p.read_text() for p in corpus.iterdir()],
-                                trainers.BpeTrainer(vocab_size=200, special_tokens=["<|endoftext|>"],
-                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    backend.train_from_iterator(
+        [p.read_text() for p in corpus.iterdir()],
+        trainers.BpeTrainer(
+            vocab_size=200, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     vocab = backend.get_vocab_size()
     torch.manual_seed(0)
-    source = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False))
+    source = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+            tie_word_embeddings=False,
+        )
+    )
     source.save_pretrained(tmp_path / "base")
     backend.save(str(tmp_path / "base" / "tokenizer.json"))
 
     config = {
         "model": {"init_from": str(tmp_path / "base")},
-        "training": {"batch_size": 4, "max_steps": 5, "learning_rate": 1e-3, "eval_steps": 0, "save_steps": 0,
-                     "output_dir": "run", "device": "cpu", "progress_bar": False, "report_to": ["jsonl"]},
+        "training": {
+            "batch_size": 4,
+            "max_steps": 5,
+            "learning_rate": 1e-3,
+            "eval_steps": 0,
+            "save_steps": 0,
+            "output_dir": "run",
+            "device": "cpu",
+            "progress_bar": False,
+            "report_to": ["jsonl"],
+        },
         "data": {"data_files": [str(corpus)], "max_length": 32},
     }
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(config))
@@ -86,11 +118,13 @@ def test_continue_pretraining_a_transformers_model(tmp_path, corpus):
     assert saved["model"]["architecture"] == "llama" and saved["model"]["n_kv_heads"] == 1
     assert saved["model"]["vocab_size"] == vocab and saved["model"]["d_ff"] == 64
     tokenizer = json.loads((tmp_path / "run" / "tokenizer.json").read_text())
-    assert len(tokenizer["model"]["vocab"]) == len(json.loads((tmp_path / "base" / "tokenizer.json").read_text())["model"]["vocab"])
+    assert len(tokenizer["model"]["vocab"]) == len(
+        json.loads((tmp_path / "base" / "tokenizer.json").read_text())["model"]["vocab"]
+    )
     # Training started from the imported weights: 5 Adam steps of lr 1e-3 move each weight by at most
     # about 5e-3, while a fresh initialisation would differ by ~0.1 somewhere.
-    from llm_trainer.hf.interop import import_from_hf
     from llm_trainer.checkpoint.model_folder import load_model_folder
+    from llm_trainer.hf.interop import import_from_hf
 
     start, _ = import_from_hf(tmp_path / "base")
     trained = load_model_folder(tmp_path / "run" / "checkpoints" / "checkpoint-00000005")

@@ -31,9 +31,14 @@ def test_train_never_imports_tools():
 def _code_words(path: Path) -> set[str]:
     """Names, attributes and string constants of a file's code (comments and docstrings left out)."""
     tree = ast.parse(path.read_text())
-    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body
-                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
     words = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Name):
@@ -56,9 +61,13 @@ def test_model_is_only_the_architecture():
     imports = _imports(PACKAGE / "model.py")
     ours = {name for name in imports if name.startswith("llm_trainer")}
     # config for its shape; the model folder (save_pretrained/from_pretrained) only lazily, inside methods
-    assert ours <= {"llm_trainer.config", "llm_trainer.config.ModelConfig", "llm_trainer.checkpoint.model_folder",
-                    "llm_trainer.checkpoint.model_folder.save_model_folder",
-                    "llm_trainer.checkpoint.model_folder.load_model_folder"}, ours
+    assert ours <= {
+        "llm_trainer.config",
+        "llm_trainer.config.ModelConfig",
+        "llm_trainer.checkpoint.model_folder",
+        "llm_trainer.checkpoint.model_folder.save_model_folder",
+        "llm_trainer.checkpoint.model_folder.load_model_folder",
+    }, ours
     assert not any(name.startswith(("torch.distributed", "deepspeed")) for name in imports)
 
 

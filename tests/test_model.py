@@ -42,8 +42,13 @@ def test_activation_choices_reach_the_mlp():
     """Each activation computes proj(act(fc(x))) with its own function (SwiGLU: proj(silu(gate) * up))."""
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16)
-    functions = {"relu": F.relu, "silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
-                 "relu2": lambda h: F.relu(h) ** 2}
+    functions = {
+        "relu": F.relu,
+        "silu": F.silu,
+        "gelu": F.gelu,
+        "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+        "relu2": lambda h: F.relu(h) ** 2,
+    }
     for name, fn in functions.items():
         mlp = Transformer(tiny_model_config(activation=name)).blocks[0].mlp.eval()
         torch.testing.assert_close(mlp(x), mlp.proj(fn(mlp.fc(x))))
@@ -67,9 +72,11 @@ def test_gpt2_initialisation_scales_residual_projections():
 def _rotate_half_reference(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
     """transformers' LLaMA rotary embedding, written out: x (B, heads, T, D) * cos + rotate_half(x) * sin."""
     T, D = x.shape[-2], x.shape[-1]
-    angles = torch.outer(torch.arange(T, dtype=torch.float64), 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    angles = torch.outer(
+        torch.arange(T, dtype=torch.float64), 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    )
     angles = torch.cat([angles, angles], dim=-1)
-    rotated = torch.cat([-x[..., D // 2:], x[..., : D // 2]], dim=-1)
+    rotated = torch.cat([-x[..., D // 2 :], x[..., : D // 2]], dim=-1)
     return x * angles.cos().float() + rotated * angles.sin().float()
 
 
@@ -98,8 +105,10 @@ def test_attention_matches_a_hand_written_reference(qk_norm):
 def test_rope_rotates_relative_positions():
     cos, sin = rope_tables(8, 32, 10000.0)
     q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+
     def score(i, j):
-        return (apply_rope(q, cos[i:i+1], sin[i:i+1]) * apply_rope(k, cos[j:j+1], sin[j:j+1])).sum()
+        return (apply_rope(q, cos[i : i + 1], sin[i : i + 1]) * apply_rope(k, cos[j : j + 1], sin[j : j + 1])).sum()
+
     torch.testing.assert_close(score(3, 1), score(10, 8))  # depends only on i - j
 
 

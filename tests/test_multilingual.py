@@ -66,7 +66,9 @@ def test_cjk_and_thai_words_are_counted_without_spaces():
     english = "The quick brown fox, it's said, jumps -- over 12 dogs."
     assert words(english).spaced == english.split() and words(english).count == len(english.split())
     chinese = read("chinese")
-    assert words(chinese).count == 117 > 4 * len(chinese.split())  # split on spaces it had 27 "words", 1 per sentence part
+    assert (
+        words(chinese).count == 117 > 4 * len(chinese.split())
+    )  # split on spaces it had 27 "words", 1 per sentence part
 
 
 def test_word_length_does_not_count_viramas_and_skips_spaceless_text(tmp_path):
@@ -109,7 +111,14 @@ def test_pre_split_keeps_marks_with_letters_and_leaves_ascii_alone():
 def test_bpe_round_trips_every_script():
     corpus = [read(name) for name in LANGUAGES] + list(EXTRA.values())
     tok = Tokenizer.train_bpe(corpus, vocab_size=600, max_chars=10**6)
-    unseen = ["ગુજરાતી લિપિ", "ᏣᎳᎩ", "\U0001f600\U0001f9d1\u200d\U0001f4bb", "\u0301 leading mark", "a\u0300\u0301\u0302", "\x7f\x80"]
+    unseen = [
+        "ગુજરાતી લિપિ",
+        "ᏣᎳᎩ",
+        "\U0001f600\U0001f9d1\u200d\U0001f4bb",
+        "\u0301 leading mark",
+        "a\u0300\u0301\u0302",
+        "\x7f\x80",
+    ]
     for text in corpus + unseen:
         assert tok.decode(tok.encode(text)) == text, text[:20]
     assert len(tok.encode(" है")) == 1  # a syllable with its vowel sign can be one token: GPT-2's split cuts ह | ै
@@ -145,10 +154,18 @@ def test_long_text_file_becomes_documents_only_under_max_chars(tmp_path):
     assert split.manifest["splits"]["train"]["documents"] == 4 and report["removed"]["max_chars"] == 0
     records = tmp_path / "records.jsonl"
     records.write_text(json.dumps({"text": book.read_text()}) + "\n" + json.dumps({"text": "short"}) + "\n")
-    dropped = prepare_data(DataConfig(cache_dir=str(tmp_path / "c"), max_chars=limit, **{**common, "data_files": str(records)}))
+    dropped = prepare_data(
+        DataConfig(cache_dir=str(tmp_path / "c"), max_chars=limit, **{**common, "data_files": str(records)})
+    )
     assert json.loads((dropped.directory / REPORT).read_text())["removed_documents"]["max_chars"] == [
-        {"origin": f"{records}:1", "bytes": len(book.read_text()), "value": len(book.read_text().strip()),
-         "threshold": limit, "setting": "max_chars"}]  # a record is a document: too long, dropped and named
+        {
+            "origin": f"{records}:1",
+            "bytes": len(book.read_text()),
+            "value": len(book.read_text().strip()),
+            "threshold": limit,
+            "setting": "max_chars",
+        }
+    ]  # a record is a document: too long, dropped and named
 
 
 def test_report_names_removed_documents_and_warns(tmp_path, monkeypatch, capsys):
@@ -161,8 +178,14 @@ def test_report_names_removed_documents_and_warns(tmp_path, monkeypatch, capsys)
         tables[-1].write_text(f"| {i} | 12 | 3.4 | 5.67 | 8.9 |\n" * 20, encoding="utf-8")
     (folder / "story.txt").write_text(read("english"), encoding="utf-8")
     (folder / "hindi.txt").write_text(read("hindi"), encoding="utf-8")
-    config = DataConfig(data_files=str(folder), tokenizer="char", validation_split=0.0, progress_bar=False,
-                        cache_dir=str(tmp_path / "cache"), quality_filters="prose")
+    config = DataConfig(
+        data_files=str(folder),
+        tokenizer="char",
+        validation_split=0.0,
+        progress_bar=False,
+        cache_dir=str(tmp_path / "cache"),
+        quality_filters="prose",
+    )
     prepared = prepare_data(config)
     report = json.loads((prepared.directory / REPORT).read_text())
     assert report["removed"]["alpha_fraction"] == 5 and report["documents_out"] == 2  # Hindi is kept
@@ -177,6 +200,9 @@ def test_report_names_removed_documents_and_warns(tmp_path, monkeypatch, capsys)
     assert "min_alpha_fraction" in warnings[0]
     (folder / "story.txt").unlink()
     (folder / "hindi.txt").unlink()
-    with pytest.raises(UsageError, match=r"all 5 documents read were removed \(alpha_fraction 5\), e\.g\. .*table0\.txt "
-                                         r"\(alpha_fraction 0\.\d+ vs min_alpha_fraction 0\.6\); change data\.min_alpha_fraction"):
+    with pytest.raises(
+        UsageError,
+        match=r"all 5 documents read were removed \(alpha_fraction 5\), e\.g\. .*table0\.txt "
+        r"\(alpha_fraction 0\.\d+ vs min_alpha_fraction 0\.6\); change data\.min_alpha_fraction",
+    ):
         prepare_data(config)  # a corpus that vanishes entirely says why in its error

@@ -55,7 +55,7 @@ def blocks(number: int, lang: str) -> list[str]:
     for i, line in enumerate(lines):
         if line.strip() == f".. code-block:: {lang}":
             body, indent = [], None
-            for item in lines[i + 1:]:
+            for item in lines[i + 1 :]:
                 if indent is None and (not item.strip() or item.strip().startswith(":")):
                     continue
                 width = len(item) - len(item.lstrip())
@@ -115,18 +115,31 @@ def tiny_trainer_data(n_tokens: int = 3000, length: int = 16):
 
 def tiny_model(**overrides) -> Transformer:
     torch.manual_seed(0)
-    return Transformer(ModelConfig(**{**dict(vocab_size=61, d_model=16, n_heads=2, n_layers=1, max_seq_len=24), **overrides}))
+    return Transformer(
+        ModelConfig(**{**dict(vocab_size=61, d_model=16, n_heads=2, n_layers=1, max_seq_len=24), **overrides})
+    )
 
 
 # ==================================================================================================
 # 001: the training guide
 
 
-GUIDE_MODEL = {"vocab_size=50000": "vocab_size=1024", "d_model=768": "d_model=16", "n_heads=12": "n_heads=2",
-               "n_layers=12": "n_layers=1", "d_ff=3072": "d_ff=32", "max_seq_len=1024": "max_seq_len=32"}
-GUIDE_TRAINING = {"batch_size=8": "batch_size=4", "warmup_steps=2000": "warmup_steps=2",
-                  "gradient_accumulation_steps=8": "gradient_accumulation_steps=2", "save_steps=2000": "save_steps=4",
-                  "eval_steps=1000": "eval_steps=2", "logging_steps=100": "logging_steps=1"}
+GUIDE_MODEL = {
+    "vocab_size=50000": "vocab_size=1024",
+    "d_model=768": "d_model=16",
+    "n_heads=12": "n_heads=2",
+    "n_layers=12": "n_layers=1",
+    "d_ff=3072": "d_ff=32",
+    "max_seq_len=1024": "max_seq_len=32",
+}
+GUIDE_TRAINING = {
+    "batch_size=8": "batch_size=4",
+    "warmup_steps=2000": "warmup_steps=2",
+    "gradient_accumulation_steps=8": "gradient_accumulation_steps=2",
+    "save_steps=2000": "save_steps=4",
+    "eval_steps=1000": "eval_steps=2",
+    "logging_steps=100": "logging_steps=1",
+}
 
 
 def guide_configs(tmp_path: Path) -> dict:
@@ -135,9 +148,18 @@ def guide_configs(tmp_path: Path) -> dict:
     namespace: dict = {}
     exec(scaled(block(1, "python", "vocab_size=50000"), GUIDE_MODEL), namespace)
     exec(scaled(block(1, "python", 'report_to=["tensorboard"]        # Monitoring tools'), GUIDE_TRAINING), namespace)
-    exec(scaled(block(1, "python", 'dataset_config="wikitext-103-raw-v1"'), {
-        'dataset_name="wikitext"': f'dataset_name="{local}"', 'dataset_config="wikitext-103-raw-v1"': "dataset_config=None",
-        "max_length=1024": "max_length=32", "preprocessing_num_workers=8": "preprocessing_num_workers=2"}), namespace)
+    exec(
+        scaled(
+            block(1, "python", 'dataset_config="wikitext-103-raw-v1"'),
+            {
+                'dataset_name="wikitext"': f'dataset_name="{local}"',
+                'dataset_config="wikitext-103-raw-v1"': "dataset_config=None",
+                "max_length=1024": "max_length=32",
+                "preprocessing_num_workers=8": "preprocessing_num_workers=2",
+            },
+        ),
+        namespace,
+    )
     return namespace
 
 
@@ -153,8 +175,15 @@ def test_001_custom_trainer_logs_through_metrics_tracker_at_current_step(tmp_pat
     logs it, and `self.metrics_tracker.update(custom_metrics, self.current_step)` adds a custom row."""
     CustomTrainer = custom_trainer_class({})
     train, val = tiny_trainer_data()
-    config = TrainingConfig(max_steps=4, logging_steps=2, eval_steps=2, save_steps=0, output_dir=str(tmp_path / "run"),
-                            device="cpu", progress_bar=False)
+    config = TrainingConfig(
+        max_steps=4,
+        logging_steps=2,
+        eval_steps=2,
+        save_steps=0,
+        output_dir=str(tmp_path / "run"),
+        device="cpu",
+        progress_bar=False,
+    )
     trainer = CustomTrainer(tiny_model(), config, train_dataloader=train, val_dataloader=val)
     assert trainer.current_step == 0
     trainer.train()
@@ -167,7 +196,10 @@ def test_001_custom_trainer_logs_through_metrics_tracker_at_current_step(tmp_pat
     assert [r["kind"] for r in logged if r["kind"] != "custom"] == ["train", "eval", "train", "eval", "summary"]
     from llm_trainer.train.metrics import scalar_items
 
-    assert scalar_items(custom[0]) == [("custom/metric1", 0.25), ("custom/metric2", 0.5)]  # TensorBoard/W&B/MLflow names
+    assert scalar_items(custom[0]) == [
+        ("custom/metric1", 0.25),
+        ("custom/metric2", 0.5),
+    ]  # TensorBoard/W&B/MLflow names
     assert scalar_items({"kind": "custom", "step": 1, "accuracy": 0.5}) == [("accuracy", 0.5)]
 
 
@@ -180,7 +212,8 @@ def test_001_the_guide_trains_logs_resumes_and_exports(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     namespace = guide_configs(tmp_path)
     trainer = custom_trainer_class(namespace).from_config(
-        namespace["model_config"], namespace["training_config"], namespace["data_config"])
+        namespace["model_config"], namespace["training_config"], namespace["data_config"]
+    )
     summary = trainer.train()
     steps = summary["step"]
     assert steps > 4 and (tmp_path / "checkpoints" / "best_model" / "model.safetensors").is_file()
@@ -197,15 +230,20 @@ def test_001_the_guide_trains_logs_resumes_and_exports(tmp_path, monkeypatch):
     assert main(["plot", str(output)]) == 0 and (output / "plots" / "loss_vs_steps.png").is_file()
 
     # the command line: the same experiment as config.json, resumed from the guide's checkpoint-N.pt name
-    experiment = ExperimentConfig(model=namespace["model_config"], training=namespace["training_config"],
-                                  data=namespace["data_config"])
+    experiment = ExperimentConfig(
+        model=namespace["model_config"], training=namespace["training_config"], data=namespace["data_config"]
+    )
     (tmp_path / "config.json").write_text(json.dumps(experiment.to_dict()))
     kept = min(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoints").glob("checkpoint-*"))  # save_total_limit
-    command = scaled(block(1, "bash", "--resume_from_checkpoint"), {"checkpoint-10000.pt": f"checkpoint-{kept}.pt"}).split()
+    command = scaled(
+        block(1, "bash", "--resume_from_checkpoint"), {"checkpoint-10000.pt": f"checkpoint-{kept}.pt"}
+    ).split()
     assert command[:2] == ["python", "scripts/train.py"]
     result = cli(tmp_path, sys.executable, str(TRAIN_SCRIPT), *command[2:])
     assert result.returncode == 0, result.stderr[-2000:]
-    assert f"checkpoints/checkpoint-{kept}.pt is the checkpoint folder checkpoints/checkpoint-{kept:08d}" in result.stderr
+    assert (
+        f"checkpoints/checkpoint-{kept}.pt is the checkpoint folder checkpoints/checkpoint-{kept:08d}" in result.stderr
+    )
     # the replayed steps' rows replace the first run's, so metrics.jsonl reads as one run with the same losses
     after = rows(output, "train")
     assert [r["step"] for r in after] == list(range(1, steps + 1))
@@ -222,9 +260,11 @@ def test_001_the_guide_trains_logs_resumes_and_exports(tmp_path, monkeypatch):
 def test_001_multi_gpu_commands_as_written(tmp_path, launcher):
     """Both launch commands of the guide, with 2 processes (CPU, gloo) instead of 4 GPUs."""
     write_corpus(tmp_path / "corpus")
-    experiment = {"model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 32},
-                  "training": {"batch_size": 4, "max_steps": 3, "device": "cpu", "progress_bar": False},
-                  "data": {"data_files": ["corpus"], "tokenizer": "char"}}
+    experiment = {
+        "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 32},
+        "training": {"batch_size": 4, "max_steps": 3, "device": "cpu", "progress_bar": False},
+        "data": {"data_files": ["corpus"], "tokenizer": "char"},
+    }
     (tmp_path / "config.json").write_text(json.dumps(experiment))
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts" / "train.py").write_text(TRAIN_SCRIPT.read_text())
@@ -238,8 +278,15 @@ def test_001_multi_gpu_commands_as_written(tmp_path, launcher):
 
 
 def guide_deepspeed_json() -> dict:
-    return json.loads(scaled(block(1, "json", '"train_batch_size": 64'), {
-        '"train_batch_size": 64': '"train_batch_size": 8', '"train_micro_batch_size_per_gpu": 4': '"train_micro_batch_size_per_gpu": 2'}))
+    return json.loads(
+        scaled(
+            block(1, "json", '"train_batch_size": 64'),
+            {
+                '"train_batch_size": 64': '"train_batch_size": 8',
+                '"train_micro_batch_size_per_gpu": 4': '"train_micro_batch_size_per_gpu": 2',
+            },
+        )
+    )
 
 
 def test_001_deepspeed_json_is_honoured_and_fp16_on_cpu_names_bf16(tmp_path, monkeypatch):
@@ -271,36 +318,55 @@ def test_deepspeed_conflicts_are_listed_in_one_message(tmp_path):
     config = guide_deepspeed_json()
     config["fp16"]["enabled"] = False
     config["scheduler"] = {"type": "OneCycle", "params": {"cycle_max_lr": 0.1}}
-    training = TrainingConfig(use_deepspeed=True, deepspeed_config=config, learning_rate=1e-3, batch_size=4,
-                              weight_decay=0.01)
+    training = TrainingConfig(
+        use_deepspeed=True, deepspeed_config=config, learning_rate=1e-3, batch_size=4, weight_decay=0.01
+    )
     with pytest.raises(UsageError) as error:
         merge_into_training(training, world_size=1, device=torch.device("cpu"))
     message = str(error.value)
     assert "\n" not in message and message.count("(") >= 3
-    for part in ("train_micro_batch_size_per_gpu=2 but training.batch_size=4",
-                 "optimizer.params.lr=0.0001 but training.learning_rate=0.001",
-                 "scheduler.type 'OneCycle' is not supported",
-                 "train_batch_size=8 but batch_size x gradient_accumulation_steps x world size = 4 x 4 x 1 = 16"):
+    for part in (
+        "train_micro_batch_size_per_gpu=2 but training.batch_size=4",
+        "optimizer.params.lr=0.0001 but training.learning_rate=0.001",
+        "scheduler.type 'OneCycle' is not supported",
+        "train_batch_size=8 but batch_size x gradient_accumulation_steps x world size = 4 x 4 x 1 = 16",
+    ):
         assert part in message, message
     assert "weight_decay" not in message  # it agrees
 
 
-@pytest.mark.parametrize("scheduler, expected", [
-    ({"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_type": "linear"}},
-     {"lr_scheduler": "constant_with_warmup", "warmup_steps": 10, "learning_rate": 1e-4}),
-    ({"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-6, "warmup_max_lr": 1e-4, "warmup_num_steps": 5,
-                                          "total_num_steps": 50}},
-     {"lr_scheduler": "linear", "warmup_steps": 5, "max_steps": 50, "min_lr": 1e-6}),
-    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 40, "warmup_num_steps": 4, "cos_min_ratio": 0.1}},
-     {"lr_scheduler": "cosine", "warmup_steps": 4, "max_steps": 40, "min_lr": pytest.approx(1e-5)}),
-])
+@pytest.mark.parametrize(
+    "scheduler, expected",
+    [
+        (
+            {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_type": "linear"}},
+            {"lr_scheduler": "constant_with_warmup", "warmup_steps": 10, "learning_rate": 1e-4},
+        ),
+        (
+            {
+                "type": "WarmupDecayLR",
+                "params": {"warmup_min_lr": 1e-6, "warmup_max_lr": 1e-4, "warmup_num_steps": 5, "total_num_steps": 50},
+            },
+            {"lr_scheduler": "linear", "warmup_steps": 5, "max_steps": 50, "min_lr": 1e-6},
+        ),
+        (
+            {"type": "WarmupCosineLR", "params": {"total_num_steps": 40, "warmup_num_steps": 4, "cos_min_ratio": 0.1}},
+            {"lr_scheduler": "cosine", "warmup_steps": 4, "max_steps": 40, "min_lr": pytest.approx(1e-5)},
+        ),
+    ],
+)
 def test_deepspeed_schedulers_map_onto_ours_and_a_missing_accumulation_is_derived(scheduler, expected):
     from llm_trainer.parallel.deepspeed_engine import merge_into_training
 
-    config = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2, "scheduler": scheduler,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
-    merged = merge_into_training(TrainingConfig(use_deepspeed=True, deepspeed_config=config), world_size=3,
-                                 device=torch.device("cpu"))
+    config = {
+        "train_batch_size": 12,
+        "train_micro_batch_size_per_gpu": 2,
+        "scheduler": scheduler,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+    }
+    merged = merge_into_training(
+        TrainingConfig(use_deepspeed=True, deepspeed_config=config), world_size=3, device=torch.device("cpu")
+    )
     assert merged.gradient_accumulation_steps == 2  # 12 = 2 x 2 x 3
     assert {key: getattr(merged, key) for key in expected} == expected
 
@@ -310,8 +376,9 @@ def test_001_resume_from_checkpoint_pt_name_is_the_step_folder(tmp_path, monkeyp
 
     monkeypatch.chdir(tmp_path)
     train, _ = tiny_trainer_data()
-    config = TrainingConfig(max_steps=4, save_steps=2, checkpoint_dir="./checkpoints", output_dir="out",
-                            device="cpu", progress_bar=False)
+    config = TrainingConfig(
+        max_steps=4, save_steps=2, checkpoint_dir="./checkpoints", output_dir="out", device="cpu", progress_bar=False
+    )
     Trainer(tiny_model(), config, train_dataloader=train).train()
     namespace = {"TrainingConfig": TrainingConfig}
     exec(scaled(block(1, "python", "resume_from_checkpoint="), {"checkpoint-10000.pt": "checkpoint-2.pt"}), namespace)
@@ -325,8 +392,14 @@ def test_001_tensorboard_goes_to_checkpoint_dir_logs_and_jsonl_stays(tmp_path):
     """report_to=["tensorboard"] alone: console lines and metrics.jsonl are still written (plot and the
     registry read it); TensorBoard writes where `tensorboard --logdir ./checkpoints/logs` looks."""
     pytest.importorskip("tensorboard")
-    from llm_trainer.train.metrics import ConsoleLogger, JsonlLogger, TensorBoardLogger, build_loggers, close_loggers
-    from llm_trainer.train.metrics import tensorboard_dir
+    from llm_trainer.train.metrics import (
+        ConsoleLogger,
+        JsonlLogger,
+        TensorBoardLogger,
+        build_loggers,
+        close_loggers,
+        tensorboard_dir,
+    )
 
     namespace = {"TrainingConfig": TrainingConfig}
     exec(block(1, "python", 'checkpoint_dir="./checkpoints",  # Checkpoint directory'), namespace)
@@ -354,8 +427,12 @@ class PaddedLines(torch.utils.data.Dataset):
         for line in lines:
             ids = tokenizer.encode(line)[:max_length]
             pad = max_length - len(ids)
-            self.items.append({"input_ids": torch.tensor(ids + [tokenizer.eot_id] * pad),
-                               "attention_mask": torch.tensor([1] * len(ids) + [0] * pad)})
+            self.items.append(
+                {
+                    "input_ids": torch.tensor(ids + [tokenizer.eot_id] * pad),
+                    "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
+                }
+            )
 
     def __len__(self):
         return len(self.items)
@@ -374,18 +451,35 @@ def hindi_pipeline(tmp_path: Path, model_factory=None, batch_size: int = 4):
     sentences = [s.strip() for s in re.split(r"[।\n]", text) if len(s.strip()) > 5]
     lines = [f"{s} {i}" for i in range(6) for s in sentences]
     tokenizer = Tokenizer.train_bpe(lines, vocab_size=400, max_chars=10**6)
-    train_loader = torch.utils.data.DataLoader(PaddedLines(lines[6:], tokenizer, 24), batch_size=batch_size, shuffle=True)
+    train_loader = torch.utils.data.DataLoader(
+        PaddedLines(lines[6:], tokenizer, 24), batch_size=batch_size, shuffle=True
+    )
     val_loader = torch.utils.data.DataLoader(PaddedLines(lines[:6], tokenizer, 24), batch_size=batch_size)
     torch.manual_seed(0)
-    model = (model_factory or (lambda vocab: build_model(ModelConfig(vocab_size=vocab, d_model=32, n_heads=2,
-                                                                     n_layers=1, max_seq_len=24))))(tokenizer.vocab_size)
-    config = types.SimpleNamespace(learning_rate=3e-3, weight_decay=0.01, project_name="hindi-babylm", num_epochs=2,
-                                   checkpoint_dir=str(tmp_path / "checkpoints"), output_dir=str(tmp_path / "run"),
-                                   device="cpu", progress_bar=False)
+    model = (
+        model_factory
+        or (lambda vocab: build_model(ModelConfig(vocab_size=vocab, d_model=32, n_heads=2, n_layers=1, max_seq_len=24)))
+    )(tokenizer.vocab_size)
+    config = types.SimpleNamespace(
+        learning_rate=3e-3,
+        weight_decay=0.01,
+        project_name="hindi-babylm",
+        num_epochs=2,
+        checkpoint_dir=str(tmp_path / "checkpoints"),
+        output_dir=str(tmp_path / "run"),
+        device="cpu",
+        progress_bar=False,
+    )
     example = block(4, "python", "# 6. Create trainer")
-    steps = example[example.index("# 6. Create trainer"):example.index("# 8.")]
-    namespace = dict(HindiLanguageModelTrainer=Trainer, model=model, tokenizer=tokenizer, config=config,
-                     train_loader=train_loader, val_loader=val_loader)
+    steps = example[example.index("# 6. Create trainer") : example.index("# 8.")]
+    namespace = dict(
+        HindiLanguageModelTrainer=Trainer,
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        train_loader=train_loader,
+        val_loader=val_loader,
+    )
     exec(steps, namespace)
     return namespace["trainer"], tokenizer
 
@@ -400,7 +494,9 @@ def test_004_hindi_trainer_shape_trains_with_a_dict_config_and_the_model_generat
     train_rows, evals = rows(run, "train"), rows(run, "eval")
     assert train_rows[-1]["epoch"] == 1 and evals[-1]["val_loss"] < np.log(tokenizer.vocab_size) - 0.5  # it learned
     best = tmp_path / "checkpoints" / "best_model"
-    assert main(["generate", "--checkpoint", str(best), "--prompt", "समरसेट", "--max_new_tokens", "5", "--seed", "0"]) == 0
+    assert (
+        main(["generate", "--checkpoint", str(best), "--prompt", "समरसेट", "--max_new_tokens", "5", "--seed", "0"]) == 0
+    )
     assert capfd.readouterr().out.startswith("समरसेट")
     assert main(["export", "--checkpoint", str(best), "--output", str(tmp_path / "hf")]) == 0
 
@@ -408,8 +504,9 @@ def test_004_hindi_trainer_shape_trains_with_a_dict_config_and_the_model_generat
 def test_004_start_line_prints_the_dataloaders_effective_batch(tmp_path, capfd):
     tokens = torch.from_numpy((np.arange(30 * 17) % 61).astype(np.int64)).reshape(30, 17)
     loader = torch.utils.data.DataLoader(tokens, batch_size=3)  # the guide's config has no batch size: the loader's
-    config = TrainingConfig(gradient_accumulation_steps=2, output_dir=str(tmp_path / "run"), device="cpu",
-                            progress_bar=False)  # our TrainingConfig in the HF-style call (a dict: the Hindi test)
+    config = TrainingConfig(
+        gradient_accumulation_steps=2, output_dir=str(tmp_path / "run"), device="cpu", progress_bar=False
+    )  # our TrainingConfig in the HF-style call (a dict: the Hindi test)
     summary = Trainer(model=tiny_model(), config=config).train(train_dataloader=loader, num_epochs=2)
     assert "effective batch 6 = 3 x 2 accumulation x 1 process(es)" in capfd.readouterr().err
     assert summary["step"] == 2 * 5  # 10 batches a epoch, 2 per step, 2 epochs
@@ -433,11 +530,18 @@ def test_004_padding_is_never_a_target():
         model = tiny_model(max_seq_len=8)
         padded = ids.masked_fill(mask == 0, pad)
         batch = IterableBatches([{"input_ids": padded, "attention_mask": mask}], torch.device("cpu")).next_batch()
-        parallel = Parallelism(model, model, torch.optim.SGD(model.parameters(), lr=0.0), dist=DistInfo(),
-                               device=torch.device("cpu"), amp_dtype=None)
+        parallel = Parallelism(
+            model,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            dist=DistInfo(),
+            device=torch.device("cpu"),
+            amp_dtype=None,
+        )
         parallel.optimizer.zero_grad = lambda set_to_none=True: None  # keep the gradients to compare
-        losses.append(float(train_step(parallel, [batch], autocast=autocast(torch.device("cpu"), None),
-                                       max_grad_norm=None).loss))
+        losses.append(
+            float(train_step(parallel, [batch], autocast=autocast(torch.device("cpu"), None), max_grad_norm=None).loss)
+        )
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert losses[0] == losses[1]
     torch.testing.assert_close(grads[0], grads[1])
@@ -467,7 +571,10 @@ def test_004_a_model_that_generate_cannot_take_gets_one_line_why(tmp_path, capsy
         Trainer(model=model, tokenizer=tokenizer, config=config).train(train_dataloader=train)
         capsys.readouterr()
         checkpoint = str(tmp_path / name / "checkpoints" / "checkpoint-00000001")
-        for command in (["generate", "--checkpoint", checkpoint], ["export", "--checkpoint", checkpoint, "--output", "x"]):
+        for command in (
+            ["generate", "--checkpoint", checkpoint],
+            ["export", "--checkpoint", checkpoint, "--output", "x"],
+        ):
             if command[0] == "export":
                 pytest.importorskip("transformers")
             assert main(command) == 2
@@ -488,47 +595,96 @@ def test_003_yaml_as_written_loads_with_every_alias_and_the_distributed_section(
     exp = load_experiment(tmp_path / "pretrain.yaml")
     m, t = exp.model, exp.training
     assert (m.architecture, m.vocab_size, m.d_model, m.d_ff, m.n_layers, m.n_heads, m.max_seq_len, m.rms_norm_eps) == (
-        "llama", 32000, 4096, 11008, 32, 32, 4096, 1e-6)
-    assert (t.batch_size, t.gradient_accumulation_steps, t.max_steps, t.warmup_steps, t.max_grad_norm) == (32, 8, 100000, 2000, 1.0)
-    assert (t.distributed_strategy, t.fsdp_sharding, t.use_amp, t.gradient_checkpointing) == ("fsdp", "full_shard", True, True)
+        "llama",
+        32000,
+        4096,
+        11008,
+        32,
+        32,
+        4096,
+        1e-6,
+    )
+    assert (t.batch_size, t.gradient_accumulation_steps, t.max_steps, t.warmup_steps, t.max_grad_norm) == (
+        32,
+        8,
+        100000,
+        2000,
+        1.0,
+    )
+    assert (t.distributed_strategy, t.fsdp_sharding, t.use_amp, t.gradient_checkpointing) == (
+        "fsdp",
+        "full_shard",
+        True,
+        True,
+    )
     with torch.device("meta"):
         assert 6.5e9 < Transformer(m).num_parameters() < 6.9e9  # size: 7B and the explicit shape agree: LLaMA-7B
 
     # size: 7B alone fills the shape; explicit keys win over it
-    (tmp_path / "sized.yaml").write_text("model: {type: llama, size: 7B, num_hidden_layers: 2}\ndata: {data_files: [x]}\n")
+    (tmp_path / "sized.yaml").write_text(
+        "model: {type: llama, size: 7B, num_hidden_layers: 2}\ndata: {data_files: [x]}\n"
+    )
     sized = load_experiment(tmp_path / "sized.yaml").model
     assert (sized.d_model, sized.n_heads, sized.d_ff, sized.n_layers) == (4096, 32, 11008, 2)
 
 
 def test_nanogpt_and_hf_names_are_aliases_and_conflicts_are_reported(tmp_path):
     path = tmp_path / "nano.yaml"
-    path.write_text("model: {n_embd: 64, n_head: 4, n_layer: 3, block_size: 128, bias: false, dropout: 0.1}\n"
-                    "training: {max_iters: 50, grad_clip: 0.5, lr: 1.0e-3, warmup_iters: 5, eval_interval: 10, eval_iters: 2, out_dir: o}\n"
-                    "data: {data_files: [x]}\n")
+    path.write_text(
+        "model: {n_embd: 64, n_head: 4, n_layer: 3, block_size: 128, bias: false, dropout: 0.1}\n"
+        "training: {max_iters: 50, grad_clip: 0.5, lr: 1.0e-3, warmup_iters: 5, eval_interval: 10, eval_iters: 2, out_dir: o}\n"
+        "data: {data_files: [x]}\n"
+    )
     exp = load_experiment(path)
-    assert (exp.model.d_model, exp.model.n_heads, exp.model.n_layers, exp.model.max_seq_len, exp.model.bias,
-            exp.model.dropout) == (64, 4, 3, 128, False, 0.1)
+    assert (
+        exp.model.d_model,
+        exp.model.n_heads,
+        exp.model.n_layers,
+        exp.model.max_seq_len,
+        exp.model.bias,
+        exp.model.dropout,
+    ) == (64, 4, 3, 128, False, 0.1)
     t = exp.training
-    assert (t.max_steps, t.max_grad_norm, t.learning_rate, t.warmup_steps, t.eval_steps, t.eval_max_batches,
-            t.output_dir) == (50, 0.5, 1e-3, 5, 10, 2, "o")
+    assert (
+        t.max_steps,
+        t.max_grad_norm,
+        t.learning_rate,
+        t.warmup_steps,
+        t.eval_steps,
+        t.eval_max_batches,
+        t.output_dir,
+    ) == (50, 0.5, 1e-3, 5, 10, 2, "o")
     # an override replaces the field however the file spelled it
     assert load_experiment(path, ["model.d_model=32", "training.max_grad_norm=1.0"]).model.d_model == 32
 
     path.write_text("model: {hidden_size: 64, d_model: 32, n_embd: 64}\ndata: {data_files: [x]}\n")
-    with pytest.raises(UsageError, match=r"model.hidden_size \(64\) and model.d_model \(32\) both set model.d_model; keep one"):
+    with pytest.raises(
+        UsageError, match=r"model.hidden_size \(64\) and model.d_model \(32\) both set model.d_model; keep one"
+    ):
         load_experiment(path)
 
 
 def test_003_every_unknown_key_in_one_error_with_hints_that_know_the_aliases(tmp_path):
     path = tmp_path / "typos.yaml"
-    path.write_text(pretraining_yaml(**{"num_attention_heads": "num_attention_head", "clip_grad_norm": "clip_grad_nrm",
-                                        "sharding_strategy": "sharding_strat"}) + "data:\n  data_files: [x]\n")
+    path.write_text(
+        pretraining_yaml(
+            **{
+                "num_attention_heads": "num_attention_head",
+                "clip_grad_norm": "clip_grad_nrm",
+                "sharding_strategy": "sharding_strat",
+            }
+        )
+        + "data:\n  data_files: [x]\n"
+    )
     with pytest.raises(UsageError) as error:
         load_experiment(path)
     message = str(error.value)
     assert "\n" not in message and message.count("unknown key") == 3
     assert "unknown key model.num_attention_head; did you mean model.num_attention_heads (= model.n_heads)?" in message
-    assert "unknown key training.clip_grad_nrm; did you mean training.clip_grad_norm (= training.max_grad_norm)?" in message
+    assert (
+        "unknown key training.clip_grad_nrm; did you mean training.clip_grad_norm (= training.max_grad_norm)?"
+        in message
+    )
     assert "distributed.fsdp_config.sharding_strat; did you mean distributed.fsdp_config.sharding_strategy?" in message
     assert "attention_dropout" not in message
 
@@ -538,28 +694,52 @@ def test_003_fsdp_in_one_process_says_it_shards_nothing(capsys):
 
     dist, _ = setup(TrainingConfig(distributed_strategy="fsdp"), torch.device("cpu"))
     assert dist.world_size == 1
-    assert "distributed_strategy=fsdp in one process: nothing is sharded; launch with torchrun" in capsys.readouterr().err
+    assert (
+        "distributed_strategy=fsdp in one process: nothing is sharded; launch with torchrun" in capsys.readouterr().err
+    )
 
 
-PRETRAIN_SCALED = {"hidden_size: 4096": "hidden_size: 32", "intermediate_size: 11008": "intermediate_size: 64",
-                   "num_hidden_layers: 32": "num_hidden_layers: 2", "num_attention_heads: 32": "num_attention_heads: 2",
-                   "max_position_embeddings: 4096": "max_position_embeddings: 32", "vocab_size: 32000": "vocab_size: 128",
-                   "batch_size: 32": "batch_size: 4", "gradient_accumulation_steps: 8": "gradient_accumulation_steps: 2",
-                   "warmup_steps: 2000": "warmup_steps: 1", "max_steps: 100000": "max_steps: 4"}
+PRETRAIN_SCALED = {
+    "hidden_size: 4096": "hidden_size: 32",
+    "intermediate_size: 11008": "intermediate_size: 64",
+    "num_hidden_layers: 32": "num_hidden_layers: 2",
+    "num_attention_heads: 32": "num_attention_heads: 2",
+    "max_position_embeddings: 4096": "max_position_embeddings: 32",
+    "vocab_size: 32000": "vocab_size: 128",
+    "batch_size: 32": "batch_size: 4",
+    "gradient_accumulation_steps: 8": "gradient_accumulation_steps: 2",
+    "warmup_steps: 2000": "warmup_steps: 1",
+    "max_steps: 100000": "max_steps: 4",
+}
 
 
 @pytest.mark.slow
 def test_003_yaml_trains_under_fsdp_and_its_sharded_checkpoint_exports(tmp_path):
     write_corpus(tmp_path / "corpus")
     (tmp_path / "pretrain.yaml").write_text(
-        pretraining_yaml(**PRETRAIN_SCALED) + "data:\n  data_files: [corpus]\n  tokenizer: char\n")
-    alone = cli(tmp_path, sys.executable, "-m", "llm_trainer", "train", "--config", "pretrain.yaml", "training.output_dir=alone")
+        pretraining_yaml(**PRETRAIN_SCALED) + "data:\n  data_files: [corpus]\n  tokenizer: char\n"
+    )
+    alone = cli(
+        tmp_path, sys.executable, "-m", "llm_trainer", "train", "--config", "pretrain.yaml", "training.output_dir=alone"
+    )
     assert alone.returncode == 0, alone.stderr[-2000:]
     assert "nothing is sharded" in alone.stderr
 
-    sharded = cli(tmp_path, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                  f"--master-port={free_port()}", "-m", "llm_trainer", "train", "--config", "pretrain.yaml",
-                  "training.output_dir=fsdp", "training.batch_size=2")
+    sharded = cli(
+        tmp_path,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master-port={free_port()}",
+        "-m",
+        "llm_trainer",
+        "train",
+        "--config",
+        "pretrain.yaml",
+        "training.output_dir=fsdp",
+        "training.batch_size=2",
+    )
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     assert "(fsdp)" in sharded.stderr and "amp bfloat16" in sharded.stderr
     final = tmp_path / "fsdp" / "checkpoints" / "checkpoint-00000004"
@@ -581,37 +761,72 @@ needs_deepspeed = pytest.mark.skipif(
 
 
 def zero3_json(**changes: str) -> dict:
-    return json.loads(scaled(block(0, "json", '"stage": 3'), {
-        '"train_batch_size": 128': '"train_batch_size": 8', '"train_micro_batch_size_per_gpu": 4': '"train_micro_batch_size_per_gpu": 2',
-        '"gradient_accumulation_steps": 32': '"gradient_accumulation_steps": 4', '"warmup_num_steps": 2000': '"warmup_num_steps": 2',
-        '"total_num_steps": 100000': '"total_num_steps": 6', **changes}))
+    return json.loads(
+        scaled(
+            block(0, "json", '"stage": 3'),
+            {
+                '"train_batch_size": 128': '"train_batch_size": 8',
+                '"train_micro_batch_size_per_gpu": 4': '"train_micro_batch_size_per_gpu": 2',
+                '"gradient_accumulation_steps": 32': '"gradient_accumulation_steps": 4',
+                '"warmup_num_steps": 2000': '"warmup_num_steps": 2',
+                '"total_num_steps": 100000': '"total_num_steps": 6',
+                **changes,
+            },
+        )
+    )
 
 
 @pytest.mark.slow
 @needs_deepspeed
 def test_000_zero3_json_as_written_trains_with_its_own_optimizer_and_schedule_and_warns_once(tmp_path):
     write_corpus(tmp_path / "corpus")
-    experiment = {"model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 32},
-                  "training": {"use_deepspeed": True, "deepspeed_config": "ds_config.json", "device": "cpu",
-                               "progress_bar": False, "logging_steps": 1, "eval_steps": 3},
-                  "data": {"data_files": ["corpus"], "tokenizer": "char"}}
+    experiment = {
+        "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 32},
+        "training": {
+            "use_deepspeed": True,
+            "deepspeed_config": "ds_config.json",
+            "device": "cpu",
+            "progress_bar": False,
+            "logging_steps": 1,
+            "eval_steps": 3,
+        },
+        "data": {"data_files": ["corpus"], "tokenizer": "char"},
+    }
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(experiment))
     (tmp_path / "ds_config.json").write_text(json.dumps(zero3_json()))
     started = time.monotonic()
     refused = cli(tmp_path, sys.executable, "-m", "llm_trainer", "train", "--config", "exp.yaml")
-    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith("error: training.deepspeed_config")
-    assert "fp16 needs a CUDA GPU and this run is on cpu: use bf16" in refused.stderr and time.monotonic() - started < 60
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
+        "error: training.deepspeed_config"
+    )
+    assert (
+        "fp16 needs a CUDA GPU and this run is on cpu: use bf16" in refused.stderr and time.monotonic() - started < 60
+    )
 
     # what the error says to do: bf16 instead of fp16; nothing else
-    (tmp_path / "ds_config.json").write_text(json.dumps(zero3_json(**{
-        '"fp16": {\n        "enabled": true': '"fp16": {\n        "enabled": false',
-        '"bf16": {\n        "enabled": false': '"bf16": {\n        "enabled": true'})))
+    (tmp_path / "ds_config.json").write_text(
+        json.dumps(
+            zero3_json(
+                **{
+                    '"fp16": {\n        "enabled": true': '"fp16": {\n        "enabled": false',
+                    '"bf16": {\n        "enabled": false': '"bf16": {\n        "enabled": true',
+                }
+            )
+        )
+    )
     result = cli(tmp_path, sys.executable, "-m", "llm_trainer", "train", "--config", "exp.yaml")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "effective batch 8 = 2 x 4 accumulation x 1 process(es)" in result.stderr
     saved = yaml.safe_load((tmp_path / "output" / "config.yaml").read_text())["training"]
-    assert (saved["learning_rate"], saved["weight_decay"], saved["adam_beta2"], saved["lr_scheduler"], saved["max_steps"],
-            saved["warmup_steps"], saved["amp_dtype"]) == (1e-4, 0.1, 0.95, "linear", 6, 2, "bfloat16")
+    assert (
+        saved["learning_rate"],
+        saved["weight_decay"],
+        saved["adam_beta2"],
+        saved["lr_scheduler"],
+        saved["max_steps"],
+        saved["warmup_steps"],
+        saved["amp_dtype"],
+    ) == (1e-4, 0.1, 0.95, "linear", 6, 2, "bfloat16")
     lrs = [r["lr"] for r in rows(tmp_path / "output", "train")]
     assert len(lrs) == 6 and lrs[0] == pytest.approx(0.5e-4) and lrs[1] == pytest.approx(1e-4) and lrs[-1] < lrs[1] / 2
     warnings_ = [line for line in result.stderr.splitlines() if "Warning:" in line]
@@ -631,9 +846,16 @@ def test_002_best_model_follows_the_lowest_loss_and_min_delta_only_drives_patien
             return {"val_loss": next(scripted), "perplexity": 1.0, "tokens": 1}
 
     train, val = tiny_trainer_data()
-    config = TrainingConfig(max_steps=10, eval_steps=1, save_steps=0, early_stopping_patience=lesson.patience,
-                            early_stopping_min_delta=lesson.min_delta, output_dir=str(tmp_path / "run"), device="cpu",
-                            progress_bar=False)
+    config = TrainingConfig(
+        max_steps=10,
+        eval_steps=1,
+        save_steps=0,
+        early_stopping_patience=lesson.patience,
+        early_stopping_min_delta=lesson.min_delta,
+        output_dir=str(tmp_path / "run"),
+        device="cpu",
+        progress_bar=False,
+    )
     summary = Scripted(tiny_model(), config, train_dataloader=train, val_dataloader=val).train()
     stopped = [lesson(loss) for loss in (3.0, 2.9995, 3.1, 3.2)]
     assert stopped == [False, False, False, True] and summary["step"] == 4  # stops where the lesson's class does
@@ -655,16 +877,26 @@ def test_a_fraction_split_over_few_files_splits_by_tokens_and_says_so(tmp_path, 
     texts = ["".join(chr(ord("a") + (i + k) % 26) for i in range(100)) for k in range(3)]
     for k, text in enumerate(texts):
         (folder / f"{k}.txt").write_text(text)
-    prepared = prepare_data(DataConfig(data_files=str(folder), tokenizer="char", validation_split=0.1,
-                                       cache_dir=str(tmp_path / "cache")))
-    assert "3 document(s) are too few for a 0.1 split by documents; validation is the last 10% of each" in capfd.readouterr().err
+    prepared = prepare_data(
+        DataConfig(data_files=str(folder), tokenizer="char", validation_split=0.1, cache_dir=str(tmp_path / "cache"))
+    )
+    assert (
+        "3 document(s) are too few for a 0.1 split by documents; validation is the last 10% of each"
+        in capfd.readouterr().err
+    )
     assert prepared.manifest["splits"]["val"] == {"documents": 3, "tokens": 3 * 11}
     assert prepared.manifest["validation_split_by"] == "tokens"
     val = prepared.tokenizer.decode(np.asarray(prepared.tokens("val")).tolist())
     assert val == "".join(text[90:] for text in texts)
 
-    many = prepare_data(DataConfig(data_files=str(write_corpus(tmp_path / "many")), tokenizer="char", validation_split=0.25,
-                                   cache_dir=str(tmp_path / "cache")))
+    many = prepare_data(
+        DataConfig(
+            data_files=str(write_corpus(tmp_path / "many")),
+            tokenizer="char",
+            validation_split=0.25,
+            cache_dir=str(tmp_path / "cache"),
+        )
+    )
     assert "validation: 3 of 12 documents (validation_split 0.25)" in capfd.readouterr().err
     assert many.manifest["validation_split_by"] == "documents" and many.manifest["splits"]["val"]["documents"] == 3
 
@@ -682,8 +914,21 @@ def test_overrides_after_an_option_and_the_double_dash_dotted_form(tmp_path, cap
     path.write_text("model: {d_model: 32, n_heads: 2, n_layers: 1, vocab_size: 100}\ndata: {data_files: [x]}\n")
     assert main(["estimate", "--config", str(path), "--json"]) == 0
     one = json.loads(capsys.readouterr().out)
-    assert main(["estimate", "--config", str(path), "--json", "training.batch_size=2", "--model.n_layers", "3",
-                 "--model.d_ff=64"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "--config",
+                str(path),
+                "--json",
+                "training.batch_size=2",
+                "--model.n_layers",
+                "3",
+                "--model.d_ff=64",
+            ]
+        )
+        == 0
+    )
     three = json.loads(capsys.readouterr().out)
     assert three["parameters"] > one["parameters"] and three != one
     assert load_experiment(path, ["model.n_layers=3", "model.d_ff=64"]).model.n_layers == 3
@@ -750,8 +995,14 @@ def test_eval_lines_are_never_glued_to_a_progress_bar_in_a_file(tmp_path):
     )
     log = tmp_path / "train.log"
     with open(log, "w") as handle:
-        subprocess.run([sys.executable, "-c", script], stderr=handle, stdout=subprocess.DEVNULL, check=True, env=src_env(),
-                       timeout=120)
+        subprocess.run(
+            [sys.executable, "-c", script],
+            stderr=handle,
+            stdout=subprocess.DEVNULL,
+            check=True,
+            env=src_env(),
+            timeout=120,
+        )
     text = log.read_text()
     assert "\r" not in text
     lines = text.splitlines()
@@ -787,8 +1038,8 @@ def test_warnings_repeated_every_step_are_shown_once(recwarn):
             for _ in range(5):
                 with warnings.catch_warnings():  # what resets Python's own once-per-location memory
                     warnings.simplefilter("ignore", BytesWarning)
-                warnings.warn("x is deprecated", FutureWarning)
-                warnings.warn("y is deprecated", FutureWarning)
+                warnings.warn("x is deprecated", FutureWarning, stacklevel=1)
+                warnings.warn("y is deprecated", FutureWarning, stacklevel=1)
     finally:
         warnings.showwarning = original
     assert shown == ["x is deprecated", "y is deprecated"]

@@ -22,7 +22,6 @@ from llm_trainer.parallel.distributed import DistInfo
 from llm_trainer.resolve import token_anchors
 from llm_trainer.train.optim import build_optimizer, set_learning_rate
 
-
 # -- Muon --------------------------------------------------------------------------------------------
 
 
@@ -41,8 +40,16 @@ def test_muon_equals_torch_muon_on_hidden_matrices_and_adamw_elsewhere():
     assert muon_group["lr"] == 0.02 and all(g["lr"] == 1e-3 for g in adam_groups)
     by_name = dict(reference.named_parameters())
     ref_muon = torch.optim.Muon([by_name[n] for n in hidden], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
-    ref_adam = torch.optim.AdamW([{"params": [by_name[names[id(p)]] for p in g["params"]], "weight_decay": g["weight_decay"]}
-                                  for g in adam_groups], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    ref_adam = torch.optim.AdamW(
+        [
+            {"params": [by_name[names[id(p)]] for p in g["params"]], "weight_decay": g["weight_decay"]}
+            for g in adam_groups
+        ],
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=True,
+    )
     x, y = torch.randint(0, 61, (4, 16)), torch.randint(0, 61, (4, 16))
     for _ in range(4):
         for model, optimizers in ((ours, [optimizer]), (reference, [ref_muon, ref_adam])):
@@ -79,11 +86,21 @@ def _final_weights(run):
     return load_file(str(sorted((run / "checkpoints").glob("checkpoint-*"))[-1] / "model.safetensors"))
 
 
-@pytest.mark.parametrize("options", [
-    ["training.optimizer=muon", "training.muon_learning_rate=0.01"],
-    ["model.architecture=llama", "model.activation=relu2", "model.d_ff=32", "model.qk_norm=true",
-     "model.zero_init_projections=true", "model.logit_softcap=15"],
-], ids=["muon", "block-options"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["training.optimizer=muon", "training.muon_learning_rate=0.01"],
+        [
+            "model.architecture=llama",
+            "model.activation=relu2",
+            "model.d_ff=32",
+            "model.qk_norm=true",
+            "model.zero_init_projections=true",
+            "model.logit_softcap=15",
+        ],
+    ],
+    ids=["muon", "block-options"],
+)
 def test_new_options_resume_bitwise(tmp_path, options):
     """8 steps in one go, or a resume from the checkpoint at step 4: the same weights to the bit."""
     config = write_tiny_experiment(tmp_path, max_steps=8, save_steps=4, eval_steps=0, save_total_limit=None)
@@ -91,8 +108,19 @@ def test_new_options_resume_bitwise(tmp_path, options):
     assert cli.main(["train", "--config", str(config), f"training.output_dir={whole}", *options]) == 0
     split = tmp_path / "split"
     shutil.copytree(whole / "checkpoints" / "checkpoint-00000004", split / "checkpoints" / "checkpoint-00000004")
-    assert cli.main(["train", "--config", str(config), f"training.output_dir={split}", "training.resume_from_checkpoint=latest",
-                     *options]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--config",
+                str(config),
+                f"training.output_dir={split}",
+                "training.resume_from_checkpoint=latest",
+                *options,
+            ]
+        )
+        == 0
+    )
     a, b = _final_weights(whole), _final_weights(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     losses = [json.loads(r)["loss"] for r in (whole / "metrics.jsonl").read_text().splitlines() if '"train"' in r]
@@ -105,9 +133,15 @@ def test_muon_is_refused_where_weights_are_sharded():
     model = Transformer(tiny_model_config())
     for strategy in ("fsdp", "deepspeed"):
         with pytest.raises(UsageError, match="muon needs each weight whole"):
-            parallelize(model, config=TrainingConfig(optimizer="muon"), dist=DistInfo(world_size=2, strategy=strategy),
-                        device=torch.device("cpu"), amp_dtype=None, activation_checkpointing=False,
-                        build_optimizer=lambda m: None)
+            parallelize(
+                model,
+                config=TrainingConfig(optimizer="muon"),
+                dist=DistInfo(world_size=2, strategy=strategy),
+                device=torch.device("cpu"),
+                amp_dtype=None,
+                activation_checkpointing=False,
+                build_optimizer=lambda m: None,
+            )
 
 
 # -- block options -----------------------------------------------------------------------------------
@@ -138,8 +172,11 @@ def test_export_refuses_what_transformers_cannot_express(tmp_path, option):
     pytest.importorskip("transformers")
     from llm_trainer.hf.interop import export_to_hf
 
-    values = {"qk_norm": dict(qk_norm=True), "logit_softcap": dict(logit_softcap=30.0),
-              "relu2": dict(activation="relu2")}[option]
+    values = {
+        "qk_norm": dict(qk_norm=True),
+        "logit_softcap": dict(logit_softcap=30.0),
+        "relu2": dict(activation="relu2"),
+    }[option]
     folder = tmp_path / "model"
     Transformer(tiny_model_config(**values)).save_pretrained(folder)
     with pytest.raises(UsageError, match="cannot export to transformers") as error:
@@ -208,8 +245,19 @@ def test_token_anchors_set_steps_and_accumulation():
 def test_a_run_sized_in_tokens_trains_that_many(tmp_path):
     config = write_tiny_experiment(tmp_path, max_steps=None, eval_steps=0)
     run = tmp_path / "run"
-    assert cli.main(["train", "--config", str(config), f"training.output_dir={run}", "training.max_tokens=500",
-                     "training.total_batch_tokens=192"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--config",
+                str(config),
+                f"training.output_dir={run}",
+                "training.max_tokens=500",
+                "training.total_batch_tokens=192",
+            ]
+        )
+        == 0
+    )
     saved = yaml.safe_load((run / "config.yaml").read_text())["training"]
     assert saved["gradient_accumulation_steps"] == 2 and saved["max_steps"] == 3  # 192 = 4 x 24 x 2; ceil(500 / 192)
     summary = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()][-1]
@@ -229,8 +277,19 @@ def test_training_stops_at_the_first_full_evaluation_that_reaches_the_target(tmp
     first = next(r["step"] for r in evals if r["val_loss"] <= target)
 
     run = tmp_path / "run"
-    assert cli.main(["train", "--config", str(config), f"training.output_dir={run}", f"training.target_val_loss={target}",
-                     "training.eval_max_batches=1"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--config",
+                str(config),
+                f"training.output_dir={run}",
+                f"training.target_val_loss={target}",
+                "training.eval_max_batches=1",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     summary, run_evals = rows[-1], [r for r in rows if r["kind"] == "eval"]
     assert summary["stopped_early"].startswith("target reached") and first <= summary["step"] < 60

@@ -12,20 +12,19 @@ import pytest
 import torch
 import yaml
 
-from conftest import tiny_model_config
+from conftest import tiny_model_config, write_tiny_experiment
 from llm_trainer.cli import main
 from llm_trainer.config import ModelConfig, TrainingConfig
 from llm_trainer.errors import UsageError
+from llm_trainer.model import Transformer
 from llm_trainer.tools.estimate import estimate_memory
 from llm_trainer.train.flops import count_parameters, flops_per_token, peak_flops
-from llm_trainer.model import Transformer
-from conftest import write_tiny_experiment
 
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
-    from llm_trainer.config import load_experiment
     from llm_trainer.api import train
+    from llm_trainer.config import load_experiment
 
     root = tmp_path_factory.mktemp("tools")
     summary = train(load_experiment(write_tiny_experiment(root)))
@@ -49,8 +48,9 @@ def test_parameter_count_and_flops_per_token_match_gpt2_small_and_llama_7b():
     assert flops_per_token(plain) == flops_per_token(tiny_model_config(), 24)
     with pytest.raises(ValueError):
         flops_per_token(object())
-    llama = ModelConfig(architecture="llama", vocab_size=32000, d_model=4096, n_heads=32, n_layers=32, d_ff=11008,
-                        max_seq_len=4096)
+    llama = ModelConfig(
+        architecture="llama", vocab_size=32000, d_model=4096, n_heads=32, n_layers=32, d_ff=11008, max_seq_len=4096
+    )
     counts = count_parameters(llama)
     assert counts.total == 6_738_415_616  # LLaMA-7B
     assert counts.matmul == counts.total - 32000 * 4096  # untied: the embedding lookup is left out
@@ -83,11 +83,14 @@ def _tensor_bytes(tensors) -> int:
     return total
 
 
-@pytest.mark.parametrize("overrides, optimizer", [
-    (dict(), "adamw"),
-    (dict(architecture="llama", n_kv_heads=1), "adamw"),
-    (dict(), "sgd"),
-])
+@pytest.mark.parametrize(
+    "overrides, optimizer",
+    [
+        (dict(), "adamw"),
+        (dict(architecture="llama", n_kv_heads=1), "adamw"),
+        (dict(), "sgd"),
+    ],
+)
 def test_parameters_gradients_and_optimizer_state_match_the_measured_allocation(overrides, optimizer):
     from llm_trainer.train.optim import build_optimizer
 
@@ -112,8 +115,9 @@ def test_parameters_gradients_and_optimizer_state_match_the_measured_allocation(
 
 
 @pytest.mark.parametrize("amp", [False, True])
-@pytest.mark.parametrize("overrides", [dict(), dict(activation="relu", dropout=0.1),
-                                       dict(architecture="llama", n_kv_heads=1)])
+@pytest.mark.parametrize(
+    "overrides", [dict(), dict(activation="relu", dropout=0.1), dict(architecture="llama", n_kv_heads=1)]
+)
 def test_activation_estimate_matches_the_tensors_autograd_saves(amp, overrides):
     """Every tensor saved for backward (unique storage, parameters and buffers excluded), one forward."""
     from llm_trainer.train.evaluate import summed_nll
@@ -160,13 +164,30 @@ def test_estimate_cli(tmp_path, capsys):
     assert main(["estimate", "--config", str(config), "--device-memory", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["fits"] is True and report["max_micro_batch_size"] > 4
-    assert report["parameters"] == count_parameters(ModelConfig(d_model=16, n_heads=2, n_layers=1, max_seq_len=24,
-                                                                vocab_size=256)).total
+    assert (
+        report["parameters"]
+        == count_parameters(ModelConfig(d_model=16, n_heads=2, n_layers=1, max_seq_len=24, vocab_size=256)).total
+    )
     assert main(["estimate", "--config", "llama-7b", "--device-memory", "80"]) == 0
     text = capsys.readouterr().out
     assert "6,738,415,616" in text and "does NOT fit in 80 GiB" in text and "distributed" in text
-    assert main(["estimate", "--config", "llama-7b", "--device-memory", "80", "--world-size", "8",
-                 "--sharding", "fsdp", "--json"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "--config",
+                "llama-7b",
+                "--device-memory",
+                "80",
+                "--world-size",
+                "8",
+                "--sharding",
+                "fsdp",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["fits"] is True
 
 
@@ -176,8 +197,17 @@ def test_peak_memory_prediction_on_gpu_gpt2_small(tmp_path):
     from llm_trainer.train.trainer import Trainer
 
     config = ModelConfig(vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024)
-    training = TrainingConfig(device="cuda", use_amp=True, batch_size=8, max_steps=3, save_steps=0, eval_steps=0,
-                              report_to=[], progress_bar=False, output_dir=str(tmp_path / "run"))
+    training = TrainingConfig(
+        device="cuda",
+        use_amp=True,
+        batch_size=8,
+        max_steps=3,
+        save_steps=0,
+        eval_steps=0,
+        report_to=[],
+        progress_bar=False,
+        output_dir=str(tmp_path / "run"),
+    )
     tokens = torch.randint(0, 50257, (64, 1025))
     loader = [(tokens[i : i + 8, :-1], tokens[i : i + 8, 1:]) for i in range(0, 64, 8)]
     torch.cuda.reset_peak_memory_stats()
@@ -195,10 +225,25 @@ def _fake_run(folder, steps=20, scale=1.0, resumed=False):
     folder.mkdir(parents=True)
     rows = []
     for s in range(2, steps + 1, 2):
-        rows.append({"step": s, "loss": scale * 4 / s**0.3, "lr": 1e-3 * min(1, s / 6), "tokens_seen": 96 * s,
-                     "grad_norm": 1.0, "tokens_per_s": 1000.0})
+        rows.append(
+            {
+                "step": s,
+                "loss": scale * 4 / s**0.3,
+                "lr": 1e-3 * min(1, s / 6),
+                "tokens_seen": 96 * s,
+                "grad_norm": 1.0,
+                "tokens_per_s": 1000.0,
+            }
+        )
         if s % 10 == 0:
-            rows.append({"step": s, "val_loss": scale * 4.2 / s**0.3, "perplexity": math.exp(scale * 4.2 / s**0.3), "tokens": 50})
+            rows.append(
+                {
+                    "step": s,
+                    "val_loss": scale * 4.2 / s**0.3,
+                    "perplexity": math.exp(scale * 4.2 / s**0.3),
+                    "tokens": 50,
+                }
+            )
     if resumed:  # a resume from step 10 repeats steps 12.. in the file
         rows += [r for r in rows if r["step"] > 10]
     rows.append({"event": "train_end", "step": steps, "val_loss": 1.0, "perplexity": 2.7})
@@ -279,7 +324,23 @@ def test_lr_find_cli_writes_the_plot_and_no_run_outputs(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     config = write_tiny_experiment(tmp_path)
     plot = tmp_path / "lr.png"
-    assert main(["lr-find", "--config", str(config), "--num-steps", "40", "--start-lr", "1e-5", "--output", str(plot), "--json"]) == 0
+    assert (
+        main(
+            [
+                "lr-find",
+                "--config",
+                str(config),
+                "--num-steps",
+                "40",
+                "--start-lr",
+                "1e-5",
+                "--output",
+                str(plot),
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert 1e-5 <= out["suggested_lr"] <= 10 and out["plot"] == str(plot)
     assert plot.read_bytes()[:4] == b"\x89PNG"
@@ -326,12 +387,15 @@ def test_sweep_completes_prunes_and_resumes(tmp_path, capsys):
 
     config = write_tiny_experiment(tmp_path, max_steps=4, eval_steps=2, logging_steps=2)
     space = tmp_path / "space.yaml"
-    space.write_text("training.learning_rate: {type: float, low: 1e-3, high: 3e-2, log: true}\n"
-                     "model.n_layers: [1, 2]\n")
+    space.write_text(
+        "training.learning_rate: {type: float, low: 1e-3, high: 3e-2, log: true}\nmodel.n_layers: [1, 2]\n"
+    )
     result = run_sweep(config, space, 3, pruner=PruneTrialOne())
     trials = result.study.trials
     assert [t.state.name for t in trials] == ["COMPLETE", "PRUNED", "COMPLETE"]
-    assert trials[1].intermediate_values == {2: pytest.approx(trials[1].intermediate_values[2])}  # pruned at its first eval
+    assert trials[1].intermediate_values == {
+        2: pytest.approx(trials[1].intermediate_values[2])
+    }  # pruned at its first eval
     assert result.root == tmp_path / "run" / "sweep" and (result.root / "study.db").is_file()
     for t in trials:
         run = result.root / f"trial-{t.number:04d}"

@@ -13,12 +13,14 @@ import sys
 
 import pytest
 
+from conftest import write_tiny_experiment
 from llm_trainer.errors import UsageError
 from llm_trainer.train.metrics import build_loggers, scalar_items
-from conftest import write_tiny_experiment
 
-HAVE = {name: importlib.util.find_spec(module) is not None
-        for name, module in [("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow")]}
+HAVE = {
+    name: importlib.util.find_spec(module) is not None
+    for name, module in [("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow")]
+}
 
 TRAIN_SCALARS = ["train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu"]
 EVAL_SCALARS = ["eval/loss", "eval/perplexity"]
@@ -31,8 +33,8 @@ def tiny_experiment(root, report_to, **training):
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory):
     """A 6-step run logging to jsonl and every installed tracking backend; W&B offline, MLflow local."""
-    from llm_trainer.config import load_experiment
     from llm_trainer.api import train
+    from llm_trainer.config import load_experiment
 
     root = tmp_path_factory.mktemp("tracked")
     report_to = ["jsonl"] + [name for name, ok in HAVE.items() if ok]
@@ -50,11 +52,19 @@ def tracked_run(tmp_path_factory):
 
 def test_scalar_names_follow_the_backend_convention():
     assert dict(scalar_items({"step": 3, "loss": 2.0, "lr": 0.1, "epoch": 0, "custom/acc": 0.5})) == {
-        "train/loss": 2.0, "train/lr": 0.1, "train/epoch": 0.0, "custom/acc": 0.5}
+        "train/loss": 2.0,
+        "train/lr": 0.1,
+        "train/epoch": 0.0,
+        "custom/acc": 0.5,
+    }
     assert dict(scalar_items({"step": 3, "val_loss": 2.0, "perplexity": 7.4, "tokens": 10})) == {
-        "eval/loss": 2.0, "eval/perplexity": 7.4, "eval/tokens": 10.0}
-    assert dict(scalar_items({"kind": "summary", "step": 3, "val_loss": 2.0, "stopped_early": None, "best_val_loss": 1.9})) == {
-        "summary/val_loss": 2.0, "summary/best_val_loss": 1.9}
+        "eval/loss": 2.0,
+        "eval/perplexity": 7.4,
+        "eval/tokens": 10.0,
+    }
+    assert dict(
+        scalar_items({"kind": "summary", "step": 3, "val_loss": 2.0, "stopped_early": None, "best_val_loss": 1.9})
+    ) == {"summary/val_loss": 2.0, "summary/best_val_loss": 1.9}
     # Rows written before rows had a kind are read by their keys.
     assert dict(scalar_items({"event": "train_end", "step": 3, "val_loss": 2.0})) == {"summary/val_loss": 2.0}
     assert dict(scalar_items({"step": 3, "val_loss": 2.0})) == {"eval/loss": 2.0}
@@ -65,12 +75,22 @@ def test_every_row_kind_has_one_schema():
     when set, and `kind` names the schema."""
     from llm_trainer.train.rows import EvalRow, SummaryRow, TrainRow, row_kind
 
-    train = TrainRow(step=2, epoch=0, loss=1.5, lr=1e-3, grad_norm=0.5, tokens_seen=64, skipped_steps=0,
-                     tokens_per_s=10.0).as_dict()
+    train = TrainRow(
+        step=2, epoch=0, loss=1.5, lr=1e-3, grad_norm=0.5, tokens_seen=64, skipped_steps=0, tokens_per_s=10.0
+    ).as_dict()
     assert train["kind"] == "train" and "mfu" not in train and train["tokens_per_s"] == 10.0
-    summary = SummaryRow(step=2, train_runtime_s=1.0, tokens_per_s=64.0, tokens_seen=64, skipped_steps=0,
-                         stopped_early=None, best_val_loss=None, checkpoint=None, evaluation_s=0.0,
-                         checkpoint_s=0.0).as_dict()
+    summary = SummaryRow(
+        step=2,
+        train_runtime_s=1.0,
+        tokens_per_s=64.0,
+        tokens_seen=64,
+        skipped_steps=0,
+        stopped_early=None,
+        best_val_loss=None,
+        checkpoint=None,
+        evaluation_s=0.0,
+        checkpoint_s=0.0,
+    ).as_dict()
     assert summary["stopped_early"] is None and "val_loss" not in summary  # required-nullable vs optional
     evaluation = EvalRow(step=2, val_loss=2.0, perplexity=7.39, tokens=100).as_dict()
     assert [row_kind(r) for r in (train, evaluation, summary)] == ["train", "eval", "summary"]
@@ -187,11 +207,14 @@ def test_mlflow_model_registry_backend_round_trip(tracked_run):
     assert shown.version == 2 and shown.config["model"]["d_model"] == 16 and shown.description == "again"
 
 
-@pytest.mark.parametrize("backend, modules", [
-    ("tensorboard", ["torch.utils.tensorboard"]),
-    ("wandb", ["wandb"]),
-    ("mlflow", ["mlflow", "mlflow.entities", "mlflow.tracking"]),
-])
+@pytest.mark.parametrize(
+    "backend, modules",
+    [
+        ("tensorboard", ["torch.utils.tensorboard"]),
+        ("wandb", ["wandb"]),
+        ("mlflow", ["mlflow", "mlflow.entities", "mlflow.tracking"]),
+    ],
+)
 def test_a_missing_package_is_a_one_line_install_hint(tmp_path, monkeypatch, backend, modules):
     for module in modules:
         monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError

@@ -14,17 +14,29 @@ import torch.nn.functional as F
 from conftest import tiny_model_config
 from llm_trainer.config import TrainingConfig
 from llm_trainer.data.loader import BatchLoader, DocumentRows, WindowRows
-from llm_trainer.train.evaluate import evaluate
-from llm_trainer.tools.generate import generate
 from llm_trainer.model import Transformer
+from llm_trainer.tools.generate import generate
+from llm_trainer.train.evaluate import evaluate
 from llm_trainer.train.optim import learning_rate_at, parameter_groups
 from llm_trainer.train.trainer import Callback, Trainer
 
 
 def _training(tmp_path, **overrides):
-    values = dict(batch_size=4, max_steps=6, learning_rate=1e-2, warmup_steps=2, lr_scheduler="cosine",
-                  eval_steps=0, save_steps=0, logging_steps=1, output_dir=str(tmp_path / "run"),
-                  report_to=["jsonl"], progress_bar=False, device="cpu", seed=0)
+    values = dict(
+        batch_size=4,
+        max_steps=6,
+        learning_rate=1e-2,
+        warmup_steps=2,
+        lr_scheduler="cosine",
+        eval_steps=0,
+        save_steps=0,
+        logging_steps=1,
+        output_dir=str(tmp_path / "run"),
+        report_to=["jsonl"],
+        progress_bar=False,
+        device="cpu",
+        seed=0,
+    )
     values.update(overrides)
     return TrainingConfig(**values)
 
@@ -47,7 +59,13 @@ def test_parameter_groups_skip_decay_on_norms_biases_and_embeddings():
     named = dict(model.named_parameters())
     assert id(named["blocks.0.attn.qkv.weight"]) in decay_ids
     assert id(named["blocks.1.mlp.proj.weight"]) in decay_ids
-    for name in ["tok_emb.weight", "pos_emb.weight", "blocks.0.attn_norm.weight", "blocks.0.attn.qkv.bias", "norm.bias"]:
+    for name in [
+        "tok_emb.weight",
+        "pos_emb.weight",
+        "blocks.0.attn_norm.weight",
+        "blocks.0.attn.qkv.bias",
+        "norm.bias",
+    ]:
         assert id(named[name]) not in decay_ids
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
@@ -114,8 +132,14 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
         loader = BatchLoader(rows, batch, shuffle=True, seed=3)
         # SGD: the update is the gradient itself, so the comparison is not blurred by Adam's normalisation
         # (which turns float-rounding noise in near-zero gradients into lr-sized steps).
-        training = _training(tmp_path / f"{batch}", batch_size=batch, gradient_accumulation_steps=accum, max_steps=3,
-                             optimizer="sgd", learning_rate=0.5)
+        training = _training(
+            tmp_path / f"{batch}",
+            batch_size=batch,
+            gradient_accumulation_steps=accum,
+            max_steps=3,
+            optimizer="sgd",
+            learning_rate=0.5,
+        )
         summary = Trainer(model, training, train_dataloader=loader).train()
         rows_logged = [json.loads(l) for l in open(tmp_path / f"{batch}" / "run" / "metrics.jsonl")]
         results.append((_weights(model), [r["loss"] for r in rows_logged if r["kind"] == "train"]))
@@ -158,11 +182,17 @@ def test_generation_with_and_without_cache_agree(arch):
     torch.manual_seed(0)
     model = Transformer(tiny_model_config(architecture=arch))
     prompt = [3, 5, 7]
-    for kwargs in [dict(temperature=0.0), dict(temperature=1.0, top_k=10, seed=5), dict(temperature=0.9, top_p=0.8, seed=1)]:
+    for kwargs in [
+        dict(temperature=0.0),
+        dict(temperature=1.0, top_k=10, seed=5),
+        dict(temperature=0.9, top_p=0.8, seed=1),
+    ]:
         cached = generate(model, prompt, max_new_tokens=15, use_cache=True, **kwargs)
         plain = generate(model, prompt, max_new_tokens=15, use_cache=False, **kwargs)
         assert cached == plain and len(cached) == 15
-    assert generate(model, prompt, max_new_tokens=5, temperature=1.0, seed=1) == generate(model, prompt, max_new_tokens=5, temperature=1.0, seed=1)
+    assert generate(model, prompt, max_new_tokens=5, temperature=1.0, seed=1) == generate(
+        model, prompt, max_new_tokens=5, temperature=1.0, seed=1
+    )
 
 
 def test_top_k_one_is_greedy_and_eos_stops():
@@ -197,8 +227,12 @@ def test_users_own_model_and_dataloader(tmp_path):
     rows = torch.from_numpy(_tokens(2000).astype(np.int64)[: 124 * 16].reshape(124, 16))
     data = torch.utils.data.DataLoader(rows, batch_size=8, shuffle=False)
     model = Bigram()
-    trainer = Trainer(model, _training(tmp_path, max_steps=None, num_epochs=3, learning_rate=0.1),
-                      train_dataloader=data, val_dataloader=data)
+    trainer = Trainer(
+        model,
+        _training(tmp_path, max_steps=None, num_epochs=3, learning_rate=0.1),
+        train_dataloader=data,
+        val_dataloader=data,
+    )
     before = trainer.evaluate()["val_loss"]
     summary = trainer.train()
     assert summary["step"] == 3 * 16  # 124 rows / 8 = 16 batches per epoch (the last one short)
@@ -249,12 +283,22 @@ def test_callbacks_and_log_metrics_override(tmp_path, async_checkpoint):
     torch.manual_seed(0)
     loader = BatchLoader(WindowRows(tokens, 16), 4, shuffle=True, seed=0)
     val = BatchLoader(WindowRows(tokens[:500], 16, keep_partial=True), 4, shuffle=False, drop_last=False)
-    training = _training(tmp_path, max_steps=4, eval_steps=2, save_steps=2, logging_steps=2,
-                         async_checkpoint=async_checkpoint)
-    CustomTrainer(Transformer(tiny_model_config()), training, train_dataloader=loader, val_dataloader=val,
-                  callbacks=[Recorder()]).train()
-    expected = ["begin", ("step", 2), ("eval", 2), ("save", "checkpoint-00000002"),
-                ("step", 4), ("eval", 4), ("save", "checkpoint-00000004"), "end"]
+    training = _training(
+        tmp_path, max_steps=4, eval_steps=2, save_steps=2, logging_steps=2, async_checkpoint=async_checkpoint
+    )
+    CustomTrainer(
+        Transformer(tiny_model_config()), training, train_dataloader=loader, val_dataloader=val, callbacks=[Recorder()]
+    ).train()
+    expected = [
+        "begin",
+        ("step", 2),
+        ("eval", 2),
+        ("save", "checkpoint-00000002"),
+        ("step", 4),
+        ("eval", 4),
+        ("save", "checkpoint-00000004"),
+        "end",
+    ]
     if async_checkpoint:  # on_save comes once the write is complete: at a later step boundary at the latest
         first_save = calls.index(("save", "checkpoint-00000002"))
         assert first_save > calls.index(("eval", 2)) and first_save < calls.index(("save", "checkpoint-00000004"))
@@ -272,8 +316,15 @@ def test_early_stopping(tmp_path):
     tokens = _tokens()
     loader = BatchLoader(WindowRows(tokens, 16), 4, shuffle=True, seed=0)
     val = BatchLoader(WindowRows(tokens[:400], 16, keep_partial=True), 4, shuffle=False, drop_last=False)
-    training = _training(tmp_path, max_steps=100, learning_rate=1e-6, lr_scheduler="constant", eval_steps=2,
-                         early_stopping_patience=2, early_stopping_min_delta=0.5)
+    training = _training(
+        tmp_path,
+        max_steps=100,
+        learning_rate=1e-6,
+        lr_scheduler="constant",
+        eval_steps=2,
+        early_stopping_patience=2,
+        early_stopping_min_delta=0.5,
+    )
     summary = Trainer(Transformer(tiny_model_config()), training, train_dataloader=loader, val_dataloader=val).train()
     assert summary["step"] == 6  # best at step 2, no improvement >= 0.5 at 4 and 6
     assert "early stopping" in summary["stopped_early"]
@@ -298,7 +349,9 @@ def test_gradient_checkpointing_and_clipping_and_bf16(tmp_path):
     torch.manual_seed(0)
     model = Transformer(tiny_model_config())
     loader = BatchLoader(WindowRows(tokens, 16), 4, shuffle=True, seed=0)
-    summary = Trainer(model, _training(tmp_path / "bf16", use_amp=True, amp_dtype="bfloat16"), train_dataloader=loader).train()
+    summary = Trainer(
+        model, _training(tmp_path / "bf16", use_amp=True, amp_dtype="bfloat16"), train_dataloader=loader
+    ).train()
     assert math.isfinite(summary["tokens_per_s"])
     rows = [json.loads(l) for l in open(tmp_path / "bf16" / "run" / "metrics.jsonl")]
     assert all(math.isfinite(r["loss"]) for r in rows if r["kind"] == "train")
@@ -307,9 +360,23 @@ def test_gradient_checkpointing_and_clipping_and_bf16(tmp_path):
     model = Transformer(tiny_model_config())
     before = _weights(model)
     loader = BatchLoader(WindowRows(tokens, 16), 4, shuffle=True, seed=0)
-    Trainer(model, _training(tmp_path / "clip", optimizer="sgd", max_steps=1, warmup_steps=0, lr_scheduler="constant",
-                             learning_rate=1.0, max_grad_norm=1e-3, weight_decay=0.0), train_dataloader=loader).train()
-    delta = torch.sqrt(sum(((model.state_dict()[k] - v) ** 2).sum() for k, v in before.items() if k != "lm_head.weight"))
+    Trainer(
+        model,
+        _training(
+            tmp_path / "clip",
+            optimizer="sgd",
+            max_steps=1,
+            warmup_steps=0,
+            lr_scheduler="constant",
+            learning_rate=1.0,
+            max_grad_norm=1e-3,
+            weight_decay=0.0,
+        ),
+        train_dataloader=loader,
+    ).train()
+    delta = torch.sqrt(
+        sum(((model.state_dict()[k] - v) ** 2).sum() for k, v in before.items() if k != "lm_head.weight")
+    )
     assert delta.item() == pytest.approx(1e-3, rel=1e-3)  # SGD step of lr 1 moves by exactly the clipped norm
 
 
@@ -343,6 +410,8 @@ def test_speed_monitor_reports_throughput_data_wait_and_mfu(tmp_path):
     assert row["step_time_s"] == pytest.approx(3 * 4 * 16 / measured / 3, rel=0.25)
     assert row["data_wait_fraction"] == pytest.approx(0.02 / row["step_time_s"], rel=0.3)  # the sleep, nothing else
     expected_flops = 6 * (sum(p.numel() for p in Transformer(config).parameters()) - 16 * 24) + 12 * 2 * 16 * 16
-    assert row["flops_per_token"] == expected_flops == flops_per_token(config, 16)  # 6N + 12 L d T, learned positions excluded
+    assert (
+        row["flops_per_token"] == expected_flops == flops_per_token(config, 16)
+    )  # 6N + 12 L d T, learned positions excluded
     assert row["mfu"] == pytest.approx(expected_flops * measured / 1e9, rel=0.25)
     assert row["peak_memory_mb"] > 10  # the process's resident memory: torch alone is more than this

@@ -110,7 +110,8 @@ def reseal(folder: Path) -> None:
     meta = json.loads((folder / ckpt.META).read_text())
     meta["files"] = {
         str(p.relative_to(folder)): {"size": p.stat().st_size, "checksum": checksums.file_checksum(p)}
-        for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ckpt.META
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ckpt.META
     }
     meta["meta_sha256"] = checksums.meta_checksum(meta)
     (folder / ckpt.META).write_text(json.dumps(meta))
@@ -137,8 +138,9 @@ def crafted_sharded_folder(trained: Path, tmp_path: Path, metadata: bytes, with_
         shutil.copy(trained / "run" / "checkpoints" / ckpt.BEST / name, folder / name)
     (folder / ckpt.SHARDED_DIR / ".metadata").write_bytes(metadata)
     if with_meta:  # the checksums prove nothing: whoever made the folder recomputed them
-        (folder / ckpt.META).write_text(json.dumps({"kind": "best_model", "format_version": 3,
-                                                    "checksum": checksums.CHECKSUM, "files": {}}))
+        (folder / ckpt.META).write_text(
+            json.dumps({"kind": "best_model", "format_version": 3, "checksum": checksums.CHECKSUM, "files": {}})
+        )
         reseal(folder)
         assert ckpt.verify(folder) is None
     return folder
@@ -150,8 +152,12 @@ def test_a_pickle_as_dcp_metadata_never_runs(trained, tmp_path, capsys, command,
     marker = tmp_path / "pwned"
     folder = crafted_sharded_folder(trained, tmp_path, pickle.dumps(Payload(marker)), with_meta)
     before = snapshot(folder)
-    argv = {"eval": ["--data", str(trained / "corpus" / "doc00.txt")], "generate": ["--prompt", "the"],
-            "export": ["--output", str(tmp_path / "out")], "consolidate": ["--output", str(tmp_path / "out")]}[command]
+    argv = {
+        "eval": ["--data", str(trained / "corpus" / "doc00.txt")],
+        "generate": ["--prompt", "the"],
+        "export": ["--output", str(tmp_path / "out")],
+        "consolidate": ["--output", str(tmp_path / "out")],
+    }[command]
     error = refused(capsys, command, "--checkpoint", str(folder), *argv)
     assert f"{folder / 'sharded' / '.metadata'} holds a pickle that names {OPEN}" in error
     assert not marker.exists() and not (tmp_path / "out").exists()
@@ -198,8 +204,10 @@ def test_a_payload_in_a_dcp_non_tensor_item_never_runs(trained, tmp_path):
 
     marker = tmp_path / "pwned"
     folder = real_sharded_folder(trained, tmp_path, extra={"optimizer": {"lr": Payload(marker)}})
-    state = {"model": load_model_folder(trained / "run" / "checkpoints" / ckpt.BEST).state_dict(),
-             "optimizer": {"lr": 0.0}}
+    state = {
+        "model": load_model_folder(trained / "run" / "checkpoints" / ckpt.BEST).state_dict(),
+        "optimizer": {"lr": 0.0},
+    }
     with pytest.raises(CheckpointError, match="optimizer.lr holds more than plain data"):
         _load(state, folder / ckpt.SHARDED_DIR, no_dist=True)
     assert not marker.exists()
@@ -227,8 +235,15 @@ def test_a_pickle_in_sharded_pt_files_never_reaches_deepspeed(trained, tmp_path,
     reseal(folder)
     assert ckpt.verify(folder) is None
     before = snapshot(run)
-    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={run}",
-                    "training.max_steps=8", "training.resume_from_checkpoint=latest")
+    error = refused(
+        capsys,
+        "train",
+        "--config",
+        str(trained / "exp.yaml"),
+        f"training.output_dir={run}",
+        "training.max_steps=8",
+        "training.resume_from_checkpoint=latest",
+    )
     assert f"{bad} holds a pickle that names {OPEN}" in error
     assert not marker.exists() and snapshot(run) == before
 
@@ -241,9 +256,11 @@ def test_the_opcode_scanner_follows_the_memo_and_every_protocol(tmp_path):
         with pytest.raises(CheckpointError, match=f"names {OPEN}"):
             safe_pickle.check_pickle(data, tmp_path / "f", safe_pickle.DEEPSPEED)
     # Names taken back from the memo, as an attacker would reuse the strings of an allowed global.
-    crafted = (b"\x80\x04\x8c\x05posix\x940\x8c\x06system\x940"  # pushed, kept in the memo, popped
-               b"\x8c\x0bcollections\x94\x8c\x0bOrderedDict\x94\x930"  # an allowed global, popped
-               b"h\x00h\x01\x93\x8c\x04true\x94\x85R.")  # the memo's strings: posix.system("true")
+    crafted = (
+        b"\x80\x04\x8c\x05posix\x940\x8c\x06system\x940"  # pushed, kept in the memo, popped
+        b"\x8c\x0bcollections\x94\x8c\x0bOrderedDict\x94\x930"  # an allowed global, popped
+        b"h\x00h\x01\x93\x8c\x04true\x94\x85R."
+    )  # the memo's strings: posix.system("true")
     assert list(safe_pickle.pickle_globals(crafted)) == [("collections", "OrderedDict"), ("posix", "system")]
     with pytest.raises(CheckpointError, match="names posix.system"):
         safe_pickle.check_pickle(crafted, tmp_path / "f", safe_pickle.DEEPSPEED)
@@ -257,8 +274,15 @@ def test_the_opcode_scanner_follows_the_memo_and_every_protocol(tmp_path):
 def test_tensor_archives_pass_the_scan(tmp_path):
     """What our RNG files and DeepSpeed-shaped state dicts hold is on the allow-list."""
     path = tmp_path / "state.pt"
-    torch.save({"torch": torch.get_rng_state(), "module": OrderedDict(w=torch.ones(2, dtype=torch.bfloat16)),
-                "param_shapes": [OrderedDict(w=torch.Size([2]))], "p": torch.nn.Parameter(torch.zeros(1))}, path)
+    torch.save(
+        {
+            "torch": torch.get_rng_state(),
+            "module": OrderedDict(w=torch.ones(2, dtype=torch.bfloat16)),
+            "param_shapes": [OrderedDict(w=torch.Size([2]))],
+            "p": torch.nn.Parameter(torch.zeros(1)),
+        },
+        path,
+    )
     safe_pickle.check_torch_archive(path, safe_pickle.DEEPSPEED)
     (tmp_path / "plain.pt").write_bytes(pickle.dumps({"a": 1}))
     with pytest.raises(CheckpointError, match="is not a torch archive"):
@@ -315,8 +339,10 @@ def test_a_symlink_leading_out_of_a_checkpoint_is_refused(trained, tmp_path, cap
 
 def test_planted_symlinks_in_the_output_folder_are_replaced_not_followed(trained, tmp_path, capsys):
     run = run_copy(trained, tmp_path)
-    victims = {name: tmp_path / f"victim-{name.replace('/', '_')}" for name in
-               ("config.yaml", "tokenizer.json", "plots/loss_vs_steps.png", "checkpoints/latest")}
+    victims = {
+        name: tmp_path / f"victim-{name.replace('/', '_')}"
+        for name in ("config.yaml", "tokenizer.json", "plots/loss_vs_steps.png", "checkpoints/latest")
+    }
     for name, victim in victims.items():
         victim.write_text("the user's own file\n")
         (run / name).unlink()
@@ -331,8 +357,15 @@ def test_planted_symlinks_in_the_output_folder_are_replaced_not_followed(trained
     victim.write_text("mine\n")
     (run / "metrics.jsonl").unlink()
     (run / "metrics.jsonl").symlink_to(victim)
-    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={run}",
-                    "training.max_steps=8", "training.resume_from_checkpoint=latest")
+    error = refused(
+        capsys,
+        "train",
+        "--config",
+        str(trained / "exp.yaml"),
+        f"training.output_dir={run}",
+        "training.max_steps=8",
+        "training.resume_from_checkpoint=latest",
+    )
     assert "metrics.jsonl is a symlink" in error and victim.read_text() == "mine\n"
 
 
@@ -347,8 +380,15 @@ def test_a_second_run_into_a_busy_folder_fails_at_once_naming_the_holder(trained
         holder.truncate(0)
         holder.write("424242\n")
         holder.flush()
-        error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={run}",
-                        "training.max_steps=8", "training.resume_from_checkpoint=latest")
+        error = refused(
+            capsys,
+            "train",
+            "--config",
+            str(trained / "exp.yaml"),
+            f"training.output_dir={run}",
+            "training.max_steps=8",
+            "training.resume_from_checkpoint=latest",
+        )
     assert f"output folder {run} is in use" in error and "PID 424242" in error
     assert snapshot(run) == before
 
@@ -356,22 +396,37 @@ def test_a_second_run_into_a_busy_folder_fails_at_once_naming_the_holder(trained
 @pytest.mark.slow
 def test_two_real_runs_into_one_folder_and_no_stale_lock_after_sigkill(tmp_path):
     config = write_tiny_experiment(tmp_path, max_steps=400, save_steps=0, eval_steps=0)
-    first = subprocess.Popen([sys.executable, "-m", "llm_trainer", "train", "--config", str(config)],
-                             env=src_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "llm_trainer", "train", "--config", str(config)],
+        env=src_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while not (tmp_path / "run" / "metrics.jsonl").is_file():  # training has begun
             assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
             time.sleep(0.05)
-        second = subprocess.run([sys.executable, "-m", "llm_trainer", "train", "--config", str(config)],
-                                env=src_env(), capture_output=True, text=True, timeout=120)
+        second = subprocess.run(
+            [sys.executable, "-m", "llm_trainer", "train", "--config", str(config)],
+            env=src_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode == 2 and f"PID {first.pid}" in the_error(second.stderr)
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
         first.stderr.close()
-    third = subprocess.run([sys.executable, "-m", "llm_trainer", "train", "--config", str(config),
-                            "training.max_steps=2"], env=src_env(), capture_output=True, text=True, timeout=120)
+    third = subprocess.run(
+        [sys.executable, "-m", "llm_trainer", "train", "--config", str(config), "training.max_steps=2"],
+        env=src_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert third.returncode == 0, third.stderr  # the killed run's lock died with it
 
 
@@ -403,8 +458,16 @@ def test_a_refused_resume_writes_nothing(trained, tmp_path, capsys, change):
         (tmp_path / "other.json").write_text(json.dumps(saved))
         overrides = [f"data.tokenizer={tmp_path / 'other.json'}"]
     before = snapshot(run)
-    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={run}",
-                    "training.max_steps=8", "training.resume_from_checkpoint=latest", *overrides)
+    error = refused(
+        capsys,
+        "train",
+        "--config",
+        str(trained / "exp.yaml"),
+        f"training.output_dir={run}",
+        "training.max_steps=8",
+        "training.resume_from_checkpoint=latest",
+        *overrides,
+    )
     assert ("does not fit this model" if change == "shape" else "was trained with another tokenizer") in error
     assert snapshot(run) == before
 
@@ -484,9 +547,15 @@ def test_init_from_a_model_with_another_vocabulary_is_refused(trained, tmp_path,
     letters = sorted(k for k in vocab if len(k) == 1 and k.isalpha())
     vocab[letters[0]], vocab[letters[1]] = vocab[letters[1]], vocab[letters[0]]
     (tmp_path / "other.json").write_text(json.dumps(saved))
-    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={tmp_path / 'new'}",
-                    f"model.init_from={trained / 'run' / 'checkpoints' / ckpt.BEST}",
-                    f"data.tokenizer={tmp_path / 'other.json'}")
+    error = refused(
+        capsys,
+        "train",
+        "--config",
+        str(trained / "exp.yaml"),
+        f"training.output_dir={tmp_path / 'new'}",
+        f"model.init_from={trained / 'run' / 'checkpoints' / ckpt.BEST}",
+        f"data.tokenizer={tmp_path / 'other.json'}",
+    )
     assert "was trained with another vocabulary: 2 of this run's" in error
     assert not (tmp_path / "new").exists()
 
@@ -539,8 +608,14 @@ def test_an_output_folder_we_cannot_write(trained, capsys):
 
 def test_a_cache_folder_that_is_a_file_or_on_a_full_disk(trained, tmp_path, capsys, monkeypatch):
     (tmp_path / "cache").write_text("x")
-    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={tmp_path / 'run'}",
-                    f"data.cache_dir={tmp_path / 'cache'}")
+    error = refused(
+        capsys,
+        "train",
+        "--config",
+        str(trained / "exp.yaml"),
+        f"training.output_dir={tmp_path / 'run'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    )
     assert "data.cache_dir" in error and "is a file" in error and not (tmp_path / "run").exists()
 
     from llm_trainer.data import shards
@@ -549,34 +624,54 @@ def test_a_cache_folder_that_is_a_file_or_on_a_full_disk(trained, tmp_path, caps
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(shards.ShardWriter, "commit", full)
-    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={tmp_path / 'run'}",
-                    f"data.cache_dir={tmp_path / 'cache2'}")
+    error = refused(
+        capsys,
+        "train",
+        "--config",
+        str(trained / "exp.yaml"),
+        f"training.output_dir={tmp_path / 'run'}",
+        f"data.cache_dir={tmp_path / 'cache2'}",
+    )
     assert "disk full while preparing data" in error and not (tmp_path / "run").exists()
     assert not any((tmp_path / "cache2").iterdir())  # the partial work is gone
 
 
 def test_data_smaller_than_one_batch(trained, tmp_path, capsys):
-    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={tmp_path / 'run'}",
-                    "training.batch_size=512")
+    error = refused(
+        capsys,
+        "train",
+        "--config",
+        str(trained / "exp.yaml"),
+        f"training.output_dir={tmp_path / 'run'}",
+        "training.batch_size=512",
+    )
     assert "not enough data for one batch" in error and not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["eval", "--batch-size", "0"], "--batch-size must be at least 1"),
-    (["generate", "--temperature", "nan"], "--temperature must be a finite number"),
-    (["generate", "--top_p", "2"], "--top_p must be in (0, 1]"),
-    (["generate", "--max_new_tokens", "-1"], "--max_new_tokens must be >= 0"),
-], ids=["eval-batch-0", "temperature-nan", "top-p-2", "negative-tokens"])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["eval", "--batch-size", "0"], "--batch-size must be at least 1"),
+        (["generate", "--temperature", "nan"], "--temperature must be a finite number"),
+        (["generate", "--top_p", "2"], "--top_p must be in (0, 1]"),
+        (["generate", "--max_new_tokens", "-1"], "--max_new_tokens must be >= 0"),
+    ],
+    ids=["eval-batch-0", "temperature-nan", "top-p-2", "negative-tokens"],
+)
 def test_bad_flags(trained, capsys, argv, message):
     best = str(trained / "run" / "checkpoints" / ckpt.BEST)
     assert message in refused(capsys, argv[0], "--checkpoint", best, *argv[1:])
 
 
-@pytest.mark.parametrize("content, message", [
-    ("{not json", "is not valid JSON"),
-    ("[1, 2]", "must hold a JSON object"),
-    ('{"d_model": "wide", "n_heads": 2}', "d_model must be an integer"),
-], ids=["not-json", "a-list", "wrong-type"])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "is not valid JSON"),
+        ("[1, 2]", "must hold a JSON object"),
+        ('{"d_model": "wide", "n_heads": 2}', "d_model must be an integer"),
+    ],
+    ids=["not-json", "a-list", "wrong-type"],
+)
 def test_a_broken_model_config(trained, tmp_path, capsys, content, message):
     folder = tmp_path / "best"
     shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, folder)
@@ -601,20 +696,35 @@ def test_init_from_a_folder_with_a_pickled_pytorch_model_bin(trained, tmp_path, 
     pytest.importorskip("transformers")
     folder = tmp_path / "hf"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 64, "n_positions": 24,
-                                                    "n_embd": 16, "n_layer": 1, "n_head": 2}))
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "vocab_size": 64, "n_positions": 24, "n_embd": 16, "n_layer": 1, "n_head": 2})
+    )
     marker = tmp_path / "pwned"
     torch.save({"transformer.wte.weight": Payload(marker)}, folder / "pytorch_model.bin")
-    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={tmp_path / 'run'}",
-                    f"model.init_from={folder}")
+    error = refused(
+        capsys,
+        "train",
+        "--config",
+        str(trained / "exp.yaml"),
+        f"training.output_dir={tmp_path / 'run'}",
+        f"model.init_from={folder}",
+    )
     assert "has no safetensors weights (it has pytorch_model.bin, a pickle" in error
     assert not marker.exists() and not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("field, value", [
-    ("sequence", [1]), ("kind", {"a": 1}), ("config", []), ("format_version", "3"), ("files", "all"),
-    ("files.model.safetensors.size", "big"),
-], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("sequence", [1]),
+        ("kind", {"a": 1}),
+        ("config", []),
+        ("format_version", "3"),
+        ("files", "all"),
+        ("files.model.safetensors.size", "big"),
+    ],
+    ids=lambda v: str(v),
+)
 def test_a_meta_json_with_wrong_types_is_damage_like_any_other(trained, tmp_path, capsys, field, value):
     run = run_copy(trained, tmp_path)
     newest = checkpoint(run, MAX_STEPS)
@@ -627,8 +737,15 @@ def test_a_meta_json_with_wrong_types_is_damage_like_any_other(trained, tmp_path
     (newest / ckpt.META).write_text(json.dumps(meta))
     assert ckpt.resolve_checkpoint("latest", run / "checkpoints") == checkpoint(run, 3)
     assert "meta.json is corrupt" in capsys.readouterr().err
-    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={run}",
-                    "training.max_steps=8", f"training.resume_from_checkpoint={newest}")
+    error = refused(
+        capsys,
+        "train",
+        "--config",
+        str(trained / "exp.yaml"),
+        f"training.output_dir={run}",
+        "training.max_steps=8",
+        f"training.resume_from_checkpoint={newest}",
+    )
     assert "meta.json is corrupt" in error
 
 
@@ -640,15 +757,28 @@ def test_a_train_state_with_wrong_types(trained, tmp_path, capsys):
     (newest / "train_state.json").write_text(json.dumps(state))
     reseal(newest)
     before = snapshot(run)
-    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={run}",
-                    "training.max_steps=8", "training.resume_from_checkpoint=latest")
+    error = refused(
+        capsys,
+        "train",
+        "--config",
+        str(trained / "exp.yaml"),
+        f"training.output_dir={run}",
+        "training.max_steps=8",
+        "training.resume_from_checkpoint=latest",
+    )
     assert "train_state.json is corrupt" in error and snapshot(run) == before
 
 
 @pytest.mark.parametrize("value", ["inf", ".inf", "-.inf", ".nan"])
 def test_a_non_finite_learning_rate(trained, tmp_path, capsys, value):
-    error = refused(capsys, "train", "--config", str(trained / "exp.yaml"), f"training.output_dir={tmp_path / 'run'}",
-                    f"training.learning_rate={value}")
+    error = refused(
+        capsys,
+        "train",
+        "--config",
+        str(trained / "exp.yaml"),
+        f"training.output_dir={tmp_path / 'run'}",
+        f"training.learning_rate={value}",
+    )
     assert "training.learning_rate" in error or "TrainingConfig.learning_rate" in error
     assert not (tmp_path / "run").exists()
 
@@ -657,9 +787,23 @@ def test_a_non_finite_learning_rate(trained, tmp_path, capsys, value):
 def test_deepspeed_refusing_fp16_on_cpu(trained, tmp_path):
     pytest.importorskip("deepspeed")
     result = subprocess.run(
-        [sys.executable, "-m", "llm_trainer", "train", "--config", str(trained / "exp.yaml"),
-         f"training.output_dir={tmp_path / 'run'}", "training.distributed_strategy=deepspeed", "training.use_amp=true",
-         "training.amp_dtype=float16"], env=src_env(), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "llm_trainer",
+            "train",
+            "--config",
+            str(trained / "exp.yaml"),
+            f"training.output_dir={tmp_path / 'run'}",
+            "training.distributed_strategy=deepspeed",
+            "training.use_amp=true",
+            "training.amp_dtype=float16",
+        ],
+        env=src_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
     error = the_error(result.stderr)
     assert "DeepSpeed refused this configuration on cpu" in error and "fp16" in error
@@ -669,14 +813,27 @@ def test_deepspeed_refusing_fp16_on_cpu(trained, tmp_path):
 def test_a_real_deepspeed_checkpoint_passes_the_scan_and_resumes(trained, tmp_path):
     """The allow-list admits what DeepSpeed writes (ZeRO-2, one process on CPU)."""
     pytest.importorskip("deepspeed")
-    args = [sys.executable, "-m", "llm_trainer", "train", "--config", str(trained / "exp.yaml"),
-            f"training.output_dir={tmp_path / 'run'}", "training.distributed_strategy=deepspeed"]
+    args = [
+        sys.executable,
+        "-m",
+        "llm_trainer",
+        "train",
+        "--config",
+        str(trained / "exp.yaml"),
+        f"training.output_dir={tmp_path / 'run'}",
+        "training.distributed_strategy=deepspeed",
+    ]
     first = subprocess.run(args, env=src_env(), capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     for file in (checkpoint(tmp_path / "run", 3) / ckpt.SHARDED_DIR).glob("*.pt"):
         safe_pickle.check_torch_archive(file, safe_pickle.DEEPSPEED)
-    resumed = subprocess.run(args + ["training.max_steps=8", f"training.resume_from_checkpoint={checkpoint(tmp_path / 'run', 6)}"],
-                             env=src_env(), capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        args + ["training.max_steps=8", f"training.resume_from_checkpoint={checkpoint(tmp_path / 'run', 6)}"],
+        env=src_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "continuing from" in resumed.stderr
 
@@ -693,8 +850,9 @@ def test_generate_past_the_context_slides_the_window(trained, capsys):
         assert len(cached) == 8 and cached == generate(model, prompt, max_new_tokens=8, use_cache=False, **kwargs)
     short = [3, 4, 5]  # the cache serves until the window first moves, then each token sees its own window
     cached = generate(model, short, max_new_tokens=context, temperature=1.0, seed=1)
-    assert len(cached) == context and cached == generate(model, short, max_new_tokens=context, temperature=1.0,
-                                                         seed=1, use_cache=False)
+    assert len(cached) == context and cached == generate(
+        model, short, max_new_tokens=context, temperature=1.0, seed=1, use_cache=False
+    )
     err = capsys.readouterr().err
     assert f"the prompt has {context + 5} tokens, more than the model's context ({context})" in err
     assert "the context window slides" in err
@@ -713,7 +871,9 @@ def test_a_pickled_npy_in_the_prepared_data_eval_is_pointed_at(trained, tmp_path
     fingerprint = meta["config"]["data_fingerprint"]
     shutil.copytree(trained / "cache" / fingerprint, tmp_path / "cache" / fingerprint)
     marker = tmp_path / "pwned"
-    np.save(tmp_path / "cache" / fingerprint / "val.idx.npy", np.array([Payload(marker)], dtype=object), allow_pickle=True)
+    np.save(
+        tmp_path / "cache" / fingerprint / "val.idx.npy", np.array([Payload(marker)], dtype=object), allow_pickle=True
+    )
     meta["config"]["data"].update(cache_dir=str(tmp_path / "cache"), pack_sequences=False)  # rows by document offsets
     (folder / ckpt.META).write_text(json.dumps(meta))
     reseal(folder)

@@ -9,6 +9,17 @@ from .train.trainer import Trainer
 
 __version__ = "0.1.0"
 __all__ = [
-    "Callback", "DataConfig", "ExperimentConfig", "ModelConfig", "TrainingConfig", "Trainer", "Transformer",
-    "build_loaders", "build_model", "build_trainer", "load_experiment", "prepare_data", "train",
+    "Callback",
+    "DataConfig",
+    "ExperimentConfig",
+    "ModelConfig",
+    "TrainingConfig",
+    "Trainer",
+    "Transformer",
+    "build_loaders",
+    "build_model",
+    "build_trainer",
+    "load_experiment",
+    "prepare_data",
+    "train",
 ]

@@ -23,8 +23,7 @@ from .data.prepare import PreparedData, prepare_data
 from .errors import UsageError
 from .logs import log, warn
 from .model import Transformer
-from .parallel import distributed
-from .parallel import launcher
+from .parallel import distributed, launcher
 from .resolve import resolve, resolve_training, sequence_length, setup_runtime
 from .tokenizer import TOKENIZER_FILE, Tokenizer, vocabulary_mismatch
 from .train.callbacks import Callback
@@ -61,8 +60,10 @@ def _check_init_vocabulary(init_from: str, tokenizer: Tokenizer) -> None:
     """Refuse a tokenizer whose ids mean other tokens than the init_from model's embedding rows."""
     source = Path(init_from) / TOKENIZER_FILE
     if not source.is_file():
-        warn(f"model.init_from {init_from} has no {TOKENIZER_FILE}: its vocabulary cannot be checked against this "
-             "run's tokenizer; they must number the same tokens alike")
+        warn(
+            f"model.init_from {init_from} has no {TOKENIZER_FILE}: its vocabulary cannot be checked against this "
+            "run's tokenizer; they must number the same tokens alike"
+        )
         return
     try:
         wrong, total = vocabulary_mismatch(source.read_text(encoding="utf-8"), tokenizer.to_json())
@@ -84,13 +85,17 @@ def build_rows(prepared: PreparedData, split: str, data: DataConfig, length: int
     tokens = prepared.tokens(split)
     eot = prepared.tokenizer.eot_id
     if data.pack_sequences and data.packing_strategy == "greedy":
-        return WindowRows(tokens, length, seed=seed, keep_partial=seed is None, eot_id=eot if data.document_mask else None)
-    return DocumentRows(tokens, prepared.offsets(split), length, pack=data.pack_sequences, pad_id=eot,
-                        document_ids=data.document_mask)
+        return WindowRows(
+            tokens, length, seed=seed, keep_partial=seed is None, eot_id=eot if data.document_mask else None
+        )
+    return DocumentRows(
+        tokens, prepared.offsets(split), length, pack=data.pack_sequences, pad_id=eot, document_ids=data.document_mask
+    )
 
 
-def build_loaders(experiment: ExperimentConfig, prepared: PreparedData, device: torch.device,
-                  rank: int = 0, world_size: int = 1):
+def build_loaders(
+    experiment: ExperimentConfig, prepared: PreparedData, device: torch.device, rank: int = 0, world_size: int = 1
+):
     """Training loader (shuffled, seeded, seekable) and validation loader (in order, everything);
     with several ranks each reads its own part."""
     length = sequence_length(experiment)
@@ -98,8 +103,10 @@ def build_loaders(experiment: ExperimentConfig, prepared: PreparedData, device: 
     shard = dict(rank=rank, world_size=world_size, device=device)
     train_rows = build_rows(prepared, "train", experiment.data, length, seed=t.seed)
     if isinstance(train_rows, DocumentRows):
-        log(f"data: {experiment.data.packing_strategy if experiment.data.pack_sequences else 'unpacked'} rows: "
-            f"{len(train_rows):,} of {length} tokens, {train_rows.padding_fraction():.1%} padding")
+        log(
+            f"data: {experiment.data.packing_strategy if experiment.data.pack_sequences else 'unpacked'} rows: "
+            f"{len(train_rows):,} of {length} tokens, {train_rows.padding_fraction():.1%} padding"
+        )
     if experiment.data.curriculum:  # easy rows first, in stages (see data/curriculum.py)
         from .data.curriculum import CurriculumLoader, document_difficulty, row_difficulty
 
@@ -107,8 +114,15 @@ def build_loaders(experiment: ExperimentConfig, prepared: PreparedData, device: 
         difficulty = row_difficulty(
             train_rows, offsets, document_difficulty(offsets, prepared.scores("train"), experiment.data.curriculum_key)
         )
-        train_loader = CurriculumLoader(train_rows, t.batch_size, difficulty=difficulty, stages=experiment.data.curriculum,
-                                        accumulation=t.gradient_accumulation_steps, seed=t.seed, **shard)
+        train_loader = CurriculumLoader(
+            train_rows,
+            t.batch_size,
+            difficulty=difficulty,
+            stages=experiment.data.curriculum,
+            accumulation=t.gradient_accumulation_steps,
+            seed=t.seed,
+            **shard,
+        )
     else:
         train_loader = BatchLoader(train_rows, t.batch_size, shuffle=True, seed=t.seed, drop_last=True, **shard)
     val_loader = None
@@ -139,12 +153,20 @@ def _experiment(config, training: TrainingConfig | None, data: DataConfig | None
         return load_experiment(config)
     if isinstance(config, ModelConfig) and data is not None:
         return ExperimentConfig(model=config, training=training or TrainingConfig(), data=data)
-    raise UsageError("pass an ExperimentConfig, a config file, or model_config, training_config and data_config "
-                     "(the data config says where the text comes from)")
+    raise UsageError(
+        "pass an ExperimentConfig, a config file, or model_config, training_config and data_config "
+        "(the data config says where the text comes from)"
+    )
 
 
-def build_trainer(config, training: TrainingConfig | None = None, data: DataConfig | None = None, *,
-                  callbacks=(), trainer_class: type[Trainer] = Trainer) -> Trainer:
+def build_trainer(
+    config,
+    training: TrainingConfig | None = None,
+    data: DataConfig | None = None,
+    *,
+    callbacks=(),
+    trainer_class: type[Trainer] = Trainer,
+) -> Trainer:
     """prepare -> resolve -> build model -> `trainer_class(...)`, ready to `.train()`; writes config.yaml and
     the tokenizer into the output folder, and plots at the end of training (`Trainer.from_config` is this)."""
     experiment = _experiment(config, training, data)
@@ -170,8 +192,13 @@ def build_trainer(config, training: TrainingConfig | None = None, data: DataConf
     train_loader, val_loader = build_loaders(run.experiment, prepared, run.device, run.dist.rank, run.dist.world_size)
     output = Path(run.training.output_dir)
     return trainer_class(
-        model, run.training, train_dataloader=train_loader, val_dataloader=val_loader, tokenizer=prepared.tokenizer,
-        callbacks=[_RunFiles(output, run.experiment, prepared.tokenizer), *callbacks, _PlotsAtEnd(output)], run=run,
+        model,
+        run.training,
+        train_dataloader=train_loader,
+        val_dataloader=val_loader,
+        tokenizer=prepared.tokenizer,
+        callbacks=[_RunFiles(output, run.experiment, prepared.tokenizer), *callbacks, _PlotsAtEnd(output)],
+        run=run,
         experiment_config={**run.experiment.to_dict(), "data_fingerprint": prepared.manifest["fingerprint"]},
     )
 
@@ -199,7 +226,9 @@ class _RunFiles(Callback):
 
     def on_train_begin(self, trainer) -> None:
         if trainer.dist.is_main:
-            write_text_atomically(self.output / "config.yaml", yaml.safe_dump(self.experiment.to_dict(), sort_keys=False))
+            write_text_atomically(
+                self.output / "config.yaml", yaml.safe_dump(self.experiment.to_dict(), sort_keys=False)
+            )
             write_text_atomically(self.output / TOKENIZER_FILE, self.tokenizer.to_json())
 
 
@@ -234,13 +263,17 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
     else:
         model = load_model_folder(path, device=device)
     if not (path / "tokenizer.json").is_file():
-        raise UsageError(f"{path} has no tokenizer.json: the Trainer that saved it was given no tokenizer it could save "
-                         "(pass tokenizer= llm-trainer's Tokenizer, a tokenizers.Tokenizer or a transformers fast "
-                         "tokenizer), or copy your tokenizer.json into it")
+        raise UsageError(
+            f"{path} has no tokenizer.json: the Trainer that saved it was given no tokenizer it could save "
+            "(pass tokenizer= llm-trainer's Tokenizer, a tokenizers.Tokenizer or a transformers fast "
+            "tokenizer), or copy your tokenizer.json into it"
+        )
     tokenizer = Tokenizer.load(path)
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise UsageError(f"{path / 'tokenizer.json'} has {tokenizer.vocab_size} tokens but the model's vocabulary is "
-                         f"{model.config.vocab_size}; the folder holds another model's tokenizer")
+        raise UsageError(
+            f"{path / 'tokenizer.json'} has {tokenizer.vocab_size} tokens but the model's vocabulary is "
+            f"{model.config.vocab_size}; the folder holds another model's tokenizer"
+        )
     meta_file = path / "meta.json"
     experiment = json.loads(meta_file.read_text()).get("config", {}) if meta_file.is_file() else {}
     return model, tokenizer, experiment

@@ -39,7 +39,14 @@ def cmd_prepare(args) -> int:
     from .data.prepare import prepare_data
 
     prepared = prepare_data(_experiment(args).data)
-    print(json.dumps({"directory": str(prepared.directory), **{k: prepared.manifest[k] for k in ("splits", "documents_out", "removed", "vocab_size")}}))
+    print(
+        json.dumps(
+            {
+                "directory": str(prepared.directory),
+                **{k: prepared.manifest[k] for k in ("splits", "documents_out", "removed", "vocab_size")},
+            }
+        )
+    )
     return 0
 
 
@@ -50,7 +57,9 @@ def cmd_train(args) -> int:
     if args.resume_from_checkpoint:
         from dataclasses import replace
 
-        experiment = replace(experiment, training=replace(experiment.training, resume_from_checkpoint=args.resume_from_checkpoint))
+        experiment = replace(
+            experiment, training=replace(experiment.training, resume_from_checkpoint=args.resume_from_checkpoint)
+        )
     summary = train(experiment)
     if summary.get("stopped_early", "") and str(summary["stopped_early"]).startswith("received "):
         return 128 + signal.Signals[str(summary["stopped_early"]).split()[1]].value
@@ -88,30 +97,37 @@ def _eval_loader(model, tokenizer, experiment: dict, data_file: str | None, batc
             raise UsageError(f"the checkpoint's saved data settings are invalid ({exc}); pass --data FILE") from None
         prepared = find_prepared(settings.cache_dir, fingerprint)
         if prepared is None:
-            raise UsageError(f"the run's validation data ({fingerprint}) is not prepared in {settings.cache_dir}; "
-                             "run `llm-trainer prepare` with the run's config, or pass --data FILE")
+            raise UsageError(
+                f"the run's validation data ({fingerprint}) is not prepared in {settings.cache_dir}; "
+                "run `llm-trainer prepare` with the run's config, or pass --data FILE"
+            )
         if prepared.manifest["splits"]["val"]["tokens"] < 2:
             raise UsageError("the run has no validation split; pass --data FILE")
         if settings.max_length is not None and settings.max_length > length:
-            raise UsageError(f"the saved data.max_length ({settings.max_length}) exceeds the model's context ({length}); "
-                             "pass --data FILE")
+            raise UsageError(
+                f"the saved data.max_length ({settings.max_length}) exceeds the model's context ({length}); "
+                "pass --data FILE"
+            )
         try:  # files of a folder the checkpoint pointed at: whatever is wrong with them is one line
             if int(prepared.tokens("val").max()) >= model.config.vocab_size:
-                raise UsageError(f"the prepared data in {prepared.directory} holds token ids beyond the model's "
-                                 "vocabulary; it was prepared with another tokenizer. Pass --data FILE")
+                raise UsageError(
+                    f"the prepared data in {prepared.directory} holds token ids beyond the model's "
+                    "vocabulary; it was prepared with another tokenizer. Pass --data FILE"
+                )
             rows = build_rows(prepared, "val", settings, settings.max_length or length, seed=None)
         except (ValueError, OSError, IndexError) as exc:
             if isinstance(exc, UsageError):
                 raise
-            raise UsageError(f"the prepared data in {prepared.directory} is unreadable ({str(exc).splitlines()[0][:120]}); "
-                             "pass --data FILE") from None
+            raise UsageError(
+                f"the prepared data in {prepared.directory} is unreadable ({str(exc).splitlines()[0][:120]}); "
+                "pass --data FILE"
+            ) from None
     return BatchLoader(rows, batch_size, shuffle=False, drop_last=False)
 
 
 def cmd_eval(args) -> int:
     from .api import load_for_inference
     from .train.evaluate import evaluate
-
     from .train.metrics import coverage
 
     if args.batch_size is not None and args.batch_size < 1:
@@ -120,12 +136,22 @@ def cmd_eval(args) -> int:
     batch_size = args.batch_size or (experiment.get("training") or {}).get("batch_size") or 8  # as in training
     metrics = evaluate(model, _eval_loader(model, tokenizer, experiment, args.data, batch_size))
     if args.json:
-        print(json.dumps({"loss": metrics["val_loss"], "perplexity": metrics["perplexity"], "tokens": metrics["tokens"],
-                          "batches": metrics["batches"]}))
+        print(
+            json.dumps(
+                {
+                    "loss": metrics["val_loss"],
+                    "perplexity": metrics["perplexity"],
+                    "tokens": metrics["tokens"],
+                    "batches": metrics["batches"],
+                }
+            )
+        )
     else:  # everything, where training's evaluations may cover only the first training.eval_max_batches
         data = args.data or "the run's validation split"
-        print(f"loss {metrics['val_loss']:.4f}  perplexity {metrics['perplexity']:.3f}  tokens {metrics['tokens']:,}  "
-              f"({coverage(metrics)} of {data})")
+        print(
+            f"loss {metrics['val_loss']:.4f}  perplexity {metrics['perplexity']:.3f}  tokens {metrics['tokens']:,}  "
+            f"({coverage(metrics)} of {data})"
+        )
     return 0
 
 
@@ -137,8 +163,14 @@ def cmd_generate(args) -> int:
     model, tokenizer, _ = load_for_inference(args.checkpoint)
     prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eot_id]
     new = generate(
-        model, prompt or [tokenizer.eot_id], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=tokenizer.eot_id,
+        model,
+        prompt or [tokenizer.eot_id],
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_token_id=tokenizer.eot_id,
     )
     print(args.prompt + tokenizer.decode(new))
     return 0
@@ -162,7 +194,9 @@ def cmd_export(args) -> int:
     model, tokenizer, _ = load_for_inference(path)  # validates the folder with our own loader first
     from .checkpoint.format import SHARDED_DIR
 
-    if (path / SHARDED_DIR / ".metadata").is_file():  # an FSDP checkpoint: its shards, gathered above, become a model folder first
+    if (
+        path / SHARDED_DIR / ".metadata"
+    ).is_file():  # an FSDP checkpoint: its shards, gathered above, become a model folder first
         import tempfile
 
         from .checkpoint.model_folder import save_model_folder
@@ -170,12 +204,17 @@ def cmd_export(args) -> int:
         with tempfile.TemporaryDirectory(prefix="consolidated-") as folder:
             save_model_folder(model, folder)
             tokenizer.save(folder)
-            out = export_to_hf(Path(folder), args.output, tokenizer_file=Path(folder) / "tokenizer.json",
-                               overwrite=args.overwrite)
+            out = export_to_hf(
+                Path(folder), args.output, tokenizer_file=Path(folder) / "tokenizer.json", overwrite=args.overwrite
+            )
     else:
         tokenizer_file = path / "tokenizer.json"
-        out = export_to_hf(path, args.output, tokenizer_file=tokenizer_file if tokenizer_file.is_file() else None,
-                           overwrite=args.overwrite)
+        out = export_to_hf(
+            path,
+            args.output,
+            tokenizer_file=tokenizer_file if tokenizer_file.is_file() else None,
+            overwrite=args.overwrite,
+        )
     print(f"exported to {out}")
     return 0
 
@@ -207,8 +246,12 @@ def cmd_quickstart(args) -> int:
     summary = train(experiment)
     best = experiment.training.resolved_checkpoint_dir / "best_model"
     folder = best if best.is_dir() else Path(summary["checkpoint"])
-    print(f"\nvalidation: loss {summary.get('val_loss', float('nan')):.4f}, perplexity {summary.get('perplexity', float('nan')):.2f}")
-    gen = argparse.Namespace(checkpoint=str(folder), prompt="def ", max_new_tokens=120, temperature=0.8, top_k=50, top_p=None, seed=0)
+    print(
+        f"\nvalidation: loss {summary.get('val_loss', float('nan')):.4f}, perplexity {summary.get('perplexity', float('nan')):.2f}"
+    )
+    gen = argparse.Namespace(
+        checkpoint=str(folder), prompt="def ", max_new_tokens=120, temperature=0.8, top_k=50, top_p=None, seed=0
+    )
     print("sample:\n" + "-" * 40)
     cmd_generate(gen)
     print("-" * 40 + f"\noutputs in {experiment.training.output_dir}/ (metrics.jsonl, config.yaml, checkpoints/)")
@@ -221,7 +264,9 @@ def cmd_quickstart(args) -> int:
 def cmd_plot(args) -> int:
     from .tools.plots import plot_runs
 
-    output = Path(args.output) if args.output else (Path(args.runs[0]) / "plots" if len(args.runs) == 1 else Path("plots"))
+    output = (
+        Path(args.output) if args.output else (Path(args.runs[0]) / "plots" if len(args.runs) == 1 else Path("plots"))
+    )
     written = plot_runs(args.runs, output, labels=args.labels, strict=True)
     for path in written.values():
         print(path)
@@ -241,7 +286,9 @@ def cmd_lr_find(args) -> int:
 
         warn("matplotlib is not installed: no plot (pip install 'llm-trainer[tracking]')")
         plot_path = None
-    result = run_lr_finder(experiment, start_lr=args.start_lr, end_lr=args.end_lr, num_steps=args.num_steps, plot_path=plot_path)
+    result = run_lr_finder(
+        experiment, start_lr=args.start_lr, end_lr=args.end_lr, num_steps=args.num_steps, plot_path=plot_path
+    )
     if args.json:
         out = result.to_dict()
         out["plot"] = str(plot_path) if plot_path else None
@@ -252,7 +299,9 @@ def cmd_lr_find(args) -> int:
     if result.suggested_lr is None:
         print("no suggestion: the loss curve is too short; raise --num-steps or widen --start-lr/--end-lr")
     else:
-        print(f"suggested learning rate: {result.suggested_lr:.2e}   (training.learning_rate={result.suggested_lr:.2e})")
+        print(
+            f"suggested learning rate: {result.suggested_lr:.2e}   (training.learning_rate={result.suggested_lr:.2e})"
+        )
     print(f"lowest smoothed loss at lr {result.best_lr:.2e}")
     if plot_path:
         print(f"plot: {plot_path}")
@@ -265,8 +314,14 @@ def cmd_sweep(args) -> int:
     config = resolve_config_path(args.config)
     try:
         result = run_sweep(
-            config, args.search_space, args.trials, overrides=args.overrides, output_dir=args.output_dir,
-            storage=args.storage, study_name=args.study_name, pruner=args.pruner,
+            config,
+            args.search_space,
+            args.trials,
+            overrides=args.overrides,
+            output_dir=args.output_dir,
+            storage=args.storage,
+            study_name=args.study_name,
+            pruner=args.pruner,
         )
     except SweepInterrupted as exc:
         print(f"interrupted: {exc}", file=sys.stderr)
@@ -335,8 +390,12 @@ def cmd_estimate(args) -> int:
     from .tools.estimate import estimate_report, format_report
 
     report = estimate_report(
-        _experiment(args), world_size=args.world_size, sharding=args.sharding, device_memory_gb=args.device_memory,
-        vocab_size=args.vocab_size, batch_size=args.batch_size,
+        _experiment(args),
+        world_size=args.world_size,
+        sharding=args.sharding,
+        device_memory_gb=args.device_memory,
+        vocab_size=args.vocab_size,
+        batch_size=args.batch_size,
         gradient_checkpointing=True if args.gradient_checkpointing else None,
     )
     print(json.dumps(report, indent=2) if args.json else format_report(report))
@@ -352,10 +411,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.learning_rate=3e-4")
         return p
 
-    with_config(sub.add_parser("prepare", help="clean, tokenize and pack the data into token files")).set_defaults(func=cmd_prepare)
+    with_config(sub.add_parser("prepare", help="clean, tokenize and pack the data into token files")).set_defaults(
+        func=cmd_prepare
+    )
     p = with_config(sub.add_parser("train", help="train a model (runs prepare when needed)"))
-    p.add_argument("--resume_from_checkpoint", "--resume-from-checkpoint",
-                   help="a checkpoint folder (or its checkpoint-N.pt name), or 'latest'")
+    p.add_argument(
+        "--resume_from_checkpoint",
+        "--resume-from-checkpoint",
+        help="a checkpoint folder (or its checkpoint-N.pt name), or 'latest'",
+    )
     # `python -m torch.distributed.launch` passes --local-rank=N; the rank is read from the environment
     p.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_train)
@@ -396,7 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plot", help="PNG figures of loss, perplexity and lr vs steps and tokens, runs overlaid")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (each with metrics.jsonl)")
-    p.add_argument("--output", "-o", help="folder for the PNGs (default: RUN_DIR/plots for one run, ./plots for several)")
+    p.add_argument(
+        "--output", "-o", help="folder for the PNGs (default: RUN_DIR/plots for one run, ./plots for several)"
+    )
     p.add_argument("--labels", nargs="+", help="legend names, one per run (default: the folder names)")
     p.set_defaults(func=cmd_plot)
 
@@ -409,9 +475,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_lr_find)
 
     p = with_config(sub.add_parser("sweep", help="hyperparameter search with Optuna (TPE, pruning, resumable)"))
-    p.add_argument("--search-space", "--search_space", required=True, help="YAML of dotted keys to ranges (see llm_trainer.sweep)")
+    p.add_argument(
+        "--search-space", "--search_space", required=True, help="YAML of dotted keys to ranges (see llm_trainer.sweep)"
+    )
     p.add_argument("--trials", type=int, required=True, help="finished trials the study should hold (a rerun resumes)")
-    p.add_argument("--output-dir", "--output_dir", help="folder for trial runs and study.db (default: {training.output_dir}/sweep)")
+    p.add_argument(
+        "--output-dir", "--output_dir", help="folder for trial runs and study.db (default: {training.output_dir}/sweep)"
+    )
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite:///{output-dir}/study.db)")
     p.add_argument("--study-name", "--study_name", help="default: the config file's name")
     p.add_argument("--pruner", choices=["median", "none"], default="median")
@@ -420,7 +490,10 @@ def build_parser() -> argparse.ArgumentParser:
     reg = sub.add_parser("registry", help="model registry: add, list, show, promote versions")
     reg_sub = reg.add_subparsers(dest="registry_command", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--db", help="registry SQLite file, or mlflow:URI (default: $LLM_TRAINER_REGISTRY or ~/.llm_trainer/registry.db)")
+    common.add_argument(
+        "--db",
+        help="registry SQLite file, or mlflow:URI (default: $LLM_TRAINER_REGISTRY or ~/.llm_trainer/registry.db)",
+    )
     common.add_argument("--json", action="store_true", help="print JSON")
     p = reg_sub.add_parser("add", parents=[common], help="register a run folder as a new version of NAME")
     p.add_argument("run_dir", metavar="RUN_DIR")
@@ -437,19 +510,40 @@ def build_parser() -> argparse.ArgumentParser:
     p = reg_sub.add_parser("promote", parents=[common], help="set the stage of NAME:VERSION")
     p.add_argument("ref", metavar="NAME:VERSION")
     p.add_argument("--stage", required=True, choices=["none", "staging", "production", "archived"])
-    p.add_argument("--keep-existing", "--keep_existing", action="store_true",
-                   help="do not archive the version that held this stage")
+    p.add_argument(
+        "--keep-existing",
+        "--keep_existing",
+        action="store_true",
+        help="do not archive the version that held this stage",
+    )
     p.set_defaults(func=cmd_registry_promote)
 
     p = with_config(sub.add_parser("estimate", help="parameters, FLOPs per token and memory per device; does it fit?"))
     p.add_argument("--world-size", "--world_size", type=int, default=1)
-    p.add_argument("--sharding", choices=["none", "zero1", "zero2", "fsdp"], default="none",
-                   help="zero1: optimizer state sharded; zero2: + gradients; fsdp (ZeRO-3): + parameters")
-    p.add_argument("--device-memory", "--device_memory", type=float, metavar="GB", help="device memory in GiB: say whether it fits")
-    p.add_argument("--vocab-size", "--vocab_size", type=int, help="when model.vocab_size is unset (default: from the tokenizer settings)")
-    p.add_argument("--batch-size", "--batch_size", type=int, help="per-device micro-batch (default: training.batch_size)")
-    p.add_argument("--gradient-checkpointing", "--gradient_checkpointing", action="store_true",
-                   help="assume activation checkpointing even if the config does not set it")
+    p.add_argument(
+        "--sharding",
+        choices=["none", "zero1", "zero2", "fsdp"],
+        default="none",
+        help="zero1: optimizer state sharded; zero2: + gradients; fsdp (ZeRO-3): + parameters",
+    )
+    p.add_argument(
+        "--device-memory", "--device_memory", type=float, metavar="GB", help="device memory in GiB: say whether it fits"
+    )
+    p.add_argument(
+        "--vocab-size",
+        "--vocab_size",
+        type=int,
+        help="when model.vocab_size is unset (default: from the tokenizer settings)",
+    )
+    p.add_argument(
+        "--batch-size", "--batch_size", type=int, help="per-device micro-batch (default: training.batch_size)"
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        "--gradient_checkpointing",
+        action="store_true",
+        help="assume activation checkpointing even if the config does not set it",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_estimate)
     return parser

@@ -82,7 +82,9 @@ class _Validated:
                 raise ValueError(f"{section}.{f.name} must be {_type_name(tp)}, got {value!r}")
             if isinstance(value, float) and not math.isfinite(value) and not (value > 0 and f.name in self.UNBOUNDED):
                 raise ValueError(f"{section}.{f.name} must be a finite number, got {value}")
-            if tp is float or (typing.get_origin(tp) in (typing.Union, types.UnionType) and float in typing.get_args(tp)):
+            if tp is float or (
+                typing.get_origin(tp) in (typing.Union, types.UnionType) and float in typing.get_args(tp)
+            ):
                 if isinstance(value, int) and not isinstance(value, bool):
                     object.__setattr__(self, f.name, float(value))
             if isinstance(value, tuple):
@@ -167,8 +169,10 @@ class ModelConfig(_Validated):
 
     def _filled(self) -> dict[str, Any]:
         """The value each preset-dependent field takes: the one set, else the architecture's."""
-        values = {name: default if getattr(self, name) is None else getattr(self, name)
-                  for name, default in ARCHITECTURE_DEFAULTS[self.architecture].items()}
+        values = {
+            name: default if getattr(self, name) is None else getattr(self, name)
+            for name, default in ARCHITECTURE_DEFAULTS[self.architecture].items()
+        }
         values["n_kv_heads"] = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
         if self.d_ff is not None:
             values["d_ff"] = self.d_ff
@@ -179,7 +183,7 @@ class ModelConfig(_Validated):
             values["d_ff"] = 4 * self.d_model
         return values
 
-    def resolved(self) -> "ModelConfig":
+    def resolved(self) -> ModelConfig:
         """Every preset-dependent field set explicitly."""
         return dataclasses.replace(self, **self._filled())
 
@@ -193,7 +197,10 @@ class ModelConfig(_Validated):
             _require(getattr(self, name) > 0, f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
         for name in ("d_ff", "n_kv_heads"):
             _require(filled[name] > 0, f"ModelConfig.{name} must be positive, got {filled[name]}")
-        _require(self.vocab_size is None or self.vocab_size > 0, f"ModelConfig.vocab_size must be positive, got {self.vocab_size}")
+        _require(
+            self.vocab_size is None or self.vocab_size > 0,
+            f"ModelConfig.vocab_size must be positive, got {self.vocab_size}",
+        )
         _require(
             self.d_model % self.n_heads == 0,
             f"ModelConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})",
@@ -205,10 +212,14 @@ class ModelConfig(_Validated):
         if filled["position_embedding"] == "rope":
             _require(self.head_dim % 2 == 0, f"RoPE needs an even head size, got d_model/n_heads = {self.head_dim}")
         for name in ("dropout", "attention_dropout"):
-            _require(0.0 <= getattr(self, name) < 1.0, f"ModelConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+            _require(
+                0.0 <= getattr(self, name) < 1.0, f"ModelConfig.{name} must be in [0, 1), got {getattr(self, name)}"
+            )
         _require(self.rms_norm_eps > 0, "ModelConfig.rms_norm_eps must be positive")
         _require(self.init_std > 0, "ModelConfig.init_std must be positive")
-        _require(self.logit_softcap is None or self.logit_softcap > 0, "ModelConfig.logit_softcap must be positive or null")
+        _require(
+            self.logit_softcap is None or self.logit_softcap > 0, "ModelConfig.logit_softcap must be positive or null"
+        )
 
     @property
     def head_dim(self) -> int:
@@ -235,7 +246,9 @@ class TrainingConfig(_Validated):
     warmup_steps: int = 0
     wsd_decay_ratio: float = 0.2  # fraction of the run spent decaying under `wsd`
     optimizer: Literal["adamw", "adam", "sgd", "muon"] = "adamw"  # muon: Muon for hidden matrices, AdamW for the rest
-    muon_learning_rate: float = 0.02  # peak lr of Muon's matrices (optimizer: muon); the schedule scales it as learning_rate
+    muon_learning_rate: float = (
+        0.02  # peak lr of Muon's matrices (optimizer: muon); the schedule scales it as learning_rate
+    )
     muon_momentum: float = 0.95
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
@@ -246,7 +259,9 @@ class TrainingConfig(_Validated):
     use_amp: bool | Literal["auto"] = False  # auto: bf16 autocast where the device computes bf16 natively
     amp_dtype: Literal["bfloat16", "float16"] = "bfloat16"
     compile: bool = False
-    gradient_checkpointing: bool = False  # recompute each block's activations in backward (also model.gradient_checkpointing)
+    gradient_checkpointing: bool = (
+        False  # recompute each block's activations in backward (also model.gradient_checkpointing)
+    )
     device: str = "auto"  # auto: CUDA, then MPS, then CPU
     seed: int = 42
     output_dir: str = "output"
@@ -262,7 +277,9 @@ class TrainingConfig(_Validated):
     report_to: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] = field(
         default_factory=lambda: ["console", "jsonl"]
     )
-    mlflow_tracking_uri: str | None = None  # report_to mlflow: a URI or a folder; None: $MLFLOW_TRACKING_URI or ./mlruns
+    mlflow_tracking_uri: str | None = (
+        None  # report_to mlflow: a URI or a folder; None: $MLFLOW_TRACKING_URI or ./mlruns
+    )
     progress_bar: bool = True
     speed_window_size: int = 20  # steps averaged by the speed monitor (tokens/s, step time, MFU)
     peak_flops: float | None = None  # the device's peak FLOP/s for MFU; None: looked up for known GPUs
@@ -281,11 +298,24 @@ class TrainingConfig(_Validated):
     max_consecutive_bad_steps: int = 5  # non-finite loss/grad steps in a row before the run stops
 
     def _check(self) -> None:
-        for name in ("batch_size", "gradient_accumulation_steps", "num_epochs", "logging_steps", "max_consecutive_bad_steps",
-                     "speed_window_size"):
+        for name in (
+            "batch_size",
+            "gradient_accumulation_steps",
+            "num_epochs",
+            "logging_steps",
+            "max_consecutive_bad_steps",
+            "speed_window_size",
+        ):
             _require(getattr(self, name) > 0, f"TrainingConfig.{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_steps", "save_total_limit", "eval_max_batches", "early_stopping_patience", "max_tokens",
-                     "total_batch_tokens", "eval_batch_size"):
+        for name in (
+            "max_steps",
+            "save_total_limit",
+            "eval_max_batches",
+            "early_stopping_patience",
+            "max_tokens",
+            "total_batch_tokens",
+            "eval_batch_size",
+        ):
             value = getattr(self, name)
             _require(value is None or value > 0, f"TrainingConfig.{name} must be positive or null, got {value}")
         for name in ("save_steps", "eval_steps", "warmup_steps"):
@@ -299,13 +329,19 @@ class TrainingConfig(_Validated):
         _require(0 < self.wsd_decay_ratio <= 1, "TrainingConfig.wsd_decay_ratio must be in (0, 1]")
         _require(self.weight_decay >= 0, "TrainingConfig.weight_decay must be >= 0")
         for name in ("adam_beta1", "adam_beta2"):
-            _require(0 <= getattr(self, name) < 1, f"TrainingConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+            _require(
+                0 <= getattr(self, name) < 1, f"TrainingConfig.{name} must be in [0, 1), got {getattr(self, name)}"
+            )
         _require(self.adam_epsilon > 0, "TrainingConfig.adam_epsilon must be positive")
         _require(self.muon_learning_rate > 0, "TrainingConfig.muon_learning_rate must be positive")
-        _require(not (self.max_steps is not None and self.max_tokens is not None),
-                 "TrainingConfig: set max_steps or max_tokens, not both")
-        _require(not (self.total_batch_tokens is not None and self.gradient_accumulation_steps != 1),
-                 "TrainingConfig: total_batch_tokens sets gradient_accumulation_steps; remove one of them")
+        _require(
+            not (self.max_steps is not None and self.max_tokens is not None),
+            "TrainingConfig: set max_steps or max_tokens, not both",
+        )
+        _require(
+            not (self.total_batch_tokens is not None and self.gradient_accumulation_steps != 1),
+            "TrainingConfig: total_batch_tokens sets gradient_accumulation_steps; remove one of them",
+        )
         _require(0 <= self.muon_momentum < 1, "TrainingConfig.muon_momentum must be in [0, 1)")
         _require(self.max_grad_norm is None or self.max_grad_norm >= 0, "TrainingConfig.max_grad_norm must be >= 0")
         _require(
@@ -351,7 +387,9 @@ class SourceConfig(_Validated):
     def _check(self) -> None:
         where = f"data source {self.name!r}"
         _require(bool(self.name), f"each of DataConfig.sources needs a name, got {self.name!r}")
-        _require(self.data_files is not None or self.dataset_name is not None, f"{where} needs data_files or dataset_name")
+        _require(
+            self.data_files is not None or self.dataset_name is not None, f"{where} needs data_files or dataset_name"
+        )
         _require(self.weight > 0, f"{where}: weight must be positive")
         _require(self.max_documents is None or self.max_documents > 0, f"{where}: max_documents must be positive")
 
@@ -381,8 +419,9 @@ def _typed_list(values: Any, cls: type, field_name: str) -> Any:
             try:
                 value = cls.from_dict(value, section=f"DataConfig.{field_name}[{i}]")
             except TypeError as exc:  # a required key is missing
-                raise ValueError(f"DataConfig.{field_name}[{i}]" + (f" ({name!r})" if name else "")
-                                 + f" is incomplete: {exc}") from None
+                raise ValueError(
+                    f"DataConfig.{field_name}[{i}]" + (f" ({name!r})" if name else "") + f" is incomplete: {exc}"
+                ) from None
         out.append(value)
     return out
 
@@ -419,12 +458,16 @@ class DataConfig(_Validated):
     # text_column, include, exclude, streaming, max_documents}; unset keys take the values above.
     # Replaces data_files/dataset_name (which form one source named "data" when this is null).
     sources: list[SourceConfig] | None = None
-    mixture_stopping: Literal["first_exhausted", "all_exhausted"] = "all_exhausted"  # when one source runs out: stop, or go on with the rest
+    mixture_stopping: Literal["first_exhausted", "all_exhausted"] = (
+        "all_exhausted"  # when one source runs out: stop, or go on with the rest
+    )
     seed: int = 0  # seeds the mixture's draw (prepare); the loader's order follows training.seed
     include: list[str] | None = None  # globs a file found in a folder must match, e.g. ["*.py"] ("*" spans folders)
     exclude: list[str] | None = None  # globs that leave out files found in folders, e.g. ["tests/*", "*.min.js"]
     streaming: bool = False  # read Hugging Face datasets as a stream instead of downloading them first
-    on_bad_input: Literal["error", "skip", "skip_in_folders"] = "skip_in_folders"  # skip_in_folders: skip+count bad files found in folders/globs, error on named ones
+    on_bad_input: Literal["error", "skip", "skip_in_folders"] = (
+        "skip_in_folders"  # skip_in_folders: skip+count bad files found in folders/globs, error on named ones
+    )
 
     # -- cleaning ----------------------------------------------------------------------------------
     corpus_type: Literal["prose", "code"] = "prose"  # code: whitespace inside lines is never touched
@@ -452,7 +495,9 @@ class DataConfig(_Validated):
 
     # -- deduplication, across all sources ---------------------------------------------------------
     deduplication: Literal["none", "exact", "near"] = "exact"  # near: exact + MinHash/LSH near-duplicates
-    deduplication_threshold: float = 0.8  # Jaccard similarity of word shingles above which a document is a near-duplicate
+    deduplication_threshold: float = (
+        0.8  # Jaccard similarity of word shingles above which a document is a near-duplicate
+    )
     minhash_num_perm: int = 128
     minhash_shingle_words: int = 5
 
@@ -460,7 +505,9 @@ class DataConfig(_Validated):
     shard_tokens: int = 32 * 2**20  # tokens per shard: the unit an interrupted prepare resumes from
     progress_bar: bool = True  # a progress bar on stderr while preparing (terminals only)
     document_mask: bool = False  # attention stays within each document; positions restart per document
-    curriculum: list[CurriculumStage] | None = None  # stages [{until_step: N, max_difficulty: X}, ...] in optimizer steps
+    curriculum: list[CurriculumStage] | None = (
+        None  # stages [{until_step: N, max_difficulty: X}, ...] in optimizer steps
+    )
     curriculum_key: str = "length"  # "length" (tokens of a document) or a numeric column of the sources
 
     def _check(self) -> None:
@@ -498,7 +545,14 @@ class DataConfig(_Validated):
                 re.compile(pattern)
             except re.error as exc:
                 raise ValueError(f"DataConfig.boilerplate_patterns: {pattern!r} is not a valid regex ({exc})") from None
-        for name in ("max_chars", "min_words", "max_words", "duplicate_ngram_size", "minhash_shingle_words", "shard_tokens"):
+        for name in (
+            "max_chars",
+            "min_words",
+            "max_words",
+            "duplicate_ngram_size",
+            "minhash_shingle_words",
+            "shard_tokens",
+        ):
             value = getattr(self, name)
             _require(value is None or value > 0, f"DataConfig.{name} must be positive, got {value}")
         for name in ("min_alpha_fraction", "max_repeated_line_fraction", "max_duplicate_ngram_fraction"):
@@ -507,7 +561,11 @@ class DataConfig(_Validated):
         for name in ("min_mean_word_length", "max_mean_word_length", "min_char_entropy"):
             value = getattr(self, name)
             _require(value is None or value >= 0, f"DataConfig.{name} must be >= 0, got {value}")
-        for low, high in (("min_words", "max_words"), ("min_mean_word_length", "max_mean_word_length"), ("min_length", "max_chars")):
+        for low, high in (
+            ("min_words", "max_words"),
+            ("min_mean_word_length", "max_mean_word_length"),
+            ("min_length", "max_chars"),
+        ):
             a, b = getattr(self, low), getattr(self, high)
             _require(a is None or b is None or a <= b, f"DataConfig.{low} ({a}) must not exceed {high} ({b})")
         _require(0.0 < self.deduplication_threshold <= 1.0, "DataConfig.deduplication_threshold must be in (0, 1]")
@@ -515,8 +573,11 @@ class DataConfig(_Validated):
         _require(bool(self.curriculum_key), "DataConfig.curriculum_key must be length or a column name")
         steps = [stage.until_step for stage in self.curriculum or []]
         for i in range(1, len(steps)):
-            _require(steps[i] > steps[i - 1], f"DataConfig.curriculum[{i}].until_step must be above the previous "
-                                              f"stage's ({steps[i - 1]}), got {steps[i]}")
+            _require(
+                steps[i] > steps[i - 1],
+                f"DataConfig.curriculum[{i}].until_step must be above the previous "
+                f"stage's ({steps[i - 1]}), got {steps[i]}",
+            )
 
     def _coerce(self) -> None:
         self.sources = _typed_list(self.sources, SourceConfig, "sources")
@@ -539,11 +600,13 @@ class ExperimentConfig:
         return {"model": self.model.to_dict(), "training": self.training.to_dict(), "data": self.data.to_dict()}
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "ExperimentConfig":
+    def from_dict(cls, values: dict[str, Any]) -> ExperimentConfig:
         if not isinstance(values, dict):
             raise ValueError("an experiment config must be a mapping with sections model:, training:, data:")
-        known = {name: [f.name for f in dataclasses.fields(section)]
-                 for name, section in (("model", ModelConfig), ("training", TrainingConfig), ("data", DataConfig))}
+        known = {
+            name: [f.name for f in dataclasses.fields(section)]
+            for name, section in (("model", ModelConfig), ("training", TrainingConfig), ("data", DataConfig))
+        }
         values, problems = config_aliases.canonical_experiment(values, known)  # every problem of the file at once
         if problems:
             raise ValueError(config_aliases.one_message(problems))
@@ -563,7 +626,9 @@ class _Loader(yaml.SafeLoader):
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
+    re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"
+    ),
     list("-+0123456789."),
 )
 

@@ -11,22 +11,37 @@ an alias and its field both set to different values) is collected, so one error 
 from __future__ import annotations
 
 import difflib
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 # A spelling maps to our field, or to a function turning its value into (field, value) pairs.
 Expand = Callable[[Any], Iterator[tuple[str, Any]]]
 
 MODEL: dict[str, str] = {
     # Hugging Face (LLaMA and GPT-2 configs)
-    "type": "architecture", "model_type": "architecture",
-    "hidden_size": "d_model", "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
-    "num_hidden_layers": "n_layers", "intermediate_size": "d_ff", "max_position_embeddings": "max_seq_len",
-    "n_positions": "max_seq_len", "n_inner": "d_ff", "layer_norm_epsilon": "rms_norm_eps",
-    "layer_norm_eps": "rms_norm_eps", "tie_word_embeddings": "tie_embeddings", "initializer_range": "init_std",
-    "hidden_dropout_prob": "dropout", "dropout_rate": "dropout", "attention_probs_dropout_prob": "attention_dropout",
+    "type": "architecture",
+    "model_type": "architecture",
+    "hidden_size": "d_model",
+    "num_attention_heads": "n_heads",
+    "num_key_value_heads": "n_kv_heads",
+    "num_hidden_layers": "n_layers",
+    "intermediate_size": "d_ff",
+    "max_position_embeddings": "max_seq_len",
+    "n_positions": "max_seq_len",
+    "n_inner": "d_ff",
+    "layer_norm_epsilon": "rms_norm_eps",
+    "layer_norm_eps": "rms_norm_eps",
+    "tie_word_embeddings": "tie_embeddings",
+    "initializer_range": "init_std",
+    "hidden_dropout_prob": "dropout",
+    "dropout_rate": "dropout",
+    "attention_probs_dropout_prob": "attention_dropout",
     "attn_pdrop": "attention_dropout",
     # nanoGPT (its `bias` and `dropout` are ours already)
-    "n_embd": "d_model", "n_head": "n_heads", "n_layer": "n_layers", "block_size": "max_seq_len",
+    "n_embd": "d_model",
+    "n_head": "n_heads",
+    "n_layer": "n_layers",
+    "block_size": "max_seq_len",
 }
 
 
@@ -45,13 +60,26 @@ def _precision(dtype: str) -> Expand:
 
 TRAINING: dict[str, str | Expand] = {
     # Hugging Face TrainingArguments
-    "per_device_train_batch_size": "batch_size", "num_train_epochs": "num_epochs", "lr_scheduler_type": "lr_scheduler",
-    "fp16": _precision("float16"), "bf16": _precision("bfloat16"),
+    "per_device_train_batch_size": "batch_size",
+    "num_train_epochs": "num_epochs",
+    "lr_scheduler_type": "lr_scheduler",
+    "fp16": _precision("float16"),
+    "bf16": _precision("bfloat16"),
     # nanoGPT / litgpt / the guides
-    "clip_grad_norm": "max_grad_norm", "grad_clip": "max_grad_norm", "gradient_clipping": "max_grad_norm",
-    "micro_batch_size": "batch_size", "epochs": "num_epochs", "max_iters": "max_steps", "lr": "learning_rate",
-    "warmup_iters": "warmup_steps", "eval_interval": "eval_steps", "log_interval": "logging_steps",
-    "eval_iters": "eval_max_batches", "out_dir": "output_dir", "beta1": "adam_beta1", "beta2": "adam_beta2",
+    "clip_grad_norm": "max_grad_norm",
+    "grad_clip": "max_grad_norm",
+    "gradient_clipping": "max_grad_norm",
+    "micro_batch_size": "batch_size",
+    "epochs": "num_epochs",
+    "max_iters": "max_steps",
+    "lr": "learning_rate",
+    "warmup_iters": "warmup_steps",
+    "eval_interval": "eval_steps",
+    "log_interval": "logging_steps",
+    "eval_iters": "eval_max_batches",
+    "out_dir": "output_dir",
+    "beta1": "adam_beta1",
+    "beta2": "adam_beta2",
 }
 
 # YAML 1.1 reads an unquoted `off` / `no` as false: the string our field means.
@@ -68,8 +96,10 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
         "70B": dict(d_model=8192, n_heads=64, n_kv_heads=8, n_layers=80, d_ff=28672),
     },
     "gpt2": {
-        "124M": dict(d_model=768, n_heads=12, n_layers=12), "355M": dict(d_model=1024, n_heads=16, n_layers=24),
-        "774M": dict(d_model=1280, n_heads=20, n_layers=36), "1.5B": dict(d_model=1600, n_heads=25, n_layers=48),
+        "124M": dict(d_model=768, n_heads=12, n_layers=12),
+        "355M": dict(d_model=1024, n_heads=16, n_layers=24),
+        "774M": dict(d_model=1280, n_heads=20, n_layers=36),
+        "1.5B": dict(d_model=1600, n_heads=25, n_layers=48),
     },
 }
 _SIZE_NAMES = {"small": "124M", "medium": "355M", "large": "774M", "xl": "1.5B"}
@@ -100,16 +130,29 @@ def _checkpointing(value: Any) -> Iterator[tuple[str, Any]]:
 
 
 FSDP_CONFIG: dict[str, Expand] = {
-    "sharding_strategy": _sharding, "mixed_precision": _mixed_precision,
-    "activation_checkpointing": _checkpointing, "checkpoint_activation": _checkpointing,
+    "sharding_strategy": _sharding,
+    "mixed_precision": _mixed_precision,
+    "activation_checkpointing": _checkpointing,
+    "checkpoint_activation": _checkpointing,
 }
 DISTRIBUTED: dict[str, str] = {
-    "strategy": "distributed_strategy", "backend": "distributed_backend", "timeout": "distributed_timeout_s",
-    "find_unused_parameters": "ddp_find_unused_parameters", "sharding_strategy": "fsdp_sharding",
+    "strategy": "distributed_strategy",
+    "backend": "distributed_backend",
+    "timeout": "distributed_timeout_s",
+    "find_unused_parameters": "ddp_find_unused_parameters",
+    "sharding_strategy": "fsdp_sharding",
 }
 # Our own training fields that may also stand in `distributed:`.
-DISTRIBUTED_FIELDS = ("distributed_strategy", "world_size", "distributed_backend", "distributed_timeout_s",
-                      "ddp_find_unused_parameters", "fsdp_sharding", "use_deepspeed", "deepspeed_config")
+DISTRIBUTED_FIELDS = (
+    "distributed_strategy",
+    "world_size",
+    "distributed_backend",
+    "distributed_timeout_s",
+    "ddp_find_unused_parameters",
+    "fsdp_sharding",
+    "use_deepspeed",
+    "deepspeed_config",
+)
 
 ALIASES: dict[str, Mapping[str, str | Expand]] = {"model": MODEL, "training": TRAINING}
 SECTIONS = ("model", "training", "data")
@@ -125,16 +168,19 @@ class _Fields:
 
     def set(self, field: str, value: Any, spelled: str, target: str) -> None:
         if field in self.values and self.values[field] != value:
-            self.problems.append(f"{self.spelled[field]} ({self.values[field]!r}) and {spelled} ({value!r}) both set "
-                                 f"{target}.{field}; keep one")
+            self.problems.append(
+                f"{self.spelled[field]} ({self.values[field]!r}) and {spelled} ({value!r}) both set "
+                f"{target}.{field}; keep one"
+            )
             return
         self.values.setdefault(field, value)
         self.spelled.setdefault(field, spelled)
 
 
 def _hint(section: str, key: str, known: list[str], aliases: Mapping[str, Any]) -> str:
-    close = difflib.get_close_matches(str(key), [k for k in known if not k.startswith("_")] + list(aliases), n=1,
-                                      cutoff=0.6)
+    close = difflib.get_close_matches(
+        str(key), [k for k in known if not k.startswith("_")] + list(aliases), n=1, cutoff=0.6
+    )
     if not close:
         return f"; valid keys: {', '.join(known)}" if len(known) <= 40 else ""
     target = aliases.get(close[0])
@@ -149,8 +195,9 @@ def _expand(spelling: str | Expand, value: Any) -> Iterator[tuple[str, Any]]:
         yield from spelling(value)
 
 
-def _read_section(fields: _Fields, section: str, values: Mapping[str, Any], known: list[str], *,
-                  strict: bool, unused: list[str]) -> None:
+def _read_section(
+    fields: _Fields, section: str, values: Mapping[str, Any], known: list[str], *, strict: bool, unused: list[str]
+) -> None:
     """Put one section's keys into `fields` under our names; unknown keys go to problems (or `unused`)."""
     aliases = ALIASES.get(section, {})
     for key, value in values.items():
@@ -180,7 +227,9 @@ def _read_distributed(fields: _Fields, values: Any, known: list[str]) -> None:
         where = f"distributed.{key}"
         if key == "fsdp_config":
             if not isinstance(value, dict):
-                fields.problems.append(f"{where} must be a mapping (sharding_strategy, mixed_precision, activation_checkpointing)")
+                fields.problems.append(
+                    f"{where} must be a mapping (sharding_strategy, mixed_precision, activation_checkpointing)"
+                )
                 continue
             for name, item in value.items():
                 if name not in FSDP_CONFIG:
@@ -199,7 +248,11 @@ def _read_distributed(fields: _Fields, values: Any, known: list[str]) -> None:
             fields.set(field, value, where, "training")
         else:
             close = difflib.get_close_matches(str(key), allowed + list(DISTRIBUTED) + ["fsdp_config"], n=1, cutoff=0.6)
-            hint = f"; did you mean distributed.{close[0]}?" if close else "; known: strategy, fsdp_config, " + ", ".join(allowed)
+            hint = (
+                f"; did you mean distributed.{close[0]}?"
+                if close
+                else "; known: strategy, fsdp_config, " + ", ".join(allowed)
+            )
             fields.problems.append(f"unknown key {where}{hint}")
 
 
@@ -214,25 +267,28 @@ def _apply_size(fields: _Fields) -> None:
     name = _SIZE_NAMES.get(str(size).lower(), str(size)).upper()
     shape = next((v for k, v in table.items() if k.upper() == name), None)
     if shape is None:
-        fields.problems.append(f"model.size {size!r} is not a known {architecture} size; known: {', '.join(table)} "
-                               "(or set d_model, n_heads, n_layers, d_ff yourself)")
+        fields.problems.append(
+            f"model.size {size!r} is not a known {architecture} size; known: {', '.join(table)} "
+            "(or set d_model, n_heads, n_layers, d_ff yourself)"
+        )
         return
     for field, value in shape.items():
         fields.values.setdefault(field, value)
 
 
-def _section(section: str, values: Mapping[str, Any], known: list[str], *, strict: bool,
-             unused: list[str]) -> _Fields:
+def _section(section: str, values: Mapping[str, Any], known: list[str], *, strict: bool, unused: list[str]) -> _Fields:
     fields = _Fields()
-    _read_section(fields, section, values, known + (["size"] if section == "model" else []), strict=strict,
-                  unused=unused)
+    _read_section(
+        fields, section, values, known + (["size"] if section == "model" else []), strict=strict, unused=unused
+    )
     if section == "model":
         _apply_size(fields)
     return fields
 
 
-def canonical_section(section: str, values: Mapping[str, Any], known: list[str], *,
-                      strict: bool = True) -> tuple[dict[str, Any], list[str], list[str]]:
+def canonical_section(
+    section: str, values: Mapping[str, Any], known: list[str], *, strict: bool = True
+) -> tuple[dict[str, Any], list[str], list[str]]:
     """(values under our field names, problems, unused keys). `strict`: unknown keys are problems,
     else they are returned as unused (a user's own dict holds more than our section)."""
     unused: list[str] = []
@@ -240,7 +296,9 @@ def canonical_section(section: str, values: Mapping[str, Any], known: list[str],
     return fields.values, fields.problems, unused
 
 
-def canonical_experiment(values: Mapping[str, Any], known: Mapping[str, list[str]]) -> tuple[dict[str, dict], list[str]]:
+def canonical_experiment(
+    values: Mapping[str, Any], known: Mapping[str, list[str]]
+) -> tuple[dict[str, dict], list[str]]:
     """The sections model/training/data under our names, `distributed:` folded into training, and every
     problem of the whole config (unknown sections and keys, conflicts)."""
     problems: list[str] = []

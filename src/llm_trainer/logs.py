@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 from .parallel import launcher
 from .parallel.launcher import is_main_process

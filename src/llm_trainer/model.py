@@ -49,7 +49,7 @@ class KVCache:
     length: int = 0  # positions filled so far
 
     @classmethod
-    def empty(cls, config: ModelConfig, batch_size: int, max_len: int, device, dtype) -> "KVCache":
+    def empty(cls, config: ModelConfig, batch_size: int, max_len: int, device, dtype) -> KVCache:
         config = config.resolved()
         shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
         return cls(
@@ -63,7 +63,9 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     t = torch.arange(doc_ids.shape[1], device=doc_ids.device)
     starts = torch.ones_like(doc_ids, dtype=torch.bool)
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    first = torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values  # (B, T): where each token's document starts
+    first = (
+        torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values
+    )  # (B, T): where each token's document starts
     return t - first
 
 
@@ -172,7 +174,9 @@ class Attention(nn.Module):
             causal = False
         attend = _explicit_attention if _explicit_is_faster(q) else F.scaled_dot_product_attention
         y = attend(
-            q, k, v,
+            q,
+            k,
+            v,
             attn_mask=mask,
             is_causal=causal,
             dropout_p=self.attention_dropout if self.training else 0.0,
@@ -244,7 +248,9 @@ class Transformer(nn.Module):
         config = config.resolved()  # every preset value explicit: what model_config.json records
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.position_embedding == "learned" else None
+        self.pos_emb = (
+            nn.Embedding(config.max_seq_len, config.d_model) if config.position_embedding == "learned" else None
+        )
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = _norm(config) if config.pre_norm else nn.Identity()
@@ -254,11 +260,13 @@ class Transformer(nn.Module):
             self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)
             self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)
         self.init_buffers()
-        if not self.tok_emb.weight.is_meta:  # on the meta device there is nothing to draw (parallelize initialises later)
+        if (
+            not self.tok_emb.weight.is_meta
+        ):  # on the meta device there is nothing to draw (parallelize initialises later)
             self.reset_parameters()
 
     @classmethod
-    def on_meta(cls, config: ModelConfig) -> "Transformer":
+    def on_meta(cls, config: ModelConfig) -> Transformer:
         """The model on the meta device: shapes, no storage, nothing drawn (parallelize materialises and
         initialises it). The constructors' own default initialisation is skipped too: on the meta device
         it only costs time (a second, to import torch's compiler for meta random ops)."""
@@ -313,7 +321,9 @@ class Transformer(nn.Module):
             n -= self.pos_emb.weight.numel()
         return n
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, cache: KVCache | None = None, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """doc_ids: optional (B, T) document index of each token (packed rows): attention is restricted
         to each document and positions restart at 0 for each one. None: one causal sequence."""
         B, T = input_ids.shape
@@ -323,7 +333,9 @@ class Transformer(nn.Module):
         doc_mask = positions = None
         if doc_ids is not None:
             if cache is not None:
-                raise ValueError("doc_ids (document masking) is for training and evaluation; it cannot be used with a KV cache")
+                raise ValueError(
+                    "doc_ids (document masking) is for training and evaluation; it cannot be used with a KV cache"
+                )
             if self.config.attention_backend == "flex":
                 doc_mask, positions = document_block_mask(doc_ids), document_positions(doc_ids)
             else:
@@ -338,9 +350,15 @@ class Transformer(nn.Module):
         rope = None
         if self.pos_emb is None:
             if positions is None:
-                rope = (self.rope_cos[start : start + T, None], self.rope_sin[start : start + T, None])  # (T, 1, D/2) each
+                rope = (
+                    self.rope_cos[start : start + T, None],
+                    self.rope_sin[start : start + T, None],
+                )  # (T, 1, D/2) each
             else:
-                rope = (self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2))  # (B, T, 1, D/2) each
+                rope = (
+                    self.rope_cos[positions].unsqueeze(2),
+                    self.rope_sin[positions].unsqueeze(2),
+                )  # (B, T, 1, D/2) each
         for block in self.blocks:
             x = block(x, rope, cache) if doc_mask is None else block(x, rope, cache, doc_mask)
         if cache is not None:
@@ -360,7 +378,7 @@ class Transformer(nn.Module):
         save_model_folder(self, directory)
 
     @classmethod
-    def from_pretrained(cls, directory, device="cpu") -> "Transformer":
+    def from_pretrained(cls, directory, device="cpu") -> Transformer:
         from .checkpoint.model_folder import load_model_folder
 
         return load_model_folder(directory, device=device)

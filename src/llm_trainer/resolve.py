@@ -104,8 +104,10 @@ def token_anchors(training: TrainingConfig, seq_len: int | None, world_size: int
     if training.total_batch_tokens is None and training.max_tokens is None:
         return training
     if seq_len is None:
-        raise UsageError("training.max_tokens / total_batch_tokens need the sequence length; use llm_trainer.train, "
-                         "or loaders of fixed-length rows, or set max_steps and gradient_accumulation_steps")
+        raise UsageError(
+            "training.max_tokens / total_batch_tokens need the sequence length; use llm_trainer.train, "
+            "or loaders of fixed-length rows, or set max_steps and gradient_accumulation_steps"
+        )
     per_micro_step = training.batch_size * seq_len * world_size
     accumulation = training.gradient_accumulation_steps
     if training.total_batch_tokens is not None:
@@ -118,8 +120,13 @@ def token_anchors(training: TrainingConfig, seq_len: int | None, world_size: int
     max_steps = training.max_steps
     if training.max_tokens is not None:
         max_steps = -(-training.max_tokens // (per_micro_step * accumulation))
-    return dataclasses.replace(training, gradient_accumulation_steps=accumulation, max_steps=max_steps,
-                               total_batch_tokens=None, max_tokens=None)
+    return dataclasses.replace(
+        training,
+        gradient_accumulation_steps=accumulation,
+        max_steps=max_steps,
+        total_batch_tokens=None,
+        max_tokens=None,
+    )
 
 
 def resolve_training(training: TrainingConfig) -> TrainingConfig:
@@ -127,8 +134,9 @@ def resolve_training(training: TrainingConfig) -> TrainingConfig:
     precision, optimizer and schedule folded in (`deepspeed_engine.merge_into_training`), before the
     optimizer, the schedule or the loaders are built from it."""
     if training.use_amp == "auto":  # bf16 where the device computes it natively (measured: bench/cpu_bf16.py)
-        training = dataclasses.replace(training, use_amp=native_bf16(resolve_device(training.device)),
-                                       amp_dtype="bfloat16")
+        training = dataclasses.replace(
+            training, use_amp=native_bf16(resolve_device(training.device)), amp_dtype="bfloat16"
+        )
     if training.distributed_strategy != "deepspeed" or training.deepspeed_config is None:
         return training
     from .parallel.deepspeed_engine import merge_into_training
@@ -201,11 +209,20 @@ class ResolvedRun:
         return activation_checkpointing(self.training, self.experiment.model)
 
 
-def resolve(experiment: ExperimentConfig, tokenizer, runtime: Runtime, model_config: ModelConfig | None = None) -> ResolvedRun:
+def resolve(
+    experiment: ExperimentConfig, tokenizer, runtime: Runtime, model_config: ModelConfig | None = None
+) -> ResolvedRun:
     """Fix everything that depends on the tokenizer and the machine. `model_config`: the architecture
     of the model loaded with model.init_from, which replaces the experiment's model section."""
-    model = experiment.model if model_config is None else dataclasses.replace(
-        model_config, gradient_checkpointing=experiment.model.gradient_checkpointing, init_from=experiment.model.init_from)
+    model = (
+        experiment.model
+        if model_config is None
+        else dataclasses.replace(
+            model_config,
+            gradient_checkpointing=experiment.model.gradient_checkpointing,
+            init_from=experiment.model.init_from,
+        )
+    )
     experiment = dataclasses.replace(experiment, model=model)
     seq_len = sequence_length(experiment)
     size, source = vocab_size(experiment, tokenizer)
@@ -213,5 +230,9 @@ def resolve(experiment: ExperimentConfig, tokenizer, runtime: Runtime, model_con
         source = f"model.init_from ({experiment.model.init_from})"
     model = dataclasses.replace(model.resolved(), vocab_size=size)
     training = token_anchors(experiment.training, seq_len, runtime.dist.world_size)
-    return ResolvedRun(experiment=dataclasses.replace(experiment, model=model, training=training), seq_len=seq_len,
-                       vocab_source=source, runtime=runtime)
+    return ResolvedRun(
+        experiment=dataclasses.replace(experiment, model=model, training=training),
+        seq_len=seq_len,
+        vocab_source=source,
+        runtime=runtime,
+    )

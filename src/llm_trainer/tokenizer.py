@@ -16,10 +16,11 @@ byte is a token), so any input, in any script, round-trips exactly.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
-from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import UsageError
 
@@ -33,10 +34,12 @@ PRE_SPLIT = rf"'s|'t|'re|'ve|'m|'ll|'d| ?{_WORD}| ?\p{{N}}+| ?[^\s\p{{L}}\p{{M}}
 
 def byte_level_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     """`PRE_SPLIT`, then GPT-2's byte-to-character mapping (no second regex pass)."""
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRE_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRE_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 class Tokenizer:
@@ -53,7 +56,7 @@ class Tokenizer:
     # -- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def train_bpe(cls, texts: Iterable[str], vocab_size: int, max_chars: int) -> "Tokenizer":
+    def train_bpe(cls, texts: Iterable[str], vocab_size: int, max_chars: int) -> Tokenizer:
         """Byte-level BPE (GPT-2 style, marks kept with their letters) trained on at most `max_chars` characters of `texts`."""
         backend = HFTokenizer(models.BPE())
         backend.pre_tokenizer = byte_level_pre_tokenizer()
@@ -68,7 +71,7 @@ class Tokenizer:
         return cls(backend)
 
     @classmethod
-    def build_char(cls, texts: Iterable[str]) -> "Tokenizer":
+    def build_char(cls, texts: Iterable[str]) -> Tokenizer:
         """One token per character seen in `texts`, plus end-of-text and unknown."""
         chars: set[str] = set()
         for text in texts:
@@ -84,7 +87,7 @@ class Tokenizer:
         return cls(backend)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Tokenizer":
+    def load(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         file = path / TOKENIZER_FILE if path.is_dir() else path
         if not file.is_file():

@@ -13,9 +13,10 @@ later saves reuse it (`training.async_checkpoint=false` writes in the training t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

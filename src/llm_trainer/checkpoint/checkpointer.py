@@ -28,8 +28,9 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,9 +45,21 @@ from .durable import remove_stale
 
 
 class Checkpointer:
-    def __init__(self, root: Path, *, parallel, loader, state, schedule: dict, config: dict,
-                 tokenizer_json: str | None, keep_last: int | None, background: bool, periodic: bool,
-                 on_saved: Callable[[Path], None] = lambda path: None):
+    def __init__(
+        self,
+        root: Path,
+        *,
+        parallel,
+        loader,
+        state,
+        schedule: dict,
+        config: dict,
+        tokenizer_json: str | None,
+        keep_last: int | None,
+        background: bool,
+        periodic: bool,
+        on_saved: Callable[[Path], None] = lambda path: None,
+    ):
         self.root = Path(root)
         self.parallel, self.loader, self.state = parallel, loader, state
         self.schedule = schedule  # {"name", "total_steps"}: a resume with another length is announced
@@ -62,7 +75,7 @@ class Checkpointer:
 
     # -- lifetime ---------------------------------------------------------------------------------
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         if self.dist.is_main:
             self._remove_staging()  # no rank writes there before the first save's barrier
             remove_stale(self.root)  # a best_model an interrupted save moved aside is put back now
@@ -142,8 +155,9 @@ class Checkpointer:
             self.on_saved(path)
         return path
 
-    def _write_job(self, rng_tensors: dict, staging: Path | None, copy: bool,
-                   weights: dict[str, torch.Tensor] | None) -> Callable[[], Path]:
+    def _write_job(
+        self, rng_tensors: dict, staging: Path | None, copy: bool, weights: dict[str, torch.Tensor] | None
+    ) -> Callable[[], Path]:
         """The write of this step's checkpoint, as a function. Everything it needs is read now; `copy`
         snapshots the tensors too, so the write may run while training changes them. `weights`: the
         model gathered from its shards (a copy already)."""
@@ -169,9 +183,17 @@ class Checkpointer:
 
         def write() -> Path:
             path = ckpt.save_checkpoint(
-                root, step, model=model, model_state=model_state, optimizer_state=optimizer_state,
-                train_state=train_state, rng_tensors=rng_tensors, config=self.config,
-                tokenizer_json=self.tokenizer_json, sharded_dir=staging, extra_meta=extra,
+                root,
+                step,
+                model=model,
+                model_state=model_state,
+                optimizer_state=optimizer_state,
+                train_state=train_state,
+                rng_tensors=rng_tensors,
+                config=self.config,
+                tokenizer_json=self.tokenizer_json,
+                sharded_dir=staging,
+                extra_meta=extra,
             )
             ckpt.rotate(root, keep_last, protect={path.name, best} - {None})
             return path
@@ -182,8 +204,14 @@ class Checkpointer:
         """The current weights as `best_model/` (every rank calls it: the weights may be gathered)."""
         weights = self.parallel.full_state_dict()
         if self.dist.is_main:
-            ckpt.save_best_model(self.root, self.parallel.model, tokenizer_json=self.tokenizer_json,
-                                 config=self.config, metrics={**metrics, "step": self.state.step}, state=weights)
+            ckpt.save_best_model(
+                self.root,
+                self.parallel.model,
+                tokenizer_json=self.tokenizer_json,
+                config=self.config,
+                metrics={**metrics, "step": self.state.step},
+                state=weights,
+            )
 
     # -- loading ----------------------------------------------------------------------------------
 
@@ -203,20 +231,26 @@ class Checkpointer:
         self.parallel.load(parts, path)
         self.state.load_state_dict(saved)
         if saved["schedule"]["total_steps"] != self.schedule["total_steps"]:
-            log(f"resume: the run length changed ({saved['schedule']['total_steps']} -> "
-                f"{self.schedule['total_steps']} steps); the schedule follows the new length")
+            log(
+                f"resume: the run length changed ({saved['schedule']['total_steps']} -> "
+                f"{self.schedule['total_steps']} steps); the schedule follows the new length"
+            )
         try:
             self.loader.load_state_dict(saved["data"])
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         except (KeyError, TypeError) as exc:
-            raise CheckpointError(f"checkpoint {path} is unusable: train_state.json has a malformed data position ({exc})") from None
+            raise CheckpointError(
+                f"checkpoint {path} is unusable: train_state.json has a malformed data position ({exc})"
+            ) from None
         if saved.get("scaler") and self.parallel.scaler.is_enabled():
             self.parallel.scaler.load_state_dict(saved["scaler"])
         try:
             _restore_rng(parts, saved, self.dist.rank)
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
-            raise CheckpointError(f"checkpoint {path} is unusable: its random-number states are malformed ({exc})") from None
+            raise CheckpointError(
+                f"checkpoint {path} is unusable: its random-number states are malformed ({exc})"
+            ) from None
         log(f"resume: continuing from {path} (step {self.state.step}, {self.state.tokens_seen:,} tokens seen)")
         return self.state
 
@@ -227,9 +261,11 @@ class Checkpointer:
             return
         wrong, total = vocabulary_mismatch(saved.read_text(encoding="utf-8"), self.tokenizer_json)
         if wrong:
-            raise UsageError(f"{path} was trained with another tokenizer ({wrong} of this run's {total} tokens are "
-                             f"missing from it or have other ids); resume with the data and tokenizer it was trained "
-                             f"with ({saved}), or train into another output_dir")
+            raise UsageError(
+                f"{path} was trained with another tokenizer ({wrong} of this run's {total} tokens are "
+                f"missing from it or have other ids); resume with the data and tokenizer it was trained "
+                f"with ({saved}), or train into another output_dir"
+            )
 
 
 def _restore_rng(parts: dict[str, Any], saved: dict, rank: int) -> None:

@@ -16,9 +16,9 @@ import mmap
 import os
 import threading
 import zlib
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable
 
 try:
     import xxhash
@@ -104,8 +104,10 @@ def _hash_range(path: Path, offset: int, length: int, kind: str = CHECKSUM) -> i
 
 
 def checksum_jobs(path: Path, size: int, kind: str = CHECKSUM) -> list[Future]:
-    return [_workers.submit(_hash_range, path, offset, min(_CHUNK, size - offset), kind)
-            for offset in range(0, size, _CHUNK)]
+    return [
+        _workers.submit(_hash_range, path, offset, min(_CHUNK, size - offset), kind)
+        for offset in range(0, size, _CHUNK)
+    ]
 
 
 def combine(jobs: Iterable[Future], kind: str = CHECKSUM) -> str:

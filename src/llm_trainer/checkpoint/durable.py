@@ -21,9 +21,10 @@ import shutil
 import socket
 import sys
 import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, wait
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from ..errors import CheckpointError
 from ..logs import log
@@ -137,7 +138,9 @@ def _libc_renameat2():
     """glibc's renameat2(2), or None (another libc, or not Linux)."""
     import ctypes
 
-    return _libc("renameat2", (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint), ctypes.c_int)
+    return _libc(
+        "renameat2", (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint), ctypes.c_int
+    )
 
 
 _renameat2 = _libc_renameat2()
@@ -185,7 +188,7 @@ def remove_stale(root: Path) -> None:
         return  # os.kill(pid, 0) would terminate the process on Windows
     host = owner().rsplit("-", 1)[0]
     for parked in sorted(root.glob(".old-*")):
-        parts = parked.name[len(".old-"):].rsplit("-", 2)  # <name>-<host>-<pid>
+        parts = parked.name[len(".old-") :].rsplit("-", 2)  # <name>-<host>-<pid>
         if len(parts) != 3:
             continue
         name, writer_host, pid = parts
@@ -352,8 +355,10 @@ def write_bytes_atomically(path: Path, data: bytes) -> None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         reason = "disk full" if _disk_full(exc, path.parent) else "write failed"
-        raise CheckpointError(f"could not update {path} ({reason}: {first_line(exc)}); the file is as it was, and the "
-                              "checkpoints are intact") from None
+        raise CheckpointError(
+            f"could not update {path} ({reason}: {first_line(exc)}); the file is as it was, and the "
+            "checkpoints are intact"
+        ) from None
 
 
 def read_meta(path: Path) -> dict | None:

@@ -47,8 +47,18 @@ import torch
 from ..errors import CheckpointError
 from ..logs import log, warn
 from .checksums import CRC32_TREE, XXH3_TREE, checksum_jobs, combine, meta_checksum, sha256_file, xxhash
-from .durable import (FORMAT_VERSION, META, Writer, first_line, owner, read_meta, remove_stale, text_writer,
-                      write_folder_atomically, write_text_atomically)
+from .durable import (
+    FORMAT_VERSION,
+    META,
+    Writer,
+    first_line,
+    owner,
+    read_meta,
+    remove_stale,
+    text_writer,
+    write_folder_atomically,
+    write_text_atomically,
+)
 from .model_folder import CONFIG_NAME, WEIGHTS_NAME, save_model_folder, write_model_config
 from .safe_pickle import DEEPSPEED, check_torch_archive
 
@@ -82,8 +92,16 @@ def _next_sequence(root: Path) -> int:
 
 _TENSOR_REF = "__llm_trainer_tensor__"  # {_TENSOR_REF: key} stands for a tensor of optimizer.safetensors
 _SAFETENSORS_DTYPES = {
-    torch.float64, torch.float32, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
 }
 
 
@@ -173,22 +191,38 @@ def save_checkpoint(
     if tokenizer_json is not None:
         writers.append(text_writer("tokenizer.json", tokenizer_json))
     meta = {
-        "kind": "sharded_checkpoint" if weights_sharded else "checkpoint" if optimizer_state is not None
-        else "deepspeed_checkpoint", "step": step,
-        "sequence": _next_sequence(root), "created": time.time(), "config": config, **(extra_meta or {}),
+        "kind": "sharded_checkpoint"
+        if weights_sharded
+        else "checkpoint"
+        if optimizer_state is not None
+        else "deepspeed_checkpoint",
+        "step": step,
+        "sequence": _next_sequence(root),
+        "created": time.time(),
+        "config": config,
+        **(extra_meta or {}),
     }
     path = write_folder_atomically(root / f"{PREFIX}{step:08d}", writers, meta)
     write_text_atomically(root / LATEST, path.name)
     return path
 
 
-def save_best_model(root: Path, model: torch.nn.Module, *, tokenizer_json: str | None, config: dict, metrics: dict,
-                    state: dict[str, torch.Tensor] | None = None) -> Path:
+def save_best_model(
+    root: Path,
+    model: torch.nn.Module,
+    *,
+    tokenizer_json: str | None,
+    config: dict,
+    metrics: dict,
+    state: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """A standalone model folder; `state` gives the weights when the model itself is sharded."""
     writers: list[Writer] = [lambda tmp: save_model_folder(model, tmp, state=state)]
     if tokenizer_json is not None:
         writers.append(text_writer("tokenizer.json", tokenizer_json))
-    return write_folder_atomically(Path(root) / BEST, writers, {"kind": "best_model", "config": config, "metrics": metrics})
+    return write_folder_atomically(
+        Path(root) / BEST, writers, {"kind": "best_model", "config": config, "metrics": metrics}
+    )
 
 
 # -- reading --------------------------------------------------------------------------------------
@@ -200,7 +234,9 @@ def _signature(path: Path) -> tuple | None:
     try:
         return tuple(
             (p.name, s.st_size, s.st_mtime_ns, s.st_ino)
-            for p in sorted(path.iterdir()) if p.is_file() for s in [p.stat()]
+            for p in sorted(path.iterdir())
+            if p.is_file()
+            for s in [p.stat()]
         )
     except OSError:
         return None
@@ -221,10 +257,18 @@ def _is_int(value) -> bool:
 
 
 # meta.json fields and the types they must have (a crafted meta.json is damage like any other).
-_META_TYPES = {"format_version": _is_int, "sequence": _is_int, "step": _is_int, "kind": lambda v: isinstance(v, str),
-               "checksum": lambda v: isinstance(v, str), "meta_sha256": lambda v: isinstance(v, str),
-               "config": lambda v: isinstance(v, dict), "metrics": lambda v: isinstance(v, dict),
-               "files": lambda v: isinstance(v, dict), "world_size": _is_int}
+_META_TYPES = {
+    "format_version": _is_int,
+    "sequence": _is_int,
+    "step": _is_int,
+    "kind": lambda v: isinstance(v, str),
+    "checksum": lambda v: isinstance(v, str),
+    "meta_sha256": lambda v: isinstance(v, str),
+    "config": lambda v: isinstance(v, dict),
+    "metrics": lambda v: isinstance(v, dict),
+    "files": lambda v: isinstance(v, dict),
+    "world_size": _is_int,
+}
 
 
 def _meta_problem(meta: dict) -> str | None:
@@ -239,8 +283,12 @@ def _meta_problem(meta: dict) -> str | None:
         if plain_sha256:
             good = isinstance(entry, str)
         else:
-            good = isinstance(entry, dict) and _is_int(entry.get("size")) and entry["size"] >= 0 \
+            good = (
+                isinstance(entry, dict)
+                and _is_int(entry.get("size"))
+                and entry["size"] >= 0
                 and isinstance(entry.get("checksum"), str)
+            )
         if not good:
             return f"meta.json is corrupt (the entry of {name!r})"
     return None
@@ -323,8 +371,8 @@ def list_checkpoints(root: Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]), reverse=True)
 
 
 def _named_latest(root: Path) -> str | None:
@@ -348,7 +396,7 @@ def _newest_first(root: Path, named: str | None) -> list[Path]:
         sequence = sequences[path]
         if sequence is None and path.name == named:  # `latest` names it but its meta is unreadable:
             sequence = 1 << 62  # try it first, so the warning says why it was skipped
-        return (sequence if sequence is not None else -1, path.name == named, int(path.name[len(PREFIX):]))
+        return (sequence if sequence is not None else -1, path.name == named, int(path.name[len(PREFIX) :]))
 
     return sorted(candidates, key=key, reverse=True)
 
@@ -363,8 +411,10 @@ def resolve_checkpoint(spec: str, root: Path) -> Path | None:
         path = _folder_of(Path(spec))
         if not path.is_dir():
             here = ", ".join(p.name for p in list_checkpoints(path.parent)[:3])
-            raise CheckpointError(f"checkpoint {path} not found{f' ({path.parent} holds {here})' if here else ''}; "
-                                  "pass a checkpoint folder or resume_from_checkpoint=latest")
+            raise CheckpointError(
+                f"checkpoint {path} not found{f' ({path.parent} holds {here})' if here else ''}; "
+                "pass a checkpoint folder or resume_from_checkpoint=latest"
+            )
         if not (path / META).is_file():
             if (path / LATEST).is_file() or list_checkpoints(path):  # a checkpoints root was given
                 return resolve_checkpoint("latest", path)
@@ -384,14 +434,21 @@ def resolve_checkpoint(spec: str, root: Path) -> Path | None:
         problem = _verified_ok(path)
         if problem is None:
             if named is not None and path.name != named:
-                why = ("it does not exist" if missing else "it is unusable" if named in skipped
-                       else "this one was saved after it (the run stopped before updating `latest`)")
+                why = (
+                    "it does not exist"
+                    if missing
+                    else "it is unusable"
+                    if named in skipped
+                    else "this one was saved after it (the run stopped before updating `latest`)"
+                )
                 log(f"checkpoint: using {path} instead of {named}, which `latest` names: {why}")
             return path
         skipped.add(path.name)
         warn(f"skipping checkpoint {path}: {problem}; trying the previous one")
     if candidates:
-        raise CheckpointError(f"no usable checkpoint in {root}: every one is corrupt or incomplete (see the warnings above)")
+        raise CheckpointError(
+            f"no usable checkpoint in {root}: every one is corrupt or incomplete (see the warnings above)"
+        )
     return None
 
 
@@ -404,14 +461,19 @@ def train_state_problem(saved: Any) -> str | None:
         if name in saved and not (_is_int(saved[name]) and saved[name] >= 0):
             return f"train_state.json is corrupt ({name} is {saved[name]!r})"
     best_loss, best_step = saved.get("best_val_loss"), saved.get("best_step")
-    if not (best_loss is None or isinstance(best_loss, (int, float)) and not isinstance(best_loss, bool)) \
-            or not (best_step is None or _is_int(best_step)):
+    if not (best_loss is None or isinstance(best_loss, (int, float)) and not isinstance(best_loss, bool)) or not (
+        best_step is None or _is_int(best_step)
+    ):
         return "train_state.json is corrupt (best_val_loss / best_step)"
     schedule, rng = saved.get("schedule"), saved.get("rng")
     if not _is_int(saved.get("step")) or not isinstance(schedule, dict) or not _is_int(schedule.get("total_steps")):
         return "train_state.json is corrupt (step / schedule)"
-    if not isinstance(saved.get("data"), dict) or not isinstance(rng, dict) \
-            or not isinstance(rng.get("python"), list) or not isinstance(rng.get("numpy"), list):
+    if (
+        not isinstance(saved.get("data"), dict)
+        or not isinstance(rng, dict)
+        or not isinstance(rng.get("python"), list)
+        or not isinstance(rng.get("numpy"), list)
+    ):
         return "train_state.json is corrupt (data position / random-number states)"
     if saved.get("scaler") is not None and not isinstance(saved["scaler"], dict):
         return "train_state.json is corrupt (scaler)"
@@ -444,7 +506,9 @@ def _refusal(exc: Exception) -> str:
     return first_line(exc)
 
 
-def load_checkpoint(path: Path, map_location: str | torch.device = "cpu", *, verify_files: bool = True) -> dict[str, Any]:
+def load_checkpoint(
+    path: Path, map_location: str | torch.device = "cpu", *, verify_files: bool = True
+) -> dict[str, Any]:
     """Every part of a checkpoint, verified first; tensors through safetensors or torch.load(weights_only=True).
 
     Model tensors are read on the CPU and optimizer tensors are mapped to `map_location`, so a
@@ -473,8 +537,11 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu", *, ver
 
     sharded = (path / SHARDED_DIR / ".metadata").is_file()  # FSDP: each rank reads its model/optimizer part
     deepspeed = (read_meta(path) or {}).get("kind") == "deepspeed_checkpoint"  # optimizer in DeepSpeed's files
-    parts: dict[str, Any] = {"model": None, "optimizer": None,
-                             "sharded": path / SHARDED_DIR if (path / SHARDED_DIR).is_dir() else None}
+    parts: dict[str, Any] = {
+        "model": None,
+        "optimizer": None,
+        "sharded": path / SHARDED_DIR if (path / SHARDED_DIR).is_dir() else None,
+    }
     for key, name, load in (
         *(() if sharded else (("model", WEIGHTS_NAME, lambda f: load_file(str(f), device="cpu")),)),
         *(() if sharded or deepspeed else (("optimizer", OPTIMIZER, optimizer),)),

@@ -87,8 +87,12 @@ def _is_tied(model: nn.Module, name: str) -> bool:
     return name == "lm_head.weight" and getattr(getattr(model, "config", None), "tie_embeddings", False)
 
 
-def save_model_folder(model: nn.Module, directory: str | Path, extra_metadata: dict | None = None,
-                      state: dict[str, torch.Tensor] | None = None) -> None:
+def save_model_folder(
+    model: nn.Module,
+    directory: str | Path,
+    extra_metadata: dict | None = None,
+    state: dict[str, torch.Tensor] | None = None,
+) -> None:
     """model.safetensors (the model's weights, or `state` when given, e.g. gathered from shards) and its config."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -115,18 +119,26 @@ def _dedupe_tied(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, 
 def read_model_config(directory: str | Path) -> ModelConfig:
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
-        raise UsageError(f"{directory} is not a model folder (no {CONFIG_NAME}); pass a checkpoint or best_model folder")
+        raise UsageError(
+            f"{directory} is not a model folder (no {CONFIG_NAME}); pass a checkpoint or best_model folder"
+        )
     try:
         values = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UsageError(f"{path} is not valid JSON ({str(exc).splitlines()[0][:120]}); the model folder is corrupt") from None
+        raise UsageError(
+            f"{path} is not valid JSON ({str(exc).splitlines()[0][:120]}); the model folder is corrupt"
+        ) from None
     if not isinstance(values, dict):
-        raise UsageError(f"{path} must hold a JSON object of model settings, not {type(values).__name__}; "
-                         "the model folder is corrupt")
+        raise UsageError(
+            f"{path} must hold a JSON object of model settings, not {type(values).__name__}; "
+            "the model folder is corrupt"
+        )
     if MODEL_CLASS in values:
-        raise UsageError(f"{directory} holds a {values[MODEL_CLASS]} model, not llm-trainer's Transformer: eval, "
-                         "generate and export need one (build it with llm_trainer.build_model); its weights are in "
-                         f"{Path(directory) / WEIGHTS_NAME} for your own class's load_state_dict")
+        raise UsageError(
+            f"{directory} holds a {values[MODEL_CLASS]} model, not llm-trainer's Transformer: eval, "
+            "generate and export need one (build it with llm_trainer.build_model); its weights are in "
+            f"{Path(directory) / WEIGHTS_NAME} for your own class's load_state_dict"
+        )
     # Only the architecture: a file cannot name a folder to load (init_from) or change how training runs.
     known = set(ModelConfig.__dataclass_fields__) - set(ModelConfig.NOT_ARCHITECTURE)
     try:
@@ -152,7 +164,9 @@ def load_model_folder(directory: str | Path, device: str | torch.device = "cpu")
     except UsageError:
         raise
     except Exception as exc:  # safetensors raises its own error types for truncated or corrupt files
-        raise UsageError(f"{weights} could not be read ({str(exc).splitlines()[0][:160]}); the file is corrupt or truncated") from None
+        raise UsageError(
+            f"{weights} could not be read ({str(exc).splitlines()[0][:160]}); the file is corrupt or truncated"
+        ) from None
     model = Transformer(config)
     load_model_state(model, state, str(weights))
     return model.to(device)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ..errors import UsageError
 
@@ -35,8 +35,10 @@ def check_target(output: Path, source: Path, overwrite: bool) -> None:
     if out == src or out in src.parents:
         raise UsageError(f"the output folder {output} must not contain the model folder {source}")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
-        raise UsageError(f"{output} is not empty; choose an empty or new folder, or pass --overwrite to replace "
-                         "the files this command writes there (other files are kept)")
+        raise UsageError(
+            f"{output} is not empty; choose an empty or new folder, or pass --overwrite to replace "
+            "the files this command writes there (other files are kept)"
+        )
 
 
 def publish(output: Path, build: Callable[[Path], None], *, source: Path, overwrite: bool) -> Path:

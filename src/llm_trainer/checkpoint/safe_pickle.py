@@ -19,34 +19,64 @@ from __future__ import annotations
 
 import pickle
 import pickletools
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from ..errors import CheckpointError
 
-_TENSORS = frozenset({
-    "collections.OrderedDict", "torch.Size", "torch.Tensor", "torch.device", "torch.nn.parameter.Parameter",
-    "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter", "torch._tensor._rebuild_from_type_v2",
-})
+_TENSORS = frozenset(
+    {
+        "collections.OrderedDict",
+        "torch.Size",
+        "torch.Tensor",
+        "torch.device",
+        "torch.nn.parameter.Parameter",
+        "torch._utils._rebuild_tensor_v2",
+        "torch._utils._rebuild_parameter",
+        "torch._tensor._rebuild_from_type_v2",
+    }
+)
 # torch.distributed.checkpoint's `.metadata`: dataclasses describing each saved item, plus the
 # folder it was saved to as a path (torch.distributed.checkpoint.metadata.StorageMeta.checkpoint_id).
-DCP_METADATA = frozenset({
-    *(f"torch.distributed.checkpoint.metadata.{name}" for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
-    "torch.distributed.checkpoint.filesystem._StorageInfo", "torch.serialization._get_layout",
-    "torch.Size", "collections.OrderedDict", "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath",
-    "pathlib.PureWindowsPath",
-})
+DCP_METADATA = frozenset(
+    {
+        *(
+            f"torch.distributed.checkpoint.metadata.{name}"
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorProperties",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        "torch.distributed.checkpoint.filesystem._StorageInfo",
+        "torch.serialization._get_layout",
+        "torch.Size",
+        "collections.OrderedDict",
+        "pathlib.PosixPath",
+        "pathlib.WindowsPath",
+        "pathlib.PurePosixPath",
+        "pathlib.PureWindowsPath",
+    }
+)
 # DeepSpeed's model/optimizer files (ZeRO 0-3, fp32/bf16/fp16) and our per-rank RNG files.
-DEEPSPEED = frozenset({
-    *_TENSORS,
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.LossScaleProfile", "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-})
+DEEPSPEED = frozenset(
+    {
+        *_TENSORS,
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+        "deepspeed.runtime.fp16.loss_scaler.LossScaleProfile",
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+    }
+)
 
 
 def _allowed(module: str, name: str, allowed: frozenset[str]) -> bool:
@@ -89,7 +119,9 @@ def load_restricted(file: Path, allowed: frozenset[str]) -> Any:
     except CheckpointError:
         raise
     except Exception as exc:  # truncated or malformed: pickle raises many types
-        raise CheckpointError(f"{file} could not be read ({type(exc).__name__}: {str(exc)[:120]}); the file is corrupt") from None
+        raise CheckpointError(
+            f"{file} could not be read ({type(exc).__name__}: {str(exc)[:120]}); the file is corrupt"
+        ) from None
 
 
 _STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
@@ -122,13 +154,13 @@ def pickle_globals(data: bytes) -> Iterator[tuple[str, str] | None]:
         if pickletools.markobject in before:
             if not marks:
                 raise ValueError(f"{name} without a mark")
-            del stack[marks.pop():]
+            del stack[marks.pop() :]
             count = before.index(pickletools.markobject)
         else:
             count = len(before)
         if count > len(stack):
             raise ValueError(f"{name} on a stack too short")
-        del stack[len(stack) - count:]
+        del stack[len(stack) - count :]
         for item in op.stack_after:
             if item is pickletools.markobject:
                 marks.append(len(stack))
@@ -165,8 +197,9 @@ def check_torch_archive(file: Path, allowed: frozenset[str]) -> None:
             raise ValueError("no pickle records")
         contents = [(name, bytes(reader.get_record(name))) for name in records]
     except Exception as exc:
-        raise CheckpointError(f"{file} is not a torch archive ({str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__}); "
-                              "refusing to load it") from None
+        raise CheckpointError(
+            f"{file} is not a torch archive ({str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__}); "
+            "refusing to load it"
+        ) from None
     for _, data in contents:
         check_pickle(data, file, allowed)
-

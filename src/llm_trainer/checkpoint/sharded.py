@@ -50,10 +50,16 @@ class SafeReader(FileSystemReader):
             raise CheckpointError(f"{file} is not DCP metadata; the checkpoint is corrupt")
         for info in metadata.storage_data.values():
             name = getattr(info, "relative_path", None)
-            if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..") \
-                    or (folder / name).is_symlink() or not (folder / name).is_file():
-                raise CheckpointError(f"{file} names the data file {name!r}, which is not a file inside {folder}; "
-                                      "refusing to load it")
+            if (
+                not isinstance(name, str)
+                or Path(name).name != name
+                or name in ("", ".", "..")
+                or (folder / name).is_symlink()
+                or not (folder / name).is_file()
+            ):
+                raise CheckpointError(
+                    f"{file} names the data file {name!r}, which is not a file inside {folder}; refusing to load it"
+                )
         if getattr(metadata, "storage_meta", None) is None:  # what FileSystemReader.read_metadata adds
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -67,8 +73,10 @@ class SafePlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except Exception as exc:
-            raise CheckpointError(f"the sharded checkpoint's item {read_item.dest_index.fqn} holds more than plain data "
-                                  f"({str(exc).splitlines()[0][:120]}); refusing to load it") from None
+            raise CheckpointError(
+                f"the sharded checkpoint's item {read_item.dest_index.fqn} holds more than plain data "
+                f"({str(exc).splitlines()[0][:120]}); refusing to load it"
+            ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:

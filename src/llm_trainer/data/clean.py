@@ -72,7 +72,9 @@ class Cleaner:
         if self.control and _has_control(text):
             text = _CONTROL.sub("", text)
         if self.boilerplate is not None:
-            text = "\n".join(line for line in text.split("\n") if not any(p.fullmatch(line.strip()) for p in self.boilerplate))
+            text = "\n".join(
+                line for line in text.split("\n") if not any(p.fullmatch(line.strip()) for p in self.boilerplate)
+            )
         if self.whitespace:
             if " \n" in text or "\t\n" in text:
                 text = _TRAILING.sub("\n", text)

@@ -52,10 +52,22 @@ def row_difficulty(rows, offsets: np.ndarray, doc_difficulty: np.ndarray) -> np.
 class CurriculumLoader(BatchLoader):
     """A BatchLoader whose first batches follow the curriculum stages; seekable like its parent."""
 
-    def __init__(self, rows, batch_size: int, *, difficulty: np.ndarray, stages: list[CurriculumStage], accumulation: int = 1,
-                 seed: int = 0, rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu"):
-        super().__init__(rows, batch_size, shuffle=True, seed=seed, drop_last=True, rank=rank, world_size=world_size,
-                         device=device)
+    def __init__(
+        self,
+        rows,
+        batch_size: int,
+        *,
+        difficulty: np.ndarray,
+        stages: list[CurriculumStage],
+        accumulation: int = 1,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | str = "cpu",
+    ):
+        super().__init__(
+            rows, batch_size, shuffle=True, seed=seed, drop_last=True, rank=rank, world_size=world_size, device=device
+        )
         self.stage_ends = [s.until_step * accumulation for s in stages]  # in this rank's batches
         self.eligible = []
         for i, stage in enumerate(stages):

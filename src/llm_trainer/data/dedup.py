@@ -129,7 +129,8 @@ class Deduplicator:
         self.threshold = config.deduplication_threshold
         self.hasher = (
             MinHasher(config.minhash_num_perm, config.minhash_shingle_words, config.deduplication_threshold)
-            if self.mode == "near" else None
+            if self.mode == "near"
+            else None
         )
         self.exact: set[int] = set()
         self.buckets: dict[int, int] = {}  # band key -> index of the first kept document with it
@@ -146,7 +147,9 @@ class Deduplicator:
             band_list = bands.tolist()
             for band in band_list:
                 j = self.buckets.get(band)
-                if j is not None and np.count_nonzero(self._signature(j) == signature) >= self.threshold * len(signature):
+                if j is not None and np.count_nonzero(self._signature(j) == signature) >= self.threshold * len(
+                    signature
+                ):
                     return "near_duplicates"
             for band in band_list:
                 self.buckets.setdefault(band, self.count)

@@ -32,19 +32,50 @@ from .unicode_text import letter_count, mean_word_length, words
 
 PRESETS: dict[str, dict[str, float | int]] = {
     "prose": dict(
-        max_chars=1_000_000, min_words=50, max_words=100_000, min_alpha_fraction=0.6, min_mean_word_length=3.0,
-        max_mean_word_length=10.0, max_repeated_line_fraction=0.3, max_duplicate_ngram_fraction=0.2, min_char_entropy=3.5,
+        max_chars=1_000_000,
+        min_words=50,
+        max_words=100_000,
+        min_alpha_fraction=0.6,
+        min_mean_word_length=3.0,
+        max_mean_word_length=10.0,
+        max_repeated_line_fraction=0.3,
+        max_duplicate_ngram_fraction=0.2,
+        min_char_entropy=3.5,
     ),
     "code": dict(
-        max_chars=1_000_000, min_words=5, max_words=200_000, min_alpha_fraction=0.25, max_mean_word_length=25.0,
-        max_repeated_line_fraction=0.6, max_duplicate_ngram_fraction=0.6, min_char_entropy=3.0,
+        max_chars=1_000_000,
+        min_words=5,
+        max_words=200_000,
+        min_alpha_fraction=0.25,
+        max_mean_word_length=25.0,
+        max_repeated_line_fraction=0.6,
+        max_duplicate_ngram_fraction=0.6,
+        min_char_entropy=3.0,
     ),
 }
 # The order in which filters are tried (cheapest first); a dropped document counts for the first it fails.
-FILTERS = ("min_length", "max_chars", "min_words", "max_words", "alpha_fraction", "mean_word_length",
-           "repeated_lines", "duplicate_ngrams", "char_entropy")
-_THRESHOLDS = ("max_chars", "min_words", "max_words", "min_alpha_fraction", "min_mean_word_length", "max_mean_word_length",
-               "max_repeated_line_fraction", "max_duplicate_ngram_fraction", "min_char_entropy")
+FILTERS = (
+    "min_length",
+    "max_chars",
+    "min_words",
+    "max_words",
+    "alpha_fraction",
+    "mean_word_length",
+    "repeated_lines",
+    "duplicate_ngrams",
+    "char_entropy",
+)
+_THRESHOLDS = (
+    "max_chars",
+    "min_words",
+    "max_words",
+    "min_alpha_fraction",
+    "min_mean_word_length",
+    "max_mean_word_length",
+    "max_repeated_line_fraction",
+    "max_duplicate_ngram_fraction",
+    "min_char_entropy",
+)
 _WHITESPACE = " \t\n\r\x0b\x0c"
 
 
@@ -110,16 +141,29 @@ class QualityFilter:
             value = getattr(config, name)
             setattr(self, name, value if value is not None else preset.get(name))
         self.ngram = config.duplicate_ngram_size
-        self.needs_words = any(getattr(self, n) is not None for n in (
-            "min_words", "max_words", "min_mean_word_length", "max_mean_word_length", "max_duplicate_ngram_fraction"))
+        self.needs_words = any(
+            getattr(self, n) is not None
+            for n in (
+                "min_words",
+                "max_words",
+                "min_mean_word_length",
+                "max_mean_word_length",
+                "max_duplicate_ngram_fraction",
+            )
+        )
 
     def active(self) -> list[str]:
         """The filters that can drop a document under this config (min_length always can: empty text)."""
         checks = {
-            "max_chars": self.max_chars, "min_words": self.min_words, "max_words": self.max_words,
+            "max_chars": self.max_chars,
+            "min_words": self.min_words,
+            "max_words": self.max_words,
             "alpha_fraction": self.min_alpha_fraction,
-            "mean_word_length": self.min_mean_word_length if self.min_mean_word_length is not None else self.max_mean_word_length,
-            "repeated_lines": self.max_repeated_line_fraction, "duplicate_ngrams": self.max_duplicate_ngram_fraction,
+            "mean_word_length": self.min_mean_word_length
+            if self.min_mean_word_length is not None
+            else self.max_mean_word_length,
+            "repeated_lines": self.max_repeated_line_fraction,
+            "duplicate_ngrams": self.max_duplicate_ngram_fraction,
             "char_entropy": self.min_char_entropy,
         }
         return ["min_length"] + [name for name, value in checks.items() if value is not None]
@@ -147,8 +191,10 @@ class QualityFilter:
             fraction = letter_count(text) / max(1, n - whitespace_count(text))
             if fraction < self.min_alpha_fraction:
                 return Removal("alpha_fraction", round(fraction, 4), self.min_alpha_fraction, "min_alpha_fraction")
-        if counted and 2 * len(counted.spaced) >= counted.count and (
-            self.min_mean_word_length is not None or self.max_mean_word_length is not None
+        if (
+            counted
+            and 2 * len(counted.spaced) >= counted.count
+            and (self.min_mean_word_length is not None or self.max_mean_word_length is not None)
         ):  # a text mostly in a script without spaces has no word length to measure
             mean = mean_word_length(counted.spaced, text)
             if mean is not None and self.min_mean_word_length is not None and mean < self.min_mean_word_length:
@@ -158,7 +204,9 @@ class QualityFilter:
         if self.max_repeated_line_fraction is not None:
             fraction = repeated_line_fraction(text)
             if fraction > self.max_repeated_line_fraction:
-                return Removal("repeated_lines", round(fraction, 4), self.max_repeated_line_fraction, "max_repeated_line_fraction")
+                return Removal(
+                    "repeated_lines", round(fraction, 4), self.max_repeated_line_fraction, "max_repeated_line_fraction"
+                )
         if self.max_duplicate_ngram_fraction is not None and counted:
             if counted.chars is None:
                 fraction = duplicate_ngram_fraction(counted.spaced, self.ngram)
@@ -166,8 +214,12 @@ class QualityFilter:
                 size = max(self.ngram, round(self.ngram * len(counted.chars) / max(1, counted.count)))
                 fraction = duplicate_char_ngram_fraction(counted.chars, size)
             if fraction > self.max_duplicate_ngram_fraction:
-                return Removal("duplicate_ngrams", round(fraction, 4), self.max_duplicate_ngram_fraction,
-                               "max_duplicate_ngram_fraction")
+                return Removal(
+                    "duplicate_ngrams",
+                    round(fraction, 4),
+                    self.max_duplicate_ngram_fraction,
+                    "max_duplicate_ngram_fraction",
+                )
         if self.min_char_entropy is not None:
             entropy = char_entropy(text)
             if entropy < self.min_char_entropy:

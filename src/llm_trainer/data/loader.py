@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
-
 from .packing import _pieces, first_fit_decreasing  # noqa: F401  (re-exported)
 
 IGNORE_INDEX = -100
@@ -39,8 +38,15 @@ class WindowRows:
     eot_id: when set, `batch` also returns document ids (for document masking).
     """
 
-    def __init__(self, tokens: np.ndarray, length: int, *, seed: int | None = None, keep_partial: bool = False,
-                 eot_id: int | None = None):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        length: int,
+        *,
+        seed: int | None = None,
+        keep_partial: bool = False,
+        eot_id: int | None = None,
+    ):
         self.tokens, self.length, self.seed, self.keep_partial = tokens, length, seed, keep_partial
         self.eot_id = eot_id
         self.set_epoch(0)
@@ -81,8 +87,16 @@ class DocumentRows:
     pad_id must be the end-of-text id when document_ids=True (padding then reads as one-token documents).
     """
 
-    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, length: int, *, pack: bool, pad_id: int,
-                 document_ids: bool = False):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        offsets: np.ndarray,
+        length: int,
+        *,
+        pack: bool,
+        pad_id: int,
+        document_ids: bool = False,
+    ):
         self.tokens, self.length, self.pad_id, self.document_ids = tokens, length, pad_id, document_ids
         pieces = _pieces(offsets, length + 1)  # (N, 2) start, end
         self.rows = first_fit_decreasing(pieces, length + 1) if pack else [[p] for p in pieces.tolist()]
@@ -117,8 +131,18 @@ class BatchLoader:
     Each rank takes every world_size-th batch of the shared permutation, so no row is read twice.
     """
 
-    def __init__(self, rows, batch_size: int, *, shuffle: bool, seed: int = 0, drop_last: bool = True,
-                 rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        rows,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int = 0,
+        drop_last: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | str = "cpu",
+    ):
         self.rows, self.batch_size, self.shuffle, self.seed = rows, batch_size, shuffle, seed
         self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
         self.device = torch.device(device)
@@ -139,7 +163,9 @@ class BatchLoader:
         if self._order is None:
             self.rows.set_epoch(self.epoch)
             n = len(self.rows)
-            self._order = np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._order = (
+                np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
+            )
         return self._order
 
     def state_dict(self) -> dict:

@@ -13,7 +13,7 @@ remove the repeats anyway.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -22,8 +22,9 @@ from .sources import Document
 _BLOCK = 4096  # draws made at once; a source running out discards the rest of its block
 
 
-def interleave(streams: Sequence[Iterator[Document]], weights: Sequence[float], *, seed: int,
-               stopping: str = "all_exhausted") -> Iterator[Document]:
+def interleave(
+    streams: Sequence[Iterator[Document]], weights: Sequence[float], *, seed: int, stopping: str = "all_exhausted"
+) -> Iterator[Document]:
     if len(streams) == 1:
         yield from streams[0]
         return

@@ -33,10 +33,10 @@ import re
 import shutil
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -58,8 +58,16 @@ MANIFEST = "manifest.json"
 _BATCH = 256  # raw documents per pipeline batch
 _TOKENIZE_THREADS = 2
 # Settings that change how the work is done or how the loader reads it, not what prepare writes.
-_NOT_FINGERPRINTED = ("preprocessing_num_workers", "cache_dir", "progress_bar", "shard_tokens", "pack_sequences",
-                      "packing_strategy", "document_mask", "curriculum")
+_NOT_FINGERPRINTED = (
+    "preprocessing_num_workers",
+    "cache_dir",
+    "progress_bar",
+    "shard_tokens",
+    "pack_sequences",
+    "packing_strategy",
+    "document_mask",
+    "curriculum",
+)
 
 
 @dataclass
@@ -112,7 +120,9 @@ def _phases(config: DataConfig) -> list[tuple[str | None, Callable[[SourceStats]
 
     if isinstance(config.validation_split, str):
         if any(spec.dataset_name is None for spec in specs):
-            raise UsageError("data.validation_split names a split, which needs a dataset_name; use a fraction such as 0.1 for files")
+            raise UsageError(
+                "data.validation_split names a split, which needs a dataset_name; use a fraction such as 0.1 for files"
+            )
         return [("train", stream(None)), ("val", stream(config.validation_split))]
     return [(None, stream(None))]
 
@@ -164,8 +174,11 @@ def _build_tokenizer(config: DataConfig) -> Tokenizer:
     if config.tokenizer == "char":  # vocabulary of the whole corpus, as char-level experiments expect
         return Tokenizer.build_char(_kept_texts(config, ("train", "val")))
     if config.tokenizer == "bpe":  # trained on a bounded sample: train_bpe stops reading at max_chars
-        return Tokenizer.train_bpe(_kept_texts(config, ("train",)), vocab_size=config.tokenizer_vocab_size,
-                                   max_chars=config.tokenizer_train_max_chars)
+        return Tokenizer.train_bpe(
+            _kept_texts(config, ("train",)),
+            vocab_size=config.tokenizer_vocab_size,
+            max_chars=config.tokenizer_train_max_chars,
+        )
     return Tokenizer.load(config.tokenizer)
 
 
@@ -183,7 +196,9 @@ class _Done:
         return self.value
 
 
-def _ordered(items: Iterator, submit: Callable[[object], Future | _Done], depth: int) -> Iterator[tuple[object, object]]:
+def _ordered(
+    items: Iterator, submit: Callable[[object], Future | _Done], depth: int
+) -> Iterator[tuple[object, object]]:
     """(item, result) in input order, with at most `depth` items submitted ahead of the one yielded."""
     pending: deque = deque()
     for item in items:
@@ -234,7 +249,9 @@ class _Build:
         self.started = time.perf_counter()
         tokenizer = self._tokenizer()
         dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-        writer = ShardWriter(self.work, dtype, self.fingerprint, with_signatures=self.near, with_scores=self.with_scores)
+        writer = ShardWriter(
+            self.work, dtype, self.fingerprint, with_signatures=self.near, with_scores=self.with_scores
+        )
         record = writer.resume()
         state = _State(**record["state"]) if record else _State()
         self.earlier_seconds = state.seconds
@@ -243,8 +260,10 @@ class _Build:
             removed_keys += ["exact_duplicates"] + (["near_duplicates"] if self.near else [])
         counts = Counts.from_json(state.counts) if state.counts else Counts(removed_keys)
         if record:
-            log(f"data: resuming {self.directory.name} after shard {writer.index - 1} "
-                f"({counts.documents_in:,} documents already read)")
+            log(
+                f"data: resuming {self.directory.name} after shard {writer.index - 1} "
+                f"({counts.documents_in:,} documents already read)"
+            )
         else:
             log(f"data: preparing {self.directory}")
         skipped = Counter(state.skipped_done)
@@ -268,11 +287,21 @@ class _Build:
         padding = None
         if self.config.max_length:
             padding = padding_fractions(np.load(self.work / "train.idx.npy"), self.config.max_length)
-        report = build_report(counts, splits, seconds=seconds, reader_skipped=skipped, padding=padding,
-                              shards=writer.index, resumed_from_shard=(record["shard"] + 1) if record else None)
+        report = build_report(
+            counts,
+            splits,
+            seconds=seconds,
+            reader_skipped=skipped,
+            padding=padding,
+            shards=writer.index,
+            resumed_from_shard=(record["shard"] + 1) if record else None,
+        )
         report["validation_split_by"] = split_by
         write_report(self.work, report)
-        manifest = {**self._manifest(tokenizer, dtype, splits, counts, skipped, seconds), "validation_split_by": split_by}
+        manifest = {
+            **self._manifest(tokenizer, dtype, splits, counts, skipped, seconds),
+            "validation_split_by": split_by,
+        }
         (self.work / MANIFEST).write_text(json.dumps(manifest, indent=2))
         shutil.rmtree(self.directory, ignore_errors=True)  # a folder without a manifest is an old partial one
         self.work.rename(self.directory)
@@ -305,14 +334,24 @@ class _Build:
             # Two threads: while one turns a finished batch's ids into arrays (under the GIL), the other
             # keeps the Rust tokenizer busy with the next batch.
             with ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize") as pool:
-                yield ((lambda texts: _Done(processor(texts))),
-                       (lambda texts: pool.submit(encode, tokenizer, texts, dtype)), _TOKENIZE_THREADS + 1)
+                yield (
+                    (lambda texts: _Done(processor(texts))),
+                    (lambda texts: pool.submit(encode, tokenizer, texts, dtype)),
+                    _TOKENIZE_THREADS + 1,
+                )
             return
         context = mp.get_context("spawn")
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=worker_init,
-                                 initargs=(self.config, tokenizer.to_json(), np.dtype(dtype).name)) as pool:
-            yield ((lambda texts: pool.submit(worker_process, texts)),
-                   (lambda texts: pool.submit(worker_encode, texts)), 2 * workers)
+        with ProcessPoolExecutor(
+            workers,
+            mp_context=context,
+            initializer=worker_init,
+            initargs=(self.config, tokenizer.to_json(), np.dtype(dtype).name),
+        ) as pool:
+            yield (
+                (lambda texts: pool.submit(worker_process, texts)),
+                (lambda texts: pool.submit(worker_encode, texts)),
+                2 * workers,
+            )
 
     def _stream(self, tokenizer, dtype, writer, dedup, state: _State, counts: Counts, progress: Progress) -> Counter:
         """Run the phases from `state` to the end, committing shards; returns the readers' skip counts."""
@@ -367,25 +406,49 @@ class _Build:
             if cap is not None and kept >= cap:
                 return
 
-    def _write(self, batch: _Decided, tokens: np.ndarray, lengths: np.ndarray, writer: ShardWriter, counts: Counts,
-               progress: Progress) -> None:
+    def _write(
+        self,
+        batch: _Decided,
+        tokens: np.ndarray,
+        lengths: np.ndarray,
+        writer: ShardWriter,
+        counts: Counts,
+        progress: Progress,
+    ) -> None:
         n_train = batch.n_train
         cut = int(lengths[:n_train].sum())
-        order = [i for s in SPLITS for i, split in zip(batch.kept, batch.kept_splits) if split == s]  # raw index per row
+        order = [
+            i for s in SPLITS for i, split in zip(batch.kept, batch.kept_splits) if split == s
+        ]  # raw index per row
         sources = np.asarray([self.source_index[batch.documents[i].source] for i in order], dtype=np.int16)
         scores = None
         if self.with_scores:
-            scores = np.asarray([np.nan if batch.documents[i].score is None else batch.documents[i].score for i in order])
-        writer.add("train", tokens[:cut], lengths[:n_train], sources[:n_train], None if scores is None else scores[:n_train])
-        writer.add("val", tokens[cut:], lengths[n_train:], sources[n_train:], None if scores is None else scores[n_train:])
+            scores = np.asarray(
+                [np.nan if batch.documents[i].score is None else batch.documents[i].score for i in order]
+            )
+        writer.add(
+            "train", tokens[:cut], lengths[:n_train], sources[:n_train], None if scores is None else scores[:n_train]
+        )
+        writer.add(
+            "val", tokens[cut:], lengths[n_train:], sources[n_train:], None if scores is None else scores[n_train:]
+        )
         result = batch.processed
         writer.add_keys(result.keys[batch.kept], result.signatures[batch.kept] if self.near else None)
         tokens_of = dict(zip(order, lengths.tolist()))
         for i, document in enumerate(batch.documents):
-            counts.document(document.source, result.nbytes[i], batch.outcomes[i], tokens_of.get(i, 0),
-                            origin=document.origin, removal=result.removals[i])
-        progress.update(sum(result.nbytes[: len(batch.documents)]), counts.documents_out,
-                        writer.totals["train"]["tokens"] + writer.totals["val"]["tokens"] + writer.pending_tokens())
+            counts.document(
+                document.source,
+                result.nbytes[i],
+                batch.outcomes[i],
+                tokens_of.get(i, 0),
+                origin=document.origin,
+                removal=result.removals[i],
+            )
+        progress.update(
+            sum(result.nbytes[: len(batch.documents)]),
+            counts.documents_out,
+            writer.totals["train"]["tokens"] + writer.totals["val"]["tokens"] + writer.pending_tokens(),
+        )
 
     # -- too few documents for a split by documents: each one is split by position -----------------
 
@@ -399,10 +462,14 @@ class _Build:
             return None
         total = splits["train"]["documents"] + splits["val"]["documents"]
         if splits["val"]["documents"]:
-            log(f"data: validation: {splits['val']['documents']:,} of {total:,} documents (validation_split {fraction:g})")
+            log(
+                f"data: validation: {splits['val']['documents']:,} of {total:,} documents (validation_split {fraction:g})"
+            )
             return "documents"
-        log(f"data: {total} document(s) are too few for a {fraction:g} split by documents; validation is the last "
-            f"{fraction:.0%} of each document's tokens")
+        log(
+            f"data: {total} document(s) are too few for a {fraction:g} split by documents; validation is the last "
+            f"{fraction:.0%} of each document's tokens"
+        )
         return "tokens"
 
     def _split_by_tokens(self, tokenizer, dtype, writer, state, counts) -> dict:
@@ -419,14 +486,22 @@ class _Build:
                 if part:
                     tokens = np.asarray([*part, tokenizer.eot_id], dtype=dtype)
                     writer.add(split, tokens, np.asarray([len(tokens)], dtype=np.int64), source, score)
-        writer.add_keys(np.zeros(0, np.uint64), np.zeros((0, self.config.minhash_num_perm), np.uint32) if self.near else None)
+        writer.add_keys(
+            np.zeros(0, np.uint64), np.zeros((0, self.config.minhash_num_perm), np.uint32) if self.near else None
+        )
         writer.commit(self._snapshot(state, counts), done=True)
         return {s: dict(writer.totals[s]) for s in SPLITS}
 
     def _snapshot(self, state: _State, counts: Counts) -> dict:
         """The state to resume from, saved in the record of the shard being committed."""
-        return {"phase": state.phase, "position": state.position, "kept": state.kept, "counts": counts.to_json(),
-                "skipped_done": dict(state.skipped_done), "seconds": round(self._elapsed(), 3)}
+        return {
+            "phase": state.phase,
+            "position": state.position,
+            "kept": state.kept,
+            "counts": counts.to_json(),
+            "skipped_done": dict(state.skipped_done),
+            "seconds": round(self._elapsed(), 3),
+        }
 
     def _manifest(self, tokenizer, dtype, splits, counts: Counts, skipped: Counter, seconds: float) -> dict:
         settings = {k: v for k, v in self.config.to_dict().items() if k not in _NOT_FINGERPRINTED}
@@ -494,9 +569,12 @@ def find_prepared(cache_dir: str | Path, fingerprint: str) -> PreparedData | Non
     try:
         manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
         val = manifest["splits"]["val"]["tokens"]
-        if manifest["fingerprint"] != fingerprint or manifest["dtype"] not in ("uint16", "uint32") \
-                or not isinstance(val, int) or any((directory / name).is_symlink() for name in
-                                                   (MANIFEST, "val.bin", "val.idx.npy", "tokenizer.json")):
+        if (
+            manifest["fingerprint"] != fingerprint
+            or manifest["dtype"] not in ("uint16", "uint32")
+            or not isinstance(val, int)
+            or any((directory / name).is_symlink() for name in (MANIFEST, "val.bin", "val.idx.npy", "tokenizer.json"))
+        ):
             return None
         return PreparedData(directory, Tokenizer.load(directory), manifest)
     except (OSError, ValueError, TypeError, KeyError):  # missing, not JSON, not our layout, no tokenizer
@@ -517,11 +595,15 @@ def prepare_data(config: DataConfig) -> PreparedData:
         return _prepare(config, fingerprint, work, directory)
     except OSError as exc:  # the cache could not be written: nothing of it is kept (see _prepare)
         if _disk_full(exc):
-            raise UsageError(f"disk full while preparing data in {cache_root} ({exc.strerror or exc}); free space "
-                             "there or set data.cache_dir to another disk") from None
+            raise UsageError(
+                f"disk full while preparing data in {cache_root} ({exc.strerror or exc}); free space "
+                "there or set data.cache_dir to another disk"
+            ) from None
         if exc.filename is not None and Path(exc.filename).resolve().is_relative_to(cache_root.resolve()):
-            raise UsageError(f"cannot write the data cache {cache_root} ({exc.strerror or exc}); set data.cache_dir "
-                             "to a folder you can write") from None
+            raise UsageError(
+                f"cannot write the data cache {cache_root} ({exc.strerror or exc}); set data.cache_dir "
+                "to a folder you can write"
+            ) from None
         raise
 
 

@@ -40,7 +40,8 @@ class DocumentProcessor:
         self.dedup = config.deduplication != "none"
         self.hasher = (
             MinHasher(config.minhash_num_perm, config.minhash_shingle_words, config.deduplication_threshold)
-            if config.deduplication == "near" else None
+            if config.deduplication == "near"
+            else None
         )
 
     def __call__(self, raw: list[str]) -> Processed:
@@ -88,8 +89,11 @@ def worker_init(config: DataConfig, tokenizer_json: str, dtype: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # parallelism comes from the processes
     from tokenizers import Tokenizer as HFTokenizer
 
-    _worker.update(processor=DocumentProcessor(config), tokenizer=Tokenizer(HFTokenizer.from_str(tokenizer_json)),
-                   dtype=np.dtype(dtype))
+    _worker.update(
+        processor=DocumentProcessor(config),
+        tokenizer=Tokenizer(HFTokenizer.from_str(tokenizer_json)),
+        dtype=np.dtype(dtype),
+    )
 
 
 def worker_process(raw: list[str]) -> Processed:

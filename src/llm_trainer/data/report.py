@@ -40,8 +40,16 @@ class Counts:
         self.named: dict[str, list[dict]] = {}  # reason -> the first NAMED_REMOVALS removed documents
         self.sources: dict[str, Counter] = {}
 
-    def document(self, source: str, nbytes: int, reason: str | None, tokens: int = 0, *, origin: str | None = None,
-                 removal: Removal | None = None) -> None:
+    def document(
+        self,
+        source: str,
+        nbytes: int,
+        reason: str | None,
+        tokens: int = 0,
+        *,
+        origin: str | None = None,
+        removal: Removal | None = None,
+    ) -> None:
         per = self.sources.setdefault(source, Counter(documents_in=0, documents_out=0, tokens=0, bytes=0))
         self.documents_in += 1
         self.bytes_in += nbytes
@@ -63,15 +71,23 @@ class Counts:
 
     def to_json(self) -> dict:
         return {
-            "documents_in": self.documents_in, "documents_out": self.documents_out, "bytes_in": self.bytes_in,
-            "removed": dict(self.removed), "removed_bytes": dict(self.removed_bytes), "named": self.named,
+            "documents_in": self.documents_in,
+            "documents_out": self.documents_out,
+            "bytes_in": self.bytes_in,
+            "removed": dict(self.removed),
+            "removed_bytes": dict(self.removed_bytes),
+            "named": self.named,
             "sources": {k: dict(v) for k, v in self.sources.items()},
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> "Counts":
+    def from_json(cls, data: dict) -> Counts:
         counts = cls()
-        counts.documents_in, counts.documents_out, counts.bytes_in = data["documents_in"], data["documents_out"], data["bytes_in"]
+        counts.documents_in, counts.documents_out, counts.bytes_in = (
+            data["documents_in"],
+            data["documents_out"],
+            data["bytes_in"],
+        )
         counts.removed = Counter(data["removed"])
         counts.removed_bytes = Counter(data["removed_bytes"])
         counts.named = {k: list(v) for k, v in data["named"].items()}
@@ -107,8 +123,16 @@ class Progress:
         if enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(desc="prepare", unit="B", unit_scale=True, initial=initial_bytes, file=sys.stderr,
-                            disable=None, dynamic_ncols=True, leave=False)
+            self.bar = tqdm(
+                desc="prepare",
+                unit="B",
+                unit_scale=True,
+                initial=initial_bytes,
+                file=sys.stderr,
+                disable=None,
+                dynamic_ncols=True,
+                leave=False,
+            )
 
     def update(self, nbytes: int, documents: int, tokens: int) -> None:
         if self.bar is not None:
@@ -120,8 +144,16 @@ class Progress:
             self.bar.close()
 
 
-def build_report(counts: Counts, splits: dict, *, seconds: float, reader_skipped: Counter, padding: dict | None,
-                 shards: int, resumed_from_shard: int | None) -> dict:
+def build_report(
+    counts: Counts,
+    splits: dict,
+    *,
+    seconds: float,
+    reader_skipped: Counter,
+    padding: dict | None,
+    shards: int,
+    resumed_from_shard: int | None,
+) -> dict:
     tokens = sum(s["tokens"] for s in splits.values())
     return {
         "documents_in": counts.documents_in,
@@ -152,12 +184,16 @@ def print_summary(report: dict) -> None:
     skipped = ", ".join(f"{k} {v:,}" for k, v in sorted(report["skipped_inputs"].items()) if v)
     mb = report["bytes_in"] / 1e6
     speed = (report["bytes_per_second"] or 0) / 1e6
-    log(f"data: {report['documents_in']:,} documents in -> {report['documents_out']:,} out, {report['tokens']:,} tokens "
-        f"({mb:,.1f} MB in {report['seconds']:.1f}s, {speed:.2f} MB/s)")
+    log(
+        f"data: {report['documents_in']:,} documents in -> {report['documents_out']:,} out, {report['tokens']:,} tokens "
+        f"({mb:,.1f} MB in {report['seconds']:.1f}s, {speed:.2f} MB/s)"
+    )
     log(f"data: removed: {removed}" + (f"; skipped inputs: {skipped}" if skipped else ""))
     if len(report["sources"]) > 1:
         for name, per in report["sources"].items():
-            log(f"data: source {name}: {per['documents_in']:,} in -> {per['documents_out']:,} out, {per['tokens']:,} tokens")
+            log(
+                f"data: source {name}: {per['documents_in']:,} in -> {per['documents_out']:,} out, {per['tokens']:,} tokens"
+            )
     if report["padding_fraction"]:
         pads = ", ".join(f"{k} {v:.1%}" for k, v in report["padding_fraction"].items())
         log(f"data: padding at max_length: {pads}")
@@ -174,7 +210,9 @@ def _example(reason: str, entry: dict) -> str:
 
 def _fix(reason: str, entry: dict, *, warning: bool = False) -> str:
     if "setting" in entry:
-        return ("if that text is wanted, " if warning else "") + f"change data.{entry['setting']} or data.quality_filters"
+        return (
+            "if that text is wanted, " if warning else ""
+        ) + f"change data.{entry['setting']} or data.quality_filters"
     if reason.endswith("duplicates"):
         return "check the sources for repeated copies"
     return "the documents are empty after cleaning; check data_files and text_column"
@@ -188,8 +226,10 @@ def nothing_kept(counts: Counts) -> str:
     reasons = ", ".join(f"{reason} {n:,}" for reason, n in removed)
     top = removed[0][0]
     first = counts.named[top][0]
-    return (f"no training documents: all {counts.documents_in:,} documents read were removed ({reasons}), "
-            f"e.g. {_example(top, first)}; {_fix(top, first)}")
+    return (
+        f"no training documents: all {counts.documents_in:,} documents read were removed ({reasons}), "
+        f"e.g. {_example(top, first)}; {_fix(top, first)}"
+    )
 
 
 def warnings(report: dict) -> list[str]:
@@ -200,7 +240,9 @@ def warnings(report: dict) -> list[str]:
         if total == 0 or nbytes <= WARN_FRACTION * total:
             continue
         first = report["removed_documents"][reason][0]
-        lines.append(f"data: warning: {reason} removed {nbytes / total:.0%} of the bytes read "
-                     f"({report['removed'][reason]:,} documents), e.g. {_example(reason, first)}; "
-                     f"see removed_documents in {REPORT}; {_fix(reason, first, warning=True)}")
+        lines.append(
+            f"data: warning: {reason} removed {nbytes / total:.0%} of the bytes read "
+            f"({report['removed'][reason]:,} documents), e.g. {_example(reason, first)}; "
+            f"see removed_documents in {REPORT}; {_fix(reason, first, warning=True)}"
+        )
     return lines

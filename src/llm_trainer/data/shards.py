@@ -119,8 +119,9 @@ class ShardWriter:
         self._sigs: list[np.ndarray] = []
         self.pending = {s: {"documents": 0, "tokens": 0} for s in SPLITS}
 
-    def add(self, split: str, tokens: np.ndarray, lengths: np.ndarray, sources: np.ndarray,
-            scores: np.ndarray | None = None) -> None:
+    def add(
+        self, split: str, tokens: np.ndarray, lengths: np.ndarray, sources: np.ndarray, scores: np.ndarray | None = None
+    ) -> None:
         """tokens: (sum(lengths),) of self.dtype, end-of-text included; lengths, sources, scores: (D,)."""
         self._files[split].write(tokens.tobytes())
         self._lengths[split].append(lengths)
@@ -153,9 +154,19 @@ class ShardWriter:
         _save_npy(self._name("keys.npy"), _concat(self._keys, np.uint64))
         if self.with_signatures:
             _save_npy(self._name("sigs.npy"), np.concatenate(self._sigs) if self._sigs else np.zeros((0, 0), np.uint32))
-        files = {p.name: p.stat().st_size for p in sorted(self.folder.glob(f"{self.index:05d}.*")) if not p.name.endswith(".json")}
-        record = {"fingerprint": self.fingerprint, "shard": self.index, "done": done, "files": files,
-                  "splits": self.pending, "state": state}
+        files = {
+            p.name: p.stat().st_size
+            for p in sorted(self.folder.glob(f"{self.index:05d}.*"))
+            if not p.name.endswith(".json")
+        }
+        record = {
+            "fingerprint": self.fingerprint,
+            "shard": self.index,
+            "done": done,
+            "files": files,
+            "splits": self.pending,
+            "state": state,
+        }
         _write_durably(self._name("json"), lambda handle: json.dump(record, handle), mode="w")
         _fsync_dir(self.folder)
         for split in SPLITS:

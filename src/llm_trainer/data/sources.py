@@ -34,9 +34,10 @@ import socket
 import sysconfig
 import unicodedata
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 from urllib.parse import urlparse
 
 from ..config import DataConfig
@@ -44,7 +45,23 @@ from ..errors import UsageError
 from .filters import QualityFilter
 
 BUILTIN_STDLIB = "python-stdlib"
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".html", ".tex", ".csv"}
+TEXT_SUFFIXES = {
+    ".txt",
+    ".md",
+    ".rst",
+    ".py",
+    ".text",
+    ".c",
+    ".h",
+    ".js",
+    ".ts",
+    ".java",
+    ".go",
+    ".rs",
+    ".html",
+    ".tex",
+    ".csv",
+}
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".jsonl.zst", ".json.zst", ".ndjson.gz", ".ndjson.zst")
 DEFAULT_SOURCE = "data"  # the name of the one source that data_files / dataset_name make
 SPLIT_SHARE = 0.9  # long text files are cut into pieces of at most this share of max_chars: cleaning can lengthen text
@@ -104,11 +121,19 @@ def source_specs(config: DataConfig) -> list[SourceSpec]:
         return None if value is None else ((value,) if isinstance(value, str) else tuple(value))
 
     common = dict(
-        dataset_config=config.dataset_config, dataset_split=config.dataset_split, text_column=config.text_column,
-        include=files(config.include), exclude=files(config.exclude), streaming=config.streaming,
+        dataset_config=config.dataset_config,
+        dataset_split=config.dataset_split,
+        text_column=config.text_column,
+        include=files(config.include),
+        exclude=files(config.exclude),
+        streaming=config.streaming,
     )
     if not config.sources:
-        return [SourceSpec(name=DEFAULT_SOURCE, data_files=files(config.data_files), dataset_name=config.dataset_name, **common)]
+        return [
+            SourceSpec(
+                name=DEFAULT_SOURCE, data_files=files(config.data_files), dataset_name=config.dataset_name, **common
+            )
+        ]
     specs = []
     for entry in config.sources:
         values = {**common, **{k: v for k, v in entry.to_dict().items() if v is not None}}
@@ -173,7 +198,9 @@ def resolve_files(specs, include=None, exclude=None, bad: BadInput | None = None
             found = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
             chosen = [p for p in found if _selected(p.relative_to(path).as_posix(), include, exclude)]
             if not chosen:
-                bad("empty_folders", f"data folder {path} has no files" + (" matching include/exclude" if found else ""))
+                bad(
+                    "empty_folders", f"data folder {path} has no files" + (" matching include/exclude" if found else "")
+                )
             out += [(p, False) for p in chosen]
         elif path.is_file():
             out.append((path, True))
@@ -198,8 +225,9 @@ class _ReadOptions:
     split_chars: int | None = None  # plain-text files longer than this become several documents
 
 
-def read_text_file(path: Path, explicit: bool, stats: SourceStats, *, invalid_utf8: str = "bad_input",
-                   bad: BadInput | None = None) -> str | None:
+def read_text_file(
+    path: Path, explicit: bool, stats: SourceStats, *, invalid_utf8: str = "bad_input", bad: BadInput | None = None
+) -> str | None:
     """A whole file as one document, or None when it is skipped (binary, not UTF-8, ...)."""
     bad = bad or BadInput("skip_in_folders", stats)
     try:
@@ -208,7 +236,9 @@ def read_text_file(path: Path, explicit: bool, stats: SourceStats, *, invalid_ut
         bad("unreadable_files", f"{path} could not be read ({exc.strerror})", in_folder=not explicit)
         return None
     if b"\x00" in raw[:8192]:
-        hint = "remove it from data.data_files" if explicit else "exclude it (data.exclude) or set data.on_bad_input: skip"
+        hint = (
+            "remove it from data.data_files" if explicit else "exclude it (data.exclude) or set data.on_bad_input: skip"
+        )
         bad("binary_files", f"{path} looks like a binary file, not text; {hint}", in_folder=not explicit)
         return None
     try:
@@ -219,8 +249,11 @@ def read_text_file(path: Path, explicit: bool, stats: SourceStats, *, invalid_ut
         if invalid_utf8 == "drop":
             stats.skipped["invalid_utf8"] += 1
             return None
-        bad("non_utf8_files", f"{path} is not UTF-8 text (bad byte at offset {exc.start}); convert it to UTF-8",
-            in_folder=not explicit)
+        bad(
+            "non_utf8_files",
+            f"{path} is not UTF-8 text (bad byte at offset {exc.start}); convert it to UTF-8",
+            in_folder=not explicit,
+        )
         return None
 
 
@@ -256,11 +289,15 @@ def _read_jsonl(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple
                 if item is not None:
                     yield item[0], item[1], f"{path}:{line_no}"
         except (gzip.BadGzipFile, EOFError, OSError) as exc:  # zstandard.ZstdError is an OSError-free Exception
-            opt.bad("unreadable_files", f"{path}:{line_no + 1} could not be decompressed ({exc})", in_folder=not explicit)
+            opt.bad(
+                "unreadable_files", f"{path}:{line_no + 1} could not be decompressed ({exc})", in_folder=not explicit
+            )
         except Exception as exc:
             if type(exc).__name__ != "ZstdError":
                 raise
-            opt.bad("unreadable_files", f"{path}:{line_no + 1} could not be decompressed ({exc})", in_folder=not explicit)
+            opt.bad(
+                "unreadable_files", f"{path}:{line_no + 1} could not be decompressed ({exc})", in_folder=not explicit
+            )
 
 
 def _jsonl_record(path: Path, line_no: int, line: bytes, opt: _ReadOptions) -> tuple[str, float | None] | None:
@@ -273,7 +310,9 @@ def _jsonl_record(path: Path, line_no: int, line: bytes, opt: _ReadOptions) -> t
             opt.bad.stats.skipped["invalid_utf8"] += 1
             return None
         else:
-            opt.bad("non_utf8_lines", f"{path}:{line_no} is not UTF-8 text; convert it to UTF-8 or set data.invalid_utf8")
+            opt.bad(
+                "non_utf8_lines", f"{path}:{line_no} is not UTF-8 text; convert it to UTF-8 or set data.invalid_utf8"
+            )
             return None
     try:
         record = json.loads(decoded)
@@ -290,7 +329,9 @@ def _jsonl_record(path: Path, line_no: int, line: bytes, opt: _ReadOptions) -> t
     if opt.score_column is not None:
         score = _number(record.get(opt.score_column))
         if score is None:
-            opt.bad("missing_column", f"{path}:{line_no} has no numeric {opt.score_column!r} field (data.curriculum_key)")
+            opt.bad(
+                "missing_column", f"{path}:{line_no} has no numeric {opt.score_column!r} field (data.curriculum_key)"
+            )
             return None
     return text, score
 
@@ -309,14 +350,21 @@ def _read_parquet(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tup
     try:
         file = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for a file that is not Parquet
-        opt.bad("unreadable_files", f"{path} is not a readable Parquet file ({str(exc).splitlines()[0]})", in_folder=not explicit)
+        opt.bad(
+            "unreadable_files",
+            f"{path} is not a readable Parquet file ({str(exc).splitlines()[0]})",
+            in_folder=not explicit,
+        )
         return
     names = file.schema_arrow.names
     columns = [opt.text_column] + ([opt.score_column] if opt.score_column else [])
     for column in columns:
         if column not in names:
-            opt.bad("missing_column", f"{path} has no column {column!r} (columns: {', '.join(names)}); set data.text_column",
-                    in_folder=not explicit)
+            opt.bad(
+                "missing_column",
+                f"{path} has no column {column!r} (columns: {', '.join(names)}); set data.text_column",
+                in_folder=not explicit,
+            )
             return
     # Record batches, not whole row groups: memory stays flat however large the file's row groups are.
     row = 0
@@ -342,8 +390,9 @@ def _iter_files(spec: SourceSpec, stats: SourceStats, opt: _ReadOptions) -> Iter
             stats.skipped["unsupported_files"] += 1
 
 
-def _text_file_documents(path: Path, explicit: bool, stats: SourceStats, opt: _ReadOptions, *,
-                         bad_input: bool = True) -> Iterator[tuple[str, None, str]]:
+def _text_file_documents(
+    path: Path, explicit: bool, stats: SourceStats, opt: _ReadOptions, *, bad_input: bool = True
+) -> Iterator[tuple[str, None, str]]:
     """A plain-text file as one document, or as several when it is longer than `opt.split_chars`."""
     text = read_text_file(path, explicit, stats, invalid_utf8=opt.invalid_utf8, bad=opt.bad if bad_input else None)
     if text is None:
@@ -396,23 +445,29 @@ def _cut(text: str, start: int, target: int, limit: int) -> int:
 def _require_hub(name: str) -> None:
     """Fail at once, naming data_files, when the Hub cannot be reached (instead of `datasets` retrying for
     tens of seconds). In offline mode (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) `datasets` reads its cache."""
-    if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+    if any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    ):
         return
     endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
     try:
         socket.create_connection((host, port), timeout=5).close()
     except OSError as exc:
-        raise UsageError(f"data.dataset_name {name!r} is a Hugging Face Hub name and the Hub ({host}) cannot be reached "
-                         f"({exc.strerror or exc}); use data.data_files with local files (text, .jsonl, .parquet) or a "
-                         "local dataset folder, or set HF_HUB_OFFLINE=1 to read a copy already in the cache") from None
+        raise UsageError(
+            f"data.dataset_name {name!r} is a Hugging Face Hub name and the Hub ({host}) cannot be reached "
+            f"({exc.strerror or exc}); use data.data_files with local files (text, .jsonl, .parquet) or a "
+            "local dataset folder, or set HF_HUB_OFFLINE=1 to read a copy already in the cache"
+        ) from None
 
 
 def _iter_hf_dataset(spec: SourceSpec, split: str, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
     try:
         import datasets
     except ImportError:
-        raise UsageError(f"dataset {spec.dataset_name!r} needs the datasets package: pip install 'llm-trainer[hf]'") from None
+        raise UsageError(
+            f"dataset {spec.dataset_name!r} needs the datasets package: pip install 'llm-trainer[hf]'"
+        ) from None
     name = spec.dataset_name
     try:
         if Path(name).is_dir() and any((Path(name) / f).is_file() for f in ("dataset_info.json", "dataset_dict.json")):
@@ -430,24 +485,34 @@ def _iter_hf_dataset(spec: SourceSpec, split: str, opt: _ReadOptions) -> Iterato
         hint = "; for local files use data.data_files" if isinstance(exc, ConnectionError) else ""
         raise UsageError(f"could not load dataset {name!r} split {split!r}: {str(exc).splitlines()[0]}{hint}") from None
     if single and split != spec.dataset_split:  # a saved Dataset is one split: never reuse it for validation
-        raise UsageError(f"dataset {name!r} is a single split, so it has no split {split!r}; use a fraction for data.validation_split")
+        raise UsageError(
+            f"dataset {name!r} is a single split, so it has no split {split!r}; use a fraction for data.validation_split"
+        )
     columns = [opt.text_column] + ([opt.score_column] if opt.score_column else [])
     known = ds.column_names  # None for a stream whose features are unknown until read
     for column in columns:
         if known is not None and column not in known:
-            opt.bad("missing_column", f"dataset {name!r} has no column {column!r} (columns: {', '.join(known)}); set data.text_column")
+            opt.bad(
+                "missing_column",
+                f"dataset {name!r} has no column {column!r} (columns: {', '.join(known)}); set data.text_column",
+            )
             return
     if spec.streaming:
         for i, record in enumerate(ds):
             if opt.text_column not in record:
-                opt.bad("missing_column", f"dataset {name!r} record {i} has no {opt.text_column!r} field; set data.text_column")
+                opt.bad(
+                    "missing_column",
+                    f"dataset {name!r} record {i} has no {opt.text_column!r} field; set data.text_column",
+                )
                 continue
             text = record[opt.text_column]
             if isinstance(text, str):
                 yield text, _number(record.get(opt.score_column)) if opt.score_column else None, f"{name}:{split}[{i}]"
         return
     row = 0
-    for batch in ds.select_columns(columns).iter(batch_size=_BATCH_ROWS):  # Arrow-backed: memory-mapped, read in batches
+    for batch in ds.select_columns(columns).iter(
+        batch_size=_BATCH_ROWS
+    ):  # Arrow-backed: memory-mapped, read in batches
         scores = batch[opt.score_column] if opt.score_column else [None] * len(batch[opt.text_column])
         for text, score in zip(batch[opt.text_column], scores):
             if isinstance(text, str):
@@ -462,11 +527,18 @@ def _iter_hf_dataset(spec: SourceSpec, split: str, opt: _ReadOptions) -> Iterato
 def read_options(config: DataConfig, stats: SourceStats) -> _ReadOptions:
     score = None if config.curriculum_key == "length" else config.curriculum_key
     max_chars = QualityFilter(config).max_chars
-    return _ReadOptions(config.text_column, score, config.invalid_utf8, BadInput(config.on_bad_input, stats),
-                        None if max_chars is None else max(1, int(max_chars * SPLIT_SHARE)))
+    return _ReadOptions(
+        config.text_column,
+        score,
+        config.invalid_utf8,
+        BadInput(config.on_bad_input, stats),
+        None if max_chars is None else max(1, int(max_chars * SPLIT_SHARE)),
+    )
 
 
-def iter_source(spec: SourceSpec, config: DataConfig, stats: SourceStats, split: str | None = None) -> Iterator[Document]:
+def iter_source(
+    spec: SourceSpec, config: DataConfig, stats: SourceStats, split: str | None = None
+) -> Iterator[Document]:
     """Every raw document of one source (of its named split `split`, for a dataset's validation split)."""
     opt = read_options(config, stats)
     opt.text_column = spec.text_column
@@ -487,7 +559,9 @@ def iter_source(spec: SourceSpec, config: DataConfig, stats: SourceStats, split:
         if spec.max_documents is not None and count >= spec.max_documents:
             return
     if count == 0:
-        opt.bad("empty_sources", f"data source {spec.name!r} has no documents; check its files, dataset and text_column")
+        opt.bad(
+            "empty_sources", f"data source {spec.name!r} has no documents; check its files, dataset and text_column"
+        )
 
 
 def source_fingerprint(config: DataConfig) -> list:
@@ -509,4 +583,3 @@ def source_fingerprint(config: DataConfig) -> list:
                 stat = path.stat()
                 items.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
     return items
-

@@ -403,8 +403,20 @@ def _model_card(
         "| --- | --- |",
     ]
     for key in (
-        "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len", "activation", "norm",
-        "position_embedding", "bias", "tie_embeddings", "rms_norm_eps", "rope_theta",
+        "vocab_size",
+        "d_model",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "d_ff",
+        "max_seq_len",
+        "activation",
+        "norm",
+        "position_embedding",
+        "bias",
+        "tie_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
     ):
         if key == "rope_theta" and config.position_embedding != "rope":
             continue
@@ -448,7 +460,9 @@ def export_to_hf(
         try:
             n_tokens = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size(with_added_tokens=True)
         except Exception as exc:  # tokenizers raises plain Exception for malformed JSON
-            raise UsageError(f"{tokenizer_path} is not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})") from None
+            raise UsageError(
+                f"{tokenizer_path} is not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})"
+            ) from None
         if n_tokens > config.vocab_size:
             raise UsageError(
                 f"{tokenizer_path} has {n_tokens} tokens but the model's vocab_size is {config.vocab_size}; "
@@ -485,9 +499,11 @@ def _local_folder(path_or_name) -> Path:
     path = Path(path_or_name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
-            hint = "; it is an llm-trainer model folder, load it with Transformer.from_pretrained" if (
-                path / "model_config.json"
-            ).is_file() else ""
+            hint = (
+                "; it is an llm-trainer model folder, load it with Transformer.from_pretrained"
+                if (path / "model_config.json").is_file()
+                else ""
+            )
             raise UsageError(f"{path} is not a transformers model folder (no config.json){hint}")
         return path
     text = str(path_or_name)
@@ -519,8 +535,10 @@ def import_from_hf(path_or_name) -> tuple[Transformer, Tokenizer | None]:
     if not any(folder.glob("*.safetensors")):  # pytorch_model.bin & co. are pickles: never handed to torch.load
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"))
         found = f" (it has {', '.join(pickles)}, a pickle that could run code)" if pickles else ""
-        raise UsageError(f"{path_or_name} has no safetensors weights{found}; convert them to model.safetensors "
-                         "in a process you trust, then import that folder")
+        raise UsageError(
+            f"{path_or_name} has no safetensors weights{found}; convert them to model.safetensors "
+            "in a process you trust, then import that folder"
+        )
     try:
         hf_config = tf.AutoConfig.from_pretrained(str(folder), local_files_only=True)
         config = from_hf_config(hf_config)

@@ -52,8 +52,10 @@ def _import_deepspeed(device: torch.device):
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else "cuda")
         import deepspeed
     except ImportError:
-        raise UsageError("distributed_strategy deepspeed needs DeepSpeed: pip install '.[deepspeed]' "
-                         "(or use distributed_strategy ddp or fsdp)") from None
+        raise UsageError(
+            "distributed_strategy deepspeed needs DeepSpeed: pip install '.[deepspeed]' "
+            "(or use distributed_strategy ddp or fsdp)"
+        ) from None
     if device.type == "cpu":
         # On the CPU accelerator DeepSpeed's communication backend JIT-compiles a shared-memory op
         # (a minute of C++ build, and a hang behind a stale lock if a build was ever killed) that only
@@ -71,7 +73,9 @@ def load_user_config(value: str | dict | None) -> dict:
         return copy.deepcopy(value)
     path = Path(value)
     if not path.is_file():
-        raise UsageError(f"training.deepspeed_config: {value} does not exist; pass a DeepSpeed JSON file or an inline dict")
+        raise UsageError(
+            f"training.deepspeed_config: {value} does not exist; pass a DeepSpeed JSON file or an inline dict"
+        )
     try:
         loaded = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -92,7 +96,9 @@ def _concrete(section: Any) -> bool:
 
 
 def _precision_settings(cfg: dict) -> tuple[list[Setting], list[str]]:
-    enabled = {key: cfg[key].get("enabled", "auto") if isinstance(cfg.get(key), dict) else "auto" for key in ("fp16", "bf16")}
+    enabled = {
+        key: cfg[key].get("enabled", "auto") if isinstance(cfg.get(key), dict) else "auto" for key in ("fp16", "bf16")
+    }
     if enabled["fp16"] is True and enabled["bf16"] is True:
         return [], ["fp16.enabled and bf16.enabled are both true; enable one"]
     for key, dtype in (("fp16", "float16"), ("bf16", "bfloat16")):
@@ -111,8 +117,10 @@ def _optimizer_settings(section: dict) -> tuple[list[Setting], list[str], list[s
         decoupled = kind == "adamw" or params.get("adam_w_mode", True) is not False
         settings.append(("optimizer.type", "optimizer", "adamw" if decoupled else "adam"))
     else:
-        problems.append(f"optimizer.type {section.get('type')!r} is not supported: llm-trainer runs torch's AdamW "
-                        "(type AdamW or Adam)")
+        problems.append(
+            f"optimizer.type {section.get('type')!r} is not supported: llm-trainer runs torch's AdamW "
+            "(type AdamW or Adam)"
+        )
     for key, value in params.items():
         where = f"optimizer.params.{key}"
         if not _given(value) or key in _IGNORED_OPTIMIZER_PARAMS:
@@ -135,8 +143,14 @@ def _scheduler_settings(section: dict, lr: float) -> tuple[list[Setting], list[s
     linear from lr/warmup_steps, so a log warmup or a warmup floor is followed approximately."""
     kind = section.get("type")
     if kind not in _SCHEDULES:
-        return [], [f"scheduler.type {kind!r} is not supported; use WarmupLR, WarmupDecayLR or WarmupCosineLR, "
-                    "or set training.lr_scheduler and remove the section"], []
+        return (
+            [],
+            [
+                f"scheduler.type {kind!r} is not supported; use WarmupLR, WarmupDecayLR or WarmupCosineLR, "
+                "or set training.lr_scheduler and remove the section"
+            ],
+            [],
+        )
     params = {k: v for k, v in (section.get("params") or {}).items() if _given(v)}
     where = "scheduler.params."
     settings: list[Setting] = [("scheduler.type", "lr_scheduler", _SCHEDULES[kind])]
@@ -162,9 +176,11 @@ def _scheduler_settings(section: dict, lr: float) -> tuple[list[Setting], list[s
 def file_settings(cfg: dict, training: TrainingConfig) -> tuple[list[Setting], list[str], list[str]]:
     """What a DeepSpeed config decides that TrainingConfig also holds: (settings, unsupported parts, notes)."""
     settings: list[Setting] = []
-    for key, field in (("train_micro_batch_size_per_gpu", "batch_size"),
-                       ("gradient_accumulation_steps", "gradient_accumulation_steps"),
-                       ("gradient_clipping", "max_grad_norm")):
+    for key, field in (
+        ("train_micro_batch_size_per_gpu", "batch_size"),
+        ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+        ("gradient_clipping", "max_grad_norm"),
+    ):
         if _given(cfg.get(key)):
             settings.append((key, field, cfg[key]))
     precision, problems = _precision_settings(cfg)
@@ -211,16 +227,24 @@ def merge_into_training(training: TrainingConfig, world_size: int, device: torch
     if _given(total):  # = micro batch x accumulation x world size; as in DeepSpeed, a missing accumulation follows
         micro = changes.get("batch_size", training.batch_size)
         accum = changes.get("gradient_accumulation_steps", training.gradient_accumulation_steps)
-        if (micro * accum * world_size != total and "gradient_accumulation_steps" not in taken_from
-                and accum == defaults["gradient_accumulation_steps"] and total % (micro * world_size) == 0):
+        if (
+            micro * accum * world_size != total
+            and "gradient_accumulation_steps" not in taken_from
+            and accum == defaults["gradient_accumulation_steps"]
+            and total % (micro * world_size) == 0
+        ):
             accum = changes["gradient_accumulation_steps"] = total // (micro * world_size)
         if micro * accum * world_size != total:
-            problems.append(f"train_batch_size={total} but batch_size x gradient_accumulation_steps x world size = "
-                            f"{micro} x {accum} x {world_size} = {micro * accum * world_size}")
+            problems.append(
+                f"train_batch_size={total} but batch_size x gradient_accumulation_steps x world size = "
+                f"{micro} x {accum} x {world_size} = {micro * accum * world_size}"
+            )
     merged_amp = changes.get("use_amp", training.use_amp) and changes.get("amp_dtype", training.amp_dtype) == "float16"
     if merged_amp and device.type != "cuda":
-        problems.append(f"fp16 needs a CUDA GPU and this run is on {device.type}: use bf16 instead "
-                        '("bf16": {"enabled": true} and "fp16": {"enabled": false})')
+        problems.append(
+            f"fp16 needs a CUDA GPU and this run is on {device.type}: use bf16 instead "
+            '("bf16": {"enabled": true} and "fp16": {"enabled": false})'
+        )
     if problems:
         raise UsageError(f"training.deepspeed_config {name}: {one_message(problems)}")
     for note in notes:
@@ -240,8 +264,11 @@ def build_config(training: TrainingConfig, world_size: int, d_model: int | None)
     cfg = load_user_config(training.deepspeed_config)
     settings, problems, _ = file_settings(cfg, training)
     checked_below = ("batch_size", "gradient_accumulation_steps", "max_grad_norm")
-    problems += [f"{where}={value!r} but training.{field}={getattr(training, field)!r}"
-                 for where, field, value in settings if field not in checked_below and getattr(training, field) != value]
+    problems += [
+        f"{where}={value!r} but training.{field}={getattr(training, field)!r}"
+        for where, field, value in settings
+        if field not in checked_below and getattr(training, field) != value
+    ]
     if problems:
         raise UsageError(f"training.deepspeed_config: {one_message(problems)}")
     for section in _OWN_SECTIONS:  # ours, with the same values, stand in for DeepSpeed's
@@ -257,20 +284,29 @@ def build_config(training: TrainingConfig, world_size: int, d_model: int | None)
         if given == "auto":
             cfg[key] = value
         elif given != value:
-            raise UsageError(f"training.deepspeed_config: {key}={given!r} but the training config gives {value!r}; "
-                             f"set it to \"auto\" or remove it")
-    amp = {"bf16": training.use_amp and training.amp_dtype == "bfloat16",
-           "fp16": training.use_amp and training.amp_dtype == "float16"}
+            raise UsageError(
+                f"training.deepspeed_config: {key}={given!r} but the training config gives {value!r}; "
+                f'set it to "auto" or remove it'
+            )
+    amp = {
+        "bf16": training.use_amp and training.amp_dtype == "bfloat16",
+        "fp16": training.use_amp and training.amp_dtype == "float16",
+    }
     for key, enabled in amp.items():
         section = cfg.setdefault(key, {})
         if section.get("enabled", "auto") == "auto":
             section["enabled"] = enabled
     zero = cfg.setdefault("zero_optimization", {"stage": 0})
     if zero.get("stage", 0) not in (0, 1, 2, 3):
-        raise UsageError(f"training.deepspeed_config: zero_optimization.stage must be 0, 1, 2 or 3, got {zero.get('stage')!r}")
+        raise UsageError(
+            f"training.deepspeed_config: zero_optimization.stage must be 0, 1, 2 or 3, got {zero.get('stage')!r}"
+        )
     width = d_model or 1024  # bucket sizes from the model's width, as DeepSpeed's own docs suggest
-    sizes = {"reduce_bucket_size": width * width, "stage3_prefetch_bucket_size": int(0.9 * width * width),
-             "stage3_param_persistence_threshold": 10 * width}
+    sizes = {
+        "reduce_bucket_size": width * width,
+        "stage3_prefetch_bucket_size": int(0.9 * width * width),
+        "stage3_param_persistence_threshold": 10 * width,
+    }
     for key, value in sizes.items():
         if zero.get(key) == "auto":
             zero[key] = value
@@ -280,8 +316,9 @@ def build_config(training: TrainingConfig, world_size: int, d_model: int | None)
     cfg.setdefault("steps_per_print", 2**31 - 1)  # progress is reported by our loggers
     leftover = [key for key, value in _flatten(cfg) if value == "auto"]
     if leftover:
-        raise UsageError(f"training.deepspeed_config: llm-trainer cannot fill \"auto\" for {', '.join(leftover)}; "
-                         "give a value")
+        raise UsageError(
+            f'training.deepspeed_config: llm-trainer cannot fill "auto" for {", ".join(leftover)}; give a value'
+        )
     return cfg
 
 
@@ -293,12 +330,15 @@ def _flatten(value: Any, prefix: str = ""):
         yield prefix.rstrip("."), value
 
 
-def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, training: TrainingConfig, world_size: int,
-         device: torch.device):
+def wrap(
+    model: nn.Module, optimizer: torch.optim.Optimizer, training: TrainingConfig, world_size: int, device: torch.device
+):
     """deepspeed.initialize around our model and optimizer; returns the engine (what the loop calls)."""
     if not optimizer.defaults.get("fused"):  # the loop skips non-finite steps through the fused kernels' found_inf
-        raise UsageError(f"distributed_strategy deepspeed needs training.optimizer adamw or adam on CPU or CUDA "
-                         f"(got {training.optimizer} on {device.type})")
+        raise UsageError(
+            f"distributed_strategy deepspeed needs training.optimizer adamw or adam on CPU or CUDA "
+            f"(got {training.optimizer} on {device.type})"
+        )
     deepspeed = _import_deepspeed(device)
     d_model = getattr(getattr(model, "config", None), "d_model", None)
     config = build_config(training, world_size, d_model)
@@ -306,8 +346,10 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, training: TrainingC
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     except (ValueError, AssertionError, NotImplementedError) as exc:  # its sanity checks: fp16 on CPU, ...
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UsageError(f"DeepSpeed refused this configuration on {device.type}: {reason}; change "
-                         "training.use_amp / amp_dtype or training.deepspeed_config") from None
+        raise UsageError(
+            f"DeepSpeed refused this configuration on {device.type}: {reason}; change "
+            "training.use_amp / amp_dtype or training.deepspeed_config"
+        ) from None
     if training.compile:
         engine.compile()
     return engine
@@ -349,9 +391,16 @@ def save(engine, staging: Path, is_main: bool) -> None:
 def load(engine, sharded: Path) -> None:
     """Every rank: model and optimizer state from a checkpoint's `sharded/` folder (verified already)."""
     if not any(sharded.glob("*model_states.pt")):
-        raise UsageError(f"{sharded.parent} was not saved with distributed_strategy deepspeed; resume it with the "
-                         "strategy it was saved with")
-    path, _ = engine.load_checkpoint(str(sharded.parent), tag=sharded.name, load_module_strict=True,
-                                     load_optimizer_states=True, load_lr_scheduler_states=False)
+        raise UsageError(
+            f"{sharded.parent} was not saved with distributed_strategy deepspeed; resume it with the "
+            "strategy it was saved with"
+        )
+    path, _ = engine.load_checkpoint(
+        str(sharded.parent),
+        tag=sharded.name,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=False,
+    )
     if path is None:
         raise UsageError(f"DeepSpeed could not load {sharded}; was it saved at another world size or ZeRO stage?")

@@ -51,9 +51,11 @@ def setup(config: TrainingConfig, device: torch.device) -> tuple[DistInfo, torch
     strategy = config.distributed_strategy
     if world == 1 and strategy != "deepspeed":
         if strategy in ("ddp", "fsdp"):
-            warn(f"training.distributed_strategy={strategy} in one process: nothing is "
-                 f"{'sharded' if strategy == 'fsdp' else 'replicated'}; launch with torchrun --nproc_per_node=N "
-                 "(N > 1) to use it")
+            warn(
+                f"training.distributed_strategy={strategy} in one process: nothing is "
+                f"{'sharded' if strategy == 'fsdp' else 'replicated'}; launch with torchrun --nproc_per_node=N "
+                "(N > 1) to use it"
+            )
         return DistInfo(), device
     if strategy == "auto":
         strategy = "ddp"
@@ -66,11 +68,16 @@ def setup(config: TrainingConfig, device: torch.device) -> tuple[DistInfo, torch
         if backend == "nccl" and device.type != "cuda":
             raise UsageError("training.distributed_backend=nccl needs CUDA; use gloo on CPU")
         if "MASTER_ADDR" not in os.environ:  # DeepSpeed in one process, started without torchrun
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
-                              WORLD_SIZE="1")
+            os.environ.update(
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
+            )
         timeout = timedelta(seconds=config.distributed_timeout_s)
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
-                                **_restart_safe_store(rank, world, timeout))
+        dist.init_process_group(
+            backend,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+            **_restart_safe_store(rank, world, timeout),
+        )
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world, strategy=strategy), device
 
 
@@ -82,8 +89,9 @@ def _restart_safe_store(rank: int, world: int, timeout: timedelta) -> dict:
     "Connection refused" (pytorch/pytorch#167288). A per-attempt prefix hides them."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}  # not torchrun's agent store: the env:// rendezvous as usual
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return {"store": dist.PrefixStore(f"llm_trainer/attempt-{attempt}", store), "rank": rank, "world_size": world}
 

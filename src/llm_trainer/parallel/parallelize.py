@@ -17,7 +17,7 @@ so a model larger than one device's memory can start.
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -95,17 +95,28 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return module is not None and isinstance(tensor, module.DTensor)
 
 
-def parallelize(model: nn.Module, *, config: TrainingConfig, dist: DistInfo, device: torch.device,
-                amp_dtype: torch.dtype | None, activation_checkpointing: bool,
-                build_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> Parallelism:
+def parallelize(
+    model: nn.Module,
+    *,
+    config: TrainingConfig,
+    dist: DistInfo,
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+    activation_checkpointing: bool,
+    build_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+) -> Parallelism:
     """Wrap `model` for `dist.strategy` in the order above; `build_optimizer(model)` makes the optimizer
     once the parameters are in their final (sharded, on-device) form."""
     if config.optimizer == "muon" and dist.strategy in ("fsdp", "deepspeed"):
-        raise UsageError(f"optimizer muon needs each weight whole, and distributed_strategy {dist.strategy} shards "
-                         "them; use distributed_strategy ddp, or optimizer adamw")
+        raise UsageError(
+            f"optimizer muon needs each weight whole, and distributed_strategy {dist.strategy} shards "
+            "them; use distributed_strategy ddp, or optimizer adamw"
+        )
     if getattr(getattr(model, "config", None), "attention_backend", None) == "flex" and device.type != "cuda":
-        raise UsageError("model.attention_backend flex trains on CUDA only (this torch's FlexAttention has no backward "
-                         f"on {device.type}); use attention_backend: sdpa")
+        raise UsageError(
+            "model.attention_backend flex trains on CUDA only (this torch's FlexAttention has no backward "
+            f"on {device.type}); use attention_backend: sdpa"
+        )
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     on_meta = any(p.is_meta for p in model.parameters())
@@ -130,7 +141,8 @@ def parallelize(model: nn.Module, *, config: TrainingConfig, dist: DistInfo, dev
         from torch.nn.parallel import DistributedDataParallel
 
         forward = ddp = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None,
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
             find_unused_parameters=config.ddp_find_unused_parameters,
         )
     if config.compile:

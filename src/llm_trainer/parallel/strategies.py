@@ -38,8 +38,16 @@ class Parallelism:
     background_saves = True  # rank 0 alone writes the checkpoint, so a writer thread can do it
     weights_in_shards = False  # the checkpoint's weights are only in save_shards' files (no model.safetensors)
 
-    def __init__(self, model: nn.Module, forward: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 dist: DistInfo, device: torch.device, amp_dtype: torch.dtype | None):
+    def __init__(
+        self,
+        model: nn.Module,
+        forward: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        dist: DistInfo,
+        device: torch.device,
+        amp_dtype: torch.dtype | None,
+    ):
         self.model = model  # the bare module (sharded in place under FSDP): state dicts, evaluation
         self.forward = forward  # what the step calls: possibly compiled, wrapped, or DeepSpeed's engine
         self.optimizer = optimizer
@@ -103,11 +111,15 @@ class Parallelism:
     def load(self, parts: dict[str, Any], path: Path) -> None:
         kind = parts["meta"].get("kind")
         if kind == "deepspeed_checkpoint":
-            raise UsageError(f"{path} was saved with distributed_strategy deepspeed; resume it with that strategy "
-                             "(its model folder also works as model.init_from for a fresh run)")
+            raise UsageError(
+                f"{path} was saved with distributed_strategy deepspeed; resume it with that strategy "
+                "(its model folder also works as model.init_from for a fresh run)"
+            )
         if parts["model"] is None:
-            raise UsageError(f"{path} is a sharded FSDP checkpoint; resume it with distributed_strategy: fsdp, "
-                             "or turn it into a model folder with `llm-trainer consolidate`")
+            raise UsageError(
+                f"{path} is a sharded FSDP checkpoint; resume it with distributed_strategy: fsdp, "
+                "or turn it into a model folder with `llm-trainer consolidate`"
+            )
         load_model_state(self.model, parts["model"], str(path))
         try:
             self.optimizer.load_state_dict(parts["optimizer"])

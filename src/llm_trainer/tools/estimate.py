@@ -43,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-
 from .. import resolve
 from ..config import ExperimentConfig, ModelConfig, TrainingConfig
 from ..resolve import activation_checkpointing, sequence_length
@@ -62,8 +61,9 @@ def _act_bytes(training: TrainingConfig) -> int:
     return 2 if training.use_amp else 4
 
 
-def activation_bytes_per_token(model_config: ModelConfig, training: TrainingConfig, device_type: str = "cuda",
-                               seq_len: int | None = None) -> dict[str, float]:
+def activation_bytes_per_token(
+    model_config: ModelConfig, training: TrainingConfig, device_type: str = "cuda", seq_len: int | None = None
+) -> dict[str, float]:
     """Bytes autograd keeps per token: `per_layer` (one block), `embedding` (ids, final norm, head input)
     and `head` (the saved fp32 log-softmax). Checked against the tensors autograd actually saves."""
     c = model_config.resolved()
@@ -188,13 +188,19 @@ def estimate_memory(
         tokens_per_micro_batch=tokens,
         world_size=world_size,
         sharding=sharding,
-        details={"phases": phases, "peak_phase": peak_phase, "checkpointing": checkpointing,
-                 "per_token": per_token, "optimizer_states_per_param": states},
+        details={
+            "phases": phases,
+            "peak_phase": peak_phase,
+            "checkpointing": checkpointing,
+            "per_token": per_token,
+            "optimizer_states_per_param": states,
+        },
     )
 
 
 def max_batch_size(model_config: ModelConfig, training: TrainingConfig, device_memory_gb: float, **kwargs) -> int:
     """The largest per-device micro-batch whose estimated peak fits `device_memory_gb` (0 if none)."""
+
     def fits(b: int) -> bool:
         return estimate_memory(model_config, training, batch_size=b, **kwargs).fits(device_memory_gb)
 
@@ -236,8 +242,16 @@ def estimate_report(
     micro = batch_size or training.batch_size
     tokens_per_step = micro * seq_len * training.gradient_accumulation_steps * world_size
     device_type = "cpu" if training.device == "cpu" else "cuda"
-    mem = estimate_memory(model_config, training, seq_len=seq_len, batch_size=micro, world_size=world_size,
-                          sharding=sharding, gradient_checkpointing=gradient_checkpointing, device_type=device_type)
+    mem = estimate_memory(
+        model_config,
+        training,
+        seq_len=seq_len,
+        batch_size=micro,
+        world_size=world_size,
+        sharding=sharding,
+        gradient_checkpointing=gradient_checkpointing,
+        device_type=device_type,
+    )
     report = {
         "parameters": counts.total,
         "non_embedding_parameters": counts.matmul,
@@ -268,16 +282,33 @@ def estimate_report(
         report["device_memory_gb"] = device_memory_gb
         report["fits"] = mem.fits(device_memory_gb)
         report["max_micro_batch_size"] = max_batch_size(
-            model_config, training, device_memory_gb, seq_len=seq_len, world_size=world_size, sharding=sharding,
-            gradient_checkpointing=gradient_checkpointing, device_type=device_type,
+            model_config,
+            training,
+            device_memory_gb,
+            seq_len=seq_len,
+            world_size=world_size,
+            sharding=sharding,
+            gradient_checkpointing=gradient_checkpointing,
+            device_type=device_type,
         )
         if not report["fits"]:
-            report["advice"] = _advice(model_config, training, device_memory_gb, seq_len, world_size, sharding,
-                                       gradient_checkpointing, device_type, report["max_micro_batch_size"])
+            report["advice"] = _advice(
+                model_config,
+                training,
+                device_memory_gb,
+                seq_len,
+                world_size,
+                sharding,
+                gradient_checkpointing,
+                device_type,
+                report["max_micro_batch_size"],
+            )
     return report
 
 
-def _advice(model_config, training, device_gb, seq_len, world_size, sharding, checkpointing, device_type, max_micro) -> str:
+def _advice(
+    model_config, training, device_gb, seq_len, world_size, sharding, checkpointing, device_type, max_micro
+) -> str:
     """What to change so it fits: a smaller micro-batch, checkpointing, then sharding over more devices."""
     tips = []
     if max_micro:
@@ -285,15 +316,17 @@ def _advice(model_config, training, device_gb, seq_len, world_size, sharding, ch
         return "; ".join(tips)
     kwargs = dict(seq_len=seq_len, batch_size=1, device_type=device_type)
     if not (checkpointing or activation_checkpointing(training, model_config)):
-        if estimate_memory(model_config, training, world_size=world_size, sharding=sharding,
-                           gradient_checkpointing=True, **kwargs).fits(device_gb):
+        if estimate_memory(
+            model_config, training, world_size=world_size, sharding=sharding, gradient_checkpointing=True, **kwargs
+        ).fits(device_gb):
             return "training.gradient_checkpointing=true with a small training.batch_size"
     for world in (2, 4, 8, 16, 32, 64, 128, 256, 512):
         if world <= world_size:
             continue
         for mode in ("zero1", "zero2", "fsdp"):
-            if estimate_memory(model_config, training, world_size=world, sharding=mode,
-                               gradient_checkpointing=True, **kwargs).fits(device_gb):
+            if estimate_memory(
+                model_config, training, world_size=world, sharding=mode, gradient_checkpointing=True, **kwargs
+            ).fits(device_gb):
                 return f"distributed: --world-size {world} --sharding {mode} with gradient checkpointing"
     return "does not fit even when sharded over 512 devices; use a smaller model"
 
@@ -320,8 +353,10 @@ def format_report(report: dict) -> str:
     ]
     if "fits" in report:
         verdict = "fits" if report["fits"] else "does NOT fit"
-        lines.append(f"{verdict} in {report['device_memory_gb']:g} GiB; largest micro-batch that fits: "
-                     f"{report['max_micro_batch_size']}")
+        lines.append(
+            f"{verdict} in {report['device_memory_gb']:g} GiB; largest micro-batch that fits: "
+            f"{report['max_micro_batch_size']}"
+        )
         if report.get("advice"):
             lines.append(f"to fit: {report['advice']}")
     return "\n".join(lines)

@@ -69,8 +69,10 @@ def generate(
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     max_len = model.config.max_seq_len
     if len(ids) > max_len:
-        warn(f"generate: the prompt has {len(ids)} tokens, more than the model's context ({max_len}); "
-             f"it reads the last {max_len}")
+        warn(
+            f"generate: the prompt has {len(ids)} tokens, more than the model's context ({max_len}); "
+            f"it reads the last {max_len}"
+        )
     if len(ids[-max_len:]) + max_new_tokens > max_len:
         warn(f"generate: past {max_len} tokens the context window slides (each new token sees the last {max_len})")
     cache = KVCache.empty(model.config, 1, max_len, device, next(model.parameters()).dtype) if use_cache else None

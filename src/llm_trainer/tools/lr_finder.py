@@ -47,8 +47,15 @@ class LRFinderResult:
         return plot_lr_finder(self.lrs, self.losses, self.smoothed, self.suggested_lr, path)
 
     def to_dict(self) -> dict:
-        return {"suggested_lr": self.suggested_lr, "best_lr": self.best_lr, "diverged": self.diverged,
-                "steps": len(self.lrs), "lrs": self.lrs, "losses": self.losses, "smoothed": self.smoothed}
+        return {
+            "suggested_lr": self.suggested_lr,
+            "best_lr": self.best_lr,
+            "diverged": self.diverged,
+            "steps": len(self.lrs),
+            "lrs": self.lrs,
+            "losses": self.losses,
+            "smoothed": self.smoothed,
+        }
 
 
 def suggest_lr(lrs: list[float], smoothed: list[float], skip_start: int | None = None) -> float | None:
@@ -145,8 +152,14 @@ def find_lr(
 
     finite = [(v, lr) for v, lr in zip(smoothed, lrs) if math.isfinite(v)]
     best_lr = min(finite)[1] if finite else lrs[0]
-    return LRFinderResult(lrs=lrs, losses=losses, smoothed=smoothed, suggested_lr=suggest_lr(lrs, smoothed),
-                          diverged=diverged, best_lr=best_lr)
+    return LRFinderResult(
+        lrs=lrs,
+        losses=losses,
+        smoothed=smoothed,
+        suggested_lr=suggest_lr(lrs, smoothed),
+        diverged=diverged,
+        best_lr=best_lr,
+    )
 
 
 def run_lr_finder(experiment, *, start_lr: float, end_lr: float, num_steps: int, plot_path=None) -> LRFinderResult:
@@ -162,8 +175,15 @@ def run_lr_finder(experiment, *, start_lr: float, end_lr: float, num_steps: int,
     seed_everything(run.training.seed)
     model = build_model(run.experiment.model)
     train_loader, _ = build_loaders(run.experiment, prepared, run.device)
-    result = find_lr(model, train_loader, start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,
-                     training=run.training, device=run.device)
+    result = find_lr(
+        model,
+        train_loader,
+        start_lr=start_lr,
+        end_lr=end_lr,
+        num_steps=num_steps,
+        training=run.training,
+        device=run.device,
+    )
     if plot_path is not None:
         result.plot(plot_path)
     return result

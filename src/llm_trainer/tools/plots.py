@@ -98,7 +98,9 @@ def _lines(run: RunSeries, figure: str, axis: str) -> list[tuple[str, list[float
     out = []
     if figure == "lr":
         if train_steps:
-            out.append((run.label, xs(train_steps, run.train), [_number(run.train[s].get("lr")) for s in train_steps], "-"))
+            out.append(
+                (run.label, xs(train_steps, run.train), [_number(run.train[s].get("lr")) for s in train_steps], "-")
+            )
         return out
     if train_steps:
         losses = [_number(run.train[s].get("loss")) for s in train_steps]
@@ -137,7 +139,9 @@ def make_figures(runs: list[RunSeries]) -> dict:
             ax.grid(True, alpha=0.3)
             if ax.get_lines():
                 ax.legend(fontsize=8)
-            fig.subplots_adjust(left=0.11, right=0.97, top=0.92, bottom=0.11)  # fixed margins: tight_layout costs 80 ms a figure
+            fig.subplots_adjust(
+                left=0.11, right=0.97, top=0.92, bottom=0.11
+            )  # fixed margins: tight_layout costs 80 ms a figure
             figures[f"{figure}_vs_{axis}"] = fig
     return figures
 

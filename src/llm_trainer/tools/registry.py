@@ -74,12 +74,21 @@ class ModelVersion:
         return values
 
 
-_IDENTITY = ("run_dir", "model_path", "export_path", "data_fingerprint", "tokenizer_fingerprint", "git_commit",
-             "metrics", "config")
+_IDENTITY = (
+    "run_dir",
+    "model_path",
+    "export_path",
+    "data_fingerprint",
+    "tokenizer_fingerprint",
+    "git_commit",
+    "metrics",
+    "config",
+)
 
 
 def _same_run(versions: list[ModelVersion], info: dict, description: str | None) -> ModelVersion | None:
     """The newest version that records exactly this run as it is now (and the same description), if any."""
+
     def key(values: dict) -> str:
         return json.dumps([values.get(k) for k in _IDENTITY], sort_keys=True, default=str)
 
@@ -96,7 +105,7 @@ def _same_run(versions: list[ModelVersion], info: dict, description: str | None)
 
 
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+    return _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
 
 
 def _read_json(path: Path) -> dict | None:
@@ -207,7 +216,7 @@ def collect_run_info(run_dir: str | Path, export_path: str | Path | None = None)
 
 
 def parse_ref(ref: str) -> tuple[str, int | str | None]:
-    """"name" -> (name, None = latest); "name:3" -> (name, 3); "name:production" -> (name, "production")."""
+    """ "name" -> (name, None = latest); "name:3" -> (name, 3); "name:production" -> (name, "production")."""
     name, _, version = ref.partition(":")
     if not name:
         raise UsageError(f"model reference {ref!r} must look like NAME, NAME:VERSION or NAME:STAGE")
@@ -222,7 +231,9 @@ def parse_ref(ref: str) -> tuple[str, int | str | None]:
 
 def _check_name(name: str) -> None:
     if not NAME_RE.match(name or ""):
-        raise UsageError(f"model name {name!r} must start with a letter or digit and hold only letters, digits, '.', '_', '-'")
+        raise UsageError(
+            f"model name {name!r} must start with a letter or digit and hold only letters, digits, '.', '_', '-'"
+        )
 
 
 def _check_stage(stage: str) -> None:
@@ -254,8 +265,21 @@ CREATE TABLE IF NOT EXISTS stage_history (
     name TEXT NOT NULL, version INTEGER NOT NULL, stage TEXT NOT NULL, changed_at TEXT NOT NULL
 );
 """
-_COLUMNS = ("name", "version", "stage", "created_at", "run_dir", "model_path", "export_path", "data_fingerprint",
-            "tokenizer_fingerprint", "git_commit", "description", "metrics", "config")
+_COLUMNS = (
+    "name",
+    "version",
+    "stage",
+    "created_at",
+    "run_dir",
+    "model_path",
+    "export_path",
+    "data_fingerprint",
+    "tokenizer_fingerprint",
+    "git_commit",
+    "description",
+    "metrics",
+    "config",
+)
 
 
 class SQLiteRegistry:
@@ -293,7 +317,9 @@ class SQLiteRegistry:
                 self.db.execute("COMMIT")
                 return existing
             (latest,) = self.db.execute("SELECT MAX(version) FROM versions WHERE name = ?", (name,)).fetchone()
-            version = ModelVersion(name=name, version=(latest or 0) + 1, created_at=_now(), description=description, **info)
+            version = ModelVersion(
+                name=name, version=(latest or 0) + 1, created_at=_now(), description=description, **info
+            )
             values = version.to_dict()
             values["metrics"] = json.dumps(values["metrics"], default=str)
             values["config"] = json.dumps(values["config"], default=str)
@@ -312,7 +338,9 @@ class SQLiteRegistry:
 
     def get(self, name: str, version: int | str | None = None) -> ModelVersion:
         if version is None:
-            found = self._select("WHERE name = ? AND version = (SELECT MAX(version) FROM versions WHERE name = ?)", (name, name))
+            found = self._select(
+                "WHERE name = ? AND version = (SELECT MAX(version) FROM versions WHERE name = ?)", (name, name)
+            )
         elif isinstance(version, int):
             found = self._select("WHERE name = ? AND version = ?", (name, version))
         else:
@@ -335,7 +363,9 @@ class SQLiteRegistry:
                 for (other,) in self.db.execute(
                     "SELECT version FROM versions WHERE name = ? AND stage = ? AND version != ?", (name, stage, version)
                 ).fetchall():
-                    self.db.execute("UPDATE versions SET stage = 'archived' WHERE name = ? AND version = ?", (name, other))
+                    self.db.execute(
+                        "UPDATE versions SET stage = 'archived' WHERE name = ? AND version = ?", (name, other)
+                    )
                     self.db.execute("INSERT INTO stage_history VALUES (?, ?, 'archived', ?)", (name, other, now))
             self.db.execute("UPDATE versions SET stage = ? WHERE name = ? AND version = ?", (stage, name, version))
             self.db.execute("INSERT INTO stage_history VALUES (?, ?, ?, ?)", (name, version, stage, now))
@@ -393,13 +423,21 @@ class MLflowRegistry:
     def _version(self, mv) -> ModelVersion:
         tags = dict(mv.tags or {})
         config = {k.split(".", 1)[1]: json.loads(v) for k, v in tags.items() if k.startswith("config.")}
-        created = _dt.datetime.fromtimestamp(mv.creation_timestamp / 1000, _dt.timezone.utc).replace(microsecond=0).isoformat()
+        created = _dt.datetime.fromtimestamp(mv.creation_timestamp / 1000, _dt.UTC).replace(microsecond=0).isoformat()
         return ModelVersion(
-            name=mv.name, version=int(mv.version), stage=tags.get("stage", "none"), created_at=created,
-            run_dir=tags.get("run_dir") or None, model_path=tags.get("model_path") or None,
-            export_path=tags.get("export_path") or None, data_fingerprint=tags.get("data_fingerprint") or None,
-            tokenizer_fingerprint=tags.get("tokenizer_fingerprint") or None, git_commit=tags.get("git_commit") or None,
-            description=mv.description or None, metrics=json.loads(tags.get("metrics") or "{}"), config=config,
+            name=mv.name,
+            version=int(mv.version),
+            stage=tags.get("stage", "none"),
+            created_at=created,
+            run_dir=tags.get("run_dir") or None,
+            model_path=tags.get("model_path") or None,
+            export_path=tags.get("export_path") or None,
+            data_fingerprint=tags.get("data_fingerprint") or None,
+            tokenizer_fingerprint=tags.get("tokenizer_fingerprint") or None,
+            git_commit=tags.get("git_commit") or None,
+            description=mv.description or None,
+            metrics=json.loads(tags.get("metrics") or "{}"),
+            config=config,
         )
 
     def list(self, name: str | None = None) -> list[ModelVersion]:
@@ -423,7 +461,9 @@ class MLflowRegistry:
         except MlflowException:
             versions = []
         if not versions:
-            raise UsageError(f"no model version {name}{'' if version is None else f':{version}'} in MLflow registry {self.path}")
+            raise UsageError(
+                f"no model version {name}{'' if version is None else f':{version}'} in MLflow registry {self.path}"
+            )
         return versions[-1]
 
     def promote(self, name: str, version: int, stage: str, *, keep_existing: bool = False) -> ModelVersion:
@@ -458,7 +498,7 @@ def open_registry(spec: str | Path | None = None):
     ~/.llm_trainer/registry.db."""
     spec = str(spec) if spec else default_spec()
     if spec.startswith("mlflow:"):
-        return MLflowRegistry(spec[len("mlflow:"):])
+        return MLflowRegistry(spec[len("mlflow:") :])
     return SQLiteRegistry(Path(spec).expanduser())
 
 
@@ -467,8 +507,16 @@ def format_table(versions: list[ModelVersion]) -> str:
     rows = []
     for v in versions:
         loss = v.metrics.get("val_loss", v.metrics.get("best_val_loss"))
-        rows.append([v.name, str(v.version), v.stage, f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
-                     v.created_at.replace("+00:00", "Z"), v.model_path or "-"])
+        rows.append(
+            [
+                v.name,
+                str(v.version),
+                v.stage,
+                f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
+                v.created_at.replace("+00:00", "Z"),
+                v.model_path or "-",
+            ]
+        )
     if not rows:
         return "(no models registered)"
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

@@ -65,14 +65,18 @@ class SearchParam:
         return self.value
 
     def example(self):
-        return {"float": self.low, "int": self.low, "categorical": (self.choices or [None])[0]}.get(self.kind, self.value)
+        return {"float": self.low, "int": self.low, "categorical": (self.choices or [None])[0]}.get(
+            self.kind, self.value
+        )
 
 
 def parse_search_space(data: Any, source: str = "search space") -> list[SearchParam]:
     """Validate the search-space mapping (see the module docstring) into `SearchParam`s."""
     if not isinstance(data, dict) or not data:
-        raise UsageError(f"{source} must be a mapping of dotted config keys to ranges, e.g. "
-                         "training.learning_rate: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}")
+        raise UsageError(
+            f"{source} must be a mapping of dotted config keys to ranges, e.g. "
+            "training.learning_rate: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}"
+        )
     params = []
     for name, spec in data.items():
         where = f"{source}: {name}"
@@ -85,7 +89,9 @@ def parse_search_space(data: Any, source: str = "search space") -> list[SearchPa
             continue
         unknown = set(spec) - {"type", "low", "high", "log", "step", "choices"}
         if unknown:
-            raise UsageError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; use type, low, high, log, step, choices")
+            raise UsageError(
+                f"{where}: unknown field(s) {', '.join(sorted(unknown))}; use type, low, high, log, step, choices"
+            )
         kind = spec.get("type") or ("categorical" if "choices" in spec else None)
         if kind not in KINDS:
             raise UsageError(f"{where}: type must be float, int or categorical, got {kind!r}")
@@ -104,8 +110,12 @@ def parse_search_space(data: Any, source: str = "search space") -> list[SearchPa
             low, high = cast(spec["low"]), cast(spec["high"])
             step = cast(spec["step"]) if spec.get("step") is not None else None
         except (TypeError, ValueError):
-            raise UsageError(f"{where}: low, high and step must be {'numbers' if kind == 'float' else 'integers'}") from None
-        if kind == "int" and any(isinstance(spec.get(k), float) and not float(spec[k]).is_integer() for k in ("low", "high", "step")):
+            raise UsageError(
+                f"{where}: low, high and step must be {'numbers' if kind == 'float' else 'integers'}"
+            ) from None
+        if kind == "int" and any(
+            isinstance(spec.get(k), float) and not float(spec[k]).is_integer() for k in ("low", "high", "step")
+        ):
             raise UsageError(f"{where}: int ranges need integer low/high/step")
         log_scale = bool(spec.get("log", False))
         if low > high:
@@ -177,7 +187,11 @@ class SweepResult:
 
     @property
     def best(self):
-        done = [t for t in self.study.trials if t.state.name == "COMPLETE" and t.value is not None and math.isfinite(t.value)]
+        done = [
+            t
+            for t in self.study.trials
+            if t.state.name == "COMPLETE" and t.value is not None and math.isfinite(t.value)
+        ]
         return min(done, key=lambda t: t.value) if done else None
 
 
@@ -223,8 +237,9 @@ def run_sweep(
     previous = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        study = optuna.create_study(study_name=study_name, storage=storage, direction="minimize",
-                                    pruner=pruner, load_if_exists=True)
+        study = optuna.create_study(
+            study_name=study_name, storage=storage, direction="minimize", pruner=pruner, load_if_exists=True
+        )
         done = sum(_finished(t) for t in study.trials)
         todo = max(0, n_trials - done)
         # A fresh seed per invocation: a resumed study must not replay the first invocation's samples.
@@ -247,8 +262,13 @@ def run_sweep(
             log(f"sweep: trial {trial.number} " + " ".join(override(k, v) for k, v in searched.items()))
             try:
                 experiment = load_experiment(
-                    config_path, [*overrides, *trial_overrides, override("training.output_dir", str(trial_dir)),
-                                  "training.resume_from_checkpoint=null"],
+                    config_path,
+                    [
+                        *overrides,
+                        *trial_overrides,
+                        override("training.output_dir", str(trial_dir)),
+                        "training.resume_from_checkpoint=null",
+                    ],
                 )
             except UsageError as exc:  # a sampled combination the config rejects (e.g. d_model % n_heads)
                 trial.set_user_attr("error", str(exc))
@@ -263,13 +283,18 @@ def run_sweep(
                 return float("inf")
             stopped = str(summary.get("stopped_early") or "")
             if stopped.startswith("received "):  # SIGINT/SIGTERM: the run saved and stopped; so does the sweep
-                raise SweepInterrupted(f"sweep interrupted during trial {trial.number} ({stopped}); rerun the same command to resume")
+                raise SweepInterrupted(
+                    f"sweep interrupted during trial {trial.number} ({stopped}); rerun the same command to resume"
+                )
             value = summary.get("best_val_loss")
             if value is None:
                 value = summary.get("val_loss")
             if value is None:
                 raise UsageError("sweep needs validation data: set data.validation_split (e.g. 0.1)")
-            trial.set_user_attr("summary", {k: summary.get(k) for k in ("step", "val_loss", "perplexity", "best_val_loss", "train_runtime_s")})
+            trial.set_user_attr(
+                "summary",
+                {k: summary.get(k) for k in ("step", "val_loss", "perplexity", "best_val_loss", "train_runtime_s")},
+            )
             log(f"sweep: trial {trial.number} val_loss {value:.4f}")
             return float(value)
 
@@ -291,21 +316,30 @@ def results_table(study, params: list[str] | None = None) -> str:
     rows = []
 
     def key(t):
-        value = t.value if t.value is not None and not (isinstance(t.value, float) and math.isnan(t.value)) else math.inf
+        value = (
+            t.value if t.value is not None and not (isinstance(t.value, float) and math.isnan(t.value)) else math.inf
+        )
         order = {"COMPLETE": 0, "PRUNED": 1}.get(t.state.name, 2)
         return (order, value, t.number)
 
     for t in sorted(trials, key=key):
-        duration = (t.datetime_complete - t.datetime_start).total_seconds() / 60 if t.datetime_complete and t.datetime_start else None
+        duration = (
+            (t.datetime_complete - t.datetime_start).total_seconds() / 60
+            if t.datetime_complete and t.datetime_start
+            else None
+        )
         value = t.value
         if value is None and t.intermediate_values:  # pruned: its last reported value
             value = t.intermediate_values[max(t.intermediate_values)]
-        rows.append([
-            str(t.number), t.state.name.lower(),
-            "-" if value is None else f"{value:.4f}",
-            "-" if duration is None else f"{duration:.2f}",
-            *[_short(t.params.get(n, "-")) for n in names],
-        ])
+        rows.append(
+            [
+                str(t.number),
+                t.state.name.lower(),
+                "-" if value is None else f"{value:.4f}",
+                "-" if duration is None else f"{duration:.2f}",
+                *[_short(t.params.get(n, "-")) for n in names],
+            ]
+        )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
     return "\n".join(lines)
@@ -321,8 +355,14 @@ def best_command(result: SweepResult, config: str, overrides: list[str] | tuple[
     best = result.best
     if best is None:
         return None
-    parts = ["llm-trainer", "train", "--config", config, *overrides,
-             *[o for o in best.user_attrs.get("overrides", []) if not o.startswith("training.output_dir=")]]
+    parts = [
+        "llm-trainer",
+        "train",
+        "--config",
+        config,
+        *overrides,
+        *[o for o in best.user_attrs.get("overrides", []) if not o.startswith("training.output_dir=")],
+    ]
     return " ".join(_quote(p) for p in parts)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +16,9 @@ def logits_of(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
-def batch_nll(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-              doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+def batch_nll(
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Summed negative log-likelihood of one batch; `doc_ids` (B, T) restricts attention to each document.
 
     Works for models returning logits, objects with `.logits`, or objects with only a mean `.loss`.
@@ -34,8 +35,9 @@ def summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Iterable, *, autocast=None, max_batches: int | None = None,
-             reduce=None) -> dict:
+def evaluate(
+    model: torch.nn.Module, batches: Iterable, *, autocast=None, max_batches: int | None = None, reduce=None
+) -> dict:
     """{"val_loss", "perplexity", "tokens", "batches", "batches_total"} with every target token weighted
     equally; `batches` of `batches_total` (None when the loader has no length) say what was covered.
 
@@ -62,5 +64,10 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, autocast=None, max_ba
         raise ValueError("the evaluation data has no target tokens")
     loss = total / count
     total_batches = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
-    return {"val_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(count), "batches": done,
-            "batches_total": total_batches}
+    return {
+        "val_loss": loss,
+        "perplexity": math.exp(min(loss, 700.0)),
+        "tokens": int(count),
+        "batches": done,
+        "batches_total": total_batches,
+    }

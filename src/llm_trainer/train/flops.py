@@ -14,6 +14,7 @@ import torch
 
 from ..config import ModelConfig
 
+
 @dataclass(frozen=True)
 class ParameterCount:
     total: int  # unique parameters (a tied head counted once)
@@ -51,7 +52,10 @@ def count_parameters(model_config: ModelConfig) -> ParameterCount:
             linear += module.weight.numel()
     first = model.blocks[0] if len(model.blocks) else torch.nn.Module()
     return ParameterCount(
-        total=total, embedding=embedding, matmul=total - embedding, matmul_weights=linear,
+        total=total,
+        embedding=embedding,
+        matmul=total - embedding,
+        matmul_weights=linear,
         per_block=sum(p.numel() for p in first.parameters()),
         block_matmul_weights=sum(m.weight.numel() for m in first.modules() if isinstance(m, torch.nn.Linear)),
         head=model.lm_head.weight.numel(),
@@ -135,8 +139,14 @@ _NO_BF16 = (r"\bV100\b", r"\bT4\b")
 
 def _dtype_name(dtype: Any) -> str:
     name = str(dtype).replace("torch.", "").lower()
-    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
-            "tf32": "tfloat32"}.get(name, name)
+    return {
+        "bf16": "bfloat16",
+        "fp16": "float16",
+        "half": "float16",
+        "fp32": "float32",
+        "float": "float32",
+        "tf32": "tfloat32",
+    }.get(name, name)
 
 
 def peak_flops(device_name: str, dtype: Any = torch.float32, *, tf32: bool | None = None) -> float | None:

@@ -125,8 +125,11 @@ def _clean(path: Path, resumed_at: int | None) -> None:
     if kept != text:
         dropped = len(text.splitlines()) - len(kept.splitlines())
         write_text_atomically(path, kept)
-        log(f"metrics: {path} continues from step {resumed_at}: dropped {dropped} row(s) logged after it"
-            if resumed_at is not None else f"metrics: dropped the last line of {path}, cut short by an interrupted run")
+        log(
+            f"metrics: {path} continues from step {resumed_at}: dropped {dropped} row(s) logged after it"
+            if resumed_at is not None
+            else f"metrics: dropped the last line of {path}, cut short by an interrupted run"
+        )
 
 
 class ConsoleLogger:
@@ -138,8 +141,10 @@ class ConsoleLogger:
     def log(self, row: dict) -> None:
         kind = row_kind(row)
         if kind == "eval":
-            log(f"eval  step {row['step']:>7}  val_loss {row['val_loss']:.4f}  perplexity {row['perplexity']:.2f}  "
-                f"({coverage(row)})")
+            log(
+                f"eval  step {row['step']:>7}  val_loss {row['val_loss']:.4f}  perplexity {row['perplexity']:.2f}  "
+                f"({coverage(row)})"
+            )
         elif kind == "train" and self.show_train_rows:  # the end-of-run summary is printed by the trainer itself
             log(
                 f"train step {row['step']:>7}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
@@ -215,7 +220,9 @@ class WandbLogger:
             raise UsageError(f"report_to wandb needs wandb: {INSTALL_HINT}") from None
         directory.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
-            dir=str(directory), config=config, project=os.environ.get("WANDB_PROJECT", "llm-trainer"),
+            dir=str(directory),
+            config=config,
+            project=os.environ.get("WANDB_PROJECT", "llm-trainer"),
             name=os.environ.get("WANDB_NAME") or directory.resolve().name,
         )
 
@@ -305,8 +312,14 @@ def tensorboard_dir(training: TrainingConfig) -> Path:
     return Path(training.output_dir) / "tensorboard"
 
 
-def build_loggers(report_to: list[str], output_dir: Path, config: dict, progress_bar: bool,
-                  tensorboard_dir: Path | None = None, resumed_at: int | None = None) -> list[MetricLogger]:
+def build_loggers(
+    report_to: list[str],
+    output_dir: Path,
+    config: dict,
+    progress_bar: bool,
+    tensorboard_dir: Path | None = None,
+    resumed_at: int | None = None,
+) -> list[MetricLogger]:
     """Console and metrics.jsonl, then the backends `report_to` adds, in order; [] on ranks other than 0.
     `resumed_at`: the step a resumed run continues from (metrics.jsonl drops what was logged after it)."""
     if not is_main_process():
@@ -341,8 +354,16 @@ class MetricsTracker:
     def __init__(self) -> None:
         self.loggers: list[MetricLogger] = []
 
-    def open(self, report_to: list[str], output_dir: Path, config: dict, *, progress_bar: bool,
-             tensorboard_dir: Path | None = None, resumed_at: int | None = None) -> None:
+    def open(
+        self,
+        report_to: list[str],
+        output_dir: Path,
+        config: dict,
+        *,
+        progress_bar: bool,
+        tensorboard_dir: Path | None = None,
+        resumed_at: int | None = None,
+    ) -> None:
         self.close()
         self.loggers = build_loggers(report_to, output_dir, config, progress_bar, tensorboard_dir, resumed_at)
 

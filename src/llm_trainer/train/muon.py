@@ -38,10 +38,28 @@ def orthogonalize(matrices: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> 
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
-                 momentum: float = 0.95, ns_steps: int = 5, fused: bool = False):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0, momentum=momentum, ns_steps=ns_steps,
-                        muon=False, lr_scale=1.0, fused=fused)
+    def __init__(
+        self,
+        groups: list[dict],
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        momentum: float = 0.95,
+        ns_steps: int = 5,
+        fused: bool = False,
+    ):
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=0.0,
+            momentum=momentum,
+            ns_steps=ns_steps,
+            muon=False,
+            lr_scale=1.0,
+            fused=fused,
+        )
         super().__init__(groups, defaults)
         for group in self.param_groups:
             if group["muon"] and any(p.dim() != 2 for p in group["params"]):
@@ -103,7 +121,22 @@ class MuonAdamW(torch.optim.Optimizer):
             squares.append(state["exp_avg_sq"])
             steps.append(state["step"])
         beta1, beta2 = group["betas"]
-        adam(params, [p.grad for p in params], moments, squares, [], steps, fused=group["fused"] or None,
-             foreach=None if group["fused"] else True, found_inf=found_inf if group["fused"] else None,
-             decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        adam(
+            params,
+            [p.grad for p in params],
+            moments,
+            squares,
+            [],
+            steps,
+            fused=group["fused"] or None,
+            foreach=None if group["fused"] else True,
+            found_inf=found_inf if group["fused"] else None,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )

@@ -35,8 +35,14 @@ def build_optimizer(model: nn.Module, config: TrainingConfig, device: torch.devi
     # loop skip a non-finite step on the device, without a host sync (see parallel.strategies).
     fused = device.type in ("cuda", "cpu")
     if config.optimizer == "muon":
-        return MuonAdamW(muon_groups(model, config), lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                         eps=config.adam_epsilon, momentum=config.muon_momentum, fused=fused)
+        return MuonAdamW(
+            muon_groups(model, config),
+            lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_epsilon,
+            momentum=config.muon_momentum,
+            fused=fused,
+        )
     groups = parameter_groups(model, config.weight_decay)
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.learning_rate, momentum=config.sgd_momentum)
@@ -56,12 +62,21 @@ def muon_groups(model: nn.Module, config: TrainingConfig) -> list[dict]:
     shared with an embedding); AdamW groups as `parameter_groups` for the rest."""
     head = getattr(model, "lm_head", None)
     embedding = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    hidden = {id(m.weight): m.weight for m in model.modules()
-              if isinstance(m, nn.Linear) and m is not head and id(m.weight) not in embedding and m.weight.requires_grad}
-    rest = [{**group, "params": [p for p in group["params"] if id(p) not in hidden]}
-            for group in parameter_groups(model, config.weight_decay)]
-    muon = {"params": list(hidden.values()), "muon": True, "weight_decay": config.weight_decay,
-            "lr_scale": config.muon_learning_rate / config.learning_rate}
+    hidden = {
+        id(m.weight): m.weight
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and m is not head and id(m.weight) not in embedding and m.weight.requires_grad
+    }
+    rest = [
+        {**group, "params": [p for p in group["params"] if id(p) not in hidden]}
+        for group in parameter_groups(model, config.weight_decay)
+    ]
+    muon = {
+        "params": list(hidden.values()),
+        "muon": True,
+        "weight_decay": config.weight_decay,
+        "lr_scale": config.muon_learning_rate / config.learning_rate,
+    }
     return [muon, *(group for group in rest if group["params"])]
 
 

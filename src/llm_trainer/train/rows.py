@@ -95,7 +95,7 @@ def custom_row(step: int, values: dict) -> dict:
 
 
 def row_kind(row: dict) -> Kind | None:
-    """"train", "eval" or "summary"; None for a row of none of them (e.g. a custom one)."""
+    """ "train", "eval" or "summary"; None for a row of none of them (e.g. a custom one)."""
     kind = row.get("kind")
     if kind in ("train", "eval", "summary"):
         return kind

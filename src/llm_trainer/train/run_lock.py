@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from ..errors import UsageError
 
@@ -41,16 +41,18 @@ def _open_lock(folder: Path, setting: str) -> int:
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         fd = os.open(folder / LOCK_FILE, flags, 0o644)
     except OSError as exc:
-        raise UsageError(f"cannot write into {what} ({_reason(exc)}); choose another {setting} or fix its "
-                         "permissions") from None
+        raise UsageError(
+            f"cannot write into {what} ({_reason(exc)}); choose another {setting} or fix its permissions"
+        ) from None
     probe = folder / f".write-probe-{os.getpid()}"
     try:  # the lock file may exist already: prove that new files can be made here too
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644))
         probe.unlink()
     except OSError as exc:
         os.close(fd)
-        raise UsageError(f"cannot write into {what} ({_reason(exc)}); choose another {setting} or fix its "
-                         "permissions") from None
+        raise UsageError(
+            f"cannot write into {what} ({_reason(exc)}); choose another {setting} or fix its permissions"
+        ) from None
     return fd
 
 
@@ -83,8 +85,10 @@ def run_lock(folder: str | Path, setting: str = "training.output_dir") -> Iterat
         except OSError:
             holder = _holder(fd)
             os.close(fd)
-            raise UsageError(f"{_WHAT.get(setting, 'folder')} {folder} is in use by a run still going ({holder}); "
-                             f"wait for it to end, or choose another {setting}") from None
+            raise UsageError(
+                f"{_WHAT.get(setting, 'folder')} {folder} is in use by a run still going ({holder}); "
+                f"wait for it to end, or choose another {setting}"
+            ) from None
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

@@ -17,7 +17,9 @@ import torch
 
 class SpeedMonitor:
     def __init__(self, window_size: int, flops_per_token: float | None, peak_flops: float | None, device: torch.device):
-        self.steps: deque[tuple[float, float, int, int]] = deque(maxlen=window_size)  # (step s, wait s, tokens, samples)
+        self.steps: deque[tuple[float, float, int, int]] = deque(
+            maxlen=window_size
+        )  # (step s, wait s, tokens, samples)
         self.flops_per_token, self.peak_flops, self.device = flops_per_token, peak_flops, device
         self._step_start = time.perf_counter()
         self._wait = 0.0

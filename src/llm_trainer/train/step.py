@@ -5,8 +5,9 @@ Shared by the Trainer and the LR finder, so both train exactly the same way on e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
-from typing import ContextManager, Sequence
 
 import torch
 
@@ -33,8 +34,14 @@ class StepResult:
     samples: int  # their rows
 
 
-def train_step(parallel: Parallelism, micro_batches: Sequence[Batch], *, autocast: ContextManager,
-               max_grad_norm: float | None, share: torch.Tensor | None = None) -> StepResult:
+def train_step(
+    parallel: Parallelism,
+    micro_batches: Sequence[Batch],
+    *,
+    autocast: ContextManager,
+    max_grad_norm: float | None,
+    share: torch.Tensor | None = None,
+) -> StepResult:
     """Forward/backward each micro-batch, clip, step where finite. No host sync.
 
     Each micro-batch's summed loss is divided by the target tokens of the whole step on all ranks, so
@@ -54,7 +61,11 @@ def train_step(parallel: Parallelism, micro_batches: Sequence[Batch], *, autocas
         loss_sum += nll.detach().float()
     shared = None
     if world > 1:  # the global loss decides the step on every rank alike
-        values = loss_sum.reshape(1) if share is None else torch.cat([loss_sum.reshape(1), share.to(device).float().reshape(-1)])
+        values = (
+            loss_sum.reshape(1)
+            if share is None
+            else torch.cat([loss_sum.reshape(1), share.to(device).float().reshape(-1)])
+        )
         values = all_reduce_(values)
         loss_sum, shared = values[0], (values[1:] if share is not None else None)
     elif share is not None:
@@ -69,8 +80,12 @@ def train_step(parallel: Parallelism, micro_batches: Sequence[Batch], *, autocas
     if grad_norm is None:
         grad_norm = reported
     return StepResult(
-        loss=loss_sum / n_targets, grad_norm=grad_norm, finite=finite, shared=shared,
-        tokens=sum(batch[0].numel() for batch in micro_batches), samples=sum(len(batch[0]) for batch in micro_batches),
+        loss=loss_sum / n_targets,
+        grad_norm=grad_norm,
+        finite=finite,
+        shared=shared,
+        tokens=sum(batch[0].numel() for batch in micro_batches),
+        samples=sum(len(batch[0]) for batch in micro_batches),
     )
 
 

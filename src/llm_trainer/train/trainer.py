@@ -19,8 +19,9 @@ import dataclasses
 import inspect
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -32,8 +33,15 @@ from ..errors import TrainingStopped, UsageError
 from ..logs import is_main_process, log, warnings_once
 from ..parallel.distributed import all_reduce_
 from ..parallel.parallelize import parallelize
-from ..resolve import (ResolvedRun, activation_checkpointing, native_bf16, resolve_training, seed_everything,
-                       setup_runtime, token_anchors)
+from ..resolve import (
+    ResolvedRun,
+    activation_checkpointing,
+    native_bf16,
+    resolve_training,
+    seed_everything,
+    setup_runtime,
+    token_anchors,
+)
 from .batches import as_loader
 from .callbacks import Callback
 from .evaluate import evaluate
@@ -80,20 +88,29 @@ class Trainer:
             config = resolve_training(config)  # a DeepSpeed file's own values, as the run will use them
         runtime = run.runtime if run is not None else setup_runtime(config)
         if run is None:  # run lengths in tokens need the rows' length, which our loaders know
-            config = token_anchors(config, getattr(getattr(train_dataloader, "rows", None), "length", None),
-                                   runtime.dist.world_size)
+            config = token_anchors(
+                config, getattr(getattr(train_dataloader, "rows", None), "length", None), runtime.dist.world_size
+            )
         self.config = config
         self.dist, self.device, self.amp_dtype = runtime.dist, runtime.device, runtime.amp_dtype
         seed_everything(config.seed)  # before parallelize: a meta-device model is initialised there
         self.tokenizer = tokenizer
         self.callbacks = list(callbacks)
-        self.experiment_config = experiment_config or (run.experiment.to_dict() if run else {"training": config.to_dict()})
+        self.experiment_config = experiment_config or (
+            run.experiment.to_dict() if run else {"training": config.to_dict()}
+        )
         self.output_dir = Path(config.output_dir)
         self.checkpoint_dir = config.resolved_checkpoint_dir
 
-        checkpointing = run.activation_checkpointing if run else activation_checkpointing(config, getattr(model, "config", None))
+        checkpointing = (
+            run.activation_checkpointing if run else activation_checkpointing(config, getattr(model, "config", None))
+        )
         self.parallel = parallelize(
-            model, config=config, dist=self.dist, device=self.device, amp_dtype=self.amp_dtype,
+            model,
+            config=config,
+            dist=self.dist,
+            device=self.device,
+            amp_dtype=self.amp_dtype,
             activation_checkpointing=checkpointing,
             build_optimizer=lambda module: build_optimizer(module, config, self.device),
         )
@@ -154,13 +171,24 @@ class Trainer:
             )
         self.total_steps = config.max_steps if config.max_steps is not None else per_epoch * config.num_epochs
         seq_len = self._seq_len or getattr(getattr(self.train_loader, "rows", None), "length", None)
-        self.speed = SpeedMonitor(config.speed_window_size, _flops_per_token(model, seq_len),
-                                  config.peak_flops or _peak_flops(self.device, self.amp_dtype), self.device)
+        self.speed = SpeedMonitor(
+            config.speed_window_size,
+            _flops_per_token(model, seq_len),
+            config.peak_flops or _peak_flops(self.device, self.amp_dtype),
+            self.device,
+        )
         self.checkpointer = Checkpointer(
-            self.checkpoint_dir, parallel=self.parallel, loader=self.train_loader, state=self.state,
-            schedule={"name": config.lr_scheduler, "total_steps": self.total_steps}, config=self.experiment_config,
-            tokenizer_json=self._tokenizer_json(), keep_last=config.save_total_limit,
-            background=config.async_checkpoint, periodic=bool(config.save_steps), on_saved=self._on_saved,
+            self.checkpoint_dir,
+            parallel=self.parallel,
+            loader=self.train_loader,
+            state=self.state,
+            schedule={"name": config.lr_scheduler, "total_steps": self.total_steps},
+            config=self.experiment_config,
+            tokenizer_json=self._tokenizer_json(),
+            keep_last=config.save_total_limit,
+            background=config.async_checkpoint,
+            periodic=bool(config.save_steps),
+            on_saved=self._on_saved,
         )
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -186,9 +214,14 @@ class Trainer:
             self.checkpointer.load(cfg.resume_from_checkpoint)
         self.bad_steps = NonFiniteSteps(self.device, state.skipped_steps, state.consecutive_bad_steps)
         show_bar = self._shows_progress_bar()
-        self.metrics_tracker.open(cfg.report_to, self.output_dir, self.experiment_config, progress_bar=show_bar,
-                                  tensorboard_dir=tensorboard_dir(cfg),
-                                  resumed_at=state.step if cfg.resume_from_checkpoint else None)
+        self.metrics_tracker.open(
+            cfg.report_to,
+            self.output_dir,
+            self.experiment_config,
+            progress_bar=show_bar,
+            tensorboard_dir=tensorboard_dir(cfg),
+            resumed_at=state.step if cfg.resume_from_checkpoint else None,
+        )
         tokens_at_start, start_step = state.tokens_seen, state.step
         self._log_start()
         for cb in self.callbacks:
@@ -206,8 +239,13 @@ class Trainer:
                     set_learning_rate(self.optimizer, lr)
                     self.speed.start_step()
                     micro = [self.speed.timed_batch(self.train_loader) for _ in range(accum)]
-                    out = train_step(self.parallel, micro, autocast=self.autocast, max_grad_norm=cfg.max_grad_norm,
-                                     share=self.stop.flag(self.device) if self.dist.world_size > 1 else None)
+                    out = train_step(
+                        self.parallel,
+                        micro,
+                        autocast=self.autocast,
+                        max_grad_norm=cfg.max_grad_norm,
+                        share=self.stop.flag(self.device) if self.dist.world_size > 1 else None,
+                    )
                     self.bad_steps.add(out.finite)
                     state.step += 1
                     state.tokens_seen += out.tokens
@@ -221,18 +259,29 @@ class Trainer:
                         self._read_bad_steps()
                         self.stop.poll(out.shared)
                     if log_now:
-                        row = TrainRow(step=state.step, epoch=self.train_loader.epoch, loss=float(out.loss), lr=lr,
-                                       grad_norm=float(out.grad_norm), tokens_seen=state.tokens_seen,
-                                       skipped_steps=state.skipped_steps, **self.speed.metrics()).as_dict()
+                        row = TrainRow(
+                            step=state.step,
+                            epoch=self.train_loader.epoch,
+                            loss=float(out.loss),
+                            lr=lr,
+                            grad_norm=float(out.grad_norm),
+                            tokens_seen=state.tokens_seen,
+                            skipped_steps=state.skipped_steps,
+                            **self.speed.metrics(),
+                        ).as_dict()
                         self._log_metrics(row)
                         if progress is not None:
-                            progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:,.0f}")
+                            progress.set_postfix(
+                                loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:,.0f}"
+                            )
                         for cb in self.callbacks:
                             cb.on_step_end(self, row)
 
                     # Evaluate; track the best model; early stopping.
                     at_end = state.step == self.total_steps
-                    if self.val_loader is not None and (at_end or (cfg.eval_steps and state.step % cfg.eval_steps == 0)):
+                    if self.val_loader is not None and (
+                        at_end or (cfg.eval_steps and state.step % cfg.eval_steps == 0)
+                    ):
                         with timer.count("evaluation"):  # the run's last evaluation covers the whole split
                             final_eval = self._evaluate_and_track(full=at_end)
 
@@ -252,13 +301,19 @@ class Trainer:
                     final_eval = self._evaluate_and_track(full=True)
             elapsed = time.perf_counter() - started
             summary = SummaryRow(
-                step=state.step, train_runtime_s=elapsed,
+                step=state.step,
+                train_runtime_s=elapsed,
                 tokens_per_s=(state.tokens_seen - tokens_at_start) / max(elapsed, 1e-9),
-                tokens_seen=state.tokens_seen, skipped_steps=state.skipped_steps, stopped_early=self.stop.reason,
-                best_val_loss=state.best_val_loss, checkpoint=str(last_saved) if last_saved else None,
-                evaluation_s=timer.seconds["evaluation"], checkpoint_s=timer.seconds["checkpoint"],
+                tokens_seen=state.tokens_seen,
+                skipped_steps=state.skipped_steps,
+                stopped_early=self.stop.reason,
+                best_val_loss=state.best_val_loss,
+                checkpoint=str(last_saved) if last_saved else None,
+                evaluation_s=timer.seconds["evaluation"],
+                checkpoint_s=timer.seconds["checkpoint"],
                 val_loss=final_eval["val_loss"] if final_eval else None,
-                perplexity=final_eval["perplexity"] if final_eval else None, time_to_target_s=self.time_to_target_s,
+                perplexity=final_eval["perplexity"] if final_eval else None,
+                time_to_target_s=self.time_to_target_s,
             ).as_dict()
             self._log_metrics(summary)
             self._log_end(summary)
@@ -289,8 +344,13 @@ class Trainer:
         or with `full`)."""
         if self.val_loader is None:
             raise UsageError("no validation data: pass val_dataloader or set data.validation_split")
-        return evaluate(self.raw_model, self.val_loader, autocast=self.autocast, reduce=all_reduce_,
-                        max_batches=None if full else self.config.eval_max_batches)
+        return evaluate(
+            self.raw_model,
+            self.val_loader,
+            autocast=self.autocast,
+            reduce=all_reduce_,
+            max_batches=None if full else self.config.eval_max_batches,
+        )
 
     def _towards_target(self, metrics: dict, target: float) -> tuple[dict, bool]:
         """(the evaluation to report, whether it covers the whole validation split: only that one decides
@@ -313,8 +373,11 @@ class Trainer:
         improvement by more than min_delta."""
         cfg, state = self.config, self.state
         # (a subclass's own evaluate() that takes no arguments is called as it is)
-        metrics = self.evaluate(full=True) if full and "full" in inspect.signature(self.evaluate).parameters \
+        metrics = (
+            self.evaluate(full=True)
+            if full and "full" in inspect.signature(self.evaluate).parameters
             else self.evaluate()
+        )
         target = cfg.target_val_loss
         if target is not None:
             metrics, whole = self._towards_target(metrics, target)
@@ -334,8 +397,10 @@ class Trainer:
                 )
         if target is not None and whole and metrics["val_loss"] <= target:
             self.time_to_target_s = time.perf_counter() - self._started
-            self.stop.request(f"target reached: val_loss {metrics['val_loss']:.4f} <= {target} at step {state.step}, "
-                              f"{self.time_to_target_s:.1f}s after training started")
+            self.stop.request(
+                f"target reached: val_loss {metrics['val_loss']:.4f} <= {target} at step {state.step}, "
+                f"{self.time_to_target_s:.1f}s after training started"
+            )
         self._log_metrics(EvalRow(step=state.step, **metrics).as_dict())
         for cb in self.callbacks:
             cb.on_evaluate(self, metrics)
@@ -354,7 +419,11 @@ class Trainer:
         """Ours, a `tokenizers.Tokenizer` or a transformers fast tokenizer, as tokenizer.json; else None
         (the checkpoint then has no tokenizer, and generate/export say so)."""
         tokenizer = self.tokenizer
-        for get in (lambda: tokenizer.to_json(), lambda: tokenizer.to_str(), lambda: tokenizer.backend_tokenizer.to_str()):
+        for get in (
+            lambda: tokenizer.to_json(),
+            lambda: tokenizer.to_str(),
+            lambda: tokenizer.backend_tokenizer.to_str(),
+        ):
             try:
                 text = get()
             except AttributeError:
@@ -377,7 +446,14 @@ class Trainer:
     def _progress_bar(self):
         from tqdm.auto import tqdm
 
-        return tqdm(total=self.total_steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True, mininterval=0.5)
+        return tqdm(
+            total=self.total_steps,
+            initial=self.state.step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=0.5,
+        )
 
     def _log_start(self) -> None:
         n_params = self.parallel.parameter_count()
@@ -392,11 +468,17 @@ class Trainer:
             f"{'amp ' + cfg.amp_dtype if cfg.use_amp else 'float32'}{', compiled' if cfg.compile else ''}"
         )
         if not cfg.use_amp and native_bf16(self.device):
-            log(f"note: this {self.device.type.upper()} computes bfloat16 natively; training.use_amp=auto (bf16 autocast) "
-                "trains faster here (CPU: 0.66x the step time at width 128, 0.36x at 512; bench/cpu_bf16.py)")
+            log(
+                f"note: this {self.device.type.upper()} computes bfloat16 natively; training.use_amp=auto (bf16 autocast) "
+                "trains faster here (CPU: 0.66x the step time at width 128, 0.36x at 512; bench/cpu_bf16.py)"
+            )
 
     def _log_end(self, summary: dict) -> None:
-        parts = [f"{summary['step']} steps", f"{summary['train_runtime_s']:.1f}s", f"{summary['tokens_per_s']:,.0f} tok/s"]
+        parts = [
+            f"{summary['step']} steps",
+            f"{summary['train_runtime_s']:.1f}s",
+            f"{summary['tokens_per_s']:,.0f} tok/s",
+        ]
         if "val_loss" in summary:
             parts.append(f"val_loss {summary['val_loss']:.4f} (perplexity {summary['perplexity']:.2f})")
         if summary["skipped_steps"]:
