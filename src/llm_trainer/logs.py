@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -17,7 +18,29 @@ def log(message: str, *, all_ranks: bool = False) -> None:
     """One line to stderr (stdout stays clean for --json output)."""
     if all_ranks or is_main_process():
         prefix = f"[rank {launcher.rank()}] " if all_ranks and launcher.launched() else ""
-        print(prefix + message, file=sys.stderr, flush=True)
+        write_line(prefix + message, sys.stderr)
+
+
+def write_line(text: str, stream) -> None:
+    """Print one line; a console whose reader has gone does not stop the run.
+
+    Ctrl-C on `llm-trainer train ... 2>&1 | tee log` ends `tee` as well, so the lines that follow (the
+    stop's own message, the checkpoint it saves) meet a closed pipe. The stream is then pointed at
+    the null device: the run saves and exits as it would on a terminal, with nothing more shown.
+    """
+    try:
+        print(text, file=stream, flush=True)
+    except BrokenPipeError:
+        _to_null_device(stream)
+
+
+def _to_null_device(stream) -> None:
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())  # what is still buffered goes there too, at the next flush
+        os.close(null)
+    except (OSError, ValueError):  # a stream without a file descriptor: nothing more to do
+        pass
 
 
 def warn(message: str) -> None:
