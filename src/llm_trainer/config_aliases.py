@@ -1,8 +1,8 @@
 """Other frameworks' spellings of our config, read into ours where a config is loaded.
 
 Users arrive with a Hugging Face config (`hidden_size`, `num_hidden_layers`, `fp16: true`), a nanoGPT
-one (`n_embd`, `block_size`, `max_iters`) or a pretraining guide's YAML (`model: {type: llama,
-size: 7B}`, `training.clip_grad_norm`, a `distributed:` section with `fsdp_config`). Those keys are
+one (`n_embd`, `block_size`, `max_iters`) or a YAML in the common pretraining-recipe shape (`model:
+{type: llama, size: 7B}`, `training.clip_grad_norm`, a `distributed:` section with `fsdp_config`). Those keys are
 renamed to our fields here, once, for files, dicts and dotted overrides alike, so nothing downstream
 knows about them. Every problem of a config (unknown keys, with hints that know these spellings too;
 an alias and its field both set to different values) is collected, so one error lists them all.
@@ -65,7 +65,7 @@ TRAINING: dict[str, str | Expand] = {
     "lr_scheduler_type": "lr_scheduler",
     "fp16": _precision("float16"),
     "bf16": _precision("bfloat16"),
-    # nanoGPT / litgpt / the guides
+    # nanoGPT / litgpt / common pretraining recipes
     "clip_grad_norm": "max_grad_norm",
     "grad_clip": "max_grad_norm",
     "gradient_clipping": "max_grad_norm",
@@ -105,7 +105,7 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
 _SIZE_NAMES = {"small": "124M", "medium": "355M", "large": "774M", "xl": "1.5B"}
 
 
-# -- the `distributed:` section of a pretraining guide's YAML, folded into training ---------------------
+# -- a `distributed:` section (strategy, fsdp_config, ...), folded into training -------------------------
 
 _SHARDING = {"FULL_SHARD": "full_shard", "SHARD_GRAD_OP": "shard_grad_op", "HYBRID_SHARD": "hybrid_shard"}
 _AMP = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
