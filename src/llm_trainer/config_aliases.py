@@ -2,10 +2,13 @@
 
 Users arrive with a Hugging Face config (`hidden_size`, `num_hidden_layers`, `fp16: true`), a nanoGPT
 one (`n_embd`, `block_size`, `max_iters`) or a YAML in the common pretraining-recipe shape (`model:
-{type: llama, size: 7B}`, `training.clip_grad_norm`, a `distributed:` section with `fsdp_config`). Those keys are
+{type: llama, size: 7B}`, `training.clip_grad_norm`, `use_deepspeed: true`, a `distributed:` section
+with `fsdp_config`, `model.gradient_checkpointing`, which is a training setting here). Those keys are
 renamed to our fields here, once, for files, dicts and dotted overrides alike, so nothing downstream
-knows about them. Every problem of a config (unknown keys, with hints that know these spellings too;
-an alias and its field both set to different values) is collected, so one error lists them all.
+knows about them; the two that guides also pass as Python keywords (`TrainingConfig(use_deepspeed=
+True)`, `ModelConfig(gradient_checkpointing=True)`) are read by the same rules (`keywords`). Every
+problem of a config (unknown keys, with hints that know these spellings too; an alias and its field
+both set to different values) is collected, so one error lists them all.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ TRAINING: dict[str, str | Expand] = {
     "out_dir": "output_dir",
     "beta1": "adam_beta1",
     "beta2": "adam_beta2",
-    # DeepSpeed's own examples
+    # a DeepSpeed switch, as trainers without a distributed_strategy spell it
     "use_deepspeed": _turns_on("distributed_strategy", "deepspeed"),
 }
 

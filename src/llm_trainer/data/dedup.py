@@ -13,8 +13,9 @@ group is kept; later ones are dropped, whichever source they come from.
 Why NumPy and not `datasketch`: datasketch hashes every shingle with SHA-1 in a Python loop before its
 NumPy permutation step; here words are hashed with vectorised polynomial hashing and the permutations
 run over all shingles of a document at once, several times faster (`bench/prepare_throughput.py
---minhash` compares the two; see bench/README.md). It also avoids a dependency, and its hashes are the same in every process (Python's `hash()` is
-salted per process), which resumable and multi-process prepare need.
+--minhash` compares the two; see bench/README.md). It also avoids a dependency, and its hashes are the
+same in every process (Python's `hash()` is salted per process), which resumable and multi-process
+prepare need.
 
 Memory is bounded by the number of kept documents, not their size: exact keeps one 64-bit key per
 document in a set; near adds the signature (4 * num_perm bytes, in NumPy blocks) and one dict entry
