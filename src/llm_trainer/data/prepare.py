@@ -109,17 +109,17 @@ def _fingerprint(config: DataConfig) -> str:
 
 def _phases(config: DataConfig) -> list[tuple[str | None, Callable[[SourceStats], Iterator[Document]]]]:
     """(split or None, stream factory) per phase; None: the split is drawn per document by fraction."""
-    specs = resolved_sources(config)
+    sources = resolved_sources(config)
 
     def stream(split: str | None) -> Callable[[SourceStats], Iterator[Document]]:
         def make(stats: SourceStats) -> Iterator[Document]:
-            readers = [iter_source(spec, config, stats, split) for spec in specs]
-            return interleave(readers, [s.weight for s in specs], seed=config.seed, stopping=config.mixture_stopping)
+            readers = [iter_source(source, config, stats, split) for source in sources]
+            return interleave(readers, [s.weight for s in sources], seed=config.seed, stopping=config.mixture_stopping)
 
         return make
 
     if isinstance(config.validation_split, str):
-        if any(spec.dataset_name is None for spec in specs):
+        if any(source.dataset_name is None for source in sources):
             raise UsageError(
                 "data.validation_split names a split, which needs a dataset_name; use a fraction such as 0.1 for files"
             )
@@ -270,7 +270,7 @@ class _Build:
         self.config, self.fingerprint, self.work, self.directory = config, fingerprint, work, directory
         self.near = config.deduplication == "near"
         self.with_scores = config.curriculum_key != "length"
-        self.source_names = [spec.name for spec in resolved_sources(config)]
+        self.source_names = [source.name for source in resolved_sources(config)]
         self.source_index = {name: i for i, name in enumerate(self.source_names)}
 
     def run(self) -> PreparedData:
