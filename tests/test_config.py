@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llm_trainer.cli import PRESETS
-from llm_trainer.config import DataConfig, ModelConfig, TrainingConfig, load_experiment
+from llm_trainer.config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
 from llm_trainer.errors import UsageError
 from llm_trainer.model import Transformer
 
@@ -63,6 +63,7 @@ def test_public_fields_accept_the_documented_names():
         early_stopping_patience=2,
         early_stopping_min_delta=0.01,
         compile=False,
+        gradient_checkpointing=True,
         seed=1,
         device="cpu",
     )
@@ -126,12 +127,10 @@ def test_replace_rederives_what_the_preset_decided():
     explicit = dataclasses.replace(ModelConfig(architecture="llama", norm="layernorm"), architecture="gpt2")
     assert explicit.resolved().norm == "layernorm"
     # A model records the resolved architecture, and nothing that is not architecture.
-    model = Transformer(dataclasses.replace(llama, vocab_size=32, gradient_checkpointing=True))
+    model = Transformer(dataclasses.replace(llama, vocab_size=32, attention_backend="flex"))
     assert model.config.norm == "rmsnorm" and model.config.d_ff == 1536
     recorded = model.config.architecture_dict()
-    assert (
-        recorded["activation"] == "swiglu" and "gradient_checkpointing" not in recorded and "init_from" not in recorded
-    )
+    assert recorded["activation"] == "swiglu" and "attention_backend" not in recorded and "init_from" not in recorded
 
 
 @pytest.mark.parametrize(
@@ -195,6 +194,93 @@ def test_yaml_json_and_overrides(tmp_path):
         load_experiment(tmp_path / "c.json", ["learning_rate"])
     with pytest.raises(UsageError, match="batch_size must be an integer"):
         load_experiment(tmp_path / "c.json", ["training.batch_size=big"])
+
+
+def test_switches_spelled_elsewhere_set_the_training_fields(tmp_path):
+    """`model.gradient_checkpointing: true` and `training.use_deepspeed: true` (also under `distributed:`)
+    are read as training.gradient_checkpointing and distributed_strategy: deepspeed; `false` sets nothing."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model: {d_model: 32, gradient_checkpointing: true}\ntraining: {use_deepspeed: true}\n"
+        "data: {dataset_name: python-stdlib}\n"
+    )
+    exp = load_experiment(path)
+    assert exp.training.gradient_checkpointing is True and exp.training.distributed_strategy == "deepspeed"
+    assert "gradient_checkpointing" not in exp.to_dict()["model"] and "use_deepspeed" not in exp.to_dict()["training"]
+    # An override replaces the field however the file spelled it.
+    assert load_experiment(path, ["training.gradient_checkpointing=false"]).training.gradient_checkpointing is False
+    assert load_experiment(path, ["training.use_deepspeed=false"]).training.distributed_strategy == "auto"
+    path.write_text(
+        "model: {gradient_checkpointing: false}\n"
+        "training: {use_deepspeed: false, distributed_strategy: fsdp, gradient_checkpointing: true}\n"
+        "distributed: {use_deepspeed: false}\ndata: {dataset_name: python-stdlib}\n"
+    )
+    exp = load_experiment(path)
+    assert exp.training.gradient_checkpointing is True and exp.training.distributed_strategy == "fsdp"
+    path.write_text("distributed: {use_deepspeed: true}\ndata: {dataset_name: python-stdlib}\n")
+    assert load_experiment(path).training.distributed_strategy == "deepspeed"
+    # Disagreements are listed together, naming both spellings.
+    path.write_text(
+        "model: {gradient_checkpointing: true}\n"
+        "training: {gradient_checkpointing: false, use_deepspeed: true, distributed_strategy: ddp}\n"
+        "data: {dataset_name: python-stdlib}\n"
+    )
+    with pytest.raises(UsageError) as error:
+        load_experiment(path)
+    message = str(error.value)
+    assert ": 2 problems: " in message
+    assert "training.use_deepspeed ('deepspeed') and training.distributed_strategy ('ddp') both set" in message
+    assert "and model.gradient_checkpointing (True) both set training.gradient_checkpointing" in message
+    path.write_text("training: {use_deepspeed: yes please}\ndata: {dataset_name: python-stdlib}\n")
+    with pytest.raises(UsageError, match="training.use_deepspeed must be true or false"):
+        load_experiment(path)
+    # A model section on its own cannot hold a training field.
+    with pytest.raises(ValueError, match="model.gradient_checkpointing sets training.gradient_checkpointing"):
+        ModelConfig.from_dict({"gradient_checkpointing": True}, section="model")
+    assert load_experiment(PRESETS / "large.yaml").training.gradient_checkpointing is True
+
+
+def test_the_same_switches_as_python_keywords():
+    """`TrainingConfig(use_deepspeed=True)` and `ModelConfig(gradient_checkpointing=True)`, as the guides
+    write them: read by the same rule, not kept as fields; the model's one lands in the experiment's
+    training section."""
+    training = TrainingConfig(use_deepspeed=True)
+    assert training.distributed_strategy == "deepspeed" and "use_deepspeed" not in training.to_dict()
+    assert TrainingConfig(use_deepspeed=False, distributed_strategy="fsdp").distributed_strategy == "fsdp"
+    with pytest.raises(ValueError, match="use_deepspeed sets distributed_strategy='deepspeed', but distributed_str"):
+        TrainingConfig(use_deepspeed=True, distributed_strategy="ddp")
+    with pytest.raises(ValueError, match="training.use_deepspeed must be true or false"):
+        TrainingConfig(use_deepspeed="yes")
+    model = ModelConfig(d_model=32, gradient_checkpointing=True)
+    assert "gradient_checkpointing" not in model.to_dict()
+    data = DataConfig(dataset_name="python-stdlib")
+    experiment = ExperimentConfig(model=model, training=TrainingConfig(), data=data)
+    assert experiment.training.gradient_checkpointing is True
+    assert "gradient_checkpointing" not in experiment.to_dict()["model"]
+    plain = ExperimentConfig(model=ModelConfig(gradient_checkpointing=False), training=TrainingConfig(), data=data)
+    assert plain.training.gradient_checkpointing is False
+
+
+def test_a_config_is_read_under_our_names_once(monkeypatch):
+    """The alias pass runs once per input: each section of an experiment once, each data source once."""
+    from llm_trainer import config_aliases
+
+    read = []
+    section = config_aliases._section
+
+    def counting(name, values, *args, **kwargs):
+        read.append(name)
+        return section(name, values, *args, **kwargs)
+
+    monkeypatch.setattr(config_aliases, "_section", counting)
+    values = {
+        "model": {"hidden_size": 32, "n_heads": 2},
+        "training": {"lr": 1e-3},
+        "data": {"sources": [{"name": "a", "data_files": "a.txt"}, {"name": "b", "data_files": "b.txt"}]},
+    }
+    exp = ExperimentConfig.from_dict(values)
+    assert exp.model.d_model == 32 and exp.training.learning_rate == 1e-3 and len(exp.data.sources) == 2
+    assert sorted(read) == ["DataConfig.sources[0]", "DataConfig.sources[1]", "data", "model", "training"]
 
 
 @pytest.mark.parametrize(

@@ -310,6 +310,65 @@ def test_cleaning_and_min_length_in_prepare(tmp_path):
     assert manifest["documents_in"] == 5 and manifest["documents_out"] == 2
 
 
+def _corpus_with_everything_removed(path: Path) -> Path:
+    """60 distinct documents with exact copies, near copies and too-short documents mixed in."""
+    rng = np.random.default_rng(3)
+    vocab = [f"w{i}" for i in range(500)]
+    distinct = [" ".join(rng.choice(vocab, 30)) for _ in range(60)]
+    docs = []
+    for i, text in enumerate(distinct):
+        docs.append(text)
+        if i % 7 == 3:
+            docs.append("  " + distinct[i - 2].upper() + "\n")  # an exact copy after normalisation
+        if i % 9 == 4:
+            words = distinct[i - 1].split()
+            words[-1] = "changed"
+            docs.append(" ".join(words))  # a near copy
+        if i % 5 == 0:
+            docs.append("tiny")  # dropped by min_length
+    return write_jsonl(path, [{"text": t} for t in docs])
+
+
+@pytest.mark.parametrize("tokenizer", ["bpe", "char"])
+def test_the_tokenizer_learns_from_exactly_the_documents_written(tmp_path, monkeypatch, tokenizer):
+    """Filters, exact and near dedup, the split and the document cap decide alike for the tokenizer's
+    corpus and for the token files: BPE learns from the training documents written (in their order),
+    the char vocabulary from the training and validation documents written."""
+    seen: list[str] = []
+    name = "train_bpe" if tokenizer == "bpe" else "build_char"
+    real = getattr(Tokenizer, name).__func__
+
+    def recording(cls, texts, *args, **kwargs):
+        texts = list(texts)
+        seen.extend(texts)
+        return real(cls, texts, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, name, classmethod(recording))
+    path = _corpus_with_everything_removed(tmp_path / "docs.jsonl")
+    prepared = prepare_data(
+        config(
+            tmp_path,
+            data_files=str(path),
+            tokenizer=tokenizer,
+            tokenizer_vocab_size=300,
+            min_length=10,
+            deduplication="near",
+            validation_split=0.2,
+            max_documents=45,
+        )
+    )
+    manifest = prepared.manifest
+    assert manifest["removed"]["min_length"] > 0
+    assert manifest["removed"]["exact_duplicates"] > 0 and manifest["removed"]["near_duplicates"] > 0
+    assert manifest["documents_out"] == 45 and manifest["documents_in"] < len(path.read_text().splitlines())
+    train, val = documents(prepared, "train"), documents(prepared, "val")
+    assert len(train) == 36 and len(val) == 9
+    if tokenizer == "bpe":
+        assert seen == train
+    else:
+        assert sorted(seen) == sorted(train + val)
+
+
 # ----------------------------------------------------------------------------------------------
 # splits
 

@@ -14,6 +14,7 @@ from conftest import kill9_when
 from llm_trainer.config import DataConfig
 from llm_trainer.data.prepare import MANIFEST, prepare_data
 from llm_trainer.data.report import REPORT
+from llm_trainer.data.shards import ShardWriter
 
 OUTPUTS = ("train.bin", "val.bin", "train.idx.npy", "val.idx.npy", "tokenizer.json")
 
@@ -89,6 +90,61 @@ def kill_mid_prepare(tmp_path: Path, values: dict, *, block_at_call: int = 7, mi
 
 def comparable(report: dict) -> dict:
     return {k: v for k, v in report.items() if k not in ("seconds", "bytes_per_second", "resumed_from_shard")}
+
+
+def small_corpus(tmp_path: Path) -> list[dict]:
+    """900 ten-word documents (a few pipeline batches), every 40th an exact copy, every 70th a near copy."""
+    rng = np.random.default_rng(1)
+    vocab = [f"w{i}" for i in range(2000)]
+    docs = [" ".join(rng.choice(vocab, 10)) for _ in range(900)]
+    for i in range(40, 900, 40):
+        docs[i] = docs[i - 17]
+    for i in range(30, 900, 70):
+        words = docs[i - 3].split()
+        words[-1] = "changed"
+        docs[i] = " ".join(words)
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs), encoding="utf-8")
+    return [{"name": "docs", "data_files": str(path)}]
+
+
+def test_interrupted_after_the_first_shard_resumes_to_identical_output(tmp_path, monkeypatch):
+    """Ctrl-C right after the first shard is committed; the next prepare takes that shard as it is and
+    writes the rest: the same folder, byte for byte, as a run that was never interrupted."""
+    sources = small_corpus(tmp_path)
+    values = {**settings(sources, tmp_path / "interrupted"), "shard_tokens": 1000, "minhash_num_perm": 32}
+    reference = prepare_data(DataConfig(**{**values, "cache_dir": str(tmp_path / "ref")}))
+    ref_report = json.loads((reference.directory / REPORT).read_text())
+    assert ref_report["shards"] >= 3
+    assert ref_report["removed"]["exact_duplicates"] > 0 and ref_report["removed"]["near_duplicates"] > 0
+
+    commit = ShardWriter.commit
+
+    def commit_then_interrupt(self, state, *, done=False):
+        commit(self, state, done=done)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ShardWriter, "commit", commit_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data(DataConfig(**values))
+    monkeypatch.undo()
+    (work,) = Path(values["cache_dir"]).glob(".*.partial")
+    assert [path.name for path in (work / "shards").glob("*.json")] == ["00000.json"]
+    assert not list(Path(values["cache_dir"]).rglob(MANIFEST))
+
+    resumed = prepare_data(DataConfig(**values))
+    report = json.loads((resumed.directory / REPORT).read_text())
+    assert report["resumed_from_shard"] == 1
+    assert resumed.directory.name == reference.directory.name
+    for name in (*OUTPUTS, "train.sources.npy", "val.sources.npy"):
+        assert (resumed.directory / name).read_bytes() == (reference.directory / name).read_bytes(), name
+
+    def where_and_when_left_out(manifest: dict) -> dict:
+        return {**manifest, "seconds": None, "config": {**manifest["config"], "cache_dir": None}}
+
+    assert where_and_when_left_out(resumed.manifest) == where_and_when_left_out(reference.manifest)
+    assert comparable(report) == comparable(ref_report)
+    assert not work.exists()
 
 
 @pytest.mark.slow

@@ -336,7 +336,7 @@ def test_gradient_checkpointing_and_clipping_and_bf16(tmp_path):
     results = {}
     for name, model_kw, train_kw in [
         ("plain", {}, {}),
-        ("checkpointed", {"gradient_checkpointing": True, "dropout": 0.0}, {}),
+        ("checkpointed", {"dropout": 0.0}, {"gradient_checkpointing": True}),
     ]:
         torch.manual_seed(0)
         model = Transformer(tiny_model_config(**model_kw))

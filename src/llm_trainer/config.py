@@ -14,7 +14,7 @@ import math
 import re
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,11 +67,19 @@ def _conforms(value: Any, tp: Any) -> bool:
 
 
 class _Validated:
-    """Mixin: type-check every field against its annotation, then run the class's own checks."""
+    """Mixin: type-check every field against its annotation, then run the class's own checks.
+
+    A class may also take keywords in other frameworks' spellings (`SPELLINGS`, declared as `InitVar`s
+    in that order, so not fields): `config_aliases` says what they set. Its own fields are set here;
+    settings of another section are kept in `for_other_sections` for `ExperimentConfig` to apply.
+    """
 
     UNBOUNDED: tuple[str, ...] = ()  # float fields where +inf means "no limit" (every other one must be finite)
+    SECTION = ""  # the section config_aliases knows the class by
+    SPELLINGS: tuple[str, ...] = ()
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, *spelled: Any) -> None:
+        self.for_other_sections = self._read_spellings(dict(zip(self.SPELLINGS, spelled)))
         self._coerce()
         hints = typing.get_type_hints(type(self))
         section = type(self).__name__
@@ -90,6 +98,25 @@ class _Validated:
             if isinstance(value, tuple):
                 object.__setattr__(self, f.name, list(value))
         self._check()
+
+    def _read_spellings(self, given: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Set what the keywords in other spellings set in this section (a field set to something else
+        too is an error); return what they set in other sections."""
+        given = {key: value for key, value in given.items() if value is not None}
+        if not given:
+            return {}
+        sections, problems = config_aliases.keywords(self.SECTION, given)
+        if problems:
+            raise ValueError(config_aliases.one_message(problems))
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        for name, value in sections.pop(self.SECTION, {}).items():
+            current = getattr(self, name)
+            _require(
+                current in (value, defaults[name]),
+                f"{type(self).__name__}: {', '.join(given)} sets {name}={value!r}, but {name}={current!r} was given",
+            )
+            setattr(self, name, value)
+        return sections
 
     def _coerce(self) -> None:
         """Turn nested mappings into their typed configs before the type check (overridden where needed)."""
@@ -162,10 +189,13 @@ class ModelConfig(_Validated):
     logit_softcap: float | None = None  # logits = c * tanh(logits / c)
     # Not the architecture (a model folder does not record them):
     attention_backend: Literal["sdpa", "flex"] = "sdpa"  # flex: FlexAttention block masks for data.document_mask (GPU)
-    gradient_checkpointing: bool = False  # the training guide's spelling of training.gradient_checkpointing
     init_from: str | None = None  # a transformers GPT-2/LLaMA folder or one of our model folders to start from
+    # Not kept: read as training.gradient_checkpointing (see config_aliases.ACROSS).
+    gradient_checkpointing: InitVar[bool | None] = None
 
-    NOT_ARCHITECTURE = ("attention_backend", "gradient_checkpointing", "init_from")
+    SECTION = "model"
+    SPELLINGS = ("gradient_checkpointing",)
+    NOT_ARCHITECTURE = ("attention_backend", "init_from")
 
     def _filled(self) -> dict[str, Any]:
         """The value each preset-dependent field takes: the one set, else the architecture's."""
@@ -259,9 +289,7 @@ class TrainingConfig(_Validated):
     use_amp: bool | Literal["auto"] = False  # auto: bf16 autocast where the device computes bf16 natively
     amp_dtype: Literal["bfloat16", "float16"] = "bfloat16"
     compile: bool = False
-    gradient_checkpointing: bool = (
-        False  # recompute each block's activations in backward (also model.gradient_checkpointing)
-    )
+    gradient_checkpointing: bool = False  # recompute each block's activations in backward
     device: str = "auto"  # auto: CUDA, then MPS, then CPU
     seed: int = 42
     output_dir: str = "output"
@@ -291,11 +319,15 @@ class TrainingConfig(_Validated):
     distributed_timeout_s: int = 1800  # a rank that stops answering fails the job after this long
     ddp_find_unused_parameters: bool = False
     fsdp_sharding: Literal["full_shard", "shard_grad_op", "hybrid_shard"] = "full_shard"
-    use_deepspeed: bool = False  # same as distributed_strategy: deepspeed
     deepspeed_config: str | dict | None = None  # a DeepSpeed JSON path or inline dict ("auto" values filled from here)
     early_stopping_patience: int | None = None  # evaluations without improvement before stopping
     early_stopping_min_delta: float = 0.0
     max_consecutive_bad_steps: int = 5  # non-finite loss/grad steps in a row before the run stops
+    # Not kept: read as distributed_strategy: deepspeed (see config_aliases.TRAINING).
+    use_deepspeed: InitVar[bool | None] = None
+
+    SECTION = "training"
+    SPELLINGS = ("use_deepspeed",)
 
     def _check(self) -> None:
         for name in (
@@ -352,12 +384,6 @@ class TrainingConfig(_Validated):
         _require(self.peak_flops is None or self.peak_flops > 0, "TrainingConfig.peak_flops must be positive")
         _require(self.world_size is None or self.world_size > 0, "TrainingConfig.world_size must be positive")
         _require(self.distributed_timeout_s > 0, "TrainingConfig.distributed_timeout_s must be positive")
-        if self.use_deepspeed:
-            _require(
-                self.distributed_strategy in ("auto", "deepspeed"),
-                f"TrainingConfig.use_deepspeed conflicts with distributed_strategy={self.distributed_strategy!r}",
-            )
-            self.distributed_strategy = "deepspeed"
 
     @property
     def resolved_checkpoint_dir(self) -> Path:
@@ -596,6 +622,13 @@ class ExperimentConfig:
 
     SECTIONS = ("model", "training", "data")
 
+    def __post_init__(self) -> None:
+        """A section's keyword that sets another section's field (`ModelConfig(gradient_checkpointing=True)`)
+        takes effect here, where the sections meet."""
+        for section in (self.model, self.training, self.data):
+            for name, values in getattr(section, "for_other_sections", {}).items():
+                setattr(self, name, dataclasses.replace(getattr(self, name), **values))
+
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model.to_dict(), "training": self.training.to_dict(), "data": self.data.to_dict()}
 
@@ -610,10 +643,11 @@ class ExperimentConfig:
         values, problems = config_aliases.canonical_experiment(values, known)  # every problem of the file at once
         if problems:
             raise ValueError(config_aliases.one_message(problems))
+        # Under our names already: built directly, so the alias pass runs once per config.
         return cls(
-            model=ModelConfig.from_dict(values.get("model") or {}, section="model"),
-            training=TrainingConfig.from_dict(values.get("training") or {}, section="training"),
-            data=DataConfig.from_dict(values.get("data") or {}, section="data"),
+            model=ModelConfig(**values["model"]),
+            training=TrainingConfig(**values["training"]),
+            data=DataConfig(**values["data"]),
         )
 
     def save(self, path: str | Path) -> None:

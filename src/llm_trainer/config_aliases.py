@@ -1,11 +1,14 @@
 """Other frameworks' spellings of our config, read into ours where a config is loaded.
 
 Users arrive with a Hugging Face config (`hidden_size`, `num_hidden_layers`, `fp16: true`), a nanoGPT
-one (`n_embd`, `block_size`, `max_iters`) or a pretraining guide's YAML (`model: {type: llama,
-size: 7B}`, `training.clip_grad_norm`, a `distributed:` section with `fsdp_config`). Those keys are
+one (`n_embd`, `block_size`, `max_iters`) or a YAML in the common pretraining-recipe shape (`model:
+{type: llama, size: 7B}`, `training.clip_grad_norm`, `use_deepspeed: true`, a `distributed:` section
+with `fsdp_config`, `model.gradient_checkpointing`, which is a training setting here). Those keys are
 renamed to our fields here, once, for files, dicts and dotted overrides alike, so nothing downstream
-knows about them. Every problem of a config (unknown keys, with hints that know these spellings too;
-an alias and its field both set to different values) is collected, so one error lists them all.
+knows about them; the two that guides also pass as Python keywords (`TrainingConfig(use_deepspeed=
+True)`, `ModelConfig(gradient_checkpointing=True)`) are read by the same rules (`keywords`). Every
+problem of a config (unknown keys, with hints that know these spellings too; an alias and its field
+both set to different values) is collected, so one error lists them all.
 """
 
 from __future__ import annotations
@@ -58,6 +61,18 @@ def _precision(dtype: str) -> Expand:
     return expand
 
 
+def _turns_on(field: str, value: Any = True) -> Expand:
+    """A switch: `true` sets `field` to `value`; `false` sets nothing (the field keeps what the config says)."""
+
+    def expand(flag: Any) -> Iterator[tuple[str, Any]]:
+        if not isinstance(flag, bool):
+            raise ValueError(f"must be true or false, got {flag!r}")
+        if flag:
+            yield field, value
+
+    return expand
+
+
 TRAINING: dict[str, str | Expand] = {
     # Hugging Face TrainingArguments
     "per_device_train_batch_size": "batch_size",
@@ -65,7 +80,7 @@ TRAINING: dict[str, str | Expand] = {
     "lr_scheduler_type": "lr_scheduler",
     "fp16": _precision("float16"),
     "bf16": _precision("bfloat16"),
-    # nanoGPT / litgpt / the guides
+    # nanoGPT / litgpt / common pretraining recipes
     "clip_grad_norm": "max_grad_norm",
     "grad_clip": "max_grad_norm",
     "gradient_clipping": "max_grad_norm",
@@ -80,6 +95,14 @@ TRAINING: dict[str, str | Expand] = {
     "out_dir": "output_dir",
     "beta1": "adam_beta1",
     "beta2": "adam_beta2",
+    # a DeepSpeed switch, as trainers without a distributed_strategy spell it
+    "use_deepspeed": _turns_on("distributed_strategy", "deepspeed"),
+}
+
+# Keys that stand in one section but set the field of the same name in another:
+# (section, key) -> (the section whose field it sets, how).
+ACROSS: dict[tuple[str, str], tuple[str, Expand]] = {
+    ("model", "gradient_checkpointing"): ("training", _turns_on("gradient_checkpointing")),
 }
 
 # YAML 1.1 reads an unquoted `off` / `no` as false: the string our field means.
@@ -105,7 +128,7 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
 _SIZE_NAMES = {"small": "124M", "medium": "355M", "large": "774M", "xl": "1.5B"}
 
 
-# -- the `distributed:` section of a pretraining guide's YAML, folded into training ---------------------
+# -- a `distributed:` section (strategy, fsdp_config, ...), folded into training -------------------------
 
 _SHARDING = {"FULL_SHARD": "full_shard", "SHARD_GRAD_OP": "shard_grad_op", "HYBRID_SHARD": "hybrid_shard"}
 _AMP = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
@@ -195,6 +218,15 @@ def _expand(spelling: str | Expand, value: Any) -> Iterator[tuple[str, Any]]:
         yield from spelling(value)
 
 
+def _put(fields: _Fields, target: str, where: str, spelling: str | Expand, value: Any) -> None:
+    """`where: value`, spelled as `spelling` says, into the fields of section `target`."""
+    try:
+        for field, item in _expand(spelling, value):
+            fields.set(field, item, where, target)
+    except ValueError as exc:
+        fields.problems.append(f"{where} {exc}")
+
+
 def _read_section(
     fields: _Fields, section: str, values: Mapping[str, Any], known: list[str], *, strict: bool, unused: list[str]
 ) -> None:
@@ -206,11 +238,9 @@ def _read_section(
             value = YAML_BOOLS.get((section, key), {}).get(value, value) if isinstance(value, bool) else value
             fields.set(key, value, where, section)
         elif key in aliases:
-            try:
-                for field, item in _expand(aliases[key], value):
-                    fields.set(field, item, where, section)
-            except ValueError as exc:
-                fields.problems.append(f"{where} {exc}")
+            _put(fields, section, where, aliases[key], value)
+        elif strict and (section, key) in ACROSS:
+            fields.problems.append(f"{where} sets {ACROSS[section, key][0]}.{key}; give it in that section")
         elif strict:
             fields.problems.append(f"unknown key {where}{_hint(section, key, known, aliases)}")
         else:
@@ -222,7 +252,7 @@ def _read_distributed(fields: _Fields, values: Any, known: list[str]) -> None:
     if not isinstance(values, dict):
         fields.problems.append("section 'distributed' must be a mapping (strategy, fsdp_config, ...)")
         return
-    allowed = [k for k in DISTRIBUTED_FIELDS if k in known]
+    allowed = [k for k in DISTRIBUTED_FIELDS if k in known or k in TRAINING]
     for key, value in values.items():
         where = f"distributed.{key}"
         if key == "fsdp_config":
@@ -239,6 +269,8 @@ def _read_distributed(fields: _Fields, values: Any, known: list[str]) -> None:
                     continue
                 for field, mapped in FSDP_CONFIG[name](item):
                     fields.set(field, mapped, f"{where}.{name}", "training")
+        elif key in TRAINING and key in allowed:
+            _put(fields, "training", where, TRAINING[key], value)
         elif key in allowed or key in DISTRIBUTED:
             field = DISTRIBUTED.get(key, key)
             if field == "distributed_strategy" and isinstance(value, str):
@@ -308,24 +340,51 @@ def canonical_experiment(
             close = difflib.get_close_matches(str(key), [*SECTIONS, "distributed"], n=1, cutoff=0.5)
             hint = f"; did you mean {close[0]}?" if close else "; sections are model, training, data (and distributed)"
             problems.append(f"unknown section {key!r}{hint}")
+    own: dict[str, dict] = {}
+    across: dict[str, list[tuple[str, Expand, Any]]] = {section: [] for section in SECTIONS}
     for section in SECTIONS:
         given = values.get(section) or {}
         if not isinstance(given, dict):
             problems.append(f"section {section!r} must be a mapping of field: value, got {type(given).__name__}")
             given = {}
-        fields = _section(section, given, known[section], strict=True, unused=[])
+        own[section] = {}
+        for key, value in given.items():
+            if (section, key) in ACROSS:
+                target, spelling = ACROSS[section, key]
+                across[target].append((f"{section}.{key}", spelling, value))
+            else:
+                own[section][key] = value
+    for section in SECTIONS:
+        fields = _section(section, own[section], known[section], strict=True, unused=[])
         if section == "training" and values.get("distributed") is not None:
             _read_distributed(fields, values["distributed"], known["training"])
+        for where, spelling, value in across[section]:
+            _put(fields, section, where, spelling, value)
         problems += fields.problems
         out[section] = fields.values
     return out, problems
 
 
+def keywords(section: str, given: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """What a config class's keywords in other spellings set (`TrainingConfig(use_deepspeed=True)`,
+    `ModelConfig(gradient_checkpointing=True)`): ({section: {field: value}}, problems)."""
+    sections: dict[str, _Fields] = {}
+    for key, value in given.items():
+        target, spelling = ACROSS.get((section, key)) or (section, ALIASES[section][key])
+        _put(sections.setdefault(target, _Fields()), target, f"{section}.{key}", spelling, value)
+    return {name: fields.values for name, fields in sections.items()}, [
+        problem for fields in sections.values() for problem in fields.problems
+    ]
+
+
 def spellings_of(section: str, key: str) -> tuple[str, str]:
     """(section, field) that `section.key` sets: `model.hidden_size` -> (model, d_model),
-    `distributed.strategy` -> (training, distributed_strategy); anything else as given."""
+    `distributed.strategy` -> (training, distributed_strategy), `model.gradient_checkpointing` ->
+    (training, gradient_checkpointing); anything else as given."""
     if section == "distributed":
         return "training", DISTRIBUTED.get(key, key)
+    if (section, key) in ACROSS:
+        return ACROSS[section, key][0], key
     target = ALIASES.get(section, {}).get(key, key)
     return section, target if isinstance(target, str) else key
 

@@ -152,9 +152,9 @@ def native_bf16(device: torch.device) -> bool:
     return device.type == "cpu" and cpu_computes_bf16()
 
 
-def activation_checkpointing(training: TrainingConfig, model_config: ModelConfig | None) -> bool:
-    """On when either training.gradient_checkpointing or (the training guide's spelling) model.gradient_checkpointing is."""
-    return training.gradient_checkpointing or bool(getattr(model_config, "gradient_checkpointing", False))
+def activation_checkpointing(training: TrainingConfig) -> bool:
+    """training.gradient_checkpointing (a config's model.gradient_checkpointing: true is read as it)."""
+    return training.gradient_checkpointing
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ class ResolvedRun:
 
     @property
     def activation_checkpointing(self) -> bool:
-        return activation_checkpointing(self.training, self.experiment.model)
+        return activation_checkpointing(self.training)
 
 
 def resolve(
@@ -217,11 +217,7 @@ def resolve(
     model = (
         experiment.model
         if model_config is None
-        else dataclasses.replace(
-            model_config,
-            gradient_checkpointing=experiment.model.gradient_checkpointing,
-            init_from=experiment.model.init_from,
-        )
+        else dataclasses.replace(model_config, init_from=experiment.model.init_from)
     )
     experiment = dataclasses.replace(experiment, model=model)
     seq_len = sequence_length(experiment)

@@ -6,11 +6,12 @@ loads the same way, runs in Rust, and exports to `transformers` unchanged.
 The BPE pre-split. GPT-2's byte-level regex keeps runs of letters (\p{L}) together but cuts at
 combining marks (\p{M}), so the Devanagari vowel signs and viramas, Tamil vowel signs and pulli, Thai
 vowels and tone marks fall out of their words ("भारत" -> भ | ा | रत): BPE can never merge across a
-cut, and Hindi text took 2.3x the tokens it needs. `PRE_SPLIT` is GPT-2's regex with \p{M} kept in
-letter runs (as the large-vocabulary tokenizers of later models do) and zero-width (non-)joiners kept
-between letters (Indic and Persian words hold them); on text without combining marks it splits
-exactly as GPT-2's does, so English and code tokenize as before. The byte-level alphabet stays (every
-byte is a token), so any input, in any script, round-trips exactly.
+cut, and Indic text takes far more tokens than it needs (see bench/README.md, "Text in every
+script"). `PRE_SPLIT` is GPT-2's regex with \p{M} kept in letter runs (as the large-vocabulary
+tokenizers of later models do) and zero-width (non-)joiners kept between letters (Indic and Persian
+words hold them); on text without combining marks it splits exactly as GPT-2's does, so English and
+code tokenize as with GPT-2's pre-split. The byte-level alphabet stays (every byte is a token), so
+any input, in any script, round-trips exactly.
 """
 
 from __future__ import annotations

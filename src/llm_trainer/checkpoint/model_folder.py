@@ -6,6 +6,7 @@ A model folder holds `model.safetensors` and `model_config.json`; checkpoints, `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -140,7 +141,7 @@ def read_model_config(directory: str | Path) -> ModelConfig:
             f"{Path(directory) / WEIGHTS_NAME} for your own class's load_state_dict"
         )
     # Only the architecture: a file cannot name a folder to load (init_from) or change how training runs.
-    known = set(ModelConfig.__dataclass_fields__) - set(ModelConfig.NOT_ARCHITECTURE)
+    known = {f.name for f in dataclasses.fields(ModelConfig)} - set(ModelConfig.NOT_ARCHITECTURE)
     try:
         return ModelConfig(**{k: v for k, v in values.items() if k in known})
     except (TypeError, ValueError) as exc:

@@ -36,7 +36,7 @@ DEFAULT_BOILERPLATE = [
 
 
 def _has_control(text: str) -> bool:
-    if text.isascii():  # bytes.translate runs at memory speed, a regex search at ~130 MB/s
+    if text.isascii():  # bytes.translate runs at memory speed, far faster than a regex search
         raw = text.encode("ascii")
         return len(raw.translate(None, _CONTROL_BYTES)) != len(raw)
     return _CONTROL.search(text) is not None

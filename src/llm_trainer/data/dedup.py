@@ -12,15 +12,14 @@ group is kept; later ones are dropped, whichever source they come from.
 
 Why NumPy and not `datasketch`: datasketch hashes every shingle with SHA-1 in a Python loop before its
 NumPy permutation step; here words are hashed with vectorised polynomial hashing and the permutations
-run over all shingles of a document at once. Measured on a 2-core machine on the same 1,000 generated
-prose documents (128 permutations, 5-word shingles, shingling included): datasketch
-`MinHash.update_batch` 1.4 MB/s, this module 7.2 MB/s (`bench/prepare_throughput.py --minhash`).
-It also avoids a dependency, and its hashes are the same in every process (Python's `hash()` is
-salted per process), which resumable and multi-process prepare need.
+run over all shingles of a document at once, several times faster (`bench/prepare_throughput.py
+--minhash` compares the two; see bench/README.md). It also avoids a dependency, and its hashes are the
+same in every process (Python's `hash()` is salted per process), which resumable and multi-process
+prepare need.
 
-Memory is bounded by the number of kept documents, not their size (measured with tracemalloc):
-exact keeps one 64-bit key per document in a set, ~105 B; near adds the signature (4 * num_perm B,
-in NumPy blocks) and one dict entry per band, ~2.35 KB per document at 128 permutations (18 bands).
+Memory is bounded by the number of kept documents, not their size: exact keeps one 64-bit key per
+document in a set; near adds the signature (4 * num_perm bytes, in NumPy blocks) and one dict entry
+per band.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ from .mixture import interleave
 from .process import DocumentProcessor, Processed, encode, worker_encode, worker_init, worker_process
 from .report import Counts, Progress, build_report, nothing_kept, padding_fractions, print_summary, write_report
 from .shards import SHARDS, SPLITS, ShardWriter
-from .sources import Document, SourceStats, iter_source, source_fingerprint, source_specs
+from .sources import Document, SourceStats, iter_source, resolved_sources, source_fingerprint
 
 FORMAT_VERSION = 4  # 4: too few documents for a fraction split: validation is each document's last tokens
 MANIFEST = "manifest.json"
@@ -109,17 +109,17 @@ def _fingerprint(config: DataConfig) -> str:
 
 def _phases(config: DataConfig) -> list[tuple[str | None, Callable[[SourceStats], Iterator[Document]]]]:
     """(split or None, stream factory) per phase; None: the split is drawn per document by fraction."""
-    specs = source_specs(config)
+    sources = resolved_sources(config)
 
     def stream(split: str | None) -> Callable[[SourceStats], Iterator[Document]]:
         def make(stats: SourceStats) -> Iterator[Document]:
-            readers = [iter_source(spec, config, stats, split) for spec in specs]
-            return interleave(readers, [s.weight for s in specs], seed=config.seed, stopping=config.mixture_stopping)
+            readers = [iter_source(source, config, stats, split) for source in sources]
+            return interleave(readers, [s.weight for s in sources], seed=config.seed, stopping=config.mixture_stopping)
 
         return make
 
     if isinstance(config.validation_split, str):
-        if any(spec.dataset_name is None for spec in specs):
+        if any(source.dataset_name is None for source in sources):
             raise UsageError(
                 "data.validation_split names a split, which needs a dataset_name; use a fraction such as 0.1 for files"
             )
@@ -138,25 +138,67 @@ def _kept_texts(config: DataConfig, splits: tuple[str, ...]) -> Iterator[str]:
 
 
 def _kept_documents(config: DataConfig, splits: tuple[str, ...]) -> Iterator[tuple[str, Document]]:
-    """(cleaned text, the document it came from) for the kept documents of the given splits, in stream order."""
+    """(cleaned text, the document it came from) for the kept documents of the given splits, in stream order.
+
+    The same decisions as the writing pass (`_decide`), so the tokenizer is trained on the documents written.
+    """
     processor, dedup = DocumentProcessor(config), Deduplicator(config)
     for split, make in _phases(config):
-        yield from _phase_documents(config, processor, dedup, split, make(SourceStats()), splits)
+        raw = ((i * _BATCH, batch) for i, batch in enumerate(_batched(make(SourceStats()), _BATCH)))
+        processed = ((item, processor([d.text for d in item[1]])) for item in raw)
+        for batch in _decide(config, processed, dedup, split, kept=0):
+            for i, doc_split in zip(batch.kept, batch.kept_splits):
+                if doc_split in splits:
+                    yield batch.processed.texts[i], batch.documents[i]
 
 
-def _phase_documents(config, processor, dedup, split, documents, splits) -> Iterator[tuple[str, Document]]:
-    kept = 0
-    for batch in _batched(documents, _BATCH):
-        result = processor([d.text for d in batch])
-        for i, text in enumerate(result.texts):
-            if text is None or _duplicate(dedup, result, i):
-                continue
-            doc_split = split or _fraction_split(kept, config.validation_split)
-            kept += 1
-            if doc_split in splits:
-                yield text, batch[i]
-            if config.max_documents is not None and kept >= config.max_documents:
-                return
+@dataclass
+class _Decided:
+    """One batch after the dedup decision: what to tokenize (train texts first) and what to count."""
+
+    documents: list[Document]
+    processed: Processed
+    outcomes: list[str | None]  # per raw document: removal reason, or None if kept
+    kept: list[int]  # raw indices of kept documents, stream order
+    kept_splits: list[str]
+    end: int  # stream position after this batch
+    texts: list[str] = field(default_factory=list)  # kept texts, train ones first
+    n_train: int = 0
+
+
+def _decide(
+    config: DataConfig,
+    processed: Iterator[tuple[tuple[int, list[Document]], Processed]],
+    dedup: Deduplicator,
+    split: str | None,
+    kept: int,
+) -> Iterator[_Decided]:
+    """The rule of which documents are kept and where they go: filtered ones and duplicates are removed,
+    the kept ones split (by phase, or by fraction in stream order), and the phase stops after
+    max_documents kept documents. `processed`: ((stream position, raw documents), stage-one result) per
+    batch, in stream order; `kept`: documents of this phase kept before it (a resumed build)."""
+    cap = config.max_documents
+    if cap is not None and kept >= cap:  # resumed after the cap was reached
+        return
+    for (start, documents), result in processed:
+        outcomes, kept_idx, kept_splits = [], [], []
+        for i in range(len(documents)):
+            reason = result.reasons[i] or _duplicate(dedup, result, i)
+            outcomes.append(reason)
+            if reason is None:
+                kept_idx.append(i)
+                kept_splits.append(split or _fraction_split(kept, config.validation_split))
+                kept += 1
+                if cap is not None and kept >= cap:
+                    documents = documents[: i + 1]
+                    break
+        batch = _Decided(documents, result, outcomes, kept_idx, kept_splits, start + len(documents))
+        for wanted in SPLITS:
+            batch.texts += [result.texts[i] for i, s in zip(kept_idx, kept_splits) if s == wanted]
+        batch.n_train = kept_splits.count("train")
+        yield batch
+        if cap is not None and kept >= cap:
+            return
 
 
 def _duplicate(dedup: Deduplicator, result: Processed, i: int) -> str | None:
@@ -212,20 +254,6 @@ def _ordered(
 
 
 @dataclass
-class _Decided:
-    """One batch after the dedup decision: what to tokenize (train texts first) and what to count."""
-
-    documents: list[Document]
-    processed: Processed
-    outcomes: list[str | None]  # per raw document: removal reason, or None if kept
-    kept: list[int]  # raw indices of kept documents, stream order
-    kept_splits: list[str]
-    end: int  # stream position after this batch
-    texts: list[str] = field(default_factory=list)  # kept texts, train ones first
-    n_train: int = 0
-
-
-@dataclass
 class _State:
     """Where the build stands; saved with every committed shard."""
 
@@ -242,7 +270,7 @@ class _Build:
         self.config, self.fingerprint, self.work, self.directory = config, fingerprint, work, directory
         self.near = config.deduplication == "near"
         self.with_scores = config.curriculum_key != "length"
-        self.source_names = [spec.name for spec in source_specs(config)]
+        self.source_names = [source.name for source in resolved_sources(config)]
         self.source_index = {name: i for i, name in enumerate(self.source_names)}
 
     def run(self) -> PreparedData:
@@ -368,7 +396,7 @@ class _Build:
                 documents = itertools.islice(make(stats), start, None)
                 raw = ((start + i * _BATCH, batch) for i, batch in enumerate(_batched(documents, _BATCH)))
                 processed = _ordered(raw, lambda item: submit_process([d.text for d in item[1]]), depth)
-                decided = self._decide(processed, dedup, split, state.kept)
+                decided = _decide(self.config, processed, dedup, split, state.kept)
                 for batch, (tokens, lengths) in _ordered(decided, lambda d: submit_encode(d.texts), depth):
                     self._write(batch, tokens, lengths, writer, counts, progress)
                     state.position, state.kept = batch.end, state.kept + len(batch.kept)
@@ -380,31 +408,6 @@ class _Build:
         state.phase, state.position, state.kept = len(phases), 0, 0
         writer.commit(self._snapshot(state, counts), done=True)
         return skipped
-
-    def _decide(self, processed, dedup: Deduplicator, split: str | None, kept: int) -> Iterator[_Decided]:
-        """Dedup decisions and splits, in stream order; stops after max_documents kept documents."""
-        cap = self.config.max_documents
-        if cap is not None and kept >= cap:  # resumed after the cap was reached
-            return
-        for (start, documents), result in processed:
-            outcomes, kept_idx, kept_splits = [], [], []
-            for i in range(len(documents)):
-                reason = result.reasons[i] or _duplicate(dedup, result, i)
-                outcomes.append(reason)
-                if reason is None:
-                    kept_idx.append(i)
-                    kept_splits.append(split or _fraction_split(kept, self.config.validation_split))
-                    kept += 1
-                    if cap is not None and kept >= cap:
-                        documents = documents[: i + 1]
-                        break
-            batch = _Decided(documents, result, outcomes, kept_idx, kept_splits, start + len(documents))
-            for wanted in SPLITS:
-                batch.texts += [result.texts[i] for i, s in zip(kept_idx, kept_splits) if s == wanted]
-            batch.n_train = kept_splits.count("train")
-            yield batch
-            if cap is not None and kept >= cap:
-                return
 
     def _write(
         self,

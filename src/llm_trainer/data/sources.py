@@ -35,12 +35,12 @@ import sysconfig
 import unicodedata
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import urlparse
 
-from ..config import DataConfig
+from ..config import DataConfig, SourceConfig
 from ..errors import UsageError
 from .filters import QualityFilter
 
@@ -99,49 +99,24 @@ class BadInput:
         raise UsageError(message)
 
 
-@dataclass(frozen=True)
-class SourceSpec:
-    """One source of the mixture; DataConfig.sources entries, with unset keys from the top-level fields."""
-
-    name: str
-    data_files: tuple[str, ...] | None = None
-    dataset_name: str | None = None
-    dataset_config: str | None = None
-    dataset_split: str = "train"
-    text_column: str = "text"
-    include: tuple[str, ...] | None = None
-    exclude: tuple[str, ...] | None = None
-    streaming: bool = False
-    weight: float = 1.0
-    max_documents: int | None = None  # raw documents read from this source at most
-
-
-def source_specs(config: DataConfig) -> list[SourceSpec]:
-    def files(value) -> tuple[str, ...] | None:
-        return None if value is None else ((value,) if isinstance(value, str) else tuple(value))
-
+def resolved_sources(config: DataConfig) -> list[SourceConfig]:
+    """The sources of the mixture with every setting filled: each `data.sources` entry with its unset
+    keys taken from the top-level fields, or the one source that data_files / dataset_name make."""
     common = dict(
         dataset_config=config.dataset_config,
         dataset_split=config.dataset_split,
         text_column=config.text_column,
-        include=files(config.include),
-        exclude=files(config.exclude),
+        include=config.include,
+        exclude=config.exclude,
         streaming=config.streaming,
     )
     if not config.sources:
         return [
-            SourceSpec(
-                name=DEFAULT_SOURCE, data_files=files(config.data_files), dataset_name=config.dataset_name, **common
-            )
+            SourceConfig(name=DEFAULT_SOURCE, data_files=config.data_files, dataset_name=config.dataset_name, **common)
         ]
-    specs = []
-    for entry in config.sources:
-        values = {**common, **{k: v for k, v in entry.to_dict().items() if v is not None}}
-        for key in ("data_files", "include", "exclude"):
-            values[key] = files(values.get(key))
-        values["weight"] = float(values.get("weight", 1.0))
-        specs.append(SourceSpec(**values))
-    return specs
+    return [
+        replace(source, **{k: v for k, v in common.items() if getattr(source, k) is None}) for source in config.sources
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,7 +352,7 @@ def _read_parquet(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tup
             row += 1
 
 
-def _iter_files(spec: SourceSpec, stats: SourceStats, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
+def _iter_files(spec: SourceConfig, stats: SourceStats, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
     for path, explicit in resolve_files(spec.data_files, spec.include, spec.exclude, opt.bad):
         name = path.name.lower()
         if name.endswith(JSONL_SUFFIXES):
@@ -461,7 +436,7 @@ def _require_hub(name: str) -> None:
         ) from None
 
 
-def _iter_hf_dataset(spec: SourceSpec, split: str, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
+def _iter_hf_dataset(spec: SourceConfig, split: str, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
     try:
         import datasets
     except ImportError:
@@ -537,7 +512,7 @@ def read_options(config: DataConfig, stats: SourceStats) -> _ReadOptions:
 
 
 def iter_source(
-    spec: SourceSpec, config: DataConfig, stats: SourceStats, split: str | None = None
+    spec: SourceConfig, config: DataConfig, stats: SourceStats, split: str | None = None
 ) -> Iterator[Document]:
     """Every raw document of one source (of its named split `split`, for a dataset's validation split)."""
     opt = read_options(config, stats)
@@ -568,7 +543,7 @@ def source_fingerprint(config: DataConfig) -> list:
     """What identifies the input: file paths with sizes and times, or the dataset's name and version."""
     items: list = []
     quiet = BadInput("skip", SourceStats())  # errors are reported when reading, not while fingerprinting
-    for spec in source_specs(config):
+    for spec in resolved_sources(config):
         if spec.dataset_name == BUILTIN_STDLIB:
             items.append([BUILTIN_STDLIB, sysconfig.get_python_version(), len(stdlib_files())])
         elif spec.dataset_name is not None:

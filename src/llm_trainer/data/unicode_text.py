@@ -3,9 +3,10 @@
 Letters. A letter is a Unicode letter (L*) together with its combining marks (M*: Devanagari and Tamil
 vowel signs and viramas, Arabic vowel points, accents) and the zero-width (non-)joiners that sit
 inside Indic and Persian words. Counting marks as non-letters, as `str.isalpha` does, scores clean
-Hindi and Tamil news 0.57-0.59 letters per character where English scores 0.96; with marks, 0.97.
+Hindi or Tamil text far below English on letters per character; with marks they score alike (figures
+in bench/README.md, "Text in every script").
 
-Words. Text in scripts written with spaces splits on whitespace, as before. Scripts written without
+Words. Text in scripts written with spaces splits on whitespace. Scripts written without
 spaces between words (Han, kana and bopomofo; Thai, Lao, Khmer, Myanmar, Tibetan) have no word
 boundaries a regex can find, so their words are estimated from their characters: one word per 1.5
 CJK characters (the mean length of Chinese words in running text; the same content has 1.66 Han
@@ -15,10 +16,10 @@ an estimate, not calibrated on data here). Repetition in such text is measured o
 Word length is measured in characters without the marks that attach with a nonzero canonical
 combining class (viramas, nuktas, Arabic and Hebrew vowel points, accents): they decorate a letter or
 remove its vowel rather than stand for a sound. Indic vowel signs (class 0) count, like the vowels
-they are. With it, Hindi news averages 3.9 characters a word, Tamil 7.0, Arabic 5.0, English 4.9,
-Russian 6.1 (NTREX-128); counting every code point puts Tamil at 8.4 and some documents past 10.
+they are, so word lengths of Indic, Arabic and European text fall in a common range; counting every
+code point would put Tamil words far above the others (see bench/README.md, "Text in every script").
 
-All measures have an ASCII fast path that gives exactly the old whitespace-based figures.
+All measures have an ASCII fast path, where they are the plain whitespace-based counts.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def _ranges(codepoints: list[int]) -> list[tuple[int, int]]:
 
 class _Marks(NamedTuple):
     """A class of marks as two regexes: Python's regex engine tests a class of BMP characters with a bitmap
-    (~600 MB/s) but one with characters past U+FFFF range by range (~15 MB/s), so those are kept apart
-    and searched only in text that has such characters."""
+    but one with characters past U+FFFF range by range, far more slowly, so those are kept apart and
+    searched only in text that has such characters."""
 
     bmp: re.Pattern
     astral: re.Pattern

@@ -143,7 +143,7 @@ def estimate_memory(
     c = model_config.resolved()
     seq_len = int(seq_len or c.max_seq_len)
     batch_size = int(batch_size or training.batch_size)
-    checkpointing = activation_checkpointing(training, c) if gradient_checkpointing is None else gradient_checkpointing
+    checkpointing = activation_checkpointing(training) if gradient_checkpointing is None else gradient_checkpointing
     counts = count_parameters(c)
     n = counts.total
     w = world_size if sharding != "none" else 1
@@ -315,7 +315,7 @@ def _advice(
         tips.append(f"training.batch_size={max_micro} (raise gradient_accumulation_steps to keep the tokens per step)")
         return "; ".join(tips)
     kwargs = dict(seq_len=seq_len, batch_size=1, device_type=device_type)
-    if not (checkpointing or activation_checkpointing(training, model_config)):
+    if not (checkpointing or activation_checkpointing(training)):
         if estimate_memory(
             model_config, training, world_size=world_size, sharding=sharding, gradient_checkpointing=True, **kwargs
         ).fits(device_gb):

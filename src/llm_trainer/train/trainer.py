@@ -102,9 +102,7 @@ class Trainer:
         self.output_dir = Path(config.output_dir)
         self.checkpoint_dir = config.resolved_checkpoint_dir
 
-        checkpointing = (
-            run.activation_checkpointing if run else activation_checkpointing(config, getattr(model, "config", None))
-        )
+        checkpointing = run.activation_checkpointing if run else activation_checkpointing(config)
         self.parallel = parallelize(
             model,
             config=config,
