@@ -368,17 +368,3 @@ class Transformer(nn.Module):
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits / cap)
         return logits
-
-    # -- a self-contained model folder: weights in safetensors, the ModelConfig as JSON -------------
-
-    def save_pretrained(self, directory) -> None:
-        """Write `model.safetensors` and `model_config.json` into `directory` (tied weights stored once)."""
-        from .checkpoint.model_folder import save_model_folder
-
-        save_model_folder(self, directory)
-
-    @classmethod
-    def from_pretrained(cls, directory, device="cpu") -> Transformer:
-        from .checkpoint.model_folder import load_model_folder
-
-        return load_model_folder(directory, device=device)
