@@ -104,7 +104,7 @@ def _flex_attention(q, k, v, block_mask, enable_gqa: bool):
 
 def _explicit_is_faster(q: torch.Tensor) -> bool:
     """bfloat16 on a CPU: SDPA's CPU flash kernel is slower in bf16 than softmax(q k^T) v written out,
-    4.5x with its backward, 1.5x forward only (context 64, head size 32; bench/cpu_bf16.py)."""
+    with its backward and forward only (figures: bench/README.md, from bench/cpu_bf16.py)."""
     return q.device.type == "cpu" and q.dtype == torch.bfloat16
 
 
