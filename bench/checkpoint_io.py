@@ -52,7 +52,8 @@ import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
-from llm_trainer.checkpoint import format as ckpt
+from llm_trainer.checkpoint import layout, store
+from llm_trainer.checkpoint.find import resolve_checkpoint
 from llm_trainer.config import ModelConfig
 from llm_trainer.model import Transformer
 
@@ -159,7 +160,7 @@ def main() -> int:
     checkpointer = background_checkpointer(copy.deepcopy(model), base / "background")
 
     def ours_save():
-        ckpt.save_checkpoint(
+        store.save_checkpoint(
             root,
             1,
             model=model,
@@ -171,8 +172,8 @@ def main() -> int:
         )
 
     def ours_load():
-        path = ckpt.resolve_checkpoint("latest", root)
-        parts = ckpt.load_checkpoint(path)
+        path = resolve_checkpoint("latest", root)
+        parts = store.load_checkpoint(path)
         assert len(parts["model"]) > 0 and len(parts["optimizer"]["state"]) > 0
 
     def raw_save():
@@ -228,7 +229,7 @@ def main() -> int:
 
     best = {k: min(v) for k, v in results.items()}
     checkpointer.__exit__(None, None, None)
-    checkpoint_bytes = sum(p.stat().st_size for p in ckpt.list_checkpoints(root)[0].iterdir())
+    checkpoint_bytes = sum(p.stat().st_size for p in layout.list_checkpoints(root)[0].iterdir())
     report = {
         "benchmark": "checkpoint_io",
         "params": n_params,
@@ -252,7 +253,7 @@ def main() -> int:
         "directory": str(base),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
-        "checkpoint_module": ckpt.__file__,
+        "checkpoint_module": store.__file__,
     }
     print(json.dumps(report, indent=2))
     if not args.dir:

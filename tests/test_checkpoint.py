@@ -29,12 +29,21 @@ import yaml
 from safetensors.torch import load_file
 
 from llm_trainer import cli
-from llm_trainer.checkpoint import checksums, durable
-from llm_trainer.checkpoint import format as ckpt
-from llm_trainer.checkpoint.model_folder import WEIGHTS_NAME, load_model_state, model_state_dict
+from llm_trainer.checkpoint import checksums, durable, layout, store
+from llm_trainer.checkpoint.find import find_checkpoint, resolve_checkpoint
+from llm_trainer.checkpoint.layout import kind_of
+from llm_trainer.checkpoint.model_folder import (
+    WEIGHTS_NAME,
+    load_model_folder,
+    load_model_state,
+    model_state_dict,
+    save_model_folder,
+)
+from llm_trainer.checkpoint.verify import verify
 from llm_trainer.config import ModelConfig, TrainingConfig
-from llm_trainer.errors import TrainingStopped, UsageError
+from llm_trainer.errors import CheckpointError, TrainingStopped, UsageError
 from llm_trainer.model import Transformer
+from llm_trainer.train.state import TrainState, train_state_problem
 from llm_trainer.train.trainer import Callback, Trainer
 
 MAX_STEPS = 12
@@ -62,14 +71,14 @@ def pause(trainer, where):
 
 
 if "pause_in_save_at" in plan:  # inside the save (in the writer thread if it is a background save),
-    import llm_trainer.checkpoint.format as ckpt  # the temporary folder made and the weights written into it
-    write_weights = ckpt.save_model_folder
+    import llm_trainer.checkpoint.store as store  # the temporary folder made and the weights written into it
+    write_weights = store.save_model_folder
 
     def paused_write(model, folder, *args, **kwargs):
         write_weights(model, folder, *args, **kwargs)
         if f"checkpoint-{plan['pause_in_save_at']:08d}-" in str(folder):
             pause(None, "in-save")
-    ckpt.save_model_folder = paused_write
+    store.save_model_folder = paused_write
 
 
 class Plan(Callback):
@@ -201,8 +210,8 @@ def checkpoints(run: Path) -> Path:
 
 
 def final_bytes(run: Path, step: int = MAX_STEPS) -> dict[str, bytes]:
-    folder = checkpoints(run) / f"{ckpt.PREFIX}{step:08d}"
-    return {name: (folder / name).read_bytes() for name in (WEIGHTS_NAME, ckpt.OPTIMIZER_TENSORS)}
+    folder = checkpoints(run) / f"{layout.PREFIX}{step:08d}"
+    return {name: (folder / name).read_bytes() for name in (WEIGHTS_NAME, layout.OPTIMIZER_TENSORS)}
 
 
 def assert_same_as_reference(run: Path, reference: Path, before: list[dict], first_step: int) -> None:
@@ -217,7 +226,7 @@ def assert_same_as_reference(run: Path, reference: Path, before: list[dict], fir
 
 
 def latest_name(run: Path) -> str:
-    return (checkpoints(run) / ckpt.LATEST).read_text().strip()
+    return (checkpoints(run) / layout.LATEST).read_text().strip()
 
 
 @pytest.fixture(scope="module")
@@ -297,8 +306,8 @@ def test_kill9_then_resume_is_bitwise_identical(
         assert train_rows(run)[-1]["step"] == MAX_STEPS
     tmp_folders = sorted(p.name for p in checkpoints(run).glob(".tmp-checkpoint-*"))
     if plan_key == "pause_in_save_at":  # the parent sees the save in progress before it kills
-        assert tmp_folders and tmp_folders[0].startswith(f".tmp-{ckpt.PREFIX}{pause_step:08d}-")
-        assert not (checkpoints(run) / f"{ckpt.PREFIX}{pause_step:08d}").exists()
+        assert tmp_folders and tmp_folders[0].startswith(f".tmp-{layout.PREFIX}{pause_step:08d}-")
+        assert not (checkpoints(run) / f"{layout.PREFIX}{pause_step:08d}").exists()
     else:  # a background write of an earlier step may still be finishing (the writer thread is not paused)
         deadline = time.monotonic() + 30
         while tmp_folders and time.monotonic() < deadline:
@@ -309,12 +318,12 @@ def test_kill9_then_resume_is_bitwise_identical(
 
     logged_before_kill = train_rows(run)
     assert logged_before_kill == train_rows(ref)[: len(logged_before_kill)]
-    saved = [p.name for p in ckpt.list_checkpoints(checkpoints(run))]
+    saved = [p.name for p in layout.list_checkpoints(checkpoints(run))]
     if resumes_from is None:
         assert saved == []
     else:
-        assert latest_name(run) == f"{ckpt.PREFIX}{resumes_from:08d}"
-        assert ckpt.verify(checkpoints(run) / latest_name(run)) is None
+        assert latest_name(run) == f"{layout.PREFIX}{resumes_from:08d}"
+        assert verify(checkpoints(run) / latest_name(run)) is None
     # The work lost (from the checkpoint resumed from to the kill) crosses an epoch boundary or not.
     epochs = {row["epoch"] for row in train_rows(ref) if (resumes_from or 1) <= row["step"] <= pause_step}
     assert (len(epochs) > 1) == crosses_epoch
@@ -324,7 +333,7 @@ def test_kill9_then_resume_is_bitwise_identical(
     assert_same_as_reference(run, ref, logged_before_kill, (resumes_from or 0) + 1)
     assert list(checkpoints(run).glob(".tmp-*")) == [], "the dead writer's temporary folder was removed"
     expected = (
-        f"continuing from {checkpoints(run) / ckpt.PREFIX}{resumes_from:08d}"
+        f"continuing from {checkpoints(run) / layout.PREFIX}{resumes_from:08d}"
         if resumes_from
         else "starting from step 0"
     )
@@ -340,13 +349,13 @@ def test_background_checkpoints_equal_synchronous_ones(workspace, reference, tmp
     run = tmp_path / "run"
     write_config(workspace, run, async_checkpoint=False)
     assert cli_train(run) == 0
-    names = [p.name for p in ckpt.list_checkpoints(checkpoints(reference))]
-    assert names == [f"{ckpt.PREFIX}{step:08d}" for step in (12, 8, 4)]
-    assert [p.name for p in ckpt.list_checkpoints(checkpoints(run))] == names
+    names = [p.name for p in layout.list_checkpoints(checkpoints(reference))]
+    assert names == [f"{layout.PREFIX}{step:08d}" for step in (12, 8, 4)]
+    assert [p.name for p in layout.list_checkpoints(checkpoints(run))] == names
     for name in names:
         ours, theirs = checkpoints(run) / name, checkpoints(reference) / name
-        files = sorted(p.name for p in theirs.iterdir() if p.name != ckpt.META)  # meta.json has the time
-        assert sorted(p.name for p in ours.iterdir() if p.name != ckpt.META) == files
+        files = sorted(p.name for p in theirs.iterdir() if p.name != layout.META)  # meta.json has the time
+        assert sorted(p.name for p in ours.iterdir() if p.name != layout.META) == files
         for file in files:
             assert (ours / file).read_bytes() == (theirs / file).read_bytes(), f"{name}/{file}"
 
@@ -428,7 +437,7 @@ def test_disk_full_in_a_background_save_stops_the_run_and_keeps_the_previous_che
     real_save_file = model_files.save_file
 
     def full_at_step_8(tensors, filename, *args, **kwargs):
-        if f".tmp-{ckpt.PREFIX}{8:08d}-" in str(filename):
+        if f".tmp-{layout.PREFIX}{8:08d}-" in str(filename):
             safetensors_enospc()
         return real_save_file(tensors, filename, *args, **kwargs)
 
@@ -436,9 +445,9 @@ def test_disk_full_in_a_background_save_stops_the_run_and_keeps_the_previous_che
     assert cli_train(run) == 2
     error = the_error(capsys.readouterr().err)
     assert "disk full while saving checkpoint-00000008" in error and "intact" in error
-    assert [p.name for p in ckpt.list_checkpoints(checkpoints(run))] == [f"{ckpt.PREFIX}{4:08d}"]
-    assert latest_name(run) == f"{ckpt.PREFIX}{4:08d}"
-    assert ckpt.verify(checkpoints(run) / latest_name(run)) is None
+    assert [p.name for p in layout.list_checkpoints(checkpoints(run))] == [f"{layout.PREFIX}{4:08d}"]
+    assert latest_name(run) == f"{layout.PREFIX}{4:08d}"
+    assert verify(checkpoints(run) / latest_name(run)) is None
     assert not [p for p in checkpoints(run).iterdir() if p.name.startswith(".")]
 
 
@@ -462,14 +471,14 @@ def test_sigterm_saves_at_step_boundary_and_resumes_bitwise(workspace, reference
     assert "Traceback" not in err
     # Saved at a step boundary (the end of step 5, or of step 6 if the signal is acted on at the next
     # step's check), not at a save_steps multiple, and nothing after it was trained.
-    stopped_at = int(latest_name(run)[len(ckpt.PREFIX) :])
+    stopped_at = int(latest_name(run)[len(layout.PREFIX) :])
     assert stopped_at in (5, 6)
     assert [row["step"] for row in train_rows(run)] == list(range(1, stopped_at + 1))
-    assert [p.name for p in ckpt.list_checkpoints(checkpoints(run))] == [latest_name(run), f"{ckpt.PREFIX}{4:08d}"]
+    assert [p.name for p in layout.list_checkpoints(checkpoints(run))] == [latest_name(run), f"{layout.PREFIX}{4:08d}"]
 
     before = train_rows(run)
     assert cli_train(run, "training.resume_from_checkpoint=latest") == 0
-    assert f"continuing from {checkpoints(run) / ckpt.PREFIX}{stopped_at:08d}" in capsys.readouterr().err
+    assert f"continuing from {checkpoints(run) / layout.PREFIX}{stopped_at:08d}" in capsys.readouterr().err
     assert_same_as_reference(run, reference, before, stopped_at + 1)
 
 
@@ -491,25 +500,25 @@ def truncate(path: Path) -> None:
 @pytest.mark.parametrize(
     "damage, file, reason",
     [
-        (truncate, ckpt.OPTIMIZER_TENSORS, "optimizer.safetensors is truncated"),
+        (truncate, layout.OPTIMIZER_TENSORS, "optimizer.safetensors is truncated"),
         (flip_byte, WEIGHTS_NAME, "model.safetensors does not match its checksum"),
-        (flip_byte, ckpt.OPTIMIZER, "optimizer.pt does not match its checksum"),
+        (flip_byte, layout.OPTIMIZER, "optimizer.pt does not match its checksum"),
         (
             lambda p: p.write_text(p.read_text().replace('"step": 12', '"step": 13')),
-            ckpt.META,
+            layout.META,
             "meta.json does not match its checksum",
         ),
-        (lambda p: p.unlink(), ckpt.RNG, "rng.pt is missing"),
-        (lambda p: p.unlink(), ckpt.META, "no meta.json"),
+        (lambda p: p.unlink(), layout.RNG, "rng.pt is missing"),
+        (lambda p: p.unlink(), layout.META, "no meta.json"),
     ],
     ids=["truncated", "bit-flip-model", "bit-flip-optimizer", "edited-meta", "missing-file", "no-meta"],
 )
 def test_latest_falls_back_past_a_damaged_checkpoint(reference, tmp_path, capsys, damage, file, reason):
     run = copy_run(reference, tmp_path)
-    newest = checkpoints(run) / f"{ckpt.PREFIX}{MAX_STEPS:08d}"
+    newest = checkpoints(run) / f"{layout.PREFIX}{MAX_STEPS:08d}"
     damage(newest / file)
-    found = ckpt.resolve_checkpoint("latest", checkpoints(run))
-    assert found == checkpoints(run) / f"{ckpt.PREFIX}{8:08d}"
+    found = resolve_checkpoint("latest", checkpoints(run))
+    assert found == checkpoints(run) / f"{layout.PREFIX}{8:08d}"
     err = capsys.readouterr().err
     assert f"skipping checkpoint {newest}" in err and reason in err
 
@@ -521,30 +530,30 @@ def test_latest_falls_back_past_a_damaged_checkpoint(reference, tmp_path, capsys
 
 def test_resume_after_fallback_continues_bitwise(reference, tmp_path, capsys):
     run = copy_run(reference, tmp_path)
-    shutil.rmtree(checkpoints(run) / f"{ckpt.PREFIX}{MAX_STEPS:08d}")  # as if never written: `latest` is dangling
-    truncate(checkpoints(run) / f"{ckpt.PREFIX}{8:08d}" / ckpt.OPTIMIZER_TENSORS)
+    shutil.rmtree(checkpoints(run) / f"{layout.PREFIX}{MAX_STEPS:08d}")  # as if never written: `latest` is dangling
+    truncate(checkpoints(run) / f"{layout.PREFIX}{8:08d}" / layout.OPTIMIZER_TENSORS)
     before = train_rows(run)
     assert cli_train(run, "training.resume_from_checkpoint=latest") == 0
     err = capsys.readouterr().err
-    assert "skipping checkpoint" in err and f"continuing from {checkpoints(run) / ckpt.PREFIX}{4:08d}" in err
+    assert "skipping checkpoint" in err and f"continuing from {checkpoints(run) / layout.PREFIX}{4:08d}" in err
     assert_same_as_reference(run, reference, before, 5)
 
 
 def test_every_checkpoint_damaged_is_an_error(reference, tmp_path):
     run = copy_run(reference, tmp_path)
-    for folder in ckpt.list_checkpoints(checkpoints(run)):
+    for folder in layout.list_checkpoints(checkpoints(run)):
         flip_byte(folder / WEIGHTS_NAME)
-    with pytest.raises(ckpt.CheckpointError, match="no usable checkpoint"):
-        ckpt.resolve_checkpoint("latest", checkpoints(run))
+    with pytest.raises(CheckpointError, match="no usable checkpoint"):
+        resolve_checkpoint("latest", checkpoints(run))
 
 
 def test_a_completed_save_is_used_even_if_latest_was_not_updated(reference, tmp_path):
     """Killed between the rename and the `latest` update: the newest complete checkpoint still wins."""
     run = copy_run(reference, tmp_path)
-    (checkpoints(run) / ckpt.LATEST).write_text(f"{ckpt.PREFIX}{4:08d}")
-    assert ckpt.resolve_checkpoint("latest", checkpoints(run)).name == f"{ckpt.PREFIX}{MAX_STEPS:08d}"
-    (checkpoints(run) / ckpt.LATEST).write_bytes(b"\xff\xfe garbage")
-    assert ckpt.resolve_checkpoint("latest", checkpoints(run)).name == f"{ckpt.PREFIX}{MAX_STEPS:08d}"
+    (checkpoints(run) / layout.LATEST).write_text(f"{layout.PREFIX}{4:08d}")
+    assert resolve_checkpoint("latest", checkpoints(run)).name == f"{layout.PREFIX}{MAX_STEPS:08d}"
+    (checkpoints(run) / layout.LATEST).write_bytes(b"\xff\xfe garbage")
+    assert resolve_checkpoint("latest", checkpoints(run)).name == f"{layout.PREFIX}{MAX_STEPS:08d}"
 
 
 # -- 3. a full disk during a save -------------------------------------------------------------------
@@ -560,7 +569,7 @@ def tiny_parts(seed: int = 0):
 
 
 def save(root: Path, step: int, model, optimizer) -> Path:
-    return ckpt.save_checkpoint(
+    return store.save_checkpoint(
         root,
         step,
         model=model,
@@ -602,16 +611,16 @@ def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, 
     optimizer.step()
 
     monkeypatch.setattr(target, replacement)
-    with pytest.raises(ckpt.CheckpointError) as info:
+    with pytest.raises(CheckpointError) as info:
         save(root, 2, model, optimizer)
     monkeypatch.undo()
     message = str(info.value)
     assert "disk full" in message and "intact" in message and "\n" not in message
-    assert sorted(p.name for p in root.iterdir()) == [f"{ckpt.PREFIX}{1:08d}", ckpt.LATEST]  # no tmp folder
-    assert (root / ckpt.LATEST).read_text() == first.name
+    assert sorted(p.name for p in root.iterdir()) == [f"{layout.PREFIX}{1:08d}", layout.LATEST]  # no tmp folder
+    assert (root / layout.LATEST).read_text() == first.name
     assert {p.name: p.read_bytes() for p in first.iterdir()} == before
-    assert ckpt.resolve_checkpoint("latest", root) == first
-    parts = ckpt.load_checkpoint(first)
+    assert resolve_checkpoint("latest", root) == first
+    parts = store.load_checkpoint(first)
     assert torch.equal(parts["model"]["tok_emb.weight"], load_file(str(first / WEIGHTS_NAME))["tok_emb.weight"])
 
 
@@ -626,10 +635,10 @@ def test_disk_full_reported_when_the_writer_hides_the_errno(tmp_path, monkeypatc
 
     monkeypatch.setattr(torch, "save", torch_save_on_full_disk)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 30, 10 << 30, 0))
-    with pytest.raises(ckpt.CheckpointError, match="disk full"):
+    with pytest.raises(CheckpointError, match="disk full"):
         save(root, 2, model, optimizer)
     monkeypatch.undo()
-    assert [p.name for p in ckpt.list_checkpoints(root)] == [f"{ckpt.PREFIX}{1:08d}"]
+    assert [p.name for p in layout.list_checkpoints(root)] == [f"{layout.PREFIX}{1:08d}"]
     assert not list(root.glob(".tmp-*"))
 
 
@@ -640,17 +649,17 @@ def test_disk_full_while_updating_latest(tmp_path, monkeypatch):
     real_open = open
 
     def open_failing_for_latest(file, *args, **kwargs):
-        if Path(file).name.startswith(f".{ckpt.LATEST}.tmp-"):
+        if Path(file).name.startswith(f".{layout.LATEST}.tmp-"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_open(file, *args, **kwargs)
 
     monkeypatch.setattr("builtins.open", open_failing_for_latest)
-    with pytest.raises(ckpt.CheckpointError, match="disk full"):
+    with pytest.raises(CheckpointError, match="disk full"):
         save(root, 2, model, optimizer)
     monkeypatch.undo()
-    assert (root / ckpt.LATEST).read_text() == first.name
+    assert (root / layout.LATEST).read_text() == first.name
     assert not [p for p in root.iterdir() if p.name.startswith(".")]
-    assert ckpt.resolve_checkpoint("latest", root).name == f"{ckpt.PREFIX}{2:08d}"  # complete, so not lost
+    assert resolve_checkpoint("latest", root).name == f"{layout.PREFIX}{2:08d}"  # complete, so not lost
 
 
 def test_interrupt_mid_save_removes_tmp_folder_and_reraises(tmp_path, monkeypatch):
@@ -674,9 +683,9 @@ def test_leftovers_of_dead_writers_are_removed(tmp_path):
     host = durable.owner().rsplit("-", 1)[0]
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = root / f".tmp-{ckpt.PREFIX}{2:08d}-{host}-{dead.pid}"
-    alive = root / f".tmp-{ckpt.PREFIX}{3:08d}-{host}-{os.getppid()}"
-    other_host = root / f".tmp-{ckpt.PREFIX}{4:08d}-elsewhere-{dead.pid}"
+    stale = root / f".tmp-{layout.PREFIX}{2:08d}-{host}-{dead.pid}"
+    alive = root / f".tmp-{layout.PREFIX}{3:08d}-{host}-{os.getppid()}"
+    other_host = root / f".tmp-{layout.PREFIX}{4:08d}-elsewhere-{dead.pid}"
     for folder in (stale, alive, other_host):
         folder.mkdir()
         (folder / WEIGHTS_NAME).write_bytes(b"partial")
@@ -687,15 +696,15 @@ def test_leftovers_of_dead_writers_are_removed(tmp_path):
 def test_staging_folders_of_a_killed_multi_process_save_are_removed_at_the_next_start(workspace, reference, tmp_path):
     run = copy_run(reference, tmp_path)
     leftovers = [
-        checkpoints(run) / f".staging-{ckpt.PREFIX}{8:08d}",
-        checkpoints(run) / f".staging-{ckpt.PREFIX}{8:08d}-deepspeed",
+        checkpoints(run) / f".staging-{layout.PREFIX}{8:08d}",
+        checkpoints(run) / f".staging-{layout.PREFIX}{8:08d}-deepspeed",
     ]
     for folder in leftovers:
         folder.mkdir()
         (folder / "rng-rank1.pt").write_bytes(b"partial")
     assert cli_train(run, "training.resume_from_checkpoint=latest", f"training.max_steps={MAX_STEPS + 2}") == 0
     assert not any(folder.exists() for folder in leftovers)
-    assert latest_name(run) == f"{ckpt.PREFIX}{MAX_STEPS + 2:08d}"
+    assert latest_name(run) == f"{layout.PREFIX}{MAX_STEPS + 2:08d}"
 
 
 # -- 4. a malicious pickle with valid checksums ------------------------------------------------------
@@ -713,29 +722,29 @@ class Payload:
 
 def reseal(folder: Path) -> None:
     """Recompute meta.json's sizes and checksums, as an attacker would, so only the safe loader remains."""
-    meta = json.loads((folder / ckpt.META).read_text())
+    meta = json.loads((folder / layout.META).read_text())
     for name in meta["files"]:
         meta["files"][name] = {
             "size": (folder / name).stat().st_size,
             "checksum": checksums.file_checksum(folder / name),
         }
     meta["meta_sha256"] = checksums.meta_checksum(meta)
-    (folder / ckpt.META).write_text(json.dumps(meta))
+    (folder / layout.META).write_text(json.dumps(meta))
 
 
 @pytest.mark.parametrize("writer", ["torch.save", "pickle.dump"])
 def test_malicious_pickle_is_refused_and_never_runs(reference, tmp_path, capsys, writer):
     run = copy_run(reference, tmp_path)
-    folder = checkpoints(run) / f"{ckpt.PREFIX}{MAX_STEPS:08d}"
+    folder = checkpoints(run) / f"{layout.PREFIX}{MAX_STEPS:08d}"
     target = tmp_path / "pwned"
-    with open(folder / ckpt.OPTIMIZER, "wb") as handle:
+    with open(folder / layout.OPTIMIZER, "wb") as handle:
         torch.save(Payload(target), handle) if writer == "torch.save" else pickle.dump(Payload(target), handle)
     reseal(folder)
-    assert ckpt.verify(folder) is None  # checksums are fine: only the loader stands in the way
+    assert verify(folder) is None  # checksums are fine: only the loader stands in the way
 
     # The payload is live: an unsafe load would run it.
     probe = tmp_path / "probe.pt"
-    shutil.copy(folder / ckpt.OPTIMIZER, probe)
+    shutil.copy(folder / layout.OPTIMIZER, probe)
     try:
         torch.load(probe, weights_only=False)
     except Exception:  # a bare pickle is not a torch file: torch.load fails, after unpickling it
@@ -743,8 +752,8 @@ def test_malicious_pickle_is_refused_and_never_runs(reference, tmp_path, capsys,
     assert target.exists()
     target.unlink()
 
-    with pytest.raises(ckpt.CheckpointError, match="refusing to unpickle"):
-        ckpt.load_checkpoint(folder)
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        store.load_checkpoint(folder)
     assert not target.exists()
     assert cli_train(run, "training.max_steps=14", "training.resume_from_checkpoint=latest") == 2
     line = the_error(capsys.readouterr().err)
@@ -848,10 +857,10 @@ def test_too_many_nonfinite_steps_stop_and_leave_last_checkpoint_untouched(tmp_p
     with pytest.raises(TrainingStopped, match="3 steps in a row") as info:
         trainer.train()
     assert "last checkpoint" in str(info.value) and "untouched" in str(info.value)
-    assert [p.name for p in ckpt.list_checkpoints(root)] == [f"{ckpt.PREFIX}{4:08d}"]
-    assert (root / ckpt.LATEST).read_text() == f"{ckpt.PREFIX}{4:08d}"
-    assert ckpt.verify(root / f"{ckpt.PREFIX}{4:08d}") is None
-    saved = ckpt.load_checkpoint(root / f"{ckpt.PREFIX}{4:08d}")["model"]
+    assert [p.name for p in layout.list_checkpoints(root)] == [f"{layout.PREFIX}{4:08d}"]
+    assert (root / layout.LATEST).read_text() == f"{layout.PREFIX}{4:08d}"
+    assert verify(root / f"{layout.PREFIX}{4:08d}") is None
+    saved = store.load_checkpoint(root / f"{layout.PREFIX}{4:08d}")["model"]
     assert all(torch.equal(saved[k], snapshots.weights[4][k]) for k in saved)
     assert trainer.state.skipped_steps == 3 and max(snapshots.weights) == 7  # stopped at step 8, before logging it
 
@@ -882,19 +891,19 @@ def test_rotation_keeps_newest_two_plus_best_and_best_model_is_standalone(worksp
     best_eval = min(evals, key=lambda row: row["val_loss"])
     best_step = best_eval["step"]
     assert best_step <= 6, "the high learning rate should only make validation worse"
-    kept = sorted(int(p.name[len(ckpt.PREFIX) :]) for p in ckpt.list_checkpoints(checkpoints(run)))
+    kept = sorted(int(p.name[len(layout.PREFIX) :]) for p in layout.list_checkpoints(checkpoints(run)))
     assert kept == sorted({10, 12, best_step})  # the newest two, and the best
 
-    best = checkpoints(run) / ckpt.BEST
+    best = checkpoints(run) / layout.BEST
     assert sorted(p.name for p in best.iterdir()) == [
-        ckpt.META,
+        layout.META,
         "model.safetensors",
         "model_config.json",
         "tokenizer.json",
     ]
-    assert json.loads((best / ckpt.META).read_text())["metrics"]["step"] == best_step
+    assert json.loads((best / layout.META).read_text())["metrics"]["step"] == best_step
     a = load_file(str(best / WEIGHTS_NAME))
-    b = load_file(str(checkpoints(run) / f"{ckpt.PREFIX}{best_step:08d}" / WEIGHTS_NAME))
+    b = load_file(str(checkpoints(run) / f"{layout.PREFIX}{best_step:08d}" / WEIGHTS_NAME))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     capsys.readouterr()
@@ -913,8 +922,8 @@ def test_rotate_never_deletes_protected_and_deletes_oldest_first(tmp_path):
     model, optimizer = tiny_parts()
     for step in (1, 2, 3, 4, 5):
         save(root, step, model, optimizer)
-    ckpt.rotate(root, 2, protect={f"{ckpt.PREFIX}{2:08d}", f"{ckpt.PREFIX}{5:08d}"})
-    assert [p.name for p in ckpt.list_checkpoints(root)] == [f"{ckpt.PREFIX}{s:08d}" for s in (5, 4, 2)]
+    store.rotate(root, 2, protect={f"{layout.PREFIX}{2:08d}", f"{layout.PREFIX}{5:08d}"})
+    assert [p.name for p in layout.list_checkpoints(root)] == [f"{layout.PREFIX}{s:08d}" for s in (5, 4, 2)]
     assert not [p for p in root.iterdir() if p.name.startswith(".")]
 
 
@@ -944,7 +953,7 @@ def test_wrapped_models_save_clean_names(tmp_path, wrap):
 
     fresh, _ = tiny_parts(seed=1)
     rewrapped = wrap(fresh)
-    load_model_state(rewrapped, ckpt.load_checkpoint(folder)["model"], str(folder))
+    load_model_state(rewrapped, store.load_checkpoint(folder)["model"], str(folder))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
 
 
@@ -959,7 +968,7 @@ def test_checkpoint_from_another_device_loads_on_cpu(tmp_path, monkeypatch):
     import torch.serialization as serialization
 
     monkeypatch.setattr(serialization, "location_tag", lambda storage: "cuda:0")
-    folder = ckpt.save_checkpoint(
+    folder = store.save_checkpoint(
         tmp_path / "checkpoints",
         1,
         model=model,
@@ -972,7 +981,7 @@ def test_checkpoint_from_another_device_loads_on_cpu(tmp_path, monkeypatch):
     monkeypatch.undo()
     if not torch.cuda.is_available():  # the file really is tagged for a device this machine lacks
         with pytest.raises(RuntimeError, match="CUDA"):
-            torch.load(folder / ckpt.RNG, weights_only=True)
+            torch.load(folder / layout.RNG, weights_only=True)
 
     calls = {"load_file": [], "torch.load": []}
     import safetensors.torch as st
@@ -986,7 +995,7 @@ def test_checkpoint_from_another_device_loads_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(
         torch, "load", lambda f, **kw: calls["torch.load"].append(kw.get("map_location")) or real_torch_load(f, **kw)
     )
-    parts = ckpt.load_checkpoint(folder, map_location="cpu")
+    parts = store.load_checkpoint(folder, map_location="cpu")
     assert calls["load_file"] and set(calls["load_file"]) == {"cpu"}
     assert calls["torch.load"] and None not in calls["torch.load"]
     tensors = [parts["model"]["tok_emb.weight"], parts["rng"]["torch"], parts["rng"]["cuda"][0]]
@@ -1010,14 +1019,14 @@ def test_optimizer_state_round_trips_exactly(tmp_path):
     model, optimizer = tiny_parts()
     state = optimizer.state_dict()
     folder = save(tmp_path / "checkpoints", 1, model, optimizer)
-    loaded = ckpt.load_checkpoint(folder)["optimizer"]
+    loaded = store.load_checkpoint(folder)["optimizer"]
     assert loaded["param_groups"] == state["param_groups"]
     assert loaded["state"].keys() == state["state"].keys()
     for index, values in state["state"].items():
         assert loaded["state"][index].keys() == values.keys()
         for key, value in values.items():
             assert torch.equal(loaded["state"][index][key], value) and loaded["state"][index][key].dtype == value.dtype
-    assert torch.load(folder / ckpt.OPTIMIZER, weights_only=True)["state"][0]["exp_avg"] == {
+    assert torch.load(folder / layout.OPTIMIZER, weights_only=True)["state"][0]["exp_avg"] == {
         "__llm_trainer_tensor__": "state.0.exp_avg"
     }
 
@@ -1030,7 +1039,7 @@ def test_optimizer_state_with_views_of_one_buffer_round_trips(tmp_path):
         "param_groups": [{"params": [0], "betas": (0.9, 0.95), "lr": 0.1, "foreach": None}],
     }
     model, _ = tiny_parts()
-    folder = ckpt.save_checkpoint(
+    folder = store.save_checkpoint(
         tmp_path / "checkpoints",
         1,
         model=model,
@@ -1040,7 +1049,7 @@ def test_optimizer_state_with_views_of_one_buffer_round_trips(tmp_path):
         config={},
         tokenizer_json=None,
     )
-    loaded = ckpt.load_checkpoint(folder)["optimizer"]
+    loaded = store.load_checkpoint(folder)["optimizer"]
     assert loaded["param_groups"] == state["param_groups"] and isinstance(loaded["param_groups"][0]["betas"], tuple)
     for key, value in state["state"][0].items():
         assert torch.equal(loaded["state"][0][key], value)
@@ -1052,35 +1061,35 @@ def test_format_1_checkpoints_still_load(tmp_path):
 
     model, optimizer = tiny_parts()
     folder = save(tmp_path / "checkpoints", 1, model, optimizer)
-    torch.save(optimizer.state_dict(), folder / ckpt.OPTIMIZER)
-    (folder / ckpt.OPTIMIZER_TENSORS).unlink()
-    meta = json.loads((folder / ckpt.META).read_text())
-    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir() if p.name != ckpt.META}
+    torch.save(optimizer.state_dict(), folder / layout.OPTIMIZER)
+    (folder / layout.OPTIMIZER_TENSORS).unlink()
+    meta = json.loads((folder / layout.META).read_text())
+    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir() if p.name != layout.META}
     meta = {k: v for k, v in meta.items() if k not in ("meta_sha256", "checksum", "sequence")}
-    (folder / ckpt.META).write_text(json.dumps({**meta, "format_version": 1, "files": files}))
-    assert ckpt.verify(folder) is None
-    loaded = ckpt.load_checkpoint(folder)["optimizer"]
+    (folder / layout.META).write_text(json.dumps({**meta, "format_version": 1, "files": files}))
+    assert verify(folder) is None
+    loaded = store.load_checkpoint(folder)["optimizer"]
     assert torch.equal(loaded["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
     flip_byte(folder / WEIGHTS_NAME)
-    assert "does not match its checksum" in ckpt.verify(folder)
+    assert "does not match its checksum" in verify(folder)
 
 
 def test_format_2_crc32_checkpoints_still_load(tmp_path):
     """Format 2: CRC-32 per 64 MiB chunk ("crc32-64MiB-tree"); new saves record XXH3 chunks (format 3)."""
     model, optimizer = tiny_parts()
     folder = save(tmp_path / "checkpoints", 1, model, optimizer)
-    meta = json.loads((folder / ckpt.META).read_text())
+    meta = json.loads((folder / layout.META).read_text())
     assert (meta["format_version"], meta["checksum"]) == (3, checksums.XXH3_TREE)
     for name in meta["files"]:
         meta["files"][name]["checksum"] = checksums.file_checksum(folder / name, checksums.CRC32_TREE)
     meta.update(format_version=2, checksum=checksums.CRC32_TREE)
     meta["meta_sha256"] = checksums.meta_checksum(meta)
-    (folder / ckpt.META).write_text(json.dumps(meta))
-    assert ckpt.verify(folder) is None
-    loaded = ckpt.load_checkpoint(folder)["optimizer"]
+    (folder / layout.META).write_text(json.dumps(meta))
+    assert verify(folder) is None
+    loaded = store.load_checkpoint(folder)["optimizer"]
     assert torch.equal(loaded["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
     flip_byte(folder / WEIGHTS_NAME)
-    assert "does not match its checksum" in ckpt.verify(folder)
+    assert "does not match its checksum" in verify(folder)
 
 
 def test_chunk_checksums_catch_a_flip_in_any_chunk_and_a_short_read(tmp_path, monkeypatch):
@@ -1108,5 +1117,72 @@ def test_chunk_checksums_catch_a_flip_in_any_chunk_and_a_short_read(tmp_path, mo
 
 def test_explicit_missing_checkpoint_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match="not found"):
-        ckpt.resolve_checkpoint(str(tmp_path / "nope"), tmp_path)
-    assert ckpt.resolve_checkpoint("latest", tmp_path / "empty") is None
+        resolve_checkpoint(str(tmp_path / "nope"), tmp_path)
+    assert resolve_checkpoint("latest", tmp_path / "empty") is None
+
+
+def test_a_model_folder_loads_into_the_class_asked_for(tmp_path):
+    class Tagged(Transformer):
+        def tag(self) -> str:
+            return "mine"
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=30, d_model=16, n_heads=2, n_layers=1, max_seq_len=32))
+    save_model_folder(model, tmp_path)
+    again = load_model_folder(tmp_path, cls=Tagged)
+    assert type(again) is Tagged and again.tag() == "mine"
+    x = torch.randint(0, 30, (1, 7))
+    assert torch.equal(model(x), again(x))
+    assert type(load_model_folder(tmp_path)) is Transformer
+
+
+def test_find_checkpoint_takes_every_way_of_naming_one(tmp_path, capsys):
+    model, optimizer = tiny_parts(0)
+    run = tmp_path / "run"
+    root = run / layout.CHECKPOINTS_DIR
+    first, newest = save(root, 3, model, optimizer), save(root, 10, model, optimizer)
+    store.save_best_model(root, model, tokenizer_json=None, config={}, metrics={"val_loss": 1.0})
+    assert find_checkpoint(first) == first
+    assert find_checkpoint(root / layout.BEST) == root / layout.BEST
+    assert find_checkpoint(root) == newest and find_checkpoint(run) == newest
+    assert find_checkpoint(root / "checkpoint-3.pt") == first and find_checkpoint(root / "checkpoint-10") == newest
+    (tmp_path / "interrupted").mkdir()  # no meta.json: the folder itself, for verification to refuse
+    assert find_checkpoint(tmp_path / "interrupted") == tmp_path / "interrupted"
+    (tmp_path / "fresh" / layout.CHECKPOINTS_DIR).mkdir(parents=True)
+    assert find_checkpoint(tmp_path / "fresh") is None
+    with pytest.raises(CheckpointError, match=r"not found \(.* holds checkpoint-00000010, checkpoint-00000003\)"):
+        find_checkpoint(root / "checkpoint-00000007")
+
+
+def test_meta_json_records_the_kind_and_a_resume_reads_what_it_names(tmp_path):
+    model, optimizer = tiny_parts(0)
+    folder = save(tmp_path, 1, model, optimizer)
+    assert kind_of(folder) is layout.WHOLE and layout.read_meta(folder)["kind"] == layout.WHOLE.name
+    parts = store.load_checkpoint(folder)
+    assert parts["model"] is not None and parts["optimizer"] is not None
+    assert kind_of(tmp_path / "nowhere") is None
+    for kind in layout.KINDS.values():  # every kind says where model and optimizer are, and requires their files
+        assert (layout.OPTIMIZER in kind.required) != kind.optimizer_in_shards
+        assert (WEIGHTS_NAME in kind.required) != kind.weights_in_shards
+
+
+def test_train_state_json_is_checked_against_train_state_itself():
+    state = TrainState(step=4, tokens_seen=100, best_val_loss=2.5, best_step=4)
+    content = state.to_file(
+        epoch=0,
+        data={"epoch": 0, "position": 4},
+        schedule={"name": "cosine", "total_steps": 8},
+        scaler=None,
+        rng={"python": [3, [1, 2], None], "numpy": ["MT19937", [1, 2], 0, 0, 0.0]},
+    )
+    assert train_state_problem(json.loads(json.dumps(content))) is None
+    restored = TrainState()
+    restored.load_state_dict(content)
+    assert restored == state
+    for name, bad in [("step", "six"), ("tokens_seen", -1), ("best_val_loss", "low"), ("patience_reference", [1])]:
+        assert "train_state.json is corrupt" in train_state_problem({**content, name: bad}), name
+    for name, bad in [("schedule", {"total_steps": "8"}), ("data", []), ("rng", {"python": []}), ("scaler", 1)]:
+        assert "train_state.json is corrupt" in train_state_problem({**content, name: bad}), name
+    assert "step is missing" in train_state_problem({k: v for k, v in content.items() if k != "step"})
+    older = {k: v for k, v in content.items() if k not in ("consecutive_bad_steps", "epoch", "scaler")}
+    assert train_state_problem(older) is None  # written before those existed: their defaults apply

@@ -115,6 +115,7 @@ def _initial_weights(workdir) -> str:
         capture_output=True,
         env=_env(),
     )
+    from llm_trainer.checkpoint.model_folder import save_model_folder
     from llm_trainer.config import ModelConfig
     from llm_trainer.model import Transformer
 
@@ -122,7 +123,7 @@ def _initial_weights(workdir) -> str:
     vocab = json.loads(manifest.read_text())["vocab_size"]
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**{**EXPERIMENT["model"], "vocab_size": vocab}))
-    model.save_pretrained(workdir / "init")
+    save_model_folder(model, workdir / "init")
     return str(workdir / "init")
 
 
@@ -341,7 +342,7 @@ def test_deepspeed_zero_stages_equal_one_process(workdir):
 def test_deepspeed_checkpoint_resumes_exactly_and_is_verified_before_loading(workdir):
     """ZeRO-2 (the shipped file) with accumulation: step 3's checkpoint resumes to the same steps 4-6;
     its DeepSpeed files are checksummed, and a damaged one is refused before DeepSpeed unpickles it."""
-    from llm_trainer.checkpoint import format as ckpt
+    from llm_trainer.checkpoint.verify import verify
 
     args = (
         "training.batch_size=2",
@@ -392,7 +393,7 @@ def test_deepspeed_checkpoint_resumes_exactly_and_is_verified_before_loading(wor
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    assert "does not match its checksum" in ckpt.verify(resumed / "checkpoint-00000003")
+    assert "does not match its checksum" in verify(resumed / "checkpoint-00000003")
     result = _torchrun(
         workdir,
         "training.output_dir=resumed",

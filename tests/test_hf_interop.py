@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
+from llm_trainer.checkpoint.model_folder import save_model_folder  # noqa: E402
 from llm_trainer.config import ModelConfig  # noqa: E402
 from llm_trainer.errors import UsageError  # noqa: E402
 from llm_trainer.hf.interop import export_to_hf, import_from_hf  # noqa: E402
@@ -47,7 +48,7 @@ def our_model(**overrides) -> Transformer:
 
 
 def saved(model: Transformer, directory) -> str:
-    model.save_pretrained(directory)
+    save_model_folder(model, directory)
     return str(directory)
 
 

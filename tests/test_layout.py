@@ -58,17 +58,103 @@ def test_the_loop_has_no_backend_branches():
 
 
 def test_model_is_only_the_architecture():
+    """model.py imports its config and nothing else of ours (model folders: checkpoint.model_folder)."""
     imports = _imports(PACKAGE / "model.py")
     ours = {name for name in imports if name.startswith("llm_trainer")}
-    # config for its shape; the model folder (save_pretrained/from_pretrained) only lazily, inside methods
-    assert ours <= {
-        "llm_trainer.config",
-        "llm_trainer.config.ModelConfig",
-        "llm_trainer.checkpoint.model_folder",
-        "llm_trainer.checkpoint.model_folder.save_model_folder",
-        "llm_trainer.checkpoint.model_folder.load_model_folder",
-    }, ours
+    assert ours <= {"llm_trainer.config", "llm_trainer.config.ModelConfig"}, ours
     assert not any(name.startswith(("torch.distributed", "deepspeed")) for name in imports)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_imports(path: Path) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of a file, at any depth (inside functions too), except those under
+    `if TYPE_CHECKING:`, which never run."""
+    found = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of the package it imports. `from package import name` is an edge to the
+    submodule `name` when there is one, else to the package's `__init__` (which then counts as a
+    module); the `__init__` files Python runs on the way to a submodule are not edges."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges = set()
+        for node in _runtime_imports(path):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if node.level else []
+                source = ".".join(base + ([node.module] if node.module else []))
+                names = [f"{source}.{alias.name}" for alias in node.names]
+            for name in names:
+                while name and name not in modules:  # `module.attribute`: the module
+                    name = name.rpartition(".")[0]
+                if name and name != module:
+                    edges.add(name)
+        graph[module] = edges
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None (depth-first search; grey = on the current path)."""
+    state: dict[str, str] = {}
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = "grey"
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == "grey":
+                return path[path.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        state[module] = "black"
+        path.pop()
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def test_the_import_graph_has_no_cycle():
+    """Each module depends only on modules below it, lazy imports inside functions included: a cycle
+    is two modules that each need the other, and one of them should own what they share."""
+    graph = _import_graph()
+    assert "llm_trainer.checkpoint.store" in graph["llm_trainer.checkpoint.checkpointer"]  # the graph is real
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_one():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
 def test_only_the_launcher_module_reads_the_rank_from_the_environment():

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model_config
+from llm_trainer.checkpoint.model_folder import load_model_folder, save_model_folder
 from llm_trainer.model import KVCache, Transformer, apply_rope, rope_tables
 
 
@@ -143,8 +144,8 @@ def test_too_long_sequence_is_refused():
 def test_save_and_load_pretrained(tmp_path):
     torch.manual_seed(0)
     model = Transformer(tiny_model_config(architecture="llama"))
-    model.save_pretrained(tmp_path)
-    again = Transformer.from_pretrained(tmp_path)
+    save_model_folder(model, tmp_path)
+    again = load_model_folder(tmp_path)
     x = torch.randint(0, 61, (1, 9))
     assert torch.equal(model(x), again(x))
     assert again.config == model.config

@@ -372,7 +372,7 @@ def test_deepspeed_schedulers_map_onto_ours_and_a_missing_accumulation_is_derive
 
 
 def test_001_resume_from_checkpoint_pt_name_is_the_step_folder(tmp_path, monkeypatch):
-    from llm_trainer.checkpoint.format import resolve_checkpoint
+    from llm_trainer.checkpoint.find import resolve_checkpoint
 
     monkeypatch.chdir(tmp_path)
     train, _ = tiny_trainer_data()

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from conftest import tiny_model_config, write_tiny_experiment
 from llm_trainer import cli
+from llm_trainer.checkpoint.model_folder import save_model_folder
 from llm_trainer.config import TrainingConfig
 from llm_trainer.errors import UsageError
 from llm_trainer.model import Transformer, document_attention
@@ -178,7 +179,7 @@ def test_export_refuses_what_transformers_cannot_express(tmp_path, option):
         "relu2": dict(activation="relu2"),
     }[option]
     folder = tmp_path / "model"
-    Transformer(tiny_model_config(**values)).save_pretrained(folder)
+    save_model_folder(Transformer(tiny_model_config(**values)), folder)
     with pytest.raises(UsageError, match="cannot export to transformers") as error:
         export_to_hf(folder, tmp_path / "hf")
     assert "\n" not in str(error.value) and not (tmp_path / "hf").exists()

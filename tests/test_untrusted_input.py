@@ -29,8 +29,9 @@ from safetensors.torch import load_file
 
 from conftest import src_env, write_tiny_experiment
 from llm_trainer import cli
-from llm_trainer.checkpoint import checksums, durable, safe_pickle
-from llm_trainer.checkpoint import format as ckpt
+from llm_trainer.checkpoint import checksums, durable, layout, safe_pickle, store
+from llm_trainer.checkpoint.find import resolve_checkpoint
+from llm_trainer.checkpoint.verify import verify
 from llm_trainer.errors import CheckpointError
 
 MAX_STEPS = 6
@@ -107,18 +108,18 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 def reseal(folder: Path) -> None:
     """Recompute meta.json's sizes and checksums, as whoever crafts a folder can."""
-    meta = json.loads((folder / ckpt.META).read_text())
+    meta = json.loads((folder / layout.META).read_text())
     meta["files"] = {
         str(p.relative_to(folder)): {"size": p.stat().st_size, "checksum": checksums.file_checksum(p)}
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != ckpt.META
+        if p.is_file() and p.name != layout.META
     }
     meta["meta_sha256"] = checksums.meta_checksum(meta)
-    (folder / ckpt.META).write_text(json.dumps(meta))
+    (folder / layout.META).write_text(json.dumps(meta))
 
 
 def checkpoint(run: Path, step: int) -> Path:
-    return run / "checkpoints" / f"{ckpt.PREFIX}{step:08d}"
+    return run / "checkpoints" / f"{layout.PREFIX}{step:08d}"
 
 
 def dead_pid() -> int:
@@ -133,16 +134,16 @@ def dead_pid() -> int:
 def crafted_sharded_folder(trained: Path, tmp_path: Path, metadata: bytes, with_meta: bool) -> Path:
     """A real model_config.json and tokenizer.json, and `metadata` as sharded/.metadata."""
     folder = tmp_path / "crafted"
-    (folder / ckpt.SHARDED_DIR).mkdir(parents=True)
+    (folder / layout.SHARDED_DIR).mkdir(parents=True)
     for name in ("model_config.json", "tokenizer.json"):
-        shutil.copy(trained / "run" / "checkpoints" / ckpt.BEST / name, folder / name)
-    (folder / ckpt.SHARDED_DIR / ".metadata").write_bytes(metadata)
+        shutil.copy(trained / "run" / "checkpoints" / layout.BEST / name, folder / name)
+    (folder / layout.SHARDED_DIR / ".metadata").write_bytes(metadata)
     if with_meta:  # the checksums prove nothing: whoever made the folder recomputed them
-        (folder / ckpt.META).write_text(
+        (folder / layout.META).write_text(
             json.dumps({"kind": "best_model", "format_version": 3, "checksum": checksums.CHECKSUM, "files": {}})
         )
         reseal(folder)
-        assert ckpt.verify(folder) is None
+        assert verify(folder) is None
     return folder
 
 
@@ -182,9 +183,11 @@ def real_sharded_folder(trained: Path, tmp_path: Path, extra: dict | None = None
     from llm_trainer.checkpoint.model_folder import load_model_folder
 
     folder = crafted_sharded_folder(trained, tmp_path, b"", with_meta=False)
-    (folder / ckpt.SHARDED_DIR / ".metadata").unlink()
-    model = load_model_folder(trained / "run" / "checkpoints" / ckpt.BEST)
-    dcp.save({"model": model.state_dict(), **(extra or {})}, checkpoint_id=str(folder / ckpt.SHARDED_DIR), no_dist=True)
+    (folder / layout.SHARDED_DIR / ".metadata").unlink()
+    model = load_model_folder(trained / "run" / "checkpoints" / layout.BEST)
+    dcp.save(
+        {"model": model.state_dict(), **(extra or {})}, checkpoint_id=str(folder / layout.SHARDED_DIR), no_dist=True
+    )
     return folder
 
 
@@ -193,7 +196,7 @@ def test_real_dcp_checkpoints_still_load(trained, tmp_path, capsys):
     folder = real_sharded_folder(trained, tmp_path)
     assert cli.main(["consolidate", "--checkpoint", str(folder), "--output", str(tmp_path / "out")]) == 0
     ours = load_file(tmp_path / "out" / "model.safetensors")
-    best = load_file(trained / "run" / "checkpoints" / ckpt.BEST / "model.safetensors")
+    best = load_file(trained / "run" / "checkpoints" / layout.BEST / "model.safetensors")
     assert ours.keys() == best.keys() and all(torch.equal(ours[k], best[k]) for k in ours)
 
 
@@ -205,11 +208,11 @@ def test_a_payload_in_a_dcp_non_tensor_item_never_runs(trained, tmp_path):
     marker = tmp_path / "pwned"
     folder = real_sharded_folder(trained, tmp_path, extra={"optimizer": {"lr": Payload(marker)}})
     state = {
-        "model": load_model_folder(trained / "run" / "checkpoints" / ckpt.BEST).state_dict(),
+        "model": load_model_folder(trained / "run" / "checkpoints" / layout.BEST).state_dict(),
         "optimizer": {"lr": 0.0},
     }
     with pytest.raises(CheckpointError, match="optimizer.lr holds more than plain data"):
-        _load(state, folder / ckpt.SHARDED_DIR, no_dist=True)
+        _load(state, folder / layout.SHARDED_DIR, no_dist=True)
     assert not marker.exists()
 
 
@@ -217,10 +220,10 @@ def test_dcp_metadata_naming_a_file_outside_the_folder_is_refused(trained, tmp_p
     folder = real_sharded_folder(trained, tmp_path)
     secret = tmp_path / "secret.bin"
     secret.write_bytes(b"\0" * 64)
-    metadata = safe_pickle.load_restricted(folder / ckpt.SHARDED_DIR / ".metadata", safe_pickle.DCP_METADATA)
+    metadata = safe_pickle.load_restricted(folder / layout.SHARDED_DIR / ".metadata", safe_pickle.DCP_METADATA)
     for info in metadata.storage_data.values():
         info.relative_path = "../../secret.bin"
-    (folder / ckpt.SHARDED_DIR / ".metadata").write_bytes(pickle.dumps(metadata))
+    (folder / layout.SHARDED_DIR / ".metadata").write_bytes(pickle.dumps(metadata))
     assert "names the data file '../../secret.bin'" in refused(capsys, "generate", "--checkpoint", str(folder))
 
 
@@ -229,11 +232,11 @@ def test_a_pickle_in_sharded_pt_files_never_reaches_deepspeed(trained, tmp_path,
     run = run_copy(trained, tmp_path)
     folder = checkpoint(run, MAX_STEPS)
     marker = tmp_path / "pwned"
-    (folder / ckpt.SHARDED_DIR).mkdir()
-    bad = folder / ckpt.SHARDED_DIR / "mp_rank_00_model_states.pt"
+    (folder / layout.SHARDED_DIR).mkdir()
+    bad = folder / layout.SHARDED_DIR / "mp_rank_00_model_states.pt"
     torch.save({"module": OrderedDict(w=torch.zeros(2)), "ds_config": Payload(marker)}, bad)
     reseal(folder)
-    assert ckpt.verify(folder) is None
+    assert verify(folder) is None
     before = snapshot(run)
     error = refused(
         capsys,
@@ -297,10 +300,10 @@ def test_a_crafted_embedded_config_cannot_make_eval_read_or_write(trained, tmp_p
     folder = checkpoint(run, MAX_STEPS)
     secret = tmp_path / "secret.txt"
     secret.write_text("private words\n" * 50)
-    meta = json.loads((folder / ckpt.META).read_text())
+    meta = json.loads((folder / layout.META).read_text())
     meta["config"]["data"].update(data_files=[str(secret)], cache_dir=str(tmp_path / "planted_cache"))
     meta["config"]["data_fingerprint"] = "0123456789abcdef"
-    (folder / ckpt.META).write_text(json.dumps(meta))
+    (folder / layout.META).write_text(json.dumps(meta))
     reseal(folder)
     before = snapshot(tmp_path)
     error = refused(capsys, "eval", "--checkpoint", str(folder))
@@ -325,14 +328,14 @@ def test_eval_still_reads_the_runs_own_prepared_split(trained, capsys):
 @pytest.mark.parametrize("with_meta", [True, False], ids=["checkpoint", "model-folder"])
 def test_a_symlink_leading_out_of_a_checkpoint_is_refused(trained, tmp_path, capsys, with_meta):
     folder = tmp_path / "best"
-    shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, folder)
+    shutil.copytree(trained / "run" / "checkpoints" / layout.BEST, folder)
     outside = tmp_path / "elsewhere.json"
     shutil.move(folder / "tokenizer.json", outside)
     (folder / "tokenizer.json").symlink_to(outside)
     if with_meta:
         reseal(folder)  # verify() reads through the link: the checksums match
     else:
-        (folder / ckpt.META).unlink()
+        (folder / layout.META).unlink()
     error = refused(capsys, "generate", "--checkpoint", str(folder), "--prompt", "the")
     assert "tokenizer.json is a symlink that leads out of" in error
 
@@ -432,7 +435,7 @@ def test_two_real_runs_into_one_folder_and_no_stale_lock_after_sigkill(tmp_path)
 
 def test_export_and_consolidate_never_delete_what_they_did_not_write(trained, tmp_path, capsys):
     pytest.importorskip("transformers")
-    best = trained / "run" / "checkpoints" / ckpt.BEST
+    best = trained / "run" / "checkpoints" / layout.BEST
     for command, ours in (("export", "config.json"), ("consolidate", "model_config.json")):
         target = tmp_path / command
         target.mkdir()
@@ -474,19 +477,19 @@ def test_a_refused_resume_writes_nothing(trained, tmp_path, capsys, change):
 
 def test_best_model_is_swapped_in_one_atomic_step(trained, tmp_path, monkeypatch):
     root = tmp_path / "checkpoints"
-    shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, root / ckpt.BEST)
+    shutil.copytree(trained / "run" / "checkpoints" / layout.BEST, root / layout.BEST)
     from llm_trainer.checkpoint.model_folder import load_model_folder
 
-    model = load_model_folder(root / ckpt.BEST)
+    model = load_model_folder(root / layout.BEST)
     torch.nn.init.zeros_(model.tok_emb.weight)
     renames, exchanges = [], []
     real_rename, real_exchange = Path.rename, durable.exchange
     monkeypatch.setattr(Path, "rename", lambda self, target: renames.append(self.name) or real_rename(self, target))
     monkeypatch.setattr(durable, "exchange", lambda a, b: exchanges.append(b.name) or real_exchange(a, b))
-    ckpt.save_best_model(root, model, tokenizer_json=None, config={}, metrics={"val_loss": 1.0})
-    assert exchanges == [ckpt.BEST] and ckpt.BEST not in renames  # never moved aside
-    assert torch.equal(load_file(root / ckpt.BEST / "model.safetensors")["tok_emb.weight"], model.tok_emb.weight)
-    assert sorted(p.name for p in root.iterdir()) == [ckpt.BEST]
+    store.save_best_model(root, model, tokenizer_json=None, config={}, metrics={"val_loss": 1.0})
+    assert exchanges == [layout.BEST] and layout.BEST not in renames  # never moved aside
+    assert torch.equal(load_file(root / layout.BEST / "model.safetensors")["tok_emb.weight"], model.tok_emb.weight)
+    assert sorted(p.name for p in root.iterdir()) == [layout.BEST]
 
 
 @pytest.mark.parametrize("new_complete", [True, False], ids=["new-version-complete", "new-version-torn"])
@@ -496,30 +499,30 @@ def test_a_best_model_moved_aside_by_a_killed_save_is_recovered(trained, tmp_pat
     root = tmp_path / "checkpoints"
     root.mkdir()
     writer = f"{durable.owner().rsplit('-', 1)[0]}-{dead_pid()}"
-    previous, new = root / f".old-{ckpt.BEST}-{writer}", root / f".tmp-{ckpt.BEST}-{writer}"
-    shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, previous)
-    shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, new)
-    meta = json.loads((new / ckpt.META).read_text())
+    previous, new = root / f".old-{layout.BEST}-{writer}", root / f".tmp-{layout.BEST}-{writer}"
+    shutil.copytree(trained / "run" / "checkpoints" / layout.BEST, previous)
+    shutil.copytree(trained / "run" / "checkpoints" / layout.BEST, new)
+    meta = json.loads((new / layout.META).read_text())
     meta["metrics"]["val_loss"] = 0.5  # tells the two apart
-    (new / ckpt.META).write_text(json.dumps(meta))
+    (new / layout.META).write_text(json.dumps(meta))
     reseal(new)
     if not new_complete:
         (new / "model.safetensors").write_bytes(b"torn")
     durable.remove_stale(root)
-    assert sorted(p.name for p in root.iterdir()) == [ckpt.BEST]
-    assert ckpt.verify(root / ckpt.BEST) is None
-    kept = json.loads((root / ckpt.BEST / ckpt.META).read_text())["metrics"]["val_loss"]
+    assert sorted(p.name for p in root.iterdir()) == [layout.BEST]
+    assert verify(root / layout.BEST) is None
+    kept = json.loads((root / layout.BEST / layout.META).read_text())["metrics"]["val_loss"]
     assert (kept == 0.5) == new_complete
 
 
 @pytest.mark.slow
 def test_a_kill_between_the_two_renames_loses_no_best_model(trained, tmp_path):
     root = tmp_path / "checkpoints"
-    shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, root / ckpt.BEST)
+    shutil.copytree(trained / "run" / "checkpoints" / layout.BEST, root / layout.BEST)
     script = f"""
 import os, signal
 from pathlib import Path
-from llm_trainer.checkpoint import durable, format as ckpt
+from llm_trainer.checkpoint import durable, store
 from llm_trainer.checkpoint.model_folder import load_model_folder
 durable._renameat2 = None  # a system without the atomic exchange
 real = Path.rename
@@ -530,15 +533,15 @@ def rename(self, target):
     return result
 Path.rename = rename
 root = Path({str(root)!r})
-ckpt.save_best_model(root, load_model_folder(root / "best_model"), tokenizer_json=None, config={{}}, metrics={{"val_loss": 0.5}})
+store.save_best_model(root, load_model_folder(root / "best_model"), tokenizer_json=None, config={{}}, metrics={{"val_loss": 0.5}})
 """
     proc = subprocess.run([sys.executable, "-c", script], env=src_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    assert not (root / ckpt.BEST).exists() and list(root.glob(".old-best_model-*"))  # the window the exchange closes
+    assert not (root / layout.BEST).exists() and list(root.glob(".old-best_model-*"))  # the window the exchange closes
     durable.remove_stale(root)  # what the next run does first
-    assert ckpt.verify(root / ckpt.BEST) is None
-    assert json.loads((root / ckpt.BEST / ckpt.META).read_text())["metrics"]["val_loss"] == 0.5
-    assert sorted(p.name for p in root.iterdir()) == [ckpt.BEST]
+    assert verify(root / layout.BEST) is None
+    assert json.loads((root / layout.BEST / layout.META).read_text())["metrics"]["val_loss"] == 0.5
+    assert sorted(p.name for p in root.iterdir()) == [layout.BEST]
 
 
 def test_init_from_a_model_with_another_vocabulary_is_refused(trained, tmp_path, capsys):
@@ -553,7 +556,7 @@ def test_init_from_a_model_with_another_vocabulary_is_refused(trained, tmp_path,
         "--config",
         str(trained / "exp.yaml"),
         f"training.output_dir={tmp_path / 'new'}",
-        f"model.init_from={trained / 'run' / 'checkpoints' / ckpt.BEST}",
+        f"model.init_from={trained / 'run' / 'checkpoints' / layout.BEST}",
         f"data.tokenizer={tmp_path / 'other.json'}",
     )
     assert "was trained with another vocabulary: 2 of this run's" in error
@@ -582,8 +585,8 @@ def test_resuming_an_older_checkpoint_leaves_one_clean_metrics_file(trained, tmp
 
 def test_latest_naming_a_missing_folder_is_announced(trained, tmp_path, capsys):
     run = run_copy(trained, tmp_path)
-    (run / "checkpoints" / ckpt.LATEST).write_text("checkpoint-00000099")
-    assert ckpt.resolve_checkpoint("latest", run / "checkpoints") == checkpoint(run, MAX_STEPS)
+    (run / "checkpoints" / layout.LATEST).write_text("checkpoint-00000099")
+    assert resolve_checkpoint("latest", run / "checkpoints") == checkpoint(run, MAX_STEPS)
     err = capsys.readouterr().err
     assert "names 'checkpoint-00000099', which is not a checkpoint folder here" in err
     assert f"using {checkpoint(run, MAX_STEPS)} instead of checkpoint-00000099" in err and "does not exist" in err
@@ -659,7 +662,7 @@ def test_data_smaller_than_one_batch(trained, tmp_path, capsys):
     ids=["eval-batch-0", "temperature-nan", "top-p-2", "negative-tokens"],
 )
 def test_bad_flags(trained, capsys, argv, message):
-    best = str(trained / "run" / "checkpoints" / ckpt.BEST)
+    best = str(trained / "run" / "checkpoints" / layout.BEST)
     assert message in refused(capsys, argv[0], "--checkpoint", best, *argv[1:])
 
 
@@ -674,16 +677,16 @@ def test_bad_flags(trained, capsys, argv, message):
 )
 def test_a_broken_model_config(trained, tmp_path, capsys, content, message):
     folder = tmp_path / "best"
-    shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, folder)
-    (folder / ckpt.META).unlink()  # a bare model folder: nothing but the file itself to go by
+    shutil.copytree(trained / "run" / "checkpoints" / layout.BEST, folder)
+    (folder / layout.META).unlink()  # a bare model folder: nothing but the file itself to go by
     (folder / "model_config.json").write_text(content)
     assert message in refused(capsys, "generate", "--checkpoint", str(folder))
 
 
 def test_a_tokenizer_larger_than_the_models_vocabulary(trained, tmp_path, capsys):
     folder = tmp_path / "best"
-    shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, folder)
-    (folder / ckpt.META).unlink()
+    shutil.copytree(trained / "run" / "checkpoints" / layout.BEST, folder)
+    (folder / layout.META).unlink()
     saved = json.loads((folder / "tokenizer.json").read_text())
     vocab = saved["model"]["vocab"]
     for i in range(100):
@@ -728,14 +731,14 @@ def test_init_from_a_folder_with_a_pickled_pytorch_model_bin(trained, tmp_path, 
 def test_a_meta_json_with_wrong_types_is_damage_like_any_other(trained, tmp_path, capsys, field, value):
     run = run_copy(trained, tmp_path)
     newest = checkpoint(run, MAX_STEPS)
-    meta = json.loads((newest / ckpt.META).read_text())
+    meta = json.loads((newest / layout.META).read_text())
     if field.startswith("files."):
         meta["files"]["model.safetensors"]["size"] = value
     else:
         meta[field] = value
     meta["meta_sha256"] = checksums.meta_checksum(meta)
-    (newest / ckpt.META).write_text(json.dumps(meta))
-    assert ckpt.resolve_checkpoint("latest", run / "checkpoints") == checkpoint(run, 3)
+    (newest / layout.META).write_text(json.dumps(meta))
+    assert resolve_checkpoint("latest", run / "checkpoints") == checkpoint(run, 3)
     assert "meta.json is corrupt" in capsys.readouterr().err
     error = refused(
         capsys,
@@ -825,7 +828,7 @@ def test_a_real_deepspeed_checkpoint_passes_the_scan_and_resumes(trained, tmp_pa
     ]
     first = subprocess.run(args, env=src_env(), capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
-    for file in (checkpoint(tmp_path / "run", 3) / ckpt.SHARDED_DIR).glob("*.pt"):
+    for file in (checkpoint(tmp_path / "run", 3) / layout.SHARDED_DIR).glob("*.pt"):
         safe_pickle.check_torch_archive(file, safe_pickle.DEEPSPEED)
     resumed = subprocess.run(
         args + ["training.max_steps=8", f"training.resume_from_checkpoint={checkpoint(tmp_path / 'run', 6)}"],
@@ -842,7 +845,7 @@ def test_generate_past_the_context_slides_the_window(trained, capsys):
     from llm_trainer.checkpoint.model_folder import load_model_folder
     from llm_trainer.tools.generate import generate
 
-    model = load_model_folder(trained / "run" / "checkpoints" / ckpt.BEST)
+    model = load_model_folder(trained / "run" / "checkpoints" / layout.BEST)
     context = model.config.max_seq_len
     prompt = [int(i) % 10 + 2 for i in range(context + 5)]  # longer than the context
     for kwargs in (dict(temperature=0.0), dict(temperature=1.0, top_k=5, seed=3)):
@@ -867,7 +870,7 @@ def test_a_pickled_npy_in_the_prepared_data_eval_is_pointed_at(trained, tmp_path
 
     run = run_copy(trained, tmp_path)
     folder = checkpoint(run, MAX_STEPS)
-    meta = json.loads((folder / ckpt.META).read_text())
+    meta = json.loads((folder / layout.META).read_text())
     fingerprint = meta["config"]["data_fingerprint"]
     shutil.copytree(trained / "cache" / fingerprint, tmp_path / "cache" / fingerprint)
     marker = tmp_path / "pwned"
@@ -875,7 +878,7 @@ def test_a_pickled_npy_in_the_prepared_data_eval_is_pointed_at(trained, tmp_path
         tmp_path / "cache" / fingerprint / "val.idx.npy", np.array([Payload(marker)], dtype=object), allow_pickle=True
     )
     meta["config"]["data"].update(cache_dir=str(tmp_path / "cache"), pack_sequences=False)  # rows by document offsets
-    (folder / ckpt.META).write_text(json.dumps(meta))
+    (folder / layout.META).write_text(json.dumps(meta))
     reseal(folder)
     error = refused(capsys, "eval", "--checkpoint", str(folder))
     assert "is unreadable" in error and "allow_pickle" in error and not marker.exists()
@@ -885,8 +888,8 @@ def test_a_model_config_is_only_an_architecture_and_must_match_the_weights(train
     from llm_trainer.checkpoint.model_folder import read_model_config
 
     folder = tmp_path / "best"
-    shutil.copytree(trained / "run" / "checkpoints" / ckpt.BEST, folder)
-    (folder / ckpt.META).unlink()
+    shutil.copytree(trained / "run" / "checkpoints" / layout.BEST, folder)
+    (folder / layout.META).unlink()
     config = json.loads((folder / "model_config.json").read_text())
     (folder / "model_config.json").write_text(json.dumps({**config, "init_from": str(tmp_path / "elsewhere")}))
     assert read_model_config(folder).init_from is None
@@ -906,8 +909,8 @@ def test_metrics_and_run_folders_of_any_shape_are_read_without_tracebacks(traine
     series = read_run(run)
     assert sorted(series.train) == [2, 4, 6] and sorted(series.eval) == [3, 6]
     (run / "config.yaml").write_text("- a list\n- not a mapping\n")
-    meta = json.loads((checkpoint(run, MAX_STEPS) / ckpt.META).read_text())
+    meta = json.loads((checkpoint(run, MAX_STEPS) / layout.META).read_text())
     meta["config"] = [["model", 1]]
-    (checkpoint(run, MAX_STEPS) / ckpt.META).write_text(json.dumps(meta))
+    (checkpoint(run, MAX_STEPS) / layout.META).write_text(json.dumps(meta))
     info = collect_run_info(run)
-    assert info["model_path"] == str((run / "checkpoints" / ckpt.BEST).resolve()) and info["data_fingerprint"] is None
+    assert info["model_path"] == str((run / "checkpoints" / layout.BEST).resolve()) and info["data_fingerprint"] is None

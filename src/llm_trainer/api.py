@@ -15,8 +15,10 @@ import torch
 import yaml
 
 from .checkpoint.durable import write_text_atomically
-from .checkpoint.format import SHARDED_DIR, link_outside, resolve_checkpoint, verify
+from .checkpoint.find import find_checkpoint
+from .checkpoint.layout import SHARDED_DIR, holds_dcp_shards
 from .checkpoint.model_folder import load_model_folder, load_model_state, read_model_config
+from .checkpoint.verify import link_outside, verify
 from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
 from .data.loader import BatchLoader, DocumentRows, WindowRows
 from .data.prepare import PreparedData, prepare_data
@@ -238,15 +240,10 @@ def _replace_section(experiment: ExperimentConfig, section: str, **changes) -> E
 
 def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transformer, Tokenizer, dict]:
     """Model, tokenizer and experiment config from a checkpoint, best_model or run folder."""
-    path = Path(path)
-    if not path.exists():
-        raise UsageError(f"checkpoint {path} not found; pass a checkpoint, best_model or output folder")
-    if not (path / "model_config.json").is_file():  # a run or checkpoints folder: take its newest checkpoint
-        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        found = resolve_checkpoint("latest", root)
-        if found is None:
-            raise UsageError(f"{path} holds no checkpoint; pass a checkpoint or best_model folder")
-        path = found
+    found = find_checkpoint(path)  # a run or checkpoints folder: its newest checkpoint
+    if found is None:
+        raise UsageError(f"{path} holds no checkpoint; pass a checkpoint or best_model folder")
+    path = found
     if (path / "meta.json").is_file():  # checkpoints and best_model carry checksums: never use a corrupt one
         problem = verify(path)
         if problem:
@@ -254,7 +251,7 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
     for name in ("model_config.json", "model.safetensors", "tokenizer.json", SHARDED_DIR):
         if link_outside(path, name):
             raise UsageError(f"{path / name} is a symlink that leads out of {path}; refusing it")
-    if (path / SHARDED_DIR / ".metadata").is_file():  # an FSDP checkpoint: gather its shards in this one process
+    if holds_dcp_shards(path):  # an FSDP checkpoint: gather its shards in this one process
         from .checkpoint.sharded import consolidate  # (torch.distributed.checkpoint: a second to import)
 
         model = Transformer(read_model_config(path))

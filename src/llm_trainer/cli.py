@@ -182,21 +182,14 @@ def cmd_export(args) -> int:
     except ImportError:
         raise UsageError("export needs transformers: pip install 'llm-trainer[hf]'") from None
     from .api import load_for_inference
+    from .checkpoint.find import find_checkpoint
+    from .checkpoint.layout import holds_dcp_shards
 
-    path = Path(args.checkpoint)
-    if not (path / "model_config.json").is_file():
-        from .checkpoint.format import resolve_checkpoint
-
-        found = resolve_checkpoint("latest", path / "checkpoints" if (path / "checkpoints").is_dir() else path)
-        if found is None:
-            raise UsageError(f"{path} holds no checkpoint to export")
-        path = found
+    path = find_checkpoint(args.checkpoint)
+    if path is None:
+        raise UsageError(f"{args.checkpoint} holds no checkpoint to export")
     model, tokenizer, _ = load_for_inference(path)  # validates the folder with our own loader first
-    from .checkpoint.format import SHARDED_DIR
-
-    if (
-        path / SHARDED_DIR / ".metadata"
-    ).is_file():  # an FSDP checkpoint: its shards, gathered above, become a model folder first
+    if holds_dcp_shards(path):  # an FSDP checkpoint: its shards, gathered above, become a model folder first
         import tempfile
 
         from .checkpoint.model_folder import save_model_folder

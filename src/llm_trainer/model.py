@@ -104,7 +104,7 @@ def _flex_attention(q, k, v, block_mask, enable_gqa: bool):
 
 def _explicit_is_faster(q: torch.Tensor) -> bool:
     """bfloat16 on a CPU: SDPA's CPU flash kernel is slower in bf16 than softmax(q k^T) v written out,
-    4.5x with its backward, 1.5x forward only (context 64, head size 32; bench/cpu_bf16.py)."""
+    with its backward and forward only (figures: bench/README.md, from bench/cpu_bf16.py)."""
     return q.device.type == "cpu" and q.dtype == torch.bfloat16
 
 
@@ -368,17 +368,3 @@ class Transformer(nn.Module):
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits / cap)
         return logits
-
-    # -- a self-contained model folder: weights in safetensors, the ModelConfig as JSON -------------
-
-    def save_pretrained(self, directory) -> None:
-        """Write `model.safetensors` and `model_config.json` into `directory` (tied weights stored once)."""
-        from .checkpoint.model_folder import save_model_folder
-
-        save_model_folder(self, directory)
-
-    @classmethod
-    def from_pretrained(cls, directory, device="cpu") -> Transformer:
-        from .checkpoint.model_folder import load_model_folder
-
-        return load_model_folder(directory, device=device)

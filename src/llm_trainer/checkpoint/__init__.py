@@ -1,10 +1,14 @@
 """Checkpoints: what a run saves, how it is written so nothing is ever half-written, and how it is
 read back without running anyone's code.
 
+    layout        the files of a checkpoint folder, by name, and the kinds of checkpoint
     checksums     chunked, parallel file checksums (integrity, not origin)
+    verify        checks of a folder we may not have written: meta.json's types, names, links, checksums
     durable       atomic folder writes: temporary folder, fsync, meta.json last, rename
     model_folder  a model on disk: model.safetensors + model_config.json
-    format        the checkpoint folder: its parts, verify, find the newest usable one, load, rotate
+    tensors       optimizer state split into safetensors and a plain structure, and joined back
+    find          which checkpoint a path or "latest" means (the newest usable one)
+    store         save, load and rotate checkpoint folders
     sharded       FSDP2 shards through torch.distributed.checkpoint (read through safe_pickle)
     safe_pickle   pickles from folders someone else may have made: allow-lists, before any library reads them
     publish       a model folder written into a path the user names, never deleting what is there

@@ -2,7 +2,7 @@
 
 The training loop copies every tensor it saves (model and optimizer) into host memory, hands the
 copy to one worker thread and goes on training. The worker writes it with the same atomic,
-checksummed, fsynced `checkpoint.save_checkpoint` a synchronous save uses. At most one write is in
+checksummed, fsynced `store.save_checkpoint` a synchronous save uses. At most one write is in
 flight: the next save, the final one and a stop wait for it first, and a write's error (a full
 disk, say) is raised there, in the training thread. A crash or a kill -9 during a write loses only
 that checkpoint: `latest` and every earlier checkpoint are untouched, as with a synchronous save.
@@ -25,7 +25,7 @@ class HostSnapshot:
     """Copies of the state's tensors in host memory, in buffers kept from one save to the next.
 
     `reserve` allocates them ahead (in the writer thread); every save then only copies into them. On
-    a VM, first touches of fresh memory (page faults) cost several times the copy itself.
+    a VM, first touches of fresh memory (page faults) cost more than the copy itself.
     CUDA tensors are copied into pinned buffers without blocking, then synchronized once.
     """
 
@@ -78,8 +78,8 @@ class BackgroundWriter:
     The worker runs torch ops on one core only. With OpenMP, a thread that starts a parallel region
     gets a thread team of its own that lives as long as the process; on a machine with few cores its
     idle threads then compete with the training thread's team at every step, whether or not a write
-    is running (a writer that had once filled a buffer in parallel slowed every later step by a
-    quarter). A background write has no deadline, so it gets no team.
+    is running, and every later step is slower (see bench/README.md). A background write has no
+    deadline, so it gets no team.
     """
 
     def __init__(self) -> None:

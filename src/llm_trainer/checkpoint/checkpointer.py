@@ -7,15 +7,17 @@
         checkpointer.save_best(metrics)        # after an evaluation that improved
         checkpointer.poll()                    # at step boundaries: report finished background saves
 
-A checkpoint is a set of named parts (see `format` for the files):
+A checkpoint is a set of named parts (see `layout` for the files):
 
     model, optimizer   from the Parallelism: whole in this process, gathered, or each rank's shards
     train_state        TrainState counters, the loader's position, the schedule, Python/NumPy RNG
+                       (the schema: `TrainState.to_file`, checked on load by `train_state_problem`)
     rng                the torch generators (and each rank's own, in sharded/)
     scaler             the fp16 GradScaler, when one is in use
 
-plus meta.json with the experiment config. With several ranks (or DeepSpeed) each rank first writes
-its own files into a staging folder that becomes the checkpoint's `sharded/`.
+plus meta.json with the experiment config and the Parallelism's `checkpoint_kind`, which says where
+the model and optimizer state are. With several ranks (or DeepSpeed) each rank first writes its own
+files into a staging folder that becomes the checkpoint's `sharded/`.
 
 Background saves (training.async_checkpoint): rank 0 copies the state into host buffers (reserved
 once, after the first step, by the writer thread) and the writer thread writes the folder while
@@ -39,9 +41,12 @@ from ..errors import CheckpointError, UsageError
 from ..logs import log
 from ..parallel import distributed
 from ..tokenizer import vocabulary_mismatch
-from . import format as ckpt
+from ..train.state import train_state_problem
 from .background import BackgroundWriter, HostSnapshot
 from .durable import remove_stale
+from .find import resolve_checkpoint
+from .layout import checkpoint_name
+from .store import load_checkpoint, rotate, save_best_model, save_checkpoint
 
 
 class Checkpointer:
@@ -130,7 +135,7 @@ class Checkpointer:
         rng_tensors = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng_tensors["cuda"] = torch.cuda.get_rng_state_all()
-        path = self.root / f"{ckpt.PREFIX}{self.state.step:08d}"
+        path = self.root / checkpoint_name(self.state.step)
         staging, weights = None, None
         if self.dist.world_size > 1 or self.dist.strategy == "deepspeed":  # each rank's own files first
             staging = self.root / f".staging-{path.name}"
@@ -140,7 +145,7 @@ class Checkpointer:
             distributed.barrier()
             torch.save(rng_tensors, staging / f"rng-rank{self.dist.rank}.pt")
             self.parallel.save_shards(staging)
-            if not self.parallel.weights_in_shards:  # the checkpoint's model folder needs them whole
+            if not self.parallel.checkpoint_kind.weights_in_shards:  # the checkpoint's model folder needs them whole
                 weights = self.parallel.full_state_dict()  # a collective where the weights are partitioned
             distributed.barrier()
         background = background and self._writer is not None
@@ -162,14 +167,13 @@ class Checkpointer:
         snapshots the tensors too, so the write may run while training changes them. `weights`: the
         model gathered from its shards (a copy already)."""
         np_state = np.random.get_state()
-        train_state = {
-            **self.state.state_dict(),
-            "epoch": self.loader.epoch,
-            "data": self.loader.state_dict(),
-            "schedule": self.schedule,
-            "scaler": self.parallel.scaler.state_dict() if self.parallel.scaler.is_enabled() else None,
-            "rng": {"python": _listify(random.getstate()), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]},
-        }
+        train_state = self.state.to_file(
+            epoch=self.loader.epoch,
+            data=self.loader.state_dict(),
+            schedule=self.schedule,
+            scaler=self.parallel.scaler.state_dict() if self.parallel.scaler.is_enabled() else None,
+            rng={"python": _listify(random.getstate()), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]},
+        )
         train_state = json.loads(json.dumps(train_state))  # plain data, detached from the live loader
         live = self.parallel.live_tensors()
         model_state, optimizer_state = weights, live[1]  # model_state None: the write reads the live model
@@ -177,14 +181,15 @@ class Checkpointer:
             copied, optimizer_state = self._snapshot.take(live)
             model_state = weights if weights is not None else copied
         step = self.state.step
-        best = f"{ckpt.PREFIX}{self.state.best_step:08d}" if self.state.best_step is not None else None
-        model, root, keep_last = self.parallel.model, self.root, self.keep_last
+        best = checkpoint_name(self.state.best_step) if self.state.best_step is not None else None
+        model, root, keep_last, kind = self.parallel.model, self.root, self.keep_last, self.parallel.checkpoint_kind
         extra = {"world_size": self.dist.world_size, "strategy": self.dist.strategy}
 
         def write() -> Path:
-            path = ckpt.save_checkpoint(
+            path = save_checkpoint(
                 root,
                 step,
+                kind=kind,
                 model=model,
                 model_state=model_state,
                 optimizer_state=optimizer_state,
@@ -195,7 +200,7 @@ class Checkpointer:
                 sharded_dir=staging,
                 extra_meta=extra,
             )
-            ckpt.rotate(root, keep_last, protect={path.name, best} - {None})
+            rotate(root, keep_last, protect={path.name, best} - {None})
             return path
 
         return write
@@ -204,7 +209,7 @@ class Checkpointer:
         """The current weights as `best_model/` (every rank calls it: the weights may be gathered)."""
         weights = self.parallel.full_state_dict()
         if self.dist.is_main:
-            ckpt.save_best_model(
+            save_best_model(
                 self.root,
                 self.parallel.model,
                 tokenizer_json=self.tokenizer_json,
@@ -218,14 +223,14 @@ class Checkpointer:
     def load(self, spec: str):
         """Restore every part from a checkpoint folder or "latest" (a fresh start when there is none
         yet). Returns the restored TrainState, or None."""
-        path = ckpt.resolve_checkpoint(spec, self.root)
+        path = resolve_checkpoint(spec, self.root)
         if path is None:
             log(f"resume: no checkpoint in {self.root} yet; starting from step 0")
             return None
-        parts = ckpt.load_checkpoint(path, map_location=self.parallel.device)
+        parts = load_checkpoint(path, map_location=self.parallel.device)
         self._check_tokenizer(path)
         saved = parts["train_state"]
-        problem = ckpt.train_state_problem(saved)
+        problem = train_state_problem(saved)
         if problem:
             raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
         self.parallel.load(parts, path)

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
+from ..filesystem import disk_full
 from ..logs import log
 from .checksums import CHECKSUM, XXH3_TREE, LazyPool, checksum_jobs, combine, meta_checksum
+from .layout import FORMAT_VERSION, META
+from .verify import verify
 
-FORMAT_VERSION = 3  # of meta.json: 3 = XXH3 chunk checksums, 2 = CRC-32 chunks, 1 = sha256 per file
-META = "meta.json"
-_LOW_SPACE = 16 << 20  # a write failing with less free space than this is reported as a full disk
 _syncers = LazyPool(4, "checkpoint-fsync")  # fsync jobs (disk): their own threads, beside the checksums
 
 
@@ -170,9 +170,7 @@ def _recover(root: Path, parked: Path, name: str, writer: str) -> None:
         return
     fresh = root / f".tmp-{name}-{writer}"
     if fresh.is_dir() and (fresh / META).is_file():
-        from .format import verify  # the checksums say whether the new version is whole
-
-        if verify(fresh) is None:
+        if verify(fresh) is None:  # the checksums say whether the new version is whole
             fresh.rename(final)
             shutil.rmtree(parked, ignore_errors=True)
             log(f"checkpoint: restored {name} from the complete save an interrupted run left ({fresh.name})")
@@ -209,21 +207,6 @@ def remove_stale(root: Path) -> None:
         else:
             path.unlink(missing_ok=True)
         log(f"checkpoint: removed {name}, left by an interrupted save")
-
-
-def _disk_full(exc: BaseException, directory: Path) -> bool:
-    """ENOSPC/EDQUOT, however the writer reports it (safetensors and torch.save wrap the OS error)."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        return True
-    text = str(exc).lower()
-    if "no space left" in text or "os error 28" in text or "quota exceeded" in text:
-        return True
-    if isinstance(exc, (OSError, RuntimeError)):  # torch.save says only "unexpected pos" or "file write failed"
-        try:
-            return shutil.disk_usage(directory).free < _LOW_SPACE
-        except OSError:
-            return False
-    return False
 
 
 def _io_failure(exc: BaseException) -> bool:
@@ -309,7 +292,7 @@ def write_folder_atomically(final: Path, writers: Iterable[Writer], meta: dict[s
         for job in pending:
             job.cancel()
         wait(pending)  # no worker may still read or fsync a file that is about to be deleted
-        full_disk = isinstance(exc, Exception) and _disk_full(exc, final.parent)
+        full_disk = isinstance(exc, Exception) and disk_full(exc, final.parent)
         shutil.rmtree(tmp, ignore_errors=True)
         if full_disk:
             raise CheckpointError(
@@ -354,19 +337,11 @@ def write_bytes_atomically(path: Path, data: bytes) -> None:
         _fsync_dir(path.parent)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        reason = "disk full" if _disk_full(exc, path.parent) else "write failed"
+        reason = "disk full" if disk_full(exc, path.parent) else "write failed"
         raise CheckpointError(
             f"could not update {path} ({reason}: {first_line(exc)}); the file is as it was, and the "
             "checkpoints are intact"
         ) from None
-
-
-def read_meta(path: Path) -> dict | None:
-    try:
-        meta = json.loads((path / META).read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON
-        return None
-    return meta if isinstance(meta, dict) else None
 
 
 def text_writer(name: str, content: str) -> Writer:

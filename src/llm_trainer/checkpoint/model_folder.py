@@ -1,7 +1,8 @@
 """Model weights on disk: safetensors only, with clean parameter names and shape checks on load.
 
 A model folder holds `model.safetensors` and `model_config.json`; checkpoints, `best_model/` and
-`Transformer.save_pretrained` all use it, so `eval`, `generate` and `export` take any of them.
+`save_model_folder` all write it, so `eval`, `generate` and `export` take any of them, and
+`load_model_folder` reads it back (into `Transformer` or a subclass of it).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import ModelConfig
 from ..errors import UsageError
+from ..model import Transformer
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "model_config.json"
@@ -148,9 +150,11 @@ def read_model_config(directory: str | Path) -> ModelConfig:
         raise UsageError(f"{path}: {exc}; the model folder is corrupt") from None
 
 
-def load_model_folder(directory: str | Path, device: str | torch.device = "cpu"):
-    from ..model import Transformer
-
+def load_model_folder(
+    directory: str | Path, device: str | torch.device = "cpu", *, cls: type[Transformer] = Transformer
+) -> Transformer:
+    """The model a folder holds, as an instance of `cls` (Transformer or a subclass taking its
+    ModelConfig), on `device`; every tensor's name and shape checked against the file first."""
     directory = Path(directory)
     config = read_model_config(directory)
     weights = directory / WEIGHTS_NAME
@@ -160,7 +164,7 @@ def load_model_folder(directory: str | Path, device: str | torch.device = "cpu")
         with safe_open(str(weights), framework="pt") as handle:  # the header only: names and shapes
             shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
         with torch.device("meta"):  # a config that does not match the file allocates nothing
-            _refuse_misfit(_shape_problems(Transformer(config), shapes), str(weights))
+            _refuse_misfit(_shape_problems(cls(config), shapes), str(weights))
         state = load_file(str(weights), device=str(device) if str(device) != "cpu" else "cpu")
     except UsageError:
         raise
@@ -168,6 +172,6 @@ def load_model_folder(directory: str | Path, device: str | torch.device = "cpu")
         raise UsageError(
             f"{weights} could not be read ({str(exc).splitlines()[0][:160]}); the file is corrupt or truncated"
         ) from None
-    model = Transformer(config)
+    model = cls(config)
     load_model_state(model, state, str(weights))
     return model.to(device)

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..errors import CheckpointError
-from .format import SHARDED_DIR
+from .layout import SHARDED_DIR
 from .model_folder import clean_name
 from .safe_pickle import DCP_METADATA, load_restricted
 

@@ -24,7 +24,6 @@ changed config or source never reuses a folder, finished or partial.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import itertools
 import json
@@ -42,6 +41,7 @@ import numpy as np
 
 from ..config import DataConfig
 from ..errors import UsageError
+from ..filesystem import disk_full, lock_exclusive
 from ..logs import log
 from ..tokenizer import Tokenizer
 from .clean import clean_text  # noqa: F401  (re-exported: the cleaning rules used by prepare)
@@ -542,12 +542,7 @@ def _locked(work: Path):
     work.mkdir(parents=True, exist_ok=True)
     handle = open(work / ".lock", "a")
     try:
-        try:
-            import fcntl
-
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except ImportError:  # pragma: no cover - Windows: no locking
-            pass
+        lock_exclusive(handle, wait=True)
         yield
     finally:
         handle.close()
@@ -597,7 +592,7 @@ def prepare_data(config: DataConfig) -> PreparedData:
     try:
         return _prepare(config, fingerprint, work, directory)
     except OSError as exc:  # the cache could not be written: nothing of it is kept (see _prepare)
-        if _disk_full(exc):
+        if disk_full(exc):
             raise UsageError(
                 f"disk full while preparing data in {cache_root} ({exc.strerror or exc}); free space "
                 "there or set data.cache_dir to another disk"
@@ -608,10 +603,6 @@ def prepare_data(config: DataConfig) -> PreparedData:
                 "to a folder you can write"
             ) from None
         raise
-
-
-def _disk_full(exc: OSError) -> bool:
-    return exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
 def _prepare(config: DataConfig, fingerprint: str, work: Path, directory: Path) -> PreparedData:

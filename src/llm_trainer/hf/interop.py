@@ -500,7 +500,7 @@ def _local_folder(path_or_name) -> Path:
     if path.exists():
         if not (path / "config.json").is_file():
             hint = (
-                "; it is an llm-trainer model folder, load it with Transformer.from_pretrained"
+                "; it is an llm-trainer model folder, load it with llm_trainer.checkpoint.model_folder.load_model_folder"
                 if (path / "model_config.json").is_file()
                 else ""
             )
@@ -522,7 +522,7 @@ def import_from_hf(path_or_name) -> tuple[Transformer, Tokenizer | None]:
     """Load a transformers GPT-2/LLaMA model as our Transformer, with its tokenizer.json when it has one.
 
     A path that exists is read offline; anything else is taken as a Hugging Face Hub name. The model comes
-    back in training mode, like `Transformer.from_pretrained`; call `.eval()` for inference.
+    back in training mode, like `load_model_folder`; call `.eval()` for inference.
     """
     tf = _transformers()
     folder = _local_folder(path_or_name)

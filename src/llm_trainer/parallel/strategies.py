@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..checkpoint import layout
 from ..checkpoint.model_folder import load_model_state, model_tensors
 from ..errors import UsageError
 from .distributed import DistInfo
@@ -34,9 +35,8 @@ from .distributed import DistInfo
 class Parallelism:
     """One process: the model as it is."""
 
-    checkpoint_kind = "checkpoint"  # what meta.json records; see checkpoint.format.REQUIRED
+    checkpoint_kind = layout.WHOLE  # where its checkpoints hold model and optimizer; meta.json records it
     background_saves = True  # rank 0 alone writes the checkpoint, so a writer thread can do it
-    weights_in_shards = False  # the checkpoint's weights are only in save_shards' files (no model.safetensors)
 
     def __init__(
         self,
@@ -110,7 +110,7 @@ class Parallelism:
 
     def load(self, parts: dict[str, Any], path: Path) -> None:
         kind = parts["meta"].get("kind")
-        if kind == "deepspeed_checkpoint":
+        if kind == layout.DEEPSPEED.name:
             raise UsageError(
                 f"{path} was saved with distributed_strategy deepspeed; resume it with that strategy "
                 "(its model folder also works as model.init_from for a fresh run)"
@@ -146,9 +146,8 @@ class DDP(Parallelism):
 class FSDP(Parallelism):
     """FSDP2: parameters, gradients and optimizer state sharded; each rank checkpoints its own shards."""
 
-    checkpoint_kind = "sharded_checkpoint"
+    checkpoint_kind = layout.SHARDED
     background_saves = False  # every rank writes its shards, in the training thread
-    weights_in_shards = True
 
     @contextlib.contextmanager
     def no_sync(self, last: bool):
@@ -175,7 +174,7 @@ class FSDP(Parallelism):
         save_sharded(self.model, self.optimizer, folder)
 
     def load(self, parts: dict[str, Any], path: Path) -> None:
-        if parts["model"] is not None or parts["meta"].get("kind") == "deepspeed_checkpoint":
+        if parts["model"] is not None or parts["meta"].get("kind") == layout.DEEPSPEED.name:
             return super().load(parts, path)
         from ..checkpoint.sharded import load_sharded
 
@@ -186,7 +185,7 @@ class DeepSpeed(Parallelism):
     """DeepSpeed's engine runs forward, backward (its own fp16 loss scaling) and the step of our
     optimizer on its partitions; its own files hold model and optimizer state."""
 
-    checkpoint_kind = "deepspeed_checkpoint"
+    checkpoint_kind = layout.DEEPSPEED
 
     def __init__(self, model: nn.Module, engine, optimizer, **kwargs):
         super().__init__(model, engine, optimizer, **kwargs)
@@ -224,10 +223,9 @@ class DeepSpeed(Parallelism):
         deepspeed_engine.save(self.engine, folder, self.dist.is_main)
 
     def load(self, parts: dict[str, Any], path: Path) -> None:
-        from ..checkpoint.format import SHARDED_DIR
         from . import deepspeed_engine
 
-        deepspeed_engine.load(self.engine, parts["sharded"] or path / SHARDED_DIR)
+        deepspeed_engine.load(self.engine, parts["sharded"] or path / layout.SHARDED_DIR)
 
 
 def _fused_step_where(optimizer: torch.optim.Optimizer, finite: torch.Tensor, step) -> None:

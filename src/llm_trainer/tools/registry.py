@@ -157,7 +157,7 @@ def _find_export(run_dir: Path) -> Path | None:
 
 def collect_run_info(run_dir: str | Path, export_path: str | Path | None = None) -> dict:
     """The fields of a new version, read from a run folder (see the module docstring)."""
-    from ..checkpoint.format import BEST, META, list_checkpoints
+    from ..checkpoint.layout import BEST, META, list_checkpoints
 
     run = Path(run_dir)
     if not run.is_dir():

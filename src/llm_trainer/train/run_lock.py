@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import UsageError
+from ..filesystem import lock_exclusive
 
 LOCK_FILE = ".lock"
 _held: dict[str, list[int]] = {}  # resolved folder -> [descriptor, depth]
@@ -76,13 +77,7 @@ def run_lock(folder: str | Path, setting: str = "training.output_dir") -> Iterat
     else:
         created = not folder.exists()
         fd = _open_lock(folder, setting)
-        try:
-            import fcntl
-
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:  # pragma: no cover - Windows: no flock; runs are not guarded there
-            pass
-        except OSError:
+        if not lock_exclusive(fd, wait=False):  # another run holds it (on Windows, without flock, never)
             holder = _holder(fd)
             os.close(fd)
             raise UsageError(

@@ -1,0 +1,227 @@
+"""Saving, loading and rotating checkpoint folders (their files: `layout`).
+
+Writing (`durable.write_folder_atomically`): every part goes into a hidden temporary folder, meta.json
+(with each file's size and checksum, see `checksums`) last, then the folder is renamed into place
+and `latest` replaced. A crash, a kill -9 or a full disk at any point leaves every earlier checkpoint
+untouched.
+
+Reading: a folder is verified first (`verify`); tensors are read with safetensors and
+`torch.load(weights_only=True)` only, so no pickled code runs, and every pickle in `sharded/` is
+proven to import nothing off an allow-list before DeepSpeed or DCP reads it (see `safe_pickle`).
+Format 1 checkpoints (the whole optimizer state in optimizer.pt) still load.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from ..logs import log
+from ..tokenizer import TOKENIZER_FILE
+from .durable import (
+    Writer,
+    first_line,
+    owner,
+    remove_stale,
+    text_writer,
+    write_folder_atomically,
+    write_text_atomically,
+)
+from .find import named_latest, newest_first, next_sequence
+from .layout import (
+    BEST,
+    BEST_KIND,
+    LATEST,
+    META,
+    OPTIMIZER,
+    OPTIMIZER_TENSORS,
+    RNG,
+    SHARDED_DIR,
+    TRAIN_STATE,
+    WHOLE,
+    CheckpointKind,
+    checkpoint_name,
+    kind_of,
+)
+from .model_folder import WEIGHTS_NAME, save_model_folder, write_model_config
+from .safe_pickle import DEEPSPEED, check_torch_archive
+from .tensors import join_tensors, split_tensors
+from .verify import verify_once
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer_state: dict | None,
+    train_state: dict,
+    rng_tensors: dict,
+    config: dict,
+    tokenizer_json: str | None,
+    kind: CheckpointKind = WHOLE,
+    extra_meta: dict | None = None,
+    sharded_dir: Path | None = None,
+    model_state: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write one checkpoint of `kind` (the Parallelism's: which parts live in `sharded_dir`).
+
+    `sharded_dir`: every rank's own files, already written (RNG states; FSDP's DCP shards of model
+    and optimizer, DeepSpeed's files); it moves in as `sharded/`. `optimizer_state` is None where the
+    kind keeps it there. `model_state`, when given, holds the weights to write (a copy taken earlier,
+    for a background save); `model` then only supplies the config.
+    """
+    assert (optimizer_state is None) == kind.optimizer_in_shards, kind.name
+    assert sharded_dir is not None or not kind.optimizer_in_shards, kind.name
+    root = Path(root)
+    remove_stale(root)
+
+    from safetensors.torch import save_file
+
+    writers: list[Writer] = []
+    if sharded_dir is not None:
+        writers.append(lambda tmp: shutil.move(str(sharded_dir), tmp / SHARDED_DIR))
+    if kind.weights_in_shards:
+        writers.append(lambda tmp: write_model_config(model, tmp))
+    else:
+        writers.append(lambda tmp: save_model_folder(model, tmp, state=model_state))  # model.safetensors + config
+    writers.append(lambda tmp: torch.save(rng_tensors, tmp / RNG))
+    if optimizer_state is not None:
+        optimizer_structure, optimizer_tensors = split_tensors(optimizer_state)
+        writers[-1:-1] = [
+            lambda tmp: save_file(optimizer_tensors, str(tmp / OPTIMIZER_TENSORS), metadata={"format": "pt"}),
+            lambda tmp: torch.save(optimizer_structure, tmp / OPTIMIZER),
+        ]
+    writers.append(text_writer(TRAIN_STATE, json.dumps(train_state, indent=2)))
+    if tokenizer_json is not None:
+        writers.append(text_writer(TOKENIZER_FILE, tokenizer_json))
+    meta = {
+        "kind": kind.name,
+        "step": step,
+        "sequence": next_sequence(root),
+        "created": time.time(),
+        "config": config,
+        **(extra_meta or {}),
+    }
+    path = write_folder_atomically(root / checkpoint_name(step), writers, meta)
+    write_text_atomically(root / LATEST, path.name)
+    return path
+
+
+def save_best_model(
+    root: Path,
+    model: torch.nn.Module,
+    *,
+    tokenizer_json: str | None,
+    config: dict,
+    metrics: dict,
+    state: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """A standalone model folder; `state` gives the weights when the model itself is sharded."""
+    writers: list[Writer] = [lambda tmp: save_model_folder(model, tmp, state=state)]
+    if tokenizer_json is not None:
+        writers.append(text_writer(TOKENIZER_FILE, tokenizer_json))
+    return write_folder_atomically(
+        Path(root) / BEST, writers, {"kind": BEST_KIND, "config": config, "metrics": metrics}
+    )
+
+
+def _refusal(exc: Exception) -> str:
+    """Why torch.load(weights_only=True) refused a file, in one line."""
+    text = str(exc)
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(r"Unsupported operand \d+", text)
+    if "Weights only load failed" in text or found:
+        detail = f" ({found.group(1) if found.lastindex else found.group(0)})" if found else ""
+        return (
+            f"it holds pickled objects other than tensors and plain data{detail}, which could run code; "
+            "refusing to unpickle it (the file was not written by llm-trainer, or was altered)"
+        )
+    return first_line(exc)
+
+
+def load_checkpoint(
+    path: Path, map_location: str | torch.device = "cpu", *, verify_files: bool = True
+) -> dict[str, Any]:
+    """Every part of a checkpoint, verified first; tensors through safetensors or torch.load(weights_only=True).
+
+    Model tensors are read on the CPU and optimizer tensors are mapped to `map_location`, so a
+    checkpoint written on a GPU loads on a CPU-only machine. Large files are memory-mapped. The
+    parts read are those its kind holds; a folder of no known kind is read as a whole checkpoint
+    (and a file it lacks is named in the error).
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if verify_files:
+        problem = verify_once(path)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+    if (path / SHARDED_DIR).is_dir():  # DeepSpeed torch.loads these without weights_only: prove them plain first
+        for file in sorted((path / SHARDED_DIR).glob("*.pt")):
+            check_torch_archive(file, DEEPSPEED)
+
+    def optimizer(file: Path) -> Any:
+        structure = _torch_load(file, map_location)
+        tensors_file = path / OPTIMIZER_TENSORS
+        if not tensors_file.is_file():  # format 1: everything in optimizer.pt
+            return structure
+        tensors = load_file(str(tensors_file), device="cpu")
+        if map_location is not None and torch.device(map_location).type != "cpu":
+            tensors = {k: v.to(map_location) for k, v in tensors.items()}
+        return join_tensors(structure, tensors)
+
+    kind = kind_of(path) or WHOLE  # FSDP: each rank reads its model/optimizer part from sharded/ later
+    parts: dict[str, Any] = {
+        "model": None,
+        "optimizer": None,
+        "sharded": path / SHARDED_DIR if (path / SHARDED_DIR).is_dir() else None,
+    }
+    for key, name, load in (
+        *(() if kind.weights_in_shards else (("model", WEIGHTS_NAME, lambda f: load_file(str(f), device="cpu")),)),
+        *(() if kind.optimizer_in_shards else (("optimizer", OPTIMIZER, optimizer),)),
+        ("rng", RNG, lambda f: _torch_load(f, "cpu")),
+        ("train_state", TRAIN_STATE, lambda f: json.loads(f.read_text(encoding="utf-8"))),
+        ("meta", META, lambda f: json.loads(f.read_text(encoding="utf-8"))),
+    ):
+        try:
+            parts[key] = load(path / name)
+        except Exception as exc:  # pickle.UnpicklingError for crafted files, OSError, safetensors and JSON errors
+            raise CheckpointError(f"checkpoint {path} could not be loaded safely: {name}: {_refusal(exc)}") from None
+    return parts
+
+
+def _torch_load(file: Path, map_location) -> Any:
+    try:  # memory-mapped: nothing is copied until used
+        return torch.load(file, map_location=map_location, weights_only=True, mmap=True)
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):  # only files torch.save did not write as a zip archive cannot be mapped
+            raise
+        return torch.load(file, map_location=map_location, weights_only=True)
+
+
+def rotate(root: Path, keep_last: int | None, protect: set[str]) -> None:
+    """Delete all but the newest `keep_last` checkpoints, never one named in `protect` (the best, the new one).
+
+    A folder is renamed to a hidden name before it is deleted, so a crash mid-delete never leaves a
+    half-deleted folder that looks like a checkpoint.
+    """
+    if keep_last is None:
+        return
+    root = Path(root)
+    for path in newest_first(root, named_latest(root))[keep_last:]:
+        if path.name in protect:
+            continue
+        doomed = root / f".del-{path.name}-{owner()}"
+        try:
+            path.rename(doomed)
+        except OSError:
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
+        log(f"checkpoint: removed {path.name} (save_total_limit={keep_last})")

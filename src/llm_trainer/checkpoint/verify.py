@@ -1,0 +1,155 @@
+"""Checks of a checkpoint or model folder before anything in it is read: it may not be ours.
+
+A folder is read as untrusted (checksums prove integrity, not origin): meta.json is type-checked
+(a crafted meta.json is damage like any other), every file it names must be a plain name inside the
+folder, a symlink leading out of the folder is refused, and every file must have the size and
+checksum meta.json records (see `checksums`). The pickles in `sharded/` are proven plain by
+`safe_pickle` when the folder is loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .checksums import CRC32_TREE, XXH3_TREE, checksum_jobs, combine, meta_checksum, sha256_file, xxhash
+from .layout import FORMAT_VERSION, KINDS, META, OPTIMIZER_TENSORS, SHARDED_DIR, read_meta
+
+_verified: dict[str, tuple] = {}  # folder -> file signatures when it last verified, so resume hashes once
+
+
+def _signature(path: Path) -> tuple | None:
+    try:
+        return tuple(
+            (p.name, s.st_size, s.st_mtime_ns, s.st_ino)
+            for p in sorted(path.iterdir())
+            if p.is_file()
+            for s in [p.stat()]
+        )
+    except OSError:
+        return None
+
+
+def _safe_file_name(name) -> bool:
+    """A plain file name, or one inside the `sharded/` subfolder; nothing that could leave the folder."""
+    if not isinstance(name, str):
+        return False
+    parts = name.split("/")
+    if len(parts) == 2 and parts[0] == SHARDED_DIR:
+        parts = parts[1:]
+    return len(parts) == 1 and Path(parts[0]).name == parts[0] and parts[0] not in ("", ".", "..")
+
+
+def _is_int(value) -> bool:
+    """An int that JSON wrote as a number (not a bool, which Python counts as an int)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# meta.json fields and the types they must have.
+_META_TYPES = {
+    "format_version": _is_int,
+    "sequence": _is_int,
+    "step": _is_int,
+    "kind": lambda v: isinstance(v, str),
+    "checksum": lambda v: isinstance(v, str),
+    "meta_sha256": lambda v: isinstance(v, str),
+    "config": lambda v: isinstance(v, dict),
+    "metrics": lambda v: isinstance(v, dict),
+    "files": lambda v: isinstance(v, dict),
+    "world_size": _is_int,
+}
+
+
+def _meta_problem(meta: dict) -> str | None:
+    """None when every known field of meta.json has its type, else what is wrong."""
+    for name, ok in _META_TYPES.items():
+        if name in meta and not ok(meta[name]):
+            return f"meta.json is corrupt ({name} is {type(meta[name]).__name__})"
+    if "files" not in meta:
+        return "meta.json is corrupt"
+    plain_sha256 = meta.get("format_version", 1) < 2
+    for name, entry in meta["files"].items():
+        if plain_sha256:
+            good = isinstance(entry, str)
+        else:
+            good = (
+                isinstance(entry, dict)
+                and _is_int(entry.get("size"))
+                and entry["size"] >= 0
+                and isinstance(entry.get("checksum"), str)
+            )
+        if not good:
+            return f"meta.json is corrupt (the entry of {name!r})"
+    return None
+
+
+def link_outside(folder: Path, name: str) -> bool:
+    """Whether `folder/name` (or a folder on the way) is a symlink leading out of `folder`."""
+    try:
+        root, target = Path(folder).resolve(strict=True), (Path(folder) / name).resolve(strict=True)
+    except (OSError, RuntimeError):  # missing, or a symlink loop: not readable as a file of the folder
+        return (Path(folder) / name).is_symlink()
+    return root != target and root not in target.parents
+
+
+def verify(path: Path) -> str | None:
+    """None if the folder is a complete checkpoint whose files match their sizes and checksums, else the reason."""
+    path = Path(path)
+    if not (path / META).is_file():
+        return "incomplete: no meta.json (the save was interrupted)"
+    meta = read_meta(path)
+    if meta is None:
+        return "meta.json is corrupt"
+    problem = _meta_problem(meta)
+    if problem:
+        return problem
+    if "meta_sha256" in meta and meta["meta_sha256"] != meta_checksum(meta):
+        return "meta.json does not match its checksum (corrupt)"
+    files, kind, version = meta["files"], KINDS.get(meta.get("kind")), meta.get("format_version", 1)
+    if version > FORMAT_VERSION:
+        return f"unknown checkpoint format {version!r} (this llm-trainer reads up to {FORMAT_VERSION}); upgrade llm-trainer"
+    checksum = meta.get("checksum") if version >= 2 else None
+    if version >= 2 and checksum not in (CRC32_TREE, XXH3_TREE):
+        return f"unknown checksum kind {checksum!r} in meta.json"
+    if checksum == XXH3_TREE and xxhash is None:
+        return f"its checksums are {XXH3_TREE}, which needs the xxhash package (pip install xxhash)"
+    for name in kind.required if kind is not None else ():
+        if name not in files and (version >= 2 or name != OPTIMIZER_TENSORS):  # format 1: no optimizer tensors
+            return f"meta.json does not list {name}"
+    plain_sha256 = version < 2
+    for name in files:
+        if not _safe_file_name(name):
+            return f"meta.json names an invalid file {name!r}"
+    for name in (META, SHARDED_DIR, *files):
+        if link_outside(path, name):
+            return f"{name} is a symlink that leads out of the checkpoint folder; refusing it"
+    jobs: dict[str, Any] = {}
+    for name, entry in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if plain_sha256:
+            jobs[name] = (entry, None)
+            continue
+        size = file.stat().st_size
+        if size != entry["size"]:
+            what = "truncated" if size < entry["size"] else "longer than written"
+            return f"{name} is {what} ({size:,} bytes, {entry['size']:,} expected)"
+        jobs[name] = (entry["checksum"], checksum_jobs(file, size, checksum))
+    for name, (expected, chunks) in jobs.items():
+        actual = sha256_file(path / name) if chunks is None else combine(chunks, checksum)
+        if actual != expected:
+            return f"{name} does not match its checksum (corrupt)"
+    return None
+
+
+def verify_once(path: Path) -> str | None:
+    """verify(), skipped when this process already verified the folder and no file changed since."""
+    key = str(Path(path).resolve())
+    signature = _signature(Path(path))
+    if signature is not None and _verified.get(key) == signature:
+        return None
+    problem = verify(Path(path))
+    if problem is None and signature is not None:
+        _verified[key] = signature
+    return problem

@@ -1,0 +1,55 @@
+"""What the operating system's file layer tells us, decided once: whether a failed write means a
+full disk, and an exclusive lock on an open file that dies with its process."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+from typing import IO
+
+# Errors of a write that found no room: the disk is full, or the user's quota is spent.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
+LOW_SPACE = 16 << 20  # a write failing with less free space than this is reported as a full disk
+
+
+def disk_full(exc: BaseException, directory: Path | None = None) -> bool:
+    """Whether `exc` means the disk (or quota) is full, however the writer reports it.
+
+    safetensors and torch.save wrap the OS error in their own message; torch.save may only say
+    "unexpected pos" or "file write failed". With `directory`, an OSError or RuntimeError while that
+    folder has almost no free space left counts as a full disk too.
+    """
+    if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+        return True
+    text = str(exc).lower()
+    if "no space left" in text or "os error 28" in text or "quota exceeded" in text:
+        return True
+    if directory is not None and isinstance(exc, (OSError, RuntimeError)):
+        try:
+            return shutil.disk_usage(directory).free < LOW_SPACE
+        except OSError:
+            return False
+    return False
+
+
+def lock_exclusive(file: int | IO, *, wait: bool) -> bool:
+    """Take an exclusive `flock` on an open file (a descriptor or a file object).
+
+    The OS releases it when the file is closed or the process ends, however it ends, so a dead
+    holder never leaves a stale lock. With `wait`, block until it is free; without, return False at
+    once when another process holds it. Where flock does not exist (Windows) nothing is locked and
+    True is returned.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no flock
+        return True
+    if wait:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        return True
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
