@@ -5,6 +5,9 @@ in test_distributed.py (slow tier)."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -81,6 +84,19 @@ def gloo_group(tmp_path):
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def deepspeed_setup(monkeypatch):
+    """`distributed.setup` for DeepSpeed in one process without a launcher: it opens the process group
+    and sets the launcher's variables itself (undone afterwards, as is the group)."""
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        yield lambda training: setup(training, CPU)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # -- activation checkpointing and mixed precision ---------------------------------------------------
@@ -197,6 +213,36 @@ def test_fsdp_with_amp_gathers_bf16_weights_for_compute_and_keeps_float32_ones(g
         assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
+# -- DeepSpeed -------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+def test_deepspeed_in_one_process_steps_as_one_process_without_it(deepspeed_setup):
+    """ZeRO-2 from the DeepSpeed file; DeepSpeed's engine runs backward, clipping and our optimizer's
+    step, and two accumulated micro-batches change the weights exactly as the plain loop does."""
+    from llm_trainer.parallel import deepspeed_engine
+    from llm_trainer.parallel.strategies import DeepSpeed
+
+    requested = TrainingConfig(distributed_strategy="deepspeed", deepspeed_config={"zero_optimization": {"stage": 2}})
+    info, _ = deepspeed_setup(requested)
+    training = deepspeed_engine.merge_into_training(requested, world_size=1, device=CPU)
+    plain_training = dataclasses.replace(training, distributed_strategy="auto", deepspeed_config=None)
+    speeded = wrap(tiny_model(), training, info)
+    plain = wrap(tiny_model(), plain_training)
+    assert isinstance(speeded, DeepSpeed) and deepspeed_engine.zero_stage(step_module(speeded)) == 2
+    assert speeded.parameter_count() == plain.parameter_count()
+
+    batches = micro_batches(2)
+    steps = [
+        train_step(parallel, batches, autocast=autocast(CPU, None), max_grad_norm=training.max_grad_norm)
+        for parallel in (speeded, plain)
+    ]
+    assert float(steps[0].loss) == float(steps[1].loss)
+    assert float(steps[0].grad_norm) == pytest.approx(float(steps[1].grad_norm), rel=1e-5)
+    for ours, theirs in zip(bare_module(speeded).parameters(), bare_module(plain).parameters()):
+        torch.testing.assert_close(ours, theirs)
+
+
 # -- distributed.setup -----------------------------------------------------------------------------
 
 
@@ -215,15 +261,10 @@ def test_setup_refuses_a_world_size_the_launcher_did_not_start():
         setup(TrainingConfig(world_size=2), CPU)
 
 
-def test_setup_opens_a_gloo_group_for_deepspeed_in_one_process(monkeypatch):
+def test_setup_opens_a_gloo_group_for_deepspeed_in_one_process(deepspeed_setup):
     """DeepSpeed needs a process group even alone: setup opens one without a launcher's environment."""
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"):
-        monkeypatch.delenv(name, raising=False)
-    try:
-        info, device = setup(TrainingConfig(distributed_strategy="deepspeed"), CPU)
-        assert dist.is_initialized() and dist.get_backend() == "gloo" and dist.get_world_size() == 1
-        assert (info.strategy, info.world_size, info.enabled, device) == ("deepspeed", 1, True, CPU)
-        assert setup(TrainingConfig(distributed_strategy="deepspeed"), CPU)[0] == info  # idempotent
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    training = TrainingConfig(distributed_strategy="deepspeed")
+    info, device = deepspeed_setup(training)
+    assert dist.is_initialized() and dist.get_backend() == "gloo" and dist.get_world_size() == 1
+    assert (info.strategy, info.world_size, info.enabled, device) == ("deepspeed", 1, True, CPU)
+    assert deepspeed_setup(training)[0] == info  # idempotent
