@@ -352,8 +352,12 @@ def test_gradient_checkpointing_and_clipping_and_bf16(tmp_path):
         model, _training(tmp_path / "bf16", use_amp=True, amp_dtype="bfloat16"), train_dataloader=loader
     ).train()
     assert math.isfinite(summary["tokens_per_s"])
-    rows = [json.loads(l) for l in open(tmp_path / "bf16" / "run" / "metrics.jsonl")]
-    assert all(math.isfinite(r["loss"]) for r in rows if r["kind"] == "train")
+    bf16, fp32 = (
+        [r["loss"] for r in map(json.loads, open(tmp_path / name / "run" / "metrics.jsonl")) if r["kind"] == "train"]
+        for name in ("bf16", "plain")
+    )
+    assert all(math.isfinite(loss) for loss in bf16)
+    assert bf16[0] != fp32[0] and bf16[0] == pytest.approx(fp32[0], rel=2e-2)  # same weights and batch, in bf16
     # Clipping: with a tiny max norm the logged (pre-clip) norm exceeds it but the update stays small.
     torch.manual_seed(0)
     model = Transformer(tiny_model_config())
