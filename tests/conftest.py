@@ -23,6 +23,37 @@ def tiny_model_config(**overrides):
     return ModelConfig(**values)
 
 
+def tiny_model(**overrides):
+    """A one-layer Transformer on `tiny_model_config`, the same weights every call."""
+    import torch
+
+    from llm_trainer.model import Transformer
+
+    torch.manual_seed(0)
+    return Transformer(tiny_model_config(**{"n_layers": 1, **overrides}))
+
+
+def tiny_loaders(n_tokens: int = 3000, length: int = 16):
+    """(train, validation) loaders of `length`-token windows over a learnable token sequence (vocab 61)."""
+    import numpy as np
+
+    from llm_trainer.data.loader import BatchLoader, WindowRows
+
+    t = (np.cumsum(np.random.default_rng(0).integers(1, 3, size=n_tokens)) % 61).astype(np.uint16)
+    train = BatchLoader(WindowRows(t, length), 4, shuffle=True, seed=0)
+    val = BatchLoader(WindowRows(t[:600], length, keep_partial=True), 4, shuffle=False, drop_last=False)
+    return train, val
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a process group's rendezvous, or an unreachable server)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def write_corpus(folder):
     """A small multi-document text folder (12 files) with enough repetition to learn from."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,6 @@ known perplexities, schedules, early stopping, callbacks, the Python API with a 
 
 import json
 import math
-import time
 
 import numpy as np
 import pytest
@@ -353,8 +352,12 @@ def test_gradient_checkpointing_and_clipping_and_bf16(tmp_path):
         model, _training(tmp_path / "bf16", use_amp=True, amp_dtype="bfloat16"), train_dataloader=loader
     ).train()
     assert math.isfinite(summary["tokens_per_s"])
-    rows = [json.loads(l) for l in open(tmp_path / "bf16" / "run" / "metrics.jsonl")]
-    assert all(math.isfinite(r["loss"]) for r in rows if r["kind"] == "train")
+    bf16, fp32 = (
+        [r["loss"] for r in map(json.loads, open(tmp_path / name / "run" / "metrics.jsonl")) if r["kind"] == "train"]
+        for name in ("bf16", "plain")
+    )
+    assert all(math.isfinite(loss) for loss in bf16)
+    assert bf16[0] != fp32[0] and bf16[0] == pytest.approx(fp32[0], rel=2e-2)  # same weights and batch, in bf16
     # Clipping: with a tiny max norm the logged (pre-clip) norm exceeds it but the update stays small.
     torch.manual_seed(0)
     model = Transformer(tiny_model_config())
@@ -378,40 +381,3 @@ def test_gradient_checkpointing_and_clipping_and_bf16(tmp_path):
         sum(((model.state_dict()[k] - v) ** 2).sum() for k, v in before.items() if k != "lm_head.weight")
     )
     assert delta.item() == pytest.approx(1e-3, rel=1e-3)  # SGD step of lr 1 moves by exactly the clipped norm
-
-
-def test_speed_monitor_reports_throughput_data_wait_and_mfu(tmp_path):
-    from llm_trainer.train.flops import flops_per_token
-
-    tokens = _tokens()
-    config = tiny_model_config()
-    training = _training(tmp_path, max_steps=6, logging_steps=3, peak_flops=1e9, speed_window_size=3)
-
-    class SlowLoader(BatchLoader):  # 20 ms of every step is spent waiting for data
-        def next_batch(self):
-            time.sleep(0.02)
-            return super().next_batch()
-
-    slow = SlowLoader(WindowRows(tokens, 16), 4, shuffle=True, seed=0)
-    step_times = []
-
-    class Clock(Callback):  # wall time between logged rows, measured outside the monitor
-        def on_step_end(self, trainer, row):
-            step_times.append(time.perf_counter())
-
-    Trainer(Transformer(config), training, train_dataloader=slow, callbacks=[Clock()]).train()
-    rows = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
-    assert [r["step"] for r in rows] == [3, 6]
-    # Steps 4-6 took (step_times[1] - step_times[0]) seconds for 3 x 4 x 16 tokens: the window's rate.
-    measured = 3 * 4 * 16 / (step_times[1] - step_times[0])
-    row = rows[1]
-    assert row["tokens_per_s"] == pytest.approx(measured, rel=0.25)
-    assert row["samples_per_s"] == pytest.approx(measured / 16, rel=0.25)
-    assert row["step_time_s"] == pytest.approx(3 * 4 * 16 / measured / 3, rel=0.25)
-    assert row["data_wait_fraction"] == pytest.approx(0.02 / row["step_time_s"], rel=0.3)  # the sleep, nothing else
-    expected_flops = 6 * (sum(p.numel() for p in Transformer(config).parameters()) - 16 * 24) + 12 * 2 * 16 * 16
-    assert (
-        row["flops_per_token"] == expected_flops == flops_per_token(config, 16)
-    )  # 6N + 12 L d T, learned positions excluded
-    assert row["mfu"] == pytest.approx(expected_flops * measured / 1e9, rel=0.25)
-    assert row["peak_memory_mb"] > 10  # the process's resident memory: torch alone is more than this

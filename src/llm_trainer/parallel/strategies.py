@@ -151,14 +151,10 @@ class FSDP(Parallelism):
 
     @contextlib.contextmanager
     def no_sync(self, last: bool):
-        if last:
-            yield
-            return
-        self.model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.model.set_requires_gradient_sync(True)
+        # FSDP2 reads the flag in backward, which the step runs after this block: set it for this
+        # micro-batch and leave it (each micro-batch sets its own; the last one turns sync back on)
+        self.model.set_requires_gradient_sync(last)
+        yield
 
     def live_tensors(self):
         return None, None  # weights gathered by full_state_dict, optimizer state in the DCP shards

@@ -1,7 +1,8 @@
 """Speed monitor: throughput, step time, data-wait time and MFU over a sliding window of steps.
 
 Host-side timing only (no device syncs): on CUDA the loop already syncs at logging steps, so the
-window averages are right even though single steps are asynchronous.
+window averages are right even though single steps are asynchronous. Both timers read `clock`
+(`time.perf_counter` unless given), so a test can drive them with a clock of its own.
 """
 
 from __future__ import annotations
@@ -11,31 +12,43 @@ import resource
 import sys
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 
 import torch
 
+Clock = Callable[[], float]  # seconds, monotonic
+
 
 class SpeedMonitor:
-    def __init__(self, window_size: int, flops_per_token: float | None, peak_flops: float | None, device: torch.device):
+    def __init__(
+        self,
+        window_size: int,
+        flops_per_token: float | None,
+        peak_flops: float | None,
+        device: torch.device,
+        *,
+        clock: Clock = time.perf_counter,
+    ):
         self.steps: deque[tuple[float, float, int, int]] = deque(
             maxlen=window_size
         )  # (step s, wait s, tokens, samples)
         self.flops_per_token, self.peak_flops, self.device = flops_per_token, peak_flops, device
-        self._step_start = time.perf_counter()
+        self.clock = clock
+        self._step_start = clock()
         self._wait = 0.0
 
     def start_step(self) -> None:
-        self._step_start, self._wait = time.perf_counter(), 0.0
+        self._step_start, self._wait = self.clock(), 0.0
 
     def timed_batch(self, loader):
         """loader.next_batch(), with the time spent waiting for it counted as data wait."""
-        t = time.perf_counter()
+        t = self.clock()
         batch = loader.next_batch()
-        self._wait += time.perf_counter() - t
+        self._wait += self.clock() - t
         return batch
 
     def end_step(self, tokens: int, samples: int) -> None:
-        self.steps.append((time.perf_counter() - self._step_start, self._wait, tokens, samples))
+        self.steps.append((self.clock() - self._step_start, self._wait, tokens, samples))
 
     def metrics(self) -> dict[str, float]:
         if not self.steps:
@@ -60,16 +73,17 @@ class SpeedMonitor:
 class PhaseTimer:
     """Seconds spent in named phases of the loop (evaluation, checkpoint), for the end-of-run summary."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, clock: Clock = time.perf_counter) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.clock = clock
 
     @contextlib.contextmanager
     def count(self, phase: str):
-        start = time.perf_counter()
+        start = self.clock()
         try:
             yield
         finally:
-            self.seconds[phase] += time.perf_counter() - start
+            self.seconds[phase] += self.clock() - start
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -1,0 +1,58 @@
+"""Batches from a user's own DataLoader (the Hugging Face style `Trainer(model=, config=).train(train_dataloader=)`):
+its batch size is the run's, and dict batches' attention_mask keeps padding out of the loss."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from conftest import tiny_model
+from llm_trainer.config import TrainingConfig
+from llm_trainer.data.loader import IGNORE_INDEX
+from llm_trainer.train.trainer import Trainer
+
+
+def test_a_user_dataloaders_batch_size_is_the_runs_and_the_start_line_says_so(tmp_path, capfd):
+    tokens = torch.from_numpy((np.arange(30 * 17) % 61).astype(np.int64)).reshape(30, 17)
+    loader = torch.utils.data.DataLoader(tokens, batch_size=3)  # the guide's config has no batch size: the loader's
+    config = TrainingConfig(
+        gradient_accumulation_steps=2, output_dir=str(tmp_path / "run"), device="cpu", progress_bar=False
+    )  # our TrainingConfig in the HF-style call (a dict: the Hindi test)
+    summary = Trainer(model=tiny_model(), config=config).train(train_dataloader=loader, num_epochs=2)
+    assert "effective batch 6 = 3 x 2 accumulation x 1 process(es)" in capfd.readouterr().err
+    assert summary["step"] == 2 * 5  # 10 batches a epoch, 2 per step, 2 epochs
+
+
+def test_padding_is_never_a_target():
+    """Dict batches with attention_mask: padded positions are masked from the labels, so what the pad
+    holds cannot change the loss (nor, hence, the gradient)."""
+    from llm_trainer.parallel.distributed import DistInfo
+    from llm_trainer.parallel.strategies import Parallelism
+    from llm_trainer.train.batches import IterableBatches
+    from llm_trainer.train.step import autocast, train_step
+
+    ids = torch.tensor([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]])
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    inputs, targets = IterableBatches([{"input_ids": ids, "attention_mask": mask}], torch.device("cpu")).next_batch()
+    assert targets.tolist() == [[6, 7, 8, IGNORE_INDEX, IGNORE_INDEX], [10, 11, 12, 13, 14]]
+
+    losses, grads = [], []
+    for pad in (0, 33):
+        model = tiny_model(max_seq_len=8)
+        padded = ids.masked_fill(mask == 0, pad)
+        batch = IterableBatches([{"input_ids": padded, "attention_mask": mask}], torch.device("cpu")).next_batch()
+        parallel = Parallelism(
+            model,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            dist=DistInfo(),
+            device=torch.device("cpu"),
+            amp_dtype=None,
+        )
+        parallel.optimizer.zero_grad = lambda set_to_none=True: None  # keep the gradients to compare
+        losses.append(
+            float(train_step(parallel, [batch], autocast=autocast(torch.device("cpu"), None), max_grad_norm=None).loss)
+        )
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert losses[0] == losses[1]
+    torch.testing.assert_close(grads[0], grads[1])

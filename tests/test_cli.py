@@ -1,0 +1,117 @@
+"""The command line's own forms: overrides wherever they stand, what `train`/`eval` say they covered,
+where `lr-find` writes, `registry add` of one run twice, and one-line refusals of `generate`/`export`."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from conftest import tiny_loaders, tiny_model, write_tiny_experiment
+from llm_trainer.cli import main
+from llm_trainer.config import TrainingConfig, load_experiment
+from llm_trainer.train.trainer import Trainer
+
+
+def test_overrides_after_an_option_and_the_double_dash_dotted_form(tmp_path, capsys):
+    """`--json training.batch_size=2` and litgpt/torchtitan's `--model.n_layers 3` are overrides too."""
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {d_model: 32, n_heads: 2, n_layers: 1, vocab_size: 100}\ndata: {data_files: [x]}\n")
+    assert main(["estimate", "--config", str(path), "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert (
+        main(
+            [
+                "estimate",
+                "--config",
+                str(path),
+                "--json",
+                "training.batch_size=2",
+                "--model.n_layers",
+                "3",
+                "--model.d_ff=64",
+            ]
+        )
+        == 0
+    )
+    three = json.loads(capsys.readouterr().out)
+    assert three["parameters"] > one["parameters"] and three != one
+    assert load_experiment(path, ["model.n_layers=3", "model.d_ff=64"]).model.n_layers == 3
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", "--config", str(path), "--json", "--bogus"])
+    assert exit_.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_training_evaluation_and_eval_command_say_what_they_covered(tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = write_tiny_experiment(tmp_path, eval_max_batches=1, max_steps=4, eval_steps=2)
+    assert main(["train", "--config", str(config)]) == 0
+    err = capfd.readouterr().err
+    periodic, last = [x for x in err.splitlines() if x.startswith("eval  step")]
+    assert re.search(r"\(first 1 of (\d+) batches, [\d,]+ tokens: training.eval_max_batches\)", periodic), periodic
+    total = int(re.search(r"first 1 of (\d+)", periodic).group(1))
+    assert f"(all {total} batches, " in last  # the run's last evaluation covers the whole split
+    assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 0
+    out = capfd.readouterr().out
+    assert f"(all {total} batches, " in out and "of the run's validation split)" in out
+    assert re.search(r"val_loss (\d+\.\d+)", last).group(1) == re.search(r"loss (\d+\.\d+)", out).group(1)  # one number
+
+
+def test_lr_find_writes_its_plot_into_the_run_folder(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    config = write_tiny_experiment(tmp_path)
+    assert main(["lr-find", "--config", str(config), "--num-steps", "12", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plot"] == str(tmp_path / "run" / "lr_find.png")
+    assert (tmp_path / "run" / "lr_find.png").is_file() and not (tmp_path / "lr_find.png").exists()
+
+
+def test_registry_add_of_the_same_run_twice_is_one_version(tmp_path, capsys):
+    run = tmp_path / "run"
+    train, val = tiny_loaders()
+    config = TrainingConfig(max_steps=2, eval_steps=2, output_dir=str(run), device="cpu", progress_bar=False)
+    Trainer(tiny_model(), config, train_dataloader=train, val_dataloader=val).train()
+    db = str(tmp_path / "reg.db")
+    assert main(["registry", "add", str(run), "--name", "tiny", "--db", db]) == 0
+    assert "registered tiny:1" in capsys.readouterr().out
+    assert main(["registry", "add", str(run), "--name", "tiny", "--db", db]) == 0
+    assert "already registered as tiny:1" in capsys.readouterr().out
+    assert main(["registry", "list", "--db", db, "--json"]) == 0
+    assert [v["version"] for v in json.loads(capsys.readouterr().out)] == [1]
+
+
+class Bigram(torch.nn.Module):
+    """A user's own model: any module returning logits trains."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(61, 61)
+
+    def forward(self, x):
+        return self.table(x)
+
+
+def test_generate_and_export_say_in_one_line_why_they_cannot_take_a_checkpoint(tmp_path, capsys):
+    """The HF-style path takes any module; a checkpoint of one that is not our Transformer, or without a
+    tokenizer it could save, gets a one-line reason from generate/export (exit 2)."""
+
+    train, _ = tiny_loaders()
+    for name, model, tokenizer, reason in [
+        ("own", Bigram(), None, "holds a test_cli.Bigram model, not llm-trainer's Transformer"),
+        ("notok", tiny_model(), object(), "has no tokenizer.json: the Trainer that saved it was given no tokenizer"),
+    ]:
+        config = {"max_steps": 1, "output_dir": str(tmp_path / name), "device": "cpu", "progress_bar": False}
+        Trainer(model=model, tokenizer=tokenizer, config=config).train(train_dataloader=train)
+        capsys.readouterr()
+        checkpoint = str(tmp_path / name / "checkpoints" / "checkpoint-00000001")
+        for command in (
+            ["generate", "--checkpoint", checkpoint],
+            ["export", "--checkpoint", checkpoint, "--output", "x"],
+        ):
+            if command[0] == "export":
+                pytest.importorskip("transformers")
+            assert main(command) == 2
+            err = capsys.readouterr().err
+            assert reason in err and err.count("\n") == 1, err
