@@ -1186,3 +1186,14 @@ def test_train_state_json_is_checked_against_train_state_itself():
     assert "step is missing" in train_state_problem({k: v for k, v in content.items() if k != "step"})
     older = {k: v for k, v in content.items() if k not in ("consecutive_bad_steps", "epoch", "scaler")}
     assert train_state_problem(older) is None  # written before those existed: their defaults apply
+
+
+def test_wrapper_parts_leave_parameter_names_and_nothing_else_does():
+    from llm_trainer.checkpoint.model_folder import clean_name
+
+    assert (
+        clean_name("module._orig_mod.blocks.0._checkpoint_wrapped_module.attn.qkv.weight") == "blocks.0.attn.qkv.weight"
+    )
+    assert clean_name("blocks.0._fsdp_wrapped_module.mlp.fc.weight") == "blocks.0.mlp.fc.weight"
+    assert clean_name("encoder.submodule.weight") == "encoder.submodule.weight"  # a model's own names stay
+    assert clean_name("encoder.module.weight") == "encoder.module.weight"

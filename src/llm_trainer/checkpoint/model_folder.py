@@ -23,14 +23,18 @@ from ..model import Transformer
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "model_config.json"
 MODEL_CLASS = "model_class"  # written instead of the architecture for a model that is not our Transformer
-# Prefixes that wrappers add to parameter names; they never reach a file.
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+# Parts that wrappers add to parameter names; they never reach a file. DDP's `module.` is added in front
+# only (a model's own submodule may be called `module`); the others stand wherever a wrapper does.
+_WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+_OUTER_WRAPPER_PARTS = _WRAPPER_PARTS | {"module"}
 
 
 def clean_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    """A parameter's name without what torch.compile, DDP, FSDP or activation checkpointing added."""
+    parts = name.split(".")
+    while len(parts) > 1 and parts[0] in _OUTER_WRAPPER_PARTS:
+        parts = parts[1:]
+    return ".".join(part for part in parts if part not in _WRAPPER_PARTS)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
