@@ -61,9 +61,8 @@ def cmd_train(args) -> int:
             experiment, training=replace(experiment.training, resume_from_checkpoint=args.resume_from_checkpoint)
         )
     summary = train(experiment)
-    if summary.get("stopped_early", "") and str(summary["stopped_early"]).startswith("received "):
-        return 128 + signal.Signals[str(summary["stopped_early"]).split()[1]].value
-    return 0
+    stopped_by = summary.get("stopped_by_signal")  # the shell's convention: 128 + the signal's number
+    return 128 + signal.Signals[stopped_by].value if stopped_by else 0
 
 
 def _eval_loader(model, tokenizer, experiment: dict, data_file: str | None, batch_size: int):

@@ -178,7 +178,7 @@ class Checkpointer:
             model_state = weights if weights is not None else copied
         step = self.state.step
         best = f"{ckpt.PREFIX}{self.state.best_step:08d}" if self.state.best_step is not None else None
-        model, root, keep_last = self.parallel.model, self.root, self.keep_last
+        model, root, keep_last = self.parallel.module, self.root, self.keep_last
         extra = {"world_size": self.dist.world_size, "strategy": self.dist.strategy}
 
         def write() -> Path:
@@ -206,7 +206,7 @@ class Checkpointer:
         if self.dist.is_main:
             ckpt.save_best_model(
                 self.root,
-                self.parallel.model,
+                self.parallel.module,
                 tokenizer_json=self.tokenizer_json,
                 config=self.config,
                 metrics={**metrics, "step": self.state.step},
