@@ -415,3 +415,32 @@ def test_speed_monitor_reports_throughput_data_wait_and_mfu(tmp_path):
     )  # 6N + 12 L d T, learned positions excluded
     assert row["mfu"] == pytest.approx(expected_flops * measured / 1e9, rel=0.25)
     assert row["peak_memory_mb"] > 10  # the process's resident memory: torch alone is more than this
+
+
+def test_save_checkpoint_before_data_says_what_is_missing(tmp_path):
+    """The checkpointer exists from construction; a checkpoint records the loader's position, so saving
+    before any data is a one-line error, and the same Trainer saves once the data is there."""
+    from llm_trainer.errors import UsageError
+
+    trainer = Trainer(Transformer(tiny_model_config()), _training(tmp_path))
+    assert trainer.checkpointer is not None and trainer.total_steps == 6
+    with pytest.raises(UsageError, match="save_checkpoint needs the training data"):
+        trainer.save_checkpoint()
+    trainer.train(train_dataloader=BatchLoader(WindowRows(_tokens(), 16), 4, shuffle=True, seed=0), num_epochs=1)
+    saved = trainer.save_checkpoint()
+    assert saved.name.endswith("00000006") and (saved / "model.safetensors").is_file()
+
+
+def test_blocks_are_checkpointed_then_compiled_in_place_before_any_wrapper(tmp_path):
+    """parallelize's order: activation checkpointing, then torch.compile of each block (in place: the
+    parameter names stay), then data parallelism; the Trainer's model is the user's own object."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    model = Transformer(tiny_model_config())
+    names = list(model.state_dict())
+    trainer = Trainer(model, _training(tmp_path, compile=True, gradient_checkpointing=True))
+    assert trainer.model is model and trainer.parallel.module is model and trainer.parallel.wrapped is model
+    for block in model.blocks:
+        assert isinstance(block, CheckpointWrapper) and block._compiled_call_impl is not None
+    assert model._compiled_call_impl is None  # the embedding and the head stay eager
+    assert list(model.state_dict()) == names

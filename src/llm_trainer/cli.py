@@ -190,30 +190,18 @@ def cmd_export(args) -> int:
         if found is None:
             raise UsageError(f"{path} holds no checkpoint to export")
         path = found
-    model, tokenizer, _ = load_for_inference(path)  # validates the folder with our own loader first
-    from .checkpoint.format import SHARDED_DIR
+    # The model as load_for_inference gives it (checksums verified, an FSDP checkpoint's shards gathered),
+    # written as a model folder for export_to_hf; the tokenizer file is the checkpoint's own, checked there.
+    model, _, _ = load_for_inference(path)
+    import tempfile
 
-    if (
-        path / SHARDED_DIR / ".metadata"
-    ).is_file():  # an FSDP checkpoint: its shards, gathered above, become a model folder first
-        import tempfile
+    from .checkpoint.model_folder import save_model_folder
+    from .checkpoint.publish import check_target
 
-        from .checkpoint.model_folder import save_model_folder
-
-        with tempfile.TemporaryDirectory(prefix="consolidated-") as folder:
-            save_model_folder(model, folder)
-            tokenizer.save(folder)
-            out = export_to_hf(
-                Path(folder), args.output, tokenizer_file=Path(folder) / "tokenizer.json", overwrite=args.overwrite
-            )
-    else:
-        tokenizer_file = path / "tokenizer.json"
-        out = export_to_hf(
-            path,
-            args.output,
-            tokenizer_file=tokenizer_file if tokenizer_file.is_file() else None,
-            overwrite=args.overwrite,
-        )
+    check_target(Path(args.output), path, args.overwrite)  # against the checkpoint, not the temporary folder
+    with tempfile.TemporaryDirectory(prefix="export-") as folder:
+        save_model_folder(model, folder)
+        out = export_to_hf(Path(folder), args.output, tokenizer_file=path / "tokenizer.json", overwrite=args.overwrite)
     print(f"exported to {out}")
     return 0
 
@@ -257,7 +245,7 @@ def cmd_quickstart(args) -> int:
     return 0
 
 
-# -- watch, tune, keep track (issue 7) ------------------------------------------------------------
+# -- watch, tune, keep track: plots, LR finder, sweeps, registry ------------------------------------------------------------
 
 
 def cmd_plot(args) -> int:
