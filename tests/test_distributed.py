@@ -423,7 +423,7 @@ class PoisonStep4(Callback):
         def hook(module, inputs, output):
             if trainer.state.step == 3 and os.environ["RANK"] == "1" and module.training:
                 return output * float("nan")
-        trainer.raw_model.register_forward_hook(hook)
+        trainer.model.register_forward_hook(hook)
 
 
 original = pipeline.train

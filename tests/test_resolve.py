@@ -69,7 +69,7 @@ def test_pipeline_lr_finder_and_trainer_get_the_same_resolved_run(tmp_path, monk
     assert own.run.experiment is None and own.experiment_config == {"training": run.training.to_dict()}
 
 
-def test_a_trainer_takes_a_config_or_a_resolved_run_not_both(tmp_path):
+def test_a_trainer_given_a_resolved_run_trains_by_its_config(tmp_path):
     from llm_trainer.errors import UsageError
     from llm_trainer.model import Transformer
     from llm_trainer.train.trainer import Trainer
@@ -77,6 +77,8 @@ def test_a_trainer_takes_a_config_or_a_resolved_run_not_both(tmp_path):
     model = Transformer(tiny_model_config())
     run = resolve.resolve_for_model(model, load_experiment(write_tiny_experiment(tmp_path)).training)
     assert Trainer(model, run=run).config is run.training
-    with pytest.raises(UsageError, match="not both"):
-        Trainer(Transformer(tiny_model_config()), run.training, run=run)
+    assert Trainer(Transformer(tiny_model_config()), run.training, run=run).config is run.training
+    other = run.training.__class__(**{**run.training.to_dict(), "learning_rate": 1.0})
+    with pytest.raises(UsageError, match="pass the run alone"):
+        Trainer(Transformer(tiny_model_config()), other, run=run)
     assert run.device == torch.device("cpu")

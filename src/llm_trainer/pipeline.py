@@ -198,6 +198,7 @@ def build_trainer(
     output = Path(run.training.output_dir)
     return trainer_class(
         ready.model,
+        run.training,
         train_dataloader=train_loader,
         val_dataloader=val_loader,
         tokenizer=prepared.tokenizer,

@@ -32,6 +32,7 @@ from ..errors import TrainingStopped, UsageError
 from ..logs import is_main_process, log, warnings_once
 from ..parallel.distributed import all_reduce_
 from ..parallel.parallelize import parallelize
+from ..pipeline import build_trainer  # the pipeline takes the Trainer class as an argument, never imports it
 from ..resolve import ResolvedRun, native_bf16, resolve_for_model, seed_everything
 from .batches import as_loader
 from .callbacks import Callback
@@ -54,9 +55,9 @@ class Trainer:
     iterable of batches; `llm_trainer.train` builds everything from an experiment config instead.
 
     `config`: a `TrainingConfig`, or a dict of its fields (other frameworks' names too; keys it does
-    not know are listed once and kept out). `run`: a `ResolvedRun` (`llm_trainer.resolve`) in place of
-    `config`, as the pipeline passes it; without one the Trainer resolves it from `config` with
-    `resolve_for_model`. The data may come here or to `train()`.
+    not know are listed once and kept out). `run`: a `ResolvedRun` (`llm_trainer.resolve`), as the
+    pipeline passes it (with `config`, if given, its own training config); without one the Trainer
+    resolves it from `config` with `resolve_for_model`. The data may come here or to `train()`.
 
     `model` is the user's module as given (the one to save, evaluate or inspect); what the step calls
     (wrapped for DDP, compiled, or DeepSpeed's engine) is `parallel.wrapped` (see `Parallelism`).
@@ -79,8 +80,8 @@ class Trainer:
     ):
         if run is None:
             run = resolve_for_model(model, _training_config(config), train_dataloader=train_dataloader)
-        elif config is not None:
-            raise UsageError("pass a training config or a resolved run, not both: the run carries its training config")
+        elif config is not None and _training_config(config) != run.training:
+            raise UsageError("config differs from the resolved run's training config; pass the run alone")
         self.run = run
         self.config = config = run.training
         self.dist, self.device, self.amp_dtype = run.dist, run.device, run.amp_dtype
@@ -132,8 +133,6 @@ class Trainer:
     def from_config(cls, model_config, training_config=None, data_config=None, *, callbacks: Iterable[Callback] = ()):
         """The whole pipeline for this (sub)class: prepare the data, size the vocabulary, build the model
         and loaders. Takes the three configs, an `ExperimentConfig`, or a config file's path."""
-        from ..pipeline import build_trainer  # the pipeline passes Trainer subclasses in, never imports them
-
         return build_trainer(model_config, training_config, data_config, callbacks=callbacks, trainer_class=cls)
 
     @property
