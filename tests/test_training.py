@@ -444,3 +444,25 @@ def test_blocks_are_checkpointed_then_compiled_in_place_before_any_wrapper(tmp_p
         assert isinstance(block, CheckpointWrapper) and block._compiled_call_impl is not None
     assert model._compiled_call_impl is None  # the embedding and the head stay eager
     assert list(model.state_dict()) == names
+
+
+def test_a_signal_stops_the_run_and_the_summary_names_it(tmp_path):
+    """SIGTERM mid-run: the step finishes, a checkpoint is saved, and the summary carries the signal as
+    data (the CLI's exit status 128 + its number comes from it)."""
+    import os
+    import signal
+
+    class Term(Callback):
+        def on_step_end(self, trainer, row):
+            if row["step"] == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    loader = BatchLoader(WindowRows(_tokens(), 16), 4, shuffle=True, seed=0)
+    trainer = Trainer(
+        Transformer(tiny_model_config()), _training(tmp_path), train_dataloader=loader, callbacks=[Term()]
+    )
+    summary = trainer.train()
+    assert summary["stopped_by_signal"] == "SIGTERM" and summary["step"] == 2
+    assert summary["checkpoint"] and summary["stopped_early"] == "received SIGTERM"
+    plain = Trainer(Transformer(tiny_model_config()), _training(tmp_path / "plain", max_steps=2)).train(loader)
+    assert "stopped_by_signal" not in plain

@@ -61,8 +61,11 @@ def cmd_train(args) -> int:
             experiment, training=replace(experiment.training, resume_from_checkpoint=args.resume_from_checkpoint)
         )
     summary = train(experiment)
-    stopped_by = summary.get("stopped_by_signal")  # the shell's convention: 128 + the signal's number
-    return 128 + signal.Signals[stopped_by].value if stopped_by else 0
+    stopped_by = summary.get("stopped_by_signal")
+    if stopped_by is None:
+        return 0
+    known = signal.Signals.__members__.get(stopped_by)  # None: a signal another rank received
+    return 128 + known.value if known is not None else 1  # the shell's convention: 128 + the signal's number
 
 
 def _eval_loader(model, tokenizer, experiment: dict, data_file: str | None, batch_size: int):

@@ -311,7 +311,7 @@ class Trainer:
                 val_loss=final_eval["val_loss"] if final_eval else None,
                 perplexity=final_eval["perplexity"] if final_eval else None,
                 time_to_target_s=self.time_to_target_s,
-                stopped_by_signal=self.stop.received if self.stop.signal is not None else None,
+                stopped_by_signal=self.stop.signal,
             ).as_dict()
             self._log_metrics(summary)
             self._log_end(summary)
