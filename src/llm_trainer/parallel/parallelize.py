@@ -8,8 +8,8 @@
 
 Each step wraps what the one before made: a block is checkpointed inside its compiled graph, and FSDP
 shards the compiled block. DeepSpeed takes the place of 2 and 3: its engine takes the model and our
-optimizer (and compiles through the engine). `parallelize` returns the backend's `Parallelism` (see `strategies`), which is
-all the training loop knows of how it runs.
+optimizer (and compiles through the engine). `parallelize` returns the backend's `Parallelism` (see
+`strategies`), which is all the training loop knows of how it runs.
 
 `model.py` stays the plain architecture. Wrappers never change parameter names in files
 (`model_folder.clean_name`). A model built on the meta device is materialised here after sharding,
