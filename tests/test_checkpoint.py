@@ -804,7 +804,7 @@ class Snapshots(Callback):
         self.weights, self.rows = {}, []
 
     def on_step_end(self, trainer, row):
-        self.weights[row["step"]] = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
+        self.weights[row["step"]] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
         self.rows.append(row)
 
 

@@ -247,9 +247,16 @@ def test_resume_at_another_world_size_is_refused(workdir):
     assert result.returncode == 2 and "world size 2" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_world_size_must_match_the_launcher(workdir):
-    result = _single(workdir, "training.world_size=2", check=False)
-    assert result.returncode == 2 and "launcher started 1 process" in result.stderr
+def test_world_size_must_match_the_launcher(workdir, monkeypatch, capsys):
+    """The same one-line error path as the resume test above, in process (no launcher: one process)."""
+    from llm_trainer.cli import main
+
+    monkeypatch.chdir(workdir)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["train", "--config", "exp.yaml", "training.world_size=2"]) == 2
+    err = capsys.readouterr().err
+    assert "launcher started 1 process" in err and "Traceback" not in err
 
 
 def test_a_dead_rank_fails_the_job_instead_of_hanging(workdir):
@@ -417,7 +424,7 @@ class PoisonStep4(Callback):
         def hook(module, inputs, output):
             if trainer.state.step == 3 and os.environ["RANK"] == "1" and module.training:
                 return output * float("nan")
-        trainer.raw_model.register_forward_hook(hook)
+        trainer.model.register_forward_hook(hook)
 
 
 original = pipeline.train

@@ -163,7 +163,7 @@ def test_document_mask_trains_and_evaluates(tmp_path, corpus):
 
     class RecordDocIds(Callback):
         def on_train_begin(self, trainer):
-            trainer.raw_model.register_forward_pre_hook(
+            trainer.model.register_forward_pre_hook(
                 lambda module, args, kwargs: seen.append(kwargs.get("doc_ids")), with_kwargs=True
             )
 

@@ -38,19 +38,19 @@ def wrap(model: nn.Module, training: TrainingConfig, dist_info: DistInfo | None 
         dist=dist_info or DistInfo(),
         device=CPU,
         amp_dtype=amp_dtype(training),
-        activation_checkpointing=activation_checkpointing(training, model.config),
+        activation_checkpointing=activation_checkpointing(training),
         build_optimizer=lambda module: build_optimizer(module, training, CPU),
     )
 
 
 def step_module(parallel: Parallelism) -> nn.Module:
     """What the training step calls (wrapped, compiled or an engine)."""
-    return parallel.forward
+    return parallel.wrapped
 
 
 def bare_module(parallel: Parallelism) -> nn.Module:
     """The model itself, sharded in place under FSDP."""
-    return parallel.model
+    return parallel.module
 
 
 def micro_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -266,5 +266,5 @@ def test_setup_opens_a_gloo_group_for_deepspeed_in_one_process(deepspeed_setup):
     training = TrainingConfig(distributed_strategy="deepspeed")
     info, device = deepspeed_setup(training)
     assert dist.is_initialized() and dist.get_backend() == "gloo" and dist.get_world_size() == 1
-    assert (info.strategy, info.world_size, info.enabled, device) == ("deepspeed", 1, True, CPU)
+    assert (info.strategy, info.world_size, device) == ("deepspeed", 1, CPU)
     assert deepspeed_setup(training)[0] == info  # idempotent

@@ -381,3 +381,54 @@ def test_gradient_checkpointing_and_clipping_and_bf16(tmp_path):
         sum(((model.state_dict()[k] - v) ** 2).sum() for k, v in before.items() if k != "lm_head.weight")
     )
     assert delta.item() == pytest.approx(1e-3, rel=1e-3)  # SGD step of lr 1 moves by exactly the clipped norm
+
+
+def test_save_checkpoint_before_data_says_what_is_missing(tmp_path):
+    """The checkpointer exists from construction; a checkpoint records the loader's position, so saving
+    before any data is a one-line error, and the same Trainer saves once the data is there."""
+    from llm_trainer.errors import UsageError
+
+    trainer = Trainer(Transformer(tiny_model_config()), _training(tmp_path))
+    assert trainer.checkpointer is not None and trainer.total_steps == 6
+    with pytest.raises(UsageError, match="save_checkpoint needs the training data"):
+        trainer.save_checkpoint()
+    trainer.train(train_dataloader=BatchLoader(WindowRows(_tokens(), 16), 4, shuffle=True, seed=0), num_epochs=1)
+    saved = trainer.save_checkpoint()
+    assert saved.name.endswith("00000006") and (saved / "model.safetensors").is_file()
+
+
+def test_blocks_are_checkpointed_then_compiled_in_place_before_any_wrapper(tmp_path):
+    """parallelize's order: activation checkpointing, then torch.compile of each block (in place: the
+    parameter names stay), then data parallelism; the Trainer's model is the user's own object."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    model = Transformer(tiny_model_config())
+    names = list(model.state_dict())
+    trainer = Trainer(model, _training(tmp_path, compile=True, gradient_checkpointing=True))
+    assert trainer.model is model and trainer.parallel.module is model and trainer.parallel.wrapped is model
+    for block in model.blocks:
+        assert isinstance(block, CheckpointWrapper) and block._compiled_call_impl is not None
+    assert model._compiled_call_impl is None  # the embedding and the head stay eager
+    assert list(model.state_dict()) == names
+
+
+def test_a_signal_stops_the_run_and_the_summary_names_it(tmp_path):
+    """SIGTERM mid-run: the step finishes, a checkpoint is saved, and the summary carries the signal as
+    data (the CLI's exit status 128 + its number comes from it)."""
+    import os
+    import signal
+
+    class Term(Callback):
+        def on_step_end(self, trainer, row):
+            if row["step"] == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    loader = BatchLoader(WindowRows(_tokens(), 16), 4, shuffle=True, seed=0)
+    trainer = Trainer(
+        Transformer(tiny_model_config()), _training(tmp_path), train_dataloader=loader, callbacks=[Term()]
+    )
+    summary = trainer.train()
+    assert summary["stopped_by_signal"] == "SIGTERM" and summary["step"] == 2
+    assert summary["checkpoint"] and summary["stopped_early"] == "received SIGTERM"
+    plain = Trainer(Transformer(tiny_model_config()), _training(tmp_path / "plain", max_steps=2)).train(loader)
+    assert "stopped_by_signal" not in plain

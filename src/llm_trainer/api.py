@@ -2,163 +2,39 @@
 
 `prepare_data`, `build_model`, `build_loaders` and `train` are the Python API behind the CLI; each
 step can be replaced by the user's own piece (see `Trainer` for bringing your own model or data).
+The pieces live in `pipeline`; this module adds the default Trainer class and the run lock.
 `load_for_inference` opens any checkpoint, best_model or run folder for eval/generate/export.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
-import torch
-import yaml
-
-from .checkpoint.durable import write_text_atomically
+from . import pipeline
 from .checkpoint.find import find_checkpoint
 from .checkpoint.layout import SHARDED_DIR, holds_dcp_shards
 from .checkpoint.model_folder import load_model_folder, load_model_state, read_model_config
 from .checkpoint.verify import link_outside, verify
-from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
-from .data.loader import BatchLoader, DocumentRows, WindowRows
-from .data.prepare import PreparedData, prepare_data
+from .config import DataConfig, ExperimentConfig, TrainingConfig
+from .data.prepare import prepare_data
 from .errors import UsageError
-from .logs import log, warn
 from .model import Transformer
 from .parallel import distributed, launcher
-from .resolve import resolve, resolve_training, sequence_length, setup_runtime
-from .tokenizer import TOKENIZER_FILE, Tokenizer, vocabulary_mismatch
-from .train.callbacks import Callback
+from .pipeline import build_loaders, build_model, build_rows
+from .tokenizer import Tokenizer
 from .train.run_lock import lock_run_folders
 from .train.trainer import Trainer
 
-__all__ = ["build_model", "prepare_data", "build_loaders", "build_trainer", "train", "load_for_inference"]
-
-
-def build_model(config: ModelConfig, *, meta: bool = False) -> Transformer:
-    """A freshly initialised model, or one continued from `config.init_from`.
-
-    init_from: one of our model folders (a checkpoint, best_model) or a transformers GPT-2/LLaMA
-    folder or hub name. meta=True builds without storage (initialised after sharding, by parallelize).
-    """
-    if config.init_from:
-        return load_init_model(config.init_from)
-    if meta:
-        return Transformer.on_meta(config)
-    return Transformer(config)
-
-
-def load_init_model(path: str) -> Transformer:
-    """The model `model.init_from` names: our model folder, or a transformers folder / hub name."""
-    if (Path(path) / "model_config.json").is_file():
-        return load_model_folder(path)
-    from .hf.interop import import_from_hf
-
-    model, _ = import_from_hf(path)
-    return model
-
-
-def _check_init_vocabulary(init_from: str, tokenizer: Tokenizer) -> None:
-    """Refuse a tokenizer whose ids mean other tokens than the init_from model's embedding rows."""
-    source = Path(init_from) / TOKENIZER_FILE
-    if not source.is_file():
-        warn(
-            f"model.init_from {init_from} has no {TOKENIZER_FILE}: its vocabulary cannot be checked against this "
-            "run's tokenizer; they must number the same tokens alike"
-        )
-        return
-    try:
-        wrong, total = vocabulary_mismatch(source.read_text(encoding="utf-8"), tokenizer.to_json())
-    except (OSError, UnicodeDecodeError, UsageError) as exc:
-        raise UsageError(f"model.init_from: {source} could not be read ({exc})") from None
-    if wrong:
-        raise UsageError(
-            f"model.init_from {init_from} was trained with another vocabulary: {wrong} of this run's {total} tokens "
-            f"are missing from it or have other ids, so they would read the wrong embedding rows; train with its "
-            f"tokenizer (data.tokenizer: {source})"
-        )
-
-
-def build_rows(prepared: PreparedData, split: str, data: DataConfig, length: int, seed: int | None):
-    """The row layout for a split: greedy windows, first-fit bins, or one document per row.
-
-    With data.document_mask the rows also yield (B, L) document ids: batches are (inputs, targets, doc_ids).
-    """
-    tokens = prepared.tokens(split)
-    eot = prepared.tokenizer.eot_id
-    if data.pack_sequences and data.packing_strategy == "greedy":
-        return WindowRows(
-            tokens, length, seed=seed, keep_partial=seed is None, eot_id=eot if data.document_mask else None
-        )
-    return DocumentRows(
-        tokens, prepared.offsets(split), length, pack=data.pack_sequences, pad_id=eot, document_ids=data.document_mask
-    )
-
-
-def build_loaders(
-    experiment: ExperimentConfig, prepared: PreparedData, device: torch.device, rank: int = 0, world_size: int = 1
-):
-    """Training loader (shuffled, seeded, seekable) and validation loader (in order, everything);
-    with several ranks each reads its own part."""
-    length = sequence_length(experiment)
-    t = experiment.training
-    shard = dict(rank=rank, world_size=world_size, device=device)
-    train_rows = build_rows(prepared, "train", experiment.data, length, seed=t.seed)
-    if isinstance(train_rows, DocumentRows):
-        log(
-            f"data: {experiment.data.packing_strategy if experiment.data.pack_sequences else 'unpacked'} rows: "
-            f"{len(train_rows):,} of {length} tokens, {train_rows.padding_fraction():.1%} padding"
-        )
-    if experiment.data.curriculum:  # easy rows first, in stages (see data/curriculum.py)
-        from .data.curriculum import CurriculumLoader, document_difficulty, row_difficulty
-
-        offsets = prepared.offsets("train")
-        difficulty = row_difficulty(
-            train_rows, offsets, document_difficulty(offsets, prepared.scores("train"), experiment.data.curriculum_key)
-        )
-        train_loader = CurriculumLoader(
-            train_rows,
-            t.batch_size,
-            difficulty=difficulty,
-            stages=experiment.data.curriculum,
-            accumulation=t.gradient_accumulation_steps,
-            seed=t.seed,
-            **shard,
-        )
-    else:
-        train_loader = BatchLoader(train_rows, t.batch_size, shuffle=True, seed=t.seed, drop_last=True, **shard)
-    val_loader = None
-    if prepared.manifest["splits"]["val"]["tokens"] > 1:
-        val_rows = build_rows(prepared, "val", experiment.data, length, seed=None)
-        val_loader = BatchLoader(val_rows, t.eval_batch_size or t.batch_size, shuffle=False, drop_last=False, **shard)
-    return train_loader, val_loader
-
-
-class _PlotsAtEnd(Callback):
-    """PNG plots of the run's metrics.jsonl into `{output_dir}/plots` when training ends (rank 0)."""
-
-    def __init__(self, output: Path):
-        self.output = output
-
-    def on_train_end(self, trainer, metrics: dict) -> None:
-        if trainer.dist.is_main:
-            from .tools.plots import plot_runs  # warns, never raises: a plot must not fail a finished run
-
-            plot_runs([self.output], self.output / "plots")
-
-
-def _experiment(config, training: TrainingConfig | None, data: DataConfig | None) -> ExperimentConfig:
-    """An ExperimentConfig from one, from a config file's path, or from the three section configs."""
-    if isinstance(config, ExperimentConfig):
-        return config
-    if isinstance(config, (str, Path)):
-        return load_experiment(config)
-    if isinstance(config, ModelConfig) and data is not None:
-        return ExperimentConfig(model=config, training=training or TrainingConfig(), data=data)
-    raise UsageError(
-        "pass an ExperimentConfig, a config file, or model_config, training_config and data_config "
-        "(the data config says where the text comes from)"
-    )
+__all__ = [
+    "build_model",
+    "build_rows",
+    "prepare_data",
+    "build_loaders",
+    "build_trainer",
+    "train",
+    "load_for_inference",
+]
 
 
 def build_trainer(
@@ -171,38 +47,7 @@ def build_trainer(
 ) -> Trainer:
     """prepare -> resolve -> build model -> `trainer_class(...)`, ready to `.train()`; writes config.yaml and
     the tokenizer into the output folder, and plots at the end of training (`Trainer.from_config` is this)."""
-    experiment = _experiment(config, training, data)
-    if experiment.model.init_from and experiment.data.tokenizer == "bpe":
-        tokenizer_file = Path(experiment.model.init_from) / "tokenizer.json"
-        if tokenizer_file.is_file():  # continued pretraining keeps the model's own tokenizer
-            experiment = _replace_section(experiment, "data", tokenizer=str(tokenizer_file))
-    experiment = dataclasses.replace(experiment, training=resolve_training(experiment.training))
-    sequence_length(experiment)  # a bad length fails before any data is prepared
-    runtime = setup_runtime(experiment.training)
-    if not runtime.dist.is_main:  # rank 0 prepares the data; the others then reuse its cache
-        distributed.barrier()
-    prepared = prepare_data(experiment.data)
-    if runtime.dist.is_main:
-        distributed.barrier()
-    # Built on the meta device and initialised on the target device by the trainer (after sharding
-    # under FSDP): every strategy and world size starts from the same weights for the same seed.
-    loaded = load_init_model(experiment.model.init_from) if experiment.model.init_from else None
-    if loaded is not None:
-        _check_init_vocabulary(experiment.model.init_from, prepared.tokenizer)
-    run = resolve(experiment, prepared.tokenizer, runtime, model_config=loaded.config if loaded else None)
-    model = loaded if loaded is not None else build_model(run.experiment.model, meta=True)
-    train_loader, val_loader = build_loaders(run.experiment, prepared, run.device, run.dist.rank, run.dist.world_size)
-    output = Path(run.training.output_dir)
-    return trainer_class(
-        model,
-        run.training,
-        train_dataloader=train_loader,
-        val_dataloader=val_loader,
-        tokenizer=prepared.tokenizer,
-        callbacks=[_RunFiles(output, run.experiment, prepared.tokenizer), *callbacks, _PlotsAtEnd(output)],
-        run=run,
-        experiment_config={**run.experiment.to_dict(), "data_fingerprint": prepared.manifest["fingerprint"]},
-    )
+    return pipeline.build_trainer(config, training, data, trainer_class=trainer_class, callbacks=callbacks)
 
 
 def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Trainer] = Trainer) -> dict:
@@ -217,25 +62,6 @@ def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Traine
             return build_trainer(experiment, callbacks=callbacks, trainer_class=trainer_class).train()
     finally:
         distributed.teardown()
-
-
-class _RunFiles(Callback):
-    """The run's config.yaml and tokenizer.json, written when the loop starts: after a resume has been
-    accepted, so a refused one (another model shape, another tokenizer) leaves the folder as it was."""
-
-    def __init__(self, output: Path, experiment: ExperimentConfig, tokenizer: Tokenizer):
-        self.output, self.experiment, self.tokenizer = output, experiment, tokenizer
-
-    def on_train_begin(self, trainer) -> None:
-        if trainer.dist.is_main:
-            write_text_atomically(
-                self.output / "config.yaml", yaml.safe_dump(self.experiment.to_dict(), sort_keys=False)
-            )
-            write_text_atomically(self.output / TOKENIZER_FILE, self.tokenizer.to_json())
-
-
-def _replace_section(experiment: ExperimentConfig, section: str, **changes) -> ExperimentConfig:
-    return dataclasses.replace(experiment, **{section: dataclasses.replace(getattr(experiment, section), **changes)})
 
 
 def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transformer, Tokenizer, dict]:

@@ -61,9 +61,11 @@ def cmd_train(args) -> int:
             experiment, training=replace(experiment.training, resume_from_checkpoint=args.resume_from_checkpoint)
         )
     summary = train(experiment)
-    if summary.get("stopped_early", "") and str(summary["stopped_early"]).startswith("received "):
-        return 128 + signal.Signals[str(summary["stopped_early"]).split()[1]].value
-    return 0
+    stopped_by = summary.get("stopped_by_signal")
+    if stopped_by is None:
+        return 0
+    known = signal.Signals.__members__.get(stopped_by)  # None: a signal another rank received
+    return 128 + known.value if known is not None else 1  # the shell's convention: 128 + the signal's number
 
 
 def _eval_loader(model, tokenizer, experiment: dict, data_file: str | None, batch_size: int):
@@ -183,31 +185,22 @@ def cmd_export(args) -> int:
         raise UsageError("export needs transformers: pip install 'llm-trainer[hf]'") from None
     from .api import load_for_inference
     from .checkpoint.find import find_checkpoint
-    from .checkpoint.layout import holds_dcp_shards
 
     path = find_checkpoint(args.checkpoint)
     if path is None:
         raise UsageError(f"{args.checkpoint} holds no checkpoint to export")
-    model, tokenizer, _ = load_for_inference(path)  # validates the folder with our own loader first
-    if holds_dcp_shards(path):  # an FSDP checkpoint: its shards, gathered above, become a model folder first
-        import tempfile
+    # The model as load_for_inference gives it (checksums verified, an FSDP checkpoint's shards gathered),
+    # written as a model folder for export_to_hf; the tokenizer file is the checkpoint's own, checked there.
+    model, _, _ = load_for_inference(path)
+    import tempfile
 
-        from .checkpoint.model_folder import save_model_folder
+    from .checkpoint.model_folder import save_model_folder
+    from .checkpoint.publish import check_target
 
-        with tempfile.TemporaryDirectory(prefix="consolidated-") as folder:
-            save_model_folder(model, folder)
-            tokenizer.save(folder)
-            out = export_to_hf(
-                Path(folder), args.output, tokenizer_file=Path(folder) / "tokenizer.json", overwrite=args.overwrite
-            )
-    else:
-        tokenizer_file = path / "tokenizer.json"
-        out = export_to_hf(
-            path,
-            args.output,
-            tokenizer_file=tokenizer_file if tokenizer_file.is_file() else None,
-            overwrite=args.overwrite,
-        )
+    check_target(Path(args.output), path, args.overwrite)  # against the checkpoint, not the temporary folder
+    with tempfile.TemporaryDirectory(prefix="export-") as folder:
+        save_model_folder(model, folder)
+        out = export_to_hf(Path(folder), args.output, tokenizer_file=path / "tokenizer.json", overwrite=args.overwrite)
     print(f"exported to {out}")
     return 0
 
@@ -251,7 +244,7 @@ def cmd_quickstart(args) -> int:
     return 0
 
 
-# -- watch, tune, keep track (issue 7) ------------------------------------------------------------
+# -- watch, tune, keep track: plots, LR finder, sweeps, registry ------------------------------------------------------------
 
 
 def cmd_plot(args) -> int:

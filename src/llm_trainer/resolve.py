@@ -1,13 +1,18 @@
 """The run, resolved once: every value that depends on more than one config section, or on the
-machine, is decided here and read from here.
+machine, is decided here and read from here, in one frozen `ResolvedRun` the Trainer always receives.
 
-    runtime = setup_runtime(experiment.training)        # device, process group, autocast dtype
-    prepared = prepare_data(experiment.data)             # the tokenizer comes from the data
-    run = resolve(experiment, prepared.tokenizer, runtime)
+Two ways to get one:
+
+* `pipeline.prepare_run(experiment)`: llm_trainer's own pipeline (the CLI, `train`, `build_trainer`,
+  the LR finder). It runs `resolve_experiment` (training config as the run uses it), `setup_runtime`,
+  prepares the data for the tokenizer, then `resolve_run`.
+* `resolve_for_model(model, training, train_dataloader=...)`: a bring-your-own model and loaders
+  (what `Trainer(model, config, ...)` does when it is given no run).
 
 `run.experiment` is the experiment as trained: the model's presets filled in and `vocab_size` taken
-from the tokenizer. `run.seq_len`, `run.vocab_size`, `run.device`, `run.dist` and `run.amp_dtype`
-are the only answers to those questions; nothing downstream recomputes them.
+from the tokenizer. `run.training`, `run.seq_len`, `run.device`, `run.dist`, `run.amp_dtype` and
+`run.activation_checkpointing` are the only answers to those questions; nothing downstream
+recomputes them.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ def cpu_computes_bf16() -> bool:
 
 
 def amp_dtype(training: TrainingConfig) -> torch.dtype | None:
-    """The autocast dtype, or None when training in float32."""
+    """The autocast dtype, or None when training in float32 (`training` with use_amp decided)."""
+    assert training.use_amp != "auto", "use_amp=auto is decided by resolve_amp first"
     if not training.use_amp:
         return None
     return torch.bfloat16 if training.amp_dtype == "bfloat16" else torch.float16
@@ -133,10 +139,7 @@ def resolve_training(training: TrainingConfig) -> TrainingConfig:
     """The training config as the run uses it: under DeepSpeed, the file's own batch sizes, clipping,
     precision, optimizer and schedule folded in (`deepspeed_engine.merge_into_training`), before the
     optimizer, the schedule or the loaders are built from it."""
-    if training.use_amp == "auto":  # bf16 where the device computes it natively (measured: bench/cpu_bf16.py)
-        training = dataclasses.replace(
-            training, use_amp=native_bf16(resolve_device(training.device)), amp_dtype="bfloat16"
-        )
+    training = resolve_amp(training, resolve_device(training.device))
     if training.distributed_strategy != "deepspeed" or training.deepspeed_config is None:
         return training
     from .parallel.deepspeed_engine import merge_into_training
@@ -144,11 +147,18 @@ def resolve_training(training: TrainingConfig) -> TrainingConfig:
     return merge_into_training(training, launcher.world_size(), resolve_device(training.device))
 
 
+def resolve_amp(training: TrainingConfig, device: torch.device) -> TrainingConfig:
+    """`use_amp: auto` decided for `device`: bf16 autocast where it computes bf16 natively, else float32."""
+    if training.use_amp != "auto":
+        return training
+    return dataclasses.replace(training, use_amp=native_bf16(device), amp_dtype="bfloat16")
+
+
 def native_bf16(device: torch.device) -> bool:
     """bf16 autocast trains faster than float32 here: a CUDA GPU with bf16, or a CPU with AVX512-BF16/AMX
-    (on such a CPU 0.66x the step time of float32 at width 128, 0.36x at 512: bench/cpu_bf16.py)."""
+    (measured in bench/cpu_bf16.py; figures in bench/README.md)."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     return device.type == "cpu" and cpu_computes_bf16()
 
 
@@ -179,18 +189,21 @@ def local_runtime(training: TrainingConfig) -> Runtime:
 
 @dataclass(frozen=True)
 class ResolvedRun:
-    experiment: ExperimentConfig  # model resolved: presets filled, vocab_size set
-    seq_len: int
-    vocab_source: str  # where vocab_size came from
+    """Everything the Trainer reads about the run, decided once (see the module docstring)."""
+
+    training: TrainingConfig  # use_amp decided, a DeepSpeed file folded in, token anchors turned into steps
     runtime: Runtime
+    seq_len: int | None  # tokens per row; None: a user's loader that does not say
+    activation_checkpointing: bool
+    experiment: ExperimentConfig | None = None  # llm_trainer's pipeline: the model resolved (presets, vocab_size)
+    vocab_source: str | None = None  # where vocab_size came from (with `experiment`)
+
+    def __post_init__(self):
+        assert self.experiment is None or self.experiment.training is self.training, "one training config"
 
     @property
-    def training(self) -> TrainingConfig:
-        return self.experiment.training
-
-    @property
-    def vocab_size(self) -> int:
-        return self.experiment.model.vocab_size  # type: ignore[return-value]
+    def vocab_size(self) -> int | None:
+        return self.experiment.model.vocab_size if self.experiment is not None else None
 
     @property
     def device(self) -> torch.device:
@@ -204,16 +217,27 @@ class ResolvedRun:
     def amp_dtype(self) -> torch.dtype | None:
         return self.runtime.amp_dtype
 
-    @property
-    def activation_checkpointing(self) -> bool:
-        return activation_checkpointing(self.training)
+    def config_dict(self) -> dict:
+        """The run's configuration as checkpoints record it: the experiment, or the training section alone."""
+        if self.experiment is not None:
+            return self.experiment.to_dict()
+        return {"training": self.training.to_dict()}
 
 
-def resolve(
+def resolve_experiment(experiment: ExperimentConfig) -> ExperimentConfig:
+    """The experiment with its training config as the run uses it (`resolve_training`); a sequence length
+    longer than the model's context fails here, before any data is prepared."""
+    experiment = dataclasses.replace(experiment, training=resolve_training(experiment.training))
+    sequence_length(experiment)
+    return experiment
+
+
+def resolve_run(
     experiment: ExperimentConfig, tokenizer, runtime: Runtime, model_config: ModelConfig | None = None
 ) -> ResolvedRun:
-    """Fix everything that depends on the tokenizer and the machine. `model_config`: the architecture
-    of the model loaded with model.init_from, which replaces the experiment's model section."""
+    """Fix everything that depends on the tokenizer and the machine (`experiment` from
+    `resolve_experiment`). `model_config`: the architecture of the model loaded with model.init_from,
+    which replaces the experiment's model section."""
     model = (
         experiment.model
         if model_config is None
@@ -226,9 +250,28 @@ def resolve(
         source = f"model.init_from ({experiment.model.init_from})"
     model = dataclasses.replace(model.resolved(), vocab_size=size)
     training = token_anchors(experiment.training, seq_len, runtime.dist.world_size)
+    experiment = dataclasses.replace(experiment, model=model, training=training)
     return ResolvedRun(
-        experiment=dataclasses.replace(experiment, model=model, training=training),
-        seq_len=seq_len,
-        vocab_source=source,
+        training=training,
         runtime=runtime,
+        seq_len=seq_len,
+        activation_checkpointing=activation_checkpointing(training),
+        experiment=experiment,
+        vocab_source=source,
+    )
+
+
+def resolve_for_model(model, training: TrainingConfig, *, train_dataloader=None) -> ResolvedRun:
+    """The run of a bring-your-own model and loaders: the training config as the run uses it, the
+    device and process group, and run lengths in tokens turned into steps from the rows' length
+    (which llm_trainer's loaders know; a user's loader without it cannot use token anchors)."""
+    training = resolve_training(training)
+    runtime = setup_runtime(training)
+    seq_len = getattr(getattr(train_dataloader, "rows", None), "length", None)
+    training = token_anchors(training, seq_len, runtime.dist.world_size)
+    return ResolvedRun(
+        training=training,
+        runtime=runtime,
+        seq_len=seq_len,
+        activation_checkpointing=activation_checkpointing(training),
     )

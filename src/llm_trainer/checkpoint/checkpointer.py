@@ -182,7 +182,7 @@ class Checkpointer:
             model_state = weights if weights is not None else copied
         step = self.state.step
         best = checkpoint_name(self.state.best_step) if self.state.best_step is not None else None
-        model, root, keep_last, kind = self.parallel.model, self.root, self.keep_last, self.parallel.checkpoint_kind
+        model, root, keep_last, kind = self.parallel.module, self.root, self.keep_last, self.parallel.checkpoint_kind
         extra = {"world_size": self.dist.world_size, "strategy": self.dist.strategy}
 
         def write() -> Path:
@@ -211,7 +211,7 @@ class Checkpointer:
         if self.dist.is_main:
             save_best_model(
                 self.root,
-                self.parallel.model,
+                self.parallel.module,
                 tokenizer_json=self.tokenizer_json,
                 config=self.config,
                 metrics={**metrics, "step": self.state.step},

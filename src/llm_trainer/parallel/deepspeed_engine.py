@@ -6,7 +6,7 @@ schedule sets its learning rate, and `managed_gradient_accumulation: false` lets
 micro-batches: DeepSpeed reduces gradients and steps when the loop calls `step()`, once per step.
 
 The user's `deepspeed_config` (a JSON file or an inline dict, e.g. the usual ZeRO-2/ZeRO-3 files, or
-a guide's file with a concrete optimizer and scheduler) is honoured as written: before anything is
+a file with a concrete optimizer and scheduler) is honoured as written: before anything is
 built, `merge_into_training` folds what it decides that TrainingConfig also holds (micro batch,
 accumulation, total batch, clipping, fp16/bf16, AdamW's lr/betas/eps/weight_decay, WarmupLR /
 WarmupDecayLR / WarmupCosineLR) into the training config; a field the training config sets to

@@ -29,10 +29,6 @@ class DistInfo:
     strategy: str = "single"  # single, ddp, fsdp, deepspeed
 
     @property
-    def enabled(self) -> bool:
-        return self.world_size > 1 or self.strategy == "deepspeed"
-
-    @property
     def is_main(self) -> bool:
         return self.rank == 0
 

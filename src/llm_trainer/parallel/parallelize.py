@@ -1,13 +1,15 @@
 """Everything applied to the model from outside, in one place and one fixed order:
 
     1. activation checkpointing, per transformer block
-    2. data parallelism: DDP, or FSDP2 (`fully_shard` per block, then the root)
-    3. the optimizer, over the (sharded) parameters
-    4. torch.compile of the whole (wrapped) model
+    2. torch.compile, per transformer block (the blocks repeat, so one compiled graph serves them
+       all; a model without `.blocks` is compiled whole, in place)
+    3. data parallelism: DDP, or FSDP2 (`fully_shard` per block, then the root)
+    4. the optimizer, over the (sharded) parameters
 
-DeepSpeed takes the place of 2 and 4: its engine takes the model and our optimizer (and compiles
-through the engine). `parallelize` returns the backend's `Parallelism` (see `strategies`), which is
-all the training loop knows of how it runs.
+Each step wraps what the one before made: a block is checkpointed inside its compiled graph, and FSDP
+shards the compiled block. DeepSpeed takes the place of 2 and 3: its engine takes the model and our
+optimizer (and compiles through the engine). `parallelize` returns the backend's `Parallelism` (see
+`strategies`), which is all the training loop knows of how it runs.
 
 `model.py` stays the plain architecture. Wrappers never change parameter names in files
 (`model_folder.clean_name`). A model built on the meta device is materialised here after sharding,
@@ -39,6 +41,15 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         return
     for i, block in enumerate(blocks):
         blocks[i] = checkpoint_wrapper(block, preserve_rng_state=True)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each transformer block, or the whole model when it has no `.blocks`. In place
+    (`nn.Module.compile`): the modules and their parameter names stay as they are, so state dicts and
+    resumes see the same model; FSDP's hooks, added afterwards, run outside the compiled graphs."""
+    blocks = getattr(model, "blocks", None)
+    for module in blocks if blocks is not None else [model]:
+        module.compile()
 
 
 def apply_fsdp(model: nn.Module, config: TrainingConfig, device: torch.device, amp_dtype: torch.dtype | None) -> None:
@@ -119,11 +130,13 @@ def parallelize(
         )
     if activation_checkpointing:
         apply_activation_checkpointing(model)
+    if config.compile and dist.strategy != "deepspeed":
+        apply_compile(model)
     on_meta = any(p.is_meta for p in model.parameters())
     common = dict(dist=dist, device=device, amp_dtype=amp_dtype)
     if dist.strategy == "fsdp":
         apply_fsdp(model, config, device, amp_dtype)
-    if on_meta:  # built without storage (see api.build_model): allocate and initialise here, after sharding
+    if on_meta:  # built without storage (see pipeline.build_model): allocate and initialise here, after sharding
         materialize(model, device)
     if dist.strategy != "fsdp":
         model.to(device)
@@ -135,20 +148,15 @@ def parallelize(
 
         engine = deepspeed_engine.wrap(model, optimizer, config, dist.world_size, device)
         return DeepSpeed(model, engine, optimizer, **common)
-    forward: nn.Module = model
-    ddp = None
+    if dist.strategy == "fsdp":
+        return FSDP(model, model, optimizer, **common)
     if dist.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        forward = ddp = DistributedDataParallel(
+        ddp = DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             find_unused_parameters=config.ddp_find_unused_parameters,
         )
-    if config.compile:
-        forward = torch.compile(forward)
-    if dist.strategy == "fsdp":
-        return FSDP(model, forward, optimizer, **common)
-    if ddp is not None:
-        return DDP(model, forward, optimizer, ddp=ddp, **common)
-    return Parallelism(model, forward, optimizer, **common)
+        return DDP(model, ddp, optimizer, ddp=ddp, **common)
+    return Parallelism(model, model, optimizer, **common)

@@ -15,6 +15,15 @@ The loop and the Checkpointer call these methods and never ask which backend run
 
 `Parallelism` is one process (and the base of the others); `DDP`, `FSDP` and `DeepSpeed` change
 only what differs.
+
+The model, under two names:
+
+    module    the bare model, the user's own object (sharded in place under FSDP, its blocks wrapped for
+              activation checkpointing or compiled): state dicts, evaluation, checkpoints
+    wrapped   what the training step calls: `module` itself, its DistributedDataParallel wrapper, or
+              DeepSpeed's engine
+
+`Trainer.model` is `module`.
 """
 
 from __future__ import annotations
@@ -40,25 +49,21 @@ class Parallelism:
 
     def __init__(
         self,
-        model: nn.Module,
-        forward: nn.Module,
+        module: nn.Module,
+        wrapped: nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
         dist: DistInfo,
         device: torch.device,
         amp_dtype: torch.dtype | None,
     ):
-        self.model = model  # the bare module (sharded in place under FSDP): state dicts, evaluation
-        self.forward = forward  # what the step calls: possibly compiled, wrapped, or DeepSpeed's engine
+        self.module = module  # the bare model (see the module docstring)
+        self.wrapped = wrapped  # what the step calls
         self.optimizer = optimizer
         self.dist, self.device = dist, device
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for p in module.parameters() if p.requires_grad]
         # fp16 on CUDA needs loss scaling; bf16 and CPU autocast do not.
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16 and device.type == "cuda")
-
-    @property
-    def strategy(self) -> str:
-        return self.dist.strategy
 
     def parameter_count(self) -> int:
         """Trainable parameters of the whole model (also where this rank holds only a partition)."""
@@ -100,7 +105,7 @@ class Parallelism:
     def live_tensors(self) -> tuple[dict[str, torch.Tensor] | None, Any]:
         """(the module's own weights, the optimizer state) as live references, for a checkpoint to copy
         or write; None for a part that `full_state_dict` or `save_shards` supplies instead."""
-        return model_tensors(self.model), self.optimizer.state_dict()
+        return model_tensors(self.module), self.optimizer.state_dict()
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return None
@@ -120,7 +125,7 @@ class Parallelism:
                 f"{path} is a sharded FSDP checkpoint; resume it with distributed_strategy: fsdp, "
                 "or turn it into a model folder with `llm-trainer consolidate`"
             )
-        load_model_state(self.model, parts["model"], str(path))
+        load_model_state(self.module, parts["model"], str(path))
         try:
             self.optimizer.load_state_dict(parts["optimizer"])
         except (ValueError, KeyError) as exc:
@@ -130,8 +135,8 @@ class Parallelism:
 class DDP(Parallelism):
     """DistributedDataParallel: every rank holds the whole model; gradients are all-reduced in backward."""
 
-    def __init__(self, model: nn.Module, forward: nn.Module, optimizer, *, ddp: nn.Module, **kwargs):
-        super().__init__(model, forward, optimizer, **kwargs)
+    def __init__(self, module: nn.Module, wrapped: nn.Module, optimizer, *, ddp: nn.Module, **kwargs):
+        super().__init__(module, wrapped, optimizer, **kwargs)
         self.ddp = ddp
 
     @contextlib.contextmanager
@@ -153,7 +158,7 @@ class FSDP(Parallelism):
     def no_sync(self, last: bool):
         # FSDP2 reads the flag in backward, which the step runs after this block: set it for this
         # micro-batch and leave it (each micro-batch sets its own; the last one turns sync back on)
-        self.model.set_requires_gradient_sync(last)
+        self.module.set_requires_gradient_sync(last)
         yield
 
     def live_tensors(self):
@@ -162,19 +167,19 @@ class FSDP(Parallelism):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         from ..checkpoint.sharded import full_model_state
 
-        return full_model_state(self.model)
+        return full_model_state(self.module)
 
     def save_shards(self, folder: Path) -> None:
         from ..checkpoint.sharded import save_sharded
 
-        save_sharded(self.model, self.optimizer, folder)
+        save_sharded(self.module, self.optimizer, folder)
 
     def load(self, parts: dict[str, Any], path: Path) -> None:
         if parts["model"] is not None or parts["meta"].get("kind") == layout.DEEPSPEED.name:
             return super().load(parts, path)
         from ..checkpoint.sharded import load_sharded
 
-        load_sharded(self.model, self.optimizer, parts["sharded"])
+        load_sharded(self.module, self.optimizer, parts["sharded"])
 
 
 class DeepSpeed(Parallelism):
@@ -183,8 +188,8 @@ class DeepSpeed(Parallelism):
 
     checkpoint_kind = layout.DEEPSPEED
 
-    def __init__(self, model: nn.Module, engine, optimizer, **kwargs):
-        super().__init__(model, engine, optimizer, **kwargs)
+    def __init__(self, module: nn.Module, engine, optimizer, **kwargs):
+        super().__init__(module, engine, optimizer, **kwargs)
         self.engine = engine
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=False)  # DeepSpeed scales fp16 losses itself
 
@@ -206,7 +211,7 @@ class DeepSpeed(Parallelism):
         from . import deepspeed_engine
 
         gathered = deepspeed_engine.zero_stage(self.engine) == 3
-        return (None if gathered else model_tensors(self.model)), None  # optimizer state: DeepSpeed's files
+        return (None if gathered else model_tensors(self.module)), None  # optimizer state: DeepSpeed's files
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         from . import deepspeed_engine

@@ -43,6 +43,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
 from .. import resolve
 from ..config import ExperimentConfig, ModelConfig, TrainingConfig
 from ..resolve import activation_checkpointing, sequence_length
@@ -57,6 +59,11 @@ SHARDING = ("none", "zero1", "zero2", "fsdp")
 # Memory
 
 
+def _precision(training: TrainingConfig, device_type: str) -> TrainingConfig:
+    """`training` with use_amp decided as a run on `device_type` here would decide it (`use_amp: auto`)."""
+    return resolve.resolve_amp(training, torch.device(device_type))
+
+
 def _act_bytes(training: TrainingConfig) -> int:
     return 2 if training.use_amp else 4
 
@@ -66,6 +73,7 @@ def activation_bytes_per_token(
 ) -> dict[str, float]:
     """Bytes autograd keeps per token: `per_layer` (one block), `embedding` (ids, final norm, head input)
     and `head` (the saved fp32 log-softmax). Checked against the tensors autograd actually saves."""
+    training = _precision(training, device_type)
     c = model_config.resolved()
     d, f, kv = c.d_model, c.d_ff, c.n_kv_heads * c.head_dim
     a, r = _act_bytes(training), 4  # activation bytes; residual stream and norm inputs stay fp32
@@ -136,6 +144,7 @@ def estimate_memory(
     device_type: str = "cuda",
 ) -> MemoryEstimate:
     """Per-device memory of one training step of our trainer (see the module docstring for the model)."""
+    training = _precision(training, device_type)
     if sharding not in SHARDING:
         raise ValueError(f"sharding must be one of {', '.join(SHARDING)}, got {sharding!r}")
     if world_size < 1:
@@ -235,13 +244,13 @@ def estimate_report(
     else:
         vocab, source = resolve.vocab_size(experiment)
     model_config = dataclasses.replace(experiment.model, vocab_size=vocab).resolved()
-    training = experiment.training
+    device_type = "cpu" if experiment.training.device == "cpu" else "cuda"
+    training = _precision(experiment.training, device_type)
     seq_len = sequence_length(experiment)
     counts = count_parameters(model_config)
     fpt = flops_per_token(model_config, seq_len)
     micro = batch_size or training.batch_size
     tokens_per_step = micro * seq_len * training.gradient_accumulation_steps * world_size
-    device_type = "cpu" if training.device == "cpu" else "cuda"
     mem = estimate_memory(
         model_config,
         training,

@@ -12,7 +12,6 @@ Python random states are restored afterwards, and no checkpoint or metrics file 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from ..checkpoint.model_folder import unwrap
 from ..config import TrainingConfig
 from ..parallel.distributed import DistInfo
 from ..parallel.strategies import Parallelism
-from ..resolve import amp_dtype
+from ..resolve import amp_dtype, resolve_amp
 from ..train.batches import as_loader
 from ..train.optim import build_optimizer, set_learning_rate
 from ..train.step import autocast, train_step
@@ -117,7 +116,7 @@ def find_lr(
         work = copy.deepcopy(original).to(device)
         work.train()
         optimizer = build_optimizer(work, training, device)
-        dtype = amp_dtype(training)
+        dtype = amp_dtype(resolve_amp(training, device))
         parallel = Parallelism(work, work, optimizer, dist=DistInfo(), device=device, amp_dtype=dtype)
         mixed = autocast(device, dtype)
         ratio = (end_lr / start_lr) ** (1.0 / (num_steps - 1))
@@ -165,16 +164,12 @@ def find_lr(
 def run_lr_finder(experiment, *, start_lr: float, end_lr: float, num_steps: int, plot_path=None) -> LRFinderResult:
     """What `llm-trainer lr-find` does: data, tokenizer and a freshly initialised model exactly as
     `train` would build them, then `find_lr`; writes only the plot (and the shared data cache)."""
-    from ..api import build_loaders, build_model, prepare_data
-    from ..resolve import local_runtime, resolve, resolve_training, seed_everything, sequence_length
+    from ..pipeline import prepare_run
 
-    experiment = dataclasses.replace(experiment, training=resolve_training(experiment.training))
-    sequence_length(experiment)
-    prepared = prepare_data(experiment.data)
-    run = resolve(experiment, prepared.tokenizer, local_runtime(experiment.training))
-    seed_everything(run.training.seed)
-    model = build_model(run.experiment.model)
-    train_loader, _ = build_loaders(run.experiment, prepared, run.device)
+    ready = prepare_run(experiment, local=True, meta=False)
+    run = ready.run
+    model = ready.model
+    train_loader, _ = ready.loaders()
     result = find_lr(
         model,
         train_loader,

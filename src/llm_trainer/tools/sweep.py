@@ -281,10 +281,11 @@ def run_sweep(
                 trial.set_user_attr("error", str(exc))
                 log(f"sweep: trial {trial.number} diverged")
                 return float("inf")
-            stopped = str(summary.get("stopped_early") or "")
-            if stopped.startswith("received "):  # SIGINT/SIGTERM: the run saved and stopped; so does the sweep
+            stopped_by = summary.get("stopped_by_signal")
+            if stopped_by is not None:  # SIGINT/SIGTERM: the run saved and stopped; so does the sweep
                 raise SweepInterrupted(
-                    f"sweep interrupted during trial {trial.number} ({stopped}); rerun the same command to resume"
+                    f"sweep interrupted during trial {trial.number} (received {stopped_by}); rerun the same "
+                    "command to resume"
                 )
             value = summary.get("best_val_loss")
             if value is None:

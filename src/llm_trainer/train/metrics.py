@@ -16,8 +16,8 @@ values (`scalar_items`):
     custom row     key        -> key (`metrics_tracker.update({"custom/accuracy": x}, step)`)
     any row        a key with "/" (e.g. custom/accuracy from a Trainer subclass) is kept as it is
 
-TensorBoard writes to `{checkpoint_dir}/logs` when training.checkpoint_dir is set (the training
-guide's `tensorboard --logdir ./checkpoints/logs`), else to `{output_dir}/tensorboard`.
+TensorBoard writes to `{checkpoint_dir}/logs` when training.checkpoint_dir is set (so that
+`tensorboard --logdir ./checkpoints/logs` finds it beside the checkpoints), else to `{output_dir}/tensorboard`.
 """
 
 from __future__ import annotations
@@ -305,7 +305,7 @@ class MLflowLogger:
 
 
 def tensorboard_dir(training: TrainingConfig) -> Path:
-    """`{checkpoint_dir}/logs` when checkpoint_dir is set, as the training guide has it; else
+    """`{checkpoint_dir}/logs` when checkpoint_dir is set (the logs beside the checkpoints); else
     `{output_dir}/tensorboard`."""
     if training.checkpoint_dir:
         return Path(training.checkpoint_dir) / "logs"
@@ -348,7 +348,7 @@ def build_loggers(
 
 class MetricsTracker:
     """The run's backends as one object. The loop logs its rows with `log(row)`; a user's own values go
-    through `update(values, step)` (the training guide's `self.metrics_tracker.update(custom_metrics,
+    through `update(values, step)` (in a Trainer subclass: `self.metrics_tracker.update(custom_metrics,
     self.current_step)`) as a row of kind "custom"."""
 
     def __init__(self) -> None:

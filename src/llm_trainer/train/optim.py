@@ -31,8 +31,8 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, config: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
-    # Fused kernels on CUDA and CPU (on CPU 2-3x faster than foreach for small models); both also let the
-    # loop skip a non-finite step on the device, without a host sync (see parallel.strategies).
+    # Fused kernels on CUDA and CPU (on CPU faster than foreach for small models; bench/README.md); both
+    # also let the loop skip a non-finite step on the device, without a host sync (see parallel.strategies).
     fused = device.type in ("cuda", "cpu")
     if config.optimizer == "muon":
         return MuonAdamW(

@@ -79,6 +79,7 @@ class SummaryRow(_Row):
     val_loss: float | None = None  # the final evaluation
     perplexity: float | None = None
     time_to_target_s: float | None = None  # seconds from the start of train() to target_val_loss
+    stopped_by_signal: str | None = None  # the signal the run stopped for: its name (SIGTERM), or another rank's
 
 
 def custom_row(step: int, values: dict) -> dict:

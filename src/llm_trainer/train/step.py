@@ -56,7 +56,7 @@ def train_step(
     last = len(micro_batches) - 1
     for i, (inputs, targets, *doc_ids) in enumerate(micro_batches):  # doc_ids with data.document_mask
         with parallel.no_sync(last=i == last), autocast:
-            nll = batch_nll(parallel.forward, inputs, targets, *doc_ids)
+            nll = batch_nll(parallel.wrapped, inputs, targets, *doc_ids)
         parallel.backward(nll * world / n_targets)
         loss_sum += nll.detach().float()
     shared = None

@@ -1,14 +1,13 @@
 """The training loop.
 
-`Trainer.__init__` is setup: where it runs, the model wrapped for its backend (`parallelize`), the
-loaders, the checkpointer. `Trainer.train` is the loop, top to bottom: set the learning rate, one
+`Trainer.__init__` is setup: the resolved run (where it runs, in what precision), the model wrapped
+for its backend (`parallelize`), the checkpointer, the loaders when given. `Trainer.train` is the loop, top to bottom: set the learning rate, one
 `train_step` over the micro-batches, log, evaluate, checkpoint. It never asks which backend runs:
 the `Parallelism` object and the `Checkpointer` answer for it. Everything a resumed run needs (the
 `TrainState` counters, the loader's position, optimizer, RNGs) goes into every checkpoint.
 
 Two ways in: ours, `Trainer(model, config, train_dataloader=..., val_dataloader=...).train()`, and the
-Hugging Face style of the Hindi trainer guide, `Trainer(model=..., tokenizer=..., config={...})`
-then `.train(train_dataloader=..., val_dataloader=..., num_epochs=...)` (`config` a dict or a
+Hugging Face style, `Trainer(model=..., tokenizer=..., config={...})` then `.train(train_dataloader=..., val_dataloader=..., num_epochs=...)` (`config` a dict or a
 `TrainingConfig`). `Trainer.from_config(model_config, training_config, data_config)` builds the whole
 pipeline (prepare, vocabulary, model, loaders) for a subclass.
 """
@@ -33,15 +32,8 @@ from ..errors import TrainingStopped, UsageError
 from ..logs import is_main_process, log, warnings_once
 from ..parallel.distributed import all_reduce_
 from ..parallel.parallelize import parallelize
-from ..resolve import (
-    ResolvedRun,
-    activation_checkpointing,
-    native_bf16,
-    resolve_training,
-    seed_everything,
-    setup_runtime,
-    token_anchors,
-)
+from ..pipeline import build_trainer  # the pipeline takes the Trainer class as an argument, never imports it
+from ..resolve import ResolvedRun, native_bf16, resolve_for_model, seed_everything
 from .batches import as_loader
 from .callbacks import Callback
 from .evaluate import evaluate
@@ -63,9 +55,12 @@ class Trainer:
     iterable of batches; `llm_trainer.train` builds everything from an experiment config instead.
 
     `config`: a `TrainingConfig`, or a dict of its fields (other frameworks' names too; keys it does
-    not know are listed once and kept out). `run`: the resolved run (`llm_trainer.resolve`) when the
-    caller has one; otherwise the Trainer resolves the device, process group and precision from
-    `config` itself. The data may come here or to `train()`.
+    not know are listed once and kept out). `run`: a `ResolvedRun` (`llm_trainer.resolve`), as the
+    pipeline passes it (with `config`, if given, its own training config); without one the Trainer
+    resolves it from `config` with `resolve_for_model`. The data may come here or to `train()`.
+
+    `model` is the user's module as given (the one to save, evaluate or inspect); what the step calls
+    (wrapped for DDP, compiled, or DeepSpeed's engine) is `parallel.wrapped` (see `Parallelism`).
 
     For subclasses: `_log_metrics(row)` sees every row the backends get; `self.metrics_tracker.update(
     {"custom/x": value}, self.current_step)` logs values of your own to the same backends.
@@ -83,37 +78,30 @@ class Trainer:
         experiment_config: dict | None = None,
         run: ResolvedRun | None = None,
     ):
-        config = _training_config(config)
         if run is None:
-            config = resolve_training(config)  # a DeepSpeed file's own values, as the run will use them
-        runtime = run.runtime if run is not None else setup_runtime(config)
-        if run is None:  # run lengths in tokens need the rows' length, which our loaders know
-            config = token_anchors(
-                config, getattr(getattr(train_dataloader, "rows", None), "length", None), runtime.dist.world_size
-            )
-        self.config = config
-        self.dist, self.device, self.amp_dtype = runtime.dist, runtime.device, runtime.amp_dtype
+            run = resolve_for_model(model, _training_config(config), train_dataloader=train_dataloader)
+        elif config is not None and _training_config(config) != run.training:
+            raise UsageError("config differs from the resolved run's training config; pass the run alone")
+        self.run = run
+        self.config = config = run.training
+        self.dist, self.device, self.amp_dtype = run.dist, run.device, run.amp_dtype
         seed_everything(config.seed)  # before parallelize: a meta-device model is initialised there
         self.tokenizer = tokenizer
         self.callbacks = list(callbacks)
-        self.experiment_config = experiment_config or (
-            run.experiment.to_dict() if run else {"training": config.to_dict()}
-        )
+        self.experiment_config = experiment_config or run.config_dict()
         self.output_dir = Path(config.output_dir)
         self.checkpoint_dir = config.resolved_checkpoint_dir
 
-        checkpointing = run.activation_checkpointing if run else activation_checkpointing(config)
         self.parallel = parallelize(
             model,
             config=config,
             dist=self.dist,
             device=self.device,
             amp_dtype=self.amp_dtype,
-            activation_checkpointing=checkpointing,
+            activation_checkpointing=run.activation_checkpointing,
             build_optimizer=lambda module: build_optimizer(module, config, self.device),
         )
-        self.raw_model = model  # the bare module (sharded in place under FSDP): state dicts, evaluation
-        self.model = self.parallel.forward  # what the step calls
+        self.model = model  # the user's model, as given (sharded in place under FSDP); see `Parallelism`
         self.optimizer = self.parallel.optimizer
         self.autocast = autocast(self.device, self.amp_dtype)
         self.state = TrainState()
@@ -122,7 +110,20 @@ class Trainer:
         self._part_to_whole: float | None = None  # whole-split / screened-part validation loss, last measured
         self.stop = StopControl(self.dist.world_size)
         self.metrics_tracker = MetricsTracker()  # the run's metric backends (opened by train())
-        self._seq_len = run.seq_len if run else None
+        self.checkpointer = Checkpointer(
+            self.checkpoint_dir,
+            parallel=self.parallel,
+            loader=None,  # attached with the data: checkpoints record its position
+            state=self.state,
+            schedule={"name": config.lr_scheduler, "total_steps": config.max_steps},
+            config=self.experiment_config,
+            tokenizer_json=self._tokenizer_json(),
+            keep_last=config.save_total_limit,
+            background=config.async_checkpoint,
+            periodic=bool(config.save_steps),
+            on_saved=self._on_saved,
+        )
+        self.total_steps: int | None = config.max_steps  # with the data: from the epochs when max_steps is unset
         self.train_loader = self.val_loader = None
         self._sources = (None, None)  # the data as given, to attach again when train() changes num_epochs
         if train_dataloader is not None:
@@ -132,13 +133,11 @@ class Trainer:
     def from_config(cls, model_config, training_config=None, data_config=None, *, callbacks: Iterable[Callback] = ()):
         """The whole pipeline for this (sub)class: prepare the data, size the vocabulary, build the model
         and loaders. Takes the three configs, an `ExperimentConfig`, or a config file's path."""
-        from ..api import build_trainer  # api builds on this module
-
         return build_trainer(model_config, training_config, data_config, callbacks=callbacks, trainer_class=cls)
 
     @property
     def current_step(self) -> int:
-        """Optimizer steps taken so far (what the guides call `self.current_step`)."""
+        """Optimizer steps taken so far (the name Hugging Face-style subclasses read)."""
         return self.state.step
 
     @property
@@ -149,9 +148,15 @@ class Trainer:
     def loggers(self, value: list) -> None:
         self.metrics_tracker.loggers = value
 
+    @property
+    def raw_model(self) -> nn.Module:
+        """The same module as `model` (the name other training loops use for the unwrapped model)."""
+        return self.model
+
     def _attach_data(self, train_dataloader, val_dataloader) -> None:
-        """The loaders, and what depends on them: the run's length, the speed monitor, the checkpointer."""
-        config, model = self.config, self.raw_model
+        """The loaders, and what depends on them: the run's length in steps, the loader whose position
+        checkpoints record."""
+        config = self.config
         self._sources = (train_dataloader, val_dataloader)
         self.train_loader = as_loader(train_dataloader, self.device)
         self.val_loader = as_loader(val_dataloader, self.device) if val_dataloader is not None else None
@@ -168,25 +173,18 @@ class Trainer:
                 f"gradient_accumulation_steps={config.gradient_accumulation_steps}; set training.max_steps or use more data"
             )
         self.total_steps = config.max_steps if config.max_steps is not None else per_epoch * config.num_epochs
-        seq_len = self._seq_len or getattr(getattr(self.train_loader, "rows", None), "length", None)
-        self.speed = SpeedMonitor(
+        self.checkpointer.loader = self.train_loader
+        self.checkpointer.schedule = {"name": config.lr_scheduler, "total_steps": self.total_steps}
+
+    def _speed_monitor(self) -> SpeedMonitor:
+        """Throughput and MFU of this train() call; FLOPs per token from the rows' length."""
+        seq_len = self.run.seq_len or getattr(getattr(self.train_loader, "rows", None), "length", None)
+        config = self.config
+        return SpeedMonitor(
             config.speed_window_size,
-            _flops_per_token(model, seq_len),
+            _flops_per_token(self.model, seq_len),
             config.peak_flops or _peak_flops(self.device, self.amp_dtype),
             self.device,
-        )
-        self.checkpointer = Checkpointer(
-            self.checkpoint_dir,
-            parallel=self.parallel,
-            loader=self.train_loader,
-            state=self.state,
-            schedule={"name": config.lr_scheduler, "total_steps": self.total_steps},
-            config=self.experiment_config,
-            tokenizer_json=self._tokenizer_json(),
-            keep_last=config.save_total_limit,
-            background=config.async_checkpoint,
-            periodic=bool(config.save_steps),
-            on_saved=self._on_saved,
         )
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -225,7 +223,8 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_train_begin(self)
         progress = self._progress_bar() if show_bar else None
-        self.model.train()
+        self.speed = self._speed_monitor()
+        self.parallel.wrapped.train()
         started = self._started = time.perf_counter()
         timer = PhaseTimer()
         last_saved, final_eval = None, None
@@ -312,6 +311,7 @@ class Trainer:
                 val_loss=final_eval["val_loss"] if final_eval else None,
                 perplexity=final_eval["perplexity"] if final_eval else None,
                 time_to_target_s=self.time_to_target_s,
+                stopped_by_signal=self.stop.signal,
             ).as_dict()
             self._log_metrics(summary)
             self._log_end(summary)
@@ -343,7 +343,7 @@ class Trainer:
         if self.val_loader is None:
             raise UsageError("no validation data: pass val_dataloader or set data.validation_split")
         return evaluate(
-            self.raw_model,
+            self.model,
             self.val_loader,
             autocast=self.autocast,
             reduce=all_reduce_,
@@ -406,6 +406,11 @@ class Trainer:
 
     def save_checkpoint(self, background: bool = False) -> Path:
         """Save the current state now (every rank calls it); see `Checkpointer.save`."""
+        if self.train_loader is None:
+            raise UsageError(
+                "save_checkpoint needs the training data (a checkpoint records the loader's position): "
+                "pass train_dataloader to Trainer(...) or to train() first"
+            )
         self._read_bad_steps()
         return self.checkpointer.save(background=background)
 
@@ -468,7 +473,7 @@ class Trainer:
         if not cfg.use_amp and native_bf16(self.device):
             log(
                 f"note: this {self.device.type.upper()} computes bfloat16 natively; training.use_amp=auto (bf16 autocast) "
-                "trains faster here (CPU: 0.66x the step time at width 128, 0.36x at 512; bench/cpu_bf16.py)"
+                "trains faster here (measurements: bench/README.md)"
             )
 
     def _log_end(self, summary: dict) -> None:
