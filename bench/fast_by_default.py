@@ -1,6 +1,6 @@
 """What a user gets by default, side by side with the peers, on nanoGPT's baby-GPT setting.
 
-    python bench/fast_by_default.py                          # 2 rounds, 2000 steps (about 15 minutes on 2 cores)
+    python bench/fast_by_default.py                          # 2 rounds, 2000 steps (about 20 minutes on 2 cores)
     python bench/fast_by_default.py --rounds 1 --steps 100 --idle-steps 60     # smoke test
 
 Three comparisons, each alternated within every round (A B A B ...), so a drift of the machine shows in
@@ -12,10 +12,13 @@ both sides; the JSON keeps every round and the worse one of each ratio:
   everything else our defaults: a checkpoint every 500 steps written in the background, a whole-split
   evaluation every 500 steps and at the end). Our data is prepared once beforehand (`llm-trainer
   prepare`), as nanoGPT's is. Whole-process wall time; ratio = nanoGPT's wall / ours (>= 1: ours as fast).
+  Our default precision is `training.use_amp: auto` (bf16 autocast on a device that computes bf16
+  natively, as this CPU does; nanoGPT and the HF Trainer run float32 on a CPU): `ours_float32` and
+  `ratio_float32` are the same run with `training.use_amp=false`, precision for precision.
 * `vs_hf_trainer`: `bench/hf_trainer.py` (transformers `GPT2LMHeadModel` + `Trainer`, biases, no saves and
   no evaluation inside its run, so the peer at its fastest) against
   `llm-trainer train --config bench/configs/baby_gpt_shakespeare.yaml` (the same model with biases, our
-  defaults). Whole-process wall; ratio = HF's wall / ours.
+  defaults). Whole-process wall; ratio = HF's wall / ours; `ratio_float32` as above.
 * `idle_writer`: ours on nanogpt_baby.yaml for `--idle-steps` steps with `training.save_steps=0` (no
   periodic saves) against `training.save_steps` beyond the run (the background writer armed, host
   buffers reserved, no save due) and the default `eval_steps` moved out of the run too, so only the
@@ -155,18 +158,24 @@ def main() -> int:
             if "vs_nanogpt" in chosen:
                 nanogpt = run_nanogpt(peer, args.steps, args.timeout)
                 ours = run_ours(NO_BIAS, work, args.steps, [], args.timeout)
+                float32 = run_ours(NO_BIAS, work, args.steps, ["training.use_amp=false"], args.timeout)
                 results["vs_nanogpt"] = {
                     "nanogpt": nanogpt,
                     "ours": ours,
+                    "ours_float32": float32,
                     "ratio": ratio(nanogpt["wall_s"], ours["wall_s"]),
+                    "ratio_float32": ratio(nanogpt["wall_s"], float32["wall_s"]),
                 }
             if "vs_hf_trainer" in chosen:
                 hf = run_hf(args.steps, args.timeout)
                 ours = run_ours(BIAS, work, args.steps, [], args.timeout)
+                float32 = run_ours(BIAS, work, args.steps, ["training.use_amp=false"], args.timeout)
                 results["vs_hf_trainer"] = {
                     "hf_trainer": hf,
                     "ours": ours,
+                    "ours_float32": float32,
                     "ratio": ratio(hf["wall_s"], ours["wall_s"]),
+                    "ratio_float32": ratio(hf["wall_s"], float32["wall_s"]),
                 }
             if "idle_writer" in chosen:
                 idle = [f"training.eval_steps={beyond}"]
@@ -178,11 +187,20 @@ def main() -> int:
                     "ratio": ratio(armed["tokens_per_s"], none["tokens_per_s"]),
                 }
             report["rounds"].append(results)
-            print(json.dumps({name: r["ratio"] for name, r in results.items()}), file=sys.stderr)
+            print(
+                json.dumps(
+                    {f"{n}{k[5:]}": v for n, r in results.items() for k, v in r.items() if k.startswith("ratio")}
+                ),
+                file=sys.stderr,
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    first = report["rounds"][0]
     report["worse_of_rounds"] = {
-        name: min((r[name]["ratio"] or 0.0) for r in report["rounds"]) for name in report["rounds"][0]
+        f"{name}{key[5:]}": min((r[name][key] or 0.0) for r in report["rounds"])
+        for name in first
+        for key in first[name]
+        if key.startswith("ratio")
     }
     return emit_report(report, args.out)
 

@@ -35,6 +35,7 @@ EXPERIMENT = {
         "eval_steps": 3,
         "save_steps": 3,
         "device": "cpu",
+        "use_amp": False,  # DeepSpeed's bf16 keeps bf16 weights (not autocast): runs equal one process in float32
         "progress_bar": False,
         "report_to": ["jsonl"],
     },

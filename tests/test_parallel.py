@@ -19,7 +19,7 @@ from llm_trainer.errors import UsageError
 from llm_trainer.parallel.distributed import DistInfo, setup
 from llm_trainer.parallel.parallelize import parallelize
 from llm_trainer.parallel.strategies import DDP, FSDP, Parallelism
-from llm_trainer.resolve import activation_checkpointing, amp_dtype
+from llm_trainer.resolve import activation_checkpointing, amp_dtype, resolve_amp
 from llm_trainer.train.evaluate import batch_nll
 from llm_trainer.train.optim import build_optimizer
 from llm_trainer.train.step import autocast, train_step
@@ -32,6 +32,7 @@ CPU = torch.device("cpu")
 
 def wrap(model: nn.Module, training: TrainingConfig, dist_info: DistInfo | None = None) -> Parallelism:
     """`parallelize` with the arguments the Trainer derives from `training` (one process by default)."""
+    training = resolve_amp(training, CPU)
     return parallelize(
         model,
         config=training,
@@ -107,7 +108,7 @@ def test_gradient_checkpointing_wraps_each_block_and_recomputes_it_in_backward()
 
     grads = {}
     for flag in (False, True):
-        parallel = wrap(tiny_model(n_layers=2), TrainingConfig(gradient_checkpointing=flag))
+        parallel = wrap(tiny_model(n_layers=2), TrainingConfig(gradient_checkpointing=flag, use_amp=False))
         blocks = list(bare_module(parallel).blocks)
         assert all(isinstance(block, CheckpointWrapper) for block in blocks) is flag
         assert any(isinstance(block, CheckpointWrapper) for block in blocks) is flag
@@ -145,7 +146,7 @@ def test_amp_losses_differ_from_float32_ones_and_stay_close():
 
 
 def test_ddp_all_reduces_once_per_step_and_never_on_accumulation_micro_batches(gloo_group):
-    parallel = wrap(tiny_model(), TrainingConfig(), DistInfo(strategy="ddp"))
+    parallel = wrap(tiny_model(), TrainingConfig(use_amp=False), DistInfo(strategy="ddp"))
     assert isinstance(parallel, DDP)
     reduced = []
 
@@ -176,7 +177,9 @@ def test_fsdp_shards_every_block_and_syncs_gradients_only_on_the_last_micro_batc
         pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
     from torch.distributed.tensor import DTensor
 
-    parallel = wrap(tiny_model(n_layers=2), TrainingConfig(distributed_strategy="fsdp"), DistInfo(strategy="fsdp"))
+    parallel = wrap(
+        tiny_model(n_layers=2), TrainingConfig(distributed_strategy="fsdp", use_amp=False), DistInfo(strategy="fsdp")
+    )
     assert isinstance(parallel, FSDP)
     model = bare_module(parallel)
     assert all(isinstance(module, fsdp.FSDPModule) for module in [*model.blocks, model])
@@ -223,7 +226,9 @@ def test_deepspeed_in_one_process_steps_as_one_process_without_it(deepspeed_setu
     from llm_trainer.parallel import deepspeed_engine
     from llm_trainer.parallel.strategies import DeepSpeed
 
-    requested = TrainingConfig(distributed_strategy="deepspeed", deepspeed_config={"zero_optimization": {"stage": 2}})
+    requested = TrainingConfig(
+        distributed_strategy="deepspeed", use_amp=False, deepspeed_config={"zero_optimization": {"stage": 2}}
+    )
     info, _ = deepspeed_setup(requested)
     training = deepspeed_engine.merge_into_training(requested, world_size=1, device=CPU)
     plain_training = dataclasses.replace(training, distributed_strategy="auto", deepspeed_config=None)

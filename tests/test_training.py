@@ -35,6 +35,7 @@ def _training(tmp_path, **overrides):
         progress_bar=False,
         device="cpu",
         seed=0,
+        use_amp=False,  # compared with float32 references
     )
     values.update(overrides)
     return TrainingConfig(**values)

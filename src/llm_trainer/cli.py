@@ -129,14 +129,21 @@ def _eval_loader(model, tokenizer, experiment: dict, data_file: str | None, batc
 
 def cmd_eval(args) -> int:
     from .api import load_for_inference
+    from .resolve import recorded_amp_dtype
     from .train.evaluate import evaluate
     from .train.metrics import coverage
+    from .train.step import autocast
 
     if args.batch_size is not None and args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
     batch_size = args.batch_size or (experiment.get("training") or {}).get("batch_size") or 8  # as in training
-    metrics = evaluate(model, _eval_loader(model, tokenizer, experiment, args.data, batch_size))
+    precision = recorded_amp_dtype(experiment.get("training"), next(model.parameters()).device)
+    metrics = evaluate(
+        model,
+        _eval_loader(model, tokenizer, experiment, args.data, batch_size),
+        autocast=autocast(next(model.parameters()).device, precision),
+    )
     if args.json:
         print(
             json.dumps(

@@ -286,7 +286,9 @@ class TrainingConfig(_Validated):
     adam_epsilon: float = 1e-8
     sgd_momentum: float = 0.9
     max_grad_norm: float | None = 1.0  # None or 0 disables clipping
-    use_amp: bool | Literal["auto"] = False  # auto: bf16 autocast where the device computes bf16 natively
+    use_amp: bool | Literal["auto"] = (
+        "auto"  # bf16 autocast where the device computes bf16 natively (GPUs since Ampere, CPUs with AVX-512 BF16 or AMX), else float32
+    )
     amp_dtype: Literal["bfloat16", "float16"] = "bfloat16"
     compile: bool = False
     gradient_checkpointing: bool = False  # recompute each block's activations in backward

@@ -139,12 +139,13 @@ def resolve_training(training: TrainingConfig) -> TrainingConfig:
     """The training config as the run uses it: under DeepSpeed, the file's own batch sizes, clipping,
     precision, optimizer and schedule folded in (`deepspeed_engine.merge_into_training`), before the
     optimizer, the schedule or the loaders are built from it."""
-    training = resolve_amp(training, resolve_device(training.device))
-    if training.distributed_strategy != "deepspeed" or training.deepspeed_config is None:
-        return training
-    from .parallel.deepspeed_engine import merge_into_training
+    device = resolve_device(training.device)
+    if training.distributed_strategy == "deepspeed" and training.deepspeed_config is not None:
+        from .parallel.deepspeed_engine import merge_into_training
 
-    return merge_into_training(training, launcher.world_size(), resolve_device(training.device))
+        # before use_amp=auto is decided: a DeepSpeed file's bf16/fp16 section decides the precision
+        training = merge_into_training(training, launcher.world_size(), device)
+    return resolve_amp(training, device)
 
 
 def resolve_amp(training: TrainingConfig, device: torch.device) -> TrainingConfig:
@@ -152,6 +153,20 @@ def resolve_amp(training: TrainingConfig, device: torch.device) -> TrainingConfi
     if training.use_amp != "auto":
         return training
     return dataclasses.replace(training, use_amp=native_bf16(device), amp_dtype="bfloat16")
+
+
+def recorded_amp_dtype(recorded_training: object, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype a run recorded in its checkpoint (its `training` section) asks for on `device`,
+    so that `eval` measures a model in the precision its run evaluated it in. A missing or malformed
+    value counts as the default."""
+    fields = recorded_training if isinstance(recorded_training, dict) else {}
+    use_amp = fields.get("use_amp", TrainingConfig.use_amp)
+    dtype = fields.get("amp_dtype", TrainingConfig.amp_dtype)
+    training = TrainingConfig(
+        use_amp=use_amp if use_amp in (True, False, "auto") else TrainingConfig.use_amp,
+        amp_dtype=dtype if dtype in ("bfloat16", "float16") else TrainingConfig.amp_dtype,
+    )
+    return amp_dtype(resolve_amp(training, device))
 
 
 def native_bf16(device: torch.device) -> bool:
