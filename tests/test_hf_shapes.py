@@ -22,7 +22,7 @@ from llm_trainer.config import DataConfig, load_experiment
 from llm_trainer.data.prepare import prepare_data
 from llm_trainer.errors import UsageError
 from llm_trainer.model import IGNORE_INDEX, CausalLMOutput
-from llm_trainer.tokenizer import Tokenizer
+from llm_trainer.tokenizer import PRE_SPLIT, Tokenizer
 from llm_trainer.train.batches import IterableBatches
 
 # The reference pre-splits, typed from GPT-2's byte-level regex and from LLaMA-3's tokenizer.json.
@@ -281,8 +281,15 @@ def split_regex(tokenizer_json: dict) -> str:
     return split["pattern"]["Regex"]
 
 
-@pytest.mark.parametrize("pre_split, regex", [("gpt2", GPT2_REGEX), ("llama3", LLAMA3_REGEX)])
-def test_an_export_with_a_converter_friendly_pre_split_carries_exactly_that_pattern(tmp_path, pre_split, regex):
+@pytest.mark.parametrize(
+    "pre_split, regex, note",
+    [
+        ("gpt2", GPT2_REGEX, "map the chkhsh it prints to res = 'gpt-2'"),
+        ("llama3", LLAMA3_REGEX, "map the chkhsh it prints to res = 'llama-bpe'"),
+        ("unicode", PRE_SPLIT, "train with data.tokenizer_pre_split: gpt2 or llama3"),
+    ],
+)
+def test_an_export_carries_exactly_its_pre_split_and_says_what_a_gguf_needs(tmp_path, capsys, pre_split, regex, note):
     pytest.importorskip("transformers")
     from llm_trainer.checkpoint.model_folder import save_model_folder
     from llm_trainer.hf.interop import export_to_hf
@@ -291,11 +298,14 @@ def test_an_export_with_a_converter_friendly_pre_split_carries_exactly_that_patt
     model = tiny_model(vocab_size=ours.vocab_size, architecture="llama")
     save_model_folder(model, tmp_path / "model")
     ours.save(tmp_path / "model")
+    capsys.readouterr()
     export_to_hf(tmp_path / "model", tmp_path / "hf")
     exported = json.loads((tmp_path / "hf" / "tokenizer.json").read_text())
     assert split_regex(exported) == regex
     byte_level = exported["pre_tokenizer"]["pretokenizers"][1]
     assert (byte_level["type"], byte_level["use_regex"], byte_level["add_prefix_space"]) == ("ByteLevel", False, False)
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "llama.cpp" in line]
+    assert note in line
 
 
 def test_the_gpt2_pre_split_cuts_as_gpt2s_own_byte_level_layout():

@@ -355,22 +355,21 @@ _LLAMA_CPP_PRE = {"gpt2": "gpt-2", "llama3": "llama-bpe"}
 
 
 def gguf_note(tokenizer_json: dict) -> str | None:
-    """One line on converting the export to GGUF with llama.cpp's convert_hf_to_gguf.py, which knows a
-    byte-level BPE tokenizer only by a hash of its ids on a fixed text (so never a newly trained one
-    as shipped) and splits text with its own copy of that tokenizer's regex. None: not byte-level BPE."""
+    """One line on converting the export to GGUF with llama.cpp's convert_hf_to_gguf.py. It knows a byte-level
+    BPE tokenizer only by a hash of its ids on a fixed text, so it refuses every vocabulary trained here as
+    shipped, and it can only split text with the regexes of the tokenizers it knows. None: not byte-level BPE."""
     if (tokenizer_json.get("model") or {}).get("type") != "BPE":
         return None
     pre_split = pre_split_of(tokenizer_json)
+    refused = "export: llama.cpp's convert_hf_to_gguf.py knows tokenizers by a hash of their ids and refuses new ones"
     if pre_split in _LLAMA_CPP_PRE:
         return (
-            f"export: for a GGUF, llama.cpp's convert_hf_to_gguf.py needs this vocabulary's hash (it prints "
-            f'chkhsh when it refuses it) added to get_vocab_base_pre() with res = "{_LLAMA_CPP_PRE[pre_split]}": '
-            f"the tokenizer splits text with that regex ({pre_split})"
+            f"{refused}; this one splits text as its {_LLAMA_CPP_PRE[pre_split]!r} does: map the chkhsh it prints "
+            f"to res = {_LLAMA_CPP_PRE[pre_split]!r} in its get_vocab_base_pre() to convert"
         )
-    named = f"its pre-split ({pre_split})" if pre_split else "its pre-split"
     return (
-        f"export: this tokenizer will not convert to GGUF faithfully: llama.cpp implements none of {named}; "
-        "retrain with data.tokenizer_pre_split: gpt2 (or llama3) for a tokenizer llama.cpp reproduces"
+        f"{refused}, and none of its pre-tokenizers splits as this one ({pre_split or 'its own regex'}) does; train with "
+        "data.tokenizer_pre_split: gpt2 or llama3 for a tokenizer a GGUF can reproduce"
     )
 
 
