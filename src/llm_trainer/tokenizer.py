@@ -35,7 +35,10 @@ TOKENIZER_FILE = "tokenizer.json"
 # GPT-2's pre-split, as its tokenizer (and tokenizers' ByteLevel regex) has it.
 GPT2_PRE_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 # LLaMA-3's pre-split, as its tokenizer.json has it: case-insensitive contractions, digits in threes.
-LLAMA3_PRE_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+LLAMA3_PRE_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _WORD = r"[\p{L}\p{M}]+(?:[\x{200C}\x{200D}]+[\p{L}\p{M}]+)*"
 PRE_SPLIT = rf"'s|'t|'re|'ve|'m|'ll|'d| ?{_WORD}| ?\p{{N}}+| ?[^\s\p{{L}}\p{{M}}\p{{N}}]+|\s+(?!\S)|\s+"
 PRE_SPLITS = {"unicode": PRE_SPLIT, "gpt2": GPT2_PRE_SPLIT, "llama3": LLAMA3_PRE_SPLIT}
