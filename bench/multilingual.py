@@ -1,10 +1,11 @@
-"""Text in every script: tokenizer compression and quality-filter survival per language (issue #15).
+"""Text in every script: tokenizer compression per pre-split and quality-filter survival per language.
 
 For English, Hindi (Devanagari), Tamil, Arabic, Russian, Chinese and Python code:
 
-1. BPE (`tokenizer_vocab_size`, default 8192) is trained twice on the language's training corpus, with
-   llm-trainer's pre-split and with GPT-2's byte-level pre-split, and both encode the held-out corpus:
-   characters per token, their ratio, and whether every held-out and training document round-trips.
+1. BPE (`tokenizer_vocab_size`, default 8192) is trained on the language's training corpus once for
+   each `data.tokenizer_pre_split` (`unicode`, ours; `gpt2`; `llama3`), and each encodes the held-out
+   corpus: characters per token, ours over GPT-2's, and whether every held-out and training document
+   round-trips with ours.
 2. `prepare` runs with `quality_filters: prose` (`code` for Python) on the held-out corpus (and on the
    training corpus, which the filters were designed against): the share of bytes each filter kept.
 
@@ -28,9 +29,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
@@ -41,7 +39,7 @@ from llm_trainer.data.filters import FILTERS  # noqa: E402
 from llm_trainer.data.prepare import prepare_data  # noqa: E402
 from llm_trainer.data.report import REPORT  # noqa: E402
 from llm_trainer.data.sources import stdlib_files  # noqa: E402
-from llm_trainer.tokenizer import EOT, Tokenizer  # noqa: E402
+from llm_trainer.tokenizer import PRE_SPLITS, Tokenizer  # noqa: E402
 from multilingual_data import CACHE, LANGUAGES, build  # noqa: E402
 
 CODE_BYTES = {"train": 600_000, "heldout": 200_000}  # Python files read for each split
@@ -50,21 +48,6 @@ TARGETS = {
     "indic_ratio": 1.5,  # chars/token over the GPT-2 pre-split: Devanagari and Tamil at least
     "english_code_ratio_within": 0.02,  # English and code: within 2% of the GPT-2 pre-split
 }
-
-
-def gpt2_bpe(texts: list[str], vocab_size: int) -> HFTokenizer:
-    """The baseline: the same trainer with GPT-2's byte-level pre-split (llm-trainer's before issue #15)."""
-    backend = HFTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOT],
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    backend.train_from_iterator(texts, trainer=trainer)
-    return backend
 
 
 def chars_per_token(encode, texts: list[str]) -> float:
@@ -122,10 +105,12 @@ def measure(name: str, train: list[str], heldout: list[str], vocab_size: int, wo
     clean = Cleaner(DataConfig(data_files="unused", corpus_type=corpus_type))
     train_clean, heldout_clean = [clean(t) for t in train], [clean(t) for t in heldout]
     started = time.perf_counter()
-    ours = Tokenizer.train_bpe(train_clean, vocab_size=vocab_size, max_chars=10**9)
-    baseline = gpt2_bpe(train_clean, vocab_size)
-    ours_cpt = chars_per_token(ours.encode, heldout_clean)
-    gpt2_cpt = chars_per_token(lambda t: baseline.encode(t, add_special_tokens=False).ids, heldout_clean)
+    trained = {
+        pre_split: Tokenizer.train_bpe(train_clean, vocab_size=vocab_size, max_chars=10**9, pre_split=pre_split)
+        for pre_split in PRE_SPLITS
+    }
+    ours = trained["unicode"]
+    cpt = {pre_split: chars_per_token(tokenizer.encode, heldout_clean) for pre_split, tokenizer in trained.items()}
     failures = sum(ours.decode(ours.encode(t)) != t for t in train + heldout + train_clean + heldout_clean)
     tokenizer_seconds = time.perf_counter() - started
     ours.save(work / name / "tokenizer")
@@ -134,9 +119,10 @@ def measure(name: str, train: list[str], heldout: list[str], vocab_size: int, wo
         "train_bytes": sum(len(t.encode()) for t in train),
         "heldout_bytes": sum(len(t.encode()) for t in heldout),
         "chars_per_token": {
-            "ours": round(ours_cpt, 3),
-            "gpt2_presplit": round(gpt2_cpt, 3),
-            "ratio": round(ours_cpt / gpt2_cpt, 4),
+            "ours": round(cpt["unicode"], 3),
+            "gpt2_presplit": round(cpt["gpt2"], 3),
+            "llama3_presplit": round(cpt["llama3"], 3),
+            "ratio": round(cpt["unicode"] / cpt["gpt2"], 4),
         },
         "round_trip": {"texts": 2 * (len(train) + len(heldout)), "failures": failures},  # raw and cleaned
         "filters": {

@@ -159,8 +159,8 @@ def test_training_and_data_config_errors():
         TrainingConfig(lr_scheduler="step")
     with pytest.raises(ValueError, match="device"):
         TrainingConfig(device="tpu")
-    with pytest.raises(ValueError, match="needs a source"):
-        DataConfig()
+    with pytest.raises(ValueError, match="names no training data"):
+        DataConfig().check_source()  # where data is read, not on construction
     with pytest.raises(ValueError, match="validation_split"):
         DataConfig(dataset_name="x", validation_split=1.5)
     with pytest.raises(TypeError):

@@ -478,6 +478,9 @@ class DataConfig(_Validated):
     tokenizer: str = "bpe"  # "bpe" (trained here), "char", or a path to tokenizer.json / a tokenizer folder
     tokenizer_vocab_size: int = 8192
     tokenizer_train_max_chars: int = 50_000_000  # BPE trains on at most this much text
+    # the regex that cuts text before BPE: "unicode" (ours: combining marks stay in their words), or "gpt2" /
+    # "llama3" (those models' own, which llama.cpp's converter reproduces); see llm_trainer.tokenizer
+    tokenizer_pre_split: Literal["unicode", "gpt2", "llama3"] = "unicode"
     normalize_whitespace: bool = True  # strip trailing spaces and collapse blank-line runs; indentation is kept
     cache_dir: str = "data_cache"
 
@@ -538,11 +541,17 @@ class DataConfig(_Validated):
     )
     curriculum_key: str = "length"  # "length" (tokens of a document) or a numeric column of the sources
 
+    def check_source(self) -> None:
+        """Where the data is read (prepare, train), not on construction: a config is often built in pieces,
+        and an estimate needs no data."""
+        if self.dataset_name is None and self.data_files is None and not self.sources:
+            raise UsageError(
+                "the config names no training data: add data.data_files (files, folders or globs), e.g. "
+                "`data: {data_files: [corpus/]}` in the YAML or data.data_files=corpus/ on the command line; "
+                "or data.dataset_name (python-stdlib is built in, or a Hugging Face dataset), or a data.sources list"
+            )
+
     def _check(self) -> None:
-        _require(
-            self.dataset_name is not None or self.data_files is not None or bool(self.sources),
-            "DataConfig needs a source: set data.dataset_name (e.g. python-stdlib), data.data_files or data.sources",
-        )
         _require(
             not (self.sources and (self.dataset_name is not None or self.data_files is not None)),
             "DataConfig: set either data.sources or data.data_files/dataset_name, not both",

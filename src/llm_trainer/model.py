@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 
+IGNORE_INDEX = -100  # a target with this id leaves the loss (padding); torch's and transformers' convention
+
 
 def _norm(config: ModelConfig) -> nn.Module:
     if config.norm == "rmsnorm":
@@ -38,6 +40,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     (T, 1, D/2) or (B, T, 1, D/2). Half-width tables: three multiply-adds per pair, no negation."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+@dataclass
+class CausalLMOutput:
+    """What a call in the transformers shape returns (`model(input_ids=..., labels=...)`): the mean
+    next-token loss over the targets that count (None without labels) and the logits (B, T, V)."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+def causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean cross-entropy of logits (B, T, V) at position t against labels (B, T) at t + 1, as
+    transformers computes it: labels equal to `IGNORE_INDEX`, and those where attention_mask is 0
+    (padding), are not targets."""
+    if attention_mask is not None:
+        labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
+    targets = labels[:, 1:]  # (B, T-1): the token after each position
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def _check_right_padded(attention_mask: torch.Tensor) -> None:
+    """Padding must follow the text: attention is causal and positions count from the row's start, so
+    the text's logits are those of the unpadded row only when nothing comes before it."""
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be (batch, time) of 0/1, got shape {tuple(attention_mask.shape)}")
+    if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+        raise ValueError("attention_mask has padding before the text; pad on the right (padding_side='right')")
 
 
 @dataclass
@@ -322,10 +354,38 @@ class Transformer(nn.Module):
         return n
 
     def forward(
+        self,
+        idx: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        doc_ids: torch.Tensor | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor | CausalLMOutput:
+        """Token ids (B, T) -> logits (B, T, V), called the nanoGPT way: `model(idx)`.
+
+        Called the transformers way (`input_ids=`, `attention_mask=` or `labels=` given), it returns a
+        `CausalLMOutput` whose loss is `causal_lm_loss` (labels are the inputs, unshifted; padding,
+        where attention_mask is 0, is never a target). Padding goes after the text, as our tokenizer
+        pads. doc_ids: optional (B, T) document index of each token (packed rows): attention is
+        restricted to each document and positions restart at 0 for each one. None: one causal sequence.
+        """
+        shaped = input_ids is not None or attention_mask is not None or labels is not None
+        if (idx is None) == (input_ids is None):
+            raise ValueError("pass the token ids once: model(idx) or model(input_ids=...)")
+        ids = idx if input_ids is None else input_ids
+        if attention_mask is not None:
+            _check_right_padded(attention_mask)
+        logits = self._logits(ids, cache, doc_ids)
+        if not shaped:
+            return logits
+        loss = causal_lm_loss(logits, labels, attention_mask) if labels is not None else None
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    def _logits(
         self, input_ids: torch.Tensor, cache: KVCache | None = None, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """doc_ids: optional (B, T) document index of each token (packed rows): attention is restricted
-        to each document and positions restart at 0 for each one. None: one causal sequence."""
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
         if start + T > self.config.max_seq_len:

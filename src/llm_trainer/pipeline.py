@@ -164,6 +164,7 @@ def prepare_run(experiment: ExperimentConfig, *, local: bool = False, meta: bool
         tokenizer_file = Path(experiment.model.init_from) / TOKENIZER_FILE
         if tokenizer_file.is_file():  # continued pretraining keeps the model's own tokenizer
             experiment = _replace_section(experiment, "data", tokenizer=str(tokenizer_file))
+    experiment.data.check_source()  # on every rank, before any process waits for rank 0 to prepare
     experiment = resolve_experiment(experiment)
     runtime = local_runtime(experiment.training) if local else setup_runtime(experiment.training)
     if not runtime.dist.is_main:  # rank 0 prepares the data; the others then reuse its cache

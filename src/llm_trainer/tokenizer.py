@@ -1,17 +1,20 @@
 r"""Tokenizers: byte-level BPE trained on the corpus, char-level for small experiments, or a user's file.
 
 All three are Hugging Face `tokenizers` objects saved as one `tokenizer.json`, so every tokenizer
-loads the same way, runs in Rust, and exports to `transformers` unchanged.
+loads the same way, runs in Rust, and exports to `transformers` unchanged (`Tokenizer.as_transformers`
+hands the same tokenizer to code written for transformers).
 
-The BPE pre-split. GPT-2's byte-level regex keeps runs of letters (\p{L}) together but cuts at
-combining marks (\p{M}), so the Devanagari vowel signs and viramas, Tamil vowel signs and pulli, Thai
-vowels and tone marks fall out of their words ("भारत" -> भ | ा | रत): BPE can never merge across a
-cut, and Indic text takes far more tokens than it needs (see bench/README.md, "Text in every
-script"). `PRE_SPLIT` is GPT-2's regex with \p{M} kept in letter runs (as the large-vocabulary
-tokenizers of later models do) and zero-width (non-)joiners kept between letters (Indic and Persian
-words hold them); on text without combining marks it splits exactly as GPT-2's does, so English and
-code tokenize as with GPT-2's pre-split. The byte-level alphabet stays (every byte is a token), so
-any input, in any script, round-trips exactly.
+The BPE pre-split (`data.tokenizer_pre_split`), the regex that cuts text into the pieces BPE merges
+within. GPT-2's byte-level regex keeps runs of letters (\p{L}) together but cuts at combining marks
+(\p{M}), so the Devanagari vowel signs and viramas, Tamil vowel signs and pulli, Thai vowels and tone
+marks fall out of their words ("भारत" -> भ | ा | रत): BPE can never merge across a cut, and Indic text
+takes far more tokens than it needs (see bench/README.md, "Text in every script"). Ours, `unicode`
+(the default), is GPT-2's regex with \p{M} kept in letter runs (as the large-vocabulary tokenizers of
+later models do) and zero-width (non-)joiners kept between letters (Indic and Persian words hold
+them); on text without combining marks it splits exactly as GPT-2's does. `gpt2` and `llama3` are
+those models' own regexes, character for character, for tools that know a tokenizer by its
+pre-split (llama.cpp's converter reproduces those two and not ours). The byte-level alphabet stays
+(every byte is a token), so any input, in any script, round-trips exactly.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
@@ -28,19 +32,44 @@ from .errors import UsageError
 EOT = "<|endoftext|>"
 UNK = "<unk>"
 TOKENIZER_FILE = "tokenizer.json"
-# GPT-2's pre-split: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+# GPT-2's pre-split, as its tokenizer (and tokenizers' ByteLevel regex) has it.
+GPT2_PRE_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# LLaMA-3's pre-split, as its tokenizer.json has it: case-insensitive contractions, digits in threes.
+LLAMA3_PRE_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _WORD = r"[\p{L}\p{M}]+(?:[\x{200C}\x{200D}]+[\p{L}\p{M}]+)*"
 PRE_SPLIT = rf"'s|'t|'re|'ve|'m|'ll|'d| ?{_WORD}| ?\p{{N}}+| ?[^\s\p{{L}}\p{{M}}\p{{N}}]+|\s+(?!\S)|\s+"
+PRE_SPLITS = {"unicode": PRE_SPLIT, "gpt2": GPT2_PRE_SPLIT, "llama3": LLAMA3_PRE_SPLIT}
 
 
-def byte_level_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
-    """`PRE_SPLIT`, then GPT-2's byte-to-character mapping (no second regex pass)."""
+def byte_level_pre_tokenizer(pre_split: str = "unicode") -> pre_tokenizers.PreTokenizer:
+    """The `pre_split` regex (a name of `PRE_SPLITS`), then GPT-2's byte-to-character mapping (no second
+    regex pass): the layout of LLaMA-3's tokenizer.json, whichever regex it holds."""
+    if pre_split not in PRE_SPLITS:
+        raise UsageError(f"unknown BPE pre-split {pre_split!r}; choose one of {', '.join(PRE_SPLITS)}")
     return pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(PRE_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(PRE_SPLITS[pre_split]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
+
+
+def pre_split_of(tokenizer_json: dict[str, Any]) -> str | None:
+    """The name in `PRE_SPLITS` of the regex a byte-level BPE tokenizer.json splits with, or None (not
+    one of ours, or not byte-level BPE). GPT-2's own layout (ByteLevel with its built-in regex) is `gpt2`."""
+    if (tokenizer_json.get("model") or {}).get("type") != "BPE":
+        return None
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if any(step.get("type") == "ByteLevel" and step.get("use_regex", True) for step in steps):
+        return "gpt2" if len(steps) == 1 else None
+    patterns = [(step.get("pattern") or {}).get("Regex") for step in steps if step.get("type") == "Split"]
+    if len(patterns) != 1 or not any(step.get("type") == "ByteLevel" for step in steps):
+        return None
+    return next((name for name, regex in PRE_SPLITS.items() if regex == patterns[0]), None)
 
 
 class Tokenizer:
@@ -57,10 +86,11 @@ class Tokenizer:
     # -- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def train_bpe(cls, texts: Iterable[str], vocab_size: int, max_chars: int) -> Tokenizer:
-        """Byte-level BPE (GPT-2 style, marks kept with their letters) trained on at most `max_chars` characters of `texts`."""
+    def train_bpe(cls, texts: Iterable[str], vocab_size: int, max_chars: int, pre_split: str = "unicode") -> Tokenizer:
+        """Byte-level BPE trained on at most `max_chars` characters of `texts`, cut by the `pre_split`
+        regex (a name of `PRE_SPLITS`; see the module docstring)."""
         backend = HFTokenizer(models.BPE())
-        backend.pre_tokenizer = byte_level_pre_tokenizer()
+        backend.pre_tokenizer = byte_level_pre_tokenizer(pre_split)
         backend.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
@@ -127,6 +157,16 @@ class Tokenizer:
 
     def fingerprint(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def as_transformers(self, model_max_length: int | None = None):
+        """This tokenizer as a transformers `PreTrainedTokenizerFast` (transformers must be installed), the
+        one an export writes: `tokenizer(texts, padding=True, truncation=True, return_tensors="pt")`,
+        `encode_plus` and `save_pretrained` work as in any transformers code. Padding is end-of-text on
+        the right, with attention_mask 0 there (the model leaves those targets out of its loss);
+        `model_max_length` (the model's max_seq_len) is where truncation=True cuts."""
+        from .hf.fast_tokenizer import fast_tokenizer
+
+        return fast_tokenizer(self.backend, EOT, model_max_length)
 
 
 def vocabulary_mismatch(source_json: str, ours_json: str) -> tuple[int, int]:

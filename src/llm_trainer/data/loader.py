@@ -21,9 +21,8 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..model import IGNORE_INDEX
 from .packing import _pieces, first_fit_decreasing  # noqa: F401  (re-exported)
-
-IGNORE_INDEX = -100
 
 
 def document_ids(x: np.ndarray, eot_id: int) -> np.ndarray:

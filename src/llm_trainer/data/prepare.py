@@ -220,6 +220,7 @@ def _build_tokenizer(config: DataConfig) -> Tokenizer:
             _kept_texts(config, ("train",)),
             vocab_size=config.tokenizer_vocab_size,
             max_chars=config.tokenizer_train_max_chars,
+            pre_split=config.tokenizer_pre_split,
         )
     return Tokenizer.load(config.tokenizer)
 
@@ -581,6 +582,7 @@ def find_prepared(cache_dir: str | Path, fingerprint: str) -> PreparedData | Non
 
 def prepare_data(config: DataConfig) -> PreparedData:
     """Build (or reuse, or resume) the token files for `config`; see the module docstring for the layout."""
+    config.check_source()
     cache_root = Path(config.cache_dir)
     if cache_root.exists() and not cache_root.is_dir():
         raise UsageError(f"data.cache_dir {cache_root} is a file; point data.cache_dir at a folder")

@@ -27,12 +27,15 @@ from ..checkpoint.model_folder import load_model_folder, load_model_state
 from ..checkpoint.publish import check_target, publish
 from ..config import ModelConfig
 from ..errors import UsageError
+from ..logs import log
 from ..model import Transformer
+from ..tokenizer import EOT as EOT_TOKEN
+from ..tokenizer import pre_split_of
+from .fast_tokenizer import fast_tokenizer, special_tokens
+from .fast_tokenizer import require_transformers as _transformers
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
-
-EOT_TOKEN = "<|endoftext|>"
 
 # Our activation -> GPT2Config.activation_function.
 _GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
@@ -46,14 +49,6 @@ _GPT2_ACTIVATIONS_BACK = {
     "silu": "silu",
     "swish": "silu",
 }
-
-
-def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise UsageError("transformers is not installed; install it with: pip install 'llm-trainer[hf]'") from None
-    return transformers
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,10 +333,10 @@ def _save_tokenizer(tokenizer_path: Path, directory: Path, max_seq_len: int) -> 
     """Write the tokenizer as a PreTrainedTokenizerFast; returns the <|endoftext|> id (None if absent)."""
     from tokenizers import Tokenizer
 
-    tf = _transformers()
-    eot_id = Tokenizer.from_file(str(tokenizer_path)).token_to_id(EOT_TOKEN)
-    specials = {name: EOT_TOKEN for name in ("bos_token", "eos_token", "unk_token")} if eot_id is not None else {}
-    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path), model_max_length=max_seq_len, **specials)
+    backend = Tokenizer.from_file(str(tokenizer_path))
+    eot_id = backend.token_to_id(EOT_TOKEN)
+    specials = special_tokens(backend, EOT_TOKEN)
+    tokenizer = fast_tokenizer(backend, EOT_TOKEN, max_seq_len)
     tokenizer.save_pretrained(str(directory))
     # transformers 5 names its class TokenizersBackend and writes no special_tokens_map.json; name the class
     # both 4.x and 5 know, and write the map that older readers look for.
@@ -353,6 +348,29 @@ def _save_tokenizer(tokenizer_path: Path, directory: Path, max_seq_len: int) -> 
     if not special_map.is_file():
         special_map.write_text(json.dumps(specials, indent=2) + "\n")
     return eot_id
+
+
+# Our pre-splits -> the name llama.cpp gives the same regex (`tokenizer.ggml.pre`); `unicode` has none.
+_LLAMA_CPP_PRE = {"gpt2": "gpt-2", "llama3": "llama-bpe"}
+
+
+def gguf_note(tokenizer_json: dict) -> str | None:
+    """One line on converting the export to GGUF with llama.cpp's convert_hf_to_gguf.py. It knows a byte-level
+    BPE tokenizer only by a hash of its ids on a fixed text, so it refuses every vocabulary trained here as
+    shipped, and it can only split text with the regexes of the tokenizers it knows. None: not byte-level BPE."""
+    if (tokenizer_json.get("model") or {}).get("type") != "BPE":
+        return None
+    pre_split = pre_split_of(tokenizer_json)
+    refused = "export: llama.cpp's convert_hf_to_gguf.py knows tokenizers by a hash of their ids and refuses new ones"
+    if pre_split in _LLAMA_CPP_PRE:
+        return (
+            f"{refused}; this one splits text as its {_LLAMA_CPP_PRE[pre_split]!r} does: map the chkhsh it prints "
+            f"to res = {_LLAMA_CPP_PRE[pre_split]!r} in its get_vocab_base_pre() to convert"
+        )
+    return (
+        f"{refused}, and none of its pre-tokenizers splits as this one ({pre_split or 'its own regex'}) does; train with "
+        "data.tokenizer_pre_split: gpt2 or llama3 for a tokenizer a GGUF can reproduce"
+    )
 
 
 def _format_count(n: int) -> str:
@@ -487,6 +505,8 @@ def export_to_hf(
         (tmp / "README.md").write_text(card)
 
     publish(output_dir, build, source=model_dir, overwrite=overwrite)
+    if tokenizer_path is not None and (note := gguf_note(json.loads(tokenizer_path.read_text(encoding="utf-8")))):
+        log(note)
     return output_dir
 
 

@@ -1,0 +1,53 @@
+"""Our tokenizer as a transformers `PreTrainedTokenizerFast`: one rule for the special tokens, used by
+`Tokenizer.as_transformers` and by the export (`interop.export_to_hf`), so code written for
+transformers gets the same tokenizer in memory as from an exported folder.
+
+transformers is an optional dependency (`pip install 'llm-trainer[hf]'`); it is imported lazily.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+
+def require_transformers():
+    """The transformers module, or a one-line UsageError saying how to install it."""
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError("transformers is not installed; install it with: pip install 'llm-trainer[hf]'") from None
+    return transformers
+
+
+def special_tokens(backend: Tokenizer, end_of_text: str) -> dict[str, str]:
+    """bos, eos and pad are end-of-text (one token starts, ends and pads documents, as in training);
+    unk is the unknown token of the tokenizer's model where it has one (the char tokenizer's), else
+    end-of-text (byte-level BPE never needs it). Empty when the tokenizer has no end-of-text."""
+    if backend.token_to_id(end_of_text) is None:
+        return {}
+    specials = {name: end_of_text for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    unknown = getattr(backend.model, "unk_token", None)
+    if unknown and backend.token_to_id(unknown) is not None:
+        specials["unk_token"] = unknown
+    return specials
+
+
+def fast_tokenizer(backend: Tokenizer, end_of_text: str, model_max_length: int | None = None):
+    """`backend` (a `tokenizers.Tokenizer`, copied) as a `PreTrainedTokenizerFast` with `special_tokens`,
+    padding on the right, truncation at `model_max_length` (None: no limit), and `encode_plus`."""
+    tf = require_transformers()
+    limit = {} if model_max_length is None else {"model_max_length": model_max_length}
+    tokenizer = tf.PreTrainedTokenizerFast(
+        tokenizer_object=backend, padding_side="right", **limit, **special_tokens(backend, end_of_text)
+    )
+    # transformers 5 no longer has encode_plus / batch_encode_plus, which code written for 4.x calls (the
+    # lesson's dataset does); in 4.x both were __call__ on one text / a batch of texts.
+    for name in ("encode_plus", "batch_encode_plus"):
+        if not hasattr(tokenizer, name):
+            setattr(tokenizer, name, tokenizer.__call__)
+    return tokenizer
