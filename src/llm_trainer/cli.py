@@ -129,13 +129,14 @@ def _eval_loader(model, tokenizer, experiment: dict, data_file: str | None, batc
 
 def cmd_eval(args) -> int:
     from .api import load_for_inference
+    from .config import saved_batch_size
     from .train.evaluate import evaluate
     from .train.metrics import coverage
 
     if args.batch_size is not None and args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
-    batch_size = args.batch_size or (experiment.get("training") or {}).get("batch_size") or 8  # as in training
+    batch_size = args.batch_size or saved_batch_size(experiment) or 8  # as in training
     metrics = evaluate(model, _eval_loader(model, tokenizer, experiment, args.data, batch_size))
     if args.json:
         print(
