@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -133,6 +134,16 @@ def _refuse_foreign_checkpoints(checkpoints: Path, output: Path) -> None:
         )
 
 
+def _take(fd: int) -> bool:
+    """The lock, tried a few times over a tenth of a second: another run's check of the folders above
+    its own (`_refuse_held_ancestor`) holds it for an instant, and must not pass for a run."""
+    for _ in range(5):
+        if lock_exclusive(fd, wait=False):
+            return True
+        time.sleep(0.02)
+    return False
+
+
 @contextlib.contextmanager
 def run_lock(
     folder: str | Path, setting: str = "training.output_dir", owner: str | Path | None = None
@@ -149,7 +160,7 @@ def run_lock(
         _refuse_held_ancestor(Path(key), setting)
         created = not folder.exists()
         fd = _open_lock(folder, setting)
-        if not lock_exclusive(fd, wait=False):  # another run holds it (on Windows, without flock, never)
+        if not _take(fd):  # another run holds it (on Windows, without flock, never)
             holder = _holder(fd)
             os.close(fd)
             raise UsageError(
