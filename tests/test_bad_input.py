@@ -251,3 +251,22 @@ def test_a_registry_listing_creates_nothing(tmp_path, capsys):
     assert cli.main(["registry", "list", "--db", str(missing / "registry.db")]) == 0
     assert not (tmp_path / "nonexistent").exists()
     assert "no models registered" in capsys.readouterr().out
+
+
+def test_a_full_disk_anywhere_in_a_command_is_one_line(tmp_path, capsys, monkeypatch):
+    from llm_trainer.checkpoint import model_folder as folders
+
+    source = model_folder(tmp_path)
+
+    def full(*args, **kwargs):  # what safetensors raises when the disk fills under it
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(folders, "save_model_folder", full)
+    # consolidate writes inside the folder it builds; export first writes a model folder of its own
+    for command in ("consolidate", "export"):
+        if command == "export":
+            pytest.importorskip("transformers")
+        code = cli.main([command, "--checkpoint", str(source), "--output", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: "), err
+        assert "disk full" in err and not (tmp_path / "out").exists()

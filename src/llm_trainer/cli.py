@@ -584,6 +584,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a full disk wherever a library met it (safetensors, torch wrap the OS error)
+        from .filesystem import disk_full
+
+        if not disk_full(exc):
+            raise
+        print(
+            f"error: disk full ({str(exc).splitlines()[0][:160]}); free space and run the command again",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":
