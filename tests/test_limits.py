@@ -170,3 +170,30 @@ def test_a_dcp_item_stored_through_a_transform_is_refused():
     squeezed = _StorageInfo(relative_path="__0_0.distcp", offset=0, length=64, transform_descriptors=["zstd"])
     with pytest.raises(UsageError, match="decompression limit"):
         limits.check_dcp_items({"a": plain, "b": squeezed}, "sharded/.metadata")
+
+
+def test_a_resume_from_a_checkpoint_whose_rng_file_is_a_deflate_bomb_is_one_line(tmp_path, capsys):
+    from conftest import write_tiny_experiment
+    from llm_trainer import cli
+    from llm_trainer.checkpoint import checksums, layout
+
+    config = write_tiny_experiment(tmp_path, max_steps=2, save_steps=2, eval_steps=0)
+    assert cli.main(["train", "--config", str(config)]) == 0
+    folder = layout.list_checkpoints(tmp_path / "run" / "checkpoints")[0]
+    with zipfile.ZipFile(folder / layout.RNG, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        with archive.open("rng/data/0", "w") as entry:
+            for _ in range(16):
+                entry.write(bytes(1 << 20))
+    meta = json.loads((folder / layout.META).read_text())  # resealed, as whoever crafts a folder can
+    meta["files"][layout.RNG] = {
+        "size": (folder / layout.RNG).stat().st_size,
+        "checksum": checksums.file_checksum(folder / layout.RNG),
+    }
+    meta["meta_sha256"] = checksums.meta_checksum(meta)
+    (folder / layout.META).write_text(json.dumps(meta))
+    capsys.readouterr()
+    code = cli.main(
+        ["train", "--config", str(config), "training.max_steps=4", f"training.resume_from_checkpoint={folder}"]
+    )
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and lines[-1].startswith("error: ") and "compression ratio limit" in lines[-1], lines
