@@ -217,3 +217,14 @@ def test_an_overwrite_killed_between_the_two_renames_loses_nothing(tmp_path):
     publish(target, lambda tmp: write(tmp, NEW), source=tmp_path / "source", overwrite=True)
     assert contents(target) == NEW  # the parked export was put back, then replaced whole
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_an_output_that_is_a_symlink_is_replaced_and_its_target_kept(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    write(elsewhere, OLD)
+    (tmp_path / "export").symlink_to(elsewhere)
+    publish(tmp_path / "export", lambda tmp: write(tmp, NEW), source=tmp_path / "source", overwrite=True)
+    assert not (tmp_path / "export").is_symlink() and contents(tmp_path / "export") == {**NEW}
+    assert contents(elsewhere) == OLD
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

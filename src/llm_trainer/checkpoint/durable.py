@@ -184,13 +184,21 @@ def temporary_folder(final: Path) -> Path:
     return final.parent / f".tmp-{final.name}-{owner()}"
 
 
+def _discard(previous: Path) -> None:
+    """Delete the version a new one replaced; a symlink to a folder is removed, its target kept."""
+    if previous.is_symlink():
+        previous.unlink()
+    else:
+        shutil.rmtree(previous, ignore_errors=True)
+
+
 def move_into_place(tmp: Path, final: Path) -> None:
     """Put the complete folder `tmp` (see `temporary_folder`) at `final`, then fsync the parent. A `final`
     that exists is swapped out in one atomic exchange and deleted; where the exchange is missing it is
     parked as `.old-<name>-<host>-<pid>` between two renames, put back by `remove_stale` if this process
     dies in between. At no moment is there no complete `final`."""
     if final.exists() and exchange(tmp, final):  # the new version in, the previous one now at `tmp`
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard(tmp)
     elif final.exists():
         old = final.parent / f".old-{final.name}-{owner()}"
         shutil.rmtree(old, ignore_errors=True)
@@ -200,7 +208,7 @@ def move_into_place(tmp: Path, final: Path) -> None:
         except BaseException:
             old.rename(final)  # put the previous version back
             raise
-        shutil.rmtree(old, ignore_errors=True)
+        _discard(old)
     else:
         tmp.rename(final)
     _fsync_dir(final.parent)
