@@ -8,12 +8,11 @@ The pieces live in `pipeline`; this module adds the default Trainer class and th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from . import pipeline
 from .checkpoint.find import find_checkpoint
-from .checkpoint.layout import SHARDED_DIR, holds_dcp_shards
+from .checkpoint.layout import SHARDED_DIR, holds_dcp_shards, read_meta
 from .checkpoint.model_folder import load_model_folder, load_model_state, read_model_config
 from .checkpoint.verify import link_outside, verify
 from .config import DataConfig, ExperimentConfig, TrainingConfig
@@ -97,6 +96,6 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
             f"{path / 'tokenizer.json'} has {tokenizer.vocab_size} tokens but the model's vocabulary is "
             f"{model.config.vocab_size}; the folder holds another model's tokenizer"
         )
-    meta_file = path / "meta.json"
-    experiment = json.loads(meta_file.read_text()).get("config", {}) if meta_file.is_file() else {}
+    experiment = (read_meta(path) or {}).get("config")  # a folder from elsewhere: any shape at all
+    experiment = experiment if isinstance(experiment, dict) else {}
     return model, tokenizer, experiment

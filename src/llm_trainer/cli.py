@@ -129,6 +129,7 @@ def _eval_loader(model, tokenizer, experiment: dict, data_file: str | None, batc
 
 def cmd_eval(args) -> int:
     from .api import load_for_inference
+    from .config import saved_batch_size
     from .resolve import recorded_amp_dtype
     from .train.evaluate import evaluate
     from .train.metrics import coverage
@@ -137,7 +138,7 @@ def cmd_eval(args) -> int:
     if args.batch_size is not None and args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
-    batch_size = args.batch_size or (experiment.get("training") or {}).get("batch_size") or 8  # as in training
+    batch_size = args.batch_size or saved_batch_size(experiment) or 8  # as in training
     precision = recorded_amp_dtype(experiment.get("training"), next(model.parameters()).device)
     metrics = evaluate(
         model,
@@ -590,6 +591,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a full disk wherever a library met it (safetensors, torch wrap the OS error)
+        from .filesystem import disk_full
+
+        if not disk_full(exc):
+            raise
+        print(
+            f"error: disk full ({str(exc).splitlines()[0][:160]}); free space and run the command again",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":

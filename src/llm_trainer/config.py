@@ -22,6 +22,7 @@ import yaml
 
 from . import config_aliases
 from .errors import UsageError
+from .limits import MAX_NESTING, check_model_dimensions, check_structure, parse_json
 
 # ----------------------------------------------------------------------------------------------
 # Generic validation: the declared type of each field is the schema.
@@ -250,6 +251,20 @@ class ModelConfig(_Validated):
         _require(
             self.logit_softcap is None or self.logit_softcap > 0, "ModelConfig.logit_softcap must be positive or null"
         )
+        check_model_dimensions(self.dimensions())  # before anything is built: a limit no real model reaches
+
+    def dimensions(self) -> dict[str, int]:
+        """The sizes that decide how large the model is (vocab_size 0 while unset)."""
+        filled = self._filled()
+        return {
+            "vocab_size": self.vocab_size or 0,
+            "d_model": self.d_model,
+            "n_layers": self.n_layers,
+            "d_ff": filled["d_ff"],
+            "n_heads": self.n_heads,
+            "n_kv_heads": filled["n_kv_heads"],
+            "max_seq_len": self.max_seq_len,
+        }
 
     @property
     def head_dim(self) -> int:
@@ -258,6 +273,8 @@ class ModelConfig(_Validated):
 
 # ----------------------------------------------------------------------------------------------
 # Training
+
+MAX_LEARNING_RATE = 1e3  # far above any rate a range test (lr-find) suggests
 
 
 @dataclass(kw_only=True)
@@ -356,6 +373,12 @@ class TrainingConfig(_Validated):
             value = getattr(self, name)
             _require(value is None or value >= 0, f"TrainingConfig.{name} must be >= 0, got {value}")
         _require(self.learning_rate > 0, f"TrainingConfig.learning_rate must be positive, got {self.learning_rate}")
+        for name in ("learning_rate", "muon_learning_rate"):
+            value = getattr(self, name)
+            _require(
+                value <= MAX_LEARNING_RATE,
+                f"TrainingConfig.{name} must be at most {MAX_LEARNING_RATE:g}, got {value:g}",
+            )
         _require(
             0 <= self.min_lr <= self.learning_rate,
             f"TrainingConfig.min_lr must be between 0 and learning_rate ({self.learning_rate}), got {self.min_lr}",
@@ -666,7 +689,20 @@ class ExperimentConfig:
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads `3e-4` as a string; ML configs mean a number. Accept exponents without a dot."""
+    """YAML 1.1 reads `3e-4` as a string; ML configs mean a number. Accept exponents without a dot.
+
+    Merge keys (`<<: *defaults`) copy entries while the document is built, so a few lines of nested
+    merges could copy billions: a mapping that merges more than `MAX_MERGED_ENTRIES` is refused."""
+
+    MAX_MERGED_ENTRIES = 10_000
+
+    def flatten_mapping(self, node):
+        super().flatten_mapping(node)
+        if len(node.value) > self.MAX_MERGED_ENTRIES:
+            raise UsageError(
+                f"a mapping merges more than {self.MAX_MERGED_ENTRIES:,} entries through YAML merge keys "
+                f"(line {node.start_mark.line + 1}; the alias expansion limit)"
+            )
 
 
 _Loader.add_implicit_resolver(
@@ -678,8 +714,13 @@ _Loader.add_implicit_resolver(
 )
 
 
-def _yaml_load(text: str):
-    return yaml.load(text, Loader=_Loader)
+def _yaml_load(text: str, where: str = "a YAML document"):
+    """A YAML document as plain data, its nesting and alias expansion within `limits`' bounds."""
+    try:
+        value = yaml.load(text, Loader=_Loader)
+    except RecursionError:
+        raise UsageError(f"{where} is nested more than {MAX_NESTING} levels deep (the nesting limit)") from None
+    return check_structure(value, where)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -691,7 +732,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if len(parts) != 2 or not all(parts):
         raise UsageError(f"override key {key!r} must be section.key (e.g. training.learning_rate)")
     try:
-        value = _yaml_load(raw) if raw.strip() else None
+        value = _yaml_load(raw, f"override {key.strip()}") if raw.strip() else None
     except yaml.YAMLError:
         value = raw
     return parts, value
@@ -705,8 +746,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise UsageError(f"config file {path} is not UTF-8 text") from None
+    where = f"config file {path}"
     try:
-        data = json.loads(text) if path.suffix == ".json" else _yaml_load(text)
+        data = parse_json(text, where) if path.suffix == ".json" else _yaml_load(text, where)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         first = str(exc).splitlines()[0]
         raise UsageError(f"config file {path} could not be parsed: {first}") from None
@@ -717,12 +759,27 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+# The settings that name where the data comes from: a source named on the command line replaces the
+# config file's (a preset's built-in corpus must not win over `data.data_files=my.txt`).
+DATA_SOURCE_KEYS = ("data_files", "dataset_name", "sources")
+
+
 def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
-    """Read an experiment file and apply dotted overrides; every error is a one-line `UsageError`."""
+    """Read an experiment file and apply dotted overrides; every error is a one-line `UsageError`. A data
+    source named in an override (`DATA_SOURCE_KEYS`) replaces the ones the file names."""
     data = read_config_file(path) if path is not None else {}
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
-    for text in overrides:
-        (section, key), value = parse_override(text)
+    parsed = [parse_override(text) for text in overrides]
+    named_sources = {
+        config_aliases.spellings_of(section, key)[1]
+        for (section, key), _ in parsed
+        if config_aliases.spellings_of(section, key)[0] == "data"
+    } & set(DATA_SOURCE_KEYS)
+    if named_sources and isinstance(data.get("data"), dict):
+        for key in list(data["data"]):
+            if config_aliases.spellings_of("data", key)[1] in set(DATA_SOURCE_KEYS) - named_sources:
+                del data["data"][key]
+    for (section, key), value in parsed:
         try:
             config_aliases.set_override(data, section, key, value)
         except ValueError:
@@ -732,3 +789,20 @@ def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple
     except ValueError as exc:
         where = f"{path}: " if path is not None else ""
         raise UsageError(f"{where}{exc}") from None
+
+
+def saved_batch_size(saved: Any) -> int | None:
+    """`training.batch_size` of an experiment config saved in a folder (meta.json's `config`), or None
+    when it records none. The folder may come from elsewhere and hold anything: a value that is not a
+    positive integer is a one-line error."""
+    training = saved.get("training") if isinstance(saved, dict) else None
+    if training is None:
+        return None
+    if not isinstance(training, dict):
+        raise UsageError("the folder's saved config.training is not a mapping; pass --batch-size")
+    value = training.get("batch_size")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise UsageError(
+            f"the folder's saved training.batch_size is {value!r}, not a positive integer; pass --batch-size"
+        )
+    return value

@@ -1,12 +1,16 @@
 """What the operating system's file layer tells us, decided once: whether a failed write means a
-full disk, and an exclusive lock on an open file that dies with its process."""
+full disk, whether a folder can be written, and an exclusive lock on an open file that dies with
+its process."""
 
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 from pathlib import Path
 from typing import IO
+
+from .errors import UsageError
 
 # Errors of a write that found no room: the disk is full, or the user's quota is spent.
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
@@ -53,3 +57,20 @@ def lock_exclusive(file: int | IO, *, wait: bool) -> bool:
     except OSError:
         return False
     return True
+
+
+def writable_folder(folder: Path, what: str) -> Path:
+    """`folder`, created when missing and proven writable (a new file made and removed there); a
+    one-line `UsageError` naming `what` (the flag or setting that chose it) otherwise."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{what} {folder} is a file, not a folder; choose a folder")
+    probe = folder / f".write-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644))
+        probe.unlink()
+    except OSError as exc:
+        reason = "disk full" if disk_full(exc) else (exc.strerror or type(exc).__name__)
+        raise UsageError(f"cannot write into {what} {folder} ({reason}); choose another folder or fix it") from None
+    return folder

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, UsageError
+from ..limits import check_archive
 from ..logs import log
 from ..parallel import distributed
 from ..tokenizer import vocabulary_mismatch
@@ -277,7 +278,7 @@ def _restore_rng(parts: dict[str, Any], saved: dict, rank: int) -> None:
     rng = parts["rng"]
     own = parts["sharded"] / f"rng-rank{rank}.pt" if parts["sharded"] is not None else None
     if own is not None and own.is_file():  # each rank continues its own dropout stream
-        rng = torch.load(own, map_location="cpu", weights_only=True)
+        rng = torch.load(check_archive(own), map_location="cpu", weights_only=True)  # a deflate bomb refused first
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])

@@ -21,7 +21,7 @@ import shutil
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
@@ -179,9 +179,45 @@ def _recover(root: Path, parked: Path, name: str, writer: str) -> None:
     log(f"checkpoint: restored the previous {name} that an interrupted save had moved aside ({parked.name})")
 
 
-def remove_stale(root: Path) -> None:
+def temporary_folder(final: Path) -> Path:
+    """Where this process builds the next version of `final` (the name `remove_stale` and `_recover` know)."""
+    return final.parent / f".tmp-{final.name}-{owner()}"
+
+
+def _discard(previous: Path) -> None:
+    """Delete the version a new one replaced; a symlink to a folder is removed, its target kept."""
+    if previous.is_symlink():
+        previous.unlink()
+    else:
+        shutil.rmtree(previous, ignore_errors=True)
+
+
+def move_into_place(tmp: Path, final: Path) -> None:
+    """Put the complete folder `tmp` (see `temporary_folder`) at `final`, then fsync the parent. A `final`
+    that exists is swapped out in one atomic exchange and deleted; where the exchange is missing it is
+    parked as `.old-<name>-<host>-<pid>` between two renames, put back by `remove_stale` if this process
+    dies in between. At no moment is there no complete `final`."""
+    if final.exists() and exchange(tmp, final):  # the new version in, the previous one now at `tmp`
+        _discard(tmp)
+    elif final.exists():
+        old = final.parent / f".old-{final.name}-{owner()}"
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        try:
+            tmp.rename(final)
+        except BaseException:
+            old.rename(final)  # put the previous version back
+            raise
+        _discard(old)
+    else:
+        tmp.rename(final)
+    _fsync_dir(final.parent)
+
+
+def remove_stale(root: Path, names: Collection[str] | None = None) -> None:
     """Clean up after writers on this host that no longer run: a folder they moved aside is recovered
-    (see `_recover`), their temporary folders and files are deleted."""
+    (see `_recover`), their temporary folders and files are deleted. With `names`, only the leftovers
+    of writes of those folders (a folder we share with the user's own files: touch nothing else)."""
     if os.name != "posix" or not root.is_dir():
         return  # os.kill(pid, 0) would terminate the process on Windows
     host = owner().rsplit("-", 1)[0]
@@ -190,10 +226,14 @@ def remove_stale(root: Path) -> None:
         if len(parts) != 3:
             continue
         name, writer_host, pid = parts
+        if names is not None and name not in names:
+            continue
         if name and pid.isdigit() and writer_host == host and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             _recover(root, parked, name, f"{writer_host}-{pid}")
     for path in root.iterdir():
         name = path.name
+        if names is not None and not (name.startswith((".tmp-", ".old-")) and name[5:].rsplit("-", 2)[0] in names):
+            continue
         if name.startswith(".del-"):
             shutil.rmtree(path, ignore_errors=True)
             continue
@@ -237,7 +277,7 @@ def write_folder_atomically(final: Path, writers: Iterable[Writer], meta: dict[s
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{owner()}"
+    tmp = temporary_folder(final)
     shutil.rmtree(tmp, ignore_errors=True)
     jobs: dict[str, tuple[int, list[Future]]] = {}
     syncs: list[Future] = []
@@ -270,21 +310,7 @@ def write_folder_atomically(final: Path, writers: Iterable[Writer], meta: dict[s
         for sub in (p for p in tmp.iterdir() if p.is_dir()):
             _fsync_dir(sub)
         _fsync_dir(tmp)
-        if final.exists() and exchange(tmp, final):  # the new version in, the previous one now at `tmp`
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif final.exists():
-            old = final.parent / f".old-{final.name}-{owner()}"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            try:
-                tmp.rename(final)
-            except BaseException:
-                old.rename(final)  # put the previous version back
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-        _fsync_dir(final.parent)
+        move_into_place(tmp, final)
     except BaseException as exc:
         if writeback is not None:
             writeback.stop()

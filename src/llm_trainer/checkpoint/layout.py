@@ -23,11 +23,11 @@ reads them, all from the one record here.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..limits import parse_json
 from ..logs import log
 from .model_folder import CONFIG_NAME, WEIGHTS_NAME
 
@@ -81,8 +81,8 @@ BEST_KIND = "best_model"  # meta.json's kind of best_model/: a model folder, not
 def read_meta(path: Path) -> dict | None:
     """The folder's meta.json as a dict, or None when it is missing or unreadable (not yet verified)."""
     try:
-        meta = json.loads((Path(path) / META).read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON
+        meta = parse_json((Path(path) / META).read_text(encoding="utf-8"), str(Path(path) / META))
+    except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON, nested past the limit
         return None
     return meta if isinstance(meta, dict) else None
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import ModelConfig
 from ..errors import UsageError
+from ..limits import check_model_memory, parse_json
 from ..model import Transformer
 
 WEIGHTS_NAME = "model.safetensors"
@@ -130,7 +131,9 @@ def read_model_config(directory: str | Path) -> ModelConfig:
             f"{directory} is not a model folder (no {CONFIG_NAME}); pass a checkpoint or best_model folder"
         )
     try:
-        values = json.loads(path.read_text(encoding="utf-8"))
+        values = parse_json(path.read_text(encoding="utf-8"), str(path))
+    except UsageError:
+        raise
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise UsageError(
             f"{path} is not valid JSON ({str(exc).splitlines()[0][:120]}); the model folder is corrupt"
@@ -149,9 +152,12 @@ def read_model_config(directory: str | Path) -> ModelConfig:
     # Only the architecture: a file cannot name a folder to load (init_from) or change how training runs.
     known = {f.name for f in dataclasses.fields(ModelConfig)} - set(ModelConfig.NOT_ARCHITECTURE)
     try:
-        return ModelConfig(**{k: v for k, v in values.items() if k in known})
+        config = ModelConfig(**{k: v for k, v in values.items() if k in known})
     except (TypeError, ValueError) as exc:
         raise UsageError(f"{path}: {exc}; the model folder is corrupt") from None
+    if config.vocab_size is not None:  # the whole model is built in this process: weigh it first
+        check_model_memory(config.resolved().dimensions(), str(path))
+    return config
 
 
 def load_model_folder(

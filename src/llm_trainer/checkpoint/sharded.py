@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..errors import CheckpointError
+from ..limits import check_dcp_items
 from .layout import SHARDED_DIR
 from .model_folder import clean_name
 from .safe_pickle import DCP_METADATA, load_restricted
@@ -60,6 +61,7 @@ class SafeReader(FileSystemReader):
                 raise CheckpointError(
                     f"{file} names the data file {name!r}, which is not a file inside {folder}; refusing to load it"
                 )
+        check_dcp_items(metadata.storage_data, str(file))  # compressed items: refused before any is read
         if getattr(metadata, "storage_meta", None) is None:  # what FileSystemReader.read_metadata adds
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..limits import check_archive
 from ..logs import log
 from ..tokenizer import TOKENIZER_FILE
 from .durable import (
@@ -186,7 +187,7 @@ def load_checkpoint(
     for key, name, load in (
         *(() if kind.weights_in_shards else (("model", WEIGHTS_NAME, lambda f: load_file(str(f), device="cpu")),)),
         *(() if kind.optimizer_in_shards else (("optimizer", OPTIMIZER, optimizer),)),
-        ("rng", RNG, lambda f: _torch_load(f, "cpu")),
+        ("rng", RNG, lambda f: _torch_load(check_archive(f), "cpu")),  # a deflate bomb is refused before loading
         ("train_state", TRAIN_STATE, lambda f: json.loads(f.read_text(encoding="utf-8"))),
         ("meta", META, lambda f: json.loads(f.read_text(encoding="utf-8"))),
     ):

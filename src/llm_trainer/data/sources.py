@@ -10,7 +10,9 @@ document too, unless it is longer than the `max_chars` filter in force (set, or 
 pieces of at most 90% of `max_chars` (cleaning can lengthen text a little: NFC decomposes a few
 characters) and about equal size, each at the blank line (paragraph break) nearest its even share,
 else at a line break, else at a space (`split_long_text`), instead of being dropped whole. Without a
-`max_chars`, a file stays whole, as a single file's split by position expects.
+`max_chars`, a file stays whole, as a single file's split by position expects. Any document longer
+than `limits.MAX_DOCUMENT_CHARS` is cut the same way (counted as `long_documents_split` in the data
+report), and a JSONL line longer than `limits.MAX_LINE_BYTES` is bad input, never read whole.
 
 Bad input (a missing file, a binary file, a JSONL line that is not JSON or lacks the column, a
 Parquet file without the column, an empty source) goes through `BadInput`: skipped and counted, or a
@@ -42,6 +44,7 @@ from urllib.parse import urlparse
 
 from ..config import DataConfig, SourceConfig
 from ..errors import UsageError
+from ..limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
 from .filters import QualityFilter
 
 BUILTIN_STDLIB = "python-stdlib"
@@ -248,6 +251,21 @@ def _open_lines(path: Path):
     return open(path, "rb")
 
 
+def _bounded_lines(handle) -> Iterator[bytes | None]:
+    """The lines of a binary stream, none held longer than MAX_LINE_BYTES: a longer line is read past
+    in chunks, never whole, and given as None."""
+    while True:
+        line = handle.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        if len(line) <= MAX_LINE_BYTES or line.endswith(b"\n"):
+            yield line
+            continue
+        yield None  # a reader that refuses it stops here, before the rest is read
+        while line and not line.endswith(b"\n"):
+            line = handle.readline(1 << 20)
+
+
 def _read_jsonl(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
     try:
         handle = _open_lines(path)
@@ -257,7 +275,14 @@ def _read_jsonl(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple
     with handle:
         line_no = 0
         try:
-            for line_no, line in enumerate(handle, 1):
+            for line_no, line in enumerate(_bounded_lines(handle), 1):
+                if line is None:
+                    opt.bad(
+                        "long_lines",
+                        f"{path}:{line_no} is longer than {MAX_LINE_BYTES:,} bytes, the limit of one document "
+                        "(limits.MAX_LINE_BYTES); split it into several records",
+                    )
+                    continue
                 if not line.strip():
                     continue
                 item = _jsonl_record(path, line_no, line, opt)
@@ -291,8 +316,9 @@ def _jsonl_record(path: Path, line_no: int, line: bytes, opt: _ReadOptions) -> t
             return None
     try:
         record = json.loads(decoded)
-    except json.JSONDecodeError:
-        opt.bad("bad_json_lines", f"{path}:{line_no} is not valid JSON")
+    except (json.JSONDecodeError, RecursionError) as exc:
+        deep = isinstance(exc, RecursionError)
+        opt.bad("bad_json_lines", f"{path}:{line_no} is " + ("nested too deep" if deep else "not valid JSON"))
         return None
     if not isinstance(record, dict) or opt.text_column not in record:
         opt.bad("missing_column", f"{path}:{line_no} has no {opt.text_column!r} field; set data.text_column")
@@ -529,10 +555,17 @@ def iter_source(
 
     count = 0
     for text, score, origin in raw():
-        yield Document(text, spec.name, score, origin)
-        count += 1
-        if spec.max_documents is not None and count >= spec.max_documents:
-            return
+        if len(text) > MAX_DOCUMENT_CHARS:  # one document a tokenizer cannot take whole: cut, and say so
+            stats.skipped["long_documents_split"] += 1
+            pieces = split_long_text(text, MAX_DOCUMENT_CHARS)
+            documents = [(piece, f"{origin} (part {i} of {len(pieces)})") for i, piece in enumerate(pieces, 1)]
+        else:
+            documents = [(text, origin)]
+        for piece, where in documents:
+            yield Document(piece, spec.name, score, where)
+            count += 1
+            if spec.max_documents is not None and count >= spec.max_documents:
+                return
     if count == 0:
         opt.bad(
             "empty_sources", f"data source {spec.name!r} has no documents; check its files, dataset and text_column"

@@ -41,12 +41,14 @@ attention dropout, or a document mask for packed rows), communication buffers.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import resolve
 from ..config import ExperimentConfig, ModelConfig, TrainingConfig
+from ..errors import UsageError
 from ..resolve import activation_checkpointing, sequence_length
 from ..train.flops import count_parameters, flops_per_token
 
@@ -228,6 +230,17 @@ def max_batch_size(model_config: ModelConfig, training: TrainingConfig, device_m
 # The report behind `llm-trainer estimate`
 
 
+def check_flags(
+    *, world_size: int, vocab_size: int | None, batch_size: int | None, device_memory_gb: float | None
+) -> None:
+    """The numbers `llm-trainer estimate` is given, each in its range (a one-line error naming the flag)."""
+    for flag, value in (("--world-size", world_size), ("--vocab-size", vocab_size), ("--batch-size", batch_size)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    if device_memory_gb is not None and not (math.isfinite(device_memory_gb) and device_memory_gb > 0):
+        raise UsageError(f"--device-memory must be a positive number of GiB, got {device_memory_gb}")
+
+
 def estimate_report(
     experiment: ExperimentConfig,
     *,
@@ -239,11 +252,15 @@ def estimate_report(
     gradient_checkpointing: bool | None = None,
 ) -> dict:
     """Everything `llm-trainer estimate` prints, as a dict (bytes and FLOPs as numbers)."""
+    check_flags(world_size=world_size, vocab_size=vocab_size, batch_size=batch_size, device_memory_gb=device_memory_gb)
     if vocab_size is not None:
         vocab, source = vocab_size, "--vocab-size"
     else:
         vocab, source = resolve.vocab_size(experiment)
-    model_config = dataclasses.replace(experiment.model, vocab_size=vocab).resolved()
+    try:
+        model_config = dataclasses.replace(experiment.model, vocab_size=vocab).resolved()
+    except ValueError as exc:  # the vocabulary makes the model larger than any real one
+        raise UsageError(f"{source}: {exc}") from None
     device_type = "cpu" if experiment.training.device == "cpu" else "cuda"
     training = _precision(experiment.training, device_type)
     seq_len = sequence_length(experiment)

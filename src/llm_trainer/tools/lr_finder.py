@@ -23,12 +23,14 @@ import torch.nn as nn
 
 from ..checkpoint.model_folder import unwrap
 from ..config import TrainingConfig
+from ..errors import UsageError
 from ..parallel.distributed import DistInfo
 from ..parallel.strategies import Parallelism
 from ..resolve import amp_dtype, resolve_amp
 from ..train.batches import as_loader
 from ..train.optim import build_optimizer, set_learning_rate
 from ..train.step import autocast, train_step
+from .plots import check_png_path
 
 
 @dataclass
@@ -75,6 +77,17 @@ def suggest_lr(lrs: list[float], smoothed: list[float], skip_start: int | None =
     return float(lrs[start + int(np.argmin(slope))])
 
 
+def check_range(*, start_lr: float, end_lr: float, num_steps: int) -> None:
+    """A range test needs finite rates 0 < start_lr < end_lr and at least two steps (a one-line error
+    naming the setting, which is also the flag of `llm-trainer lr-find`)."""
+    if not (math.isfinite(start_lr) and math.isfinite(end_lr) and 0 < start_lr < end_lr):
+        raise UsageError(
+            f"lr-find needs finite rates 0 < start_lr < end_lr, got start_lr={start_lr} and end_lr={end_lr}"
+        )
+    if num_steps < 2:
+        raise UsageError(f"lr-find num_steps must be at least 2, got {num_steps}")
+
+
 def find_lr(
     model: nn.Module,
     loader,
@@ -96,10 +109,7 @@ def find_lr(
     accumulation steps of the real run (defaults: `TrainingConfig()`). `device` defaults to the
     model's own.
     """
-    if not (0 < start_lr < end_lr):
-        raise ValueError(f"need 0 < start_lr < end_lr, got {start_lr} and {end_lr}")
-    if num_steps < 2:
-        raise ValueError(f"num_steps must be at least 2, got {num_steps}")
+    check_range(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps)
     training = training or TrainingConfig()
     original = unwrap(model)
     if device is None:
@@ -166,6 +176,9 @@ def run_lr_finder(experiment, *, start_lr: float, end_lr: float, num_steps: int,
     `train` would build them, then `find_lr`; writes only the plot (and the shared data cache)."""
     from ..pipeline import prepare_run
 
+    check_range(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps)  # before the data is prepared
+    if plot_path is not None:
+        check_png_path(plot_path, "the lr-find plot (--output)")
     ready = prepare_run(experiment, local=True, meta=False)
     run = ready.run
     model = ready.model

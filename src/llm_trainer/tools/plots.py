@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..checkpoint.durable import write_bytes_atomically
 from ..errors import UsageError
+from ..filesystem import writable_folder
 from ..logs import warn
 from ..train.rows import row_kind
 
@@ -161,9 +162,8 @@ def plot_runs(run_dirs, output_dir, *, labels: list[str] | None = None, strict: 
             raise UsageError(f"{len(labels)} labels for {len(run_dirs)} runs")
         runs = [read_run(d, labels[i] if labels else None) for i, d in enumerate(run_dirs)]
         _disambiguate(runs, run_dirs)
+        out = writable_folder(Path(output_dir), "the plot folder (--output)")
         figures = make_figures(runs)
-        out = Path(output_dir)
-        out.mkdir(parents=True, exist_ok=True)
         written = {}
         for name, fig in figures.items():
             path = out / f"{name}.png"
@@ -206,9 +206,18 @@ def plot_lr_finder(lrs, losses, smoothed, suggested: float | None, path) -> Path
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = check_png_path(path, "the lr-find plot")
     _save_png(fig, path)
+    return path
+
+
+def check_png_path(path, what: str) -> Path:
+    """`path` for a PNG file: not a folder, in a folder that exists (created) and can be written; a
+    one-line error naming `what` otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{what} {path} is a folder; name the PNG file to write")
+    writable_folder(path.absolute().parent, f"the folder of {what}")
     return path
 
 

@@ -287,15 +287,23 @@ class SQLiteRegistry:
 
     def __init__(self, path: str | Path):
         self.path = Path(path).expanduser()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # A registry never written to is empty: reading it (list, show) creates no file or folder.
+        self.db = self._connect() if self.path.exists() else None
+
+    def _connect(self) -> sqlite3.Connection:
         try:
-            self.db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
-            self.db.executescript(_SCHEMA)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
+            db.executescript(_SCHEMA)
         except sqlite3.DatabaseError as exc:
             raise UsageError(f"registry {self.path} is not usable: {exc}") from None
+        except OSError as exc:
+            raise UsageError(f"registry {self.path} cannot be created ({exc.strerror or exc})") from None
+        return db
 
     def close(self) -> None:
-        self.db.close()
+        if self.db is not None:
+            self.db.close()
 
     def _row(self, row) -> ModelVersion:
         values = dict(zip(_COLUMNS, row))
@@ -304,12 +312,16 @@ class SQLiteRegistry:
         return ModelVersion(**values)
 
     def _select(self, where: str = "", args: tuple = ()) -> list[ModelVersion]:
+        if self.db is None:
+            return []
         sql = f"SELECT {', '.join(_COLUMNS)} FROM versions {where} ORDER BY name, version"
         return [self._row(r) for r in self.db.execute(sql, args)]
 
     def add(self, run_dir, name: str, *, export_path=None, description: str | None = None) -> ModelVersion:
         _check_name(name)
         info = collect_run_info(run_dir, export_path)
+        if self.db is None:
+            self.db = self._connect()
         self.db.execute("BEGIN IMMEDIATE")
         try:
             existing = _same_run(self._select("WHERE name = ?", (name,)), info, description)
@@ -387,10 +399,24 @@ class MLflowRegistry:
     alias (`production`, `staging`) plus a `stage` tag on the version."""
 
     def __init__(self, tracking_uri: str | None):
-        from ..train.metrics import mlflow_client, resolve_mlflow_uri
+        from ..train.metrics import resolve_mlflow_uri
 
-        self.path, _ = resolve_mlflow_uri(tracking_uri or None)
-        self.client, _ = mlflow_client(self.path)
+        self._tracking_uri = tracking_uri or None
+        self.path, folder = resolve_mlflow_uri(self._tracking_uri, create=False)
+        # A local store never written to is empty: reading it (list, show) creates nothing.
+        self._client = None if folder is not None and not (folder / "mlflow.db").is_file() else self._connect()
+
+    def _connect(self):
+        from ..train.metrics import mlflow_client
+
+        client, _ = mlflow_client(self._tracking_uri)  # creates a local store's folder
+        return client
+
+    @property
+    def client(self):
+        if self._client is None:  # the first write creates the store
+            self._client = self._connect()
+        return self._client
 
     def close(self) -> None:
         pass
@@ -441,6 +467,8 @@ class MLflowRegistry:
         )
 
     def list(self, name: str | None = None) -> list[ModelVersion]:
+        if self._client is None:
+            return []
         names = [name] if name else sorted(m.name for m in self.client.search_registered_models())
         out = []
         for n in names:
@@ -452,6 +480,8 @@ class MLflowRegistry:
         from mlflow.exceptions import MlflowException
 
         try:
+            if self._client is None:  # nothing written yet
+                raise MlflowException("empty registry")
             if isinstance(version, int):
                 return self._version(self.client.get_model_version(name, str(version)))
             if isinstance(version, str):

@@ -237,7 +237,7 @@ class WandbLogger:
         self.run.finish()
 
 
-def resolve_mlflow_uri(configured: str | None) -> tuple[str, Path | None]:
+def resolve_mlflow_uri(configured: str | None, create: bool = True) -> tuple[str, Path | None]:
     """(tracking URI, local folder or None). A URI with a scheme (http://, sqlite:///, databricks, file:)
     is used as given; a plain folder, and the default `./mlruns`, becomes `sqlite:///{folder}/mlflow.db`
     with artifacts in `{folder}/artifacts` (MLflow's file store is deprecated)."""
@@ -245,7 +245,8 @@ def resolve_mlflow_uri(configured: str | None) -> tuple[str, Path | None]:
     if uri == "databricks" or re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", uri):
         return uri, None
     folder = Path(uri).expanduser().resolve()
-    folder.mkdir(parents=True, exist_ok=True)
+    if create:  # a reader (a registry listing) creates nothing
+        folder.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{folder / 'mlflow.db'}", folder
 
 

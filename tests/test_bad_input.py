@@ -1,0 +1,272 @@
+"""The sweep of bad command-line and config inputs: each is refused in one line (`error: ...`), exit
+status 2, no traceback, through `cli.main` in this process. Fast: tiny model folders written
+directly, no training."""
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_model
+from llm_trainer import cli
+
+READ_ONLY = Path("/sys/kernel")  # a folder even root cannot create files in
+
+
+def read_only_folder() -> Path:
+    if not READ_ONLY.is_dir() or (os.access(READ_ONLY, os.W_OK) and os.getuid() != 0):
+        pytest.skip("needs a folder this user cannot write")
+    return READ_ONLY
+
+
+def model_folder(root: Path, *, meta_config=None) -> Path:
+    """A one-layer model folder with a char tokenizer; with `meta_config`, a best_model-like folder whose
+    meta.json (checksums and all) records that experiment config."""
+    from llm_trainer.checkpoint.durable import text_writer, write_folder_atomically
+    from llm_trainer.checkpoint.model_folder import save_model_folder
+    from llm_trainer.tokenizer import Tokenizer
+
+    folder = root / ("best" if meta_config is not None else "model")
+    tokenizer = Tokenizer.build_char(["the cat sat on the mat"])
+    model = tiny_model()
+    if meta_config is None:
+        save_model_folder(model, folder)
+        tokenizer.save(folder)
+        return folder
+    writers = [lambda tmp: save_model_folder(model, tmp), text_writer("tokenizer.json", tokenizer.to_json())]
+    return write_folder_atomically(folder, writers, {"kind": "best_model", "config": meta_config})
+
+
+def model_config_file(root: Path, text: str) -> Path:
+    folder = model_folder(root)
+    (folder / "model_config.json").write_text(text)
+    return folder
+
+
+def run_folder(root: Path) -> Path:
+    run = root / "run"
+    run.mkdir()
+    rows = [{"step": s, "loss": 3.0 - s / 10, "lr": 1e-3, "tokens_seen": 64 * s} for s in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def text_file(root: Path, name: str, text: str) -> Path:
+    (root / name).write_text(text)
+    return root / name
+
+
+def deep_json(levels: int = 100_000) -> str:
+    return '{"a": ' * levels + "1" + "}" * levels
+
+
+LAUGHS = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
+    f"{x}: &{x} [{', '.join([f'*{p}'] * 9)}]\n" for p, x in zip("abcdefgh", "bcdefghi")
+)
+MERGES = "a0: &a0 {k: 1, j: 2}\n" + "".join(
+    f"a{i}: &a{i} {{<<: [{', '.join([f'*a{i - 1}'] * 8)}], x{i}: 1}}\n" for i in range(1, 12)
+)
+
+TINY = ["--config", "tiny"]
+DEEP_RECORD = '{"text": ' + deep_json() + "}\n"
+
+# (name, argv built from tmp_path, a fragment of the one error line)
+CASES = [
+    ("estimate world size 0", lambda t: ["estimate", *TINY, "--world-size", "0"], "--world-size must be at least 1"),
+    ("estimate world size -2", lambda t: ["estimate", *TINY, "--world-size", "-2"], "--world-size must be at least 1"),
+    ("estimate vocab 0", lambda t: ["estimate", *TINY, "--vocab-size", "0"], "--vocab-size must be at least 1"),
+    ("estimate batch 0", lambda t: ["estimate", *TINY, "--batch-size", "0"], "--batch-size must be at least 1"),
+    ("estimate memory -1", lambda t: ["estimate", *TINY, "--device-memory", "-1"], "--device-memory must be"),
+    ("estimate memory nan", lambda t: ["estimate", *TINY, "--device-memory", "nan"], "--device-memory must be"),
+    ("estimate d_model 1e12", lambda t: ["estimate", *TINY, "model.d_model=1e12"], "d_model"),
+    ("estimate d_model 10**12", lambda t: ["estimate", *TINY, f"model.d_model={10**12}"], "over the limit"),
+    ("estimate n_layers 10**9", lambda t: ["estimate", *TINY, f"model.n_layers={10**9}"], "n_layers"),
+    (
+        "learning rate 1e308",
+        lambda t: ["estimate", *TINY, "training.learning_rate=1e308"],
+        "learning_rate must be at most",
+    ),
+    ("lr-find 0 steps", lambda t: ["lr-find", *TINY, "--num-steps", "0"], "num_steps must be at least 2"),
+    ("lr-find start 0", lambda t: ["lr-find", *TINY, "--start-lr", "0"], "0 < start_lr < end_lr"),
+    (
+        "lr-find start > end",
+        lambda t: ["lr-find", *TINY, "--start-lr", "1", "--end-lr", "0.1"],
+        "0 < start_lr < end_lr",
+    ),
+    ("lr-find end nan", lambda t: ["lr-find", *TINY, "--end-lr", "nan"], "0 < start_lr < end_lr"),
+    ("lr-find output a folder", lambda t: ["lr-find", *TINY, "--output", str(t)], "is a folder"),
+    (
+        "lr-find read-only folder",
+        lambda t: ["lr-find", *TINY, "--output", str(read_only_folder() / "lr.png")],
+        "cannot write into",
+    ),
+    (
+        "plot output a file",
+        lambda t: ["plot", str(run_folder(t)), "--output", str(text_file(t, "f.png", "x"))],
+        "is a file",
+    ),
+    (
+        "plot read-only folder",
+        lambda t: ["plot", str(run_folder(t)), "--output", str(read_only_folder() / "plots")],
+        "cannot write into",
+    ),
+    (
+        "consolidate read-only folder",
+        lambda t: ["consolidate", "--checkpoint", str(model_folder(t)), "--output", str(read_only_folder() / "m")],
+        "cannot write into",
+    ),
+    (
+        "export read-only folder",
+        lambda t: ["export", "--checkpoint", str(model_folder(t)), "--output", str(read_only_folder() / "m")],
+        "cannot write into",
+    ),
+    ("deep JSON config", lambda t: ["estimate", "--config", str(text_file(t, "c.json", deep_json()))], "nested more"),
+    (
+        "deep YAML config",
+        lambda t: ["estimate", "--config", str(text_file(t, "c.yaml", "a: " + "[" * 10_000 + "]" * 10_000))],
+        "nested more",
+    ),
+    (
+        "nested YAML config",
+        lambda t: ["estimate", "--config", str(text_file(t, "c.yaml", "a: " + "[" * 80 + "]" * 80))],
+        "nested more",
+    ),
+    ("YAML aliases", lambda t: ["estimate", "--config", str(text_file(t, "c.yaml", LAUGHS))], "expands to more than"),
+    ("YAML merge keys", lambda t: ["estimate", "--config", str(text_file(t, "c.yaml", MERGES))], "merges more than"),
+    ("deep override", lambda t: ["estimate", *TINY, "model.d_model=" + "[" * 100 + "]" * 100], "nested more"),
+    (
+        "deep model_config.json",
+        lambda t: ["generate", "--checkpoint", str(model_config_file(t, deep_json()))],
+        "nested more",
+    ),
+    (
+        "model_config.json with a billion layers",
+        lambda t: [
+            "generate",
+            "--checkpoint",
+            str(model_config_file(t, json.dumps({"vocab_size": 61, "d_model": 16, "n_heads": 2, "n_layers": 10**9}))),
+        ],
+        "n_layers (1,000,000,000) is over the limit",
+    ),
+    (
+        "model_config.json larger than this machine",
+        lambda t: [
+            "generate",
+            "--checkpoint",
+            str(
+                model_config_file(t, json.dumps({"vocab_size": 61, "d_model": 16384, "n_heads": 16, "n_layers": 4000}))
+            ),
+        ],
+        "more than this machine's",
+    ),
+    (
+        "meta.json config.training a string",
+        lambda t: [
+            "eval",
+            "--checkpoint",
+            str(model_folder(t, meta_config={"training": "fast"})),
+            "--data",
+            str(text_file(t, "v.txt", "the cat sat on the mat " * 20)),
+        ],
+        "config.training is not a mapping",
+    ),
+    (
+        "meta.json batch_size a string",
+        lambda t: [
+            "eval",
+            "--checkpoint",
+            str(model_folder(t, meta_config={"training": {"batch_size": "eight"}})),
+            "--data",
+            str(text_file(t, "v.txt", "the cat sat on the mat " * 20)),
+        ],
+        "not a positive integer",
+    ),
+    (
+        "meta.json batch_size negative",
+        lambda t: [
+            "eval",
+            "--checkpoint",
+            str(model_folder(t, meta_config={"training": {"batch_size": -3}})),
+            "--data",
+            str(text_file(t, "v.txt", "the cat sat on the mat " * 20)),
+        ],
+        "not a positive integer",
+    ),
+    (
+        "deep JSONL line",
+        lambda t: ["prepare", *TINY, f"data.data_files={text_file(t, 'd.jsonl', DEEP_RECORD)}"],
+        "nested too deep",
+    ),
+]
+
+
+@pytest.mark.parametrize("build, fragment", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_input_is_one_line_and_exit_2(build, fragment, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # presets' relative folders (data cache, runs) land here
+    argv = build(tmp_path)
+    if argv[0] == "export":
+        pytest.importorskip("transformers")
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and lines, err
+    assert [line for line in lines if line.startswith("error: ")] == lines[-1:], err
+    assert code == 2, err
+    assert fragment in lines[-1], lines[-1]
+
+
+def test_meta_json_nested_too_deep_is_a_corrupt_folder(tmp_path, capsys):
+    folder = model_folder(tmp_path, meta_config={})
+    (folder / "meta.json").write_text(deep_json())
+    code = cli.main(["generate", "--checkpoint", str(folder), "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "meta.json" in err.strip().splitlines()[-1], err
+
+
+def test_export_on_a_full_disk_leaves_the_target_as_it_was(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    from llm_trainer.hf import interop
+
+    source = model_folder(tmp_path)
+    target = tmp_path / "export"
+    assert cli.main(["export", "--checkpoint", str(source), "--output", str(target)]) == 0
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(interop, "_model_card", full)  # the last file the export writes
+    code = cli.main(["export", "--checkpoint", str(source), "--output", str(target), "--overwrite"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "disk full" in err.strip().splitlines()[-1], err
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_registry_listing_creates_nothing(tmp_path, capsys):
+    missing = tmp_path / "nonexistent" / "x"
+    assert cli.main(["registry", "list", "--db", f"mlflow:{missing}"]) == 0
+    assert cli.main(["registry", "list", "--db", str(missing / "registry.db")]) == 0
+    assert not (tmp_path / "nonexistent").exists()
+    assert "no models registered" in capsys.readouterr().out
+
+
+def test_a_full_disk_anywhere_in_a_command_is_one_line(tmp_path, capsys, monkeypatch):
+    from llm_trainer.checkpoint import model_folder as folders
+
+    source = model_folder(tmp_path)
+
+    def full(*args, **kwargs):  # what safetensors raises when the disk fills under it
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(folders, "save_model_folder", full)
+    # consolidate writes inside the folder it builds; export first writes a model folder of its own
+    for command in ("consolidate", "export"):
+        if command == "export":
+            pytest.importorskip("transformers")
+        code = cli.main([command, "--checkpoint", str(source), "--output", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: "), err
+        assert "disk full" in err and not (tmp_path / "out").exists()

@@ -1,0 +1,230 @@
+"""Nothing of the user's is lost: an export killed mid-way leaves the old folder or the new one, whole;
+a run never writes into (or rotates) a checkpoint folder that belongs to another run."""
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from llm_trainer.checkpoint.durable import owner, remove_stale
+from llm_trainer.checkpoint.publish import publish
+from llm_trainer.errors import UsageError
+from llm_trainer.train.run_lock import lock_run_folders, run_lock
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def write(folder: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (folder / name).write_text(text)
+
+
+def contents(folder: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(folder.iterdir())}
+
+
+OLD = {"config.json": "old config", "model.safetensors": "old weights"}
+NEW = {"config.json": "new config", "model.safetensors": "new weights", "README.md": "new card"}
+
+# publish() in a process of its own that stops for good once the new folder is written: killed there.
+PAUSED_EXPORT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from llm_trainer.checkpoint.publish import publish
+
+    output, ready, source = (Path(a) for a in sys.argv[1:4])
+
+    def build(tmp):
+        for name, text in {new!r}.items():
+            (tmp / name).write_text(text)
+        ready.write_text("built")
+        time.sleep(600)
+
+    publish(output, build, source=source, overwrite=True)
+    """
+).format(new=NEW)
+
+
+def test_an_overwrite_killed_mid_way_leaves_the_old_export_whole_and_the_next_one_cleans_up(tmp_path):
+    target, source = tmp_path / "export", tmp_path / "source"
+    target.mkdir()
+    source.mkdir()
+    write(target, {**OLD, "notes.txt": "mine"})
+    ready = tmp_path / "ready"
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_EXPORT, str(target), str(ready), str(source)], env=env, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.02)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stderr.close()
+    assert contents(target) == {**OLD, "notes.txt": "mine"}  # the old export, whole
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert leftovers == [f".tmp-export-{owner().rsplit('-', 1)[0]}-{proc.pid}"]
+    (tmp_path / ".tmp-someone-elses").mkdir()  # not ours: kept
+
+    publish(target, lambda tmp: write(tmp, NEW), source=source, overwrite=True)
+    assert contents(target) == {**NEW, "notes.txt": "mine"}  # the new export, whole; the user's file kept
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".tmp-someone-elses"]
+
+
+def test_a_stale_weight_file_of_another_layout_does_not_survive_an_overwrite(tmp_path):
+    target = tmp_path / "export"
+    target.mkdir()
+    write(target, {"model-00001-of-00002.safetensors": "old shard", "model.safetensors.index.json": "{}"})
+    publish(target, lambda tmp: write(tmp, NEW), source=tmp_path / "source", overwrite=True)
+    assert contents(target) == NEW
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("new_complete", [False, True])
+def test_an_export_parked_by_a_kill_between_two_renames_is_put_back(tmp_path, new_complete):
+    """Where the atomic exchange is missing, the old folder is parked between two renames: a kill
+    there leaves it parked, and the next run puts it back (an export has no checksums to prove the new
+    one whole, so the old one returns)."""
+    writer = f"{owner().rsplit('-', 1)[0]}-{dead_pid()}"
+    parked = tmp_path / f".old-export-{writer}"
+    parked.mkdir()
+    write(parked, OLD)
+    if new_complete:
+        fresh = tmp_path / f".tmp-export-{writer}"
+        fresh.mkdir()
+        write(fresh, NEW)
+    remove_stale(tmp_path, names={"export"})
+    assert contents(tmp_path / "export") == OLD
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+# -- the run lock guards a folder's subtree ---------------------------------------------------------------
+
+
+def hold(folder: Path, pid: str = "424242"):
+    """Another process's lock on `folder`, as a running run holds it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = open(folder / ".lock", "a+")
+    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    handle.truncate(0)
+    handle.write(f"{pid}\n{folder.resolve()}\n")
+    handle.flush()
+    return handle
+
+
+def test_a_checkpoint_folder_inside_a_running_runs_folder_is_refused(tmp_path):
+    first = tmp_path / "first"
+    with hold(first):
+        with pytest.raises(UsageError, match="lies inside .*first, the folder of a run still going .PID 424242"):
+            with lock_run_folders(tmp_path / "second", first / "checkpoints", True):
+                pass
+    assert not (first / "checkpoints").exists() and not (tmp_path / "second").exists()
+
+
+def test_the_cli_refuses_it_in_one_line(tmp_path, capsys, monkeypatch):
+    from llm_trainer import cli
+
+    monkeypatch.chdir(tmp_path)
+    first = tmp_path / "first"
+    with hold(first):
+        code = cli.main(
+            [
+                "train",
+                "--config",
+                "tiny",
+                f"training.output_dir={tmp_path / 'second'}",
+                f"training.checkpoint_dir={first / 'checkpoints'}",
+            ]
+        )
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and lines[-1].startswith("error: ") and "lies inside" in lines[-1]
+    assert not (tmp_path / "data_cache").exists()  # refused before any data was prepared
+
+
+def test_a_finished_runs_checkpoints_are_not_another_runs_to_rotate(tmp_path):
+    first = tmp_path / "first"
+    with run_lock(first):  # the first run, finished: its lock file stays and says whose folder it is
+        (first / "checkpoints" / "checkpoint-00000006").mkdir(parents=True)
+    with pytest.raises(UsageError, match="holds the checkpoints of the run in .*first"):
+        with lock_run_folders(tmp_path / "second", first / "checkpoints", True):
+            pass
+    # its own run may continue there, and a checkpoint folder elsewhere stays its owner's
+    with lock_run_folders(first, first / "checkpoints", True):
+        pass
+    elsewhere = tmp_path / "scratch" / "ckpt"
+    with lock_run_folders(tmp_path / "third", elsewhere, True):
+        (elsewhere / "checkpoint-00000003").mkdir()
+    with lock_run_folders(tmp_path / "third", elsewhere, True):
+        pass
+    with pytest.raises(UsageError, match="holds the checkpoints of the run in .*third"):
+        with lock_run_folders(tmp_path / "fourth", elsewhere, True):
+            pass
+
+
+# publish() where the atomic exchange is missing, killed between its two renames (the old folder parked).
+KILLED_BETWEEN_RENAMES = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    from llm_trainer.checkpoint import durable
+    from llm_trainer.checkpoint.publish import publish
+
+    durable._renameat2 = None  # a system without the atomic exchange
+    real = Path.rename
+
+    def rename(self, target):
+        result = real(self, target)
+        if self.name == "export":
+            os.kill(os.getpid(), signal.SIGKILL)  # the old export parked, the new one not yet in place
+        return result
+
+    Path.rename = rename
+    output, source = Path(sys.argv[1]), Path(sys.argv[2])
+    publish(output, lambda tmp: (tmp / "config.json").write_text("new config"), source=source, overwrite=True)
+    """
+)
+
+
+def test_an_overwrite_killed_between_the_two_renames_loses_nothing(tmp_path):
+    target = tmp_path / "export"
+    target.mkdir()
+    write(target, OLD)
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_BETWEEN_RENAMES, str(target), str(tmp_path / "source")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert not target.exists() and list(tmp_path.glob(".old-export-*"))  # the window the exchange closes
+    publish(target, lambda tmp: write(tmp, NEW), source=tmp_path / "source", overwrite=True)
+    assert contents(target) == NEW  # the parked export was put back, then replaced whole
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_an_output_that_is_a_symlink_is_replaced_and_its_target_kept(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    write(elsewhere, OLD)
+    (tmp_path / "export").symlink_to(elsewhere)
+    publish(tmp_path / "export", lambda tmp: write(tmp, NEW), source=tmp_path / "source", overwrite=True)
+    assert not (tmp_path / "export").is_symlink() and contents(tmp_path / "export") == {**NEW}
+    assert contents(elsewhere) == OLD
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
