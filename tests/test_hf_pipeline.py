@@ -32,6 +32,7 @@ def _experiment(tmp_path, corpus, architecture, **model):
             "save_steps": 0,
             "output_dir": "run",
             "device": "cpu",
+            "use_amp": False,  # eval measures in the run's precision; transformers' forward here is float32
             "progress_bar": False,
             "report_to": ["jsonl"],
         },
