@@ -312,6 +312,7 @@ class TrainingConfig(_Validated):
     speed_window_size: int = 20  # steps averaged by the speed monitor (tokens/s, step time, MFU)
     peak_flops: float | None = None  # the device's peak FLOP/s for MFU; None: looked up for known GPUs
     resume_from_checkpoint: str | None = None  # a checkpoint folder, or "latest"
+    overwrite_output_dir: bool = False  # start over in an output_dir that holds a run (see train/output_folder.py)
     # Multi-process (under torchrun): rank and world size come from the launcher's environment.
     distributed_strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = "auto"  # auto: ddp when world size > 1
     world_size: int | None = None  # when set, must equal the launcher's WORLD_SIZE
@@ -431,6 +432,12 @@ class CurriculumStage(_Validated):
 
     def _check(self) -> None:
         _require(self.until_step > 0, f"a curriculum stage's until_step must be positive, got {self.until_step}")
+
+
+SOURCES_EXAMPLE = (
+    "in YAML: `sources: [{name: web, data_files: 'web/*.jsonl', weight: 3}, {name: code, data_files: code/}]` "
+    "under data: (one source needs no list: data.data_files: corpus/)"
+)
 
 
 def _typed_list(values: Any, cls: type, field_name: str) -> Any:
@@ -606,6 +613,11 @@ class DataConfig(_Validated):
             )
 
     def _coerce(self) -> None:
+        if self.sources is not None and (
+            not isinstance(self.sources, (list, tuple))
+            or not all(isinstance(source, (dict, SourceConfig)) for source in self.sources)
+        ):
+            raise ValueError(f"DataConfig.sources must be a list of sources, got {self.sources!r}; {SOURCES_EXAMPLE}")
         self.sources = _typed_list(self.sources, SourceConfig, "sources")
         self.curriculum = _typed_list(self.curriculum, CurriculumStage, "curriculum")
 
@@ -636,11 +648,7 @@ class ExperimentConfig:
     def from_dict(cls, values: dict[str, Any]) -> ExperimentConfig:
         if not isinstance(values, dict):
             raise ValueError("an experiment config must be a mapping with sections model:, training:, data:")
-        known = {
-            name: [f.name for f in dataclasses.fields(section)]
-            for name, section in (("model", ModelConfig), ("training", TrainingConfig), ("data", DataConfig))
-        }
-        values, problems = config_aliases.canonical_experiment(values, known)  # every problem of the file at once
+        values, problems = config_aliases.canonical_experiment(values, cls.known_fields())  # every problem at once
         if problems:
             raise ValueError(config_aliases.one_message(problems))
         # Under our names already: built directly, so the alias pass runs once per config.
@@ -652,6 +660,14 @@ class ExperimentConfig:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @staticmethod
+    def known_fields() -> dict[str, list[str]]:
+        """Each section's field names."""
+        return {
+            name: [f.name for f in dataclasses.fields(section)]
+            for name, section in (("model", ModelConfig), ("training", TrainingConfig), ("data", DataConfig))
+        }
 
 
 class _Loader(yaml.SafeLoader):
@@ -710,12 +726,18 @@ def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple
     """Read an experiment file and apply dotted overrides; every error is a one-line `UsageError`."""
     data = read_config_file(path) if path is not None else {}
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    given: dict[str, dict[str, Any]] = {}
     for text in overrides:
         (section, key), value = parse_override(text)
+        given.setdefault(section, {})[key] = value
         try:
             config_aliases.set_override(data, section, key, value)
         except ValueError:
             raise UsageError(f"section {section!r} in {path} must be a mapping") from None
+    _, problems = config_aliases.canonical_experiment(given, ExperimentConfig.known_fields())
+    typos = [problem for problem in problems if problem.startswith("unknown")]  # keys no config knows
+    if typos:
+        raise UsageError(f"command line: {config_aliases.one_message(typos)}")
     try:
         return ExperimentConfig.from_dict(data)
     except ValueError as exc:
