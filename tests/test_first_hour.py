@@ -267,3 +267,52 @@ def test_estimate_takes_the_sharding_of_the_config_and_advises_the_fewest_device
     report = estimate_report(experiment, world_size=8, sharding="none", device_memory_gb=device_gb)
     assert report["fits"] is False
     assert report["advice"] == "distributed: --world-size 8 --sharding zero1"
+
+
+def test_a_runs_evaluations_show_progress_lines_in_a_log(tmp_path, monkeypatch, capfd):
+    from llm_trainer import logs
+    from llm_trainer.train.trainer import Trainer
+
+    monkeypatch.setattr(logs, "LINE_INTERVAL_S", 0.0)
+    train, val = tiny_loaders()
+    config = TrainingConfig(max_steps=2, eval_steps=2, output_dir=str(tmp_path / "run"), device="cpu", save_steps=0)
+    Trainer(tiny_model(), config, train_dataloader=train, val_dataloader=val).train()
+    err = capfd.readouterr().err
+    assert f"eval: {len(val)}/{len(val)} batches (100%)" in err and "\r" not in err
+
+
+# -- export and checkpoints: quiet, and files another user can read ---------------------------------------------------
+
+
+def test_checkpoint_weights_have_the_mode_of_the_folders_other_files(tmp_path):
+    from llm_trainer.train.trainer import Trainer
+
+    train, val = tiny_loaders()
+    config = TrainingConfig(max_steps=1, output_dir=str(tmp_path / "run"), device="cpu", progress_bar=False)
+    Trainer(tiny_model(), config, train_dataloader=train, val_dataloader=val).train()
+    folder = tmp_path / "run" / "checkpoints" / "checkpoint-00000001"
+    modes = {path.name: path.stat().st_mode & 0o777 for path in folder.iterdir()}
+    assert modes["model.safetensors"] == modes["optimizer.safetensors"] == modes["model_config.json"], modes
+
+
+@pytest.mark.slow  # a child process, as a user runs it (DeepSpeed warns once per process)
+def test_export_prints_one_line_and_writes_weights_like_its_other_files(tmp_path):
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    from conftest import src_env
+
+    config = write_tiny_experiment(tmp_path, max_steps=1, eval_steps=1)
+    assert main(["train", "--config", str(config)]) == 0
+    out = tmp_path / "hf"
+    done = subprocess.run(
+        [sys.executable, "-m", "llm_trainer", "export", "--checkpoint", str(tmp_path / "run"), "--output", str(out)],
+        capture_output=True,
+        text=True,
+        env=src_env(),
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout == f"exported to {out}\n" and done.stderr == "", done.stderr
+    modes = {path.name: path.stat().st_mode & 0o777 for path in out.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
