@@ -178,6 +178,8 @@ def test_a_command_line_typo_is_blamed_on_the_command_line(tmp_path):
     with pytest.raises(UsageError) as exc:
         load_experiment(path, ["training.learnig_rate=1e-3"])
     assert str(exc.value) == ("command line: unknown key training.learnig_rate; did you mean training.learning_rate?")
+    with pytest.raises(UsageError, match="^command line: TrainingConfig.learning_rate must be a number, got 'abc'$"):
+        load_experiment(path, ["training.lr=abc"])  # a wrong value too, in any spelling
     path.write_text("model: {d_model: 32, n_heads: 2}\ntraining: {learnig_rate: 1.0e-3}\ndata: {data_files: [x]}\n")
     with pytest.raises(UsageError, match=f"^{re.escape(str(path))}: unknown key training.learnig_rate"):
         load_experiment(path, ["training.max_steps=3"])

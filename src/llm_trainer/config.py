@@ -741,5 +741,19 @@ def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple
     try:
         return ExperimentConfig.from_dict(data)
     except ValueError as exc:
-        where = f"{path}: " if path is not None else ""
+        where = "command line: " if _names_an_override(str(exc), given) else f"{path}: " if path is not None else ""
         raise UsageError(f"{where}{exc}") from None
+
+
+_CLASS_OF_SECTION = {"model": "ModelConfig", "training": "TrainingConfig", "data": "DataConfig"}
+
+
+def _names_an_override(message: str, given: dict[str, dict[str, Any]]) -> bool:
+    """Whether an error names a key the command line set (`data.sources`, `DataConfig.sources`)."""
+    for section, keys in given.items():
+        for key in keys:
+            target, field = config_aliases.spellings_of(section, key)
+            names = (f"{section}.{key}", f"{target}.{field}", f"{_CLASS_OF_SECTION.get(target)}.{field}")
+            if any(re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", message) for name in names):
+                return True
+    return False
