@@ -91,8 +91,11 @@ def _file_tokens(path: Path, tokenizer, text_column: str) -> list[int]:
 
     source = SourceConfig(name="eval", data_files=str(path), text_column=text_column)
     tokens: list[int] = []
-    for document in iter_source(source, DataConfig(data_files=str(path), text_column=text_column), SourceStats()):
-        tokens += [*tokenizer.encode(document.text), tokenizer.eot_id]
+    try:
+        for document in iter_source(source, DataConfig(data_files=str(path), text_column=text_column), SourceStats()):
+            tokens += [*tokenizer.encode(document.text), tokenizer.eot_id]
+    except UsageError as exc:
+        raise UsageError(f"{exc} (here: --text-column NAME)") from None
     return tokens
 
 
@@ -551,7 +554,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite:///{output-dir}/study.db)")
     p.add_argument("--study-name", "--study_name", help="default: the config file's name")
-    p.add_argument("--pruner", choices=["median", "none"], default="median")
+    p.add_argument(
+        "--pruner",
+        choices=["median", "none"],
+        default="median",
+        help="median: stop a trial whose validation loss is worse than the median of earlier trials at the same "
+        "step; none: run every trial to its end",
+    )
     p.set_defaults(func=cmd_sweep)
 
     reg = sub.add_parser("registry", help="model registry: add, list, show, promote versions")
