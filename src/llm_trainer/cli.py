@@ -509,9 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help=overwrite)
     p.set_defaults(func=cmd_consolidate)
 
-    p = sub.add_parser(
-        "quickstart", help="train the quickstart preset on the built-in corpus (on CPU), evaluate, print a sample"
-    )
+    what = "train the quickstart preset on the built-in corpus (on CPU), evaluate, print a sample"
+    p = sub.add_parser("quickstart", help=what, description=what)
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.max_steps=100")
     p.add_argument("--overwrite", action="store_true", help=START_OVER)
     p.set_defaults(func=cmd_quickstart)
