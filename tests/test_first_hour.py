@@ -126,8 +126,8 @@ def test_the_early_stopping_line_follows_the_evaluation_that_decided_it(tmp_path
     )
     Trainer(tiny_model(), config, train_dataloader=train, val_dataloader=val).train()
     lines = capfd.readouterr().err.splitlines()
-    stop = next(i for i, line in enumerate(lines) if line.startswith("early stopping:"))
-    assert lines[stop - 1].startswith("eval  step       2"), lines
+    stops = [i for i, line in enumerate(lines) if line.startswith("early stopping:")]
+    assert len(stops) == 1 and lines[stops[0] - 1].startswith("eval  step       2"), lines
 
 
 def test_a_curriculum_says_when_each_stage_starts(capsys):

@@ -482,10 +482,8 @@ class Trainer:
         if summary["skipped_steps"]:
             parts.append(f"{summary['skipped_steps']} non-finite steps skipped")
         log("done: " + ", ".join(parts))
-        if self.stop.signal is not None:
+        if self.stop.signal is not None:  # (early stopping and a reached target said so after their evaluation)
             log(f"stopped by {self.stop.signal}; resume with training.resume_from_checkpoint=latest")
-        elif summary["stopped_early"]:
-            log(summary["stopped_early"])
 
 
 WANDB_KEYS = ("project_name", "project", "wandb_project", "run_name", "wandb_run_name")
