@@ -407,7 +407,7 @@ def hindi_pipeline(tmp_path: Path, model_factory=None, batch_size: int = 4):
 def test_004_hindi_trainer_shape_trains_with_a_dict_config_and_the_model_generates_and_exports(tmp_path, capfd):
     trainer, tokenizer = hindi_pipeline(tmp_path)
     err = capfd.readouterr().err
-    assert "project_name" in err and "not TrainingConfig fields" in err  # said once, not refused
+    assert "project_name" in err and "is not a TrainingConfig field" in err  # said once, not refused
     assert trainer.config.learning_rate == 3e-3 and trainer.config.weight_decay == 0.01
     run = tmp_path / "run"
     train_rows, evals = rows(run, "train"), rows(run, "eval")

@@ -424,7 +424,7 @@ def test_two_real_runs_into_one_folder_and_no_stale_lock_after_sigkill(tmp_path)
         first.wait()
         first.stderr.close()
     third = subprocess.run(
-        [sys.executable, "-m", "llm_trainer", "train", "--config", str(config), "training.max_steps=2"],
+        [sys.executable, "-m", "llm_trainer", "train", "--config", str(config), "--overwrite", "training.max_steps=2"],
         env=src_env(),
         capture_output=True,
         text=True,

@@ -13,7 +13,7 @@ from pathlib import Path
 from . import pipeline
 from .checkpoint.find import find_checkpoint
 from .checkpoint.layout import SHARDED_DIR, holds_dcp_shards, read_meta
-from .checkpoint.model_folder import load_model_folder, load_model_state, read_model_config
+from .checkpoint.model_folder import CONFIG_NAME, load_model_folder, load_model_state, read_model_config
 from .checkpoint.verify import link_outside, verify
 from .config import DataConfig, ExperimentConfig, TrainingConfig
 from .data.prepare import prepare_data
@@ -22,6 +22,7 @@ from .model import Transformer
 from .parallel import distributed, launcher
 from .pipeline import build_loaders, build_model, build_rows
 from .tokenizer import Tokenizer
+from .train.output_folder import check_output_folder
 from .train.run_lock import lock_run_folders
 from .train.trainer import Trainer
 
@@ -54,10 +55,13 @@ def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Traine
     and plots. `trainer_class`: a Trainer subclass (e.g. one that overrides `_log_metrics`).
 
     The output folder's lock is taken first: a second run into the same folder, or a folder that cannot
-    be written, fails before any data is prepared."""
+    be written, fails before any data is prepared; so does a folder that holds an earlier run, unless
+    this one resumes it or starts over (`train.output_folder`)."""
     try:
         t = experiment.training
-        with lock_run_folders(t.output_dir, t.resolved_checkpoint_dir, launcher.is_main_process()):
+        is_main = launcher.is_main_process()
+        with lock_run_folders(t.output_dir, t.resolved_checkpoint_dir, is_main):
+            check_output_folder(t, is_main=is_main)
             return build_trainer(experiment, callbacks=callbacks, trainer_class=trainer_class).train()
     finally:
         distributed.teardown()
@@ -65,9 +69,15 @@ def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Traine
 
 def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transformer, Tokenizer, dict]:
     """Model, tokenizer and experiment config from a checkpoint, best_model or run folder."""
-    found = find_checkpoint(path)  # a run or checkpoints folder: its newest checkpoint
+    found = find_checkpoint(path)  # a run or checkpoints folder, or `latest`: its newest checkpoint
     if found is None:
         raise UsageError(f"{path} holds no checkpoint; pass a checkpoint or best_model folder")
+    if (found / "config.json").is_file() and not (found / CONFIG_NAME).is_file():
+        raise UsageError(
+            f"{path} is a transformers model folder (an export), not a checkpoint of ours: pass the checkpoint, "
+            f"best_model or run folder it was exported from, load it with transformers "
+            f"(AutoModelForCausalLM.from_pretrained), or train on from it with model.init_from={path}"
+        )
     path = found
     if (path / "meta.json").is_file():  # checkpoints and best_model carry checksums: never use a corrupt one
         problem = verify(path)

@@ -15,6 +15,11 @@ from pathlib import Path
 from .errors import UsageError
 
 PRESETS = Path(__file__).parent / "configs"
+CHECKPOINT = "a checkpoint, best_model or run folder (a run's newest checkpoint), or checkpoints/latest"
+START_OVER = (
+    "start over in a training.output_dir that holds a run: remove what a run writes there first "
+    "(metrics.jsonl, checkpoints/, config.yaml, tokenizer.json, plots/, tensorboard/; other files are kept)"
+)
 
 
 def resolve_config_path(name: str) -> Path:
@@ -50,17 +55,22 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def _run_options(experiment, args):
+    """The experiment with the training options given as flags (--resume_from_checkpoint, --overwrite)."""
+    from dataclasses import replace
+
+    changes = {}
+    if getattr(args, "resume_from_checkpoint", None):
+        changes["resume_from_checkpoint"] = args.resume_from_checkpoint
+    if getattr(args, "overwrite", False):
+        changes["overwrite_output_dir"] = True
+    return replace(experiment, training=replace(experiment.training, **changes)) if changes else experiment
+
+
 def cmd_train(args) -> int:
     from .api import train
 
-    experiment = _experiment(args)
-    if args.resume_from_checkpoint:
-        from dataclasses import replace
-
-        experiment = replace(
-            experiment, training=replace(experiment.training, resume_from_checkpoint=args.resume_from_checkpoint)
-        )
-    summary = train(experiment)
+    summary = train(_run_options(_experiment(args), args))
     stopped_by = summary.get("stopped_by_signal")
     if stopped_by is None:
         return 0
@@ -68,21 +78,42 @@ def cmd_train(args) -> int:
     return 128 + known.value if known is not None else 1  # the shell's convention: 128 + the signal's number
 
 
-def _eval_loader(model, tokenizer, experiment: dict, data_file: str | None, batch_size: int):
-    """Validation batches: a text file's windows, or the run's own validation split."""
+def _file_tokens(path: Path, tokenizer, text_column: str) -> list[int]:
+    """The tokens `eval --data` reads: JSONL and Parquet record by record (the text in `text_column`,
+    each document followed by the end-of-text token, as `prepare` lays documents out); any other file
+    as one text."""
+    from .data.sources import JSONL_SUFFIXES, SourceStats, read_text_file
+
+    if not path.name.lower().endswith((*JSONL_SUFFIXES, ".parquet")):
+        return tokenizer.encode(read_text_file(path, True, SourceStats()))
+    from .config import DataConfig, SourceConfig
+    from .data.sources import iter_source
+
+    source = SourceConfig(name="eval", data_files=str(path), text_column=text_column)
+    tokens: list[int] = []
+    try:
+        for document in iter_source(source, DataConfig(data_files=str(path), text_column=text_column), SourceStats()):
+            tokens += [*tokenizer.encode(document.text), tokenizer.eot_id]
+    except UsageError as exc:
+        raise UsageError(f"{exc} (here: --text-column NAME)") from None
+    return tokens
+
+
+def _eval_loader(model, tokenizer, experiment: dict, args, batch_size: int):
+    """Validation batches: the windows of the file --data names, or the run's own validation split."""
     from .api import build_rows
     from .data.loader import BatchLoader, WindowRows
 
     length = model.config.max_seq_len
+    data_file = args.data
     if data_file is not None:
-        from .data.sources import SourceStats, read_text_file
-
         path = Path(data_file)
         if not path.is_file():
             raise UsageError(f"--data {path} not found")
         import numpy as np
 
-        tokens = np.asarray(tokenizer.encode(read_text_file(path, True, SourceStats())), dtype=np.int64)
+        column = args.text_column or (experiment.get("data") or {}).get("text_column") or "text"
+        tokens = np.asarray(_file_tokens(path, tokenizer, column), dtype=np.int64)
         if len(tokens) < 2:
             raise UsageError(f"--data {path} has fewer than two tokens; nothing to evaluate")
         rows = WindowRows(tokens, length, keep_partial=True)
@@ -142,8 +173,9 @@ def cmd_eval(args) -> int:
     precision = recorded_amp_dtype(experiment.get("training"), next(model.parameters()).device)
     metrics = evaluate(
         model,
-        _eval_loader(model, tokenizer, experiment, args.data, batch_size),
+        _eval_loader(model, tokenizer, experiment, args, batch_size),
         autocast=autocast(next(model.parameters()).device, precision),
+        progress=True,
     )
     if args.json:
         print(
@@ -186,8 +218,24 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _quiet_transformers() -> None:
+    """transformers, imported for a one-shot command, without what only clutters its output: the
+    accelerator guess of DeepSpeed (which transformers imports when it is installed) on a machine
+    without CUDA, and the progress bar of writing one small weight file."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # said, not guessed: DeepSpeed then warns of nothing
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+
+
 def cmd_export(args) -> int:
     try:
+        _quiet_transformers()
         from .hf.interop import export_to_hf
     except ImportError:
         raise UsageError("export needs transformers: pip install 'llm-trainer[hf]'") from None
@@ -232,11 +280,11 @@ def cmd_consolidate(args) -> int:
 
 
 def cmd_quickstart(args) -> int:
-    """Prepare the built-in corpus, train the tiny preset on CPU, evaluate, print a sample."""
+    """Prepare the built-in corpus, train the quickstart preset on CPU, evaluate, print a sample."""
     from .api import train
     from .config import load_experiment
 
-    experiment = load_experiment(PRESETS / "quickstart.yaml", args.overrides)
+    experiment = _run_options(load_experiment(PRESETS / "quickstart.yaml", args.overrides), args)
     summary = train(experiment)
     best = experiment.training.resolved_checkpoint_dir / "best_model"
     folder = best if best.is_dir() else Path(summary["checkpoint"])
@@ -414,25 +462,47 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume-from-checkpoint",
         help="a checkpoint folder (or its checkpoint-N.pt name), or 'latest'",
     )
+    p.add_argument("--overwrite", action="store_true", help=START_OVER)
     # `python -m torch.distributed.launch` passes --local-rank=N; the rank is read from the environment
     p.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="loss and perplexity of a checkpoint")
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--data", help="a text file to evaluate on (default: the run's validation split)")
+    p.add_argument("--checkpoint", required=True, help=CHECKPOINT)
+    p.add_argument(
+        "--data",
+        help="a file to evaluate on: text, or JSONL/Parquet records (default: the run's validation split)",
+    )
+    p.add_argument(
+        "--text-column",
+        "--text_column",
+        help="the field of --data's JSONL/Parquet records that holds the text (default: the run's data.text_column)",
+    )
     p.add_argument("--batch-size", "--batch_size", type=int, help="default: the run's training.batch_size, else 8")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("generate", help="generate text from a checkpoint")
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--prompt", default="")
-    p.add_argument("--max_new_tokens", "--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top_k", "--top-k", type=int, default=None)
-    p.add_argument("--top_p", "--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--checkpoint", required=True, help=CHECKPOINT)
+    p.add_argument("--prompt", default="", help="the text to continue (default: start from the end-of-text token)")
+    p.add_argument(
+        "--max_new_tokens", "--max-new-tokens", type=int, default=200, help="tokens to generate at most (default 200)"
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature: lower is more predictable, 0 always takes the likeliest token (default 0.8)",
+    )
+    p.add_argument("--top_k", "--top-k", type=int, default=None, help="sample only among the K likeliest tokens")
+    p.add_argument(
+        "--top_p",
+        "--top-p",
+        type=float,
+        default=None,
+        help="sample only among the likeliest tokens whose probabilities add up to P (nucleus sampling)",
+    )
+    p.add_argument("--seed", type=int, default=None, help="random seed: the same seed gives the same text")
     p.set_defaults(func=cmd_generate)
 
     overwrite = "replace the files this command writes in a non-empty --output folder (other files are kept)"
@@ -448,8 +518,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help=overwrite)
     p.set_defaults(func=cmd_consolidate)
 
-    p = sub.add_parser("quickstart", help="train the tiny preset on the built-in corpus, evaluate, sample")
+    what = "train the quickstart preset on the built-in corpus (on CPU), evaluate, print a sample"
+    p = sub.add_parser("quickstart", help=what, description=what)
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.max_steps=100")
+    p.add_argument("--overwrite", action="store_true", help=START_OVER)
     p.set_defaults(func=cmd_quickstart)
 
     p = sub.add_parser("plot", help="PNG figures of loss, perplexity and lr vs steps and tokens, runs overlaid")
@@ -468,9 +540,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_lr_find)
 
-    p = with_config(sub.add_parser("sweep", help="hyperparameter search with Optuna (TPE, pruning, resumable)"))
+    from .tools.sweep import SEARCH_SPACE_FORMAT
+
+    p = with_config(
+        sub.add_parser(
+            "sweep",
+            help="hyperparameter search with Optuna (TPE, pruning, resumable)",
+            epilog=SEARCH_SPACE_FORMAT,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     p.add_argument(
-        "--search-space", "--search_space", required=True, help="YAML of dotted keys to ranges (see llm_trainer.sweep)"
+        "--search-space",
+        "--search_space",
+        required=True,
+        help="YAML file of dotted config keys to ranges (format below)",
     )
     p.add_argument("--trials", type=int, required=True, help="finished trials the study should hold (a rerun resumes)")
     p.add_argument(
@@ -478,7 +562,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite:///{output-dir}/study.db)")
     p.add_argument("--study-name", "--study_name", help="default: the config file's name")
-    p.add_argument("--pruner", choices=["median", "none"], default="median")
+    p.add_argument(
+        "--pruner",
+        choices=["median", "none"],
+        default="median",
+        help="median: stop a trial whose validation loss is worse than the median of earlier trials at the same "
+        "step; none: run every trial to its end",
+    )
     p.set_defaults(func=cmd_sweep)
 
     reg = sub.add_parser("registry", help="model registry: add, list, show, promote versions")
@@ -513,12 +603,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_registry_promote)
 
     p = with_config(sub.add_parser("estimate", help="parameters, FLOPs per token and memory per device; does it fit?"))
-    p.add_argument("--world-size", "--world_size", type=int, default=1)
+    p.add_argument(
+        "--world-size", "--world_size", type=int, help="devices to train on (default: training.world_size, else 1)"
+    )
     p.add_argument(
         "--sharding",
         choices=["none", "zero1", "zero2", "fsdp"],
-        default="none",
-        help="zero1: optimizer state sharded; zero2: + gradients; fsdp (ZeRO-3): + parameters",
+        help="zero1: optimizer state sharded; zero2: + gradients; fsdp (ZeRO-3): + parameters "
+        "(default: what training.distributed_strategy shards)",
     )
     p.add_argument(
         "--device-memory", "--device_memory", type=float, metavar="GB", help="device memory in GiB: say whether it fits"

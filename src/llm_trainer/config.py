@@ -331,6 +331,7 @@ class TrainingConfig(_Validated):
     speed_window_size: int = 20  # steps averaged by the speed monitor (tokens/s, step time, MFU)
     peak_flops: float | None = None  # the device's peak FLOP/s for MFU; None: looked up for known GPUs
     resume_from_checkpoint: str | None = None  # a checkpoint folder, or "latest"
+    overwrite_output_dir: bool = False  # start over in an output_dir that holds a run (see train/output_folder.py)
     # Multi-process (under torchrun): rank and world size come from the launcher's environment.
     distributed_strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = "auto"  # auto: ddp when world size > 1
     world_size: int | None = None  # when set, must equal the launcher's WORLD_SIZE
@@ -456,6 +457,12 @@ class CurriculumStage(_Validated):
 
     def _check(self) -> None:
         _require(self.until_step > 0, f"a curriculum stage's until_step must be positive, got {self.until_step}")
+
+
+SOURCES_EXAMPLE = (
+    "in YAML: `sources: [{name: web, data_files: 'web/*.jsonl', weight: 3}, {name: code, data_files: code/}]` "
+    "under data: (one source needs no list: data.data_files: corpus/)"
+)
 
 
 def _typed_list(values: Any, cls: type, field_name: str) -> Any:
@@ -640,6 +647,11 @@ class DataConfig(_Validated):
             )
 
     def _coerce(self) -> None:
+        if self.sources is not None and (
+            not isinstance(self.sources, (list, tuple))
+            or not all(isinstance(source, (dict, SourceConfig)) for source in self.sources)
+        ):
+            raise ValueError(f"DataConfig.sources must be a list of sources, got {self.sources!r}; {SOURCES_EXAMPLE}")
         self.sources = _typed_list(self.sources, SourceConfig, "sources")
         self.curriculum = _typed_list(self.curriculum, CurriculumStage, "curriculum")
 
@@ -670,11 +682,7 @@ class ExperimentConfig:
     def from_dict(cls, values: dict[str, Any]) -> ExperimentConfig:
         if not isinstance(values, dict):
             raise ValueError("an experiment config must be a mapping with sections model:, training:, data:")
-        known = {
-            name: [f.name for f in dataclasses.fields(section)]
-            for name, section in (("model", ModelConfig), ("training", TrainingConfig), ("data", DataConfig))
-        }
-        values, problems = config_aliases.canonical_experiment(values, known)  # every problem of the file at once
+        values, problems = config_aliases.canonical_experiment(values, cls.known_fields())  # every problem at once
         if problems:
             raise ValueError(config_aliases.one_message(problems))
         # Under our names already: built directly, so the alias pass runs once per config.
@@ -686,6 +694,14 @@ class ExperimentConfig:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @staticmethod
+    def known_fields() -> dict[str, list[str]]:
+        """Each section's field names."""
+        return {
+            name: [f.name for f in dataclasses.fields(section)]
+            for name, section in (("model", ModelConfig), ("training", TrainingConfig), ("data", DataConfig))
+        }
 
 
 class _Loader(yaml.SafeLoader):
@@ -770,6 +786,9 @@ def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple
     data = read_config_file(path) if path is not None else {}
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
     parsed = [parse_override(text) for text in overrides]
+    given: dict[str, dict[str, Any]] = {}
+    for (section, key), value in parsed:
+        given.setdefault(section, {})[key] = value
     named_sources = {
         config_aliases.spellings_of(section, key)[1]
         for (section, key), _ in parsed
@@ -784,10 +803,14 @@ def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple
             config_aliases.set_override(data, section, key, value)
         except ValueError:
             raise UsageError(f"section {section!r} in {path} must be a mapping") from None
+    _, problems = config_aliases.canonical_experiment(given, ExperimentConfig.known_fields())
+    typos = [problem for problem in problems if problem.startswith("unknown")]  # keys no config knows
+    if typos:
+        raise UsageError(f"command line: {config_aliases.one_message(typos)}")
     try:
         return ExperimentConfig.from_dict(data)
     except ValueError as exc:
-        where = f"{path}: " if path is not None else ""
+        where = "command line: " if _names_an_override(str(exc), given) else f"{path}: " if path is not None else ""
         raise UsageError(f"{where}{exc}") from None
 
 
@@ -806,3 +829,17 @@ def saved_batch_size(saved: Any) -> int | None:
             f"the folder's saved training.batch_size is {value!r}, not a positive integer; pass --batch-size"
         )
     return value
+
+
+_CLASS_OF_SECTION = {"model": "ModelConfig", "training": "TrainingConfig", "data": "DataConfig"}
+
+
+def _names_an_override(message: str, given: dict[str, dict[str, Any]]) -> bool:
+    """Whether an error names a key the command line set (`data.sources`, `DataConfig.sources`)."""
+    for section, keys in given.items():
+        for key in keys:
+            target, field = config_aliases.spellings_of(section, key)
+            names = (f"{section}.{key}", f"{target}.{field}", f"{_CLASS_OF_SECTION.get(target)}.{field}")
+            if any(re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", message) for name in names):
+                return True
+    return False

@@ -1,11 +1,13 @@
 """What the operating system's file layer tells us, decided once: whether a failed write means a
-full disk, whether a folder can be written, and an exclusive lock on an open file that dies with
-its process."""
+full disk, whether a folder can be written, an exclusive lock on an open file that dies with its
+process, and the mode new files get."""
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import IO
@@ -74,3 +76,26 @@ def writable_folder(folder: Path, what: str) -> Path:
         reason = "disk full" if disk_full(exc) else (exc.strerror or type(exc).__name__)
         raise UsageError(f"cannot write into {what} {folder} ({reason}); choose another folder or fix it") from None
     return folder
+
+
+@functools.cache
+def new_file_mode() -> int:
+    """The permission bits a new file gets here: 0666 less the process's umask (read from /proc, so that
+    no thread ever sees a changed umask; elsewhere, set and restored once)."""
+    try:
+        found = re.search(r"^Umask:\s*([0-7]+)", Path("/proc/self/status").read_text(), re.MULTILINE)
+    except OSError:
+        found = None
+    if found is not None:
+        mask = int(found.group(1), 8)
+    else:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
+def with_default_mode(path: str | Path) -> None:
+    """Give `path` the mode any new file gets here. safetensors writes its files 0600, which a folder's
+    other files (0644 under the usual umask) are not: copied to another user, the weights alone would
+    be unreadable."""
+    os.chmod(path, new_file_mode())

@@ -86,6 +86,23 @@ def _check_init_vocabulary(init_from: str, tokenizer: Tokenizer) -> None:
         )
 
 
+UNUSED_ROWS_NOTED = 128  # fewer extra embedding rows than this: rounding the vocabulary up (for speed), no note
+
+
+def _note_unused_embeddings(run: ResolvedRun, tokenizer: Tokenizer) -> None:
+    """One line when model.vocab_size leaves many embedding rows that no token id ever reads."""
+    model = run.experiment.model
+    unused = model.vocab_size - tokenizer.vocab_size
+    if run.vocab_source != "model.vocab_size" or unused < UNUSED_ROWS_NOTED:
+        return
+    parameters = unused * model.d_model * (1 if model.tie_embeddings else 2)  # input rows, and the head's own
+    log(
+        f"note: model.vocab_size is {model.vocab_size:,} but the tokenizer has {tokenizer.vocab_size:,} tokens: "
+        f"{unused:,} embedding rows are never used ({parameters / 1e6:.1f}M parameters); remove model.vocab_size "
+        "to size the model from the tokenizer"
+    )
+
+
 def build_rows(prepared: PreparedData, split: str, data: DataConfig, length: int, seed: int | None):
     """The row layout for a split: greedy windows, first-fit bins, or one document per row.
 
@@ -178,6 +195,7 @@ def prepare_run(experiment: ExperimentConfig, *, local: bool = False, meta: bool
     run = resolve_run(experiment, prepared.tokenizer, runtime, model_config=loaded.config if loaded else None)
     if loaded is not None:
         return PreparedRun(run=run, prepared=prepared, model=loaded)
+    _note_unused_embeddings(run, prepared.tokenizer)
     seed_everything(run.training.seed)  # a model built with storage is initialised here, from the run's seed
     model = build_model(run.experiment.model, meta=meta)
     return PreparedRun(run=run, prepared=prepared, model=model)

@@ -99,12 +99,15 @@ def find_checkpoint(path: str | Path) -> Path | None:
         a checkpoint, best_model or model folder      the folder itself (not verified here)
         checkpoint-N, checkpoint-N.pt (.pth, .bin)    the folder checkpoint-0000000N beside it
         a checkpoints folder (`latest`, checkpoint-*) its newest usable checkpoint
+        the `latest` pointer file itself              the same: its folder's newest usable checkpoint
         a run's output folder (with checkpoints/)     the newest usable checkpoint in checkpoints/
 
     None when a checkpoints or run folder holds no checkpoint yet; a CheckpointError when the path
     does not exist.
     """
     path = folder_of(Path(path))
+    if path.name == LATEST and path.is_file():
+        return latest_checkpoint(path.parent)
     if not path.is_dir():
         here = ", ".join(p.name for p in list_checkpoints(path.parent)[:3])
         raise CheckpointError(

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import ModelConfig
 from ..errors import UsageError
+from ..filesystem import with_default_mode
 from ..limits import check_model_memory, parse_json
 from ..model import Transformer
 
@@ -105,8 +106,14 @@ def save_model_folder(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = model_state_dict(unwrap(model)) if state is None else _dedupe_tied(state, model)
-    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_tensors(tensors, directory / WEIGHTS_NAME)
     write_model_config(model, directory, extra_metadata)
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """A safetensors file with the mode of the folder's other files (see `filesystem.with_default_mode`)."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with_default_mode(path)
 
 
 def write_model_config(model: nn.Module, directory: str | Path, extra_metadata: dict | None = None) -> None:

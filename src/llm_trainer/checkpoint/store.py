@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..filesystem import with_default_mode
 from ..limits import check_archive
 from ..logs import log
 from ..tokenizer import TOKENIZER_FILE
@@ -96,10 +97,12 @@ def save_checkpoint(
     writers.append(lambda tmp: torch.save(rng_tensors, tmp / RNG))
     if optimizer_state is not None:
         optimizer_structure, optimizer_tensors = split_tensors(optimizer_state)
-        writers[-1:-1] = [
-            lambda tmp: save_file(optimizer_tensors, str(tmp / OPTIMIZER_TENSORS), metadata={"format": "pt"}),
-            lambda tmp: torch.save(optimizer_structure, tmp / OPTIMIZER),
-        ]
+
+        def save_optimizer_tensors(tmp: Path) -> None:
+            save_file(optimizer_tensors, str(tmp / OPTIMIZER_TENSORS), metadata={"format": "pt"})
+            with_default_mode(tmp / OPTIMIZER_TENSORS)  # safetensors writes 0600; the folder's files are alike
+
+        writers[-1:-1] = [save_optimizer_tensors, lambda tmp: torch.save(optimizer_structure, tmp / OPTIMIZER)]
     writers.append(text_writer(TRAIN_STATE, json.dumps(train_state, indent=2)))
     if tokenizer_json is not None:
         writers.append(text_writer(TOKENIZER_FILE, tokenizer_json))

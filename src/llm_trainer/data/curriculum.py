@@ -18,6 +18,7 @@ import torch
 
 from ..config import CurriculumStage
 from ..errors import UsageError
+from ..logs import log
 from .loader import BatchLoader, DocumentRows, WindowRows, _to_device
 
 
@@ -68,6 +69,7 @@ class CurriculumLoader(BatchLoader):
         super().__init__(
             rows, batch_size, shuffle=True, seed=seed, drop_last=True, rank=rank, world_size=world_size, device=device
         )
+        self.stages, self.accumulation = stages, accumulation
         self.stage_ends = [s.until_step * accumulation for s in stages]  # in this rank's batches
         self.eligible = []
         for i, stage in enumerate(stages):
@@ -81,6 +83,23 @@ class CurriculumLoader(BatchLoader):
             self.eligible.append(chosen)
         self.taken = 0  # batches this rank has taken from the curriculum
         self._cycles: dict[tuple[int, int], np.ndarray] = {}
+        self._announced: int | None = None  # the stage the last `curriculum:` line named
+
+    def _announce(self) -> None:
+        """One line when a stage starts (and when the curriculum is over), so a log shows it applies."""
+        stage = next((i for i, end in enumerate(self.stage_ends) if self.taken < end), len(self.stage_ends))
+        if stage == self._announced:
+            return
+        self._announced = stage
+        step = self.taken // self.accumulation
+        if stage == len(self.stages):
+            log(f"curriculum: stages done at step {step}; every row from here, in shuffled epochs")
+            return
+        rule = self.stages[stage]
+        log(
+            f"curriculum: stage {stage + 1} of {len(self.stages)} from step {step} to {rule.until_step}: "
+            f"{len(self.eligible[stage]):,} of {len(self.rows):,} rows (difficulty <= {rule.max_difficulty:g})"
+        )
 
     def _stage_batch(self) -> np.ndarray:
         stage = next(i for i, end in enumerate(self.stage_ends) if self.taken < end)
@@ -98,6 +117,7 @@ class CurriculumLoader(BatchLoader):
         return out
 
     def next_batch(self) -> tuple[torch.Tensor, ...]:
+        self._announce()
         if self.taken >= self.stage_ends[-1]:
             return super().next_batch()
         self.rows.set_epoch(0)  # difficulties were measured on epoch 0's layout

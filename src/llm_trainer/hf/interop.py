@@ -27,6 +27,7 @@ from ..checkpoint.model_folder import load_model_folder, load_model_state
 from ..checkpoint.publish import check_target, publish
 from ..config import ModelConfig
 from ..errors import UsageError
+from ..filesystem import with_default_mode
 from ..logs import log
 from ..model import Transformer
 from ..tokenizer import EOT as EOT_TOKEN
@@ -499,6 +500,8 @@ def export_to_hf(
             hf_model.tie_weights()
         hf_model.generation_config = tf.GenerationConfig(bos_token_id=eot_id, eos_token_id=eot_id)
         hf_model.save_pretrained(str(tmp), max_shard_size=int(max_shard_size_bytes))
+        for weights in tmp.glob("*.safetensors"):
+            with_default_mode(weights)
         card = _model_card(
             output_dir.name, config, model_class.__name__, model.num_parameters(), metrics, tokenizer_path is not None
         )

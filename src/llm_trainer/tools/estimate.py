@@ -241,18 +241,37 @@ def check_flags(
         raise UsageError(f"--device-memory must be a positive number of GiB, got {device_memory_gb}")
 
 
+def configured_sharding(training: TrainingConfig) -> str:
+    """What the run's distributed strategy shards, as one of `SHARDING`: FSDP's full (and hybrid) shard
+    is ZeRO-3 (`fsdp`), its shard_grad_op keeps whole parameters through the step (`zero2`); DeepSpeed
+    shards as its ZeRO stage says; DDP and one process shard nothing."""
+    if training.distributed_strategy == "fsdp":
+        return "zero2" if training.fsdp_sharding == "shard_grad_op" else "fsdp"
+    if training.distributed_strategy == "deepspeed":
+        from ..parallel.deepspeed_engine import load_user_config
+
+        stage = load_user_config(training.deepspeed_config).get("zero_optimization", {}).get("stage", 0)
+        return dict(enumerate(SHARDING)).get(stage, "none")
+    return "none"
+
+
 def estimate_report(
     experiment: ExperimentConfig,
     *,
-    world_size: int = 1,
-    sharding: str = "none",
+    world_size: int | None = None,
+    sharding: str | None = None,
     device_memory_gb: float | None = None,
     vocab_size: int | None = None,
     batch_size: int | None = None,
     gradient_checkpointing: bool | None = None,
 ) -> dict:
-    """Everything `llm-trainer estimate` prints, as a dict (bytes and FLOPs as numbers)."""
+    """Everything `llm-trainer estimate` prints, as a dict (bytes and FLOPs as numbers). `world_size` and
+    `sharding` default to what the config runs (training.world_size, its distributed strategy)."""
     check_flags(world_size=world_size, vocab_size=vocab_size, batch_size=batch_size, device_memory_gb=device_memory_gb)
+    if world_size is None:
+        world_size = experiment.training.world_size or 1
+    if sharding is None:
+        sharding = configured_sharding(experiment.training)
     if vocab_size is not None:
         vocab, source = vocab_size, "--vocab-size"
     else:
@@ -346,14 +365,18 @@ def _advice(
             model_config, training, world_size=world_size, sharding=sharding, gradient_checkpointing=True, **kwargs
         ).fits(device_gb):
             return "training.gradient_checkpointing=true with a small training.batch_size"
-    for world in (2, 4, 8, 16, 32, 64, 128, 256, 512):
-        if world <= world_size:
-            continue
-        for mode in ("zero1", "zero2", "fsdp"):
-            if estimate_memory(
-                model_config, training, world_size=world, sharding=mode, gradient_checkpointing=True, **kwargs
-            ).fits(device_gb):
-                return f"distributed: --world-size {world} --sharding {mode} with gradient checkpointing"
+    # The fewest devices first: the world size given with more sharding than given, then powers of two
+    # above it; the least sharding, and checkpointing only where it is needed.
+    already = bool(checkpointing or activation_checkpointing(training))
+    worlds = [world_size, *(w for w in (2, 4, 8, 16, 32, 64, 128, 256, 512) if w > world_size)]
+    for world in (w for w in worlds if w > 1):  # sharding over one device saves nothing
+        for mode in SHARDING[SHARDING.index(sharding) + 1 if world == world_size else 1 :]:
+            for recompute in dict.fromkeys((already, True)):
+                if estimate_memory(
+                    model_config, training, world_size=world, sharding=mode, gradient_checkpointing=recompute, **kwargs
+                ).fits(device_gb):
+                    extra = " with gradient checkpointing" if recompute and not already else ""
+                    return f"distributed: --world-size {world} --sharding {mode}{extra}"
     return "does not fit even when sharded over 512 devices; use a smaller model"
 
 

@@ -24,6 +24,7 @@ import torch.nn as nn
 from ..checkpoint.model_folder import unwrap
 from ..config import TrainingConfig
 from ..errors import UsageError
+from ..logs import Progress
 from ..parallel.distributed import DistInfo
 from ..parallel.strategies import Parallelism
 from ..resolve import amp_dtype, resolve_amp
@@ -100,6 +101,7 @@ def find_lr(
     training: TrainingConfig | None = None,
     device: torch.device | str | None = None,
     accumulation_steps: int | None = None,
+    progress: bool = False,
 ) -> LRFinderResult:
     """Run the range test on a copy of `model` with batches from `loader`; see the module docstring.
 
@@ -107,7 +109,7 @@ def find_lr(
     `Trainer` accepts ((inputs, targets), a dict with input_ids, or token rows); it is cycled.
     `training` supplies the optimizer (type, betas, weight-decay groups), clipping, amp and the
     accumulation steps of the real run (defaults: `TrainingConfig()`). `device` defaults to the
-    model's own.
+    model's own. `progress`: show the steps as they go (a bar on a terminal, lines in a log).
     """
     check_range(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps)
     training = training or TrainingConfig()
@@ -132,6 +134,7 @@ def find_lr(
         ratio = (end_lr / start_lr) ** (1.0 / (num_steps - 1))
         lrs, losses, smoothed = [], [], []
         average, best, diverged = 0.0, math.inf, False
+        bar = Progress(num_steps, "lr-find", "steps", enabled=progress)
         try:
             for i in range(num_steps):
                 lr = start_lr * ratio**i
@@ -141,6 +144,8 @@ def find_lr(
                 loss = float(out.loss)
                 lrs.append(lr)
                 losses.append(loss)
+                bar.set_postfix(lr=f"{lr:.1e}", loss=f"{loss:.4f}")
+                bar.update()
                 if not math.isfinite(loss):
                     smoothed.append(math.inf)
                     diverged = True
@@ -153,6 +158,7 @@ def find_lr(
                     diverged = True
                     break
         finally:
+            bar.close()
             del work, optimizer, parallel
             if saved_position is not None:
                 batches.load_state_dict(saved_position)
@@ -191,6 +197,7 @@ def run_lr_finder(experiment, *, start_lr: float, end_lr: float, num_steps: int,
         num_steps=num_steps,
         training=run.training,
         device=run.device,
+        progress=run.training.progress_bar,
     )
     if plot_path is not None:
         result.plot(plot_path)

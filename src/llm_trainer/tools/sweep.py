@@ -7,14 +7,7 @@ a median pruner stops trials whose intermediate validation loss (each `training.
 than the median of earlier trials at the same step. The study lives in a SQLite file,
 `{root}/study.db`, so running the same command again resumes it.
 
-Search-space file (YAML), one entry per dotted config key:
-
-    training.learning_rate: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}
-    training.weight_decay:  {type: float, low: 0.0, high: 0.2, step: 0.05}
-    model.n_layers:         {type: int, low: 2, high: 6}            # optional: step, log
-    model.activation:       {type: categorical, choices: [gelu, swiglu]}
-    model.dropout:          [0.0, 0.1]                              # a list: shorthand for categorical
-    training.warmup_steps:  20                                      # a plain value: fixed for every trial
+The search-space file's format is `SEARCH_SPACE_FORMAT` below (`llm-trainer sweep --help` prints it).
 
 `--trials N` is the number of finished trials (complete, pruned, or failed on a bad config / a
 diverged run) the study should hold: rerunning the same command after an interruption runs only
@@ -38,6 +31,21 @@ from ..logs import log
 from ..train.callbacks import Callback
 
 KINDS = ("float", "int", "categorical")
+
+SEARCH_SPACE_FORMAT = """\
+search-space file (YAML), one entry per dotted config key:
+
+  training.learning_rate: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}
+  training.weight_decay:  {type: float, low: 0.0, high: 0.2, step: 0.05}
+  model.n_layers:         {type: int, low: 2, high: 6}        # optional: step, log
+  model.activation:       {type: categorical, choices: [gelu, swiglu]}
+  model.dropout:          [0.0, 0.1]                          # a list: shorthand for categorical
+  training.warmup_steps:  20                                  # a plain value: fixed for every trial
+
+type is float, int or categorical; log (true: sample on a log scale, low > 0) and step (a grid)
+cannot be combined. Each trial trains in {output-dir}/trial-NNNN; its objective is the best
+validation loss (the data needs a validation split).
+"""
 
 
 class SweepInterrupted(KeyboardInterrupt):

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.loader import IGNORE_INDEX
+from ..logs import Progress
 
 
 def logits_of(output) -> torch.Tensor:
@@ -36,26 +37,37 @@ def summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, batches: Iterable, *, autocast=None, max_batches: int | None = None, reduce=None
+    model: torch.nn.Module,
+    batches: Iterable,
+    *,
+    autocast=None,
+    max_batches: int | None = None,
+    reduce=None,
+    progress: bool = False,
 ) -> dict:
     """{"val_loss", "perplexity", "tokens", "batches", "batches_total"} with every target token weighted
     equally; `batches` of `batches_total` (None when the loader has no length) say what was covered.
 
     `reduce` (an in-place all-reduce) sums the totals over ranks when each rank evaluated its part.
+    `progress`: show how far it has come (a bar on a terminal, lines in a log; see `logs.Progress`).
     """
     was_training = model.training
     model.eval()
     device = next(model.parameters(), torch.empty(0)).device
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # (summed nll, target count)
+    total_batches = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
+    shown = total_batches if max_batches is None or total_batches is None else min(total_batches, max_batches)
     done = 0
-    for i, (inputs, targets, *doc_ids) in enumerate(batches):
-        if max_batches is not None and i >= max_batches:
-            break
-        with autocast if autocast is not None else torch.autocast("cpu", enabled=False):
-            nll = batch_nll(model, inputs, targets, *doc_ids)
-        totals[0] += nll.double()
-        totals[1] += (targets != IGNORE_INDEX).sum()
-        done += 1
+    with Progress(shown, "eval", "batches", enabled=progress, leave=False) as bar:
+        for i, (inputs, targets, *doc_ids) in enumerate(batches):
+            if max_batches is not None and i >= max_batches:
+                break
+            with autocast if autocast is not None else torch.autocast("cpu", enabled=False):
+                nll = batch_nll(model, inputs, targets, *doc_ids)
+            totals[0] += nll.double()
+            totals[1] += (targets != IGNORE_INDEX).sum()
+            done += 1
+            bar.update()
     model.train(was_training)
     if reduce is not None:
         reduce(totals)
@@ -63,7 +75,6 @@ def evaluate(
     if count == 0:
         raise ValueError("the evaluation data has no target tokens")
     loss = total / count
-    total_batches = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
     return {
         "val_loss": loss,
         "perplexity": math.exp(min(loss, 700.0)),

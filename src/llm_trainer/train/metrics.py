@@ -163,7 +163,7 @@ def coverage(row: dict) -> str:
         return tokens
     if total is not None and done < total:
         return f"first {done} of {total} batches, {tokens}: training.eval_max_batches"
-    return f"all {done} batches, {tokens}"
+    return f"all {done} {'batch' if done == 1 else 'batches'}, {tokens}"
 
 
 class TensorBoardLogger:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import sys
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -29,7 +28,7 @@ from .. import config_aliases
 from ..checkpoint.checkpointer import Checkpointer
 from ..config import TrainingConfig
 from ..errors import TrainingStopped, UsageError
-from ..logs import is_main_process, log, warnings_once
+from ..logs import Progress, log, shows_progress_bar, warnings_once
 from ..parallel.distributed import all_reduce_
 from ..parallel.parallelize import parallelize
 from ..pipeline import build_trainer  # the pipeline takes the Trainer class as an argument, never imports it
@@ -348,6 +347,7 @@ class Trainer:
             autocast=self.autocast,
             reduce=all_reduce_,
             max_batches=None if full else self.config.eval_max_batches,
+            progress=self.config.progress_bar,
         )
 
     def _towards_target(self, metrics: dict, target: float) -> tuple[dict, bool]:
@@ -384,22 +384,25 @@ class Trainer:
             state.best_val_loss, state.best_step = loss, state.step
             self.checkpointer.save_best(metrics)
         reference = state.patience_reference if state.patience_reference is not None else state.best_val_loss
+        reasons = []  # why to stop, said after the evaluation that decided it
         if state.patience_reference is None or loss < reference - cfg.early_stopping_min_delta:
             state.patience_reference, state.evals_without_improvement = loss, 0
         else:
             state.evals_without_improvement += 1
             if cfg.early_stopping_patience and state.evals_without_improvement >= cfg.early_stopping_patience:
-                self.stop.request(
+                reasons.append(
                     f"early stopping: val_loss did not improve by more than {cfg.early_stopping_min_delta} for "
                     f"{state.evals_without_improvement} evaluations (best {state.best_val_loss:.4f} at step {state.best_step})"
                 )
         if target is not None and whole and metrics["val_loss"] <= target:
             self.time_to_target_s = time.perf_counter() - self._started
-            self.stop.request(
+            reasons.append(
                 f"target reached: val_loss {metrics['val_loss']:.4f} <= {target} at step {state.step}, "
                 f"{self.time_to_target_s:.1f}s after training started"
             )
         self._log_metrics(EvalRow(step=state.step, **metrics).as_dict())
+        for reason in reasons:
+            self.stop.request(reason)
         for cb in self.callbacks:
             cb.on_evaluate(self, metrics)
         return metrics
@@ -443,20 +446,12 @@ class Trainer:
         self.metrics_tracker.log(row)
 
     def _shows_progress_bar(self) -> bool:
-        """A bar on a terminal only: written to a file, its redraws would glue to the log lines."""
-        return self.config.progress_bar and is_main_process() and sys.stderr.isatty()
+        """A bar on a terminal only (see `logs.shows_progress_bar`); without one, the console logger
+        prints the training rows as lines."""
+        return shows_progress_bar(self.config.progress_bar)
 
-    def _progress_bar(self):
-        from tqdm.auto import tqdm
-
-        return tqdm(
-            total=self.total_steps,
-            initial=self.state.step,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-            mininterval=0.5,
-        )
+    def _progress_bar(self) -> Progress:
+        return Progress(self.total_steps, "train", "step", initial=self.state.step, bar=True, lines=False)
 
     def _log_start(self) -> None:
         n_params = self.parallel.parameter_count()
@@ -487,10 +482,11 @@ class Trainer:
         if summary["skipped_steps"]:
             parts.append(f"{summary['skipped_steps']} non-finite steps skipped")
         log("done: " + ", ".join(parts))
-        if self.stop.signal is not None:
+        if self.stop.signal is not None:  # (early stopping and a reached target said so after their evaluation)
             log(f"stopped by {self.stop.signal}; resume with training.resume_from_checkpoint=latest")
-        elif summary["stopped_early"]:
-            log(summary["stopped_early"])
+
+
+WANDB_KEYS = ("project_name", "project", "wandb_project", "run_name", "wandb_run_name")
 
 
 def _training_config(config: TrainingConfig | Mapping[str, Any] | None) -> TrainingConfig:
@@ -507,7 +503,16 @@ def _training_config(config: TrainingConfig | Mapping[str, Any] | None) -> Train
     if problems:
         raise UsageError(config_aliases.one_message(problems))
     if unused:
-        log(f"config: {', '.join(map(str, unused))} not TrainingConfig fields; not used by the Trainer")
+        names = ", ".join(map(str, unused))
+        are = "is not a TrainingConfig field" if len(unused) == 1 else "are not TrainingConfig fields"
+        wandb = [str(key) for key in unused if str(key) in WANDB_KEYS]
+        hint = (
+            f"; W&B (training.report_to: [wandb]) takes its project from the WANDB_PROJECT environment variable "
+            f"and the run's name from WANDB_NAME: `export WANDB_PROJECT=my-project` instead of {', '.join(wandb)}"
+            if wandb
+            else ""
+        )
+        log(f"config: {names} {are}; the Trainer does not use {'it' if len(unused) == 1 else 'them'}{hint}")
     try:
         return TrainingConfig(**values)
     except ValueError as exc:

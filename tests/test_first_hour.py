@@ -1,0 +1,320 @@
+"""A new user's first hour: a second run into a finished folder, progress of long commands, messages
+that say where a problem came from and what to write instead, and help texts that say what is true."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import tiny_loaders, tiny_model, write_tiny_experiment
+from llm_trainer.cli import build_parser, main
+from llm_trainer.config import TrainingConfig, load_experiment
+from llm_trainer.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _subparser(name: str):
+    parser = build_parser()
+    return next(a for a in parser._actions if hasattr(a, "choices") and a.choices and name in a.choices).choices[name]
+
+
+# -- a second run into a folder that holds one ---------------------------------------------------------------------
+
+
+def test_a_second_train_into_a_run_folder_is_refused_then_resumes_or_starts_over(tmp_path, capfd):
+    config = write_tiny_experiment(tmp_path, max_steps=4, save_steps=2)
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(config)]) == 0
+    before = (run / "metrics.jsonl").read_text()
+    capfd.readouterr()
+
+    assert main(["train", "--config", str(config)]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"error: {run} already holds a run (metrics.jsonl, checkpoints/); resume it with " in err
+    assert "training.resume_from_checkpoint=latest" in err and "training.output_dir" in err and "--overwrite" in err
+    assert (run / "metrics.jsonl").read_text() == before  # nothing touched
+
+    (run / "notes.txt").write_text("mine")  # a file of the user's own
+    (run / "plots").mkdir(exist_ok=True)
+    assert main(["train", "--config", str(config), "--overwrite", "training.max_steps=2"]) == 0
+    err = capfd.readouterr().err
+    assert f"overwrite: starting over in {run}; removed metrics.jsonl" in err
+    rows = _rows(run)
+    assert [r["kind"] for r in rows].count("summary") == 1 and rows[-1]["step"] == 2  # the new run alone
+    assert (run / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-00000002"
+    ]
+
+    assert main(["train", "--config", str(config), "--overwrite", "--resume_from_checkpoint", "latest"]) == 2
+    assert "pass one of them" in capfd.readouterr().err
+    assert main(["train", "--config", str(config), "training.resume_from_checkpoint=latest"]) == 0
+
+
+def test_a_checkpoint_folder_of_its_own_is_cleared_of_checkpoints_only(tmp_path):
+    from llm_trainer.train.output_folder import check_output_folder, run_traces
+
+    checkpoints = tmp_path / "ckpt"
+    (checkpoints / "checkpoint-00000003").mkdir(parents=True)
+    (checkpoints / "latest").write_text("checkpoint-00000003")
+    (checkpoints / "keep.txt").write_text("x")
+    training = TrainingConfig(output_dir=str(tmp_path / "out"), checkpoint_dir=str(checkpoints))
+    assert run_traces(training) == [f"{checkpoints}/"]
+    with pytest.raises(UsageError, match="already holds a run"):
+        check_output_folder(training, is_main=True)
+    check_output_folder(TrainingConfig(**{**training.to_dict(), "overwrite_output_dir": True}), is_main=True)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["keep.txt"]
+    assert run_traces(training) == []
+
+
+# -- progress: a bar on a terminal, lines in a log -------------------------------------------------------------------
+
+
+def test_eval_and_lr_find_print_progress_lines_when_stderr_is_a_file(monkeypatch, capsys):
+    from llm_trainer import logs
+    from llm_trainer.tools.lr_finder import find_lr
+    from llm_trainer.train.evaluate import evaluate
+
+    monkeypatch.setattr(logs, "LINE_INTERVAL_S", 0.0)  # a line at every update
+    _, val = tiny_loaders()
+    model = tiny_model()
+    evaluate(model, val, progress=True)
+    find_lr(model, tiny_loaders()[0], num_steps=3, training=TrainingConfig(device="cpu"), progress=True)
+    err = capsys.readouterr().err
+    total = len(val)
+    assert f"eval: 1/{total} batches ({1 / total:.0%}), " in err
+    assert f"eval: {total}/{total} batches (100%)" in err
+    assert re.search(r"lr-find: 3/3 steps \(100%\), \d+s, lr [\d.e+-]+, loss \d+\.\d{4}", err), err
+    assert "\r" not in err  # no bar redraws in a file
+
+
+def test_a_log_line_written_while_a_bar_is_shown_keeps_the_bar_whole(capsys):
+    from llm_trainer.logs import Progress, log
+
+    with Progress(5, "train", "step", bar=True) as bar:
+        bar.update()
+        log("checkpoint: removed checkpoint-00000001 (save_total_limit=1)")
+        bar.update()
+    err = capsys.readouterr().err
+    pieces = re.split(r"[\r\n]", err)
+    assert "checkpoint: removed checkpoint-00000001 (save_total_limit=1)" in pieces  # a line of its own
+
+
+def test_the_early_stopping_line_follows_the_evaluation_that_decided_it(tmp_path, capfd):
+    from llm_trainer.train.trainer import Trainer
+
+    train, val = tiny_loaders()
+    config = TrainingConfig(
+        max_steps=10,
+        eval_steps=1,
+        early_stopping_patience=1,
+        early_stopping_min_delta=100.0,  # no evaluation counts as an improvement
+        output_dir=str(tmp_path / "run"),
+        device="cpu",
+        progress_bar=False,
+        save_steps=0,
+    )
+    Trainer(tiny_model(), config, train_dataloader=train, val_dataloader=val).train()
+    lines = capfd.readouterr().err.splitlines()
+    stops = [i for i, line in enumerate(lines) if line.startswith("early stopping:")]
+    assert len(stops) == 1 and lines[stops[0] - 1].startswith("eval  step       2"), lines
+
+
+def test_a_curriculum_says_when_each_stage_starts(capsys):
+    from llm_trainer.config import CurriculumStage
+    from llm_trainer.data.curriculum import CurriculumLoader
+    from llm_trainer.data.loader import WindowRows
+
+    rows = WindowRows(np.arange(800, dtype=np.uint16) % 61, 16)
+    stages = [CurriculumStage(until_step=2, max_difficulty=9), CurriculumStage(until_step=3, max_difficulty=29)]
+    loader = CurriculumLoader(rows, 2, difficulty=np.arange(len(rows), dtype=np.float64), stages=stages, seed=0)
+    for _ in range(4):
+        loader.next_batch()
+    assert capsys.readouterr().err.splitlines() == [
+        f"curriculum: stage 1 of 2 from step 0 to 2: 10 of {len(rows)} rows (difficulty <= 9)",
+        f"curriculum: stage 2 of 2 from step 2 to 3: 30 of {len(rows)} rows (difficulty <= 29)",
+        "curriculum: stages done at step 3; every row from here, in shuffled epochs",
+    ]
+
+
+# -- what is said, where ---------------------------------------------------------------------------------------------
+
+
+def test_help_texts_presets_and_readme_make_no_time_claims_and_name_the_right_preset():
+    overview = build_parser().format_help()
+    assert "train the quickstart preset" in overview and "tiny preset" not in overview
+    for path in [REPO / "README.md", *sorted((REPO / "src/llm_trainer/configs").glob("*.yaml"))]:
+        text = path.read_text()
+        assert not re.search(r"about (two|\d+) minutes|under a minute", text), path
+    bench = (REPO / "bench" / "README.md").read_text()
+    assert "## How long things take here" in bench
+    for placeholder in ("<quickstart wall>", "<suite wall>", "<fast tier wall>"):
+        assert placeholder in bench
+
+
+def test_sweep_and_generate_help_document_their_options():
+    sweep = _subparser("sweep").format_help()
+    assert "llm_trainer.sweep" not in sweep
+    assert "training.learning_rate: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}" in sweep
+    assert "model.dropout:          [0.0, 0.1]" in (REPO / "README.md").read_text()
+    generate = _subparser("generate")
+    undocumented = [a.dest for a in generate._actions if a.help is None]
+    assert undocumented == [], undocumented
+
+
+def test_a_command_line_typo_is_blamed_on_the_command_line(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("model: {d_model: 32, n_heads: 2}\ndata: {data_files: [x]}\n")
+    with pytest.raises(UsageError) as exc:
+        load_experiment(path, ["training.learnig_rate=1e-3"])
+    assert str(exc.value) == ("command line: unknown key training.learnig_rate; did you mean training.learning_rate?")
+    with pytest.raises(UsageError, match="^command line: TrainingConfig.learning_rate must be a number, got 'abc'$"):
+        load_experiment(path, ["training.lr=abc"])  # a wrong value too, in any spelling
+    path.write_text("model: {d_model: 32, n_heads: 2}\ntraining: {learnig_rate: 1.0e-3}\ndata: {data_files: [x]}\n")
+    with pytest.raises(UsageError, match=f"^{re.escape(str(path))}: unknown key training.learnig_rate"):
+        load_experiment(path, ["training.max_steps=3"])
+    path.write_text("model: {architecture: llama}\ndata: {data_files: [x]}\n")
+    assert load_experiment(path, ["model.size=7B"]).model.d_model == 4096  # an alias is no typo
+
+
+def test_data_sources_in_the_wrong_form_get_a_yaml_example(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {sources: corpus/}\n")
+    with pytest.raises(UsageError) as exc:
+        load_experiment(path)
+    message = str(exc.value)
+    assert "DataConfig.sources must be a list of sources, got 'corpus/'" in message
+    assert "sources: [{name: web, data_files: 'web/*.jsonl', weight: 3}, {name: code, data_files: code/}]" in message
+    assert "\n" not in message
+
+
+def test_keys_the_trainer_does_not_take_are_named_with_the_wandb_setting(tmp_path, capsys):
+    from llm_trainer.train.trainer import _training_config
+
+    _training_config({"project_name": "demo", "max_steps": 1})
+    err = capsys.readouterr().err
+    assert "config: project_name is not a TrainingConfig field; the Trainer does not use it" in err
+    assert "WANDB_PROJECT" in err
+    _training_config({"a": 1, "b": 2})
+    assert "config: a, b are not TrainingConfig fields; the Trainer does not use them\n" in capsys.readouterr().err
+
+
+# -- vocabulary, eval's data, checkpoint paths -----------------------------------------------------------------------
+
+
+def test_unused_embedding_rows_jsonl_eval_data_and_the_latest_pointer(tmp_path, capfd):
+    config = write_tiny_experiment(tmp_path, max_steps=2, eval_steps=2)
+    assert main(["train", "--config", str(config), "model.vocab_size=512"]) == 0
+    err = capfd.readouterr().err
+    note = re.search(r"note: model.vocab_size is 512 but the tokenizer has (\d+) tokens: (\d+) embedding rows", err)
+    assert note and int(note.group(1)) + int(note.group(2)) == 512, err
+
+    from llm_trainer.api import load_for_inference
+
+    run = tmp_path / "run"
+    _, tokenizer, _ = load_for_inference(run)
+    texts = ["the cat sat on the mat.", "the dog sat on the mat number 3."]
+    data = tmp_path / "held_out.jsonl"
+    data.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    assert main(["eval", "--checkpoint", str(run / "checkpoints" / "latest"), "--data", str(data), "--json"]) == 0
+    result = json.loads(capfd.readouterr().out)
+    targets = sum(len(tokenizer.encode(t)) + 1 for t in texts) - 1  # each record, then end-of-text
+    assert result["tokens"] == targets
+
+    data.write_text(json.dumps({"body": texts[0]}) + "\n")
+    assert main(["eval", "--checkpoint", str(run), "--data", str(data)]) == 2
+    assert "has no 'text' field" in capfd.readouterr().err
+    assert main(["eval", "--checkpoint", str(run), "--data", str(data), "--text-column", "body", "--json"]) == 0
+
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    (exported / "config.json").write_text("{}")
+    assert main(["generate", "--checkpoint", str(exported)]) == 2
+    err = capfd.readouterr().err
+    assert "is a transformers model folder (an export), not a checkpoint of ours" in err
+    assert "pass the checkpoint, best_model or run folder it was exported from" in err
+
+
+# -- estimate ------------------------------------------------------------------------------------------------------
+
+
+def test_estimate_takes_the_sharding_of_the_config_and_advises_the_fewest_devices(tmp_path, capsys):
+    from llm_trainer.tools.estimate import GiB, estimate_memory, estimate_report
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model: {d_model: 1024, n_heads: 16, n_layers: 24, vocab_size: 32000, max_seq_len: 256}\n"
+        "training: {batch_size: 1}\ndistributed: {strategy: fsdp}\ndata: {data_files: [x]}\n"
+    )
+    assert main(["estimate", "--config", str(path), "--world-size", "8"]) == 0
+    assert "world size 8, sharding fsdp" in capsys.readouterr().out
+
+    experiment = load_experiment(path)
+    model, training = experiment.model, experiment.training
+    common = dict(seq_len=256, batch_size=1, device_type="cuda")
+    zero1 = estimate_memory(model, training, world_size=8, sharding="zero1", **common).peak_bytes
+    alone = estimate_memory(model, training, world_size=8, gradient_checkpointing=True, **common).peak_bytes
+    device_gb = zero1 * 1.001 / GiB
+    assert alone > zero1 * 1.001  # checkpointing alone does not fit; sharding over these 8 does
+    report = estimate_report(experiment, world_size=8, sharding="none", device_memory_gb=device_gb)
+    assert report["fits"] is False
+    assert report["advice"] == "distributed: --world-size 8 --sharding zero1"
+
+
+def test_a_runs_evaluations_show_progress_lines_in_a_log(tmp_path, monkeypatch, capfd):
+    from llm_trainer import logs
+    from llm_trainer.train.trainer import Trainer
+
+    monkeypatch.setattr(logs, "LINE_INTERVAL_S", 0.0)
+    train, val = tiny_loaders()
+    config = TrainingConfig(max_steps=2, eval_steps=2, output_dir=str(tmp_path / "run"), device="cpu", save_steps=0)
+    Trainer(tiny_model(), config, train_dataloader=train, val_dataloader=val).train()
+    err = capfd.readouterr().err
+    assert f"eval: {len(val)}/{len(val)} batches (100%)" in err and "\r" not in err
+
+
+# -- export and checkpoints: quiet, and files another user can read ---------------------------------------------------
+
+
+def test_checkpoint_weights_have_the_mode_of_the_folders_other_files(tmp_path):
+    from llm_trainer.train.trainer import Trainer
+
+    train, val = tiny_loaders()
+    config = TrainingConfig(max_steps=1, output_dir=str(tmp_path / "run"), device="cpu", progress_bar=False)
+    Trainer(tiny_model(), config, train_dataloader=train, val_dataloader=val).train()
+    folder = tmp_path / "run" / "checkpoints" / "checkpoint-00000001"
+    modes = {path.name: path.stat().st_mode & 0o777 for path in folder.iterdir()}
+    assert modes["model.safetensors"] == modes["optimizer.safetensors"] == modes["model_config.json"], modes
+
+
+@pytest.mark.slow  # a child process, as a user runs it (DeepSpeed warns once per process)
+def test_export_prints_one_line_and_writes_weights_like_its_other_files(tmp_path):
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    from conftest import src_env
+
+    config = write_tiny_experiment(tmp_path, max_steps=1, eval_steps=1)
+    assert main(["train", "--config", str(config)]) == 0
+    out = tmp_path / "hf"
+    done = subprocess.run(
+        [sys.executable, "-m", "llm_trainer", "export", "--checkpoint", str(tmp_path / "run"), "--output", str(out)],
+        capture_output=True,
+        text=True,
+        env=src_env(),
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout == f"exported to {out}\n" and done.stderr == "", done.stderr
+    modes = {path.name: path.stat().st_mode & 0o777 for path in out.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
