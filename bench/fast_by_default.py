@@ -42,7 +42,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 from run_baby_gpt import _last_json_line, _loadavg, emit_report, machine_info
-from time_to_loss import DATA, nanogpt_flags, prepare_nanogpt
+from time_to_loss import DATA, nanogpt_flags, prepare_nanogpt, prepare_ours
 
 NO_BIAS = BENCH_DIR / "configs" / "nanogpt_baby.yaml"
 BIAS = BENCH_DIR / "configs" / "baby_gpt_shakespeare.yaml"
@@ -107,25 +107,6 @@ def run_hf(steps: int, timeout: float) -> dict:
     return record
 
 
-def prepare_ours(config: Path, cache: Path) -> None:
-    """`llm-trainer prepare` once, untimed, as nanoGPT's prepare.py runs before its train.py."""
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llm_trainer",
-            "prepare",
-            "--config",
-            str(config),
-            f"data.cache_dir={cache}",
-            f"data.data_files={DATA}",
-        ],
-        cwd=REPO_ROOT,
-        check=True,
-        capture_output=True,
-    )
-
-
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
@@ -143,7 +124,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="fast_by_default_"))
     peer, _ = prepare_nanogpt(work) if "vs_nanogpt" in chosen else (None, None)
-    prepare_ours(NO_BIAS, work / "cache")  # both configs read the same prepared data
+    prepare_ours(NO_BIAS, work / "cache")  # untimed, as nanoGPT's prepare.py; both configs read the same data
     beyond = str(args.idle_steps * 10)  # a save_steps/eval_steps no step of the run reaches
     report: dict = {
         "benchmark": "fast_by_default",
