@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from collections import OrderedDict
 from pathlib import Path
 
@@ -923,8 +924,13 @@ def test_metrics_and_run_folders_of_any_shape_are_read_without_tracebacks(traine
 
 def polyglot(payload: bytes, archive: bytes) -> bytes:
     """A legacy pickle at byte 0 (torch.load unpickles a file from there when it does not start as a
-    zip) followed by a torch zip archive (which a reader that finds the zip from its end reads)."""
-    return payload + archive
+    zip) followed by the records of a torch zip archive, its offsets counted from the file's start (a
+    reader that finds the zip from its end reads that)."""
+    buffer = io.BytesIO(payload)
+    with zipfile.ZipFile(io.BytesIO(archive)) as original, zipfile.ZipFile(buffer, "a") as crafted:
+        for info in original.infolist():
+            crafted.writestr(info.filename, original.read(info))
+    return buffer.getvalue()
 
 
 def desynced_pickle(marker: Path) -> bytes:
@@ -990,8 +996,8 @@ def test_a_dcp_metadata_build_on_a_class_is_refused_and_changes_nothing(trained,
     folder = crafted_sharded_folder(trained, tmp_path, crafted, with_meta=True)
     try:
         error = refused(capsys, "consolidate", "--checkpoint", str(folder), "--output", str(tmp_path / "out"))
-        assert f"{REFUSED} (pathlib.PosixPath)" in error
         assert pathlib.PosixPath.is_symlink is original
+        assert f"{REFUSED} (pathlib.PosixPath)" in error
     finally:
         pathlib.PosixPath.is_symlink = original
     assert not (tmp_path / "out").exists()
@@ -1115,7 +1121,6 @@ def test_deepspeed_resume_refuses_a_file_that_is_zip_and_legacy_pickle_at_once(t
 
 @pytest.mark.slow
 def test_deepspeed_resume_refuses_an_opcode_sequence_a_static_model_misreads(trained, deepspeed_run, tmp_path):
-    import zipfile
 
     run = tmp_path / "run"
     shutil.copytree(deepspeed_run, run)
