@@ -1162,3 +1162,33 @@ engine.DeepSpeedEngine.load_checkpoint = load_checkpoint
     error = resume_refused(trained, run, script=script)
     assert "mp_rank_00_model_states.pt" in error and "(it changed since it was written)" in error
     assert not marker.exists()
+
+
+def train_losses(run: Path) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in metrics_rows(run) if row["kind"] == "train"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_resumes_through_torchs_unpickler_at_every_zero_stage(trained, tmp_path, stage, precision):
+    """Every file DeepSpeed writes at ZeRO 0-3, fp32 and bf16, loads through FolderLoads: a resume
+    from step 3 trains steps 4-6 as the run that never stopped."""
+    pytest.importorskip("deepspeed")
+    overrides = (
+        f"training.deepspeed_config={json.dumps({'zero_optimization': {'stage': stage}})}",
+        *(
+            ("training.use_amp=false",)
+            if precision == "fp32"
+            else ("training.use_amp=true", "training.amp_dtype=bfloat16")
+        ),
+    )
+    full = deepspeed_train(trained, tmp_path / "full", *overrides)
+    assert full.returncode == 0, full.stderr[-3000:]
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(checkpoint(tmp_path / "full", 3), checkpoint(tmp_path / "resumed", 3))
+    resumed = deepspeed_train(trained, tmp_path / "resumed", *overrides, "training.resume_from_checkpoint=latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "continuing from" in resumed.stderr
+    expected = {step: loss for step, loss in train_losses(tmp_path / "full").items() if step > 3}
+    assert expected and train_losses(tmp_path / "resumed") == pytest.approx(expected, rel=1e-5)
