@@ -94,7 +94,7 @@ def refuse_unreadable(folder: Path, names: Iterable[str], error: type[UsageError
         if (folder / name).exists() or (folder / name).is_symlink():
             problem = path_problem(folder, name, listed)
             if problem:
-                raise error(f"{folder / name} cannot be read: {problem} ({folder}); refusing it")
+                raise error(f"{folder} cannot be read: {problem}; refusing it")
 
 
 class FolderFiles:

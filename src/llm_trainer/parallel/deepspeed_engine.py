@@ -392,11 +392,12 @@ def save(engine, staging: Path, is_main: bool) -> None:
 
 
 class FolderLoads:
-    """DeepSpeed's checkpoint engine while it loads from a checkpoint folder (its `load` is the only
-    way DeepSpeed reads its files): a file is read once through `FolderFiles` (listed in meta.json,
-    inside the folder, checked against its checksum on the bytes read) and those bytes unpickled by
-    torch's weights-only unpickler with the classes DeepSpeed writes allowed. Any file it asks for
-    that the checkpoint does not list (DeepSpeed finds its model files by a pattern) is refused."""
+    """DeepSpeed's checkpoint engine while it loads from a checkpoint folder (its `load` is how DeepSpeed
+    reads every file of the checkpoints our runs write): a file is read once through `FolderFiles`
+    (listed in meta.json, inside the folder, checked against its checksum on the bytes read) and those
+    bytes unpickled by torch's weights-only unpickler with the classes DeepSpeed writes allowed. A file
+    it asks for that the checkpoint does not list (DeepSpeed finds its model files by a pattern) is
+    refused."""
 
     def __init__(self, engine, files: FolderFiles):
         self.engine, self.files = engine, files
