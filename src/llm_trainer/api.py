@@ -12,9 +12,10 @@ from pathlib import Path
 
 from . import pipeline
 from .checkpoint.find import find_checkpoint
-from .checkpoint.layout import SHARDED_DIR, holds_dcp_shards, read_meta
+from .checkpoint.folder_files import refuse_unreadable
+from .checkpoint.layout import holds_dcp_shards, read_meta
 from .checkpoint.model_folder import CONFIG_NAME, load_model_folder, load_model_state, read_model_config
-from .checkpoint.verify import link_outside, verify
+from .checkpoint.verify import verify
 from .config import DataConfig, ExperimentConfig, TrainingConfig
 from .data.prepare import prepare_data
 from .errors import UsageError
@@ -83,9 +84,7 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
         problem = verify(path)
         if problem:
             raise UsageError(f"{path} is unusable: {problem}")
-    for name in ("model_config.json", "model.safetensors", "tokenizer.json", SHARDED_DIR):
-        if link_outside(path, name):
-            raise UsageError(f"{path / name} is a symlink that leads out of {path}; refusing it")
+    refuse_unreadable(path, ("model_config.json", "model.safetensors", "tokenizer.json"))
     if holds_dcp_shards(path):  # an FSDP checkpoint: gather its shards in this one process
         from .checkpoint.sharded import consolidate  # (torch.distributed.checkpoint: a second to import)
 

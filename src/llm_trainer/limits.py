@@ -17,6 +17,7 @@ or setting that reached it.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import zipfile
@@ -96,14 +97,15 @@ def read_json_file(path: Path, where: str | None = None) -> Any:
 # Compressed archives
 
 
-def check_archive(path: Path, where: str | None = None, *, max_bytes: int = MAX_ARCHIVE_BYTES) -> Path:
+def check_archive(path: Path | bytes, where: str | None = None, *, max_bytes: int = MAX_ARCHIVE_BYTES) -> Path | bytes:
     """Refuse a torch zip archive whose entries declare more than `max_bytes` decompressed, or whose
     compressed entries expand more than MAX_COMPRESSION_RATIO times (torch.save stores entries
     uncompressed). The reader holds each entry to its declared size, so this bounds what loading
-    it allocates. A file that is not a zip archive is left to torch.load. Returns `path`."""
-    where = where or str(path)
+    it allocates. A file that is not a zip archive is left to torch.load. `path`: the file, or its bytes
+    already read. Returns `path`."""
+    where = where or ("the archive" if isinstance(path, bytes) else str(path))
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(io.BytesIO(path) if isinstance(path, bytes) else path) as archive:
             entries = archive.infolist()
     except (zipfile.BadZipFile, OSError, ValueError):
         return path

@@ -21,6 +21,7 @@ import torch.nn as nn
 import yaml
 
 from .checkpoint.durable import write_text_atomically
+from .checkpoint.folder_files import refuse_unreadable
 from .checkpoint.model_folder import load_model_folder
 from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
 from .data.loader import BatchLoader, DocumentRows, WindowRows
@@ -177,6 +178,8 @@ def prepare_run(experiment: ExperimentConfig, *, local: bool = False, meta: bool
     module docstring). `local`: this process alone, no process group (the LR finder). `meta`: a fresh
     model is built on the meta device and initialised on the target device by the Trainer (after
     sharding under FSDP): every strategy and world size starts from the same weights for a seed."""
+    if experiment.model.init_from:  # a folder we may not have written: its tokenizer is read below
+        refuse_unreadable(Path(experiment.model.init_from), (TOKENIZER_FILE,))
     if experiment.model.init_from and experiment.data.tokenizer == "bpe":
         tokenizer_file = Path(experiment.model.init_from) / TOKENIZER_FILE
         if tokenizer_file.is_file():  # continued pretraining keeps the model's own tokenizer

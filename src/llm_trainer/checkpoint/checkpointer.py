@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, UsageError
-from ..limits import check_archive
 from ..logs import log
 from ..parallel import distributed
 from ..tokenizer import vocabulary_mismatch
@@ -228,7 +227,7 @@ class Checkpointer:
         if path is None:
             log(f"resume: no checkpoint in {self.root} yet; starting from step 0")
             return None
-        parts = load_checkpoint(path, map_location=self.parallel.device)
+        parts = load_checkpoint(path, map_location=self.parallel.device, rank=self.dist.rank)
         self._check_tokenizer(path)
         saved = parts["train_state"]
         problem = train_state_problem(saved)
@@ -275,10 +274,7 @@ class Checkpointer:
 
 
 def _restore_rng(parts: dict[str, Any], saved: dict, rank: int) -> None:
-    rng = parts["rng"]
-    own = parts["sharded"] / f"rng-rank{rank}.pt" if parts["sharded"] is not None else None
-    if own is not None and own.is_file():  # each rank continues its own dropout stream
-        rng = torch.load(check_archive(own), map_location="cpu", weights_only=True)  # a deflate bomb refused first
+    rng = parts["rng"]  # this rank's own, where sharded/ holds one: each rank continues its dropout stream
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])

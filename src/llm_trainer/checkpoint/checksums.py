@@ -126,6 +126,24 @@ def file_checksum(path: str | Path, kind: str = CHECKSUM) -> str:
     return combine(checksum_jobs(path, path.stat().st_size, kind), kind)
 
 
+def _hash_bytes(view: memoryview, kind: str) -> int:
+    return xxhash.xxh3_64_intdigest(view) if kind == XXH3_TREE else zlib.crc32(view)
+
+
+def data_checksum(data: bytes, kind: str = CHECKSUM) -> str:
+    """`file_checksum` of bytes already in memory (a file read once, checked and then parsed from the
+    same bytes); "sha256" gives format 1's plain sha256."""
+    if kind == "sha256":
+        return hashlib.sha256(data).hexdigest()
+    if kind not in (CRC32_TREE, XXH3_TREE) or (kind == XXH3_TREE and xxhash is None):
+        raise ValueError(f"cannot compute checksums of kind {kind!r}")
+    view = memoryview(data)
+    jobs = [
+        _workers.submit(_hash_bytes, view[offset : offset + _CHUNK], kind) for offset in range(0, len(view), _CHUNK)
+    ]
+    return combine(jobs, kind)
+
+
 def sha256_file(path: Path) -> str:  # format 1 checkpoints
     with open(path, "rb") as handle:
         return hashlib.file_digest(handle, "sha256").hexdigest()

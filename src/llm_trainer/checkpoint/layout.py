@@ -29,12 +29,11 @@ from pathlib import Path
 
 from ..limits import parse_json
 from ..logs import log
+from .folder_files import META, SHARDED_DIR  # the names the reading rule knows, defined with it
 from .model_folder import CONFIG_NAME, WEIGHTS_NAME
 
 FORMAT_VERSION = 3  # of meta.json: 3 = XXH3 chunk checksums, 2 = CRC-32 chunks, 1 = sha256 per file
-META = "meta.json"
 CHECKPOINTS_DIR = "checkpoints"  # inside a run's output folder
-SHARDED_DIR = "sharded"  # per-rank files: DCP shards (FSDP), DeepSpeed's files, RNG states
 DCP_METADATA = f"{SHARDED_DIR}/.metadata"  # the index of DCP shards
 PREFIX = "checkpoint-"
 LATEST = "latest"

@@ -2,7 +2,8 @@
 
 A model folder holds `model.safetensors` and `model_config.json`; checkpoints, `best_model/` and
 `save_model_folder` all write it, so `eval`, `generate` and `export` take any of them, and
-`load_model_folder` reads it back (into `Transformer` or a subclass of it).
+`load_model_folder` reads it back (into `Transformer` or a subclass of it). The folder may be anyone's
+(`model.init_from`, a downloaded model): its files are read under `folder_files`' rule.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..errors import UsageError
 from ..filesystem import with_default_mode
 from ..limits import check_model_memory, parse_json
 from ..model import Transformer
+from .folder_files import refuse_unreadable
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "model_config.json"
@@ -133,6 +135,7 @@ def _dedupe_tied(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, 
 
 def read_model_config(directory: str | Path) -> ModelConfig:
     path = Path(directory) / CONFIG_NAME
+    refuse_unreadable(directory, (CONFIG_NAME,))
     if not path.is_file():
         raise UsageError(
             f"{directory} is not a model folder (no {CONFIG_NAME}); pass a checkpoint or best_model folder"
@@ -173,6 +176,7 @@ def load_model_folder(
     """The model a folder holds, as an instance of `cls` (Transformer or a subclass taking its
     ModelConfig), on `device`; every tensor's name and shape checked against the file first."""
     directory = Path(directory)
+    refuse_unreadable(directory, (WEIGHTS_NAME,))  # the folder may be anyone's (model.init_from)
     config = read_model_config(directory)
     weights = directory / WEIGHTS_NAME
     if not weights.is_file():

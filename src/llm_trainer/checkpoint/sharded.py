@@ -5,22 +5,26 @@ parameter name) in place of `model.safetensors` and the optimizer files; the res
 for any checkpoint. DCP reshards on load, so the same files load at another world size, and
 `consolidate` turns them into one safetensors model in a single process.
 
-DCP's own reader unpickles `.metadata` and its planner `torch.load`s non-tensor items without
-`weights_only`: a crafted folder would run code. Every load here goes through `SafeReader` (the
-metadata unpickled against `safe_pickle.DCP_METADATA`, every data file a plain name inside the
-folder) and `SafePlanner` (non-tensor items with `weights_only=True`).
+DCP's own reader unpickles `.metadata` with plain `pickle` and its planner `torch.load`s non-tensor
+items without `weights_only`: a crafted folder would run code. So `SafeWriter` writes `.metadata`
+with `torch.save` (protocol 2, which torch's weights-only unpickler reads; the folder as a string,
+not a path object), and every load goes through `SafeReader` (`.metadata` read once, checked against
+meta.json, and unpickled by `safe_pickle` with exactly DCP's metadata records allowed; every data
+file under `folder_files`' rule) and `SafePlanner` (non-tensor items with `weights_only=True`).
+A `.metadata` in DCP's own format (an FSDP checkpoint written before) is refused, not unpickled.
 """
 
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
@@ -33,38 +37,63 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..errors import CheckpointError
 from ..limits import check_dcp_items
-from .layout import SHARDED_DIR
+from .folder_files import SHARDED_DIR, FolderFiles
 from .model_folder import clean_name
-from .safe_pickle import DCP_METADATA, load_restricted
+from .safe_pickle import DCP_METADATA, load_pickle
+
+METADATA = ".metadata"  # DCP's index of the shards, inside `sharded/`
+
+
+class SafeWriter(FileSystemWriter):
+    """FileSystemWriter whose `.metadata` torch's weights-only unpickler can read: DCP writes its own,
+    then it is replaced (an atomic rename) by the same records through `torch.save`."""
+
+    def finish(self, metadata: Metadata, results: list) -> None:
+        super().finish(metadata, results)  # fills in metadata.storage_data and storage_meta
+        if metadata.storage_meta is not None and metadata.storage_meta.checkpoint_id is not None:
+            metadata.storage_meta.checkpoint_id = str(metadata.storage_meta.checkpoint_id)  # not a pathlib object
+        target = Path(self.path) / METADATA
+        temporary = target.with_name(f"{METADATA}.tmp")
+        with open(temporary, "wb") as handle:
+            torch.save(metadata, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
 
 
 class SafeReader(FileSystemReader):
-    """FileSystemReader whose metadata is unpickled against an allow-list and whose data files must
-    be plain names inside the checkpoint folder."""
+    """FileSystemReader whose `.metadata` is read once, checked against the checkpoint's meta.json and
+    unpickled by torch's weights-only unpickler; every data file it names must be one the folder may
+    be read for (`folder_files`)."""
+
+    def __init__(self, path: str, files: FolderFiles | None = None):
+        super().__init__(path)
+        folder = Path(path)
+        self.files = files if files is not None else FolderFiles.of(folder.parent)  # the checkpoint folder
+        self.metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        folder = Path(self.path)
-        rank = kwargs.get("rank")
-        file = folder / (".metadata" if rank is None else f"__{rank}.metadata")
-        metadata = load_restricted(file, DCP_METADATA)
+        if kwargs.get("rank") is not None:
+            raise CheckpointError(f"{self.path} holds per-rank DCP metadata, which llm-trainer never writes")
+        if self.metadata is None:  # read once: `_load` checks it before DCP asks for it
+            self.metadata = self._read_metadata()
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+    def _read_metadata(self) -> Metadata:
+        name = f"{SHARDED_DIR}/{METADATA}"
+        source = self.files.folder / name
+        metadata = load_pickle(self.files.read(name), str(source), DCP_METADATA)
         if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-            raise CheckpointError(f"{file} is not DCP metadata; the checkpoint is corrupt")
+            raise CheckpointError(f"{source} is not DCP metadata; the checkpoint is corrupt")
         for info in metadata.storage_data.values():
-            name = getattr(info, "relative_path", None)
-            if (
-                not isinstance(name, str)
-                or Path(name).name != name
-                or name in ("", ".", "..")
-                or (folder / name).is_symlink()
-                or not (folder / name).is_file()
-            ):
-                raise CheckpointError(
-                    f"{file} names the data file {name!r}, which is not a file inside {folder}; refusing to load it"
-                )
-        check_dcp_items(metadata.storage_data, str(file))  # compressed items: refused before any is read
+            data_file = getattr(info, "relative_path", None)
+            if not isinstance(data_file, str) or "/" in data_file:
+                raise CheckpointError(f"{source} names the data file {data_file!r}, which is not a file name")
+            self.files.path(f"{SHARDED_DIR}/{data_file}")  # inside, a regular file, listed: else refused
+        check_dcp_items(metadata.storage_data, str(source))  # compressed items: refused before any is read
         if getattr(metadata, "storage_meta", None) is None:  # what FileSystemReader.read_metadata adds
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -110,7 +139,7 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Every rank writes its shards of model and optimizer into `directory` (a collective)."""
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=str(directory))
+    dcp.save(state, storage_writer=SafeWriter(str(directory)))
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: Path) -> None:

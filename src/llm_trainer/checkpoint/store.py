@@ -5,16 +5,15 @@ Writing (`durable.write_folder_atomically`): every part goes into a hidden tempo
 and `latest` replaced. A crash, a kill -9 or a full disk at any point leaves every earlier checkpoint
 untouched.
 
-Reading: a folder is verified first (`verify`); tensors are read with safetensors and
-`torch.load(weights_only=True)` only, so no pickled code runs, and every pickle in `sharded/` is
-proven to import nothing off an allow-list before DeepSpeed or DCP reads it (see `safe_pickle`).
-Format 1 checkpoints (the whole optimizer state in optimizer.pt) still load.
+Reading: a folder is verified first (`verify`); every file is read under `folder_files`' rule, each
+pickle once into memory, checked against meta.json on those bytes and parsed by torch's weights-only
+unpickler (`safe_pickle`), so no pickled code runs; DeepSpeed's own files are read the same way
+(`parallel.deepspeed_engine`). Format 1 checkpoints (the whole optimizer state in optimizer.pt) still load.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import time
 from pathlib import Path
@@ -24,7 +23,6 @@ import torch
 
 from ..errors import CheckpointError
 from ..filesystem import with_default_mode
-from ..limits import check_archive
 from ..logs import log
 from ..tokenizer import TOKENIZER_FILE
 from .durable import (
@@ -37,11 +35,12 @@ from .durable import (
     write_text_atomically,
 )
 from .find import named_latest, newest_first, next_sequence
+from .folder_files import FolderFiles
 from .layout import (
     BEST,
     BEST_KIND,
+    KINDS,
     LATEST,
-    META,
     OPTIMIZER,
     OPTIMIZER_TENSORS,
     RNG,
@@ -50,10 +49,9 @@ from .layout import (
     WHOLE,
     CheckpointKind,
     checkpoint_name,
-    kind_of,
 )
 from .model_folder import WEIGHTS_NAME, save_model_folder, write_model_config
-from .safe_pickle import DEEPSPEED, check_torch_archive
+from .safe_pickle import load_pickle
 from .tensors import join_tensors, split_tensors
 from .verify import verify_once
 
@@ -137,28 +135,19 @@ def save_best_model(
     )
 
 
-def _refusal(exc: Exception) -> str:
-    """Why torch.load(weights_only=True) refused a file, in one line."""
-    text = str(exc)
-    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(r"Unsupported operand \d+", text)
-    if "Weights only load failed" in text or found:
-        detail = f" ({found.group(1) if found.lastindex else found.group(0)})" if found else ""
-        return (
-            f"it holds pickled objects other than tensors and plain data{detail}, which could run code; "
-            "refusing to unpickle it (the file was not written by llm-trainer, or was altered)"
-        )
-    return first_line(exc)
-
-
 def load_checkpoint(
-    path: Path, map_location: str | torch.device = "cpu", *, verify_files: bool = True
+    path: Path, map_location: str | torch.device = "cpu", *, verify_files: bool = True, rank: int = 0
 ) -> dict[str, Any]:
     """Every part of a checkpoint, verified first; tensors through safetensors or torch.load(weights_only=True).
 
-    Model tensors are read on the CPU and optimizer tensors are mapped to `map_location`, so a
-    checkpoint written on a GPU loads on a CPU-only machine. Large files are memory-mapped. The
-    parts read are those its kind holds; a folder of no known kind is read as a whole checkpoint
-    (and a file it lacks is named in the error).
+    Each pickle and JSON file is read once into memory, checked against meta.json's size and checksum
+    on those bytes and parsed from them (`folder_files`); pickles only by torch's weights-only
+    unpickler (`safe_pickle`). The safetensors files (tensors only) are memory-mapped. Model tensors
+    are read on the CPU and optimizer tensors are mapped to `map_location`, so a checkpoint written on
+    a GPU loads on a CPU-only machine. `rank`: this process's rank, whose own RNG file in `sharded/`
+    stands in for rng.pt. The parts read are those its kind holds; a folder of no known kind is read
+    as a whole checkpoint (and a file it lacks is named in the error). parts["files"] reads the rest
+    (DeepSpeed's files in `sharded/`) under the same rule.
     """
     from safetensors.torch import load_file
 
@@ -167,47 +156,49 @@ def load_checkpoint(
         problem = verify_once(path)
         if problem:
             raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
-    if (path / SHARDED_DIR).is_dir():  # DeepSpeed torch.loads these without weights_only: prove them plain first
-        for file in sorted((path / SHARDED_DIR).glob("*.pt")):
-            check_torch_archive(file, DEEPSPEED)
+    files = FolderFiles.of(path)
+    if files.meta is None:
+        raise CheckpointError(f"checkpoint {path} is unusable: incomplete: no meta.json")
 
-    def optimizer(file: Path) -> Any:
-        structure = _torch_load(file, map_location)
-        tensors_file = path / OPTIMIZER_TENSORS
-        if not tensors_file.is_file():  # format 1: everything in optimizer.pt
+    def unpickle(name: str, location) -> Any:
+        return load_pickle(files.read(name), f"checkpoint {path} could not be loaded safely: {name}", (), location)
+
+    def optimizer(name: str) -> Any:
+        structure = unpickle(name, map_location)
+        if OPTIMIZER_TENSORS not in files.listed:  # format 1: everything in optimizer.pt
             return structure
-        tensors = load_file(str(tensors_file), device="cpu")
+        tensors = load_file(str(files.path(OPTIMIZER_TENSORS)), device="cpu")
         if map_location is not None and torch.device(map_location).type != "cpu":
             tensors = {k: v.to(map_location) for k, v in tensors.items()}
         return join_tensors(structure, tensors)
 
-    kind = kind_of(path) or WHOLE  # FSDP: each rank reads its model/optimizer part from sharded/ later
+    own_rng = f"{SHARDED_DIR}/rng-rank{rank}.pt"  # each rank continues its own dropout stream
+    recorded = files.meta.get("kind")  # FSDP: each rank reads its model/optimizer part from sharded/ later
+    kind = (KINDS.get(recorded) if isinstance(recorded, str) else None) or WHOLE
     parts: dict[str, Any] = {
         "model": None,
         "optimizer": None,
         "sharded": path / SHARDED_DIR if (path / SHARDED_DIR).is_dir() else None,
+        "files": files,
+        "meta": files.meta,
     }
     for key, name, load in (
-        *(() if kind.weights_in_shards else (("model", WEIGHTS_NAME, lambda f: load_file(str(f), device="cpu")),)),
+        *(
+            ()
+            if kind.weights_in_shards
+            else (("model", WEIGHTS_NAME, lambda n: load_file(str(files.path(n)), device="cpu")),)
+        ),
         *(() if kind.optimizer_in_shards else (("optimizer", OPTIMIZER, optimizer),)),
-        ("rng", RNG, lambda f: _torch_load(check_archive(f), "cpu")),  # a deflate bomb is refused before loading
-        ("train_state", TRAIN_STATE, lambda f: json.loads(f.read_text(encoding="utf-8"))),
-        ("meta", META, lambda f: json.loads(f.read_text(encoding="utf-8"))),
+        ("rng", own_rng if own_rng in files.listed else RNG, lambda n: unpickle(n, "cpu")),
+        ("train_state", TRAIN_STATE, lambda n: json.loads(files.read(n).decode("utf-8"))),
     ):
         try:
-            parts[key] = load(path / name)
-        except Exception as exc:  # pickle.UnpicklingError for crafted files, OSError, safetensors and JSON errors
-            raise CheckpointError(f"checkpoint {path} could not be loaded safely: {name}: {_refusal(exc)}") from None
-    return parts
-
-
-def _torch_load(file: Path, map_location) -> Any:
-    try:  # memory-mapped: nothing is copied until used
-        return torch.load(file, map_location=map_location, weights_only=True, mmap=True)
-    except RuntimeError as exc:
-        if "mmap" not in str(exc):  # only files torch.save did not write as a zip archive cannot be mapped
+            parts[key] = load(name)
+        except CheckpointError:
             raise
-        return torch.load(file, map_location=map_location, weights_only=True)
+        except Exception as exc:  # safetensors and JSON errors
+            raise CheckpointError(f"checkpoint {path} could not be loaded safely: {name}: {first_line(exc)}") from None
+    return parts
 
 
 def rotate(root: Path, keep_last: int | None, protect: set[str]) -> None:

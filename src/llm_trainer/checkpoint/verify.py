@@ -1,10 +1,10 @@
 """Checks of a checkpoint or model folder before anything in it is read: it may not be ours.
 
 A folder is read as untrusted (checksums prove integrity, not origin): meta.json is type-checked
-(a crafted meta.json is damage like any other), every file it names must be a plain name inside the
-folder, a symlink leading out of the folder is refused, and every file must have the size and
-checksum meta.json records (see `checksums`). The pickles in `sharded/` are proven plain by
-`safe_pickle` when the folder is loaded.
+(a crafted meta.json is damage like any other), every file it names must pass `folder_files`' rule
+(a plain name, inside the folder, a regular file), and every file must have the size and checksum
+meta.json records (see `checksums`). Loading reads each file again under the same rule, and checks
+each pickle's checksum on the bytes it parses (`folder_files.FolderFiles`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from .checksums import CRC32_TREE, XXH3_TREE, checksum_jobs, combine, meta_checksum, sha256_file, xxhash
-from .layout import FORMAT_VERSION, KINDS, META, OPTIMIZER_TENSORS, SHARDED_DIR, read_meta
+from .folder_files import path_problem, plain_name
+from .layout import FORMAT_VERSION, KINDS, META, OPTIMIZER_TENSORS, read_meta
 
 _verified: dict[str, tuple] = {}  # folder -> file signatures when it last verified, so resume hashes once
 
@@ -28,16 +29,6 @@ def _signature(path: Path) -> tuple | None:
         )
     except OSError:
         return None
-
-
-def _safe_file_name(name) -> bool:
-    """A plain file name, or one inside the `sharded/` subfolder; nothing that could leave the folder."""
-    if not isinstance(name, str):
-        return False
-    parts = name.split("/")
-    if len(parts) == 2 and parts[0] == SHARDED_DIR:
-        parts = parts[1:]
-    return len(parts) == 1 and Path(parts[0]).name == parts[0] and parts[0] not in ("", ".", "..")
 
 
 def _is_int(value) -> bool:
@@ -83,15 +74,6 @@ def _meta_problem(meta: dict) -> str | None:
     return None
 
 
-def link_outside(folder: Path, name: str) -> bool:
-    """Whether `folder/name` (or a folder on the way) is a symlink leading out of `folder`."""
-    try:
-        root, target = Path(folder).resolve(strict=True), (Path(folder) / name).resolve(strict=True)
-    except (OSError, RuntimeError):  # missing, or a symlink loop: not readable as a file of the folder
-        return (Path(folder) / name).is_symlink()
-    return root != target and root not in target.parents
-
-
 def verify(path: Path) -> str | None:
     """None if the folder is a complete checkpoint whose files match their sizes and checksums, else the reason."""
     path = Path(path)
@@ -118,16 +100,15 @@ def verify(path: Path) -> str | None:
             return f"meta.json does not list {name}"
     plain_sha256 = version < 2
     for name in files:
-        if not _safe_file_name(name):
+        if not plain_name(name):
             return f"meta.json names an invalid file {name!r}"
-    for name in (META, SHARDED_DIR, *files):
-        if link_outside(path, name):
-            return f"{name} is a symlink that leads out of the checkpoint folder; refusing it"
+    for name in (META, *files):
+        problem = path_problem(path, name, None)
+        if problem:
+            return problem
     jobs: dict[str, Any] = {}
     for name, entry in files.items():
         file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
         if plain_sha256:
             jobs[name] = (entry, None)
             continue

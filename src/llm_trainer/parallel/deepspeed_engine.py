@@ -16,9 +16,10 @@ ours (the same values, now) stand in for them.
 
 Checkpoints: every rank's DeepSpeed files (`engine.save_checkpoint`) become the checkpoint's
 `sharded/` folder; rank 0 adds the usual model folder, train state and RNG, so eval, generate and
-export take a DeepSpeed checkpoint like any other. DeepSpeed's files are pickles, which DeepSpeed
-unpickles in full: it reads them only after meta.json's checksums are verified and every pickle in
-`sharded/` is proven to import nothing off `checkpoint.safe_pickle.DEEPSPEED` (see `format.load_checkpoint`).
+export take a DeepSpeed checkpoint like any other. DeepSpeed's files are pickles, which its own
+checkpoint engine unpickles in full; while it loads, `FolderLoads` stands in for that engine: each
+file is read once, checked against meta.json on those bytes, and unpickled by torch's weights-only
+unpickler with only `checkpoint.safe_pickle.DEEPSPEED`'s classes allowed.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..checkpoint.folder_files import SHARDED_DIR, FolderFiles
+from ..checkpoint.safe_pickle import DEEPSPEED, load_pickle
 from ..config import TrainingConfig
 from ..config_aliases import one_message
-from ..errors import UsageError
+from ..errors import CheckpointError, UsageError
 from ..logs import log
 
 TAG = "deepspeed"  # DeepSpeed's tag folder inside the staging area; its files move into `sharded/`
@@ -388,19 +391,49 @@ def save(engine, staging: Path, is_main: bool) -> None:
         shutil.rmtree(scratch, ignore_errors=True)  # DeepSpeed's recovery scripts: not part of our checkpoint
 
 
-def load(engine, sharded: Path) -> None:
-    """Every rank: model and optimizer state from a checkpoint's `sharded/` folder (verified already)."""
-    if not any(sharded.glob("*model_states.pt")):
+class FolderLoads:
+    """DeepSpeed's checkpoint engine while it loads from a checkpoint folder (its `load` is how DeepSpeed
+    reads every file of the checkpoints our runs write): a file is read once through `FolderFiles`
+    (listed in meta.json, inside the folder, checked against its checksum on the bytes read) and those
+    bytes unpickled by torch's weights-only unpickler with the classes DeepSpeed writes allowed. A file
+    it asks for that the checkpoint does not list (DeepSpeed finds its model files by a pattern) is
+    refused."""
+
+    def __init__(self, engine, files: FolderFiles):
+        self.engine, self.files = engine, files
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        file = Path(path)
+        if file.parent != self.files.folder / SHARDED_DIR:
+            raise CheckpointError(f"DeepSpeed asked for {file}, which is not in {self.files.folder / SHARDED_DIR}")
+        name = f"{SHARDED_DIR}/{file.name}"
+        return load_pickle(self.files.read(name), str(file), DEEPSPEED, map_location)
+
+    def __getattr__(self, name: str) -> Any:  # everything but loading: DeepSpeed's own engine
+        return getattr(self.engine, name)
+
+
+def load(engine, files: FolderFiles) -> None:
+    """Every rank: model and optimizer state from a checkpoint's `sharded/` folder (verified already),
+    each file read by `FolderLoads`."""
+    if not any(name.endswith("model_states.pt") for name in files.listed or ()):
         raise UsageError(
-            f"{sharded.parent} was not saved with distributed_strategy deepspeed; resume it with the "
+            f"{files.folder} was not saved with distributed_strategy deepspeed; resume it with the "
             "strategy it was saved with"
         )
-    path, _ = engine.load_checkpoint(
-        str(sharded.parent),
-        tag=sharded.name,
-        load_module_strict=True,
-        load_optimizer_states=True,
-        load_lr_scheduler_states=False,
-    )
+    own = engine.checkpoint_engine
+    engine.checkpoint_engine = FolderLoads(own, files)
+    try:
+        path, _ = engine.load_checkpoint(
+            str(files.folder),
+            tag=SHARDED_DIR,
+            load_module_strict=True,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
+    finally:
+        engine.checkpoint_engine = own
     if path is None:
-        raise UsageError(f"DeepSpeed could not load {sharded}; was it saved at another world size or ZeRO stage?")
+        raise UsageError(
+            f"DeepSpeed could not load {files.folder / SHARDED_DIR}; was it saved at another world size or ZeRO stage?"
+        )

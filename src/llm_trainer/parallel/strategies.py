@@ -226,7 +226,7 @@ class DeepSpeed(Parallelism):
     def load(self, parts: dict[str, Any], path: Path) -> None:
         from . import deepspeed_engine
 
-        deepspeed_engine.load(self.engine, parts["sharded"] or path / layout.SHARDED_DIR)
+        deepspeed_engine.load(self.engine, parts["files"])
 
 
 def _fused_step_where(optimizer: torch.optim.Optimizer, finite: torch.Tensor, step) -> None:
