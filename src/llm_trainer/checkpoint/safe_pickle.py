@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UsageError
 from ..limits import check_archive
 
 # torch.distributed.checkpoint's `.metadata` (as `sharded.SafeWriter` writes it): the records of
@@ -86,7 +86,10 @@ def load_pickle(data: bytes, source: str, allowed: tuple[str, ...] = (), map_loc
     """`torch.load(weights_only=True)` of `data`, admitting the classes named in `allowed` besides
     tensors and plain data. `source` names the file in the error. An archive that would decompress past
     `limits.MAX_ARCHIVE_BYTES` is refused before anything is allocated."""
-    check_archive(data, source)
+    try:
+        check_archive(data, source)
+    except UsageError as exc:
+        raise CheckpointError(str(exc)) from None
     try:
         with torch.serialization.safe_globals(_resolve(allowed)), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected pickle protocol")  # a pickle not from torch.save
