@@ -325,6 +325,7 @@ def test_every_preset_loads_and_small_ones_build():
 
 @pytest.mark.slow
 def test_cli_bad_config_is_one_line_exit_2(tmp_path):
+    """The one real subprocess of the "one line, exit 2" path; the other cases call cli.main in process."""
     path = tmp_path / "c.yaml"
     path.write_text("training:\n  learning_rat: 1.0e-3\ndata:\n  dataset_name: python-stdlib\n")
     result = subprocess.run(
@@ -333,13 +334,15 @@ def test_cli_bad_config_is_one_line_exit_2(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "did you mean training.learning_rate" in result.stderr and "Traceback" not in result.stderr
-    result = subprocess.run(
-        [sys.executable, "-m", "llm_trainer", "train", "--config", "tiny", "model.n_heads=3"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 2 and "divisible by n_heads" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_model_shape_error_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    from llm_trainer import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", "--config", "tiny", "model.n_heads=3"]) == 2
+    err = capsys.readouterr().err
+    assert "divisible by n_heads" in err and "Traceback" not in err and err.strip().count("\n") == 0
 
 
 # -- DeepSpeed config: "auto" filled from TrainingConfig, conflicts refused ---------------------------

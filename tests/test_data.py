@@ -899,9 +899,10 @@ def test_cli_prepare_prints_json(tmp_path):
     assert json.loads((Path(out["directory"]) / MANIFEST).read_text())["config"]["min_length"] == 1
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("where", ["file", "override"])
-def test_cli_bad_key_is_one_line(tmp_path, where):
+def test_cli_bad_key_is_one_line(tmp_path, where, monkeypatch, capsys):
+    from llm_trainer import cli
+
     yaml_file = tmp_path / "exp.yaml"
     body = "data:\n  data_files: [x.txt]\n"
     extra = []
@@ -910,11 +911,12 @@ def test_cli_bad_key_is_one_line(tmp_path, where):
     else:
         extra = ["data.max_lenght=64"]
     yaml_file.write_text(body, encoding="utf-8")
-    result = run_cli("prepare", "--config", str(yaml_file), *extra, cwd=tmp_path)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["prepare", "--config", str(yaml_file), *extra]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert lines[0].startswith("error:")
     assert "max_lenght" in lines[0] and "data.max_length" in lines[0]
-    assert "Traceback" not in result.stderr
-    assert result.stdout == ""
+    assert "Traceback" not in err
+    assert out == ""

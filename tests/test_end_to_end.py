@@ -109,24 +109,32 @@ def test_prepare_train_eval_generate(tmp_path, corpus):
     assert again.stdout == generated.stdout
 
 
-@pytest.mark.slow
-def test_cli_errors_are_one_line(tmp_path):
-    missing = _cli("eval", "--checkpoint", str(tmp_path / "nope"), cwd=tmp_path)
-    assert missing.returncode == 2 and missing.stderr.startswith("error:") and "Traceback" not in missing.stderr
+def test_cli_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    """In process (tests/test_config.py runs the same path once as a real subprocess)."""
+    from llm_trainer import cli
+
+    monkeypatch.chdir(tmp_path)
+
+    def run(*argv: str) -> tuple[int, str]:
+        code = cli.main(list(argv))
+        return code, capsys.readouterr().err
+
+    code, err = run("eval", "--checkpoint", str(tmp_path / "nope"))
+    assert code == 2 and err.startswith("error:") and "Traceback" not in err
     (tmp_path / "bad.yaml").write_text("data:\n  data_files: [missing.txt]\n")
-    bad = _cli("train", "--config", "bad.yaml", cwd=tmp_path)
-    assert bad.returncode == 2 and "missing.txt not found" in bad.stderr and "Traceback" not in bad.stderr
+    code, err = run("train", "--config", "bad.yaml")
+    assert code == 2 and "missing.txt not found" in err and "Traceback" not in err
     assert not (tmp_path / "output").exists()  # nothing half-written
     binary = tmp_path / "blob.txt"
     binary.write_bytes(b"\x00\x01\x02binary")
     (tmp_path / "bin.yaml").write_text(f"data:\n  data_files: [{binary}]\n")
-    result = _cli("prepare", "--config", "bin.yaml", cwd=tmp_path)
-    assert result.returncode == 2 and "binary" in result.stderr
+    code, err = run("prepare", "--config", "bin.yaml")
+    assert code == 2 and "binary" in err
     latin = tmp_path / "latin.txt"
     latin.write_bytes("café".encode("latin-1"))
     (tmp_path / "latin.yaml").write_text(f"data:\n  data_files: [{latin}]\n")
-    result = _cli("prepare", "--config", "latin.yaml", cwd=tmp_path)
-    assert result.returncode == 2 and "not UTF-8" in result.stderr
+    code, err = run("prepare", "--config", "latin.yaml")
+    assert code == 2 and "not UTF-8" in err
 
 
 def test_document_mask_trains_and_evaluates(tmp_path, corpus):
