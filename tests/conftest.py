@@ -98,9 +98,14 @@ def write_tiny_experiment(root, name="exp.yaml", **training):
     return path
 
 
+LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
 def src_env() -> dict:
-    """The environment for a child Python that imports this checkout's llm_trainer."""
-    return {**os.environ, "PYTHONPATH": str(REPO_SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    """The environment for a child Python that imports this checkout's llm_trainer: no launcher's
+    variables (an in-process DeepSpeed test may have set them, with its store still listening)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    return {**env, "PYTHONPATH": str(REPO_SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 def kill9_when(script: str, ready, what: str, timeout: float = 60) -> None:
