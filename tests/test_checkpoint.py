@@ -84,6 +84,7 @@ if "pause_in_save_at" in plan:  # inside the save (in the writer thread if it is
 class Plan(Callback):
     def on_step_end(self, trainer, row):
         if row["step"] == plan.get("pause_after_step"):
+            trainer.checkpointer.wait()  # an earlier step's save still being written in the background completes first
             pause(trainer, "after-step")
 
     def on_save(self, trainer, path):  # called once the checkpoint is complete (later, for a background save)
