@@ -32,36 +32,24 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
-from run_baby_gpt import _last_json_line, _loadavg, emit_report, machine_info
-from time_to_loss import DATA, nanogpt_flags, prepare_nanogpt, prepare_ours
+from run_baby_gpt import _last_json_line, emit_report, machine_info
+from time_to_loss import nanogpt_flags, ours_train_cmd, prepare_nanogpt, prepare_ours, timed
 
 NO_BIAS = BENCH_DIR / "configs" / "nanogpt_baby.yaml"
 BIAS = BENCH_DIR / "configs" / "baby_gpt_shakespeare.yaml"
 
 
-def timed(cmd: list[str], cwd: Path, timeout: float) -> tuple[dict, str]:
-    """Run one command to the end; its whole-process wall time, and its stdout."""
-    before = _loadavg()
-    start = time.perf_counter()
-    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    record = {"wall_s": round(time.perf_counter() - start, 2), "loadavg_before": before, "loadavg_after": _loadavg()}
-    if result.returncode != 0:
-        record["error"] = (result.stderr or result.stdout)[-2000:]
-    return record, result.stdout
-
-
 def run_nanogpt(peer: Path, steps: int, timeout: float) -> dict:
     cmd = [sys.executable, "train.py", "config/train_shakespeare_char.py", *nanogpt_flags(steps)]
-    record, stdout = timed(cmd, peer, timeout)
+    record = timed(cmd, peer, timeout)
+    stdout, _ = record.pop("_stdout"), record.pop("_stderr")
     losses = [line for line in stdout.splitlines() if "val loss" in line]
     record["last_eval"] = losses[-1] if losses else None
     return record
@@ -70,20 +58,9 @@ def run_nanogpt(peer: Path, steps: int, timeout: float) -> dict:
 def run_ours(config: Path, work: Path, steps: int, overrides: list[str], timeout: float) -> dict:
     out = work / "run"
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "llm_trainer",
-        "train",
-        "--config",
-        str(config),
-        f"training.output_dir={out}",
-        f"data.cache_dir={work / 'cache'}",
-        f"data.data_files={DATA}",
-        f"training.max_steps={steps}",
-        *overrides,
-    ]
-    record, _ = timed(cmd, REPO_ROOT, timeout)
+    cmd = ours_train_cmd(config, out, work / "cache", [f"training.max_steps={steps}", *overrides])
+    record = timed(cmd, REPO_ROOT, timeout)
+    record.pop("_stdout"), record.pop("_stderr")
     metrics = out / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     summary = next((r for r in rows if r.get("kind") == "summary"), {})
@@ -99,9 +76,8 @@ def run_ours(config: Path, work: Path, steps: int, overrides: list[str], timeout
 
 
 def run_hf(steps: int, timeout: float) -> dict:
-    record, stdout = timed(
-        [sys.executable, str(BENCH_DIR / "hf_trainer.py"), "--steps", str(steps)], REPO_ROOT, timeout
-    )
+    record = timed([sys.executable, str(BENCH_DIR / "hf_trainer.py"), "--steps", str(steps)], REPO_ROOT, timeout)
+    stdout, _ = record.pop("_stdout"), record.pop("_stderr")
     found = _last_json_line(stdout) or {}
     record.update({key: found.get(key) for key in ("tokens_per_s", "val_loss")})
     return record
@@ -133,31 +109,26 @@ def main() -> int:
         "machine": machine_info(),
         "rounds": [],
     }
+
+    def against(name: str, peer_run: dict, config: Path) -> dict:
+        """The peer's run beside ours on `config`, at our defaults and in float32; whole-process wall ratios."""
+        ours = run_ours(config, work, args.steps, [], args.timeout)
+        float32 = run_ours(config, work, args.steps, ["training.use_amp=false"], args.timeout)
+        return {
+            name: peer_run,
+            "ours": ours,
+            "ours_float32": float32,
+            "ratio": ratio(peer_run["wall_s"], ours["wall_s"]),
+            "ratio_float32": ratio(peer_run["wall_s"], float32["wall_s"]),
+        }
+
     try:
         for _ in range(args.rounds):
             results: dict = {}
             if "vs_nanogpt" in chosen:
-                nanogpt = run_nanogpt(peer, args.steps, args.timeout)
-                ours = run_ours(NO_BIAS, work, args.steps, [], args.timeout)
-                float32 = run_ours(NO_BIAS, work, args.steps, ["training.use_amp=false"], args.timeout)
-                results["vs_nanogpt"] = {
-                    "nanogpt": nanogpt,
-                    "ours": ours,
-                    "ours_float32": float32,
-                    "ratio": ratio(nanogpt["wall_s"], ours["wall_s"]),
-                    "ratio_float32": ratio(nanogpt["wall_s"], float32["wall_s"]),
-                }
+                results["vs_nanogpt"] = against("nanogpt", run_nanogpt(peer, args.steps, args.timeout), NO_BIAS)
             if "vs_hf_trainer" in chosen:
-                hf = run_hf(args.steps, args.timeout)
-                ours = run_ours(BIAS, work, args.steps, [], args.timeout)
-                float32 = run_ours(BIAS, work, args.steps, ["training.use_amp=false"], args.timeout)
-                results["vs_hf_trainer"] = {
-                    "hf_trainer": hf,
-                    "ours": ours,
-                    "ours_float32": float32,
-                    "ratio": ratio(hf["wall_s"], ours["wall_s"]),
-                    "ratio_float32": ratio(hf["wall_s"], float32["wall_s"]),
-                }
+                results["vs_hf_trainer"] = against("hf_trainer", run_hf(args.steps, args.timeout), BIAS)
             if "idle_writer" in chosen:
                 idle = [f"training.eval_steps={beyond}"]
                 none = run_ours(NO_BIAS, work, args.idle_steps, ["training.save_steps=0", *idle], args.timeout)

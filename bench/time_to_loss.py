@@ -141,10 +141,9 @@ def float32_loss(checkpoint: Path) -> float | None:
         return None
 
 
-def run_ours(config: Path, work: Path, name: str, overrides: list[str], timeout: float) -> dict:
-    out = work / name
-    shutil.rmtree(out, ignore_errors=True)
-    cmd = [
+def ours_train_cmd(config: Path, out: Path, cache: Path, overrides: list[str]) -> list[str]:
+    """`llm-trainer train` of `config` into `out`, on the Tiny Shakespeare text prepared in `cache`."""
+    return [
         sys.executable,
         "-m",
         "llm_trainer",
@@ -152,11 +151,16 @@ def run_ours(config: Path, work: Path, name: str, overrides: list[str], timeout:
         "--config",
         str(config),
         f"training.output_dir={out}",
-        f"data.cache_dir={work / 'cache'}",
+        f"data.cache_dir={cache}",
         f"data.data_files={DATA}",
         *overrides,
     ]
-    record = timed(cmd, REPO_ROOT, timeout)
+
+
+def run_ours(config: Path, work: Path, name: str, overrides: list[str], timeout: float) -> dict:
+    out = work / name
+    shutil.rmtree(out, ignore_errors=True)
+    record = timed(ours_train_cmd(config, out, work / "cache", overrides), REPO_ROOT, timeout)
     record.pop("_stdout")
     stderr = record.pop("_stderr")
     metrics = out / "metrics.jsonl"
