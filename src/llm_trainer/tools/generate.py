@@ -8,6 +8,7 @@ prompt longer than the context is read from its last `max_seq_len` tokens; both 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -57,9 +58,11 @@ def generate(
     seed: int | None = None,
     eos_token_id: int | None = None,
     use_cache: bool = True,
+    stop: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
     """The new token ids (not the prompt). The context is the last max_seq_len tokens; the KV cache
-    serves until the window first slides, then every token is computed from its window."""
+    serves until the window first slides, then every token is computed from its window. `stop`, given
+    the new ids after each token, ends generation when it returns True (stop strings)."""
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     model.eval()
     device = next(model.parameters()).device
@@ -88,6 +91,6 @@ def generate(
             logits = model(torch.tensor([[new[-1]]], device=device), cache=cache)[0, -1]
         token = _sample(logits, temperature, top_k, top_p, generator)
         new.append(token)
-        if token == eos_token_id:
+        if token == eos_token_id or (stop is not None and stop(new)):
             break
     return new

@@ -1,0 +1,12 @@
+"""Downstream evaluation: benchmark scores of our model through lm-evaluation-harness
+(`pip install 'llm-trainer[eval]'`), during training (`training.eval_tasks`) and after
+(`llm-trainer eval --tasks`).
+
+    tasks.py    which tasks a name or path means (and the tasks shipped in tasks/, read offline)
+    adapter.py  our model as an lm-eval model, scoring shared contexts once
+    run.py      one evaluation: lm-eval's results, the scores a run logs, the table
+"""
+
+from .run import evaluate_tasks, scores, table, write_results
+
+__all__ = ["evaluate_tasks", "scores", "table", "write_results"]

@@ -1,0 +1,95 @@
+"""One downstream evaluation: tasks loaded (`tasks.py`), our model behind lm-eval's evaluator
+(`adapter.py`), lm-eval's own results back, and the few numbers a run logs (`scores`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from ..errors import UsageError
+from ..logs import warn
+from .tasks import load_tasks, require_lm_eval, split_tasks
+
+
+def check_limit(limit: int | float | None) -> None:
+    """None (every item), a count >= 1, or a fraction in (0, 1) of each task's items, as lm-eval takes it."""
+    if limit is None:
+        return
+    if isinstance(limit, bool) or not math.isfinite(limit) or limit <= 0 or (limit >= 1 and limit != int(limit)):
+        raise UsageError(f"--limit must be a number of items >= 1 (or a fraction in (0, 1)), got {limit}")
+
+
+def evaluate_tasks(
+    model,
+    tokenizer,
+    tasks,
+    *,
+    num_fewshot: int | None = None,
+    limit: int | float | None = None,
+    batch_size: int = 16,
+    autocast=None,
+) -> dict | None:
+    """lm-eval's results dict for `tasks` (names, YAML paths, comma-separated or a list) on `model`; every
+    rank calls it and each scores its share of the requests; the results on rank 0, None elsewhere."""
+    require_lm_eval()
+    check_limit(limit)
+    if num_fewshot is not None and num_fewshot < 0:
+        raise UsageError(f"--num_fewshot must be >= 0, got {num_fewshot}")
+    from lm_eval.evaluator import simple_evaluate
+
+    from .adapter import LLMTrainerLM
+
+    loaded = load_tasks(split_tasks(tasks))
+    lm = LLMTrainerLM(model, tokenizer, batch_size=batch_size, autocast=autocast)
+    was_training = model.training
+    model.eval()
+    try:
+        results = simple_evaluate(
+            model=lm,
+            tasks=loaded,
+            num_fewshot=num_fewshot,
+            limit=int(limit) if limit is not None and limit >= 1 else limit,
+            bootstrap_iters=0,  # no standard errors: lm-eval's bootstrap takes longer than the evaluation
+            log_samples=False,
+        )
+    finally:
+        model.train(was_training)
+    for kind, count in sorted(lm.truncated.items()):
+        warn(
+            f"downstream evaluation: {count} {kind} request(s) longer than the model's context "
+            f"({lm.max_length} tokens) were cut from the left (their oldest tokens dropped), as lm-eval does"
+        )
+    return results
+
+
+def scores(results: dict) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} of lm-eval's results: `acc`, `acc_norm`, `exact_match`, ... (a metric
+    under a filter other than lm-eval's default `none` is `metric/filter`); standard errors left out."""
+    out: dict[str, dict[str, float]] = {}
+    for task, values in (results or {}).get("results", {}).items():
+        row = {}
+        for key, value in values.items():
+            metric, _, filter_name = key.partition(",")
+            if metric.endswith("_stderr") or metric == "sample_len" or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            row[metric if filter_name in ("", "none") else f"{metric}/{filter_name}"] = float(value)
+        out[task] = row
+    return out
+
+
+def table(results: dict) -> str:
+    """lm-eval's own markdown table of the results (task, version, filter, n-shot, metric, value)."""
+    from lm_eval.utils import make_table
+
+    return make_table(results)
+
+
+def write_results(results: dict, path: str | Path) -> Path:
+    """lm-eval's results JSON, as its own CLI writes it."""
+    from lm_eval.utils import handle_non_serializable
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
+    return path
