@@ -1,0 +1,139 @@
+"""Downstream evaluation through lm-evaluation-harness: our adapter against lm-eval's own `hf` backend on
+the exported model (the reference), the shipped offline tasks, and the CLI's one-line errors.
+
+Never reaches the network: the Hub and `datasets` are offline for this whole file."""
+
+import os
+
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("transformers")
+
+import torch
+
+from llm_trainer.downstream.tasks import BUILTIN, load_tasks
+
+TEXTS = [json.loads(line)["text"] for line in (Path(__file__).parents[1] / "src/llm_trainer/downstream/tasks/text.jsonl").read_text().splitlines()]
+
+
+def _tokenizer():
+    from llm_trainer.tokenizer import Tokenizer
+
+    return Tokenizer.train_bpe(TEXTS * 4, 300, 10**6)
+
+
+def _model(tokenizer, architecture: str, max_seq_len: int = 40):
+    from llm_trainer.config import ModelConfig
+    from llm_trainer.model import Transformer
+
+    torch.manual_seed(0)
+    config = ModelConfig(
+        architecture=architecture, d_model=32, n_heads=4, n_layers=2, max_seq_len=max_seq_len, vocab_size=tokenizer.vocab_size
+    )
+    return Transformer(config).eval()
+
+
+def _export(model, tokenizer, folder: Path) -> Path:
+    from llm_trainer.checkpoint.model_folder import save_model_folder
+    from llm_trainer.hf.interop import export_to_hf
+
+    save_model_folder(model, folder / "ours")
+    tokenizer.save(folder / "ours")
+    return export_to_hf(folder / "ours", folder / "hf")
+
+
+def _reference(model, tokenizer, folder: Path):
+    """lm-eval's `hf` backend on our exported model, each request computed on its own: its logits cache
+    (one-token continuations share the logits of requests with the same tokens before them) gives a
+    request ending "(self" + "):" the logits of another whose tokens split otherwise ("(" + "self):"),
+    0.05 nats off what the request's own forward gives."""
+    from lm_eval.models.huggingface import HFLM
+
+    path = str(_export(model, tokenizer, folder))
+    return HFLM(pretrained=path, device="cpu", batch_size=8, dtype="float32", logits_cache=False)
+
+
+def _requests(names, num_fewshot: int = 0):
+    """Every request of the tasks, as lm-eval's evaluator builds them, grouped by request type."""
+    grouped = {}
+    for task in load_tasks(list(names)):
+        task.set_config(key="num_fewshot", value=num_fewshot)
+        task.build_all_requests(limit=None, rank=0, world_size=1)
+        for instance in task.instances:
+            grouped.setdefault(instance.request_type, []).append(instance)
+    return grouped
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_same_loglikelihoods_and_generations_as_lm_eval_hf_backend(tmp_path, architecture):
+    """Per request: log-likelihoods within 1e-4 of lm-eval's `hf` backend on the exported model (contexts
+    longer than the model's 40 tokens included: with 2 shots many are cut from the left), the same
+    is-greedy flags, and the same greedy generations."""
+    from llm_trainer.downstream.adapter import LLMTrainerLM
+
+    tokenizer = _tokenizer()
+    model = _model(tokenizer, architecture)
+    reference = _reference(model, tokenizer, tmp_path)
+    ours = LLMTrainerLM(model, tokenizer, batch_size=5)
+    grouped = _requests(BUILTIN, num_fewshot=2)
+    assert set(grouped) == {"loglikelihood", "loglikelihood_rolling", "generate_until"}
+
+    theirs_ll, ours_ll = reference.loglikelihood(grouped["loglikelihood"]), ours.loglikelihood(grouped["loglikelihood"])
+    assert len(ours_ll) == len(theirs_ll) == 24 * 4 + 24
+    assert max(abs(a[0] - b[0]) for a, b in zip(ours_ll, theirs_ll)) < 1e-4
+    assert [a[1] for a in ours_ll] == [b[1] for b in theirs_ll]
+    assert ours.truncated["loglikelihood"] > 0  # the 2-shot prompts do not fit in 40 tokens
+
+    rolling = grouped["loglikelihood_rolling"]
+    theirs_roll, ours_roll = reference.loglikelihood_rolling(rolling), ours.loglikelihood_rolling(rolling)
+    assert max(abs(a - b) for a, b in zip(ours_roll, theirs_roll)) < 1e-4
+
+    generations = grouped["generate_until"]
+    assert ours.generate_until(generations) == reference.generate_until(generations)
+
+
+def test_same_scores_as_lm_eval_hf_backend(tmp_path):
+    """The whole evaluation (lm-eval's evaluator, metrics and aggregation) gives the same accuracy,
+    perplexities and exact match with our adapter as with lm-eval's `hf` backend."""
+    from lm_eval.evaluator import simple_evaluate
+
+    from llm_trainer.downstream import evaluate_tasks, scores
+
+    tokenizer = _tokenizer()
+    model = _model(tokenizer, "llama", max_seq_len=128)
+    reference = _reference(model, tokenizer, tmp_path)
+    theirs = scores(simple_evaluate(model=reference, tasks=load_tasks(list(BUILTIN)), bootstrap_iters=0, log_samples=False))
+    ours = scores(evaluate_tasks(model, tokenizer, ",".join(BUILTIN), batch_size=4))
+    assert set(ours) == set(BUILTIN) and set(ours["llmt_choice"]) == {"acc", "acc_norm"}
+    for task, metrics in theirs.items():
+        for metric, value in metrics.items():
+            assert math.isclose(ours[task][metric], value, rel_tol=1e-4), (task, metric, ours[task][metric], value)
+
+
+def test_shared_context_batches_match_one_request_at_a_time():
+    """Batching by length and reusing a context's KV cache for each continuation give the numbers of
+    one request at a time, each computed from scratch by the plain forward."""
+    from llm_trainer.downstream.adapter import LLMTrainerLM
+
+    tokenizer = _tokenizer()
+    model = _model(tokenizer, "llama", max_seq_len=128)
+    requests = _requests(["llmt_choice", "llmt_cloze"])["loglikelihood"]
+    lm = LLMTrainerLM(model, tokenizer, batch_size=16)
+    batched = lm.loglikelihood(requests)
+    for request, (logprob, greedy) in zip(requests, batched):
+        context, continuation = lm._encode_pair(*request.args)  # lm-eval's own split of the tokens
+        ids, n = context + continuation, len(continuation)
+        assert len(ids) <= model.config.max_seq_len + 1
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[:-1]])).log_softmax(-1)[0, -n:]  # (n, V)
+        target = torch.tensor(ids[-n:])
+        assert abs(float(logits.gather(1, target[:, None]).sum()) - logprob) < 1e-4
+        assert bool((logits.argmax(-1) == target).all()) == greedy
