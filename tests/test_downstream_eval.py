@@ -21,7 +21,10 @@ import torch
 
 from llm_trainer.downstream.tasks import BUILTIN, load_tasks
 
-TEXTS = [json.loads(line)["text"] for line in (Path(__file__).parents[1] / "src/llm_trainer/downstream/tasks/text.jsonl").read_text().splitlines()]
+TEXTS = [
+    json.loads(line)["text"]
+    for line in (Path(__file__).parents[1] / "src/llm_trainer/downstream/tasks/text.jsonl").read_text().splitlines()
+]
 
 
 def _tokenizer():
@@ -36,7 +39,12 @@ def _model(tokenizer, architecture: str, max_seq_len: int = 40):
 
     torch.manual_seed(0)
     config = ModelConfig(
-        architecture=architecture, d_model=32, n_heads=4, n_layers=2, max_seq_len=max_seq_len, vocab_size=tokenizer.vocab_size
+        architecture=architecture,
+        d_model=32,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=max_seq_len,
+        vocab_size=tokenizer.vocab_size,
     )
     return Transformer(config).eval()
 
@@ -110,7 +118,9 @@ def test_same_scores_as_lm_eval_hf_backend(tmp_path):
     tokenizer = _tokenizer()
     model = _model(tokenizer, "llama", max_seq_len=128)
     reference = _reference(model, tokenizer, tmp_path)
-    theirs = scores(simple_evaluate(model=reference, tasks=load_tasks(list(BUILTIN)), bootstrap_iters=0, log_samples=False))
+    theirs = scores(
+        simple_evaluate(model=reference, tasks=load_tasks(list(BUILTIN)), bootstrap_iters=0, log_samples=False)
+    )
     ours = scores(evaluate_tasks(model, tokenizer, ",".join(BUILTIN), batch_size=4))
     assert set(ours) == set(BUILTIN) and set(ours["llmt_choice"]) == {"acc", "acc_norm"}
     for task, metrics in theirs.items():
@@ -137,3 +147,87 @@ def test_shared_context_batches_match_one_request_at_a_time():
         target = torch.tensor(ids[-n:])
         assert abs(float(logits.gather(1, target[:, None]).sum()) - logprob) < 1e-4
         assert bool((logits.argmax(-1) == target).all()) == greedy
+
+
+def _cli(*args, cwd):
+    import subprocess
+    import sys
+
+    from conftest import src_env
+
+    env = {**src_env(), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "llm_trainer", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.slow
+def test_training_logs_downstream_rows_and_best_model_follows_a_task_metric(tmp_path):
+    """training.eval_tasks: `downstream` rows in metrics.jsonl at each evaluation; best_model/ follows
+    metric_for_best_model; `eval --tasks` on the checkpoint writes lm-eval's results JSON and prints its
+    table, with the truncation of prompts longer than the 24-token context said in one line."""
+    from conftest import write_tiny_experiment
+
+    config = write_tiny_experiment(
+        tmp_path,
+        eval_tasks="llmt_choice,llmt_cloze",
+        eval_tasks_limit=6,
+        metric_for_best_model="downstream/llmt_choice/acc",
+    )
+    done = _cli("train", "--config", str(config), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    downstream = [row for row in rows if row["kind"] == "downstream"]
+    assert [row["step"] for row in downstream] == [3, 6]
+    for row in downstream:
+        assert 0 <= row["downstream/llmt_choice/acc"] <= 1 and row["downstream/llmt_cloze/perplexity"] > 1
+    meta = json.loads((tmp_path / "run/checkpoints/best_model/meta.json").read_text())
+    assert "downstream/llmt_choice/acc" in json.dumps(meta)
+
+    out = tmp_path / "results.json"
+    done = _cli(
+        "eval",
+        "--checkpoint",
+        str(tmp_path / "run"),
+        "--tasks",
+        "llmt_choice,llmt_exact",
+        "--limit",
+        "5",
+        "--output",
+        str(out),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(out.read_text())
+    assert set(results["results"]) == {"llmt_choice", "llmt_exact"} and "acc,none" in results["results"]["llmt_choice"]
+    assert "|llmt_choice" in done.stdout and "exact_match" in done.stdout
+    assert "cut from the left" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tasks", "hellaswg"], "closest: hellaswag"),
+        (["--tasks", "arc_easy"], "dataset_path: json"),
+        (["--tasks", "llmt_choice", "--limit", "0"], "--limit must be"),
+        (["--tasks", "missing/task.yaml"], "not found"),
+    ],
+)
+def test_eval_tasks_bad_input_is_one_line(tmp_path, args, message):
+    """An unknown task (with the closest names), a Hub task offline (how to point it at local files),
+    --limit 0, a missing task file: one line, exit status 2, no traceback, before any model loads."""
+    done = _cli("eval", "--checkpoint", str(tmp_path), *args, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert len([line for line in done.stderr.splitlines() if line.startswith("error:")]) == 1
+
+
+def test_checkpoint_without_tokenizer_is_one_line(tmp_path):
+    """A model folder without tokenizer.json: the project's loader says so in one line."""
+    from llm_trainer.checkpoint.model_folder import save_model_folder
+    from llm_trainer.cli import main
+
+    tokenizer = _tokenizer()
+    save_model_folder(_model(tokenizer, "llama"), tmp_path / "m")
+    assert main(["eval", "--checkpoint", str(tmp_path / "m"), "--tasks", "llmt_choice"]) == 2

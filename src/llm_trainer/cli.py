@@ -168,6 +168,8 @@ def cmd_eval(args) -> int:
 
     if args.batch_size is not None and args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.tasks is not None:
+        return _eval_tasks(args)
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
     batch_size = args.batch_size or saved_batch_size(experiment) or 8  # as in training
     precision = recorded_amp_dtype(experiment.get("training"), next(model.parameters()).device)
@@ -194,6 +196,33 @@ def cmd_eval(args) -> int:
             f"loss {metrics['val_loss']:.4f}  perplexity {metrics['perplexity']:.3f}  tokens {metrics['tokens']:,}  "
             f"({coverage(metrics)} of {data})"
         )
+    return 0
+
+
+def _eval_tasks(args) -> int:
+    """`eval --tasks`: lm-eval's results for the checkpoint (JSON to --output), its table on the console."""
+    from .api import load_for_inference
+    from .downstream.run import check_limit, evaluate_tasks, scores, table, write_results
+    from .downstream.tasks import load_tasks, split_tasks
+    from .resolve import recorded_amp_dtype
+    from .train.step import autocast
+
+    check_limit(args.limit)
+    load_tasks(split_tasks(args.tasks))  # a wrong task name fails before the model loads
+    model, tokenizer, experiment = load_for_inference(args.checkpoint)
+    device = next(model.parameters()).device
+    results = evaluate_tasks(
+        model,
+        tokenizer,
+        args.tasks,
+        num_fewshot=args.num_fewshot,
+        limit=args.limit,
+        batch_size=args.batch_size or 16,
+        autocast=lambda: autocast(device, recorded_amp_dtype(experiment.get("training"), device)),
+    )
+    if args.output:
+        print(f"results in {write_results(results, args.output)}", file=sys.stderr)
+    print(json.dumps(scores(results)) if args.json else table(results))
     return 0
 
 
@@ -296,8 +325,30 @@ def cmd_quickstart(args) -> int:
     )
     print("sample:\n" + "-" * 40)
     cmd_generate(gen)
+    _quickstart_scores(folder)
     print("-" * 40 + f"\noutputs in {experiment.training.output_dir}/ (metrics.jsonl, config.yaml, checkpoints/)")
     return 0
+
+
+def _quickstart_scores(folder: Path) -> None:
+    """The shipped offline benchmark tasks on the model the quickstart trained (needs lm-eval)."""
+    from .downstream.tasks import BUILTIN
+
+    print("-" * 40 + "\ndownstream (lm-eval, the shipped offline tasks):")
+    try:
+        _eval_tasks(
+            argparse.Namespace(
+                checkpoint=str(folder),
+                tasks=",".join(BUILTIN),
+                num_fewshot=None,
+                limit=None,
+                batch_size=None,
+                output=None,
+                json=False,
+            )
+        )
+    except UsageError as exc:  # lm-eval not installed: the rest of the quickstart stands
+        print(f"  skipped: {exc}")
 
 
 # -- watch, tune, keep track: plots, LR finder, sweeps, registry ------------------------------------------------------------
@@ -467,7 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("eval", help="loss and perplexity of a checkpoint")
+    p = sub.add_parser("eval", help="loss and perplexity of a checkpoint, or its benchmark scores (--tasks)")
     p.add_argument("--checkpoint", required=True, help=CHECKPOINT)
     p.add_argument(
         "--data",
@@ -478,8 +529,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--text_column",
         help="the field of --data's JSONL/Parquet records that holds the text (default: the run's data.text_column)",
     )
-    p.add_argument("--batch-size", "--batch_size", type=int, help="default: the run's training.batch_size, else 8")
+    p.add_argument(
+        "--batch-size", "--batch_size", type=int, help="default: the run's training.batch_size, else 8 (--tasks: 16)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--tasks",
+        help="downstream evaluation through lm-eval: task names or task YAML files/folders, comma-separated "
+        "(offline, shipped: llmt_choice, llmt_cloze, llmt_rolling, llmt_exact); without it: loss and perplexity",
+    )
+    p.add_argument("--num_fewshot", "--num-fewshot", type=int, help="examples before each question (task default)")
+    p.add_argument("--limit", type=float, help="at most N items per task (a fraction in (0, 1): that share)")
+    p.add_argument("--output", "-o", help="write lm-eval's results JSON here")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("generate", help="generate text from a checkpoint")

@@ -343,6 +343,12 @@ class TrainingConfig(_Validated):
     early_stopping_patience: int | None = None  # evaluations without improvement before stopping
     early_stopping_min_delta: float = 0.0
     max_consecutive_bad_steps: int = 5  # non-finite loss/grad steps in a row before the run stops
+    # Downstream evaluation through lm-eval (pip install 'llm-trainer[eval]'), beside the validation loss.
+    eval_tasks: list[str] | str | None = None  # lm-eval task names or task YAML paths ("a,b" or a list)
+    eval_tasks_steps: int | None = None  # None: at every evaluation; N: every N steps, and at the end
+    eval_tasks_limit: int | None = None  # items per task; None: all
+    metric_for_best_model: str = "val_loss"  # or downstream/<task>/<metric> (e.g. downstream/llmt_choice/acc)
+    greater_is_better: bool | None = None  # None: False for val_loss, True for a downstream metric
     # Not kept: read as distributed_strategy: deepspeed (see config_aliases.TRAINING).
     use_deepspeed: InitVar[bool | None] = None
 
@@ -410,6 +416,19 @@ class TrainingConfig(_Validated):
         _require(self.peak_flops is None or self.peak_flops > 0, "TrainingConfig.peak_flops must be positive")
         _require(self.world_size is None or self.world_size > 0, "TrainingConfig.world_size must be positive")
         _require(self.distributed_timeout_s > 0, "TrainingConfig.distributed_timeout_s must be positive")
+        for name in ("eval_tasks_steps", "eval_tasks_limit"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"TrainingConfig.{name} must be positive or null, got {value}")
+        metric = self.metric_for_best_model
+        _require(
+            metric in ("val_loss", "eval_loss", "loss")
+            or (metric.startswith("downstream/") and metric.count("/") >= 2),
+            f"TrainingConfig.metric_for_best_model must be val_loss or downstream/<task>/<metric>, got {metric!r}",
+        )
+        _require(
+            not metric.startswith("downstream/") or bool(self.eval_tasks),
+            f"TrainingConfig.metric_for_best_model {metric} needs training.eval_tasks (the task it names)",
+        )
 
     @property
     def resolved_checkpoint_dir(self) -> Path:

@@ -71,7 +71,12 @@ def scores(results: dict) -> dict[str, dict[str, float]]:
         row = {}
         for key, value in values.items():
             metric, _, filter_name = key.partition(",")
-            if metric.endswith("_stderr") or metric == "sample_len" or not isinstance(value, (int, float)) or isinstance(value, bool):
+            if (
+                metric.endswith("_stderr")
+                or metric == "sample_len"
+                or not isinstance(value, (int, float))
+                or isinstance(value, bool)
+            ):
                 continue
             row[metric if filter_name in ("", "none") else f"{metric}/{filter_name}"] = float(value)
         out[task] = row

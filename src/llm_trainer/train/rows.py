@@ -3,6 +3,7 @@
     TrainRow    every `logging_steps` optimizer steps: loss, lr, grad_norm, tokens, speed
     EvalRow     every evaluation: val_loss, perplexity, and how many tokens it covered
     SummaryRow  once, at the end of `train()`
+    "downstream" benchmark scores of `training.eval_tasks`: `downstream/<task>/<metric>` (`downstream_row`)
     "custom"    a user's own values (`Trainer.metrics_tracker.update`): `custom_row`, no fixed schema
 
 Each row is a flat JSON object with `kind` ("train", "eval", "summary") and `step`; optional fields
@@ -92,6 +93,16 @@ def custom_row(step: int, values: dict) -> dict:
             row[str(key)] = float(value)
         except (TypeError, ValueError):
             raise ValueError(f"custom metric {key!r} must be a number, got {value!r}") from None
+    return row
+
+
+def downstream_row(step: int, scores: dict[str, dict[str, float]]) -> dict:
+    """Scores {task: {metric: value}} as one row, each under `downstream/<task>/<metric>`, the name the
+    backends (TensorBoard, W&B, MLflow) show it by."""
+    row: dict = {"kind": "downstream", "step": int(step)}
+    for task, metrics in scores.items():
+        for metric, value in metrics.items():
+            row[f"downstream/{task}/{metric}"] = float(value)
     return row
 
 

@@ -27,6 +27,7 @@ import torch.nn as nn
 from .. import config_aliases
 from ..checkpoint.checkpointer import Checkpointer
 from ..config import TrainingConfig
+from ..downstream import during_training as downstream
 from ..errors import TrainingStopped, UsageError
 from ..logs import Progress, log, shows_progress_bar, warnings_once
 from ..parallel.distributed import all_reduce_
@@ -39,7 +40,7 @@ from .evaluate import evaluate
 from .flops import flops_per_token, peak_flops
 from .metrics import MetricsTracker, tensorboard_dir
 from .optim import build_optimizer, learning_rate_at, set_learning_rate
-from .rows import EvalRow, SummaryRow, TrainRow
+from .rows import EvalRow, SummaryRow, TrainRow, downstream_row
 from .run_lock import lock_run_folders
 from .speed import PhaseTimer, SpeedMonitor
 from .state import TrainState
@@ -380,9 +381,19 @@ class Trainer:
         if target is not None:
             metrics, whole = self._towards_target(metrics, target)
         loss = metrics["val_loss"]
-        if state.best_val_loss is None or loss < state.best_val_loss:
-            state.best_val_loss, state.best_step = loss, state.step
-            self.checkpointer.save_best(metrics)
+        scores = downstream.run_during_training(self, state.step) if downstream.is_due(cfg, state.step, full) else {}
+        if scores:
+            self._log_metrics(downstream_row(state.step, scores))
+        if downstream.follows_loss(cfg):
+            if state.best_val_loss is None or loss < state.best_val_loss:
+                state.best_val_loss, state.best_step = loss, state.step
+                self.checkpointer.save_best(metrics)
+        else:  # best_model/ follows a downstream metric; best_val_loss stays the lowest loss
+            state.best_val_loss = loss if state.best_val_loss is None else min(loss, state.best_val_loss)
+            value, sign = downstream.metric_value(cfg, scores), 1 if downstream.greater_is_better(cfg) else -1
+            if value is not None and (state.best_metric is None or sign * value > sign * state.best_metric):
+                state.best_metric, state.best_step = value, state.step
+                self.checkpointer.save_best({**metrics, cfg.metric_for_best_model: value})
         reference = state.patience_reference if state.patience_reference is not None else state.best_val_loss
         reasons = []  # why to stop, said after the evaluation that decided it
         if state.patience_reference is None or loss < reference - cfg.early_stopping_min_delta:

@@ -1,0 +1,78 @@
+"""Downstream evaluation inside a training run (`training.eval_tasks`): which evaluations run the tasks,
+the scores every rank agrees on, and which metric `best_model/` follows (`metric_for_best_model`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UsageError
+from ..logs import log
+from .run import evaluate_tasks, scores
+
+LOSS_NAMES = ("val_loss", "eval_loss", "loss")  # HF's metric_for_best_model spells it eval_loss or loss
+
+
+def follows_loss(config) -> bool:
+    """Whether best_model/ follows the validation loss (else a downstream metric)."""
+    return config.metric_for_best_model in LOSS_NAMES
+
+
+def greater_is_better(config) -> bool:
+    """HF's rule: as `greater_is_better` says, else False for the loss and True for any other metric."""
+    return config.greater_is_better if config.greater_is_better is not None else not follows_loss(config)
+
+
+def is_due(config, step: int, at_end: bool) -> bool:
+    if not config.eval_tasks:
+        return False
+    return at_end or config.eval_tasks_steps is None or step % config.eval_tasks_steps == 0
+
+
+def run_during_training(trainer, step: int) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} on every rank (each rank scores its share of the requests; rank 0's
+    results are broadcast), and the one-line summary on the console."""
+    from ..tokenizer import Tokenizer
+
+    if trainer.dist.world_size > 1 and type(trainer.parallel).__name__ != "DDP":
+        raise UsageError(
+            "training.eval_tasks under several processes needs distributed_strategy ddp (every rank holds the "
+            "whole model); with fsdp or deepspeed, evaluate the checkpoints with `llm-trainer eval --tasks`"
+        )
+    tokenizer = trainer.tokenizer
+    if not isinstance(tokenizer, Tokenizer):
+        text = trainer._tokenizer_json()
+        if text is None:
+            raise UsageError("training.eval_tasks needs the run's tokenizer: pass tokenizer= to the Trainer")
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tokenizer = Tokenizer(HFTokenizer.from_str(text))
+    config = trainer.config
+    results = evaluate_tasks(
+        trainer.model,
+        tokenizer,
+        config.eval_tasks,
+        limit=config.eval_tasks_limit,
+        batch_size=config.eval_batch_size or config.batch_size,
+        autocast=lambda: trainer.autocast,
+    )
+    found = [scores(results) if results is not None else None]
+    if trainer.dist.world_size > 1:
+        torch.distributed.broadcast_object_list(found, src=0)
+    values = found[0] or {}
+    shown = "  ".join(f"{task}/{metric} {value:.4g}" for task, row in values.items() for metric, value in row.items())
+    log(f"step {step} downstream: {shown}")
+    return values
+
+
+def metric_value(config, values: dict[str, dict[str, float]]) -> float | None:
+    """metric_for_best_model's value in `values` (None: not measured at this evaluation); a metric the
+    tasks do not report is a one-line error naming those they do."""
+    _, task, metric = config.metric_for_best_model.split("/", 2)
+    if not values:
+        return None
+    if metric not in values.get(task, {}):
+        known = ", ".join(f"downstream/{t}/{m}" for t, row in values.items() for m in row)
+        raise UsageError(
+            f"training.metric_for_best_model {config.metric_for_best_model} is not measured; known: {known}"
+        )
+    return values[task][metric]
