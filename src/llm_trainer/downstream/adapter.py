@@ -23,7 +23,6 @@ import contextlib
 from collections import Counter, defaultdict
 
 import torch
-import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
