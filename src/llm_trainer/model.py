@@ -383,14 +383,27 @@ class Transformer(nn.Module):
         loss = causal_lm_loss(logits, labels, attention_mask) if labels is not None else None
         return CausalLMOutput(loss=loss, logits=logits)
 
+    def extend(self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor, mask: torch.Tensor):
+        """Logits (B, T, V) of `input_ids` appended to `cache` whose rows hold contexts of different
+        lengths, each padded to `cache.length`: every token's position (B, T) and the keys it may see,
+        (B, 1, T, cache.length + T) bool (a row's own context and its earlier new tokens, never the
+        padding), are the caller's. Many continuations of many contexts in one batch (evaluation)."""
+        if int(positions.max()) >= self.config.max_seq_len:
+            raise ValueError(f"position {int(positions.max())} is beyond max_seq_len={self.config.max_seq_len}")
+        return self._logits(input_ids, cache, given=(mask, positions))
+
     def _logits(
-        self, input_ids: torch.Tensor, cache: KVCache | None = None, doc_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        doc_ids: torch.Tensor | None = None,
+        given: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
-        if start + T > self.config.max_seq_len:
+        if given is None and start + T > self.config.max_seq_len:
             raise ValueError(f"sequence of {start + T} tokens is longer than max_seq_len={self.config.max_seq_len}")
-        doc_mask = positions = None
+        doc_mask, positions = given if given is not None else (None, None)
         if doc_ids is not None:
             if cache is not None:
                 raise ValueError(

@@ -33,6 +33,23 @@ from ..tools.generate import generate
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf backend's default
 
 
+def _mask(prefix: torch.Tensor, cached: int, T: int) -> torch.Tensor:
+    """(n, 1, T, cached + T) bool: new token t of row i sees the first prefix[i] cached keys (its own
+    context; the rest of the `cached` are other rows' padding) and new tokens 0..t."""
+    keys = torch.arange(cached + T, device=prefix.device)  # (S,)
+    new = torch.arange(T, device=prefix.device)  # (T,)
+    own_prefix = keys[None, None, :] < prefix[:, None, None]  # (n, 1, S)
+    own_new = (keys[None, :] >= cached) & (keys[None, :] - cached <= new[:, None])  # (T, S)
+    return (own_prefix | own_new[None])[:, None]  # (n, 1, T, S)
+
+
+def _cut(text: str, stops) -> str:
+    """The text before its first stop string, as lm-eval's hf backend cuts it."""
+    for stop in stops:
+        text = text.split(stop)[0]
+    return text
+
+
 class LLMTrainerLM(TemplateLM):
     """`model` (ours, unwrapped: every rank holds the whole model) and the tokenizer it was trained with."""
 
@@ -86,8 +103,8 @@ class LLMTrainerLM(TemplateLM):
         return results
 
     def _score_batch(self, prefixes, by_prefix, results) -> None:
-        """One forward over the batch's prefixes (into a KV cache), then one per prefix length for the
-        continuations longer than one token, each from a copy of its prefix's cache."""
+        """One forward over the batch's prefixes (into a KV cache), then one over every continuation
+        longer than one token, each after its own prefix's keys and values."""
         B, longest = len(prefixes), len(prefixes[0])
         ids = torch.full((B, longest), self.eot_token_id, dtype=torch.long)
         for row, prefix in enumerate(prefixes):
@@ -97,36 +114,47 @@ class LLMTrainerLM(TemplateLM):
         lengths = torch.tensor([len(p) for p in prefixes], device=self._device)
         last = logits[torch.arange(B, device=self._device), lengths - 1].float().log_softmax(-1)  # (B, V)
 
-        longer: dict[int, list[tuple[int, int, list[int]]]] = defaultdict(list)  # prefix length -> rows
+        longer = []  # (row of its prefix, request index, continuation)
         for row, prefix in enumerate(prefixes):
             for index, continuation in by_prefix[prefix]:
                 if len(continuation) == 1:
                     token = continuation[0]
                     results[index] = (float(last[row, token]), bool(last[row].argmax() == token))
                 else:
-                    longer[len(prefix)].append((row, index, continuation))
-        for length, rows in longer.items():
-            self._score_continuations(cache, last, length, rows, results)
+                    longer.append((row, index, continuation))
+        for start in range(0, len(longer), 4 * self.batch_size):
+            self._score_continuations(cache, last, lengths, longer[start : start + 4 * self.batch_size], results)
 
-    def _score_continuations(self, cache: KVCache, last, length: int, rows, results) -> None:
-        """Continuations after prefixes of `length` tokens: their tokens but the last, after the prefix's
-        keys and values; the prefix's last logits score each continuation's first token."""
-        n, longest = len(rows), max(len(c) for _, _, c in rows) - 1
+    def _score_continuations(self, cache: KVCache, last, lengths, rows, results) -> None:
+        """Continuations (their tokens but the last) after their prefixes' cached keys and values, in
+        one forward: each row sees its own prefix and its own earlier tokens, at its own positions; the
+        prefix's last logits score each continuation's first token."""
+        n, T = len(rows), max(len(c) for _, _, c in rows) - 1
         source = torch.tensor([row for row, _, _ in rows], device=self._device)
-        fork = KVCache.empty(self.model.config, n, length + longest, self._device, self._dtype)
-        for layer in range(len(fork.keys)):
-            fork.keys[layer][:, :, :length] = cache.keys[layer][source, :, :length]  # (n, K, length, D)
-            fork.values[layer][:, :, :length] = cache.values[layer][source, :, :length]
-        fork.length = length
-        ids = torch.full((n, longest), self.eot_token_id, dtype=torch.long)
+        fork = self._fork(cache, source, T)
+        ids = torch.full((n, T), self.eot_token_id, dtype=torch.long)
         for j, (_, _, continuation) in enumerate(rows):
             ids[j, : len(continuation) - 1] = torch.tensor(continuation[:-1])
-        logprobs = self.model(ids.to(self._device), cache=fork).float().log_softmax(-1)  # (n, longest, V)
+        prefix = lengths[source]  # (n,)
+        # (n, T); a shorter continuation's padding may run past the context: clamped, it only feeds itself
+        positions = (prefix[:, None] + torch.arange(T, device=self._device)).clamp(max=self.max_length - 1)
+        logprobs = self.model.extend(ids.to(self._device), fork, positions, _mask(prefix, cache.length, T))
+        logprobs = logprobs.float().log_softmax(-1)  # (n, T, V)
         for j, (row, index, continuation) in enumerate(rows):
             steps = torch.cat([last[row : row + 1], logprobs[j, : len(continuation) - 1]])  # (len(cont), V)
             target = torch.tensor(continuation, device=self._device)
             total = float(steps.gather(1, target[:, None]).sum())
             results[index] = (total, bool((steps.argmax(-1) == target).all()))
+
+    def _fork(self, cache: KVCache, source: torch.Tensor, extra: int) -> KVCache:
+        """A cache of rows `source` of `cache` (their prefixes, padding included), with room for `extra`
+        more positions."""
+        fork = KVCache.empty(self.model.config, len(source), cache.length + extra, self._device, self._dtype)
+        for layer in range(len(fork.keys)):
+            fork.keys[layer][:, :, : cache.length] = cache.keys[layer][source, :, : cache.length]  # (n, K, L, D)
+            fork.values[layer][:, :, : cache.length] = cache.values[layer][source, :, : cache.length]
+        fork.length = cache.length
+        return fork
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """The whole text's log-likelihood, in windows of the model's context as lm-eval's hf backend cuts
@@ -153,44 +181,79 @@ class LLMTrainerLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Each request's continuation up to (not including) its first stop string, at most
-        `max_gen_toks` tokens; the context is left-truncated to leave room for them, as in lm-eval."""
-        out = []
-        with self.autocast():
-            for request in requests:
+        `max_gen_toks` tokens; the context is left-truncated to leave room for them, as in lm-eval.
+        Greedy requests go in batches of the same settings, longest first; sampled ones one by one."""
+        out: list[str | None] = [None] * len(requests)
+        greedy: dict[tuple, list[tuple[int, list[int]]]] = defaultdict(list)
+        with torch.no_grad(), self.autocast():
+            for i, request in enumerate(requests):
                 context, kwargs = request.args
                 kwargs = dict(kwargs or {})
                 until = kwargs.pop("until", None) or []
-                until = [until] if isinstance(until, str) else list(until)
+                stops = tuple(s for s in ([until] if isinstance(until, str) else until) if s)
                 max_new = int(kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
-                sample = bool(kwargs.pop("do_sample", False))
-                temperature = float(kwargs.pop("temperature", 0.0) or 0.0) if sample else 0.0
                 ids = self.tok_encode(context) or [self.eot_token_id]
                 room = max(1, self.max_length - max_new)
                 if len(ids) > room:
                     self.truncated["generate_until"] += 1
                     ids = ids[-room:]
-                stops = [s for s in until if s]
-
-                def reached(new: list[int], stops=stops) -> bool:
-                    text = self.tokenizer.decode(new)
-                    return any(s in text for s in stops)
-
-                new = generate(
-                    self.model,
-                    ids,
-                    max_new_tokens=min(max_new, self.max_length - len(ids)),
-                    temperature=temperature,
-                    top_k=kwargs.get("top_k"),
-                    top_p=kwargs.get("top_p"),
-                    seed=1234 if sample else None,
-                    eos_token_id=self.eot_token_id,
-                    stop=reached if stops else None,
-                )
-                text = self.tokenizer.decode(new)
-                for stop in stops:
-                    text = text.split(stop)[0]
-                out.append(text)
+                max_new = min(max_new, self.max_length - len(ids))
+                if kwargs.pop("do_sample", False) and float(kwargs.get("temperature", 1.0) or 0) > 0:
+                    new = generate(
+                        self.model,
+                        ids,
+                        max_new_tokens=max_new,
+                        temperature=float(kwargs.get("temperature", 1.0)),
+                        top_k=kwargs.get("top_k"),
+                        top_p=kwargs.get("top_p"),
+                        seed=1234,
+                        eos_token_id=self.eot_token_id,
+                        stop=lambda new, stops=stops: any(s in self.tokenizer.decode(new) for s in stops),
+                    )
+                    out[i] = _cut(self.tokenizer.decode(new), stops)
+                else:
+                    greedy[(stops, max_new)].append((i, ids))
+            for (stops, max_new), items in greedy.items():
+                items.sort(key=lambda item: len(item[1]), reverse=True)
+                for start in range(0, len(items), self.batch_size):
+                    batch = items[start : start + self.batch_size]
+                    texts = self._greedy([ids for _, ids in batch], stops, max_new)
+                    for (i, _), text in zip(batch, texts):
+                        out[i] = text
         return out
+
+    def _greedy(self, prompts: list[list[int]], stops: tuple[str, ...], max_new: int) -> list[str]:
+        """Greedy continuations of prompts of different lengths, decoded together: each row's new tokens
+        go after the longest prompt's end in the cache, at the row's own positions, seeing only its own
+        prompt; a row is done at end-of-text or a stop string, the batch when every row is."""
+        B, longest = len(prompts), len(prompts[0])
+        ids = torch.full((B, longest), self.eot_token_id, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt)] = torch.tensor(prompt)
+        lengths = torch.tensor([len(p) for p in prompts], device=self._device)
+        cache = KVCache.empty(self.model.config, B, longest + max_new, self._device, self._dtype)
+        logits = self.model(ids.to(self._device), cache=cache)[torch.arange(B), lengths - 1]  # (B, V)
+        cache_start = cache.length
+        new: list[list[int]] = [[] for _ in range(B)]
+        done = [False] * B
+        for step in range(max_new):
+            tokens = logits.argmax(-1)  # (B,)
+            for row in range(B):
+                if done[row]:
+                    continue
+                token = int(tokens[row])
+                if token == self.eot_token_id:
+                    done[row] = True
+                    continue
+                new[row].append(token)
+                if any(s in self.tokenizer.decode(new[row]) for s in stops):
+                    done[row] = True
+            if all(done) or step == max_new - 1:
+                break
+            positions = (lengths[:, None] + step).clamp(max=self.max_length - 1)  # (B, 1); done rows: clamped
+            mask = _mask(lengths, cache_start, step + 1)[:, :, -1:]  # (B, 1, 1, cache_start + step + 1)
+            logits = self.model.extend(tokens[:, None], cache, positions, mask)[:, -1]  # (B, V)
+        return [_cut(self.tokenizer.decode(tokens), stops) for tokens in new]
 
     # -- several processes ----------------------------------------------------------------------
 
