@@ -119,12 +119,10 @@ def main(argv=None) -> dict:
         rounds.append(record)
         print(json.dumps({"round": r, **record}), file=sys.stderr, flush=True)
 
-    ll_diff = max(
-        abs(a[0] - b[0])
-        for kind in ("loglikelihood",)
-        for a, b in zip(last["ours"][kind], last["hf"][kind])
+    ll_diff = max(abs(a[0] - b[0]) for kind in ("loglikelihood",) for a, b in zip(last["ours"][kind], last["hf"][kind]))
+    roll_diff = max(
+        abs(a - b) for a, b in zip(last["ours"]["loglikelihood_rolling"], last["hf"]["loglikelihood_rolling"])
     )
-    roll_diff = max(abs(a - b) for a, b in zip(last["ours"]["loglikelihood_rolling"], last["hf"]["loglikelihood_rolling"]))
     result = {
         "name": "downstream_eval",
         "shape": {**SHAPES[args.shape], "vocab_size": tokenizer.vocab_size},

@@ -231,3 +231,89 @@ def test_checkpoint_without_tokenizer_is_one_line(tmp_path):
     tokenizer = _tokenizer()
     save_model_folder(_model(tokenizer, "llama"), tmp_path / "m")
     assert main(["eval", "--checkpoint", str(tmp_path / "m"), "--tasks", "llmt_choice"]) == 2
+
+
+DISTRIBUTED_SCRIPT = """
+import json, os, sys
+os.environ["HF_DATASETS_OFFLINE"] = "1"; os.environ["HF_HUB_OFFLINE"] = "1"
+import torch
+torch.distributed.init_process_group("gloo")
+sys.path.insert(0, sys.argv[2])
+from test_downstream_eval import _model, _tokenizer
+from llm_trainer.downstream import evaluate_tasks, scores
+tokenizer = _tokenizer()
+results = evaluate_tasks(_model(tokenizer, "llama"), tokenizer, sys.argv[3], limit=7, batch_size=3)
+if torch.distributed.get_rank() == 0:
+    open(sys.argv[1], "w").write(json.dumps(scores(results)))
+else:
+    assert results is None
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_score_their_shares_and_equal_one_process(tmp_path):
+    """Under torchrun (2 CPU processes, gloo) each rank scores its share of the requests (7 items per
+    task: 4 and 3, lm-eval pads the shorter share) and rank 0's scores equal one process's. Zero-shot:
+    lm-eval draws few-shot examples from one generator in the order a rank visits its documents, so
+    with shots each rank's prompts differ from one process's (its own hf backend's too)."""
+    import subprocess
+    import sys
+
+    from conftest import free_port, src_env
+
+    from llm_trainer.downstream import evaluate_tasks, scores
+
+    tasks = ",".join(BUILTIN)
+    script, out = tmp_path / "evaluate.py", tmp_path / "scores.json"
+    script.write_text(DISTRIBUTED_SCRIPT)
+    env = {**src_env(), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}"]
+    done = subprocess.run(
+        [*command, str(script), str(out), str(Path(__file__).parent), tasks],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    tokenizer = _tokenizer()
+    alone = scores(evaluate_tasks(_model(tokenizer, "llama"), tokenizer, tasks, limit=7, batch_size=3))
+    together = json.loads(out.read_text())
+    assert set(together) == set(BUILTIN)
+    for task, metrics in alone.items():
+        assert together[task] == pytest.approx(metrics, rel=1e-5), task
+
+
+@pytest.mark.slow
+def test_ddp_training_logs_the_scores_of_one_process(tmp_path):
+    """training.eval_tasks under DDP (2 CPU processes, gloo, batch 2 each) logs the downstream rows of
+    one process training with batch 4 (the same weights), and best_model/ follows the task metric."""
+    import subprocess
+    import sys
+
+    from conftest import free_port, src_env, write_tiny_experiment
+
+    options = dict(eval_tasks=["llmt_choice", "llmt_rolling"], eval_tasks_limit=5, use_amp=False)
+    options["metric_for_best_model"] = "downstream/llmt_rolling/bits_per_byte"
+    runs = {}
+    for name, nproc, batch in (("ddp", 2, 2), ("one", 1, 4)):
+        root = tmp_path / name
+        root.mkdir()
+        config = write_tiny_experiment(root, batch_size=batch, **options)
+        launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master-port={free_port()}"]
+        done = subprocess.run(
+            [sys.executable, *(launcher if nproc > 1 else []), "-m", "llm_trainer", "train", "--config", str(config)],
+            cwd=root,
+            env={**src_env(), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = [json.loads(line) for line in (root / "run/metrics.jsonl").read_text().splitlines()]
+        runs[name] = [row for row in rows if row["kind"] == "downstream"]
+        assert (root / "run/checkpoints/best_model").is_dir()
+    assert [row["step"] for row in runs["ddp"]] == [row["step"] for row in runs["one"]] == [3, 6]
+    for ddp, one in zip(runs["ddp"], runs["one"]):
+        assert ddp == pytest.approx(one, rel=1e-4)

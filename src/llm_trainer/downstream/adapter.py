@@ -122,6 +122,7 @@ class LLMTrainerLM(TemplateLM):
                     results[index] = (float(last[row, token]), bool(last[row].argmax() == token))
                 else:
                     longer.append((row, index, continuation))
+        longer.sort(key=lambda item: len(item[2]))  # chunks of similar lengths: little padding
         for start in range(0, len(longer), 4 * self.batch_size):
             self._score_continuations(cache, last, lengths, longer[start : start + 4 * self.batch_size], results)
 
