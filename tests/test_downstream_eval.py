@@ -261,7 +261,6 @@ def test_two_processes_score_their_shares_and_equal_one_process(tmp_path):
     import sys
 
     from conftest import free_port, src_env
-
     from llm_trainer.downstream import evaluate_tasks, scores
 
     tasks = ",".join(BUILTIN)
