@@ -383,11 +383,11 @@ class Transformer(nn.Module):
         loss = causal_lm_loss(logits, labels, attention_mask) if labels is not None else None
         return CausalLMOutput(loss=loss, logits=logits)
 
-    def extend(self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor, mask: torch.Tensor):
-        """Logits (B, T, V) of `input_ids` appended to `cache` whose rows hold contexts of different
-        lengths, each padded to `cache.length`: every token's position (B, T) and the keys it may see,
-        (B, 1, T, cache.length + T) bool (a row's own context and its earlier new tokens, never the
-        padding), are the caller's. Many continuations of many contexts in one batch (evaluation)."""
+    def extend(self, input_ids: torch.Tensor, cache: KVCache | None, positions: torch.Tensor, mask: torch.Tensor):
+        """Logits (B, T, V) of `input_ids` with each token's position (B, T) and the keys it may see,
+        (B, 1, T, S) bool, given by the caller: after `cache` (S = cache.length + T), whose rows hold
+        contexts of different lengths padded to cache.length, or alone (S = T). Many continuations of
+        many contexts in one batch, none seeing another (evaluation, batched decoding)."""
         if int(positions.max()) >= self.config.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is beyond max_seq_len={self.config.max_seq_len}")
         return self._logits(input_ids, cache, given=(mask, positions))

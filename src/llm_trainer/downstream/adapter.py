@@ -5,11 +5,13 @@ trailing spaces move to the continuation, an empty context becomes end-of-text),
 context is cut from the left as that backend cuts it, so the log-likelihoods are the same numbers.
 What differs is how they are computed:
 
-- a context shared by several continuations (every answer of a multiple-choice question) runs once;
-  its keys and values are copied into a KV cache from which each continuation goes on. Continuations of
-  one token need no further pass: the context's last logits score them.
-- contexts are batched by length, longest first, each batch padded on the right to its own longest
-  (padding after a causal row changes nothing before it);
+- a context shared by several continuations (every answer of a multiple-choice question) is computed
+  once: one row holds the context followed by every continuation, each continuation at the positions
+  right after the context and attending to the context's keys and values and its own tokens only
+  (`Transformer.extend`, given positions and mask). Continuations of one token need no tokens of their
+  own: the context's last logits score them.
+- rows are batched by length, longest first, each batch padded on the right to its own longest
+  (padding is masked out);
 - generation is greedy (or sampled, as the request asks) through `tools.generate`, with its KV cache,
   stopping at the request's stop strings or its `max_gen_toks`.
 
@@ -103,59 +105,50 @@ class LLMTrainerLM(TemplateLM):
         return results
 
     def _score_batch(self, prefixes, by_prefix, results) -> None:
-        """One forward over the batch's prefixes (into a KV cache), then one over every continuation
-        longer than one token, each after its own prefix's keys and values."""
-        B, longest = len(prefixes), len(prefixes[0])
-        ids = torch.full((B, longest), self.eot_token_id, dtype=torch.long)
+        """One forward for the batch: each row is a prefix followed by the tokens of all its
+        continuations (each but its last), every continuation at the positions right after the prefix
+        and seeing only the prefix and itself. The prefix's keys and values are computed once and
+        serve each continuation; the prefix's last logits score every continuation's first token."""
+        rows, groups, positions, picks = [], [], [], []  # picks: (row, position in row, target, request)
         for row, prefix in enumerate(prefixes):
-            ids[row, : len(prefix)] = torch.tensor(prefix)
-        cache = KVCache.empty(self.model.config, B, longest, self._device, self._dtype)
-        logits = self.model(ids.to(self._device), cache=cache)  # (B, longest, V)
-        lengths = torch.tensor([len(p) for p in prefixes], device=self._device)
-        last = logits[torch.arange(B, device=self._device), lengths - 1].float().log_softmax(-1)  # (B, V)
+            tokens, group, where = list(prefix), [0] * len(prefix), list(range(len(prefix)))
+            for j, (index, continuation) in enumerate(by_prefix[prefix], start=1):
+                fed = continuation[:-1]
+                steps = [len(prefix) - 1, *range(len(tokens), len(tokens) + len(fed))]
+                picks += [(row, step, target, index) for step, target in zip(steps, continuation)]
+                tokens += fed
+                group += [j] * len(fed)
+                where += range(len(prefix), len(prefix) + len(fed))
+            rows.append(tokens)
+            groups.append(group)
+            positions.append(where)
+        B, T = len(rows), max(len(tokens) for tokens in rows)
+        ids = torch.full((B, T), self.eot_token_id, dtype=torch.long)
+        group = torch.full((B, T), -1, dtype=torch.long)  # -1: padding
+        where = torch.zeros((B, T), dtype=torch.long)
+        for row, (tokens, g, w) in enumerate(zip(rows, groups, positions)):
+            ids[row, : len(tokens)], group[row, : len(g)], where[row, : len(w)] = (
+                torch.tensor(tokens),
+                torch.tensor(g),
+                torch.tensor(w),
+            )
+        causal = torch.ones(T, T, dtype=torch.bool).tril()  # (T, T)
+        sees = (group[:, None, :] == group[:, :, None]) | (group[:, None, :] == 0)  # (B, T query, T key)
+        mask = (sees & causal)[:, None].to(self._device)  # (B, 1, T, T)
+        logits = self.model.extend(ids.to(self._device), None, where.to(self._device), mask)  # (B, T, V)
 
-        longer = []  # (row of its prefix, request index, continuation)
-        for row, prefix in enumerate(prefixes):
-            for index, continuation in by_prefix[prefix]:
-                if len(continuation) == 1:
-                    token = continuation[0]
-                    results[index] = (float(last[row, token]), bool(last[row].argmax() == token))
-                else:
-                    longer.append((row, index, continuation))
-        longer.sort(key=lambda item: len(item[2]))  # chunks of similar lengths: little padding
-        for start in range(0, len(longer), 4 * self.batch_size):
-            self._score_continuations(cache, last, lengths, longer[start : start + 4 * self.batch_size], results)
-
-    def _score_continuations(self, cache: KVCache, last, lengths, rows, results) -> None:
-        """Continuations (their tokens but the last) after their prefixes' cached keys and values, in
-        one forward: each row sees its own prefix and its own earlier tokens, at its own positions; the
-        prefix's last logits score each continuation's first token."""
-        n, T = len(rows), max(len(c) for _, _, c in rows) - 1
-        source = torch.tensor([row for row, _, _ in rows], device=self._device)
-        fork = self._fork(cache, source, T)
-        ids = torch.full((n, T), self.eot_token_id, dtype=torch.long)
-        for j, (_, _, continuation) in enumerate(rows):
-            ids[j, : len(continuation) - 1] = torch.tensor(continuation[:-1])
-        prefix = lengths[source]  # (n,)
-        # (n, T); a shorter continuation's padding may run past the context: clamped, it only feeds itself
-        positions = (prefix[:, None] + torch.arange(T, device=self._device)).clamp(max=self.max_length - 1)
-        logprobs = self.model.extend(ids.to(self._device), fork, positions, _mask(prefix, cache.length, T))
-        logprobs = logprobs.float().log_softmax(-1)  # (n, T, V)
-        for j, (row, index, continuation) in enumerate(rows):
-            steps = torch.cat([last[row : row + 1], logprobs[j, : len(continuation) - 1]])  # (len(cont), V)
-            target = torch.tensor(continuation, device=self._device)
-            total = float(steps.gather(1, target[:, None]).sum())
-            results[index] = (total, bool((steps.argmax(-1) == target).all()))
-
-    def _fork(self, cache: KVCache, source: torch.Tensor, extra: int) -> KVCache:
-        """A cache of rows `source` of `cache` (their prefixes, padding included), with room for `extra`
-        more positions."""
-        fork = KVCache.empty(self.model.config, len(source), cache.length + extra, self._device, self._dtype)
-        for layer in range(len(fork.keys)):
-            fork.keys[layer][:, :, : cache.length] = cache.keys[layer][source, :, : cache.length]  # (n, K, L, D)
-            fork.values[layer][:, :, : cache.length] = cache.values[layer][source, :, : cache.length]
-        fork.length = cache.length
-        return fork
+        row_i, step_i, target, owner = (torch.tensor(column, device=self._device) for column in zip(*picks))
+        logprobs = logits[row_i, step_i].float().log_softmax(-1)  # (N, V): only the positions scored
+        token_logprob = logprobs.gather(1, target[:, None]).squeeze(1)  # (N,)
+        missed = (logprobs.argmax(-1) != target).float()  # (N,)
+        requests = sorted(set(owner.tolist()))
+        slot = {index: k for k, index in enumerate(requests)}
+        local = torch.tensor([slot[i] for i in owner.tolist()], device=self._device)
+        totals = torch.zeros(len(requests), device=self._device, dtype=torch.float64)
+        totals = totals.index_add(0, local, token_logprob.double())
+        misses = torch.zeros(len(requests), device=self._device).index_add(0, local, missed)
+        for index, total, miss in zip(requests, totals.tolist(), misses.tolist()):
+            results[index] = (total, miss == 0)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """The whole text's log-likelihood, in windows of the model's context as lm-eval's hf backend cuts
