@@ -316,3 +316,17 @@ def test_ddp_training_logs_the_scores_of_one_process(tmp_path):
     assert [row["step"] for row in runs["ddp"]] == [row["step"] for row in runs["one"]] == [3, 6]
     for ddp, one in zip(runs["ddp"], runs["one"]):
         assert ddp == pytest.approx(one, rel=1e-4)
+
+
+def test_a_continuation_merged_into_the_context_scores_zero_and_is_counted():
+    """lm-eval splits the tokens of context + continuation after the context's own tokens; where the
+    tokenizer merges the continuation into the context's last token nothing is left to score: log-
+    likelihood 0 (its probability given the context is 1), counted for the warning, no crash."""
+    from llm_trainer.downstream.adapter import LLMTrainerLM
+
+    tokenizer = _tokenizer()
+    lm = LLMTrainerLM(_model(tokenizer, "llama"), tokenizer)
+    requests = [(("x", ""), [5, 6], []), (("x", "y"), [5, 6], [7])]
+    empty, scored = lm._loglikelihood_tokens(requests)
+    assert empty == (0.0, True) and scored[0] < 0
+    assert lm.empty["loglikelihood"] == 1

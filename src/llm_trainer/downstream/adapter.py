@@ -70,6 +70,7 @@ class LLMTrainerLM(TemplateLM):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self._rank, self._world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.truncated: Counter[str] = Counter()  # requests cut from the left, per request type
+        self.empty: Counter[str] = Counter()  # requests whose continuation has no tokens of its own
 
     # -- tokens ---------------------------------------------------------------------------------
 
@@ -86,17 +87,24 @@ class LLMTrainerLM(TemplateLM):
         """[(strings, context ids, continuation ids)] -> [(sum of the continuation's log-probabilities,
         whether each of its tokens is the likeliest)], in order."""
         L = self.max_length
+        results_empty: list[int] = []
         by_prefix: dict[tuple[int, ...], list[tuple[int, list[int]]]] = defaultdict(list)
         for i, (_, context, continuation) in enumerate(requests):
             if len(continuation) > L:
                 raise UsageError(
                     f"a continuation of {len(continuation)} tokens is longer than the model's context ({L})"
                 )
+            if not continuation:  # the context's tokens already hold it: the probability of nothing more is 1
+                results_empty.append(i)
+                continue
             whole = (context + continuation)[-(L + 1) :]  # what lm-eval's hf backend feeds, plus the last target
             if len(context) + len(continuation) > L + 1:
                 self.truncated[kind] += 1
             by_prefix[tuple(whole[: len(whole) - len(continuation)])].append((i, continuation))
         results: list[tuple[float, bool] | None] = [None] * len(requests)
+        for i in results_empty:
+            results[i] = (0.0, True)
+        self.empty[kind] += len(results_empty)
         prefixes = sorted(by_prefix, key=len, reverse=True)  # longest first: each batch pads to its first
         with torch.no_grad(), self.autocast():
             for start in range(0, len(prefixes), self.batch_size):

@@ -55,10 +55,15 @@ def evaluate_tasks(
         )
     finally:
         model.train(was_training)
-    for kind, count in sorted(lm.truncated.items()):
+    for kind, count in sorted((+lm.truncated).items()):  # (unary +: only counts above 0)
         warn(
             f"downstream evaluation: {count} {kind} request(s) longer than the model's context "
             f"({lm.max_length} tokens) were cut from the left (their oldest tokens dropped), as lm-eval does"
+        )
+    for kind, count in sorted((+lm.empty).items()):
+        warn(
+            f"downstream evaluation: {count} {kind} request(s) have a continuation the tokenizer merges into "
+            "the context's last token (no tokens of its own); each is scored as log-likelihood 0"
         )
     return results
 
