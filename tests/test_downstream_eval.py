@@ -330,3 +330,45 @@ def test_a_continuation_merged_into_the_context_scores_zero_and_is_counted():
     empty, scored = lm._loglikelihood_tokens(requests)
     assert empty == (0.0, True) and scored[0] < 0
     assert lm.empty["loglikelihood"] == 1
+
+
+def test_downstream_rows_reach_the_backends_as_task_and_metric():
+    """A downstream row's values go to TensorBoard, W&B and MLflow as downstream/<task>/<metric>."""
+    from llm_trainer.train.metrics import scalar_items
+    from llm_trainer.train.rows import downstream_row
+
+    row = downstream_row(6, {"llmt_choice": {"acc": 0.5, "acc_norm": 0.75}, "llmt_cloze": {"perplexity": 9.0}})
+    assert row["kind"] == "downstream" and row["step"] == 6
+    assert dict(scalar_items(row)) == {
+        "downstream/llmt_choice/acc": 0.5,
+        "downstream/llmt_choice/acc_norm": 0.75,
+        "downstream/llmt_cloze/perplexity": 9.0,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
+def test_eval_tasks_reads_sharded_checkpoints(tmp_path, strategy):
+    """A checkpoint of FSDP (its shards gathered) or DeepSpeed (2 CPU processes) gives the scores of its
+    best_model/ (whole weights, same step)."""
+    import subprocess
+    import sys
+
+    from conftest import free_port, src_env, write_tiny_experiment
+
+    if strategy == "deepspeed":
+        pytest.importorskip("deepspeed")
+    config = write_tiny_experiment(tmp_path, distributed_strategy=strategy, use_amp=False, eval_steps=6, max_steps=6)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}"]
+    env = {**src_env(), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    train = [*launcher, "-m", "llm_trainer", "train", "--config", str(config)]
+    done = subprocess.run(train, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = {}
+    for name, folder in (("checkpoint", tmp_path / "run"), ("best", tmp_path / "run/checkpoints/best_model")):
+        done = _cli(
+            "eval", "--checkpoint", str(folder), "--tasks", "llmt_choice", "--limit", "6", "--json", cwd=tmp_path
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results["checkpoint"]["llmt_choice"] == pytest.approx(results["best"]["llmt_choice"], rel=1e-5)
