@@ -108,6 +108,7 @@ def test_same_loglikelihoods_and_generations_as_lm_eval_hf_backend(tmp_path, arc
     assert ours.generate_until(generations) == reference.generate_until(generations)
 
 
+@pytest.mark.slow
 def test_same_scores_as_lm_eval_hf_backend(tmp_path):
     """The whole evaluation (lm-eval's evaluator, metrics and aggregation) gives the same accuracy,
     perplexities and exact match with our adapter as with lm-eval's `hf` backend."""
@@ -372,3 +373,21 @@ def test_eval_tasks_reads_sharded_checkpoints(tmp_path, strategy):
         assert done.returncode == 0, done.stderr[-3000:]
         results[name] = json.loads(done.stdout.strip().splitlines()[-1])
     assert results["checkpoint"]["llmt_choice"] == pytest.approx(results["best"]["llmt_choice"], rel=1e-5)
+
+
+def test_trainer_refuses_eval_tasks_it_cannot_run_before_training(tmp_path):
+    """No tokenizer to encode the prompts, or a task file that is not there: one UsageError at
+    construction, not at the first evaluation."""
+    from conftest import tiny_loaders, tiny_model
+
+    from llm_trainer.errors import UsageError
+    from llm_trainer.train.trainer import Trainer
+
+    train, val = tiny_loaders()
+    config = dict(max_steps=2, output_dir=str(tmp_path), device="cpu", report_to=["jsonl"], eval_tasks="llmt_choice")
+    with pytest.raises(UsageError, match="needs the run's tokenizer"):
+        Trainer(tiny_model(), config, train_dataloader=train, val_dataloader=val)
+    with pytest.raises(UsageError, match="not found"):
+        Trainer(
+            tiny_model(), {**config, "eval_tasks": "tasks/mine.yaml"}, train_dataloader=train, tokenizer=_tokenizer()
+        )

@@ -28,24 +28,42 @@ def is_due(config, step: int, at_end: bool) -> bool:
     return at_end or config.eval_tasks_steps is None or step % config.eval_tasks_steps == 0
 
 
-def run_during_training(trainer, step: int) -> dict[str, dict[str, float]]:
-    """{task: {metric: value}} on every rank (each rank scores its share of the requests; rank 0's
-    results are broadcast), and the one-line summary on the console."""
-    from ..tokenizer import Tokenizer
-
+def check_supported(trainer) -> None:
+    """Before training: refuse what downstream evaluation cannot do in this run (a one-line error now,
+    not at the first evaluation)."""
+    if not trainer.config.eval_tasks:
+        return
     if trainer.dist.world_size > 1 and type(trainer.parallel).__name__ != "DDP":
         raise UsageError(
             "training.eval_tasks under several processes needs distributed_strategy ddp (every rank holds the "
             "whole model); with fsdp or deepspeed, evaluate the checkpoints with `llm-trainer eval --tasks`"
         )
-    tokenizer = trainer.tokenizer
-    if not isinstance(tokenizer, Tokenizer):
-        text = trainer._tokenizer_json()
-        if text is None:
-            raise UsageError("training.eval_tasks needs the run's tokenizer: pass tokenizer= to the Trainer")
-        from tokenizers import Tokenizer as HFTokenizer
+    if _tokenizer(trainer) is None:
+        raise UsageError("training.eval_tasks needs the run's tokenizer: pass tokenizer= to the Trainer")
+    from .tasks import load_tasks, split_tasks
 
-        tokenizer = Tokenizer(HFTokenizer.from_str(text))
+    load_tasks(split_tasks(trainer.config.eval_tasks))  # unknown names, unreachable datasets: said now
+
+
+def _tokenizer(trainer):
+    """The run's tokenizer as ours (the Trainer also takes a tokenizers.Tokenizer or a transformers
+    fast tokenizer), or None."""
+    from ..tokenizer import Tokenizer
+
+    if isinstance(trainer.tokenizer, Tokenizer):
+        return trainer.tokenizer
+    text = trainer._tokenizer_json()
+    if text is None:
+        return None
+    from tokenizers import Tokenizer as HFTokenizer
+
+    return Tokenizer(HFTokenizer.from_str(text))
+
+
+def run_during_training(trainer, step: int) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} on every rank (each rank scores its share of the requests; rank 0's
+    results are broadcast), and the one-line summary on the console."""
+    tokenizer = _tokenizer(trainer)
     config = trainer.config
     results = evaluate_tasks(
         trainer.model,

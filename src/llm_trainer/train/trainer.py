@@ -102,6 +102,7 @@ class Trainer:
             build_optimizer=lambda module: build_optimizer(module, config, self.device),
         )
         self.model = model  # the user's model, as given (sharded in place under FSDP); see `Parallelism`
+        downstream.check_supported(self)
         self.optimizer = self.parallel.optimizer
         self.autocast = autocast(self.device, self.amp_dtype)
         self.state = TrainState()
