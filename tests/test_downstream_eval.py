@@ -379,7 +379,6 @@ def test_trainer_refuses_eval_tasks_it_cannot_run_before_training(tmp_path):
     """No tokenizer to encode the prompts, or a task file that is not there: one UsageError at
     construction, not at the first evaluation."""
     from conftest import tiny_loaders, tiny_model
-
     from llm_trainer.errors import UsageError
     from llm_trainer.train.trainer import Trainer
 
