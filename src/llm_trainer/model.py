@@ -383,14 +383,23 @@ class Transformer(nn.Module):
         loss = causal_lm_loss(logits, labels, attention_mask) if labels is not None else None
         return CausalLMOutput(loss=loss, logits=logits)
 
-    def extend(self, input_ids: torch.Tensor, cache: KVCache | None, positions: torch.Tensor, mask: torch.Tensor):
+    def extend(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        select: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Logits (B, T, V) of `input_ids` with each token's position (B, T) and the keys it may see,
         (B, 1, T, S) bool, given by the caller: after `cache` (S = cache.length + T), whose rows hold
         contexts of different lengths padded to cache.length, or alone (S = T). Many continuations of
-        many contexts in one batch, none seeing another (evaluation, batched decoding)."""
+        many contexts in one batch, none seeing another (evaluation, batched decoding). `select`
+        (rows, columns): the logits (N, V) of those positions only (the output head, a large share of
+        a small model's work, runs on nothing else)."""
         if int(positions.max()) >= self.config.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is beyond max_seq_len={self.config.max_seq_len}")
-        return self._logits(input_ids, cache, given=(mask, positions))
+        return self._logits(input_ids, cache, given=(mask, positions), select=select)
 
     def _logits(
         self,
@@ -398,6 +407,7 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         doc_ids: torch.Tensor | None = None,
         given: tuple[torch.Tensor, torch.Tensor] | None = None,
+        select: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
@@ -436,7 +446,9 @@ class Transformer(nn.Module):
             x = block(x, rope, cache) if doc_mask is None else block(x, rope, cache, doc_mask)
         if cache is not None:
             cache.length = start + T
-        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        if select is not None:
+            x = x[select]  # (N, C): only the positions asked for
+        logits = self.lm_head(self.norm(x))  # (B, T, V), or (N, V) of `select`
         if self.config.logit_softcap is not None:
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits / cap)

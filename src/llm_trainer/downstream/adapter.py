@@ -105,7 +105,10 @@ class LLMTrainerLM(TemplateLM):
         for i in results_empty:
             results[i] = (0.0, True)
         self.empty[kind] += len(results_empty)
-        prefixes = sorted(by_prefix, key=len, reverse=True)  # longest first: each batch pads to its first
+        def row_length(prefix) -> int:  # the prefix, then every continuation but its last token
+            return len(prefix) + sum(len(continuation) - 1 for _, continuation in by_prefix[prefix])
+
+        prefixes = sorted(by_prefix, key=row_length, reverse=True)  # longest first: each batch pads to its first
         with torch.no_grad(), self.autocast():
             for start in range(0, len(prefixes), self.batch_size):
                 batch = prefixes[start : start + self.batch_size]
@@ -130,7 +133,7 @@ class LLMTrainerLM(TemplateLM):
             rows.append(tokens)
             groups.append(group)
             positions.append(where)
-        B, T = len(rows), max(len(tokens) for tokens in rows)
+        B, T = len(rows), len(rows[0])  # the batch's longest row comes first
         ids = torch.full((B, T), self.eot_token_id, dtype=torch.long)
         group = torch.full((B, T), -1, dtype=torch.long)  # -1: padding
         where = torch.zeros((B, T), dtype=torch.long)
@@ -143,10 +146,9 @@ class LLMTrainerLM(TemplateLM):
         causal = torch.ones(T, T, dtype=torch.bool).tril()  # (T, T)
         sees = (group[:, None, :] == group[:, :, None]) | (group[:, None, :] == 0)  # (B, T query, T key)
         mask = (sees & causal)[:, None].to(self._device)  # (B, 1, T, T)
-        logits = self.model.extend(ids.to(self._device), None, where.to(self._device), mask)  # (B, T, V)
-
         row_i, step_i, target, owner = (torch.tensor(column, device=self._device) for column in zip(*picks))
-        logprobs = logits[row_i, step_i].float().log_softmax(-1)  # (N, V): only the positions scored
+        logits = self.model.extend(ids.to(self._device), None, where.to(self._device), mask, select=(row_i, step_i))
+        logprobs = logits.float().log_softmax(-1)  # (N, V): only the positions scored
         token_logprob = logprobs.gather(1, target[:, None]).squeeze(1)  # (N,)
         missed = (logprobs.argmax(-1) != target).float()  # (N,)
         requests = sorted(set(owner.tolist()))
@@ -234,7 +236,10 @@ class LLMTrainerLM(TemplateLM):
             ids[row, : len(prompt)] = torch.tensor(prompt)
         lengths = torch.tensor([len(p) for p in prompts], device=self._device)
         cache = KVCache.empty(self.model.config, B, longest + max_new, self._device, self._dtype)
-        logits = self.model(ids.to(self._device), cache=cache)[torch.arange(B), lengths - 1]  # (B, V)
+        causal = torch.ones(longest, longest, dtype=torch.bool, device=self._device).tril()[None, None]  # (1,1,T,T)
+        where = torch.arange(longest, device=self._device).expand(B, longest)  # (B, T)
+        rows = torch.arange(B, device=self._device)
+        logits = self.model.extend(ids.to(self._device), cache, where, causal, select=(rows, lengths - 1))  # (B, V)
         cache_start = cache.length
         new: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
@@ -254,7 +259,7 @@ class LLMTrainerLM(TemplateLM):
                 break
             positions = (lengths[:, None] + step).clamp(max=self.max_length - 1)  # (B, 1); done rows: clamped
             mask = _mask(lengths, cache_start, step + 1)[:, :, -1:]  # (B, 1, 1, cache_start + step + 1)
-            logits = self.model.extend(tokens[:, None], cache, positions, mask)[:, -1]  # (B, V)
+            logits = self.model.extend(tokens[:, None], cache, positions, mask, select=(rows, rows * 0))  # (B, V)
         return [_cut(self.tokenizer.decode(tokens), stops) for tokens in new]
 
     # -- several processes ----------------------------------------------------------------------
