@@ -67,9 +67,17 @@ class CurriculumLoader(BatchLoader):
         device: torch.device | str = "cpu",
     ):
         super().__init__(
-            rows, batch_size, shuffle=True, seed=seed, drop_last=True, rank=rank, world_size=world_size, device=device
+            rows,
+            batch_size,
+            shuffle=True,
+            seed=seed,
+            drop_last=True,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            accumulation=accumulation,
         )
-        self.stages, self.accumulation = stages, accumulation
+        self.stages = stages
         self.stage_ends = [s.until_step * accumulation for s in stages]  # in this rank's batches
         self.eligible = []
         for i, stage in enumerate(stages):
@@ -126,9 +134,12 @@ class CurriculumLoader(BatchLoader):
         return tuple(_to_device(a, self.device) for a in self.rows.batch(indices))
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "curriculum_taken": self.taken}
+        return {**super().state_dict(), "curriculum_samples": self.taken * self.batch_size * self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
+        """The curriculum's position in global samples (in this rank's batches, "curriculum_taken", before)."""
         state = dict(state)
-        self.taken = state.pop("curriculum_taken", 0)
-        super().load_state_dict(state)
+        taken = state.pop("curriculum_taken", 0)
+        samples = state.pop("curriculum_samples", None)
+        super().load_state_dict(state)  # the global batch is checked there
+        self.taken = taken if samples is None else samples // (self.batch_size * self.world_size)

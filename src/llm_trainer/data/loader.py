@@ -127,7 +127,11 @@ class DocumentRows:
 class BatchLoader:
     """Batches of rows in a seeded order per epoch, with a position that checkpoints can save and seek to.
 
-    Each rank takes every world_size-th batch of the shared permutation, so no row is read twice.
+    The order is a function of the seed and the epoch only: global sample i of an epoch is row
+    `permutation[i]`. Each rank takes every world_size-th batch of it, so no row is read twice, and an
+    optimizer step (`accumulation` batches per rank) takes the next `global_batch` samples whatever the
+    split into processes and micro-batches. The saved position is in global samples, so a checkpoint
+    resumes on any number of processes that keeps the global batch.
     """
 
     def __init__(
@@ -141,9 +145,11 @@ class BatchLoader:
         rank: int = 0,
         world_size: int = 1,
         device: torch.device | str = "cpu",
+        accumulation: int = 1,
     ):
         self.rows, self.batch_size, self.shuffle, self.seed = rows, batch_size, shuffle, seed
         self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
+        self.accumulation = accumulation  # batches per rank per optimizer step (the Trainer sets it)
         self.device = torch.device(device)
         self.epoch, self.position = 0, 0  # position: batches this rank has taken in this epoch
         self._order: np.ndarray | None = None
@@ -153,10 +159,18 @@ class BatchLoader:
                 f"batch_size {batch_size} x world size {world_size}; use more data or a smaller batch/max_length"
             )
 
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step: batch_size x accumulation x world_size."""
+        return self.batch_size * self.accumulation * self.world_size
+
     def batches_per_epoch(self) -> int:
-        per_batch = self.batch_size * self.world_size
+        """This rank's batches per epoch; with drop_last, whole optimizer steps only, so an epoch ends at
+        the same sample on any number of processes."""
         n = len(self.rows)
-        return n // per_batch if self.drop_last else -(-n // per_batch)
+        if self.drop_last:
+            return n // self.global_batch * self.accumulation
+        return -(-n // (self.batch_size * self.world_size))
 
     def _epoch_order(self) -> np.ndarray:
         if self._order is None:
@@ -168,15 +182,32 @@ class BatchLoader:
         return self._order
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "world_size": self.world_size}
+        """The position in world-size-independent units: global samples taken in this epoch."""
+        samples = self.position * self.batch_size * self.world_size
+        return {"epoch": self.epoch, "samples": samples, "seed": self.seed, "global_batch": self.global_batch}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("world_size", 1) != self.world_size:
+        """Seek to a saved position in O(1). The global batch must be the one the position was saved
+        with; a position saved as this rank's batches (no "samples") needs the same world size."""
+        if "samples" not in state:
+            if state.get("world_size", 1) != self.world_size:
+                raise ValueError(
+                    f"the checkpoint's data position is for world size {state.get('world_size')}, this run has "
+                    f"{self.world_size}; resume with the same number of processes"
+                )
+            self.epoch, self.position, self.seed, self._order = state["epoch"], state["position"], state["seed"], None
+            return
+        saved, samples = state.get("global_batch", self.global_batch), state["samples"]
+        if saved != self.global_batch:
+            raise ValueError(_global_batch_changed(saved, self))
+        per_batch = self.batch_size * self.world_size
+        if samples % per_batch:
             raise ValueError(
-                f"the checkpoint's data position is for world size {state.get('world_size')}, this run has "
-                f"{self.world_size}; resume with the same number of processes"
+                f"the checkpoint's data position ({samples} samples into epoch {state['epoch']}) is not a whole "
+                f"number of batches of {per_batch} samples (batch_size x world size); resume with the batch_size "
+                "and world size it was saved with"
             )
-        self.epoch, self.position, self.seed, self._order = state["epoch"], state["position"], state["seed"], None
+        self.epoch, self.position, self.seed, self._order = state["epoch"], samples // per_batch, state["seed"], None
 
     def next_batch(self) -> tuple[torch.Tensor, ...]:
         """The next (inputs, targets[, doc_ids]), each (B, L) int64 on the loader's device; rolls over epochs."""
@@ -207,6 +238,22 @@ class BatchLoader:
 
     def __len__(self) -> int:
         return self.batches_per_epoch()
+
+
+def _global_batch_changed(saved: int, loader: BatchLoader) -> str:
+    """One line: the global batch changed on resume, both values, and the setting that restores it."""
+    per_step = loader.batch_size * loader.world_size
+    if saved % per_step == 0:
+        fix = f"set training.gradient_accumulation_steps={saved // per_step}"
+    elif saved % (loader.accumulation * loader.world_size) == 0:
+        fix = f"set training.batch_size={saved // (loader.accumulation * loader.world_size)}"
+    else:
+        fix = f"choose batch_size x gradient_accumulation_steps x world size = {saved}"
+    return (
+        f"the checkpoint was trained with a global batch of {saved} samples per step, this run has "
+        f"{loader.global_batch} = {loader.batch_size} batch_size x {loader.accumulation} accumulation x "
+        f"{loader.world_size} process(es); {fix} to resume it"
+    )
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -226,6 +226,14 @@ class DeepSpeed(Parallelism):
     def load(self, parts: dict[str, Any], path: Path) -> None:
         from . import deepspeed_engine
 
+        saved = parts["meta"].get("world_size")
+        if parts["meta"].get("kind") == self.checkpoint_kind.name and saved not in (None, self.dist.world_size):
+            raise UsageError(
+                f"{path} was saved by DeepSpeed on {saved} process(es), this run has {self.dist.world_size}: DeepSpeed "
+                "reloads its partitioned optimizer state only at the world size that wrote it (other sizes need its "
+                f"universal checkpoint, which llm-trainer does not load); resume with {saved} process(es), or start "
+                f"a new run from its weights with model.init_from={path}"
+            )
         deepspeed_engine.load(self.engine, parts["files"])
 
 

@@ -172,6 +172,8 @@ class Trainer:
                 f"gradient_accumulation_steps={config.gradient_accumulation_steps}; set training.max_steps or use more data"
             )
         self.total_steps = config.max_steps if config.max_steps is not None else per_epoch * config.num_epochs
+        if hasattr(self.train_loader, "accumulation"):  # our loaders: epochs of whole steps, the global batch saved
+            self.train_loader.accumulation = config.gradient_accumulation_steps
         self.checkpointer.loader = self.train_loader
         self.checkpointer.schedule = {"name": config.lr_scheduler, "total_steps": self.total_steps}
 
