@@ -236,16 +236,50 @@ def test_fsdp_shard_grad_op_and_bf16_mixed_precision(workdir):
     assert {t.dtype for t in weights.values()} == {torch.float32}
 
 
-def test_resume_at_another_world_size_is_refused(workdir):
+def _interrupted_at(workdir, run: str, step: int, into: str) -> None:
+    """Run `into` starts as a run killed after step `step` of `run`: that checkpoint alone in its folder."""
+    resumed = workdir / into / "checkpoints"
+    resumed.mkdir(parents=True)
+    subprocess.run(
+        ["cp", "-r", str(workdir / run / "checkpoints" / f"checkpoint-{step:08d}"), str(resumed)], check=True
+    )
+
+
+def test_resume_at_another_world_size_equals_the_uninterrupted_run(workdir):
+    """With the global batch kept at 8: step 3 of 2 processes (4 x 1 accumulation) resumes in one
+    process (4 x 2 accumulation), and step 3 of one process (8 x 1) on 2 processes (4 x 1); steps 4-6
+    and the evaluation at step 6 equal the run that was not interrupted. Another global batch is refused."""
+    _single(workdir, "training.output_dir=single")
     _torchrun(workdir, "training.output_dir=ddp", "training.batch_size=4")
+    _interrupted_at(workdir, "ddp", 3, "two_to_one")
+    _single(
+        workdir,
+        "training.output_dir=two_to_one",
+        "training.batch_size=4",
+        "training.gradient_accumulation_steps=2",
+        "training.resume_from_checkpoint=latest",
+    )
+    _interrupted_at(workdir, "single", 3, "one_to_two")
+    _torchrun(
+        workdir, "training.output_dir=one_to_two", "training.batch_size=4", "training.resume_from_checkpoint=latest"
+    )
+    (train, val) = _losses(workdir / "single")
+    for run in ("two_to_one", "one_to_two"):
+        resumed_train, resumed_val = _losses(workdir / run)
+        assert resumed_train == pytest.approx(train[3:], rel=1e-5)
+        assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+
     result = _single(
         workdir,
         "training.output_dir=ddp",
+        "training.batch_size=4",
         "training.resume_from_checkpoint=latest",
         "training.max_steps=9",
         check=False,
     )
-    assert result.returncode == 2 and "world size 2" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "a global batch of 8 samples per step, this run has 4" in result.stderr
+    assert "set training.gradient_accumulation_steps=2" in result.stderr
 
 
 def test_world_size_must_match_the_launcher(workdir, monkeypatch, capsys):
@@ -481,6 +515,18 @@ def test_deepspeed_checkpoint_needs_deepspeed_to_resume(workdir):
         check=False,
     )
     assert result.returncode != 0 and "saved with distributed_strategy deepspeed" in result.stderr
+    # At another world size, the same global batch: DeepSpeed cannot repartition, one line says what to do.
+    result = _single(
+        workdir,
+        "training.output_dir=ds",
+        "training.distributed_strategy=deepspeed",
+        "training.resume_from_checkpoint=latest",
+        "training.max_steps=9",
+        check=False,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "saved by DeepSpeed on 2 process(es), this run has 1" in result.stderr
+    assert "universal checkpoint" in result.stderr and "model.init_from=" in result.stderr
 
 
 # -- several "nodes" and elastic restarts --------------------------------------------------------------
