@@ -128,6 +128,15 @@ def _initial_weights(workdir) -> str:
     return str(workdir / "init")
 
 
+def _interrupted_at(workdir, run: str, step: int, into: str) -> None:
+    """Run `into` starts as a run killed after step `step` of `run`: that checkpoint alone in its folder."""
+    resumed = workdir / into / "checkpoints"
+    resumed.mkdir(parents=True)
+    subprocess.run(
+        ["cp", "-r", str(workdir / run / "checkpoints" / f"checkpoint-{step:08d}"), str(resumed)], check=True
+    )
+
+
 def test_ddp_equals_one_process_with_twice_the_batch(workdir):
     _single(workdir, "training.output_dir=single")
     result = _torchrun(workdir, "training.output_dir=ddp", "training.batch_size=4", "training.distributed_strategy=ddp")
@@ -219,6 +228,32 @@ def test_fsdp_equals_one_process_and_its_sharded_checkpoint_resumes(workdir):
     assert json.loads(result.stdout)["loss"] == pytest.approx(_losses(workdir / "fsdp")[1][-1], rel=1e-5)
 
 
+def test_fsdp_checkpoints_resume_at_another_world_size(workdir):
+    """FSDP's shards of step 3 (2 processes) resume in one process, each tensor read whole (batch 2 x 4
+    accumulation), and one process's whole checkpoint of step 3 resumes under FSDP on 2 processes,
+    each rank taking its shards (model and optimizer): steps 4-6 equal the uninterrupted run."""
+    init = _initial_weights(workdir)
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}")
+    fsdp = ("training.batch_size=4", "training.distributed_strategy=fsdp", f"model.init_from={init}")
+    _torchrun(workdir, "training.output_dir=fsdp", *fsdp)
+    _interrupted_at(workdir, "fsdp", 3, "two_to_one")
+    _single(
+        workdir,
+        "training.output_dir=two_to_one",
+        "training.batch_size=2",
+        "training.gradient_accumulation_steps=4",
+        f"model.init_from={init}",
+        "training.resume_from_checkpoint=latest",
+    )
+    _interrupted_at(workdir, "single", 3, "one_to_two")
+    _torchrun(workdir, "training.output_dir=one_to_two", *fsdp, "training.resume_from_checkpoint=latest")
+    (train, val) = _losses(workdir / "single")
+    for run in ("two_to_one", "one_to_two"):
+        resumed_train, resumed_val = _losses(workdir / run)
+        assert resumed_train == pytest.approx(train[3:], rel=1e-5)
+        assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+
+
 def test_fsdp_shard_grad_op_and_bf16_mixed_precision(workdir):
     """shard_grad_op trains like one process; under use_amp, FSDP2 computes in bf16 (params cast per
     block, gradients reduced in fp32) close to one process's autocast, and keeps fp32 master weights."""
@@ -234,15 +269,6 @@ def test_fsdp_shard_grad_op_and_bf16_mixed_precision(workdir):
     assert fsdp_amp == pytest.approx(amp, rel=2e-3) and fsdp_amp != fp32  # bf16 arithmetic, not fp32
     weights = load_file(workdir / "fsdp_amp/checkpoints/best_model/model.safetensors")  # gathered from the shards
     assert {t.dtype for t in weights.values()} == {torch.float32}
-
-
-def _interrupted_at(workdir, run: str, step: int, into: str) -> None:
-    """Run `into` starts as a run killed after step `step` of `run`: that checkpoint alone in its folder."""
-    resumed = workdir / into / "checkpoints"
-    resumed.mkdir(parents=True)
-    subprocess.run(
-        ["cp", "-r", str(workdir / run / "checkpoints" / f"checkpoint-{step:08d}"), str(resumed)], check=True
-    )
 
 
 def test_resume_at_another_world_size_equals_the_uninterrupted_run(workdir):

@@ -120,11 +120,10 @@ class Parallelism:
                 f"{path} was saved with distributed_strategy deepspeed; resume it with that strategy "
                 "(its model folder also works as model.init_from for a fresh run)"
             )
-        if parts["model"] is None:
-            raise UsageError(
-                f"{path} is a sharded FSDP checkpoint; resume it with distributed_strategy: fsdp, "
-                "or turn it into a model folder with `llm-trainer consolidate`"
-            )
+        if parts["model"] is None:  # FSDP's shards, from any world size: each tensor read whole
+            from ..checkpoint.sharded import load_sharded
+
+            return load_sharded(self.module, self.optimizer, parts["sharded"])
         load_model_state(self.module, parts["model"], str(path))
         try:
             self.optimizer.load_state_dict(parts["optimizer"])
@@ -175,11 +174,16 @@ class FSDP(Parallelism):
         save_sharded(self.module, self.optimizer, folder)
 
     def load(self, parts: dict[str, Any], path: Path) -> None:
-        if parts["model"] is not None or parts["meta"].get("kind") == layout.DEEPSPEED.name:
+        if parts["meta"].get("kind") == layout.DEEPSPEED.name:
             return super().load(parts, path)
-        from ..checkpoint.sharded import load_sharded
+        from ..checkpoint.sharded import load_sharded, load_whole
 
-        load_sharded(self.module, self.optimizer, parts["sharded"])
+        if parts["model"] is None:
+            return load_sharded(self.module, self.optimizer, parts["sharded"])
+        try:  # a whole checkpoint (one process, DDP): each rank takes its shards of every tensor
+            load_whole(self.module, self.optimizer, parts["model"], parts["optimizer"])
+        except (ValueError, KeyError, IndexError, RuntimeError) as exc:
+            raise UsageError(f"optimizer state in {path} does not match this model/optimizer: {exc}") from None
 
 
 class DeepSpeed(Parallelism):
