@@ -529,6 +529,31 @@ def test_deepspeed_skips_a_nonfinite_step_on_every_rank(workdir):
 
 
 @needs_deepspeed
+def test_deepspeed_without_zero_resumes_at_another_world_size(workdir):
+    """ZeRO stage 0 keeps the optimizer state whole: step 3 of 2 processes resumes in one and step 3 of
+    one process on 2, with the uninterrupted run's losses (ZeRO 1-3 are refused: the test below)."""
+    stage0 = ("training.distributed_strategy=deepspeed", _deepspeed({"zero_optimization": {"stage": 0}}))
+    _single(workdir, "training.output_dir=single")
+    _torchrun(workdir, "training.output_dir=ds2", "training.batch_size=4", *stage0)
+    _single(workdir, "training.output_dir=ds1", *stage0)
+    _interrupted_at(workdir, "ds2", 3, "two_to_one")
+    _single(workdir, "training.output_dir=two_to_one", *stage0, "training.resume_from_checkpoint=latest")
+    _interrupted_at(workdir, "ds1", 3, "one_to_two")
+    _torchrun(
+        workdir,
+        "training.output_dir=one_to_two",
+        "training.batch_size=4",
+        *stage0,
+        "training.resume_from_checkpoint=latest",
+    )
+    (train, val) = _losses(workdir / "single")
+    for run in ("two_to_one", "one_to_two"):
+        resumed_train, resumed_val = _losses(workdir / run)
+        assert resumed_train == pytest.approx(train[3:], rel=1e-5)
+        assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+
+
+@needs_deepspeed
 def test_deepspeed_checkpoint_needs_deepspeed_to_resume(workdir):
     _torchrun(workdir, "training.output_dir=ds", "training.batch_size=4", "training.distributed_strategy=deepspeed")
     result = _torchrun(
@@ -551,7 +576,7 @@ def test_deepspeed_checkpoint_needs_deepspeed_to_resume(workdir):
         check=False,
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "saved by DeepSpeed on 2 process(es), this run has 1" in result.stderr
+    assert "saved by DeepSpeed ZeRO on 2 process(es), this run has 1" in result.stderr
     assert "universal checkpoint" in result.stderr and "model.init_from=" in result.stderr
 
 

@@ -231,12 +231,13 @@ class DeepSpeed(Parallelism):
         from . import deepspeed_engine
 
         saved = parts["meta"].get("world_size")
-        if parts["meta"].get("kind") == self.checkpoint_kind.name and saved not in (None, self.dist.world_size):
+        partitioned = any(name.endswith("optim_states.pt") for name in parts["files"].listed or ())  # ZeRO 1-3
+        if partitioned and saved not in (None, self.dist.world_size):
             raise UsageError(
-                f"{path} was saved by DeepSpeed on {saved} process(es), this run has {self.dist.world_size}: DeepSpeed "
-                "reloads its partitioned optimizer state only at the world size that wrote it (other sizes need its "
-                f"universal checkpoint, which llm-trainer does not load); resume with {saved} process(es), or start "
-                f"a new run from its weights with model.init_from={path}"
+                f"{path} was saved by DeepSpeed ZeRO on {saved} process(es), this run has {self.dist.world_size}: "
+                "DeepSpeed reloads ZeRO's partitioned optimizer state only at the world size that wrote it (other "
+                f"sizes need its universal checkpoint, which llm-trainer does not load); resume with {saved} "
+                f"process(es), or start a new run from its weights with model.init_from={path}"
             )
         deepspeed_engine.load(self.engine, parts["files"])
 
