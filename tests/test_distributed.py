@@ -100,6 +100,11 @@ def _losses(run_dir: Path):
     return ([r["loss"] for r in rows if r["kind"] == "train"], [r["val_loss"] for r in rows if r["kind"] == "eval"])
 
 
+def _train_rows(run_dir: Path, key: str) -> list:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if r["kind"] == "train"]
+
+
 def _assert_same_run(a: Path, b: Path, rel=1e-5):
     (train_a, val_a), (train_b, val_b) = _losses(a), _losses(b)
     assert len(train_a) == len(train_b) == EXPERIMENT["training"]["max_steps"]
@@ -294,6 +299,7 @@ def test_resume_at_another_world_size_equals_the_uninterrupted_run(workdir):
         resumed_train, resumed_val = _losses(workdir / run)
         assert resumed_train == pytest.approx(train[3:], rel=1e-5)
         assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+        assert _train_rows(workdir / run, "tokens_seen") == _train_rows(workdir / "single", "tokens_seen")[3:]
 
     result = _single(
         workdir,

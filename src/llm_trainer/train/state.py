@@ -13,7 +13,7 @@ from typing import Any
 @dataclass
 class TrainState:
     step: int = 0  # optimizer steps taken (including skipped ones)
-    tokens_seen: int = 0  # input tokens consumed
+    tokens_seen: int = 0  # input tokens consumed, by all ranks together
     best_val_loss: float | None = None  # the lowest evaluation so far: best_model holds its weights
     best_step: int | None = None
     patience_reference: float | None = None  # early stopping: the last val_loss that improved by more than min_delta

@@ -246,7 +246,7 @@ class Trainer:
                     )
                     self.bad_steps.add(out.finite)
                     state.step += 1
-                    state.tokens_seen += out.tokens
+                    state.tokens_seen += out.tokens * self.dist.world_size  # all ranks': the same at any world size
                     self.speed.end_step(out.tokens, out.samples)
                     if progress is not None:
                         progress.update(1)
@@ -301,7 +301,7 @@ class Trainer:
             summary = SummaryRow(
                 step=state.step,
                 train_runtime_s=elapsed,
-                tokens_per_s=(state.tokens_seen - tokens_at_start) / max(elapsed, 1e-9),
+                tokens_per_s=(state.tokens_seen - tokens_at_start) / self.dist.world_size / max(elapsed, 1e-9),
                 tokens_seen=state.tokens_seen,
                 skipped_steps=state.skipped_steps,
                 stopped_early=self.stop.reason,
