@@ -128,3 +128,22 @@ def test_a_curriculum_position_resumes_under_another_split():
     for reader in readers:
         reader.load_state_dict(writers[0].state_dict())
     assert _steps(readers, 2, 4) == reference[2:]
+
+
+def test_a_users_dataloader_resumes_at_its_own_world_size_only():
+    """A DataLoader of the user's own splits its data its own way: its position (batches of this rank)
+    is refused at another world size, in one line naming both and the way out."""
+    import torch
+
+    from llm_trainer.train.batches import IterableBatches
+
+    data = [torch.arange(9).reshape(1, 9) + i for i in range(6)]
+    two = IterableBatches(data, torch.device("cpu"), processes=2)
+    two.next_batch()
+    one = IterableBatches(data, torch.device("cpu"), processes=1)
+    with pytest.raises(ValueError, match=r"split among 2 process\(es\), this run has 1; resume with 2"):
+        one.load_state_dict(two.state_dict())
+    again = IterableBatches(data, torch.device("cpu"), processes=2)
+    again.load_state_dict(two.state_dict())
+    assert torch.equal(again.next_batch()[0], data[1][:, :-1])
+    one.load_state_dict({"epoch": 0, "position": 1})  # saved before the world size was recorded

@@ -157,7 +157,7 @@ class Trainer:
         checkpoints record."""
         config = self.config
         self._sources = (train_dataloader, val_dataloader)
-        self.train_loader = as_loader(train_dataloader, self.device)
+        self.train_loader = as_loader(train_dataloader, self.device, self.dist.world_size)
         self.val_loader = as_loader(val_dataloader, self.device) if val_dataloader is not None else None
         loader_world = getattr(self.train_loader, "world_size", self.dist.world_size)
         if loader_world != self.dist.world_size:
