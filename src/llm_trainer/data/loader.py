@@ -146,6 +146,8 @@ class BatchLoader:
         self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
         self.device = torch.device(device)
         self.epoch, self.position = 0, 0  # position: batches this rank has taken in this epoch
+        self.samples = 0  # global sample index: rows all ranks have drawn since the run began (skipped ones too)
+        self.skip: list[tuple[int, int]] = []  # [start, end) global sample ranges never trained on (a rewind's)
         self._order: np.ndarray | None = None
         if self.batches_per_epoch() == 0:
             raise UsageError(
@@ -168,7 +170,14 @@ class BatchLoader:
         return self._order
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "world_size": self.world_size}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "samples": self.samples,
+            "skip": [list(r) for r in self.skip],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("world_size", 1) != self.world_size:
@@ -177,16 +186,26 @@ class BatchLoader:
                 f"{self.world_size}; resume with the same number of processes"
             )
         self.epoch, self.position, self.seed, self._order = state["epoch"], state["position"], state["seed"], None
+        self.samples = state.get("samples", 0)
+        self.skip = [(int(a), int(b)) for a, b in state.get("skip", [])]
+        if not isinstance(self.samples, int) or any(not 0 <= a < b for a, b in self.skip):
+            raise TypeError(f"samples {self.samples!r}, skip {state.get('skip')!r}")
 
     def next_batch(self) -> tuple[torch.Tensor, ...]:
-        """The next (inputs, targets[, doc_ids]), each (B, L) int64 on the loader's device; rolls over epochs."""
-        self._epoch_order()  # lay the rows out for this epoch first: their count can change with the epoch
-        if self.position >= self.batches_per_epoch():
-            self.epoch, self.position, self._order = self.epoch + 1, 0, None
-        order = self._epoch_order()
-        global_batch = self.position * self.world_size + self.rank
+        """The next (inputs, targets[, doc_ids]), each (B, L) int64 on the loader's device; rolls over epochs.
+        Batches that start inside a `skip` range are passed over."""
+        while True:
+            self._epoch_order()  # lay the rows out for this epoch first: their count can change with the epoch
+            if self.position >= self.batches_per_epoch():
+                self.epoch, self.position, self._order = self.epoch + 1, 0, None
+            order = self._epoch_order()
+            global_batch = self.position * self.world_size + self.rank
+            start = self.samples
+            self.position += 1
+            self.samples += self.batch_size * self.world_size
+            if not any(a <= start < b for a, b in self.skip):
+                break
         indices = order[global_batch * self.batch_size : (global_batch + 1) * self.batch_size]
-        self.position += 1
         return tuple(_to_device(a, self.device) for a in self.rows.batch(indices))
 
     def __iter__(self):

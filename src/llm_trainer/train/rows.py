@@ -43,6 +43,8 @@ class TrainRow(_Row):
     grad_norm: float  # before clipping
     tokens_seen: int
     skipped_steps: int  # non-finite steps skipped so far
+    loss_spikes: int | None = None  # with training.on_loss_spike: spikes so far (train/spikes.py)
+    rewinds: int | None = None  # ... and rewinds to a checkpoint
     tokens_per_s: float | None = None  # the speed monitor's window (see train/speed.py)
     samples_per_s: float | None = None
     step_time_s: float | None = None
@@ -80,6 +82,8 @@ class SummaryRow(_Row):
     perplexity: float | None = None
     time_to_target_s: float | None = None  # seconds from the start of train() to target_val_loss
     stopped_by_signal: str | None = None  # the signal the run stopped for: its name (SIGTERM), or another rank's
+    loss_spikes: int | None = None  # with training.on_loss_spike
+    rewinds: int | None = None
 
 
 def custom_row(step: int, values: dict) -> dict:

@@ -1,0 +1,155 @@
+"""Loss spikes (training.on_loss_spike): a planted stretch of random tokens in a learnable sequence,
+a learning rate high enough for it to throw the run off, and what each policy makes of it."""
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import kill9_when, tiny_model
+
+LENGTH, BATCH, PERIOD = 16, 4, 64
+ROWS_PER_STEP = BATCH
+PLANTED_ROWS = (120, 132)  # rows 120..131: the batches of steps 31, 32 and 33
+LR = 3e-2
+
+
+def tokens(planted: bool) -> np.ndarray:
+    """A sequence of period 64 (learnable by heart); `planted`: random tokens inside rows 120..131, leaving
+    the token row 119 ends on and row 132 starts on (rows overlap by one token) untouched. The period
+    divides the planted rows' span, so skipping those rows leaves exactly the clean sequence."""
+    base = np.random.default_rng(0).integers(0, 61, size=PERIOD)
+    t = np.tile(base, 100)[: LENGTH * BATCH * 70 + 1].astype(np.uint16)
+    if planted:
+        a, b = PLANTED_ROWS[0] * LENGTH + 1, PLANTED_ROWS[1] * LENGTH
+        t[a:b] = np.random.default_rng(1).integers(0, 61, size=b - a)
+    return t
+
+
+def config(output_dir: Path, policy: str, **overrides):
+    from llm_trainer.config import TrainingConfig
+
+    values = dict(
+        max_steps=60,
+        learning_rate=LR,
+        lr_scheduler="constant",
+        save_steps=5,
+        eval_steps=0,
+        logging_steps=1,
+        output_dir=str(output_dir),
+        device="cpu",
+        use_amp=False,
+        progress_bar=False,
+        report_to=["jsonl"],
+        on_loss_spike=policy,
+        loss_spike_warmup=10,
+        max_rewinds=5,
+        save_total_limit=None,
+    )
+    values.update(overrides)
+    return TrainingConfig(**values)
+
+
+def trainer(output_dir: Path, policy: str, planted: bool, callbacks=(), **overrides):
+    from llm_trainer.data.loader import BatchLoader, WindowRows
+    from llm_trainer.train.trainer import Trainer
+
+    loader = BatchLoader(WindowRows(tokens(planted), LENGTH), BATCH, shuffle=False)
+    return Trainer(tiny_model(), config(output_dir, policy, **overrides), train_dataloader=loader, callbacks=callbacks)
+
+
+def losses(output_dir: Path) -> dict[int, float]:
+    """Each step's training loss (a step logged again after a rewind: its last row)."""
+    rows = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The clean run, and the planted data under warn, skip and rewind."""
+    root = tmp_path_factory.mktemp("spikes")
+    out = {}
+    for name, policy, planted in (
+        ("clean", "off", False),
+        ("warn", "warn", True),
+        ("skip", "skip", True),
+        ("rewind", "rewind", True),
+    ):
+        t = trainer(root / name, policy, planted)
+        summary = t.train()
+        out[name] = (losses(root / name), t, summary)
+    return out
+
+
+def test_the_planted_range_makes_the_loss_spike_and_warn_only_reports_it(runs):
+    clean, (warned, _, summary) = runs["clean"][0], runs["warn"]
+    assert all(warned[s] == clean[s] for s in range(1, 31))  # the same run up to the planted rows
+    assert warned[31] > 3 * max(clean[s] for s in range(21, 31))
+    assert summary["loss_spikes"] >= 1 and summary["rewinds"] == 0
+    after = np.mean([warned[s] for s in range(34, 44)])
+    assert after > 1.2 * np.mean([clean[s] for s in range(34, 44)])  # thrown off by the update
+
+
+def test_rewind_skips_exactly_the_planted_range_and_rejoins_the_clean_run(runs):
+    clean = runs["clean"][0]
+    rewound, t, summary = runs["rewind"]
+    # Each spiking batch sent the run back to checkpoint 30 and was added to the skipped range.
+    assert t.train_loader.skip == [PLANTED_ROWS]
+    assert summary["rewinds"] == 3 and summary["loss_spikes"] == 3
+    # With the planted rows skipped the data is the clean sequence: the same losses as the clean run.
+    assert sorted(rewound) == sorted(clean) == list(range(1, 61))
+    for s in range(1, 61):
+        assert math.isclose(rewound[s], clean[s], rel_tol=1e-5), (s, rewound[s], clean[s])
+
+
+def test_skip_never_applies_a_spiking_step(runs):
+    skipped, t, summary = runs["skip"]
+    clean = runs["clean"][0]
+    assert summary["loss_spikes"] == 3 and summary["rewinds"] == 0
+    assert all(skipped[s] > 3 * clean[s] for s in (31, 32, 33))  # reported, not applied
+    # Three steps not applied: from then on the clean run's losses, three steps late.
+    for s in range(31, 58):
+        assert math.isclose(skipped[s + 3], clean[s], rel_tol=1e-5), (s, skipped[s + 3], clean[s])
+    assert t.state.spike_history["loss"] and max(t.state.spike_history["loss"]) < 5  # spikes stay out of it
+
+
+def test_at_most_max_rewinds_then_the_spike_is_skipped(tmp_path):
+    t = trainer(tmp_path / "run", "rewind", True, max_rewinds=1, max_steps=40)
+    summary = t.train()
+    assert summary["rewinds"] == 1 and summary["loss_spikes"] == 3
+    assert t.train_loader.skip == [(120, 124)]
+
+
+@pytest.mark.slow
+def test_sigkill_after_a_rewind_then_resume_gives_the_same_losses(tmp_path, runs):
+    """The skipped range and the monitor's window are checkpointed: killed after the rewind, resumed,
+    the run logs the uninterrupted rewinding run's losses."""
+    out = tmp_path / "run"
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from llm_trainer.train.callbacks import Callback
+        from test_spikes import trainer
+
+        class Slow(Callback):  # steps after the rewind's checkpoints take a while: the kill lands mid-run
+            def on_step_end(self, trainer, row):
+                if row["step"] >= 42:
+                    time.sleep(0.5)
+
+        trainer(__import__("pathlib").Path({str(out)!r}), "rewind", True, callbacks=[Slow()]).train()
+        """
+    )
+    kill9_when(script, lambda: (out / "checkpoints" / "checkpoint-00000045").exists(), "checkpoint 45")
+    resumed = trainer(out, "rewind", True, resume_from_checkpoint="latest")
+    summary = resumed.train()
+    assert resumed.train_loader.skip == [PLANTED_ROWS]
+    assert summary["rewinds"] == 3
+    expected = runs["rewind"][0]
+    got = losses(out)
+    assert sorted(got) == list(range(1, 61))
+    for s in range(1, 61):
+        assert math.isclose(got[s], expected[s], rel_tol=1e-6), (s, got[s], expected[s])
