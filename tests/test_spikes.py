@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import kill9_when, tiny_model
+from conftest import kill9_when, tiny_loaders, tiny_model
 
 LENGTH, BATCH, PERIOD = 16, 4, 64
 ROWS_PER_STEP = BATCH
@@ -121,6 +121,20 @@ def test_at_most_max_rewinds_then_the_spike_is_skipped(tmp_path):
     summary = t.train()
     assert summary["rewinds"] == 1 and summary["loss_spikes"] == 3
     assert t.train_loader.skip == [(120, 124)]
+
+
+def test_rewind_needs_a_loader_that_can_skip(tmp_path):
+    from llm_trainer.config import TrainingConfig
+    from llm_trainer.errors import UsageError
+    from llm_trainer.train.trainer import Trainer
+
+    train, _ = tiny_loaders()
+    batches = [train.next_batch()[:2] for _ in range(4)]  # a plain list of batches: no skip ranges
+    config = TrainingConfig(
+        max_steps=2, on_loss_spike="rewind", save_steps=1, output_dir=str(tmp_path / "run"), device="cpu"
+    )
+    with pytest.raises(UsageError, match="on_loss_spike=rewind needs a loader that can skip"):
+        Trainer(tiny_model(), config, train_dataloader=batches).train()
 
 
 @pytest.mark.slow

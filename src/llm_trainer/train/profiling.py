@@ -22,6 +22,7 @@ from ..config import TrainingConfig
 from ..errors import UsageError
 from ..logs import log
 
+PROFILE_DIR = "profile"  # in output_dir
 _HISTORY_ENTRIES = 100_000  # allocator events kept for the snapshot
 
 
@@ -35,11 +36,12 @@ class StepProfiler:
                 f"training.profile_steps {self.steps} ends after the run's last step ({total_steps}); "
                 "choose steps within the run"
             )
-        self.folder, self.rank = Path(output_dir) / "profile", rank
+        self.folder, self.rank = Path(output_dir) / PROFILE_DIR, rank
         self.snapshot = config.memory_snapshot and device.type == "cuda"
         if config.memory_snapshot and device.type != "cuda":
             log("note: training.memory_snapshot records the CUDA allocator; this run is on the CPU, so none is written")
         self._profiler: torch.profiler.profile | None = None
+        self._range: torch.profiler.record_function | None = None  # the step being traced
         self.snapshot_path: Path | None = None  # the last allocator snapshot written
 
     def __enter__(self) -> StepProfiler:
@@ -68,13 +70,20 @@ class StepProfiler:
             self._profiler.start()
         if self._profiler is None:
             return
+        self._close_range()
         if n > last:
             self._finish()
             return
-        self._profiler.step_num = n - 1
-        self._profiler.step()  # closes step n-1's range, opens ProfilerStep#n
+        self._range = torch.profiler.record_function(f"ProfilerStep#{n}")  # the name torch's own schedule gives
+        self._range.__enter__()
+
+    def _close_range(self) -> None:
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
 
     def _finish(self) -> None:
+        self._close_range()
         profiler, self._profiler = self._profiler, None
         profiler.stop()
         self.folder.mkdir(parents=True, exist_ok=True)
