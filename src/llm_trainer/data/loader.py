@@ -214,15 +214,21 @@ class BatchLoader:
         With several ranks, every rank yields the same number of batches (sharded models run
         collectives in forward): a rank short of data gets a batch whose targets are all ignored.
         """
+        for indices, real in self.eval_batch_indices():
+            x, y, *rest = self.rows.batch(indices)
+            if not real:
+                y = np.full_like(y, IGNORE_INDEX)
+            yield tuple(_to_device(a, self.device) for a in (x, y, *rest))
+
+    def eval_batch_indices(self):
+        """(row indices, real) of each batch `__iter__` yields, in order; `real` is False for a rank's
+        padding batch (its targets are ignored)."""
         order = self._epoch_order()
         per, n = self.batch_size, len(self.rows)
         n_batches = n // per if self.drop_last else -(-n // per)
         padded = -(-n_batches // self.world_size) * self.world_size
         for b in range(self.rank, padded, self.world_size):
-            x, y, *rest = self.rows.batch(order[b * per : (b + 1) * per] if b < n_batches else order[:per])
-            if b >= n_batches:
-                y = np.full_like(y, IGNORE_INDEX)
-            yield tuple(_to_device(a, self.device) for a in (x, y, *rest))
+            yield (order[b * per : (b + 1) * per] if b < n_batches else order[:per]), b < n_batches
 
     def __len__(self) -> int:
         return self.batches_per_epoch()

@@ -87,7 +87,11 @@ class PreparedData:
     def sources(self, split: str) -> list[str]:
         """The source name of each document of the split."""
         names = self.manifest["source_names"]
-        return [names[i] for i in np.load(self.directory / f"{split}.sources.npy").tolist()]
+        return [names[i] for i in self.source_ids(split).tolist()]
+
+    def source_ids(self, split: str) -> np.ndarray:
+        """The source of each document of the split, as an index into manifest["source_names"]."""
+        return np.load(self.directory / f"{split}.sources.npy")
 
     def scores(self, split: str) -> np.ndarray | None:
         """Per-document curriculum scores (float64, NaN where a document had none), or None."""

@@ -145,7 +145,7 @@ class ConsoleLogger:
         if kind == "eval":
             log(
                 f"eval  step {row['step']:>7}  val_loss {row['val_loss']:.4f}  perplexity {row['perplexity']:.2f}  "
-                f"({coverage(row)})"
+                f"({coverage(row)}){by_source(row)}"
             )
         elif kind == "train" and self.show_train_rows:  # the end-of-run summary is printed by the trainer itself
             log(
@@ -155,6 +155,15 @@ class ConsoleLogger:
 
     def close(self) -> None:
         pass
+
+
+def by_source(row: dict) -> str:
+    """`  sources: a 2.1012, b 3.4001` for an evaluation of several sources, else ''."""
+    losses = [(key[len("eval/") : -len("/loss")], value) for key, value in row.items() if _SOURCE_LOSS.fullmatch(key)]
+    return "  sources: " + ", ".join(f"{name} {loss:.4f}" for name, loss in losses) if losses else ""
+
+
+_SOURCE_LOSS = re.compile(r"eval/.+/loss")
 
 
 def coverage(row: dict) -> str:

@@ -21,7 +21,13 @@ from .metrics import tensorboard_dir
 from .profiling import PROFILE_DIR
 
 METRICS_FILE = "metrics.jsonl"
-RUN_FILES = (METRICS_FILE, "config.yaml", "tokenizer.json", "plots", PROFILE_DIR)  # in output_dir, beside the checkpoints
+RUN_FILES = (
+    METRICS_FILE,
+    "config.yaml",
+    "tokenizer.json",
+    "plots",
+    PROFILE_DIR,
+)  # in output_dir, beside the checkpoints
 
 
 def _checkpoint_entries(folder: Path) -> list[Path]:

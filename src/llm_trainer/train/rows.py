@@ -1,7 +1,8 @@
 """The rows every metric backend receives and metrics.jsonl holds: one type per kind of row.
 
     TrainRow    every `logging_steps` optimizer steps: loss, lr, grad_norm, tokens, speed
-    EvalRow     every evaluation: val_loss, perplexity, and how many tokens it covered
+    EvalRow     every evaluation: val_loss, perplexity, how many tokens it covered, and with several
+                data sources each one's loss (`eval/<source>/loss`)
     SummaryRow  once, at the end of `train()`
     "custom"    a user's own values (`Trainer.metrics_tracker.update`): `custom_row`, no fixed schema
 
@@ -63,6 +64,13 @@ class EvalRow(_Row):
     tokens: int  # target tokens evaluated
     batches: int | None = None  # batches evaluated (training.eval_max_batches caps them)
     batches_total: int | None = None  # batches the validation data holds
+    source_losses: dict[str, float] | None = None  # each source's val_loss (data.sources): `eval/<source>/loss`
+
+    def as_dict(self) -> dict:
+        out = super().as_dict()
+        for name, loss in (out.pop("source_losses", None) or {}).items():
+            out[f"eval/{name}/loss"] = loss
+        return out
 
 
 @dataclass(kw_only=True)

@@ -393,6 +393,7 @@ class Trainer:
             reduce=all_reduce_,
             max_batches=None if full else self.config.eval_max_batches,
             progress=self.config.progress_bar,
+            sources=getattr(self.val_loader, "source_labels", None),  # per-source losses of a mixture
         )
 
     def _towards_target(self, metrics: dict, target: float) -> tuple[dict, bool]:

@@ -1,0 +1,109 @@
+"""Per-source validation loss: with several data sources, every evaluation also reports each source's
+loss (`eval/<source>/loss`), from the same forward passes as the mixed val_loss."""
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import tiny_model
+
+
+def two_sources(root):
+    """Prose (learnable, repetitive) and noise-like digits: two sources the model finds unequally hard."""
+    prose, digits = root / "prose", root / "digits"
+    prose.mkdir(parents=True)
+    digits.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for d in range(12):
+        animals = ["cat", "dog", "bird", "fox", "owl", "hen", "cow", "pig", "eel", "ant", "bee", "elk"]
+        (prose / f"p{d:02d}.txt").write_text(
+            "".join(f"the {animals[(d + i) % 12]} sat on the mat {(d * i) % 7}.\n" for i in range(12))
+        )
+        (digits / f"d{d:02d}.txt").write_text(" ".join(str(x) for x in rng.integers(0, 10**6, size=40)) + "\n")
+    return [{"name": "prose", "data_files": str(prose)}, {"name": "digits", "data_files": str(digits)}]
+
+
+def test_a_mixed_run_reports_each_sources_validation_loss(tmp_path):
+    from llm_trainer.api import train
+    from llm_trainer.config import load_experiment
+
+    config = {
+        "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 32},
+        "training": {
+            "batch_size": 4,
+            "max_steps": 60,
+            "learning_rate": 1e-2,
+            "eval_steps": 30,
+            "save_steps": 0,
+            "logging_steps": 30,
+            "output_dir": str(tmp_path / "run"),
+            "device": "cpu",
+            "progress_bar": False,
+            "report_to": ["jsonl"],
+        },
+        "data": {
+            "sources": two_sources(tmp_path),
+            "tokenizer": "char",
+            "validation_split": 0.25,
+            "cache_dir": str(tmp_path / "cache"),
+        },
+    }
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    summary = train(load_experiment(path))
+
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [30, 60]
+    for row in evals:
+        prose, digits = row["eval/prose/loss"], row["eval/digits/loss"]
+        assert prose < digits  # the repetitive prose is the easier source
+        assert min(prose, digits) < row["val_loss"] < max(prose, digits)  # the mixed loss is their weighted mean
+    # best_model follows the mixed loss
+    assert summary["best_val_loss"] == min(r["val_loss"] for r in evals)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_each_sources_loss_is_the_loss_over_its_own_documents(packed):
+    """Unpacked rows (one document each): a source's loss equals evaluating that source's documents
+    alone. Packed (first-fit) rows mix sources in a row: the per-source losses still make up the mixed one."""
+    from llm_trainer.data.loader import BatchLoader, DocumentRows
+    from llm_trainer.data.source_labels import SourceLabels
+    from llm_trainer.train.evaluate import evaluate
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(3, 20, size=30)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = rng.integers(0, 61, size=offsets[-1]).astype(np.uint16)
+    doc_sources = rng.integers(0, 3, size=30)
+    names = ["a", "b", "c"]
+    model = tiny_model()
+
+    rows = DocumentRows(tokens, offsets, 16, pack=packed, pad_id=0)
+    loader = BatchLoader(rows, 4, shuffle=False, drop_last=False)
+    loader.source_labels = SourceLabels(rows, offsets, doc_sources, names)
+    result = evaluate(model, loader, sources=loader.source_labels)
+    assert set(result["source_losses"]) == set(names)
+
+    counts = {}
+    for k, name in enumerate(names):
+        docs = np.flatnonzero(doc_sources == k)
+        parts = [tokens[offsets[d] : offsets[d + 1]] for d in docs]
+        own_offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
+        own = BatchLoader(
+            DocumentRows(np.concatenate(parts), own_offsets, 16, pack=False, pad_id=0),
+            4,
+            shuffle=False,
+            drop_last=False,
+        )
+        alone = evaluate(model, own)
+        counts[name] = alone["tokens"]
+        if not packed:
+            assert result["source_losses"][name] == pytest.approx(alone["val_loss"], rel=1e-5)
+    if not packed:  # every target token counted once, under its document's source
+        assert sum(counts.values()) == result["tokens"]
+        mixed = sum(result["source_losses"][n] * counts[n] for n in names) / result["tokens"]
+        assert mixed == pytest.approx(result["val_loss"], rel=1e-5)
+    assert min(result["source_losses"].values()) <= result["val_loss"] <= max(result["source_losses"].values())
