@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import kill9_when, tiny_loaders, tiny_model
 
@@ -135,6 +136,35 @@ def test_rewind_needs_a_loader_that_can_skip(tmp_path):
     )
     with pytest.raises(UsageError, match="on_loss_spike=rewind needs a loader that can skip"):
         Trainer(tiny_model(), config, train_dataloader=batches).train()
+
+
+@pytest.mark.parametrize("curriculum", [False, True])
+def test_a_skipped_range_is_passed_over_and_survives_the_saved_position(curriculum):
+    """Batches starting inside a skipped global sample range are never returned, across epochs and
+    curriculum stages; a loader restored from the saved position skips the same ones."""
+    from llm_trainer.config import CurriculumStage
+    from llm_trainer.data.curriculum import CurriculumLoader
+    from llm_trainer.data.loader import BatchLoader, WindowRows
+
+    rows = WindowRows(tokens(False)[: 40 * LENGTH + 1], LENGTH)  # 40 rows: 10 batches an epoch
+
+    def loader():
+        if curriculum:
+            stages = [CurriculumStage(until_step=4, max_difficulty=25.0)]
+            return CurriculumLoader(rows, BATCH, difficulty=np.arange(40, dtype=np.float64), stages=stages, seed=3)
+        return BatchLoader(rows, BATCH, shuffle=True, seed=3)
+
+    plain = loader()
+    every = [plain.next_batch()[0] for _ in range(24)]
+    skipping = loader()
+    skipping.skip = [(8, 16), (36, 48)]  # batches 2-3 and 9-11 (the last of epoch 0, the first two of epoch 1)
+    kept = [i for i in range(24) if i not in (2, 3, 9, 10, 11)]
+    got = [skipping.next_batch()[0] for _ in range(10)]
+    assert all(torch.equal(a, every[i]) for a, i in zip(got, kept[:10]))
+    restored = loader()
+    restored.load_state_dict(json.loads(json.dumps(skipping.state_dict())))
+    rest = [restored.next_batch()[0] for _ in range(len(kept) - 10)]
+    assert all(torch.equal(a, every[i]) for a, i in zip(rest, kept[10:]))
 
 
 @pytest.mark.slow

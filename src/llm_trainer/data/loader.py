@@ -203,10 +203,14 @@ class BatchLoader:
             start = self.samples
             self.position += 1
             self.samples += self.batch_size * self.world_size
-            if not any(a <= start < b for a, b in self.skip):
+            if not self.skipped(start):
                 break
         indices = order[global_batch * self.batch_size : (global_batch + 1) * self.batch_size]
         return tuple(_to_device(a, self.device) for a in self.rows.batch(indices))
+
+    def skipped(self, sample: int) -> bool:
+        """Whether the batch starting at this global sample index is in a skipped range."""
+        return any(a <= sample < b for a, b in self.skip)
 
     def __iter__(self):
         """One pass over the data in order (for evaluation); does not touch the saved position.
