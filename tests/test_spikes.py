@@ -63,8 +63,10 @@ def trainer(output_dir: Path, policy: str, planted: bool, callbacks=(), **overri
 
 
 def losses(output_dir: Path) -> dict[int, float]:
-    """Each step's training loss (a step logged again after a rewind: its last row)."""
+    """Each step's training loss; metrics.jsonl holds one row per step (a rewind drops the rows after its checkpoint)."""
     rows = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if r["kind"] == "train"]
+    assert len(steps) == len(set(steps)), steps
     return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
 
 
@@ -118,10 +120,13 @@ def test_skip_never_applies_a_spiking_step(runs):
 
 
 def test_at_most_max_rewinds_then_the_spike_is_skipped(tmp_path):
-    t = trainer(tmp_path / "run", "rewind", True, max_rewinds=1, max_steps=40)
+    """Checkpoints every 4 steps: the spike at step 31 rewinds to step 28 and skips rows 112..123 (all read
+    since that checkpoint); the two later spiking batches find max_rewinds used up and are skipped."""
+    t = trainer(tmp_path / "run", "rewind", True, max_rewinds=1, max_steps=40, save_steps=4)
     summary = t.train()
     assert summary["rewinds"] == 1 and summary["loss_spikes"] == 3
-    assert t.train_loader.skip == [(120, 124)]
+    assert t.train_loader.skip == [(112, 124)]
+    assert sorted(losses(tmp_path / "run")) == list(range(1, 41))  # steps 29-30 logged once: the rows after 28 dropped
 
 
 def test_rewind_needs_a_loader_that_can_skip(tmp_path):

@@ -93,7 +93,14 @@ class JsonlLogger:
         if path.is_symlink():
             raise UsageError(f"{path} is a symlink; refusing to write the run's metrics through it (remove it)")
         _clean(path, resumed_at)
+        self.path = path
         self.handle = open(path, "a", encoding="utf-8", opener=no_follow)
+
+    def rewound(self, step: int) -> None:
+        """The run went back to step `step` (a loss-spike rewind): drop the rows logged after it, as a resume does."""
+        self.handle.close()
+        _clean(self.path, step)
+        self.handle = open(self.path, "a", encoding="utf-8", opener=no_follow)
 
     def log(self, row: dict) -> None:
         self.handle.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
@@ -383,6 +390,12 @@ class MetricsTracker:
         with torch.profiler.record_function("logging"):  # a named range in a profiler trace
             for logger in self.loggers:
                 logger.log(row)
+
+    def rewound(self, step: int) -> None:
+        """The run went back to `step`: metrics.jsonl drops what was logged after it (other backends keep it)."""
+        for logger in self.loggers:
+            if hasattr(logger, "rewound"):
+                logger.rewound(step)
 
     def update(self, values: dict, step: int) -> None:
         """Log `values` ({"custom/metric": number}) at `step` to every backend."""

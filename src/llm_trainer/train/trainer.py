@@ -372,6 +372,7 @@ class Trainer:
                 state = self.state
                 self.bad_steps = NonFiniteSteps(self.device, state.skipped_steps, state.consecutive_bad_steps)
                 self.spikes = self._spike_monitor()
+                self.metrics_tracker.rewound(state.step)
                 return True
         self.state.spike_history = self.spikes.history()
         return False
