@@ -56,3 +56,32 @@ def test_profile_steps_beyond_a_run_sized_in_epochs_are_refused_before_training(
     with pytest.raises(UsageError, match=r"profile_steps \[5, 5000\] ends after the run's last step \(\d+\)"):
         Trainer(tiny_model(), config, train_dataloader=train).train()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_out_of_device_memory_is_one_line_naming_the_knobs(tmp_path):
+    """A model whose forward runs out of device memory (raised here by a user's own module, as the
+    allocator raises it): the run ends with a UsageError (one line, exit 2) saying what to lower."""
+    import torch
+
+    from llm_trainer.config import TrainingConfig
+    from llm_trainer.errors import UsageError
+    from llm_trainer.train.trainer import Trainer
+
+    class Hungry(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = tiny_model()
+
+        def forward(self, x, **kwargs):
+            if self.training:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+            return self.inner(x, **kwargs)
+
+    train, _ = tiny_loaders()
+    config = TrainingConfig(max_steps=2, output_dir=str(tmp_path / "run"), device="cpu", progress_bar=False)
+    with pytest.raises(UsageError) as error:
+        Trainer(Hungry(), config, train_dataloader=train).train()
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("out of device memory (CUDA out of memory.")
+    assert "training.batch_size (now 8)" in message and "training.gradient_checkpointing=true" in message
+    assert "training.memory_snapshot=true" in message
