@@ -107,3 +107,24 @@ def test_each_sources_loss_is_the_loss_over_its_own_documents(packed):
         mixed = sum(result["source_losses"][n] * counts[n] for n in names) / result["tokens"]
         assert mixed == pytest.approx(result["val_loss"], rel=1e-5)
     assert min(result["source_losses"].values()) <= result["val_loss"] <= max(result["source_losses"].values())
+
+
+def test_every_source_holds_out_its_own_fraction_of_documents(tmp_path):
+    """A fraction split counts each source's documents apart: 12 and 30 kept documents at 0.25 give
+    3 and 7 validation documents, however the mixture interleaves them."""
+    from collections import Counter
+
+    from llm_trainer.config import DataConfig
+    from llm_trainer.data.prepare import prepare_data
+
+    sources = two_sources(tmp_path)
+    more = tmp_path / "more"
+    more.mkdir()
+    for d in range(30):
+        (more / f"m{d:02d}.txt").write_text(f"document {d} of the third source: " + "xyz " * (d + 5) + "\n")
+    sources.append({"name": "more", "data_files": str(more), "weight": 3})
+    prepared = prepare_data(
+        DataConfig(sources=sources, tokenizer="char", validation_split=0.25, cache_dir=str(tmp_path / "cache"))
+    )
+    assert Counter(prepared.sources("val")) == {"prose": 3, "digits": 3, "more": 7}
+    assert Counter(prepared.sources("train")) == {"prose": 9, "digits": 9, "more": 23}
