@@ -351,6 +351,7 @@ def estimate_report(
             "amp_weight_copies_gb": mem.amp_weight_copies_bytes / GiB,
             "activations_gb": mem.activations_bytes / GiB,
             "output_head_peak_gb": mem.head_peak_bytes / GiB,
+            "optimizer_step_temp_gb": mem.optimizer_temp_bytes / GiB,
             "peak_gb": mem.peak_bytes / GiB,
             "peak_phase": mem.details["peak_phase"],
         },
@@ -430,6 +431,7 @@ def format_report(report: dict) -> str:
         f"  amp copies      {m['amp_weight_copies_gb']:9.3f}",
         f"  activations     {m['activations_gb']:9.3f}",
         f"  head backward   {m['output_head_peak_gb']:9.3f}",
+        f"  optimizer step  {m['optimizer_step_temp_gb']:9.3f}  (temporaries)",
         f"  peak            {m['peak_gb']:9.3f}  ({m['peak_phase'].replace('_', ' ')})",
     ]
     if "fits" in report:
