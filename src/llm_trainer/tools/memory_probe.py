@@ -30,16 +30,16 @@ MMAP_THRESHOLD = 65536
 
 
 # The configs the estimate is checked on (tests/test_estimate_measured.py, bench/estimate_check.py): two
-# widths, with and without gradient checkpointing, AdamW and Muon; float32, 4 layers, 4,096 tokens of
-# vocabulary, 8 rows of 128 tokens.
+# widths, with and without gradient checkpointing, AdamW and Muon, in float32 (GPT-2 style); then the
+# LLaMA style under bf16 autocast. 4 layers, 4,096 tokens of vocabulary, 8 rows of 128 tokens.
 SEQ_LEN = 128
 CHECKED = [
     (
-        f"d{width} {'ckpt' if checkpointing else 'full'} {optimizer}",
-        dict(vocab_size=4096, d_model=width, n_heads=4, n_layers=4, max_seq_len=SEQ_LEN),
-        dict(use_amp=False, batch_size=8, optimizer=optimizer, gradient_checkpointing=checkpointing),
+        f"d{width} {'ckpt' if checkpointing else 'full'} {optimizer} {arch} {'bf16' if amp else 'fp32'}",
+        dict(vocab_size=4096, d_model=width, n_heads=4, n_layers=4, max_seq_len=SEQ_LEN, architecture=arch),
+        dict(use_amp=amp, batch_size=8, optimizer=optimizer, gradient_checkpointing=checkpointing),
     )
-    for width in (256, 512)
+    for width, arch, amp in ((256, "gpt2", False), (512, "gpt2", False), (512, "llama", True))
     for checkpointing in (False, True)
     for optimizer in ("adamw", "muon")
 ]
