@@ -85,3 +85,31 @@ def test_out_of_device_memory_is_one_line_naming_the_knobs(tmp_path):
     assert "\n" not in message and message.startswith("out of device memory (CUDA out of memory.")
     assert "training.batch_size (now 8)" in message and "training.gradient_checkpointing=true" in message
     assert "training.memory_snapshot=true" in message
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_memory_snapshot_on_cuda_is_written_after_the_profiled_steps(tmp_path):
+    import pickle
+
+    import torch
+
+    from llm_trainer.config import TrainingConfig
+    from llm_trainer.train.trainer import Trainer
+
+    train, _ = tiny_loaders()
+    train.device = torch.device("cuda")
+    config = TrainingConfig(
+        max_steps=4,
+        profile_steps=[2, 3],
+        memory_snapshot=True,
+        save_steps=0,
+        output_dir=str(tmp_path / "run"),
+        device="cuda",
+        progress_bar=False,
+        report_to=["jsonl"],
+    )
+    Trainer(tiny_model(), config, train_dataloader=train).train()
+    profile = tmp_path / "run" / "profile"
+    assert (profile / "rank0.steps-2-3.pt.trace.json").is_file()
+    snapshot = pickle.loads((profile / "memory_snapshot.rank0.pickle").read_bytes())
+    assert snapshot["segments"] and any(trace for trace in snapshot["device_traces"])
