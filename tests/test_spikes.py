@@ -202,3 +202,12 @@ def test_sigkill_after_a_rewind_then_resume_gives_the_same_losses(tmp_path, runs
     assert sorted(got) == list(range(1, 61))
     for s in range(1, 61):
         assert math.isclose(got[s], expected[s], rel_tol=1e-6), (s, got[s], expected[s])
+
+
+@pytest.mark.parametrize("metric", ["grad_norm", "either"])
+def test_the_gradient_norm_can_be_watched_instead_or_too(tmp_path, metric):
+    t = trainer(tmp_path / "run", "skip", True, max_steps=36, loss_spike_metric=metric)
+    summary = t.train()
+    assert summary["loss_spikes"] >= 1
+    assert set(t.state.spike_history) == ({"grad_norm"} if metric == "grad_norm" else {"loss", "grad_norm"})
+    assert len(t.state.spike_history["grad_norm"]) == 36 - summary["loss_spikes"]  # spikes stay out of the window

@@ -82,7 +82,7 @@ class SpikeMonitor:
         metrics = ("loss", "grad_norm") if config.loss_spike_metric == "either" else (config.loss_spike_metric,)
         history = history or {}
         self.windows = {m: _Window(config.loss_spike_window, device, history.get(m, [])) for m in metrics}
-        self._pending: list[tuple[int, torch.Tensor]] = []  # (step, (metric, spike, value, limit) rows) unread
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (step, its rows of `check`) not read yet
 
     @property
     def blocks(self) -> bool:
@@ -91,18 +91,15 @@ class SpikeMonitor:
 
     def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
         """Whether this step (about to be applied) is a spike that must not be: a device bool, no sync."""
-        values = {"loss": loss, "grad_norm": grad_norm if grad_norm is not None else torch.full_like(loss, math.nan)}
-        rows, spike = [], torch.zeros((), dtype=torch.bool, device=loss.device)
-        limits = {}
+        nan = torch.full_like(loss, math.nan)
+        values = {"loss": loss.detach().float(), "grad_norm": nan if grad_norm is None else grad_norm.detach().float()}
+        limits = {metric: window.limit(self.zscore, self.warmup) for metric, window in self.windows.items()}
+        over = {metric: torch.isfinite(values[metric]) & (values[metric] > limits[metric]) for metric in self.windows}
+        spike = torch.stack(list(over.values())).any()
         for metric, window in self.windows.items():
-            value = values[metric].detach().float()
-            limits[metric] = window.limit(self.zscore, self.warmup)
-            spike = spike | (torch.isfinite(value) & (value > limits[metric]))
-        for i, (metric, window) in enumerate(self.windows.items()):
-            value = values[metric].detach().float()
-            window.add(value, torch.isfinite(value) & ~spike)
-            rows.append(torch.stack([torch.tensor(float(i), device=loss.device), spike.float(), value, limits[metric]]))
-        self._pending.append((step, torch.stack(rows)))
+            window.add(values[metric], torch.isfinite(values[metric]) & ~spike)
+        # per metric: (over its limit, value, limit), read by the host later
+        self._pending.append((step, torch.stack([torch.stack([over[m].float(), values[m], limits[m]]) for m in over])))
         return spike if self.blocks else torch.zeros_like(spike)
 
     def read(self) -> list[Spike]:
@@ -112,16 +109,15 @@ class SpikeMonitor:
         steps = [step for step, _ in self._pending]
         table = torch.stack([rows for _, rows in self._pending]).tolist()
         self._pending = []
-        names = list(self.windows)
         found = []
         for step, rows in zip(steps, table):
             hits = [
-                Spike(step, names[int(i)], value, limit) for i, spike, value, limit in rows if spike and value > limit
+                Spike(step, metric, value, limit) for metric, (over, value, limit) in zip(self.windows, rows) if over
             ]
-            if any(spike for _, spike, _, _ in rows):
-                found.append(hits[0] if hits else Spike(step, names[0], rows[0][2], rows[0][3]))
+            if hits:
+                found.append(hits[0])
+        what = {"warn": "applied", "skip": "not applied", "rewind": "not applied"}[self.policy]
         for spike in found:
-            what = {"warn": "applied", "skip": "not applied", "rewind": "not applied"}[self.policy]
             log(
                 f"loss spike at step {spike.step}: {spike.metric} {spike.value:.4g} above {spike.limit:.4g} "
                 f"(median + {self.zscore:g} robust sigmas of the last {len(self.windows[spike.metric].values)} steps); "
