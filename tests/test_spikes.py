@@ -116,7 +116,7 @@ def test_skip_never_applies_a_spiking_step(runs):
     # Three steps not applied: from then on the clean run's losses, three steps late.
     for s in range(31, 58):
         assert math.isclose(skipped[s + 3], clean[s], rel_tol=1e-5), (s, skipped[s + 3], clean[s])
-    assert t.state.spike_history["loss"] and max(t.state.spike_history["loss"]) < 5  # spikes stay out of it
+    assert len(t.state.spike_history["loss"]) == 60  # every step's loss, spikes included
 
 
 def test_at_most_max_rewinds_then_the_spike_is_skipped(tmp_path):
@@ -210,4 +210,5 @@ def test_the_gradient_norm_can_be_watched_instead_or_too(tmp_path, metric):
     summary = t.train()
     assert summary["loss_spikes"] >= 1
     assert set(t.state.spike_history) == ({"grad_norm"} if metric == "grad_norm" else {"loss", "grad_norm"})
-    assert len(t.state.spike_history["grad_norm"]) == 36 - summary["loss_spikes"]  # spikes stay out of the window
+    assert len(t.state.spike_history["grad_norm"]) == 36
+    assert summary["loss_spikes"] < 20  # a new level is learnt within half a window, not refused for ever

@@ -6,8 +6,10 @@ a value is a spike when
     (value - median) / sigma > loss_spike_zscore,   sigma = max(1.4826 * MAD, 1% of |median|)
 
 (1.4826 MAD is the standard deviation of normal data; the 1% floor keeps a flat history from calling
-noise a spike). No step is called one before `loss_spike_warmup` values are in the window, and a
-spike never enters the window, so a run of them cannot teach the monitor that they are normal.
+noise a spike). No step is called one before `loss_spike_warmup` values are in the window. Every finite
+value enters the window, spikes too: a lone spike hardly moves the median and the MAD, while a lasting
+change of level becomes the new normal within half a window instead of being refused for ever (with
+`skip`, refusing every step of a new level would stall the run).
 
 The window lives on the device and the decision is made there, inside the step (`train_step(reject=)`):
 with `on_loss_spike` skip or rewind a spike's update is never applied, like a non-finite step's, with
@@ -97,7 +99,7 @@ class SpikeMonitor:
         over = {metric: torch.isfinite(values[metric]) & (values[metric] > limits[metric]) for metric in self.windows}
         spike = torch.stack(list(over.values())).any()
         for metric, window in self.windows.items():
-            window.add(values[metric], torch.isfinite(values[metric]) & ~spike)
+            window.add(values[metric], torch.isfinite(values[metric]))
         # per metric: (over its limit, value, limit), read by the host later
         self._pending.append((step, torch.stack([torch.stack([over[m].float(), values[m], limits[m]]) for m in over])))
         return spike if self.blocks else torch.zeros_like(spike)
