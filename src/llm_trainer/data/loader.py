@@ -186,10 +186,13 @@ class BatchLoader:
                 f"{self.world_size}; resume with the same number of processes"
             )
         self.epoch, self.position, self.seed, self._order = state["epoch"], state["position"], state["seed"], None
-        self.samples = state.get("samples", 0)
-        self.skip = [(int(a), int(b)) for a, b in state.get("skip", [])]
-        if not isinstance(self.samples, int) or any(not 0 <= a < b for a, b in self.skip):
-            raise TypeError(f"samples {self.samples!r}, skip {state.get('skip')!r}")
+        samples, skip = state.get("samples", 0), state.get("skip", [])
+        ranges = isinstance(skip, list) and all(
+            isinstance(r, list) and len(r) == 2 and all(type(v) is int for v in r) and 0 <= r[0] < r[1] for r in skip
+        )
+        if type(samples) is not int or samples < 0 or not ranges:  # (a checkpoint may come from elsewhere)
+            raise TypeError(f"samples {samples!r}, skip {skip!r}")
+        self.samples, self.skip = samples, [(a, b) for a, b in skip]
 
     def next_batch(self) -> tuple[torch.Tensor, ...]:
         """The next (inputs, targets[, doc_ids]), each (B, L) int64 on the loader's device; rolls over epochs.
