@@ -212,3 +212,69 @@ def test_the_gradient_norm_can_be_watched_instead_or_too(tmp_path, metric):
     assert set(t.state.spike_history) == ({"grad_norm"} if metric == "grad_norm" else {"loss", "grad_norm"})
     assert len(t.state.spike_history["grad_norm"]) == 36
     assert summary["loss_spikes"] < 20  # a new level is learnt within half a window, not refused for ever
+
+
+# The forward of step 17 returns its logits times 100 (on rank 1 only under torchrun), once: a loss spike.
+SPIKE_RUNNER = r"""
+import os, sys
+import llm_trainer.api as pipeline
+from llm_trainer import Callback
+from llm_trainer.cli import main
+
+
+class SpikeAtStep17(Callback):
+    def on_train_begin(self, trainer):
+        done = []
+
+        def hook(module, inputs, output):
+            if trainer.state.step == 16 and os.environ.get("RANK", "1") == "1" and module.training and not done:
+                done.append(True)
+                return output * 100.0
+        trainer.model.register_forward_hook(hook)
+
+
+original = pipeline.train
+pipeline.train = lambda experiment, callbacks=(): original(experiment, callbacks=[*callbacks, SpikeAtStep17()])
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_rewind_under_ddp_equals_the_same_rewind_in_one_process(tmp_path):
+    """2 ranks of batch 4 and one process of batch 8 spike at the same step, rewind to the same
+    checkpoint, skip the same global sample range and log the same losses."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from test_distributed import EXPERIMENT, _env, _free_port
+
+    lines = [f"the {w} sat on the mat number {i % 7}.\n" for i, w in enumerate(["cat", "dog", "bird", "fox"] * 120)]
+    (tmp_path / "corpus.txt").write_text("".join(lines))
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(EXPERIMENT))
+    (tmp_path / "spike.py").write_text(SPIKE_RUNNER)
+    args = [
+        "train",
+        "--config",
+        "exp.yaml",
+        "training.max_steps=24",
+        "training.eval_steps=0",
+        "training.save_steps=5",
+        "training.on_loss_spike=rewind",
+        "training.loss_spike_warmup=8",
+    ]
+    launchers = {
+        "ddp": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}"],
+        "single": [sys.executable],
+    }
+    for name, batch in (("ddp", 4), ("single", 8)):
+        cmd = [*launchers[name], "spike.py", *args, f"training.output_dir={name}", f"training.batch_size={batch}"]
+        result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=_env())
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "rewound to checkpoint-00000015 (step 15); the samples [120, 136)" in result.stderr
+    ddp, single = losses(tmp_path / "ddp"), losses(tmp_path / "single")
+    assert sorted(ddp) == sorted(single) == list(range(1, 25))
+    assert [ddp[s] for s in range(1, 25)] == pytest.approx([single[s] for s in range(1, 25)], rel=1e-5)
+    final = json.loads((tmp_path / "ddp" / "checkpoints" / "checkpoint-00000024" / "train_state.json").read_text())
+    assert final["data"]["skip"] == [[120, 136]] and final["rewinds"] == 1
