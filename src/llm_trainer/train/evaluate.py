@@ -96,7 +96,8 @@ def evaluate(
 
 
 def _nll_by_source(model, inputs, targets, doc_ids, labels, by_source: torch.Tensor) -> torch.Tensor:
-    """`batch_nll`, adding each target token's loss and count to its source's row of `by_source`."""
+    """`batch_nll`, adding each target token's loss and count to its source's row of `by_source` (one
+    cross-entropy: the summed loss is the sum of the per-token ones)."""
     output = model(inputs) if not doc_ids else model(inputs, doc_ids=doc_ids[0])
     logits = logits_of(output)
     per_token = F.cross_entropy(
@@ -106,7 +107,7 @@ def _nll_by_source(model, inputs, targets, doc_ids, labels, by_source: torch.Ten
     keep = (targets.flatten() != IGNORE_INDEX) & (source >= 0)
     by_source[:, 0].index_add_(0, source[keep], per_token[keep].double())
     by_source[:, 1].index_add_(0, source[keep], torch.ones_like(per_token[keep], dtype=torch.float64))
-    return summed_nll(logits, targets)
+    return per_token.sum()
 
 
 def _source_losses(by_source: torch.Tensor, names: list[str]) -> dict:
