@@ -27,7 +27,7 @@ _HISTORY_ENTRIES = 100_000  # allocator events kept for the snapshot
 
 
 class StepProfiler:
-    """`step(n)` wraps optimizer step n (1-based); the trace covers profile_steps [first, last]."""
+    """`begin_step(n)` before optimizer step n (1-based); the trace covers profile_steps [first, last]."""
 
     def __init__(self, config: TrainingConfig, output_dir: Path, device: torch.device, rank: int, total_steps: int):
         self.steps = config.profile_steps
@@ -42,6 +42,7 @@ class StepProfiler:
             log("note: training.memory_snapshot records the CUDA allocator; this run is on the CPU, so none is written")
         self._profiler: torch.profiler.profile | None = None
         self._range: torch.profiler.record_function | None = None  # the step being traced
+        self._first, self._done = 0, False  # the first step traced; whether the trace was written (once a run)
         self.snapshot_path: Path | None = None  # the last allocator snapshot written
 
     def __enter__(self) -> StepProfiler:
@@ -62,7 +63,8 @@ class StepProfiler:
         if self.steps is None:
             return
         first, last = self.steps
-        if n == first and self._profiler is None:
+        if self._profiler is None and not self._done and first <= n <= last:  # (a resumed run: from where it is)
+            self._first = n
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -84,12 +86,12 @@ class StepProfiler:
 
     def _finish(self) -> None:
         self._close_range()
-        profiler, self._profiler = self._profiler, None
+        profiler, self._profiler, self._done = self._profiler, None, True
         profiler.stop()
         self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / f"rank{self.rank}.steps-{self.steps[0]}-{self.steps[1]}.pt.trace.json"
+        path = self.folder / f"rank{self.rank}.steps-{self._first}-{self.steps[1]}.pt.trace.json"
         profiler.export_chrome_trace(str(path))
-        log(f"profile: steps {self.steps[0]}-{self.steps[1]} traced into {path} (open it in ui.perfetto.dev)")
+        log(f"profile: steps {self._first}-{self.steps[1]} traced into {path} (open it in ui.perfetto.dev)")
         if self.snapshot:
             self.write_snapshot()
 
