@@ -128,3 +128,41 @@ def test_every_source_holds_out_its_own_fraction_of_documents(tmp_path):
     )
     assert Counter(prepared.sources("val")) == {"prose": 3, "digits": 3, "more": 7}
     assert Counter(prepared.sources("train")) == {"prose": 9, "digits": 9, "more": 23}
+
+
+def test_llm_trainer_eval_reports_each_source_too(tmp_path, capsys):
+    """`llm-trainer eval` of a mixed run's checkpoint: the mixed loss and each source's, as training's
+    last (whole-split) evaluation gave them."""
+    from llm_trainer.cli import main
+
+    config = {
+        "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 32},
+        "training": {
+            "batch_size": 4,
+            "max_steps": 4,
+            "eval_steps": 0,
+            "save_steps": 0,
+            "output_dir": str(tmp_path / "run"),
+            "device": "cpu",
+            "use_amp": False,
+            "progress_bar": False,
+            "report_to": ["jsonl"],
+        },
+        "data": {
+            "sources": two_sources(tmp_path),
+            "tokenizer": "char",
+            "validation_split": 0.25,
+            "cache_dir": str(tmp_path / "cache"),
+        },
+    }
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(config))
+    assert main(["train", "--config", str(tmp_path / "exp.yaml")]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path / "run" / "checkpoints" / "latest"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (last,) = [r for r in rows if r["kind"] == "eval"]
+    assert result["loss"] == pytest.approx(last["val_loss"], rel=1e-5)
+    assert result["sources"] == pytest.approx(
+        {"prose": last["eval/prose/loss"], "digits": last["eval/digits/loss"]}, rel=1e-5
+    )

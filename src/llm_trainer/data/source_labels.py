@@ -15,6 +15,20 @@ import numpy as np
 from .loader import DocumentRows, WindowRows
 
 
+def of_split(rows, prepared, split: str = "val") -> SourceLabels | None:
+    """The labels of a prepared split's rows when the data has several sources (None for one)."""
+    names = prepared.manifest["source_names"]
+    if len(names) < 2:
+        return None
+    doc_sources = prepared.source_ids(split)
+    offsets = prepared.offsets(split)
+    if len(doc_sources) != len(offsets) - 1 or (
+        len(doc_sources) and not 0 <= doc_sources.min() <= doc_sources.max() < len(names)
+    ):
+        raise ValueError(f"{split}.sources.npy does not match {split}.idx.npy")
+    return SourceLabels(rows, offsets, doc_sources, names)
+
+
 class SourceLabels:
     """`labels(indices)`: (B, L) int64, the source index of each target token of those rows (-1 past the data)."""
 
