@@ -13,27 +13,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-from test_spikes import losses, trainer  # noqa: E402
+from test_spikes import policy_runs  # noqa: E402
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp())
-    runs, summaries = {}, {}
-    for name, policy, planted in (
-        ("clean", "off", False),
-        ("warn", "warn", True),
-        ("skip", "skip", True),
-        ("rewind", "rewind", True),
-    ):
-        t = trainer(out / name, policy, planted)
-        summaries[name] = t.train()
-        runs[name] = losses(out / name)
-        if name == "rewind":
-            skipped = t.train_loader.skip
+    runs = policy_runs(Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()))
     print("| step | clean data | planted, warn | planted, skip | planted, rewind |")
     print("|---|---|---|---|---|")
+    names = ("clean", "warn", "skip", "rewind")
     for step in [*range(27, 41), 50, 60]:
-        print(f"| {step} | " + " | ".join(f"{runs[n][step]:.4f}" for n in ("clean", "warn", "skip", "rewind")) + " |")
-    for name in ("warn", "skip", "rewind"):
-        s = summaries[name]
-        print(f"{name}: loss_spikes {s['loss_spikes']}, rewinds {s['rewinds']}")
-    print(f"rewind skipped global sample ranges {skipped} (planted rows: [120, 132))")
+        print(f"| {step} | " + " | ".join(f"{runs[n][0][step]:.4f}" for n in names) + " |")
+    for name in names[1:]:
+        summary = runs[name][2]
+        print(f"{name}: loss_spikes {summary['loss_spikes']}, rewinds {summary['rewinds']}")
+    print(f"rewind skipped global sample ranges {runs['rewind'][1].train_loader.skip} (planted rows: [120, 132))")

@@ -25,33 +25,37 @@ def two_sources(root):
     return [{"name": "prose", "data_files": str(prose)}, {"name": "digits", "data_files": str(digits)}]
 
 
+def mixed_experiment(root, **training) -> str:
+    """An experiment file: a one-layer char model on `two_sources`; `training` overrides its fields."""
+    values = {
+        "batch_size": 4,
+        "save_steps": 0,
+        "output_dir": str(root / "run"),
+        "device": "cpu",
+        "progress_bar": False,
+        "report_to": ["jsonl"],
+        **training,
+    }
+    config = {
+        "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 32},
+        "training": values,
+        "data": {
+            "sources": two_sources(root),
+            "tokenizer": "char",
+            "validation_split": 0.25,
+            "cache_dir": str(root / "cache"),
+        },
+    }
+    path = root / "exp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
 def test_a_mixed_run_reports_each_sources_validation_loss(tmp_path):
     from llm_trainer.api import train
     from llm_trainer.config import load_experiment
 
-    config = {
-        "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 32},
-        "training": {
-            "batch_size": 4,
-            "max_steps": 60,
-            "learning_rate": 1e-2,
-            "eval_steps": 30,
-            "save_steps": 0,
-            "logging_steps": 30,
-            "output_dir": str(tmp_path / "run"),
-            "device": "cpu",
-            "progress_bar": False,
-            "report_to": ["jsonl"],
-        },
-        "data": {
-            "sources": two_sources(tmp_path),
-            "tokenizer": "char",
-            "validation_split": 0.25,
-            "cache_dir": str(tmp_path / "cache"),
-        },
-    }
-    path = tmp_path / "exp.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = mixed_experiment(tmp_path, max_steps=60, learning_rate=1e-2, eval_steps=30, logging_steps=30)
     summary = train(load_experiment(path))
 
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -135,28 +139,8 @@ def test_llm_trainer_eval_reports_each_source_too(tmp_path, capsys):
     last (whole-split) evaluation gave them."""
     from llm_trainer.cli import main
 
-    config = {
-        "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 32},
-        "training": {
-            "batch_size": 4,
-            "max_steps": 4,
-            "eval_steps": 0,
-            "save_steps": 0,
-            "output_dir": str(tmp_path / "run"),
-            "device": "cpu",
-            "use_amp": False,
-            "progress_bar": False,
-            "report_to": ["jsonl"],
-        },
-        "data": {
-            "sources": two_sources(tmp_path),
-            "tokenizer": "char",
-            "validation_split": 0.25,
-            "cache_dir": str(tmp_path / "cache"),
-        },
-    }
-    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(config))
-    assert main(["train", "--config", str(tmp_path / "exp.yaml")]) == 0
+    path = mixed_experiment(tmp_path, max_steps=4, eval_steps=0, use_amp=False)
+    assert main(["train", "--config", path]) == 0
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(tmp_path / "run" / "checkpoints" / "latest"), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

@@ -70,10 +70,9 @@ def losses(output_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The clean run, and the planted data under warn, skip and rewind."""
-    root = tmp_path_factory.mktemp("spikes")
+def policy_runs(root: Path) -> dict:
+    """{name: (losses by step, trainer, summary)} of the clean run and the planted data under warn, skip
+    and rewind (also what bench/spike_figures.py prints)."""
     out = {}
     for name, policy, planted in (
         ("clean", "off", False),
@@ -85,6 +84,11 @@ def runs(tmp_path_factory):
         summary = t.train()
         out[name] = (losses(root / name), t, summary)
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return policy_runs(tmp_path_factory.mktemp("spikes"))
 
 
 def test_the_planted_range_makes_the_loss_spike_and_warn_only_reports_it(runs):
