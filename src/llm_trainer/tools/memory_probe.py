@@ -116,19 +116,17 @@ def _probe(spec: dict) -> dict:
     torch.set_num_threads(1)
     model_config = ModelConfig(**spec["model"])
     seq_len = spec["seq_len"]
-    out = tempfile.mkdtemp()
-    training = TrainingConfig(
-        **{
-            "max_steps": 3,
-            "save_steps": 0,
-            "eval_steps": 0,
-            "report_to": [],
-            "progress_bar": False,
-            "async_checkpoint": False,
-            **spec["training"],
-            "output_dir": out,
-        }
-    )
+    values = {
+        "max_steps": 3,
+        "save_steps": 0,
+        "eval_steps": 0,
+        "report_to": [],
+        "progress_bar": False,
+        "async_checkpoint": False,
+        **spec["training"],
+        "output_dir": tempfile.mkdtemp(),
+    }
+    training = TrainingConfig(**values, logging_steps=values["max_steps"])  # callbacks see the last step
     b = training.batch_size
     tokens = torch.randint(0, model_config.vocab_size, (b * training.max_steps, seq_len + 1))
     batches = [(tokens[i : i + b, :-1], tokens[i : i + b, 1:]) for i in range(0, len(tokens), b)]
@@ -147,7 +145,7 @@ def _probe(spec: dict) -> dict:
     # A one-step run of a tiny model first: the imports and one-time set-up of every code path the
     # measured run takes (optimizer, autograd, kernels) are then already in the baseline.
     warm = ModelConfig(**{**spec["model"], "d_model": 16, "n_heads": 2, "n_layers": 1, "vocab_size": 64})
-    warm_training = TrainingConfig(**{**training.to_dict(), "max_steps": 1, "output_dir": tempfile.mkdtemp()})
+    warm_training = TrainingConfig(**{**values, "max_steps": 1, "output_dir": tempfile.mkdtemp()})
     warm_batches = [(t[:, :16] % 64, t[:, 1:17] % 64) for t, _ in batches[:1]]
     Trainer(Transformer(warm), warm_training, train_dataloader=warm_batches).train()
 
@@ -159,7 +157,6 @@ def _probe(spec: dict) -> dict:
         result["baseline_bytes"] = _status_kib("VmRSS") * 1024
     torch.manual_seed(0)
     model = Transformer(model_config)
-    training = TrainingConfig(**{**training.to_dict(), "logging_steps": training.max_steps})
     Trainer(model, training, train_dataloader=batches, callbacks=[AtLastStep()]).train()
     return result
 
