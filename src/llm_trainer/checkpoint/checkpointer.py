@@ -233,6 +233,11 @@ class Checkpointer:
         problem = train_state_problem(saved)
         if problem:
             raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+        if saved["step"] > self.schedule["total_steps"]:
+            raise UsageError(
+                f"{path} is at step {saved['step']}, past this run's last step ({self.schedule['total_steps']}); "
+                f"to continue it, raise training.max_steps (or num_train_epochs) above {saved['step']}"
+            )
         self.parallel.load(parts, path)
         self.state.load_state_dict(saved)
         if saved["schedule"]["total_steps"] != self.schedule["total_steps"]:
