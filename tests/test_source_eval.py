@@ -65,6 +65,11 @@ def test_a_mixed_run_reports_each_sources_validation_loss(tmp_path):
         prose, digits = row["eval/prose/loss"], row["eval/digits/loss"]
         assert prose < digits  # the repetitive prose is the easier source
         assert min(prose, digits) < row["val_loss"] < max(prose, digits)  # the mixed loss is their weighted mean
+    # every backend gets them under these names (TensorBoard, W&B and MLflow alike)
+    from llm_trainer.train.metrics import scalar_items
+
+    names = dict(scalar_items(evals[-1]))
+    assert names["eval/prose/loss"] == evals[-1]["eval/prose/loss"] and names["eval/loss"] == evals[-1]["val_loss"]
     # best_model follows the mixed loss
     assert summary["best_val_loss"] == min(r["val_loss"] for r in evals)
 
