@@ -98,7 +98,7 @@ def main() -> None:
         position = int(fraction * batches)
         samples = position * args.batch_size
         writer.train_loader.load_state_dict(
-            {"epoch": 0, "samples": samples, "seed": 0, "global_batch": args.batch_size}
+            {"epoch": 0, "epoch_samples": samples, "seed": 0, "global_batch": args.batch_size}
         )
         writer.state.step = position  # the checkpoint's name; the loop's counters are not used here
         checkpoints.append((fraction, position, samples, writer.save_checkpoint()))
@@ -115,7 +115,7 @@ def main() -> None:
 
         def seek(samples=samples) -> None:
             loader = BatchLoader(WindowRows(tokens, args.length), args.batch_size, shuffle=True, seed=0)
-            loader.load_state_dict({"epoch": 0, "samples": samples, "seed": 0, "global_batch": args.batch_size})
+            loader.load_state_dict({"epoch": 0, "epoch_samples": samples, "seed": 0, "global_batch": args.batch_size})
             loader.next_batch()
 
         replayed = None

@@ -76,7 +76,15 @@ def test_a_position_saved_under_one_split_resumes_under_any_other(saved):
     writers = _loaders(batch_size, accumulation, world_size)
     _steps(writers, accumulation, at)
     state = writers[0].state_dict()
-    assert state == {"epoch": 1, "samples": 2 * 8, "seed": 3, "global_batch": 8}
+    run_samples = (N_ROWS // 8 + 2) * 8  # since the run began
+    assert state == {
+        "epoch": 1,
+        "epoch_samples": 2 * 8,
+        "seed": 3,
+        "global_batch": 8,
+        "samples": run_samples,
+        "skip": [],
+    }
     for batch_size, accumulation, world_size in LAYOUTS:
         readers = _loaders(batch_size, accumulation, world_size)
         for reader in readers:
@@ -89,7 +97,7 @@ def test_a_resume_seeks_without_reading_the_batches_before_it():
     read = []
     batch = loader.rows.batch
     loader.rows.batch = lambda indices: read.append(len(indices)) or batch(indices)
-    loader.load_state_dict({"epoch": 5, "samples": 6 * 8, "seed": 3, "global_batch": 8})
+    loader.load_state_dict({"epoch": 5, "epoch_samples": 6 * 8, "seed": 3, "global_batch": 8})
     loader.next_batch()
     assert read == [2]  # the one batch asked for, nothing replayed
 
@@ -112,7 +120,7 @@ def test_a_position_saved_in_rank_batches_loads_at_its_own_world_size_only():
     same = _loaders(4, 1, 2)
     for loader in same:
         loader.load_state_dict(old)
-    assert same[0].state_dict()["samples"] == 3 * 4 * 2
+    assert same[0].state_dict()["epoch_samples"] == 3 * 4 * 2
     with pytest.raises(ValueError, match="for world size 2, this run has 1; resume with the same number"):
         _loaders(8, 1, 1)[0].load_state_dict(old)
 

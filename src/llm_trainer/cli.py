@@ -103,9 +103,10 @@ def _eval_loader(model, tokenizer, experiment: dict, args, batch_size: int):
     """Validation batches: the windows of the file --data names, or the run's own validation split."""
     from .api import build_rows
     from .data.loader import BatchLoader, WindowRows
+    from .data.source_labels import of_split as source_labels_of
 
     length = model.config.max_seq_len
-    data_file = args.data
+    data_file, labels = args.data, None
     if data_file is not None:
         path = Path(data_file)
         if not path.is_file():
@@ -148,6 +149,7 @@ def _eval_loader(model, tokenizer, experiment: dict, args, batch_size: int):
                     "vocabulary; it was prepared with another tokenizer. Pass --data FILE"
                 )
             rows = build_rows(prepared, "val", settings, settings.max_length or length, seed=None)
+            labels = source_labels_of(rows, prepared)  # a mixture: each source's loss too
         except (ValueError, OSError, IndexError) as exc:
             if isinstance(exc, UsageError):
                 raise
@@ -155,7 +157,9 @@ def _eval_loader(model, tokenizer, experiment: dict, args, batch_size: int):
                 f"the prepared data in {prepared.directory} is unreadable ({str(exc).splitlines()[0][:120]}); "
                 "pass --data FILE"
             ) from None
-    return BatchLoader(rows, batch_size, shuffle=False, drop_last=False)
+    loader = BatchLoader(rows, batch_size, shuffle=False, drop_last=False)
+    loader.source_labels = labels
+    return loader
 
 
 def cmd_eval(args) -> int:
@@ -171,12 +175,15 @@ def cmd_eval(args) -> int:
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
     batch_size = args.batch_size or saved_batch_size(experiment) or 8  # as in training
     precision = recorded_amp_dtype(experiment.get("training"), next(model.parameters()).device)
+    loader = _eval_loader(model, tokenizer, experiment, args, batch_size)
     metrics = evaluate(
         model,
-        _eval_loader(model, tokenizer, experiment, args, batch_size),
+        loader,
         autocast=autocast(next(model.parameters()).device, precision),
         progress=True,
+        sources=loader.source_labels,
     )
+    by_source = metrics.get("source_losses", {})
     if args.json:
         print(
             json.dumps(
@@ -185,6 +192,7 @@ def cmd_eval(args) -> int:
                     "perplexity": metrics["perplexity"],
                     "tokens": metrics["tokens"],
                     "batches": metrics["batches"],
+                    **({"sources": by_source} if by_source else {}),
                 }
             )
         )
@@ -194,6 +202,8 @@ def cmd_eval(args) -> int:
             f"loss {metrics['val_loss']:.4f}  perplexity {metrics['perplexity']:.3f}  tokens {metrics['tokens']:,}  "
             f"({coverage(metrics)} of {data})"
         )
+        for name, loss in by_source.items():
+            print(f"  {name}: loss {loss:.4f}")
     return 0
 
 

@@ -343,6 +343,16 @@ class TrainingConfig(_Validated):
     early_stopping_patience: int | None = None  # evaluations without improvement before stopping
     early_stopping_min_delta: float = 0.0
     max_consecutive_bad_steps: int = 5  # non-finite loss/grad steps in a row before the run stops
+    # Loss spikes (train/spikes.py): a step far above the median of its recent history, by a robust z-score.
+    on_loss_spike: Literal["off", "warn", "skip", "rewind"] = "off"  # skip: not applied; rewind: to the last checkpoint
+    loss_spike_metric: Literal["loss", "grad_norm", "either"] = "loss"  # what is watched
+    loss_spike_window: int = 100  # past steps the median and MAD are taken over
+    loss_spike_warmup: int = 20  # steps of history needed before a step can be called a spike
+    loss_spike_zscore: float = 6.0  # (value - median) / (1.4826 MAD) above this is a spike
+    max_rewinds: int = 3  # on_loss_spike: rewind goes back at most this often, then skips
+    # Profiling (train/profiling.py): [first, last] optimizer steps traced into {output_dir}/profile.
+    profile_steps: list[int] | None = None
+    memory_snapshot: bool = False  # CUDA: the allocator's history over profile_steps, as a pickle beside the trace
     # Not kept: read as distributed_strategy: deepspeed (see config_aliases.TRAINING).
     use_deepspeed: InitVar[bool | None] = None
 
@@ -410,6 +420,33 @@ class TrainingConfig(_Validated):
         _require(self.peak_flops is None or self.peak_flops > 0, "TrainingConfig.peak_flops must be positive")
         _require(self.world_size is None or self.world_size > 0, "TrainingConfig.world_size must be positive")
         _require(self.distributed_timeout_s > 0, "TrainingConfig.distributed_timeout_s must be positive")
+        self._check_health()
+
+    def _check_health(self) -> None:
+        for name in ("loss_spike_window", "loss_spike_warmup", "max_rewinds"):
+            _require(getattr(self, name) >= 1, f"TrainingConfig.{name} must be at least 1, got {getattr(self, name)}")
+        _require(
+            self.loss_spike_warmup <= self.loss_spike_window,
+            f"TrainingConfig.loss_spike_warmup ({self.loss_spike_warmup}) must be at most loss_spike_window "
+            f"({self.loss_spike_window})",
+        )
+        _require(self.loss_spike_zscore > 0, "TrainingConfig.loss_spike_zscore must be positive")
+        _require(
+            self.on_loss_spike != "rewind" or bool(self.save_steps),
+            "TrainingConfig.on_loss_spike=rewind goes back to the last checkpoint, but save_steps is "
+            f"{self.save_steps} (no periodic checkpoints); set training.save_steps (e.g. 100) or use on_loss_spike=skip",
+        )
+        steps = self.profile_steps
+        if steps is not None:
+            _require(
+                len(steps) == 2 and 1 <= steps[0] <= steps[1],
+                f"TrainingConfig.profile_steps must be [first, last] optimizer steps with 1 <= first <= last, got {steps}",
+            )
+            _require(
+                self.max_steps is None or steps[1] <= self.max_steps,
+                f"TrainingConfig.profile_steps {steps} ends after the run's last step (max_steps={self.max_steps}); "
+                "choose steps within the run",
+            )
 
     @property
     def resolved_checkpoint_dir(self) -> Path:

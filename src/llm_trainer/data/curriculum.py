@@ -126,12 +126,14 @@ class CurriculumLoader(BatchLoader):
 
     def next_batch(self) -> tuple[torch.Tensor, ...]:
         self._announce()
-        if self.taken >= self.stage_ends[-1]:
-            return super().next_batch()
-        self.rows.set_epoch(0)  # difficulties were measured on epoch 0's layout
-        indices = self._stage_batch()
-        self.taken += 1
-        return tuple(_to_device(a, self.device) for a in self.rows.batch(indices))
+        while self.taken < self.stage_ends[-1]:
+            self.rows.set_epoch(0)  # difficulties were measured on epoch 0's layout
+            indices = self._stage_batch()
+            self.taken += 1
+            start, self.samples = self.samples, self.samples + self.batch_size * self.world_size
+            if not self.skipped(start):  # a rewind's skipped range is passed over here too
+                return tuple(_to_device(a, self.device) for a in self.rows.batch(indices))
+        return super().next_batch()
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "curriculum_samples": self.taken * self.batch_size * self.world_size}

@@ -88,10 +88,12 @@ class Parallelism:
 
     def step(self, finite: torch.Tensor) -> torch.Tensor | None:
         """Fused Adam/AdamW skip a non-finite step on the device (no host sync); the fp16 scaler skips
-        overflowed steps itself; other optimizers need one host sync."""
+        overflowed steps itself (a host sync of its own) and a step the loop withholds (a loss spike: `finite`
+        false with finite gradients); other optimizers need one host sync."""
         optimizer = self.optimizer
         if self.scaler.is_enabled():
-            self.scaler.step(optimizer)
+            if bool(finite):  # update() still reads the overflow check unscale_ recorded in clip()
+                self.scaler.step(optimizer)
         elif optimizer.defaults.get("fused"):
             _fused_step_where(optimizer, finite, optimizer.step)
         elif bool(finite):

@@ -20,6 +20,9 @@ class TrainState:
     evals_without_improvement: int = 0
     skipped_steps: int = 0  # steps whose loss or gradient was not finite
     consecutive_bad_steps: int = 0
+    loss_spikes: int = 0  # steps the spike monitor called spikes (train/spikes.py)
+    rewinds: int = 0  # times on_loss_spike=rewind went back to a checkpoint
+    spike_history: dict | None = None  # the spike monitor's window: {"loss": [...], "grad_norm": [...]}
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -60,6 +63,9 @@ _COUNTER_CHECKS: dict[str, Callable[[Any], bool]] = {
     "int": _is_count,
     "int | None": lambda v: v is None or _is_count(v),
     "float | None": lambda v: v is None or _is_number(v),
+    "dict | None": lambda v: (
+        v is None or (isinstance(v, dict) and all(isinstance(x, list) and all(map(_is_number, x)) for x in v.values()))
+    ),
 }
 _REQUIRED_COUNTERS = ("step",)
 

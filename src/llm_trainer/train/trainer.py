@@ -15,6 +15,7 @@ pipeline (prepare, vocabulary, model, loaders) for a subclass.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import time
 from collections.abc import Iterable, Mapping
@@ -39,9 +40,11 @@ from .evaluate import evaluate
 from .flops import flops_per_token, peak_flops
 from .metrics import MetricsTracker, tensorboard_dir
 from .optim import build_optimizer, learning_rate_at, set_learning_rate
+from .profiling import StepProfiler, out_of_memory
 from .rows import EvalRow, SummaryRow, TrainRow
 from .run_lock import lock_run_folders
 from .speed import PhaseTimer, SpeedMonitor
+from .spikes import SpikeMonitor, check_rewindable, rewind
 from .state import TrainState
 from .step import NonFiniteSteps, autocast, train_step
 from .stop import StopControl
@@ -105,6 +108,7 @@ class Trainer:
         self.autocast = autocast(self.device, self.amp_dtype)
         self.state = TrainState()
         self.bad_steps = NonFiniteSteps(self.device)  # renewed by train() from the (resumed) state
+        self.spikes: SpikeMonitor | None = None  # training.on_loss_spike's monitor, made by train()
         self.time_to_target_s: float | None = None  # seconds into train() when target_val_loss was reached
         self._part_to_whole: float | None = None  # whole-split / screened-part validation loss, last measured
         self.stop = StopControl(self.dist.world_size)
@@ -210,6 +214,8 @@ class Trainer:
         if cfg.resume_from_checkpoint:
             self.checkpointer.load(cfg.resume_from_checkpoint)
         self.bad_steps = NonFiniteSteps(self.device, state.skipped_steps, state.consecutive_bad_steps)
+        self.spikes = self._spike_monitor()
+        self.profiler = StepProfiler(cfg, self.output_dir, self.device, self.dist.rank, self.total_steps)
         show_bar = self._shows_progress_bar()
         self.metrics_tracker.open(
             cfg.report_to,
@@ -231,8 +237,9 @@ class Trainer:
         last_saved, final_eval = None, None
 
         try:
-            with self.checkpointer, self.stop.signals_handled():
+            with self.checkpointer, self.stop.signals_handled(), self.profiler:
                 while state.step < self.total_steps and not self.stop.requested:
+                    self.profiler.begin_step(state.step + 1)
                     lr = learning_rate_at(state.step, cfg, self.total_steps)
                     set_learning_rate(self.optimizer, lr)
                     self.speed.start_step()
@@ -243,6 +250,7 @@ class Trainer:
                         autocast=self.autocast,
                         max_grad_norm=cfg.max_grad_norm,
                         share=self.stop.flag(self.device) if self.dist.world_size > 1 else None,
+                        reject=functools.partial(self.spikes.check, state.step + 1) if self.spikes else None,
                     )
                     self.bad_steps.add(out.finite)
                     state.step += 1
@@ -256,6 +264,8 @@ class Trainer:
                     if log_now or self.device.type == "cpu":
                         self._read_bad_steps()
                         self.stop.poll(out.shared)
+                        if self._act_on_spikes():  # rewound: the loop goes on from the checkpoint's step
+                            continue
                     if log_now:
                         row = TrainRow(
                             step=state.step,
@@ -265,6 +275,7 @@ class Trainer:
                             grad_norm=float(out.grad_norm),
                             tokens_seen=state.tokens_seen,
                             skipped_steps=state.skipped_steps,
+                            **self._spike_counters(),
                             **self.speed.metrics(),
                         ).as_dict()
                         self._log_metrics(row)
@@ -289,6 +300,8 @@ class Trainer:
                     stopping = at_end or self.stop.stopping
                     if stopping or (cfg.save_steps and state.step % cfg.save_steps == 0):
                         self._read_bad_steps()
+                        if self._act_on_spikes():  # never a checkpoint after an unread spike
+                            continue
                         with timer.count("checkpoint"):
                             last_saved = self.checkpointer.save(background=not stopping)
                     self.stop.end_step()
@@ -313,12 +326,15 @@ class Trainer:
                 perplexity=final_eval["perplexity"] if final_eval else None,
                 time_to_target_s=self.time_to_target_s,
                 stopped_by_signal=self.stop.signal,
+                **self._spike_counters(),
             ).as_dict()
             self._log_metrics(summary)
             self._log_end(summary)
             for cb in self.callbacks:
                 cb.on_train_end(self, summary)
             return summary
+        except torch.OutOfMemoryError as error:
+            raise out_of_memory(error, self.profiler, cfg) from None
         finally:  # also when a callback or a stop raises: logs flushed, bar closed
             if progress is not None:
                 progress.close()
@@ -338,6 +354,36 @@ class Trainer:
                 f"is untouched. Lower training.learning_rate, enable clipping (max_grad_norm) or use bfloat16 instead of float16"
             )
 
+    def _spike_monitor(self) -> SpikeMonitor | None:
+        """The loss-spike monitor of training.on_loss_spike (None when off), from the (resumed) state."""
+        if self.config.on_loss_spike == "off":
+            return None
+        check_rewindable(self.config, self.train_loader)
+        return SpikeMonitor(self.config, self.device, self.state.spike_history)
+
+    def _act_on_spikes(self) -> bool:
+        """Read the spikes since the last read and act on them (training.on_loss_spike); keep the monitor's
+        window in the state a checkpoint saves. True when the run went back to a checkpoint."""
+        if self.spikes is None:
+            return False
+        spikes = self.spikes.read()
+        self.state.loss_spikes += len(spikes)
+        if spikes and self.config.on_loss_spike == "rewind":
+            path = rewind(self.checkpointer, self.state, self.train_loader, spikes[0], self.config.max_rewinds)
+            if path is not None:
+                state = self.state
+                self.bad_steps = NonFiniteSteps(self.device, state.skipped_steps, state.consecutive_bad_steps)
+                self.spikes = self._spike_monitor()
+                self.metrics_tracker.rewound(state.step)
+                return True
+        self.state.spike_history = self.spikes.history()
+        return False
+
+    def _spike_counters(self) -> dict:
+        if self.spikes is None:
+            return {}
+        return {"loss_spikes": self.state.loss_spikes, "rewinds": self.state.rewinds}
+
     def evaluate(self, *, full: bool = False) -> dict:
         """val_loss and perplexity over the first `eval_max_batches` validation batches (all when unset,
         or with `full`)."""
@@ -350,6 +396,7 @@ class Trainer:
             reduce=all_reduce_,
             max_batches=None if full else self.config.eval_max_batches,
             progress=self.config.progress_bar,
+            sources=getattr(self.val_loader, "source_labels", None),  # per-source losses of a mixture
         )
 
     def _towards_target(self, metrics: dict, target: float) -> tuple[dict, bool]:
@@ -417,6 +464,7 @@ class Trainer:
                 "pass train_dataloader to Trainer(...) or to train() first"
             )
         self._read_bad_steps()
+        self._act_on_spikes()
         return self.checkpointer.save(background=background)
 
     def _on_saved(self, path: Path) -> None:
