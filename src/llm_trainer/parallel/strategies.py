@@ -238,7 +238,7 @@ class DeepSpeed(Parallelism):
             raise UsageError(
                 f"{path} was saved by DeepSpeed ZeRO on {saved} process(es), this run has {self.dist.world_size}: "
                 "DeepSpeed reloads ZeRO's partitioned optimizer state only at the world size that wrote it (other "
-                f"sizes need its universal checkpoint, which llm-trainer does not load); resume with {saved} "
+                f"sizes need its universal checkpoint, which llm-trainer does not write); resume with {saved} "
                 f"process(es), or start a new run from its weights with model.init_from={path}"
             )
         deepspeed_engine.load(self.engine, parts["files"])
