@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..errors import CheckpointError
 from ..limits import check_dcp_items
 from .folder_files import SHARDED_DIR, FolderFiles
-from .model_folder import clean_name
+from .model_folder import check_fits, clean_name
 from .safe_pickle import DCP_METADATA, load_pickle
 
 METADATA = ".metadata"  # DCP's index of the shards, inside `sharded/`
@@ -154,9 +154,12 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, dire
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
-def load_whole(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict, optimizer_state: dict) -> None:
+def load_whole(
+    model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict, optimizer_state: dict, source: str
+) -> None:
     """A whole checkpoint's weights and optimizer state (`optimizer.state_dict()` of the same model and
     parameter groups, in one process or DDP) into a sharded model: each rank keeps its own shards."""
+    check_fits(model, weights, source)
     options = StateDictOptions(full_state_dict=True, strict=False)  # a tied output head is saved once
     set_model_state_dict(model, weights, options=options)
     by_param = {id(p): clean_name(name) for name, p in model.named_parameters()}

@@ -183,8 +183,8 @@ class FSDP(Parallelism):
         if parts["model"] is None:
             return load_sharded(self.module, self.optimizer, parts["sharded"])
         try:  # a whole checkpoint (one process, DDP): each rank takes its shards of every tensor
-            load_whole(self.module, self.optimizer, parts["model"], parts["optimizer"])
-        except (ValueError, KeyError, IndexError, RuntimeError) as exc:
+            load_whole(self.module, self.optimizer, parts["model"], parts["optimizer"], str(path))
+        except (ValueError, KeyError, IndexError) as exc:
             raise UsageError(f"optimizer state in {path} does not match this model/optimizer: {exc}") from None
 
 
