@@ -43,7 +43,17 @@ def _experiment(args):
 def cmd_prepare(args) -> int:
     from .data.prepare import prepare_data
 
-    prepared = prepare_data(_experiment(args).data)
+    flags = {"executor": args.executor, "executor_tasks": args.tasks, "executor_workers": args.workers}
+    args.overrides = [*args.overrides, *(f"data.{k}={v}" for k, v in flags.items() if v is not None)]
+    try:
+        prepared = prepare_data(_experiment(args).data)
+    except RuntimeError as exc:
+        from .data.cluster import TaskFailed
+
+        if not isinstance(exc, TaskFailed):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(
         json.dumps(
             {
@@ -463,9 +473,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.learning_rate=3e-4")
         return p
 
-    with_config(sub.add_parser("prepare", help="clean, tokenize and pack the data into token files")).set_defaults(
-        func=cmd_prepare
-    )
+    p = with_config(sub.add_parser("prepare", help="clean, tokenize and pack the data into token files"))
+    p.add_argument("--executor", choices=["local", "slurm", "ray"], help="run as a datatrove pipeline (data.executor)")
+    p.add_argument("--tasks", type=int, help="tasks of the per-file stage (data.executor_tasks)")
+    p.add_argument("--workers", type=int, help="tasks running at once (data.executor_workers)")
+    p.set_defaults(func=cmd_prepare)
     p = with_config(sub.add_parser("train", help="train a model (runs prepare when needed)"))
     p.add_argument(
         "--resume_from_checkpoint",

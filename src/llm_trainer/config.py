@@ -608,6 +608,19 @@ class DataConfig(_Validated):
     )
     curriculum_key: str = "length"  # "length" (tokens of a document) or a numeric column of the sources
 
+    # -- where prepare runs (llm_trainer.data.cluster): null in this process; local, slurm or ray as a
+    # datatrove pipeline of executor_tasks tasks over the input files (pip install -e ".[cluster]")
+    executor: Literal["local", "slurm", "ray"] | None = None
+    executor_tasks: int = 1  # tasks of the per-file stage; the result is the same for any number
+    executor_workers: int = -1  # tasks running at once; -1: local: the CPU count, slurm/ray: all
+    executor_logs: str | None = None  # task logs and completion markers; null: {cache_dir}/.{fingerprint}.tasks
+    executor_partition: str | None = None  # slurm partition (null: the cluster's default)
+    executor_time: str = "24:00:00"  # slurm time limit per task
+    executor_cpus_per_task: int = 1  # slurm / ray CPUs per task
+    executor_mem_per_cpu_gb: float = 2.0  # slurm / ray memory per CPU
+    executor_env_command: str | None = None  # slurm: shell command run before each task (e.g. activating a venv)
+    executor_address: str | None = None  # ray: the cluster to join (null: RAY_ADDRESS, else a local one)
+
     def check_source(self) -> None:
         """Where the data is read (prepare, train), not on construction: a config is often built in pieces,
         and an estimate needs no data."""
@@ -675,6 +688,11 @@ class DataConfig(_Validated):
         _require(0.0 < self.deduplication_threshold <= 1.0, "DataConfig.deduplication_threshold must be in (0, 1]")
         _require(8 <= self.minhash_num_perm <= 1024, "DataConfig.minhash_num_perm must be between 8 and 1024")
         _require(bool(self.curriculum_key), "DataConfig.curriculum_key must be length or a column name")
+        _require(self.executor_tasks >= 1, "DataConfig.executor_tasks must be >= 1")
+        _require(
+            self.executor_workers == -1 or self.executor_workers >= 1, "DataConfig.executor_workers must be -1 or >= 1"
+        )
+        _require(self.executor_cpus_per_task >= 1, "DataConfig.executor_cpus_per_task must be >= 1")
         steps = [stage.until_step for stage in self.curriculum or []]
         for i in range(1, len(steps)):
             _require(

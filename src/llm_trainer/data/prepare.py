@@ -67,6 +67,16 @@ _NOT_FINGERPRINTED = (
     "packing_strategy",
     "document_mask",
     "curriculum",
+    "executor",
+    "executor_tasks",
+    "executor_workers",
+    "executor_logs",
+    "executor_partition",
+    "executor_time",
+    "executor_cpus_per_task",
+    "executor_mem_per_cpu_gb",
+    "executor_env_command",
+    "executor_address",
 )
 
 
@@ -627,6 +637,10 @@ def _prepare(config: DataConfig, fingerprint: str, work: Path, directory: Path) 
         if (directory / MANIFEST).is_file():  # another process finished it while this one waited
             shutil.rmtree(work, ignore_errors=True)
             return _load(directory)
+        if config.executor is not None:  # a datatrove pipeline; finished tasks are kept whatever happens
+            from .cluster import prepare_with_executor
+
+            return prepare_with_executor(config, fingerprint, work, directory)
         try:
             return _Build(config, fingerprint, work, directory).run()
         except (KeyboardInterrupt, SystemExit):
