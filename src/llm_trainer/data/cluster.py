@@ -74,11 +74,12 @@ class TaskFailed(RuntimeError):
 
 def task_ranges(sizes: list[int], tasks: int) -> list[tuple[int, int]]:
     """Contiguous [start, end) ranges of the units, one per task, balanced by bytes: unit i goes to task
-    floor(tasks * bytes before it / all bytes). Deterministic; some ranges are empty when tasks > files."""
+    floor(tasks * (bytes before it + half its own) / all bytes). Deterministic; some ranges are empty when
+    tasks > files."""
     total = sum(sizes)
     owner, before = [], 0
     for size in sizes:
-        owner.append(min(tasks - 1, tasks * before // total) if total else 0)
+        owner.append(min(tasks - 1, (2 * before + size) * tasks // (2 * total)) if total else 0)  # its middle
         before += size
     return [(sum(o < r for o in owner), sum(o <= r for o in owner)) for r in range(tasks)]
 
@@ -434,9 +435,14 @@ def _executor(config: DataConfig, pipeline: list, tasks: int, logging_dir: Path,
     if config.executor == "local":
         from datatrove.executor import LocalPipelineExecutor
 
-        if workers == -1:
-            workers = min(tasks, os.cpu_count() or 1)
-        return LocalPipelineExecutor(pipeline, tasks=tasks, workers=workers, logging_dir=str(logging_dir))
+        workers = min(tasks, os.cpu_count() or 1) if workers == -1 else min(tasks, workers)
+        if workers > 1:  # one task per core: each tokenizes on its own thread (no oversubscription)
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        # fork: the workers start with this process's modules imported (a fresh interpreter per worker
+        # would import llm_trainer and torch again, seconds on a small machine)
+        return LocalPipelineExecutor(
+            pipeline, tasks=tasks, workers=workers, logging_dir=str(logging_dir), start_method="fork"
+        )
     if config.executor == "ray":
         from datatrove.executor import RayPipelineExecutor
 
@@ -541,17 +547,24 @@ def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, dire
         f"data: preparing {directory} on executor {config.executor} ({config.executor_tasks} tasks); "
         f"logs and completion markers in {tasks_dir}"
     )
+    started = time.perf_counter()
     per_file = _executor(
         config, trove_steps.per_file_pipeline(config, plan_path), config.executor_tasks, tasks_dir / "prepare"
     )
+    seconds = {}
     if config.executor == "slurm":
         merging = _executor(config, trove_steps.merge_pipeline(config, plan_path), 1, tasks_dir / "merge", per_file)
         _run_slurm(per_file, merging, tasks_dir, directory / MANIFEST)
     else:
         with _ray(config):
             _run(per_file, "prepare", tasks_dir)
+            seconds["prepare"] = time.perf_counter() - started
             merging = _executor(config, trove_steps.merge_pipeline(config, plan_path), 1, tasks_dir / "merge")
             _run(merging, "merge", tasks_dir)
+    seconds["total"] = time.perf_counter() - started
+    if "prepare" in seconds:
+        seconds["merge"] = seconds["total"] - seconds["prepare"]
+    (tasks_dir / "seconds.json").write_text(json.dumps({k: round(v, 3) for k, v in seconds.items()}))
     for stage in STAGES:
         shutil.rmtree(tasks_dir / stage / "completions", ignore_errors=True)
     shutil.rmtree(tasks_dir / PARTS, ignore_errors=True)
