@@ -194,10 +194,13 @@ def test_a_killed_prepare_runs_only_its_unfinished_tasks_again(tmp_path):
 def test_bad_input_in_a_task_is_one_line_and_exit_2(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    (corpus / "a.txt").write_text("some words that are fine " * 10)
+    (corpus / "a.jsonl").write_text(
+        "".join(json.dumps({"text": f"some words that are fine {i}"}) + "\n" for i in range(300))
+    )
     (corpus / "named.bin").write_bytes(b"\x00\x01\x02" * 100)
-    data = {"data_files": [str(corpus / "a.txt"), str(corpus / "named.bin")], "cache_dir": str(tmp_path / "cache")}
-    data.update(tokenizer="char", executor="local", executor_tasks=2)
+    data = {"data_files": [str(corpus / "a.jsonl"), str(corpus / "named.bin")], "cache_dir": str(tmp_path / "cache")}
+    # the tokenizer's sample is read before the tasks, from the first batch of documents (a.jsonl's)
+    data.update(tokenizer_vocab_size=300, tokenizer_train_max_chars=100, executor="local", executor_tasks=2)
     done = _cli("prepare", "--config", str(_experiment(tmp_path / "exp.yaml", data)), cwd=tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
@@ -214,13 +217,13 @@ def test_a_failed_task_names_the_task_the_file_and_the_command_to_resume(tmp_pat
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text("some words that are fine " * 10)
-    table = pa.table({"text": [f"document number {i} " * 20 for i in range(2000)]})
+    table = pa.table({"text": [f"document number {i} " * 20 for i in range(4000)]})
     pq.write_table(table, corpus / "b.parquet", row_group_size=500, compression="NONE")
     raw = bytearray((corpus / "b.parquet").read_bytes())
-    middle = len(raw) // 2
-    raw[middle : middle + 4000] = b"\xff" * 4000
+    damaged = len(raw) * 3 // 4  # past the rows the tokenizer's sample reads before the tasks
+    raw[damaged : damaged + 4000] = b"\xff" * 4000
     (corpus / "b.parquet").write_bytes(bytes(raw))
-    data = {"data_files": [str(corpus)], "cache_dir": str(tmp_path / "cache"), "tokenizer": "char"}
+    data = {"data_files": [str(corpus)], "cache_dir": str(tmp_path / "cache"), "tokenizer_vocab_size": 300}
     data.update(executor="local", executor_tasks=2, tokenizer_train_max_chars=100)
     config = _experiment(tmp_path / "exp.yaml", data)
     done = _cli("prepare", "--config", str(config), cwd=tmp_path)
