@@ -210,7 +210,7 @@ def tokenized_rows(result: Processed, deduplication: str, seen: set[int] | None)
     return rows
 
 
-_SEEN_KEYS = 1 << 20  # keys remembered per task and source for the above (memory stays bounded)
+_SEEN_KEYS = 1 << 18  # keys remembered per task and source for the above (memory stays bounded)
 
 
 def write_error(tasks_dir: Path, stage: str, rank: int, tasks: int, file: str | None, exc: BaseException) -> None:
@@ -618,30 +618,35 @@ def _ray(config: DataConfig):
 
 def _run_slurm(per_file, merging, tasks_dir: Path, manifest: Path, poll: float = 1.0) -> None:
     """Submit both stages (the merge after the per-file jobs), then wait for the manifest or a failure."""
+    submitted = tasks_dir / "slurm_jobs.json"
+    with contextlib.suppress(OSError, ValueError):
+        earlier = json.loads(submitted.read_text())
+        while earlier and _queued(earlier):  # an earlier command's jobs still run: never two tasks on one part
+            log(f"data: waiting for the Slurm job(s) {', '.join(earlier)} an earlier prepare submitted")
+            time.sleep(10 * poll)
     merging.run()  # submits the per-file array job first (its dependency), then the merge job
     jobs = [str(j) for j in (per_file.job_id, merging.job_id) if j not in (None, -1)]
+    submitted.write_text(json.dumps(jobs))
     log(f"data: submitted Slurm job(s) {', '.join(jobs) or '(none: all tasks were complete)'}")
     while not manifest.is_file():
-        queued = (
-            subprocess.run(
-                ["squeue", "-h", "-o", "%i %T", "-j", ",".join(jobs)], capture_output=True, text=True
-            ).stdout.split("\n")
-            if jobs
-            else []
-        )
-        running_per_file = any(line.split(" ")[0].split("_")[0] == str(per_file.job_id) for line in queued if line)
-        failed = list((tasks_dir / "prepare" / "errors").glob("*.json")) + list(
-            (tasks_dir / "merge" / "errors").glob("*.json")
-        )
-        if (failed and not running_per_file) or not any(line.strip() for line in queued):
+        queued = _queued(jobs)
+        if str(per_file.job_id) not in queued and per_file.get_incomplete_ranks(skip_completed=True):
+            subprocess.run(["scancel", *jobs], capture_output=True)  # the merge would wait for ever
+            _check(per_file, "prepare", tasks_dir, None)
+        if not queued & set(jobs):
             if manifest.is_file():
                 break
-            if jobs:
-                subprocess.run(["scancel", *jobs], capture_output=True)
-            _check(per_file, "prepare", tasks_dir, None)
             _check(merging, "merge", tasks_dir, None)
             raise TaskFailed(
                 f"the Slurm jobs {', '.join(jobs)} ended without a result; see {tasks_dir / 'slurm_logs'}; "
                 f"run {_resume_command()} again to resume"
             )
         time.sleep(poll)
+
+
+def _queued(jobs: list[str]) -> set[str]:
+    """The jobs of `jobs` Slurm still lists (pending or running)."""
+    if not jobs:
+        return set()
+    listed = subprocess.run(["squeue", "-h", "-o", "%i", "-j", ",".join(jobs)], capture_output=True, text=True)
+    return {line.split("_")[0] for line in listed.stdout.split()} & set(jobs)
