@@ -456,7 +456,7 @@ def _executor(config: DataConfig, pipeline: list, tasks: int, logging_dir: Path,
         )
     from datatrove.executor import SlurmPipelineExecutor
 
-    return SlurmPipelineExecutor(
+    executor = SlurmPipelineExecutor(
         pipeline,
         tasks=tasks,
         workers=workers,
@@ -473,6 +473,13 @@ def _executor(config: DataConfig, pipeline: list, tasks: int, logging_dir: Path,
         requeue=False,
         with_srun=False,
     )
+    # no stats-merging job: it would wait for ever behind a failed task (the stats stay per task in stats/)
+    executor.launch_merge_stats = _no_stats_job
+    return executor
+
+
+def _no_stats_job() -> None:
+    return None
 
 
 def _python_path_command() -> str:
