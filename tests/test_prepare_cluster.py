@@ -385,3 +385,39 @@ def test_the_slurm_executor_submits_jobs_and_writes_the_in_process_folder(corpus
     assert prepared_files(prepared) == reference
     slurm_logs = list((root / "slurm").glob(".*.tasks/slurm_logs/*.out"))
     assert slurm_logs, "no Slurm job wrote its output"
+
+
+@pytest.mark.slow
+def test_a_cancelled_slurm_task_is_reported_and_only_it_runs_again(corpus, slurm_cluster, tmp_path):
+    """One task of the array job is cancelled (Slurm kills it, or it never starts): the command says which
+    task did not finish and how to resume; the same command submits that task alone, then the merge."""
+    root, sources, reference = corpus
+    data = settings(sources, root / "slurm-cancel", executor_mem_per_cpu_gb=1)
+    config = _experiment(tmp_path / "exp.yaml", data)
+    command = [sys.executable, "-m", "llm_trainer", "prepare", "--config", str(config), "--executor", "slurm"]
+    command += ["--tasks", "3", "--workers", "1"]  # one array task at a time: the last one starts last
+    proc = subprocess.Popen(command, cwd=tmp_path, env=src_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (jobs := list((root / "slurm-cancel").glob(".*.tasks/slurm_jobs.json"))):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
+            time.sleep(0.05)
+        tasks_dir = jobs[0].parent
+        per_file_job = json.loads(jobs[0].read_text())[0]
+        subprocess.run(["scancel", f"{per_file_job}_2"], check=True)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err.decode()[-3000:]
+    last = err.decode().strip().splitlines()[-1]
+    assert "task(s) of the prepare stage did not finish (first: task 2)" in last and "again to resume" in last
+    finished = sorted(p.name for p in (tasks_dir / "prepare" / "completions").iterdir())
+    assert finished == ["00000", "00001"]
+    assert json.loads((tasks_dir / "prepare" / "ranks_to_run.json").read_text()) == [0, 1, 2]
+
+    done = subprocess.run(command, cwd=tmp_path, env=src_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tasks_dir / "prepare" / "ranks_to_run.json").read_text()) == [2]  # only the cancelled task
+    assert prepared_files(Path(json.loads(done.stdout)["directory"])) == reference
