@@ -21,6 +21,7 @@ from conftest import free_port, src_env
 from llm_trainer.config import DataConfig
 from llm_trainer.data.cluster import task_ranges, tasks_folder
 from llm_trainer.data.prepare import prepare_data
+from llm_trainer.errors import UsageError
 
 pytest.importorskip("datatrove")
 
@@ -421,3 +422,11 @@ def test_a_cancelled_slurm_task_is_reported_and_only_it_runs_again(corpus, slurm
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tasks_dir / "prepare" / "ranks_to_run.json").read_text()) == [2]  # only the cancelled task
     assert prepared_files(Path(json.loads(done.stdout)["directory"])) == reference
+
+
+def test_a_hugging_face_dataset_is_refused_in_one_line_before_anything_is_read(tmp_path):
+    config = DataConfig(dataset_name="wikitext", executor="local", cache_dir=str(tmp_path))
+    with pytest.raises(UsageError) as error:
+        prepare_data(config)
+    message = str(error.value)
+    assert "reads files" in message and "save it as JSONL or Parquet" in message and "\n" not in message

@@ -25,7 +25,8 @@ Where things are (`data.executor_logs`, default `{cache_dir}/.{fingerprint}.task
   prepare/ and merge/             datatrove's folders of each stage: logs/task_NNNNN.log,
                                   completions/NNNNN, stats/, errors/NNNNN.json (a failed task's message)
   parts/NNNNN/                    the per-file stage's output (removed once the merge has finished)
-  slurm_logs/                     Slurm's own job output (executor slurm)
+  slurm_logs/, slurm_jobs.json    Slurm's own job output, the jobs the last command submitted (slurm)
+  seconds.json                    each stage's wall time (local, ray)
 """
 
 from __future__ import annotations
@@ -52,7 +53,16 @@ from .dedup import MinHasher
 from .filters import FILTERS, Removal
 from .mixture import interleave
 from .process import Processed
-from .sources import BadInput, Document, FileUnit, SourceStats, empty_source, file_units, resolved_sources
+from .sources import (
+    BadInput,
+    Document,
+    FileUnit,
+    SourceStats,
+    empty_source,
+    file_units,
+    only_files,
+    resolved_sources,
+)
 
 PLAN = "plan.json"
 PARTS = "parts"
@@ -546,6 +556,7 @@ def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, dire
     from . import trove_steps
     from .prepare import MANIFEST, PreparedData, _Build
 
+    only_files(config)
     tokenizer = _Build(config, fingerprint, work, directory)._tokenizer()  # once, before any task, in `work`
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     tasks_dir = tasks_folder(config, fingerprint)

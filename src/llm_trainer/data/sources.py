@@ -600,21 +600,27 @@ class FileUnit(NamedTuple):
 def file_units(config: DataConfig, stats: SourceStats) -> list[FileUnit]:
     """Every input file of every source, in the order `iter_source` reads them (files resolved once, here).
     Hugging Face datasets are not files: refused."""
+    only_files(config)
     units: list[FileUnit] = []
     bad = BadInput(config.on_bad_input, stats)
     for index, spec in enumerate(resolved_sources(config)):
-        if spec.dataset_name not in (None, BUILTIN_STDLIB):
-            raise UsageError(
-                f"data.executor {config.executor} reads files, and source {spec.name!r} is the dataset "
-                f"{spec.dataset_name!r}; save it as JSONL or Parquet files and name them in data_files, "
-                "or prepare without data.executor"
-            )
         if spec.dataset_name == BUILTIN_STDLIB:
             units += [FileUnit(index, str(p), False, True, p.stat().st_size) for p in stdlib_files()]
         if spec.data_files is not None:
             for path, explicit in resolve_files(spec.data_files, spec.include, spec.exclude, bad):
                 units.append(FileUnit(index, str(path), explicit, False, path.stat().st_size))
     return units
+
+
+def only_files(config: DataConfig) -> None:
+    """Refuse, in one line, a source that is a Hugging Face dataset: a distributed prepare reads files."""
+    for spec in resolved_sources(config):
+        if spec.dataset_name not in (None, BUILTIN_STDLIB):
+            raise UsageError(
+                f"data.executor {config.executor} reads files, and source {spec.name!r} is the dataset "
+                f"{spec.dataset_name!r}; save it as JSONL or Parquet files and name them in data_files, "
+                "or prepare without data.executor"
+            )
 
 
 def iter_unit(unit: FileUnit, config: DataConfig, stats: SourceStats) -> Iterator[Document]:
