@@ -45,8 +45,11 @@ def cmd_prepare(args) -> int:
 
     flags = {"executor": args.executor, "executor_tasks": args.tasks, "executor_workers": args.workers}
     args.overrides = [*args.overrides, *(f"data.{k}={v}" for k, v in flags.items() if v is not None)]
+    data = _experiment(args).data
+    if data.executor is None and (args.tasks is not None or args.workers is not None):
+        raise UsageError("--tasks and --workers need an executor: add --executor local (or slurm, ray)")
     try:
-        prepared = prepare_data(_experiment(args).data)
+        prepared = prepare_data(data)
     except RuntimeError as exc:
         from .data.cluster import TaskFailed
 
