@@ -256,10 +256,14 @@ def ray_cluster():
 
 
 @pytest.mark.slow
-def test_the_ray_executor_writes_the_in_process_folder(corpus, ray_cluster):
-    root, sources, reference = corpus
+def test_the_ray_executor_writes_the_in_process_folder(corpus, ray_cluster, monkeypatch):
+    """With paths relative to the command's folder, which Ray's workers need not start in."""
+    root, sources, _ = corpus
+    monkeypatch.chdir(root)
+    relative = [{**source, "data_files": [str(Path(source["data_files"][0]).relative_to(root))]} for source in sources]
+    reference = prepared_files(prepare_data(DataConfig(**settings(relative, Path("relative")))).directory)
     config = DataConfig(
-        **settings(sources, root / "ray", executor="ray", executor_tasks=3, executor_workers=2),
+        **settings(relative, Path("ray"), executor="ray", executor_tasks=3, executor_workers=2),
         executor_mem_per_cpu_gb=0.25,
     )
     prepared = prepare_data(config)

@@ -104,6 +104,12 @@ class Plan:
     work: str
     directory: str
     started: float
+    cwd: str  # the command's folder: relative paths of the config and the files are relative to it
+
+    def enter(self) -> None:
+        """Make the command's folder this process's (a Ray worker or a Slurm job may start elsewhere)."""
+        if os.getcwd() != self.cwd:
+            os.chdir(self.cwd)
 
     @property
     def root(self) -> Path:
@@ -396,6 +402,7 @@ def _merge_build():
 def merge(config: DataConfig, plan_path: Path) -> None:
     """The merge stage's one task: the prepared folder from the parts."""
     plan = Plan.load(plan_path)
+    plan.enter()
     _merge_build()(config, plan, Path(plan_path).parent).run()
 
 
@@ -404,7 +411,8 @@ def merge(config: DataConfig, plan_path: Path) -> None:
 
 
 def tasks_folder(config: DataConfig, fingerprint: str) -> Path:
-    return Path(config.executor_logs) if config.executor_logs else Path(config.cache_dir) / f".{fingerprint}.tasks"
+    folder = Path(config.executor_logs) if config.executor_logs else Path(config.cache_dir) / f".{fingerprint}.tasks"
+    return folder.resolve()
 
 
 def _plan(config: DataConfig, fingerprint: str, work: Path, directory: Path, tasks_dir: Path, dtype) -> Path:
@@ -436,6 +444,7 @@ def _plan(config: DataConfig, fingerprint: str, work: Path, directory: Path, tas
         str(work),
         str(directory),
         time.time(),
+        os.getcwd(),
     ).save(path)
     return path
 

@@ -50,6 +50,7 @@ class ReadFiles(PipelineStep):
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         plan = Plan.load(self.plan_path)
+        plan.enter()
         start, end = plan.ranges()[rank]
         source, pending = None, Counter()
         for index in range(start, end):
@@ -142,6 +143,7 @@ class WriteParts(PipelineStep):
 
         tasks_dir = Path(self.plan_path).parent
         plan = Plan.load(self.plan_path)
+        plan.enter()
         clear_error(tasks_dir, "prepare", rank)
         _current["file"] = None
         try:
