@@ -206,6 +206,9 @@ def test_bad_input_in_a_task_is_one_line_and_exit_2(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "named.bin looks like a binary file" in last and "task 1 of 2" in last
+    # as without an executor, bad input leaves no work behind (fixing it changes the fingerprint); logs stay
+    assert not list((tmp_path / "cache").glob(".*.partial")) and not list((tmp_path / "cache").glob(".*.tasks/parts"))
+    assert list((tmp_path / "cache").glob(".*.tasks/prepare/logs/task_00001.log"))
 
 
 @pytest.mark.slow

@@ -579,15 +579,25 @@ def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, dire
         config, trove_steps.per_file_pipeline(config, plan_path), config.executor_tasks, tasks_dir / "prepare"
     )
     seconds = {}
-    if config.executor == "slurm":
-        merging = _executor(config, trove_steps.merge_pipeline(config, plan_path), 1, tasks_dir / "merge", per_file)
-        _run_slurm(per_file, merging, tasks_dir, directory / MANIFEST)
-    else:
-        with _ray(config):
-            _run(per_file, "prepare", tasks_dir)
-            seconds["prepare"] = time.perf_counter() - started
-            merging = _executor(config, trove_steps.merge_pipeline(config, plan_path), 1, tasks_dir / "merge")
-            _run(merging, "merge", tasks_dir)
+    try:
+        if config.executor == "slurm":
+            merge_steps = trove_steps.merge_pipeline(config, plan_path)
+            _run_slurm(
+                per_file,
+                _executor(config, merge_steps, 1, tasks_dir / "merge", per_file),
+                tasks_dir,
+                directory / MANIFEST,
+            )
+        else:
+            with _ray(config):
+                _run(per_file, "prepare", tasks_dir)
+                seconds["prepare"] = time.perf_counter() - started
+                merging = _executor(config, trove_steps.merge_pipeline(config, plan_path), 1, tasks_dir / "merge")
+                _run(merging, "merge", tasks_dir)
+    except UsageError:  # bad input: fixing it changes the fingerprint, so the work done is of no further use
+        shutil.rmtree(tasks_dir / PARTS, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     seconds["total"] = time.perf_counter() - started
     if "prepare" in seconds:
         seconds["merge"] = seconds["total"] - seconds["prepare"]
