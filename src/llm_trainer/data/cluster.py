@@ -32,6 +32,7 @@ Where things are (`data.executor_logs`, default `{cache_dir}/.{fingerprint}.task
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -147,7 +148,8 @@ class PartWriter:
     """What one task writes, per source s: {s}.records (RECORD per document read), {s}.tokens (the tokens
     of the tokenized documents, end-of-text after each), {s}.sigs (MinHash signatures, near dedup),
     {s}.meta.jsonl (per document: where it was read, the measured value of the filter that removed it,
-    what the readers skipped before it); done.json last (documents per source, skips after the last one)."""
+    what the readers skipped before it; a line holding only a tab and where it was read when there is
+    nothing else to say); done.json last (documents per source, skips after the last one)."""
 
     def __init__(self, folder: Path, dtype: np.dtype, with_signatures: bool):
         shutil.rmtree(folder, ignore_errors=True)  # a task that was killed starts its part over
@@ -186,8 +188,18 @@ class PartWriter:
             files["sigs"].write(result.signatures.tobytes())
         lines = []
         for m, removal in zip(metadata, result.removals):
+            origin = m["origin"]
+            if (
+                removal is None
+                and not m["skips"]
+                and isinstance(origin, str)
+                and "\n" not in origin
+                and "\r" not in origin
+            ):
+                lines.append(f"\t{origin}\n")  # the common case, read back without a JSON parse
+                continue
             detail = [removal.value, removal.threshold, removal.setting] if removal is not None else [None] * 3
-            lines.append(json.dumps([m["origin"], *detail, m["skips"]]) + "\n")
+            lines.append(json.dumps([origin, *detail, m["skips"]]) + "\n")
         files["meta.jsonl"].write("".join(lines).encode())
         self.sources[source]["documents"] += len(metadata)
 
@@ -227,6 +239,13 @@ def tokenized_rows(result: Processed, deduplication: str, seen: set[int] | None)
 
 
 _SEEN_KEYS = 1 << 18  # keys remembered per task and source for the above (memory stays bounded)
+
+
+def frozen_heap() -> None:
+    """Leave the objects alive now (torch, the tokenizer, ... imported) out of the garbage collector's
+    scans: a stage allocates a few objects per document, and each full collection would walk them all."""
+    gc.collect()
+    gc.freeze()
 
 
 def write_error(tasks_dir: Path, stage: str, rank: int, tasks: int, file: str | None, exc: BaseException) -> None:
@@ -279,9 +298,13 @@ def _part_records(folder: Path, source: int, name: str, count: int, dtype, num_p
             chunk = records[start : start + _CHUNK]
             fields = {name: chunk[name].tolist() for name in RECORD.names}
             for j in range(len(chunk)):
-                origin, value, threshold, setting, skips = json.loads(meta.readline())
-                if skips:
-                    skipped.update(skips)
+                line = meta.readline()
+                if line[0] == "\t":
+                    origin, value, threshold, setting = line[1:-1], None, None, None
+                else:
+                    origin, value, threshold, setting, skips = json.loads(line)
+                    if skips:
+                        skipped.update(skips)
                 reason = None if fields["reason"][j] < 0 else FILTERS[fields["reason"][j]]
                 score = fields["score"][j]
                 n = fields["tokens"][j]
@@ -321,6 +344,7 @@ def _merge_build():
 
         def run(self):
             shutil.rmtree(self.work / SHARDS, ignore_errors=True)  # a merge that was killed starts over
+            frozen_heap()
             return super().run()
 
         def _elapsed(self) -> float:
