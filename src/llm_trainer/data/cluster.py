@@ -32,7 +32,6 @@ Where things are (`data.executor_logs`, default `{cache_dir}/.{fingerprint}.task
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import shutil
@@ -241,13 +240,6 @@ def tokenized_rows(result: Processed, deduplication: str, seen: set[int] | None)
 _SEEN_KEYS = 1 << 18  # keys remembered per task and source for the above (memory stays bounded)
 
 
-def frozen_heap() -> None:
-    """Leave the objects alive now (torch, the tokenizer, ... imported) out of the garbage collector's
-    scans: a stage allocates a few objects per document, and each full collection would walk them all."""
-    gc.collect()
-    gc.freeze()
-
-
 def write_error(tasks_dir: Path, stage: str, rank: int, tasks: int, file: str | None, exc: BaseException) -> None:
     """errors/{rank}.json in the stage's folder: what the driver reports for a failed task."""
     folder = Path(tasks_dir) / stage / "errors"
@@ -344,7 +336,6 @@ def _merge_build():
 
         def run(self):
             shutil.rmtree(self.work / SHARDS, ignore_errors=True)  # a merge that was killed starts over
-            frozen_heap()
             return super().run()
 
         def _elapsed(self) -> float:

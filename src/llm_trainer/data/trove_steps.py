@@ -26,7 +26,6 @@ from .cluster import (
     PartWriter,
     Plan,
     clear_error,
-    frozen_heap,
     merge,
     part_folder,
     tokenized_rows,
@@ -145,7 +144,6 @@ class WriteParts(PipelineStep):
         tasks_dir = Path(self.plan_path).parent
         plan = Plan.load(self.plan_path)
         plan.enter()
-        frozen_heap()
         clear_error(tasks_dir, "prepare", rank)
         _current["file"] = None
         try:
