@@ -470,8 +470,6 @@ def _executor(config: DataConfig, pipeline: list, tasks: int, logging_dir: Path,
         from datatrove.executor import LocalPipelineExecutor
 
         workers = min(tasks, os.cpu_count() or 1) if workers == -1 else min(tasks, workers)
-        if workers > 1:  # one task per core: each tokenizes on its own thread (no oversubscription)
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"
         # fork: the workers start with this process's modules imported (a fresh interpreter per worker
         # would import llm_trainer and torch again, seconds on a small machine)
         return LocalPipelineExecutor(
@@ -639,10 +637,21 @@ def _datatrove_modules():
 
 def _run(executor, stage: str, tasks_dir: Path) -> None:
     error = None
+    from datatrove.executor import LocalPipelineExecutor
+
+    pooled = isinstance(executor, LocalPipelineExecutor) and executor.workers > 1
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    if pooled:  # one task per core: each tokenizes on its own thread (no oversubscription)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
         executor.run()
     except Exception as exc:  # a task's exception, re-raised by the executor: reported by _check
         error = exc
+    finally:
+        if pooled and saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        elif pooled:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
     _check(executor, stage, tasks_dir, error)
 
 
