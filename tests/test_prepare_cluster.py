@@ -314,7 +314,7 @@ def slurm_cluster(tmp_path_factory, monkeypatch):
         pytest.skip(f"Slurm is not installed here (missing {', '.join(missing)}; .ci/run installs slurm-wlm)")
     if os.geteuid() != 0:
         pytest.skip("a single-node Slurm runs as root (SlurmUser=root); this test runs as another user")
-    root = Path(tempfile_dir := tmp_path_factory.mktemp("slurm"))
+    root = tmp_path_factory.mktemp("slurm")
     for sub in ("state", "spool", "munge"):
         (root / sub).mkdir()
     key = root / "munge" / "munge.key"
@@ -378,7 +378,6 @@ def slurm_cluster(tmp_path_factory, monkeypatch):
                     proc.kill()
                     proc.wait()
             proc.stderr.close()
-        del tempfile_dir
 
 
 @pytest.mark.slow
