@@ -436,3 +436,60 @@ def test_a_hugging_face_dataset_is_refused_in_one_line_before_anything_is_read(t
         prepare_data(config)
     message = str(error.value)
     assert "reads files" in message and "save it as JSONL or Parquet" in message and "\n" not in message
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _kill_ray_task_workers() -> int:
+    """SIGKILL the processes of this test's Ray cluster (descendants of this process) that run a datatrove
+    task: the actor and the rank it forked. How many."""
+    killed = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        pid = ancestor = int(proc.name)
+        while ancestor > 1 and ancestor != os.getpid():
+            ancestor = _parent(ancestor)
+        try:
+            if ancestor == os.getpid() and (proc / "cmdline").read_bytes().startswith(b"ray::RankWorker"):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
+
+
+@pytest.mark.slow
+def test_a_ray_task_whose_worker_is_killed_runs_again_and_the_result_is_the_same(tmp_path, ray_cluster, capfd):
+    """SIGKILL the worker process of a task while it writes its part: datatrove's Ray executor submits the
+    task again, which starts its part over; the folder is the in-process prepare's."""
+    import threading
+
+    sources = write_mixed_corpus(tmp_path / "corpus", documents=800, files=2)
+    reference = prepared_files(prepare_data(DataConfig(**settings(sources, tmp_path / "in-process"))).directory)
+    config = DataConfig(
+        **settings(sources, tmp_path / "ray", executor="ray", executor_tasks=2, executor_workers=1),
+        executor_mem_per_cpu_gb=0.25,
+    )
+    killed = []
+
+    def kill_first_task():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed:
+            if list((tmp_path / "ray").glob(".*.tasks/parts/00000")):  # the task is writing its part
+                killed.append(_kill_ray_task_workers())
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=kill_first_task, daemon=True)
+    watcher.start()
+    prepared = prepare_data(config)
+    watcher.join(timeout=5)
+    assert killed and killed[0] > 0, "no Ray task worker was killed"
+    assert "failed with RayActorError" in capfd.readouterr().err  # the executor saw the loss and resubmitted
+    assert prepared_files(prepared.directory) == reference
