@@ -194,6 +194,18 @@ CASES = [
         ],
         "not a positive integer",
     ),
+    ("unknown spike policy", lambda t: ["estimate", *TINY, "training.on_loss_spike=rewnd"], "on_loss_spike must be"),
+    (
+        "profile steps after the run",
+        lambda t: ["estimate", *TINY, "training.max_steps=10", "training.profile_steps=[20,25]"],
+        "ends after the run's last step",
+    ),
+    ("profile steps reversed", lambda t: ["estimate", *TINY, "training.profile_steps=[5,3]"], "1 <= first <= last"),
+    (
+        "rewind without checkpoints",
+        lambda t: ["estimate", *TINY, "training.on_loss_spike=rewind", "training.save_steps=0"],
+        "no periodic checkpoints",
+    ),
     (
         "deep JSONL line",
         lambda t: ["prepare", *TINY, f"data.data_files={text_file(t, 'd.jsonl', DEEP_RECORD)}"],

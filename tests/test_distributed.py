@@ -100,6 +100,11 @@ def _losses(run_dir: Path):
     return ([r["loss"] for r in rows if r["kind"] == "train"], [r["val_loss"] for r in rows if r["kind"] == "eval"])
 
 
+def _train_rows(run_dir: Path, key: str) -> list:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if r["kind"] == "train"]
+
+
 def _assert_same_run(a: Path, b: Path, rel=1e-5):
     (train_a, val_a), (train_b, val_b) = _losses(a), _losses(b)
     assert len(train_a) == len(train_b) == EXPERIMENT["training"]["max_steps"]
@@ -126,6 +131,15 @@ def _initial_weights(workdir) -> str:
     model = Transformer(ModelConfig(**{**EXPERIMENT["model"], "vocab_size": vocab}))
     save_model_folder(model, workdir / "init")
     return str(workdir / "init")
+
+
+def _interrupted_at(workdir, run: str, step: int, into: str) -> None:
+    """Run `into` starts as a run killed after step `step` of `run`: that checkpoint alone in its folder."""
+    resumed = workdir / into / "checkpoints"
+    resumed.mkdir(parents=True)
+    subprocess.run(
+        ["cp", "-r", str(workdir / run / "checkpoints" / f"checkpoint-{step:08d}"), str(resumed)], check=True
+    )
 
 
 def test_ddp_equals_one_process_with_twice_the_batch(workdir):
@@ -219,6 +233,32 @@ def test_fsdp_equals_one_process_and_its_sharded_checkpoint_resumes(workdir):
     assert json.loads(result.stdout)["loss"] == pytest.approx(_losses(workdir / "fsdp")[1][-1], rel=1e-5)
 
 
+def test_fsdp_checkpoints_resume_at_another_world_size(workdir):
+    """FSDP's shards of step 3 (2 processes) resume in one process, each tensor read whole (batch 2 x 4
+    accumulation), and one process's whole checkpoint of step 3 resumes under FSDP on 2 processes,
+    each rank taking its shards (model and optimizer): steps 4-6 equal the uninterrupted run."""
+    init = _initial_weights(workdir)
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}")
+    fsdp = ("training.batch_size=4", "training.distributed_strategy=fsdp", f"model.init_from={init}")
+    _torchrun(workdir, "training.output_dir=fsdp", *fsdp)
+    _interrupted_at(workdir, "fsdp", 3, "two_to_one")
+    _single(
+        workdir,
+        "training.output_dir=two_to_one",
+        "training.batch_size=2",
+        "training.gradient_accumulation_steps=4",
+        f"model.init_from={init}",
+        "training.resume_from_checkpoint=latest",
+    )
+    _interrupted_at(workdir, "single", 3, "one_to_two")
+    _torchrun(workdir, "training.output_dir=one_to_two", *fsdp, "training.resume_from_checkpoint=latest")
+    (train, val) = _losses(workdir / "single")
+    for run in ("two_to_one", "one_to_two"):
+        resumed_train, resumed_val = _losses(workdir / run)
+        assert resumed_train == pytest.approx(train[3:], rel=1e-5)
+        assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+
+
 def test_fsdp_shard_grad_op_and_bf16_mixed_precision(workdir):
     """shard_grad_op trains like one process; under use_amp, FSDP2 computes in bf16 (params cast per
     block, gradients reduced in fp32) close to one process's autocast, and keeps fp32 master weights."""
@@ -236,16 +276,42 @@ def test_fsdp_shard_grad_op_and_bf16_mixed_precision(workdir):
     assert {t.dtype for t in weights.values()} == {torch.float32}
 
 
-def test_resume_at_another_world_size_is_refused(workdir):
+def test_resume_at_another_world_size_equals_the_uninterrupted_run(workdir):
+    """With the global batch kept at 8: step 3 of 2 processes (4 x 1 accumulation) resumes in one
+    process (4 x 2 accumulation), and step 3 of one process (8 x 1) on 2 processes (4 x 1); steps 4-6
+    and the evaluation at step 6 equal the run that was not interrupted. Another global batch is refused."""
+    _single(workdir, "training.output_dir=single")
     _torchrun(workdir, "training.output_dir=ddp", "training.batch_size=4")
+    _interrupted_at(workdir, "ddp", 3, "two_to_one")
+    _single(
+        workdir,
+        "training.output_dir=two_to_one",
+        "training.batch_size=4",
+        "training.gradient_accumulation_steps=2",
+        "training.resume_from_checkpoint=latest",
+    )
+    _interrupted_at(workdir, "single", 3, "one_to_two")
+    _torchrun(
+        workdir, "training.output_dir=one_to_two", "training.batch_size=4", "training.resume_from_checkpoint=latest"
+    )
+    (train, val) = _losses(workdir / "single")
+    for run in ("two_to_one", "one_to_two"):
+        resumed_train, resumed_val = _losses(workdir / run)
+        assert resumed_train == pytest.approx(train[3:], rel=1e-5)
+        assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+        assert _train_rows(workdir / run, "tokens_seen") == _train_rows(workdir / "single", "tokens_seen")[3:]
+
     result = _single(
         workdir,
         "training.output_dir=ddp",
+        "training.batch_size=4",
         "training.resume_from_checkpoint=latest",
         "training.max_steps=9",
         check=False,
     )
-    assert result.returncode == 2 and "world size 2" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "a global batch of 8 samples per step, this run has 4" in result.stderr
+    assert "set training.gradient_accumulation_steps=2" in result.stderr
 
 
 def test_world_size_must_match_the_launcher(workdir, monkeypatch, capsys):
@@ -469,6 +535,31 @@ def test_deepspeed_skips_a_nonfinite_step_on_every_rank(workdir):
 
 
 @needs_deepspeed
+def test_deepspeed_without_zero_resumes_at_another_world_size(workdir):
+    """ZeRO stage 0 keeps the optimizer state whole: step 3 of 2 processes resumes in one and step 3 of
+    one process on 2, with the uninterrupted run's losses (ZeRO 1-3 are refused: the test below)."""
+    stage0 = ("training.distributed_strategy=deepspeed", _deepspeed({"zero_optimization": {"stage": 0}}))
+    _single(workdir, "training.output_dir=single")
+    _torchrun(workdir, "training.output_dir=ds2", "training.batch_size=4", *stage0)
+    _single(workdir, "training.output_dir=ds1", *stage0)
+    _interrupted_at(workdir, "ds2", 3, "two_to_one")
+    _single(workdir, "training.output_dir=two_to_one", *stage0, "training.resume_from_checkpoint=latest")
+    _interrupted_at(workdir, "ds1", 3, "one_to_two")
+    _torchrun(
+        workdir,
+        "training.output_dir=one_to_two",
+        "training.batch_size=4",
+        *stage0,
+        "training.resume_from_checkpoint=latest",
+    )
+    (train, val) = _losses(workdir / "single")
+    for run in ("two_to_one", "one_to_two"):
+        resumed_train, resumed_val = _losses(workdir / run)
+        assert resumed_train == pytest.approx(train[3:], rel=1e-5)
+        assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+
+
+@needs_deepspeed
 def test_deepspeed_checkpoint_needs_deepspeed_to_resume(workdir):
     _torchrun(workdir, "training.output_dir=ds", "training.batch_size=4", "training.distributed_strategy=deepspeed")
     result = _torchrun(
@@ -481,6 +572,18 @@ def test_deepspeed_checkpoint_needs_deepspeed_to_resume(workdir):
         check=False,
     )
     assert result.returncode != 0 and "saved with distributed_strategy deepspeed" in result.stderr
+    # At another world size, the same global batch: DeepSpeed cannot repartition, one line says what to do.
+    result = _single(
+        workdir,
+        "training.output_dir=ds",
+        "training.distributed_strategy=deepspeed",
+        "training.resume_from_checkpoint=latest",
+        "training.max_steps=9",
+        check=False,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "saved by DeepSpeed ZeRO on 2 process(es), this run has 1" in result.stderr
+    assert "universal checkpoint" in result.stderr and "model.init_from=" in result.stderr
 
 
 # -- several "nodes" and elastic restarts --------------------------------------------------------------

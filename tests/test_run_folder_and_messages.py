@@ -44,6 +44,14 @@ def test_a_second_train_into_a_run_folder_is_refused_then_resumes_or_starts_over
     assert "training.resume_from_checkpoint=latest" in err and "training.output_dir" in err and "--overwrite" in err
     assert (run / "metrics.jsonl").read_text() == before  # nothing touched
 
+    resume_short = ["train", "--config", str(config), "training.resume_from_checkpoint=latest", "training.max_steps=3"]
+    assert main(resume_short) == 2
+    err = capfd.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert "checkpoint-00000004 is at step 4, past this run's last step (3)" in err
+    assert "raise training.max_steps" in err
+    assert (run / "metrics.jsonl").read_text() == before
+
     (run / "notes.txt").write_text("mine")  # a file of the user's own
     (run / "plots").mkdir(exist_ok=True)
     assert main(["train", "--config", str(config), "--overwrite", "training.max_steps=2"]) == 0

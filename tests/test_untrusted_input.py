@@ -779,11 +779,20 @@ def test_a_meta_json_with_wrong_types_is_damage_like_any_other(trained, tmp_path
     assert "meta.json is corrupt" in error
 
 
-def test_a_train_state_with_wrong_types(trained, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "part, value, fragment",
+    [
+        ("step", "six", "train_state.json is corrupt"),
+        ("spike_history", {"loss": ["high"]}, "train_state.json is corrupt (spike_history"),
+        ("data.skip", [[9, 3]], "malformed data position"),
+        ("data.skip", "all", "malformed data position"),
+    ],
+)
+def test_a_train_state_with_wrong_types(trained, tmp_path, capsys, part, value, fragment):
     run = run_copy(trained, tmp_path)
     newest = checkpoint(run, MAX_STEPS)
     state = json.loads((newest / "train_state.json").read_text())
-    state["step"] = "six"
+    (state["data"] if part.startswith("data.") else state)[part.removeprefix("data.")] = value
     (newest / "train_state.json").write_text(json.dumps(state))
     reseal(newest)
     before = snapshot(run)
@@ -796,7 +805,7 @@ def test_a_train_state_with_wrong_types(trained, tmp_path, capsys):
         "training.max_steps=8",
         "training.resume_from_checkpoint=latest",
     )
-    assert "train_state.json is corrupt" in error and snapshot(run) == before
+    assert fragment in error and snapshot(run) == before
 
 
 @pytest.mark.parametrize("value", ["inf", ".inf", "-.inf", ".nan"])

@@ -43,7 +43,20 @@ def _experiment(args):
 def cmd_prepare(args) -> int:
     from .data.prepare import prepare_data
 
-    prepared = prepare_data(_experiment(args).data)
+    flags = {"executor": args.executor, "executor_tasks": args.tasks, "executor_workers": args.workers}
+    args.overrides = [*args.overrides, *(f"data.{k}={v}" for k, v in flags.items() if v is not None)]
+    data = _experiment(args).data
+    if data.executor is None and (args.tasks is not None or args.workers is not None):
+        raise UsageError("--tasks and --workers need an executor: add --executor local (or slurm, ray)")
+    try:
+        prepared = prepare_data(data)
+    except RuntimeError as exc:
+        from .data.cluster import TaskFailed
+
+        if not isinstance(exc, TaskFailed):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(
         json.dumps(
             {
@@ -103,9 +116,10 @@ def _eval_loader(model, tokenizer, experiment: dict, args, batch_size: int):
     """Validation batches: the windows of the file --data names, or the run's own validation split."""
     from .api import build_rows
     from .data.loader import BatchLoader, WindowRows
+    from .data.source_labels import of_split as source_labels_of
 
     length = model.config.max_seq_len
-    data_file = args.data
+    data_file, labels = args.data, None
     if data_file is not None:
         path = Path(data_file)
         if not path.is_file():
@@ -148,6 +162,7 @@ def _eval_loader(model, tokenizer, experiment: dict, args, batch_size: int):
                     "vocabulary; it was prepared with another tokenizer. Pass --data FILE"
                 )
             rows = build_rows(prepared, "val", settings, settings.max_length or length, seed=None)
+            labels = source_labels_of(rows, prepared)  # a mixture: each source's loss too
         except (ValueError, OSError, IndexError) as exc:
             if isinstance(exc, UsageError):
                 raise
@@ -155,7 +170,9 @@ def _eval_loader(model, tokenizer, experiment: dict, args, batch_size: int):
                 f"the prepared data in {prepared.directory} is unreadable ({str(exc).splitlines()[0][:120]}); "
                 "pass --data FILE"
             ) from None
-    return BatchLoader(rows, batch_size, shuffle=False, drop_last=False)
+    loader = BatchLoader(rows, batch_size, shuffle=False, drop_last=False)
+    loader.source_labels = labels
+    return loader
 
 
 def cmd_eval(args) -> int:
@@ -173,12 +190,15 @@ def cmd_eval(args) -> int:
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
     batch_size = args.batch_size or saved_batch_size(experiment) or 8  # as in training
     precision = recorded_amp_dtype(experiment.get("training"), next(model.parameters()).device)
+    loader = _eval_loader(model, tokenizer, experiment, args, batch_size)
     metrics = evaluate(
         model,
-        _eval_loader(model, tokenizer, experiment, args, batch_size),
+        loader,
         autocast=autocast(next(model.parameters()).device, precision),
         progress=True,
+        sources=loader.source_labels,
     )
+    by_source = metrics.get("source_losses", {})
     if args.json:
         print(
             json.dumps(
@@ -187,6 +207,7 @@ def cmd_eval(args) -> int:
                     "perplexity": metrics["perplexity"],
                     "tokens": metrics["tokens"],
                     "batches": metrics["batches"],
+                    **({"sources": by_source} if by_source else {}),
                 }
             )
         )
@@ -196,6 +217,8 @@ def cmd_eval(args) -> int:
             f"loss {metrics['val_loss']:.4f}  perplexity {metrics['perplexity']:.3f}  tokens {metrics['tokens']:,}  "
             f"({coverage(metrics)} of {data})"
         )
+        for name, loss in by_source.items():
+            print(f"  {name}: loss {loss:.4f}")
     return 0
 
 
@@ -504,9 +527,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.learning_rate=3e-4")
         return p
 
-    with_config(sub.add_parser("prepare", help="clean, tokenize and pack the data into token files")).set_defaults(
-        func=cmd_prepare
-    )
+    p = with_config(sub.add_parser("prepare", help="clean, tokenize and pack the data into token files"))
+    p.add_argument("--executor", choices=["local", "slurm", "ray"], help="run as a datatrove pipeline (data.executor)")
+    p.add_argument("--tasks", type=int, help="tasks of the per-file stage (data.executor_tasks)")
+    p.add_argument("--workers", type=int, help="tasks running at once (data.executor_workers)")
+    p.set_defaults(func=cmd_prepare)
     p = with_config(sub.add_parser("train", help="train a model (runs prepare when needed)"))
     p.add_argument(
         "--resume_from_checkpoint",

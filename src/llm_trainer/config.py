@@ -343,6 +343,16 @@ class TrainingConfig(_Validated):
     early_stopping_patience: int | None = None  # evaluations without improvement before stopping
     early_stopping_min_delta: float = 0.0
     max_consecutive_bad_steps: int = 5  # non-finite loss/grad steps in a row before the run stops
+    # Loss spikes (train/spikes.py): a step far above the median of its recent history, by a robust z-score.
+    on_loss_spike: Literal["off", "warn", "skip", "rewind"] = "off"  # skip: not applied; rewind: to the last checkpoint
+    loss_spike_metric: Literal["loss", "grad_norm", "either"] = "loss"  # what is watched
+    loss_spike_window: int = 100  # past steps the median and MAD are taken over
+    loss_spike_warmup: int = 20  # steps of history needed before a step can be called a spike
+    loss_spike_zscore: float = 6.0  # (value - median) / (1.4826 MAD) above this is a spike
+    max_rewinds: int = 3  # on_loss_spike: rewind goes back at most this often, then skips
+    # Profiling (train/profiling.py): [first, last] optimizer steps traced into {output_dir}/profile.
+    profile_steps: list[int] | None = None
+    memory_snapshot: bool = False  # CUDA: the allocator's history over profile_steps, as a pickle beside the trace
     # Downstream evaluation through lm-eval (pip install 'llm-trainer[eval]'), beside the validation loss.
     eval_tasks: list[str] | str | None = None  # lm-eval task names or task YAML paths ("a,b" or a list)
     eval_tasks_steps: int | None = None  # None: at every evaluation; N: every N steps, and at the end
@@ -429,6 +439,33 @@ class TrainingConfig(_Validated):
             not metric.startswith("downstream/") or bool(self.eval_tasks),
             f"TrainingConfig.metric_for_best_model {metric} needs training.eval_tasks (the task it names)",
         )
+        self._check_health()
+
+    def _check_health(self) -> None:
+        for name in ("loss_spike_window", "loss_spike_warmup", "max_rewinds"):
+            _require(getattr(self, name) >= 1, f"TrainingConfig.{name} must be at least 1, got {getattr(self, name)}")
+        _require(
+            self.loss_spike_warmup <= self.loss_spike_window,
+            f"TrainingConfig.loss_spike_warmup ({self.loss_spike_warmup}) must be at most loss_spike_window "
+            f"({self.loss_spike_window})",
+        )
+        _require(self.loss_spike_zscore > 0, "TrainingConfig.loss_spike_zscore must be positive")
+        _require(
+            self.on_loss_spike != "rewind" or bool(self.save_steps),
+            "TrainingConfig.on_loss_spike=rewind goes back to the last checkpoint, but save_steps is "
+            f"{self.save_steps} (no periodic checkpoints); set training.save_steps (e.g. 100) or use on_loss_spike=skip",
+        )
+        steps = self.profile_steps
+        if steps is not None:
+            _require(
+                len(steps) == 2 and 1 <= steps[0] <= steps[1],
+                f"TrainingConfig.profile_steps must be [first, last] optimizer steps with 1 <= first <= last, got {steps}",
+            )
+            _require(
+                self.max_steps is None or steps[1] <= self.max_steps,
+                f"TrainingConfig.profile_steps {steps} ends after the run's last step (max_steps={self.max_steps}); "
+                "choose steps within the run",
+            )
 
     @property
     def resolved_checkpoint_dir(self) -> Path:
@@ -590,6 +627,19 @@ class DataConfig(_Validated):
     )
     curriculum_key: str = "length"  # "length" (tokens of a document) or a numeric column of the sources
 
+    # -- where prepare runs (llm_trainer.data.cluster): null in this process; local, slurm or ray as a
+    # datatrove pipeline of executor_tasks tasks over the input files (pip install -e ".[cluster]")
+    executor: Literal["local", "slurm", "ray"] | None = None
+    executor_tasks: int = 1  # tasks of the per-file stage; the result is the same for any number
+    executor_workers: int = -1  # tasks running at once; -1: local: the CPU count, slurm/ray: all
+    executor_logs: str | None = None  # task logs and completion markers; null: {cache_dir}/.{fingerprint}.tasks
+    executor_partition: str | None = None  # slurm partition (null: the cluster's default)
+    executor_time: str = "24:00:00"  # slurm time limit per task
+    executor_cpus_per_task: int = 1  # slurm / ray CPUs per task
+    executor_mem_per_cpu_gb: float = 2.0  # slurm / ray memory per CPU
+    executor_env_command: str | None = None  # slurm: shell command run before each task (e.g. activating a venv)
+    executor_address: str | None = None  # ray: the cluster to join (null: RAY_ADDRESS, else a local one)
+
     def check_source(self) -> None:
         """Where the data is read (prepare, train), not on construction: a config is often built in pieces,
         and an estimate needs no data."""
@@ -657,6 +707,11 @@ class DataConfig(_Validated):
         _require(0.0 < self.deduplication_threshold <= 1.0, "DataConfig.deduplication_threshold must be in (0, 1]")
         _require(8 <= self.minhash_num_perm <= 1024, "DataConfig.minhash_num_perm must be between 8 and 1024")
         _require(bool(self.curriculum_key), "DataConfig.curriculum_key must be length or a column name")
+        _require(self.executor_tasks >= 1, "DataConfig.executor_tasks must be >= 1")
+        _require(
+            self.executor_workers == -1 or self.executor_workers >= 1, "DataConfig.executor_workers must be -1 or >= 1"
+        )
+        _require(self.executor_cpus_per_task >= 1, "DataConfig.executor_cpus_per_task must be >= 1")
         steps = [stage.until_step for stage in self.curriculum or []]
         for i in range(1, len(steps)):
             _require(

@@ -26,6 +26,7 @@ from .checkpoint.model_folder import load_model_folder
 from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
 from .data.loader import BatchLoader, DocumentRows, WindowRows
 from .data.prepare import PreparedData, prepare_data
+from .data.source_labels import of_split as source_labels_of
 from .errors import UsageError
 from .logs import log, warn
 from .model import Transformer
@@ -156,6 +157,7 @@ def build_loaders(
     if prepared.manifest["splits"]["val"]["tokens"] > 1:
         val_rows = build_rows(prepared, "val", experiment.data, length, seed=None)
         val_loader = BatchLoader(val_rows, t.eval_batch_size or t.batch_size, shuffle=False, drop_last=False, **shard)
+        val_loader.source_labels = source_labels_of(val_rows, prepared)  # a mixture: each source's loss too
     return train_loader, val_loader
 
 

@@ -233,14 +233,12 @@ class Checkpointer:
         problem = train_state_problem(saved)
         if problem:
             raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
-        self.parallel.load(parts, path)
-        self.state.load_state_dict(saved)
-        if saved["schedule"]["total_steps"] != self.schedule["total_steps"]:
-            log(
-                f"resume: the run length changed ({saved['schedule']['total_steps']} -> "
-                f"{self.schedule['total_steps']} steps); the schedule follows the new length"
+        if saved["step"] > self.schedule["total_steps"]:
+            raise UsageError(
+                f"{path} is at step {saved['step']}, past this run's last step ({self.schedule['total_steps']}); "
+                f"to continue it, raise training.max_steps (or num_train_epochs) above {saved['step']}"
             )
-        try:
+        try:  # before the weights: a position this run cannot continue (another global batch) is refused first
             self.loader.load_state_dict(saved["data"])
         except ValueError as exc:
             raise UsageError(str(exc)) from None
@@ -248,6 +246,13 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint {path} is unusable: train_state.json has a malformed data position ({exc})"
             ) from None
+        self.parallel.load(parts, path)
+        self.state.load_state_dict(saved)
+        if saved["schedule"]["total_steps"] != self.schedule["total_steps"]:
+            log(
+                f"resume: the run length changed ({saved['schedule']['total_steps']} -> "
+                f"{self.schedule['total_steps']} steps); the schedule follows the new length"
+            )
         if saved.get("scaler") and self.parallel.scaler.is_enabled():
             self.parallel.scaler.load_state_dict(saved["scaler"])
         try:

@@ -87,11 +87,16 @@ def _refuse_misfit(problems: list[str], source: str) -> None:
         raise UsageError(f"{source} does not fit this model ({shown}); check that model settings match the checkpoint")
 
 
+def check_fits(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Refuse weights with a list of every missing, unexpected or mis-shaped tensor (sharded ones by their
+    whole shape)."""
+    _refuse_misfit(_shape_problems(unwrap(model), {k: tuple(v.shape) for k, v in state.items()}), source)
+
+
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Load weights, refusing with a list of every missing, unexpected or mis-shaped tensor."""
-    target = unwrap(model)
-    _refuse_misfit(_shape_problems(target, {k: tuple(v.shape) for k, v in state.items()}), source)
-    target.load_state_dict({k: v for k, v in state.items()}, strict=False)
+    check_fits(model, state, source)
+    unwrap(model).load_state_dict({k: v for k, v in state.items()}, strict=False)
 
 
 def _is_tied(model: nn.Module, name: str) -> bool:

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..errors import CheckpointError
 from ..limits import check_dcp_items
 from .folder_files import SHARDED_DIR, FolderFiles
-from .model_folder import clean_name
+from .model_folder import check_fits, clean_name
 from .safe_pickle import DCP_METADATA, load_pickle
 
 METADATA = ".metadata"  # DCP's index of the shards, inside `sharded/`
@@ -143,14 +143,35 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: Path) -> None:
-    """Load model (and optimizer) shards for this rank's part, whatever world size wrote them."""
+    """Load model (and optimizer) shards for this rank's part, whatever world size wrote them; into a
+    model that is not sharded (one process, DDP), the whole of each tensor."""
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    _load(state, directory)
+    _load(state, directory, no_dist=not torch.distributed.is_initialized())
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def load_whole(
+    model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict, optimizer_state: dict, source: str
+) -> None:
+    """A whole checkpoint's weights and optimizer state (`optimizer.state_dict()` of the same model and
+    parameter groups, in one process or DDP) into a sharded model: each rank keeps its own shards."""
+    check_fits(model, weights, source)
+    options = StateDictOptions(full_state_dict=True, strict=False)  # a tied output head is saved once
+    set_model_state_dict(model, weights, options=options)
+    by_param = {id(p): clean_name(name) for name, p in model.named_parameters()}
+    names = [by_param[id(p)] for group in optimizer.param_groups for p in group["params"]]  # the saved ids' order
+    state = {
+        "state": {names[i]: value for i, value in optimizer_state["state"].items()},
+        "param_groups": [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [names[i] for i in group["params"]]}
+            for group in optimizer_state["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(model, optimizer, state, options=options)
 
 
 def consolidate(checkpoint: Path, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -67,9 +67,17 @@ class CurriculumLoader(BatchLoader):
         device: torch.device | str = "cpu",
     ):
         super().__init__(
-            rows, batch_size, shuffle=True, seed=seed, drop_last=True, rank=rank, world_size=world_size, device=device
+            rows,
+            batch_size,
+            shuffle=True,
+            seed=seed,
+            drop_last=True,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            accumulation=accumulation,
         )
-        self.stages, self.accumulation = stages, accumulation
+        self.stages = stages
         self.stage_ends = [s.until_step * accumulation for s in stages]  # in this rank's batches
         self.eligible = []
         for i, stage in enumerate(stages):
@@ -118,17 +126,22 @@ class CurriculumLoader(BatchLoader):
 
     def next_batch(self) -> tuple[torch.Tensor, ...]:
         self._announce()
-        if self.taken >= self.stage_ends[-1]:
-            return super().next_batch()
-        self.rows.set_epoch(0)  # difficulties were measured on epoch 0's layout
-        indices = self._stage_batch()
-        self.taken += 1
-        return tuple(_to_device(a, self.device) for a in self.rows.batch(indices))
+        while self.taken < self.stage_ends[-1]:
+            self.rows.set_epoch(0)  # difficulties were measured on epoch 0's layout
+            indices = self._stage_batch()
+            self.taken += 1
+            start, self.samples = self.samples, self.samples + self.batch_size * self.world_size
+            if not self.skipped(start):  # a rewind's skipped range is passed over here too
+                return tuple(_to_device(a, self.device) for a in self.rows.batch(indices))
+        return super().next_batch()
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "curriculum_taken": self.taken}
+        return {**super().state_dict(), "curriculum_samples": self.taken * self.batch_size * self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
+        """The curriculum's position in global samples (in this rank's batches, "curriculum_taken", before)."""
         state = dict(state)
-        self.taken = state.pop("curriculum_taken", 0)
-        super().load_state_dict(state)
+        taken = state.pop("curriculum_taken", 0)
+        samples = state.pop("curriculum_samples", None)
+        super().load_state_dict(state)  # the global batch is checked there
+        self.taken = taken if samples is None else samples // (self.batch_size * self.world_size)

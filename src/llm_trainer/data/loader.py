@@ -127,7 +127,11 @@ class DocumentRows:
 class BatchLoader:
     """Batches of rows in a seeded order per epoch, with a position that checkpoints can save and seek to.
 
-    Each rank takes every world_size-th batch of the shared permutation, so no row is read twice.
+    The order is a function of the seed and the epoch only: global sample i of an epoch is row
+    `permutation[i]`. Each rank takes every world_size-th batch of it, so no row is read twice, and an
+    optimizer step (`accumulation` batches per rank) takes the next `global_batch` samples whatever the
+    split into processes and micro-batches. The saved position is in global samples, so a checkpoint
+    resumes on any number of processes that keeps the global batch.
     """
 
     def __init__(
@@ -141,11 +145,15 @@ class BatchLoader:
         rank: int = 0,
         world_size: int = 1,
         device: torch.device | str = "cpu",
+        accumulation: int = 1,
     ):
         self.rows, self.batch_size, self.shuffle, self.seed = rows, batch_size, shuffle, seed
         self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
+        self.accumulation = accumulation  # batches per rank per optimizer step (the Trainer sets it)
         self.device = torch.device(device)
         self.epoch, self.position = 0, 0  # position: batches this rank has taken in this epoch
+        self.samples = 0  # global sample index: rows all ranks have drawn since the run began (skipped ones too)
+        self.skip: list[tuple[int, int]] = []  # [start, end) global sample ranges never trained on (a rewind's)
         self._order: np.ndarray | None = None
         if self.batches_per_epoch() == 0:
             raise UsageError(
@@ -153,10 +161,18 @@ class BatchLoader:
                 f"batch_size {batch_size} x world size {world_size}; use more data or a smaller batch/max_length"
             )
 
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step: batch_size x accumulation x world_size."""
+        return self.batch_size * self.accumulation * self.world_size
+
     def batches_per_epoch(self) -> int:
-        per_batch = self.batch_size * self.world_size
+        """This rank's batches per epoch; with drop_last, whole optimizer steps only, so an epoch ends at
+        the same sample on any number of processes."""
         n = len(self.rows)
-        return n // per_batch if self.drop_last else -(-n // per_batch)
+        if self.drop_last:
+            return n // self.global_batch * self.accumulation
+        return -(-n // (self.batch_size * self.world_size))
 
     def _epoch_order(self) -> np.ndarray:
         if self._order is None:
@@ -168,26 +184,64 @@ class BatchLoader:
         return self._order
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "world_size": self.world_size}
+        """The position in world-size-independent units: global samples taken in this epoch
+        (`epoch_samples`) and since the run began (`samples`, which `skip` ranges count in)."""
+        return {
+            "epoch": self.epoch,
+            "epoch_samples": self.position * self.batch_size * self.world_size,
+            "seed": self.seed,
+            "global_batch": self.global_batch,
+            "samples": self.samples,
+            "skip": [list(r) for r in self.skip],
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("world_size", 1) != self.world_size:
+        """Seek to a saved position in O(1). The global batch must be the one the position was saved
+        with; a position saved as this rank's batches (no "epoch_samples") needs the same world size."""
+        if "epoch_samples" in state:
+            saved, done = state.get("global_batch", self.global_batch), state["epoch_samples"]
+            if saved != self.global_batch:
+                raise ValueError(_global_batch_changed(saved, self))
+            per_batch = self.batch_size * self.world_size
+            if type(done) is not int or done < 0 or done % per_batch:
+                raise TypeError(f"epoch_samples {done!r} is not a whole number of batches of {per_batch}")
+            position = done // per_batch
+        elif state.get("world_size", 1) != self.world_size:
             raise ValueError(
                 f"the checkpoint's data position is for world size {state.get('world_size')}, this run has "
                 f"{self.world_size}; resume with the same number of processes"
             )
-        self.epoch, self.position, self.seed, self._order = state["epoch"], state["position"], state["seed"], None
+        else:
+            position = state["position"]
+        samples, skip = state.get("samples", 0), state.get("skip", [])
+        ranges = isinstance(skip, list) and all(
+            isinstance(r, list) and len(r) == 2 and all(type(v) is int for v in r) and 0 <= r[0] < r[1] for r in skip
+        )
+        if type(samples) is not int or samples < 0 or not ranges:  # (a checkpoint may come from elsewhere)
+            raise TypeError(f"samples {samples!r}, skip {skip!r}")
+        self.epoch, self.position, self.seed, self._order = state["epoch"], position, state["seed"], None
+        self.samples, self.skip = samples, [(a, b) for a, b in skip]
 
     def next_batch(self) -> tuple[torch.Tensor, ...]:
-        """The next (inputs, targets[, doc_ids]), each (B, L) int64 on the loader's device; rolls over epochs."""
-        self._epoch_order()  # lay the rows out for this epoch first: their count can change with the epoch
-        if self.position >= self.batches_per_epoch():
-            self.epoch, self.position, self._order = self.epoch + 1, 0, None
-        order = self._epoch_order()
-        global_batch = self.position * self.world_size + self.rank
+        """The next (inputs, targets[, doc_ids]), each (B, L) int64 on the loader's device; rolls over epochs.
+        Batches that start inside a `skip` range are passed over."""
+        while True:
+            self._epoch_order()  # lay the rows out for this epoch first: their count can change with the epoch
+            if self.position >= self.batches_per_epoch():
+                self.epoch, self.position, self._order = self.epoch + 1, 0, None
+            order = self._epoch_order()
+            global_batch = self.position * self.world_size + self.rank
+            start = self.samples
+            self.position += 1
+            self.samples += self.batch_size * self.world_size
+            if not self.skipped(start):
+                break
         indices = order[global_batch * self.batch_size : (global_batch + 1) * self.batch_size]
-        self.position += 1
         return tuple(_to_device(a, self.device) for a in self.rows.batch(indices))
+
+    def skipped(self, sample: int) -> bool:
+        """Whether the batch starting at this global sample index is in a skipped range."""
+        return any(a <= sample < b for a, b in self.skip)
 
     def __iter__(self):
         """One pass over the data in order (for evaluation); does not touch the saved position.
@@ -195,18 +249,40 @@ class BatchLoader:
         With several ranks, every rank yields the same number of batches (sharded models run
         collectives in forward): a rank short of data gets a batch whose targets are all ignored.
         """
+        for indices, real in self.eval_batch_indices():
+            x, y, *rest = self.rows.batch(indices)
+            if not real:
+                y = np.full_like(y, IGNORE_INDEX)
+            yield tuple(_to_device(a, self.device) for a in (x, y, *rest))
+
+    def eval_batch_indices(self):
+        """(row indices, real) of each batch `__iter__` yields, in order; `real` is False for a rank's
+        padding batch (its targets are ignored)."""
         order = self._epoch_order()
         per, n = self.batch_size, len(self.rows)
         n_batches = n // per if self.drop_last else -(-n // per)
         padded = -(-n_batches // self.world_size) * self.world_size
         for b in range(self.rank, padded, self.world_size):
-            x, y, *rest = self.rows.batch(order[b * per : (b + 1) * per] if b < n_batches else order[:per])
-            if b >= n_batches:
-                y = np.full_like(y, IGNORE_INDEX)
-            yield tuple(_to_device(a, self.device) for a in (x, y, *rest))
+            yield (order[b * per : (b + 1) * per] if b < n_batches else order[:per]), b < n_batches
 
     def __len__(self) -> int:
         return self.batches_per_epoch()
+
+
+def _global_batch_changed(saved: int, loader: BatchLoader) -> str:
+    """One line: the global batch changed on resume, both values, and the setting that restores it."""
+    per_step = loader.batch_size * loader.world_size
+    if saved % per_step == 0:
+        fix = f"set training.gradient_accumulation_steps={saved // per_step}"
+    elif saved % (loader.accumulation * loader.world_size) == 0:
+        fix = f"set training.batch_size={saved // (loader.accumulation * loader.world_size)}"
+    else:
+        fix = f"choose batch_size x gradient_accumulation_steps x world size = {saved}"
+    return (
+        f"the checkpoint was trained with a global batch of {saved} samples per step, this run has "
+        f"{loader.global_batch} = {loader.batch_size} batch_size x {loader.accumulation} accumulation x "
+        f"{loader.world_size} process(es); {fix} to resume it"
+    )
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -53,7 +53,7 @@ from .report import Counts, Progress, build_report, nothing_kept, padding_fracti
 from .shards import SHARDS, SPLITS, ShardWriter
 from .sources import Document, SourceStats, iter_source, resolved_sources, source_fingerprint
 
-FORMAT_VERSION = 4  # 4: too few documents for a fraction split: validation is each document's last tokens
+FORMAT_VERSION = 5  # 5: a fraction split takes each source's own fraction of its documents
 MANIFEST = "manifest.json"
 _BATCH = 256  # raw documents per pipeline batch
 _TOKENIZE_THREADS = 2
@@ -67,6 +67,16 @@ _NOT_FINGERPRINTED = (
     "packing_strategy",
     "document_mask",
     "curriculum",
+    "executor",
+    "executor_tasks",
+    "executor_workers",
+    "executor_logs",
+    "executor_partition",
+    "executor_time",
+    "executor_cpus_per_task",
+    "executor_mem_per_cpu_gb",
+    "executor_env_command",
+    "executor_address",
 )
 
 
@@ -87,7 +97,11 @@ class PreparedData:
     def sources(self, split: str) -> list[str]:
         """The source name of each document of the split."""
         names = self.manifest["source_names"]
-        return [names[i] for i in np.load(self.directory / f"{split}.sources.npy").tolist()]
+        return [names[i] for i in self.source_ids(split).tolist()]
+
+    def source_ids(self, split: str) -> np.ndarray:
+        """The source of each document of the split, as an index into manifest["source_names"]."""
+        return np.load(self.directory / f"{split}.sources.npy")
 
     def scores(self, split: str) -> np.ndarray | None:
         """Per-document curriculum scores (float64, NaN where a document had none), or None."""
@@ -128,7 +142,8 @@ def _phases(config: DataConfig) -> list[tuple[str | None, Callable[[SourceStats]
 
 
 def _fraction_split(i: int, fraction: float) -> str:
-    """Document i goes to validation when floor((i+1)f) > floor(if): an even, deterministic spread."""
+    """Document i (of its source) goes to validation when floor((i+1)f) > floor(if): an even, deterministic
+    spread, so every source of a mixture holds out its own fraction (per-source validation losses)."""
     return "val" if int((i + 1) * fraction) > int(i * fraction) else "train"
 
 
@@ -172,11 +187,14 @@ def _decide(
     dedup: Deduplicator,
     split: str | None,
     kept: int,
+    kept_by_source: dict[str, int] | None = None,
 ) -> Iterator[_Decided]:
     """The rule of which documents are kept and where they go: filtered ones and duplicates are removed,
     the kept ones split (by phase, or by fraction in stream order), and the phase stops after
     max_documents kept documents. `processed`: ((stream position, raw documents), stage-one result) per
-    batch, in stream order; `kept`: documents of this phase kept before it (a resumed build)."""
+    batch, in stream order; `kept`: documents of this phase kept before it (a resumed build), and
+    `kept_by_source` the same per source."""
+    by_source = dict(kept_by_source or {})
     cap = config.max_documents
     if cap is not None and kept >= cap:  # resumed after the cap was reached
         return
@@ -187,7 +205,9 @@ def _decide(
             outcomes.append(reason)
             if reason is None:
                 kept_idx.append(i)
-                kept_splits.append(split or _fraction_split(kept, config.validation_split))
+                source = documents[i].source
+                kept_splits.append(split or _fraction_split(by_source.get(source, 0), config.validation_split))
+                by_source[source] = by_source.get(source, 0) + 1
                 kept += 1
                 if cap is not None and kept >= cap:
                     documents = documents[: i + 1]
@@ -261,6 +281,7 @@ class _State:
     phase: int = 0
     position: int = 0  # raw documents of the current phase consumed
     kept: int = 0  # documents kept in the current phase
+    kept_by_source: dict = field(default_factory=dict)  # the same, per source name
     counts: dict | None = None
     skipped_done: dict = field(default_factory=dict)  # reader skips of finished phases
     seconds: float = 0.0  # time spent by earlier, interrupted runs
@@ -392,21 +413,24 @@ class _Build:
                 split, make = phases[phase]
                 stats = SourceStats()
                 if phase != state.phase:
-                    state.phase, state.position, state.kept = phase, 0, 0
+                    state.phase, state.position, state.kept, state.kept_by_source = phase, 0, 0, {}
                 start = state.position  # raw documents that committed shards already hold: replayed, skipped
                 documents = itertools.islice(make(stats), start, None)
                 raw = ((start + i * _BATCH, batch) for i, batch in enumerate(_batched(documents, _BATCH)))
                 processed = _ordered(raw, lambda item: submit_process([d.text for d in item[1]]), depth)
-                decided = _decide(self.config, processed, dedup, split, state.kept)
+                decided = _decide(self.config, processed, dedup, split, state.kept, state.kept_by_source)
                 for batch, (tokens, lengths) in _ordered(decided, lambda d: submit_encode(d.texts), depth):
                     self._write(batch, tokens, lengths, writer, counts, progress)
                     state.position, state.kept = batch.end, state.kept + len(batch.kept)
+                    for i in batch.kept:
+                        source = batch.documents[i].source
+                        state.kept_by_source[source] = state.kept_by_source.get(source, 0) + 1
                     if writer.pending_tokens() >= self.config.shard_tokens:
                         writer.commit(self._snapshot(state, counts))
                         writer.start()
                 skipped.update(stats.skipped)
                 state.skipped_done = dict(skipped)
-        state.phase, state.position, state.kept = len(phases), 0, 0
+        state.phase, state.position, state.kept, state.kept_by_source = len(phases), 0, 0, {}
         writer.commit(self._snapshot(state, counts), done=True)
         return skipped
 
@@ -502,6 +526,7 @@ class _Build:
             "phase": state.phase,
             "position": state.position,
             "kept": state.kept,
+            "kept_by_source": dict(state.kept_by_source),
             "counts": counts.to_json(),
             "skipped_done": dict(state.skipped_done),
             "seconds": round(self._elapsed(), 3),
@@ -612,6 +637,10 @@ def _prepare(config: DataConfig, fingerprint: str, work: Path, directory: Path) 
         if (directory / MANIFEST).is_file():  # another process finished it while this one waited
             shutil.rmtree(work, ignore_errors=True)
             return _load(directory)
+        if config.executor is not None:  # a datatrove pipeline; finished tasks are kept whatever happens
+            from .cluster import prepare_with_executor
+
+            return prepare_with_executor(config, fingerprint, work, directory)
         try:
             return _Build(config, fingerprint, work, directory).run()
         except (KeyboardInterrupt, SystemExit):

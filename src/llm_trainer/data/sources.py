@@ -380,15 +380,22 @@ def _read_parquet(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tup
 
 def _iter_files(spec: SourceConfig, stats: SourceStats, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
     for path, explicit in resolve_files(spec.data_files, spec.include, spec.exclude, opt.bad):
-        name = path.name.lower()
-        if name.endswith(JSONL_SUFFIXES):
-            yield from _read_jsonl(path, explicit, opt)
-        elif name.endswith(".parquet"):
-            yield from _read_parquet(path, explicit, opt)
-        elif explicit or path.suffix.lower() in TEXT_SUFFIXES or not path.suffix:
-            yield from _text_file_documents(path, explicit, stats, opt)
-        else:
-            stats.skipped["unsupported_files"] += 1
+        yield from _read_file(path, explicit, stats, opt)
+
+
+def _read_file(
+    path: Path, explicit: bool, stats: SourceStats, opt: _ReadOptions
+) -> Iterator[tuple[str, float | None, str]]:
+    """The records of one file, read as its name says (JSONL, Parquet, text)."""
+    name = path.name.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        yield from _read_jsonl(path, explicit, opt)
+    elif name.endswith(".parquet"):
+        yield from _read_parquet(path, explicit, opt)
+    elif explicit or path.suffix.lower() in TEXT_SUFFIXES or not path.suffix:
+        yield from _text_file_documents(path, explicit, stats, opt)
+    else:
+        stats.skipped["unsupported_files"] += 1
 
 
 def _text_file_documents(
@@ -554,7 +561,22 @@ def iter_source(
             yield from _iter_files(spec, stats, opt)
 
     count = 0
-    for text, score, origin in raw():
+    for document in _documents(raw(), spec.name, stats):
+        yield document
+        count += 1
+        if spec.max_documents is not None and count >= spec.max_documents:
+            return
+    if count == 0:
+        empty_source(spec, opt.bad)
+
+
+def empty_source(spec: SourceConfig, bad: BadInput) -> None:
+    bad("empty_sources", f"data source {spec.name!r} has no documents; check its files, dataset and text_column")
+
+
+def _documents(records: Iterator[tuple[str, float | None, str]], source: str, stats: SourceStats) -> Iterator[Document]:
+    """Records as Documents; one longer than MAX_DOCUMENT_CHARS is cut into several (and counted)."""
+    for text, score, origin in records:
         if len(text) > MAX_DOCUMENT_CHARS:  # one document a tokenizer cannot take whole: cut, and say so
             stats.skipped["long_documents_split"] += 1
             pieces = split_long_text(text, MAX_DOCUMENT_CHARS)
@@ -562,14 +584,55 @@ def iter_source(
         else:
             documents = [(text, origin)]
         for piece, where in documents:
-            yield Document(piece, spec.name, score, where)
-            count += 1
-            if spec.max_documents is not None and count >= spec.max_documents:
-                return
-    if count == 0:
-        opt.bad(
-            "empty_sources", f"data source {spec.name!r} has no documents; check its files, dataset and text_column"
-        )
+            yield Document(piece, source, score, where)
+
+
+class FileUnit(NamedTuple):
+    """One input file of one source: the unit a distributed prepare hands to a task."""
+
+    source: int  # index into resolved_sources(config)
+    path: str
+    explicit: bool  # named by the user (bad input in it is an error under skip_in_folders)
+    stdlib: bool  # a file of the built-in corpus (never bad input)
+    size: int
+
+
+def file_units(config: DataConfig, stats: SourceStats) -> list[FileUnit]:
+    """Every input file of every source, in the order `iter_source` reads them (files resolved once, here).
+    Hugging Face datasets are not files: refused."""
+    only_files(config)
+    units: list[FileUnit] = []
+    bad = BadInput(config.on_bad_input, stats)
+    for index, spec in enumerate(resolved_sources(config)):
+        if spec.dataset_name == BUILTIN_STDLIB:
+            units += [FileUnit(index, str(p), False, True, p.stat().st_size) for p in stdlib_files()]
+        if spec.data_files is not None:
+            for path, explicit in resolve_files(spec.data_files, spec.include, spec.exclude, bad):
+                units.append(FileUnit(index, str(path), explicit, False, path.stat().st_size))
+    return units
+
+
+def only_files(config: DataConfig) -> None:
+    """Refuse, in one line, a source that is a Hugging Face dataset: a distributed prepare reads files."""
+    for spec in resolved_sources(config):
+        if spec.dataset_name not in (None, BUILTIN_STDLIB):
+            raise UsageError(
+                f"data.executor {config.executor} reads files, and source {spec.name!r} is the dataset "
+                f"{spec.dataset_name!r}; save it as JSONL or Parquet files and name them in data_files, "
+                "or prepare without data.executor"
+            )
+
+
+def iter_unit(unit: FileUnit, config: DataConfig, stats: SourceStats) -> Iterator[Document]:
+    """The documents of one file, exactly as `iter_source` reads them within its source."""
+    spec = resolved_sources(config)[unit.source]
+    opt = read_options(config, stats)
+    opt.text_column = spec.text_column
+    if unit.stdlib:
+        records = _text_file_documents(Path(unit.path), False, stats, opt, bad_input=False)
+    else:
+        records = _read_file(Path(unit.path), unit.explicit, stats, opt)
+    return _documents(records, spec.name, stats)
 
 
 def source_fingerprint(config: DataConfig) -> list:

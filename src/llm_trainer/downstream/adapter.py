@@ -105,6 +105,7 @@ class LLMTrainerLM(TemplateLM):
         for i in results_empty:
             results[i] = (0.0, True)
         self.empty[kind] += len(results_empty)
+
         def row_length(prefix) -> int:  # the prefix, then every continuation but its last token
             return len(prefix) + sum(len(continuation) - 1 for _, continuation in by_prefix[prefix])
 

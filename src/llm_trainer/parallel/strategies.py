@@ -88,10 +88,12 @@ class Parallelism:
 
     def step(self, finite: torch.Tensor) -> torch.Tensor | None:
         """Fused Adam/AdamW skip a non-finite step on the device (no host sync); the fp16 scaler skips
-        overflowed steps itself; other optimizers need one host sync."""
+        overflowed steps itself (a host sync of its own) and a step the loop withholds (a loss spike: `finite`
+        false with finite gradients); other optimizers need one host sync."""
         optimizer = self.optimizer
         if self.scaler.is_enabled():
-            self.scaler.step(optimizer)
+            if bool(finite):  # update() still reads the overflow check unscale_ recorded in clip()
+                self.scaler.step(optimizer)
         elif optimizer.defaults.get("fused"):
             _fused_step_where(optimizer, finite, optimizer.step)
         elif bool(finite):
@@ -120,11 +122,10 @@ class Parallelism:
                 f"{path} was saved with distributed_strategy deepspeed; resume it with that strategy "
                 "(its model folder also works as model.init_from for a fresh run)"
             )
-        if parts["model"] is None:
-            raise UsageError(
-                f"{path} is a sharded FSDP checkpoint; resume it with distributed_strategy: fsdp, "
-                "or turn it into a model folder with `llm-trainer consolidate`"
-            )
+        if parts["model"] is None:  # FSDP's shards, from any world size: each tensor read whole
+            from ..checkpoint.sharded import load_sharded
+
+            return load_sharded(self.module, self.optimizer, parts["sharded"])
         load_model_state(self.module, parts["model"], str(path))
         try:
             self.optimizer.load_state_dict(parts["optimizer"])
@@ -175,11 +176,16 @@ class FSDP(Parallelism):
         save_sharded(self.module, self.optimizer, folder)
 
     def load(self, parts: dict[str, Any], path: Path) -> None:
-        if parts["model"] is not None or parts["meta"].get("kind") == layout.DEEPSPEED.name:
+        if parts["meta"].get("kind") == layout.DEEPSPEED.name:
             return super().load(parts, path)
-        from ..checkpoint.sharded import load_sharded
+        from ..checkpoint.sharded import load_sharded, load_whole
 
-        load_sharded(self.module, self.optimizer, parts["sharded"])
+        if parts["model"] is None:
+            return load_sharded(self.module, self.optimizer, parts["sharded"])
+        try:  # a whole checkpoint (one process, DDP): each rank takes its shards of every tensor
+            load_whole(self.module, self.optimizer, parts["model"], parts["optimizer"], str(path))
+        except (ValueError, KeyError, IndexError) as exc:
+            raise UsageError(f"optimizer state in {path} does not match this model/optimizer: {exc}") from None
 
 
 class DeepSpeed(Parallelism):
@@ -226,6 +232,15 @@ class DeepSpeed(Parallelism):
     def load(self, parts: dict[str, Any], path: Path) -> None:
         from . import deepspeed_engine
 
+        saved = parts["meta"].get("world_size")
+        partitioned = any(name.endswith("optim_states.pt") for name in parts["files"].listed or ())  # ZeRO 1-3
+        if partitioned and saved not in (None, self.dist.world_size):
+            raise UsageError(
+                f"{path} was saved by DeepSpeed ZeRO on {saved} process(es), this run has {self.dist.world_size}: "
+                "DeepSpeed reloads ZeRO's partitioned optimizer state only at the world size that wrote it (other "
+                f"sizes need its universal checkpoint, which llm-trainer does not write); resume with {saved} "
+                f"process(es), or start a new run from its weights with model.init_from={path}"
+            )
         deepspeed_engine.load(self.engine, parts["files"])
 
 

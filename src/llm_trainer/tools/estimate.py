@@ -10,8 +10,12 @@ Everything here follows how *this* trainer runs a model, so the numbers can be c
   amp adds 2 bytes per matmul parameter, and activations that feed or leave a matmul are 16-bit;
   the residual stream and the norms' inputs stay fp32.
 * **Optimizer state**: AdamW/Adam keep two fp32 moments (8 bytes/param), SGD with momentum one
-  (4 bytes/param) and plain SGD none. The fused (CUDA) / foreach (CPU) steps add no full-size copy
-  on CUDA; on CPU the foreach step makes about one fp32 temporary per parameter.
+  (4 bytes/param) and plain SGD none; Muon one momentum buffer for the hidden matrices and AdamW's two
+  moments for the rest. The fused AdamW/Adam step (CUDA and CPU) adds no full-size temporary; SGD's
+  foreach step makes about one fp32 temporary per parameter. Muon orthogonalizes each group of
+  same-shape matrices as one stack (train/muon.py): for the largest group of S elements the step holds
+  the fp32 Nesterov updates and their stack (4 + 4 bytes) while `orthogonalize` runs, which adds the bf16
+  iterates, the Gram matrices and the fp32 result: 6.7 S bytes measured on a CPU, 7 S counted here.
 * **Activations**, per token and layer, are the tensors autograd saves for our blocks (pre-norm):
   the block input and the mid-block residual (fp32, for the norms; RMSNorm also keeps its normalised
   fp32 input), the inputs of the qkv and fc projections, the qkv output, the rotary q/k (LLaMA), the
@@ -23,12 +27,19 @@ Everything here follows how *this* trainer runs a model, so the numbers can be c
   V-sized fp32 tensors (12 V bytes a token), which for small models with large vocabularies is the
   largest single item.
   With gradient checkpointing a block keeps only its fp32 input, and one block's activations are
-  rebuilt at a time during backward.
-* **Peak** = parameters + optimizer state + the largest of three phases: the end of the forward /
+  rebuilt at a time during backward, once the head's backward is over: the head's peak and a rebuilt
+  block never coexist, but the rebuilt block of the lowest layer coexists with (nearly) all gradients.
+* **Peak** = parameters + optimizer state + the largest of four phases: the end of the forward /
   start of the backward (amp weight copies, all activations, the head's backward, the head's
-  gradient), the end of the backward (all gradients, one block's amp copies), the optimizer step
-  (all gradients, plus the CPU foreach temporary). Gradients are freed after each step
+  gradient), with gradient checkpointing the recomputation of the lowest block (all gradients, its
+  input and rebuilt activations), the end of the backward (all gradients, one block's amp copies), the
+  optimizer step (all gradients, plus the step's temporaries). Gradients are freed after each step
   (`zero_grad(set_to_none=True)`).
+
+Checked against measurement (tests/test_estimate_measured.py, `tools/memory_probe.py`): the peak of
+real training steps on a CPU (resident memory with glibc serving tensors by mmap) for two widths, with
+and without gradient checkpointing, AdamW and Muon; on CUDA the same check reads
+`torch.cuda.max_memory_allocated` (bench/gpu.sh runs it).
 * **Sharding** over `world_size` devices: `zero1` shards optimizer state, `zero2` also gradients,
   `fsdp` (= ZeRO-3) also parameters (plus two gathered blocks in flight, fp32, the way our trainer
   keeps weights). Activations are per device: `training.batch_size` is the per-device micro-batch.
@@ -161,22 +172,26 @@ def estimate_memory(
 
     params = 4.0 * n / (w if sharding == "fsdp" else 1)
     grads = 4.0 * n / (w if sharding in ("zero2", "fsdp") else 1)
-    states = {"adamw": 2, "adam": 2, "sgd": 1 if training.sgd_momentum else 0}[training.optimizer]
-    optimizer = 4.0 * states * n / w  # every sharding mode shards optimizer state
+    muon_n, muon_group = _muon_matrices(c, training) if training.optimizer == "muon" else (0, 0)
+    states = {"adamw": 2, "adam": 2, "muon": 2, "sgd": 1 if training.sgd_momentum else 0}[training.optimizer]
+    optimizer = 4.0 * (states * n - muon_n) / w  # every sharding mode shards optimizer state; Muon: one for matrices
     if sharding == "fsdp" and w > 1:
         params += 2 * 4.0 * counts.per_block  # two fp32 blocks gathered at a time (current + prefetch)
     amp_copies = 2.0 * counts.matmul_weights if training.use_amp else 0.0
 
     tokens = batch_size * seq_len
     per_token = activation_bytes_per_token(c, training, device_type, seq_len)
-    if checkpointing:
-        layers = c.n_layers * c.d_model * 4 + per_token["per_layer"]  # block inputs + one rebuilt block
-    else:
-        layers = c.n_layers * per_token["per_layer"]
+    block_input = c.d_model * 4  # what a checkpointed block keeps (fp32)
+    layers = c.n_layers * (block_input if checkpointing else per_token["per_layer"])
     activations = tokens * (layers + per_token["embedding"] + per_token["head"])
     head_peak = tokens * 2 * per_token["head"]  # log-softmax's grad_out and grad_in beside the saved output
     head_grad = 4.0 * counts.head / (w if sharding in ("zero2", "fsdp") else 1)
-    optimizer_temp = 4.0 * n / w if device_type == "cpu" and states else 0.0
+    if training.optimizer == "muon":
+        optimizer_temp = 15.0 * muon_group  # updates + their stack + orthogonalize (see the docstring)
+    elif training.optimizer == "sgd" and states:
+        optimizer_temp = 4.0 * n / w  # the foreach step's temporary
+    else:
+        optimizer_temp = 0.0  # fused AdamW/Adam
 
     steady = params + optimizer
     phases = {
@@ -185,6 +200,8 @@ def estimate_memory(
         "end_of_backward": steady + grads + (2.0 * counts.block_matmul_weights if training.use_amp else 0.0),
         "optimizer_step": steady + grads + optimizer_temp,
     }
+    if checkpointing:  # the lowest block rebuilt, beside all gradients
+        phases["recompute"] = steady + grads + tokens * (block_input + per_token["per_layer"] + per_token["embedding"])
     peak_phase = max(phases, key=phases.get)
     return MemoryEstimate(
         parameters=n,
@@ -207,6 +224,21 @@ def estimate_memory(
             "optimizer_states_per_param": states,
         },
     )
+
+
+def _muon_matrices(c: ModelConfig, training: TrainingConfig) -> tuple[int, int]:
+    """(elements of the matrices Muon steps, elements of its largest same-shape group), from the model's
+    shapes on the meta device and the optimizer's own grouping (train/optim.py)."""
+    from ..train.flops import meta_model
+    from ..train.optim import muon_groups
+
+    groups = muon_groups(meta_model(c), training)
+    matrices = [p for group in groups if group.get("muon") for p in group["params"]]
+    by_shape: dict[tuple[int, int], int] = {}
+    for p in matrices:
+        key = (min(p.shape), max(p.shape))
+        by_shape[key] = by_shape.get(key, 0) + p.numel()
+    return sum(p.numel() for p in matrices), max(by_shape.values(), default=0)
 
 
 def max_batch_size(model_config: ModelConfig, training: TrainingConfig, device_memory_gb: float, **kwargs) -> int:
@@ -319,6 +351,7 @@ def estimate_report(
             "amp_weight_copies_gb": mem.amp_weight_copies_bytes / GiB,
             "activations_gb": mem.activations_bytes / GiB,
             "output_head_peak_gb": mem.head_peak_bytes / GiB,
+            "optimizer_step_temp_gb": mem.optimizer_temp_bytes / GiB,
             "peak_gb": mem.peak_bytes / GiB,
             "peak_phase": mem.details["peak_phase"],
         },
@@ -398,6 +431,7 @@ def format_report(report: dict) -> str:
         f"  amp copies      {m['amp_weight_copies_gb']:9.3f}",
         f"  activations     {m['activations_gb']:9.3f}",
         f"  head backward   {m['output_head_peak_gb']:9.3f}",
+        f"  optimizer step  {m['optimizer_step_temp_gb']:9.3f}  (temporaries)",
         f"  peak            {m['peak_gb']:9.3f}  ({m['peak_phase'].replace('_', ' ')})",
     ]
     if "fits" in report:

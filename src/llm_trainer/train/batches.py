@@ -18,8 +18,9 @@ class IterableBatches:
     here). As in `transformers`, a position whose attention_mask is 0 (padding) is never a target.
     """
 
-    def __init__(self, iterable: Iterable, device: torch.device):
+    def __init__(self, iterable: Iterable, device: torch.device, processes: int = 1):
         self.iterable, self.device = iterable, device
+        self.processes = processes  # the run's world size: the position counts this rank's batches
         self.epoch, self.position, self._it = 0, 0, None
         # rows per batch, for the effective batch the Trainer prints: a DataLoader knows it
         self.batch_size: int | None = getattr(iterable, "batch_size", None)
@@ -61,16 +62,23 @@ class IterableBatches:
         return (self._convert(b) for b in self.iterable)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, "processes": self.processes}
 
     def load_state_dict(self, state: dict) -> None:
-        """Generic iterables cannot seek: skip forward to the saved position (slower, same data)."""
+        """Generic iterables cannot seek: skip forward to the saved position (slower, same data). How
+        the iterable splits its data among processes is its own: the position holds for its world size only."""
+        if state.get("processes", self.processes) != self.processes:
+            raise ValueError(
+                f"the checkpoint's data position counts batches of a DataLoader split among {state['processes']} "
+                f"process(es), this run has {self.processes}; resume with {state['processes']}, or train with "
+                "llm-trainer's own loaders (build_loaders), whose position holds at any world size"
+            )
         self.epoch, self._it = state["epoch"], iter(self.iterable)
         for _ in range(state["position"]):
             next(self._it)
         self.position = state["position"]
 
 
-def as_loader(loader, device: torch.device):
-    """Our loaders (with `next_batch`) as they are; anything else wrapped."""
-    return loader if hasattr(loader, "next_batch") else IterableBatches(loader, device)
+def as_loader(loader, device: torch.device, processes: int = 1):
+    """Our loaders (with `next_batch`) as they are; anything else wrapped (`processes`: the world size)."""
+    return loader if hasattr(loader, "next_batch") else IterableBatches(loader, device, processes)

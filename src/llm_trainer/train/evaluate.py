@@ -44,12 +44,15 @@ def evaluate(
     max_batches: int | None = None,
     reduce=None,
     progress: bool = False,
+    sources=None,
 ) -> dict:
     """{"val_loss", "perplexity", "tokens", "batches", "batches_total"} with every target token weighted
     equally; `batches` of `batches_total` (None when the loader has no length) say what was covered.
 
     `reduce` (an in-place all-reduce) sums the totals over ranks when each rank evaluated its part.
     `progress`: show how far it has come (a bar on a terminal, lines in a log; see `logs.Progress`).
+    `sources` (`data.source_labels.SourceLabels` of this loader): also "source_losses", {source: val_loss}
+    over the target tokens of each source's documents, from the same forward passes.
     """
     was_training = model.training
     model.eval()
@@ -58,12 +61,17 @@ def evaluate(
     total_batches = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
     shown = total_batches if max_batches is None or total_batches is None else min(total_batches, max_batches)
     done = 0
+    labels = iter(sources.for_loader(batches)) if sources is not None else None
+    by_source = torch.zeros(len(sources.names) if sources is not None else 0, 2, dtype=torch.float64, device=device)
     with Progress(shown, "eval", "batches", enabled=progress, leave=False) as bar:
         for i, (inputs, targets, *doc_ids) in enumerate(batches):
             if max_batches is not None and i >= max_batches:
                 break
             with autocast if autocast is not None else torch.autocast("cpu", enabled=False):
-                nll = batch_nll(model, inputs, targets, *doc_ids)
+                if labels is None:
+                    nll = batch_nll(model, inputs, targets, *doc_ids)
+                else:
+                    nll = _nll_by_source(model, inputs, targets, doc_ids, next(labels), by_source)
             totals[0] += nll.double()
             totals[1] += (targets != IGNORE_INDEX).sum()
             done += 1
@@ -71,6 +79,8 @@ def evaluate(
     model.train(was_training)
     if reduce is not None:
         reduce(totals)
+        if sources is not None:
+            reduce(by_source)
     total, count = totals.tolist()
     if count == 0:
         raise ValueError("the evaluation data has no target tokens")
@@ -81,4 +91,26 @@ def evaluate(
         "tokens": int(count),
         "batches": done,
         "batches_total": total_batches,
+        **(_source_losses(by_source, sources.names) if sources is not None else {}),
     }
+
+
+def _nll_by_source(model, inputs, targets, doc_ids, labels, by_source: torch.Tensor) -> torch.Tensor:
+    """`batch_nll`, adding each target token's loss and count to its source's row of `by_source` (one
+    cross-entropy: the summed loss is the sum of the per-token ones)."""
+    output = model(inputs) if not doc_ids else model(inputs, doc_ids=doc_ids[0])
+    logits = logits_of(output)
+    per_token = F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    source = torch.from_numpy(labels).to(targets.device).flatten()
+    keep = (targets.flatten() != IGNORE_INDEX) & (source >= 0)
+    by_source[:, 0].index_add_(0, source[keep], per_token[keep].double())
+    by_source[:, 1].index_add_(0, source[keep], torch.ones_like(per_token[keep], dtype=torch.float64))
+    return per_token.sum()
+
+
+def _source_losses(by_source: torch.Tensor, names: list[str]) -> dict:
+    """{"source_losses": {name: mean loss}} for the sources that had target tokens."""
+    sums = by_source.tolist()
+    return {"source_losses": {name: total / count for name, (total, count) in zip(names, sums) if count > 0}}

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from ..checkpoint.durable import no_follow, write_text_atomically
 from ..config import TrainingConfig
 from ..errors import UsageError
@@ -91,7 +93,14 @@ class JsonlLogger:
         if path.is_symlink():
             raise UsageError(f"{path} is a symlink; refusing to write the run's metrics through it (remove it)")
         _clean(path, resumed_at)
+        self.path = path
         self.handle = open(path, "a", encoding="utf-8", opener=no_follow)
+
+    def rewound(self, step: int) -> None:
+        """The run went back to step `step` (a loss-spike rewind): drop the rows logged after it, as a resume does."""
+        self.handle.close()
+        _clean(self.path, step)
+        self.handle = open(self.path, "a", encoding="utf-8", opener=no_follow)
 
     def log(self, row: dict) -> None:
         self.handle.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
@@ -143,7 +152,7 @@ class ConsoleLogger:
         if kind == "eval":
             log(
                 f"eval  step {row['step']:>7}  val_loss {row['val_loss']:.4f}  perplexity {row['perplexity']:.2f}  "
-                f"({coverage(row)})"
+                f"({coverage(row)}){by_source(row)}"
             )
         elif kind == "train" and self.show_train_rows:  # the end-of-run summary is printed by the trainer itself
             log(
@@ -153,6 +162,15 @@ class ConsoleLogger:
 
     def close(self) -> None:
         pass
+
+
+def by_source(row: dict) -> str:
+    """`  sources: a 2.1012, b 3.4001` for an evaluation of several sources, else ''."""
+    losses = [(key[len("eval/") : -len("/loss")], value) for key, value in row.items() if _SOURCE_LOSS.fullmatch(key)]
+    return "  sources: " + ", ".join(f"{name} {loss:.4f}" for name, loss in losses) if losses else ""
+
+
+_SOURCE_LOSS = re.compile(r"eval/.+/loss")
 
 
 def coverage(row: dict) -> str:
@@ -369,8 +387,15 @@ class MetricsTracker:
         self.loggers = build_loggers(report_to, output_dir, config, progress_bar, tensorboard_dir, resumed_at)
 
     def log(self, row: dict) -> None:
+        with torch.profiler.record_function("logging"):  # a named range in a profiler trace
+            for logger in self.loggers:
+                logger.log(row)
+
+    def rewound(self, step: int) -> None:
+        """The run went back to `step`: metrics.jsonl drops what was logged after it (other backends keep it)."""
         for logger in self.loggers:
-            logger.log(row)
+            if hasattr(logger, "rewound"):
+                logger.rewound(step)
 
     def update(self, values: dict, step: int) -> None:
         """Log `values` ({"custom/metric": number}) at `step` to every backend."""

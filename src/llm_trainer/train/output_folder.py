@@ -18,9 +18,16 @@ from ..config import TrainingConfig
 from ..errors import UsageError
 from ..logs import log
 from .metrics import tensorboard_dir
+from .profiling import PROFILE_DIR
 
 METRICS_FILE = "metrics.jsonl"
-RUN_FILES = (METRICS_FILE, "config.yaml", "tokenizer.json", "plots")  # in output_dir, beside the checkpoints
+RUN_FILES = (
+    METRICS_FILE,
+    "config.yaml",
+    "tokenizer.json",
+    "plots",
+    PROFILE_DIR,
+)  # in output_dir, beside the checkpoints
 
 
 def _checkpoint_entries(folder: Path) -> list[Path]:

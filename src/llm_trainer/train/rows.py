@@ -1,7 +1,8 @@
 """The rows every metric backend receives and metrics.jsonl holds: one type per kind of row.
 
     TrainRow    every `logging_steps` optimizer steps: loss, lr, grad_norm, tokens, speed
-    EvalRow     every evaluation: val_loss, perplexity, and how many tokens it covered
+    EvalRow     every evaluation: val_loss, perplexity, how many tokens it covered, and with several
+                data sources each one's loss (`eval/<source>/loss`)
     SummaryRow  once, at the end of `train()`
     "downstream" benchmark scores of `training.eval_tasks`: `downstream/<task>/<metric>` (`downstream_row`)
     "custom"    a user's own values (`Trainer.metrics_tracker.update`): `custom_row`, no fixed schema
@@ -44,6 +45,8 @@ class TrainRow(_Row):
     grad_norm: float  # before clipping
     tokens_seen: int
     skipped_steps: int  # non-finite steps skipped so far
+    loss_spikes: int | None = None  # with training.on_loss_spike: spikes so far (train/spikes.py)
+    rewinds: int | None = None  # ... and rewinds to a checkpoint
     tokens_per_s: float | None = None  # the speed monitor's window (see train/speed.py)
     samples_per_s: float | None = None
     step_time_s: float | None = None
@@ -62,6 +65,13 @@ class EvalRow(_Row):
     tokens: int  # target tokens evaluated
     batches: int | None = None  # batches evaluated (training.eval_max_batches caps them)
     batches_total: int | None = None  # batches the validation data holds
+    source_losses: dict[str, float] | None = None  # each source's val_loss (data.sources): `eval/<source>/loss`
+
+    def as_dict(self) -> dict:
+        out = super().as_dict()
+        for name, loss in (out.pop("source_losses", None) or {}).items():
+            out[f"eval/{name}/loss"] = loss
+        return out
 
 
 @dataclass(kw_only=True)
@@ -81,6 +91,8 @@ class SummaryRow(_Row):
     perplexity: float | None = None
     time_to_target_s: float | None = None  # seconds from the start of train() to target_val_loss
     stopped_by_signal: str | None = None  # the signal the run stopped for: its name (SIGTERM), or another rank's
+    loss_spikes: int | None = None  # with training.on_loss_spike
+    rewinds: int | None = None
 
 
 def custom_row(step: int, values: dict) -> dict:

@@ -43,7 +43,8 @@ class SpeedMonitor:
     def timed_batch(self, loader):
         """loader.next_batch(), with the time spent waiting for it counted as data wait."""
         t = self.clock()
-        batch = loader.next_batch()
+        with torch.profiler.record_function("data"):
+            batch = loader.next_batch()
         self._wait += self.clock() - t
         return batch
 
@@ -81,7 +82,8 @@ class PhaseTimer:
     def count(self, phase: str):
         start = self.clock()
         try:
-            yield
+            with torch.profiler.record_function(phase):  # a named range in a profiler trace
+                yield
         finally:
             self.seconds[phase] += self.clock() - start
 

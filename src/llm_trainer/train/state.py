@@ -13,7 +13,7 @@ from typing import Any
 @dataclass
 class TrainState:
     step: int = 0  # optimizer steps taken (including skipped ones)
-    tokens_seen: int = 0  # input tokens consumed
+    tokens_seen: int = 0  # input tokens consumed, by all ranks together
     best_val_loss: float | None = None  # the lowest evaluation so far: best_model holds its weights
     best_step: int | None = None
     best_metric: float | None = None  # metric_for_best_model's best value, when that is a downstream metric
@@ -21,6 +21,9 @@ class TrainState:
     evals_without_improvement: int = 0
     skipped_steps: int = 0  # steps whose loss or gradient was not finite
     consecutive_bad_steps: int = 0
+    loss_spikes: int = 0  # steps the spike monitor called spikes (train/spikes.py)
+    rewinds: int = 0  # times on_loss_spike=rewind went back to a checkpoint
+    spike_history: dict | None = None  # the spike monitor's window: {"loss": [...], "grad_norm": [...]}
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -61,6 +64,9 @@ _COUNTER_CHECKS: dict[str, Callable[[Any], bool]] = {
     "int": _is_count,
     "int | None": lambda v: v is None or _is_count(v),
     "float | None": lambda v: v is None or _is_number(v),
+    "dict | None": lambda v: (
+        v is None or (isinstance(v, dict) and all(isinstance(x, list) and all(map(_is_number, x)) for x in v.values()))
+    ),
 }
 _REQUIRED_COUNTERS = ("step",)
 

@@ -5,7 +5,7 @@ Shared by the Trainer and the LR finder, so both train exactly the same way on e
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 
@@ -41,12 +41,14 @@ def train_step(
     autocast: ContextManager,
     max_grad_norm: float | None,
     share: torch.Tensor | None = None,
+    reject: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
 ) -> StepResult:
     """Forward/backward each micro-batch, clip, step where finite. No host sync.
 
     Each micro-batch's summed loss is divided by the target tokens of the whole step on all ranks, so
     k micro-batches of b rows equal one batch of k*b, and DDP's average over ranks is exact. `share`
     (small float values, e.g. "this rank got a signal") rides along in the one collective of the loss.
+    `reject(loss, grad_norm)`: a device bool that withholds a finite step too (a loss spike).
     """
     world = parallel.dist.world_size
     device = parallel.device
@@ -55,9 +57,10 @@ def train_step(
     loss_sum = torch.zeros((), device=device)
     last = len(micro_batches) - 1
     for i, (inputs, targets, *doc_ids) in enumerate(micro_batches):  # doc_ids with data.document_mask
-        with parallel.no_sync(last=i == last), autocast:
-            nll = batch_nll(parallel.wrapped, inputs, targets, *doc_ids)
-        parallel.backward(nll * world / n_targets)
+        with torch.profiler.record_function("forward_backward"):
+            with parallel.no_sync(last=i == last), autocast:
+                nll = batch_nll(parallel.wrapped, inputs, targets, *doc_ids)
+            parallel.backward(nll * world / n_targets)
         loss_sum += nll.detach().float()
     shared = None
     if world > 1:  # the global loss decides the step on every rank alike
@@ -72,11 +75,13 @@ def train_step(
         shared = share.float().reshape(-1)
 
     # Clip, then step only if loss and gradients are finite (a bad step never reaches the weights).
-    grad_norm = parallel.clip(max_grad_norm)  # None where the backend clips inside its step
-    finite = torch.isfinite(loss_sum)
-    if grad_norm is not None and not parallel.scaler.is_enabled():  # fp16 scaling: overflows are routine
-        finite = finite & torch.isfinite(grad_norm)
-    reported = parallel.step(finite)
+    with torch.profiler.record_function("optimizer"):
+        grad_norm = parallel.clip(max_grad_norm)  # None where the backend clips inside its step
+        finite = torch.isfinite(loss_sum)
+        if grad_norm is not None and not parallel.scaler.is_enabled():  # fp16 scaling: overflows are routine
+            finite = finite & torch.isfinite(grad_norm)
+        apply = finite if reject is None else finite & ~reject(loss_sum / n_targets, grad_norm)
+        reported = parallel.step(apply)
     if grad_norm is None:
         grad_norm = reported
     return StepResult(

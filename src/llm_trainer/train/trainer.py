@@ -15,6 +15,7 @@ pipeline (prepare, vocabulary, model, loaders) for a subclass.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import time
 from collections.abc import Iterable, Mapping
@@ -40,9 +41,11 @@ from .evaluate import evaluate
 from .flops import flops_per_token, peak_flops
 from .metrics import MetricsTracker, tensorboard_dir
 from .optim import build_optimizer, learning_rate_at, set_learning_rate
+from .profiling import StepProfiler, out_of_memory
 from .rows import EvalRow, SummaryRow, TrainRow, downstream_row
 from .run_lock import lock_run_folders
 from .speed import PhaseTimer, SpeedMonitor
+from .spikes import SpikeMonitor, check_rewindable, rewind
 from .state import TrainState
 from .step import NonFiniteSteps, autocast, train_step
 from .stop import StopControl
@@ -107,6 +110,7 @@ class Trainer:
         self.autocast = autocast(self.device, self.amp_dtype)
         self.state = TrainState()
         self.bad_steps = NonFiniteSteps(self.device)  # renewed by train() from the (resumed) state
+        self.spikes: SpikeMonitor | None = None  # training.on_loss_spike's monitor, made by train()
         self.time_to_target_s: float | None = None  # seconds into train() when target_val_loss was reached
         self._part_to_whole: float | None = None  # whole-split / screened-part validation loss, last measured
         self.stop = StopControl(self.dist.world_size)
@@ -159,7 +163,7 @@ class Trainer:
         checkpoints record."""
         config = self.config
         self._sources = (train_dataloader, val_dataloader)
-        self.train_loader = as_loader(train_dataloader, self.device)
+        self.train_loader = as_loader(train_dataloader, self.device, self.dist.world_size)
         self.val_loader = as_loader(val_dataloader, self.device) if val_dataloader is not None else None
         loader_world = getattr(self.train_loader, "world_size", self.dist.world_size)
         if loader_world != self.dist.world_size:
@@ -174,6 +178,8 @@ class Trainer:
                 f"gradient_accumulation_steps={config.gradient_accumulation_steps}; set training.max_steps or use more data"
             )
         self.total_steps = config.max_steps if config.max_steps is not None else per_epoch * config.num_epochs
+        if hasattr(self.train_loader, "accumulation"):  # our loaders: epochs of whole steps, the global batch saved
+            self.train_loader.accumulation = config.gradient_accumulation_steps
         self.checkpointer.loader = self.train_loader
         self.checkpointer.schedule = {"name": config.lr_scheduler, "total_steps": self.total_steps}
 
@@ -210,6 +216,8 @@ class Trainer:
         if cfg.resume_from_checkpoint:
             self.checkpointer.load(cfg.resume_from_checkpoint)
         self.bad_steps = NonFiniteSteps(self.device, state.skipped_steps, state.consecutive_bad_steps)
+        self.spikes = self._spike_monitor()
+        self.profiler = StepProfiler(cfg, self.output_dir, self.device, self.dist.rank, self.total_steps)
         show_bar = self._shows_progress_bar()
         self.metrics_tracker.open(
             cfg.report_to,
@@ -231,8 +239,9 @@ class Trainer:
         last_saved, final_eval = None, None
 
         try:
-            with self.checkpointer, self.stop.signals_handled():
+            with self.checkpointer, self.stop.signals_handled(), self.profiler:
                 while state.step < self.total_steps and not self.stop.requested:
+                    self.profiler.begin_step(state.step + 1)
                     lr = learning_rate_at(state.step, cfg, self.total_steps)
                     set_learning_rate(self.optimizer, lr)
                     self.speed.start_step()
@@ -243,10 +252,11 @@ class Trainer:
                         autocast=self.autocast,
                         max_grad_norm=cfg.max_grad_norm,
                         share=self.stop.flag(self.device) if self.dist.world_size > 1 else None,
+                        reject=functools.partial(self.spikes.check, state.step + 1) if self.spikes else None,
                     )
                     self.bad_steps.add(out.finite)
                     state.step += 1
-                    state.tokens_seen += out.tokens
+                    state.tokens_seen += out.tokens * self.dist.world_size  # all ranks': the same at any world size
                     self.speed.end_step(out.tokens, out.samples)
                     if progress is not None:
                         progress.update(1)
@@ -256,6 +266,8 @@ class Trainer:
                     if log_now or self.device.type == "cpu":
                         self._read_bad_steps()
                         self.stop.poll(out.shared)
+                        if self._act_on_spikes():  # rewound: the loop goes on from the checkpoint's step
+                            continue
                     if log_now:
                         row = TrainRow(
                             step=state.step,
@@ -265,6 +277,7 @@ class Trainer:
                             grad_norm=float(out.grad_norm),
                             tokens_seen=state.tokens_seen,
                             skipped_steps=state.skipped_steps,
+                            **self._spike_counters(),
                             **self.speed.metrics(),
                         ).as_dict()
                         self._log_metrics(row)
@@ -289,6 +302,8 @@ class Trainer:
                     stopping = at_end or self.stop.stopping
                     if stopping or (cfg.save_steps and state.step % cfg.save_steps == 0):
                         self._read_bad_steps()
+                        if self._act_on_spikes():  # never a checkpoint after an unread spike
+                            continue
                         with timer.count("checkpoint"):
                             last_saved = self.checkpointer.save(background=not stopping)
                     self.stop.end_step()
@@ -301,7 +316,7 @@ class Trainer:
             summary = SummaryRow(
                 step=state.step,
                 train_runtime_s=elapsed,
-                tokens_per_s=(state.tokens_seen - tokens_at_start) / max(elapsed, 1e-9),
+                tokens_per_s=(state.tokens_seen - tokens_at_start) / self.dist.world_size / max(elapsed, 1e-9),
                 tokens_seen=state.tokens_seen,
                 skipped_steps=state.skipped_steps,
                 stopped_early=self.stop.reason,
@@ -313,12 +328,15 @@ class Trainer:
                 perplexity=final_eval["perplexity"] if final_eval else None,
                 time_to_target_s=self.time_to_target_s,
                 stopped_by_signal=self.stop.signal,
+                **self._spike_counters(),
             ).as_dict()
             self._log_metrics(summary)
             self._log_end(summary)
             for cb in self.callbacks:
                 cb.on_train_end(self, summary)
             return summary
+        except torch.OutOfMemoryError as error:
+            raise out_of_memory(error, self.profiler, cfg) from None
         finally:  # also when a callback or a stop raises: logs flushed, bar closed
             if progress is not None:
                 progress.close()
@@ -338,6 +356,36 @@ class Trainer:
                 f"is untouched. Lower training.learning_rate, enable clipping (max_grad_norm) or use bfloat16 instead of float16"
             )
 
+    def _spike_monitor(self) -> SpikeMonitor | None:
+        """The loss-spike monitor of training.on_loss_spike (None when off), from the (resumed) state."""
+        if self.config.on_loss_spike == "off":
+            return None
+        check_rewindable(self.config, self.train_loader)
+        return SpikeMonitor(self.config, self.device, self.state.spike_history)
+
+    def _act_on_spikes(self) -> bool:
+        """Read the spikes since the last read and act on them (training.on_loss_spike); keep the monitor's
+        window in the state a checkpoint saves. True when the run went back to a checkpoint."""
+        if self.spikes is None:
+            return False
+        spikes = self.spikes.read()
+        self.state.loss_spikes += len(spikes)
+        if spikes and self.config.on_loss_spike == "rewind":
+            path = rewind(self.checkpointer, self.state, self.train_loader, spikes[0], self.config.max_rewinds)
+            if path is not None:
+                state = self.state
+                self.bad_steps = NonFiniteSteps(self.device, state.skipped_steps, state.consecutive_bad_steps)
+                self.spikes = self._spike_monitor()
+                self.metrics_tracker.rewound(state.step)
+                return True
+        self.state.spike_history = self.spikes.history()
+        return False
+
+    def _spike_counters(self) -> dict:
+        if self.spikes is None:
+            return {}
+        return {"loss_spikes": self.state.loss_spikes, "rewinds": self.state.rewinds}
+
     def evaluate(self, *, full: bool = False) -> dict:
         """val_loss and perplexity over the first `eval_max_batches` validation batches (all when unset,
         or with `full`)."""
@@ -350,6 +398,7 @@ class Trainer:
             reduce=all_reduce_,
             max_batches=None if full else self.config.eval_max_batches,
             progress=self.config.progress_bar,
+            sources=getattr(self.val_loader, "source_labels", None),  # per-source losses of a mixture
         )
 
     def _towards_target(self, metrics: dict, target: float) -> tuple[dict, bool]:
@@ -368,8 +417,8 @@ class Trainer:
         return whole, True
 
     def _evaluate_and_track(self, full: bool = False) -> dict:
-        """Evaluate (`full`: the whole split whatever eval_max_batches says); best_model follows the lowest
-        val_loss; early stopping's patience counts evaluations that did not beat the last counted
+        """Evaluate (`full`: the whole split whatever eval_max_batches says), with the downstream tasks when
+        due; best_model follows metric_for_best_model (the lowest val_loss by default); early stopping's patience counts evaluations that did not beat the last counted
         improvement by more than min_delta."""
         cfg, state = self.config, self.state
         # (a subclass's own evaluate() that takes no arguments is called as it is)
@@ -427,6 +476,7 @@ class Trainer:
                 "pass train_dataloader to Trainer(...) or to train() first"
             )
         self._read_bad_steps()
+        self._act_on_spikes()
         return self.checkpointer.save(background=background)
 
     def _on_saved(self, path: Path) -> None:

@@ -1,0 +1,713 @@
+"""`prepare` as a datatrove pipeline: the same stages, run by datatrove's local, Slurm or Ray executor.
+
+Two stages, each a datatrove pipeline whose steps call the functions the in-process prepare uses:
+
+  per-file stage (`data.executor_tasks` tasks):  ReadFiles -> ProcessDocuments -> WriteParts
+      Task r reads its contiguous range of the input files (`file_units`, balanced by bytes), cleans,
+      filters and computes the dedup keys of every document (`DocumentProcessor`), tokenizes the ones a
+      later stage may keep (`encode`, on the tokenizer's Rust threads while the next batch is processed)
+      and writes them, with one record per document, into `parts/{r}/`.
+  merge stage (one task):  MergeParts
+      Replays the documents of all parts in the order the in-process prepare reads them (each source's
+      files in order, sources mixed by `interleave` with the same seed), decides duplicates, the split
+      and `max_documents` with the same `_decide`, and writes shards, token files, manifest and
+      data_report.json with the same `_Build`. So the prepared folder is the one the in-process prepare
+      writes, for any number of tasks and any executor (only timings differ).
+
+The tokenizer is built once, before the tasks, by the same `_build_tokenizer` (BPE: on the first
+`tokenizer_train_max_chars` characters of kept training text, in stream order) and saved in the work
+folder; every task reads that file.
+
+Resumable per task: datatrove writes `completions/{rank}` when a task has finished, and skips the
+completed tasks when the same command runs again; a task that was killed starts its part over.
+Where things are (`data.executor_logs`, default `{cache_dir}/.{fingerprint}.tasks/`):
+  plan.json                       the input files, their assignment to tasks, the tokenizer's dtype
+  prepare/ and merge/             datatrove's folders of each stage: logs/task_NNNNN.log,
+                                  completions/NNNNN, stats/, errors/NNNNN.json (a failed task's message)
+  parts/NNNNN/                    the per-file stage's output (removed once the merge has finished)
+  slurm_logs/, slurm_jobs.json    Slurm's own job output, the jobs the last command submitted (slurm)
+  seconds.json                    each stage's wall time (local, ray)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import DataConfig
+from ..errors import UsageError
+from ..logs import log
+from ..tokenizer import Tokenizer
+from .dedup import MinHasher
+from .filters import FILTERS, Removal
+from .mixture import interleave
+from .process import Processed
+from .sources import (
+    BadInput,
+    Document,
+    FileUnit,
+    SourceStats,
+    empty_source,
+    file_units,
+    only_files,
+    resolved_sources,
+)
+
+PLAN = "plan.json"
+PARTS = "parts"
+STAGES = ("prepare", "merge")
+# One record per document read, in a part: its UTF-8 size, its tokens (-1: not tokenized, it cannot be
+# kept), exact-dedup key, curriculum score (NaN: none) and the filter that removed it (-1: none).
+RECORD = np.dtype([("nbytes", "<i8"), ("tokens", "<i8"), ("key", "<u8"), ("score", "<f8"), ("reason", "<i1")])
+_BATCH = 256  # documents per batch, as in the in-process prepare
+_TOKENIZE_THREADS = 2
+
+
+class TaskFailed(RuntimeError):
+    """A task of the pipeline failed for another reason than bad input; the message says which and how to resume."""
+
+
+# ----------------------------------------------------------------------------------------------
+# the plan: which files, which task
+
+
+def task_ranges(sizes: list[int], tasks: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges of the units, one per task, balanced by bytes: unit i goes to task
+    floor(tasks * (bytes before it + half its own) / all bytes). Deterministic; some ranges are empty when
+    tasks > files."""
+    total = sum(sizes)
+    owner, before = [], 0
+    for size in sizes:
+        owner.append(min(tasks - 1, (2 * before + size) * tasks // (2 * total)) if total else 0)  # its middle
+        before += size
+    return [(sum(o < r for o in owner), sum(o <= r for o in owner)) for r in range(tasks)]
+
+
+@dataclass
+class Plan:
+    fingerprint: str
+    tasks: int
+    units: list[FileUnit]
+    skipped: dict  # what the readers skipped while the files were listed (missing files, empty folders)
+    dtype: str
+    work: str
+    directory: str
+    started: float
+    cwd: str  # the command's folder: relative paths of the config and the files are relative to it
+
+    def enter(self) -> None:
+        """Make the command's folder this process's (a Ray worker or a Slurm job may start elsewhere)."""
+        if os.getcwd() != self.cwd:
+            os.chdir(self.cwd)
+
+    @property
+    def root(self) -> Path:
+        return Path(self.work).parent
+
+    def save(self, path: Path) -> None:
+        data = {**self.__dict__, "units": [list(u) for u in self.units]}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> Plan:
+        data = json.loads(Path(path).read_text())
+        data["units"] = [FileUnit(*u) for u in data["units"]]
+        return cls(**data)
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return task_ranges([u.size for u in self.units], self.tasks)
+
+
+# ----------------------------------------------------------------------------------------------
+# the per-file stage: datatrove steps calling prepare's functions
+
+
+# ----------------------------------------------------------------------------------------------
+# the per-file stage's output: one part per task, one set of files per source in it
+
+
+def part_folder(tasks_dir: Path, rank: int) -> Path:
+    return Path(tasks_dir) / PARTS / f"{rank:05d}"
+
+
+class PartWriter:
+    """What one task writes, per source s: {s}.records (RECORD per document read), {s}.tokens (the tokens
+    of the tokenized documents, end-of-text after each), {s}.sigs (MinHash signatures, near dedup),
+    {s}.meta.jsonl (per document: where it was read, the measured value of the filter that removed it,
+    what the readers skipped before it; a line holding only a tab and where it was read when there is
+    nothing else to say); done.json last (documents per source, skips after the last one)."""
+
+    def __init__(self, folder: Path, dtype: np.dtype, with_signatures: bool):
+        shutil.rmtree(folder, ignore_errors=True)  # a task that was killed starts its part over
+        folder.mkdir(parents=True)
+        self.folder, self.dtype, self.with_signatures = folder, np.dtype(dtype), with_signatures
+        self.files: dict[int, dict] = {}
+        self.sources: dict[int, dict] = {}
+
+    def _files(self, source: int) -> dict:
+        if source not in self.files:
+            names = ["records", "tokens", "meta.jsonl"] + (["sigs"] if self.with_signatures else [])
+            self.files[source] = {n: open(self.folder / f"{source}.{n}", "wb") for n in names}
+            self.sources[source] = {"documents": 0, "trailing": {}}
+        return self.files[source]
+
+    def add(
+        self,
+        source: int,
+        metadata: list[dict],
+        result: Processed,
+        tokenized: list[int],
+        tokens: np.ndarray,
+        lengths: np.ndarray,
+    ) -> None:
+        files = self._files(source)
+        records = np.zeros(len(metadata), dtype=RECORD)
+        records["nbytes"] = result.nbytes
+        records["tokens"] = -1
+        records["tokens"][tokenized] = lengths
+        records["key"] = result.keys
+        records["score"] = [np.nan if m["score"] is None else m["score"] for m in metadata]
+        records["reason"] = [-1 if r is None else FILTERS.index(r) for r in result.reasons]
+        files["records"].write(records.tobytes())
+        files["tokens"].write(tokens.astype(self.dtype, copy=False).tobytes())
+        if self.with_signatures:
+            files["sigs"].write(result.signatures.tobytes())
+        lines = []
+        for m, removal in zip(metadata, result.removals):
+            origin = m["origin"]
+            if (
+                removal is None
+                and not m["skips"]
+                and isinstance(origin, str)
+                and "\n" not in origin
+                and "\r" not in origin
+            ):
+                lines.append(f"\t{origin}\n")  # the common case, read back without a JSON parse
+                continue
+            detail = [removal.value, removal.threshold, removal.setting] if removal is not None else [None] * 3
+            lines.append(json.dumps([origin, *detail, m["skips"]]) + "\n")
+        files["meta.jsonl"].write("".join(lines).encode())
+        self.sources[source]["documents"] += len(metadata)
+
+    def end_source(self, source: int, skips: dict) -> None:
+        self._files(source)
+        trailing = Counter(self.sources[source]["trailing"])
+        trailing.update(skips)
+        self.sources[source]["trailing"] = dict(trailing)
+
+    def close(self) -> None:
+        for files in self.files.values():
+            for handle in files.values():
+                handle.flush()
+                os.fsync(handle.fileno())
+                handle.close()
+        done = {"sources": {str(s): info for s, info in self.sources.items()}}
+        tmp = self.folder / "done.json.tmp"
+        tmp.write_text(json.dumps(done))
+        os.replace(tmp, self.folder / "done.json")
+
+
+def tokenized_rows(result: Processed, deduplication: str, seen: set[int] | None) -> list[int]:
+    """The documents of a batch worth tokenizing: those the filters kept, less (exact dedup) the repeats
+    of a key seen earlier in this task's part of the same source, which the merge must remove."""
+    rows = []
+    for i, reason in enumerate(result.reasons):
+        if reason is not None:
+            continue
+        if seen is not None and deduplication == "exact":
+            key = int(result.keys[i])
+            if key in seen:
+                continue
+            if len(seen) < _SEEN_KEYS:
+                seen.add(key)
+        rows.append(i)
+    return rows
+
+
+_SEEN_KEYS = 1 << 18  # keys remembered per task and source for the above (memory stays bounded)
+
+
+def write_error(tasks_dir: Path, stage: str, rank: int, tasks: int, file: str | None, exc: BaseException) -> None:
+    """errors/{rank}.json in the stage's folder: what the driver reports for a failed task."""
+    folder = Path(tasks_dir) / stage / "errors"
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {
+        "task": rank,
+        "tasks": tasks,
+        "file": file,
+        "message": str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        "type": type(exc).__name__,
+        "usage": isinstance(exc, UsageError),
+    }
+    (folder / f"{rank:05d}.json").write_text(json.dumps(record))
+
+
+def clear_error(tasks_dir: Path, stage: str, rank: int) -> None:
+    (Path(tasks_dir) / stage / "errors" / f"{rank:05d}.json").unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# the merge stage: the in-process prepare's decisions and writers over the parts, in stream order
+
+
+class _Record:
+    __slots__ = ("document", "nbytes", "reason", "removal", "key", "signature", "tokens")
+
+    def __init__(self, document, nbytes, reason, removal, key, signature, tokens):
+        self.document, self.nbytes, self.reason, self.removal = document, nbytes, reason, removal
+        self.key, self.signature, self.tokens = key, signature, tokens
+
+
+_CHUNK = 4096  # records read from a part at a time
+
+
+def _part_records(folder: Path, source: int, name: str, count: int, dtype, num_perm: int | None, skipped: Counter):
+    """The documents of one source in one part, in order; adds what the readers skipped before each to `skipped`."""
+    if count == 0:
+        return
+    records = np.memmap(folder / f"{source}.records", dtype=RECORD, mode="r", shape=(count,))
+    tokens_path = folder / f"{source}.tokens"
+    tokens = np.memmap(tokens_path, dtype=dtype, mode="r") if tokens_path.stat().st_size else np.zeros(0, dtype)
+    sigs = None
+    if num_perm is not None:
+        sigs = np.memmap(folder / f"{source}.sigs", dtype=np.uint32, mode="r", shape=(count, num_perm))
+    offset = 0
+    with open(folder / f"{source}.meta.jsonl", encoding="utf-8") as meta:
+        for start in range(0, count, _CHUNK):
+            chunk = records[start : start + _CHUNK]
+            fields = {name: chunk[name].tolist() for name in RECORD.names}
+            for j in range(len(chunk)):
+                line = meta.readline()
+                if line[0] == "\t":
+                    origin, value, threshold, setting = line[1:-1], None, None, None
+                else:
+                    origin, value, threshold, setting, skips = json.loads(line)
+                    if skips:
+                        skipped.update(skips)
+                reason = None if fields["reason"][j] < 0 else FILTERS[fields["reason"][j]]
+                score = fields["score"][j]
+                n = fields["tokens"][j]
+                piece = None
+                if n >= 0:
+                    piece = (offset, n)
+                    offset += n
+                yield _Record(
+                    Document("", name, None if score != score else score, origin),
+                    fields["nbytes"][j],
+                    reason,
+                    Removal(reason, value, threshold, setting) if reason is not None else None,
+                    fields["key"][j],
+                    sigs[start + j] if sigs is not None else None,
+                    (tokens, piece),
+                )
+
+
+def _merge_build():
+    from .prepare import _BATCH as BATCH
+    from .prepare import _batched, _Build, _decide
+    from .shards import SHARDS, SPLITS
+
+    assert BATCH == _BATCH
+
+    class MergeBuild(_Build):
+        """`_Build` whose document stream is the parts of the per-file stage instead of the readers."""
+
+        def __init__(self, config: DataConfig, plan: Plan, tasks_dir: Path):
+            super().__init__(config, plan.fingerprint, Path(plan.work), Path(plan.directory))
+            self.plan, self.tasks_dir = plan, Path(tasks_dir)
+            self.hasher = (
+                MinHasher(config.minhash_num_perm, config.minhash_shingle_words, config.deduplication_threshold)
+                if self.near
+                else None
+            )
+
+        def run(self):
+            shutil.rmtree(self.work / SHARDS, ignore_errors=True)  # a merge that was killed starts over
+            return super().run()
+
+        def _elapsed(self) -> float:
+            return time.time() - self.plan.started
+
+        def _source_stream(self, index: int, spec, dtype, skipped: Counter, bad: BadInput) -> Iterator[_Record]:
+            count = 0
+            num_perm = self.config.minhash_num_perm if self.near else None
+            for rank in range(self.plan.tasks):
+                folder = part_folder(self.tasks_dir, rank)
+                info = json.loads((folder / "done.json").read_text())["sources"].get(str(index))
+                if info is None:
+                    continue
+                for record in _part_records(folder, index, spec.name, info["documents"], dtype, num_perm, skipped):
+                    yield record
+                    count += 1
+                    if spec.max_documents is not None and count >= spec.max_documents:
+                        return
+                skipped.update(info["trailing"])
+            if count == 0:
+                empty_source(spec, bad)
+
+        def _processed(self, batch: list[_Record]) -> Processed:
+            signatures = bands = None
+            if self.near:
+                signatures = np.stack([np.asarray(r.signature) for r in batch])
+                bands = self.hasher.band_keys(signatures)
+            return Processed(
+                [None] * len(batch),
+                [r.reason for r in batch],
+                [r.removal for r in batch],
+                [r.nbytes for r in batch],
+                np.asarray([r.key for r in batch], dtype=np.uint64),
+                signatures,
+                bands,
+            )
+
+        def _stream(self, tokenizer, dtype, writer, dedup, state, counts, progress) -> Counter:
+            skipped = Counter(self.plan.skipped)
+            stats = SourceStats()
+            bad = BadInput(self.config.on_bad_input, stats)
+            sources = resolved_sources(self.config)
+            streams = [self._source_stream(i, spec, dtype, skipped, bad) for i, spec in enumerate(sources)]
+            records = interleave(
+                streams, [s.weight for s in sources], seed=self.config.seed, stopping=self.config.mixture_stopping
+            )
+            batches: list[list[_Record]] = []
+
+            def processed():
+                for i, batch in enumerate(_batched(records, _BATCH)):
+                    batches[:] = [batch]
+                    yield (i * _BATCH, [r.document for r in batch]), self._processed(batch)
+
+            writer.start()
+            for decided in _decide(self.config, processed(), dedup, None, 0):
+                batch = batches[0]
+                order = [i for s in SPLITS for i, split in zip(decided.kept, decided.kept_splits) if split == s]
+                pieces = []
+                for i in order:
+                    tokens, piece = batch[i].tokens
+                    if piece is None:
+                        raise RuntimeError(f"{batch[i].document.origin} was kept but not tokenized")
+                    pieces.append(tokens[piece[0] : piece[0] + piece[1]])
+                flat = np.concatenate(pieces).astype(dtype, copy=False) if pieces else np.zeros(0, dtype)
+                lengths = np.asarray([len(p) for p in pieces], dtype=np.int64)
+                self._write(decided, flat, lengths, writer, counts, progress)
+                state.position, state.kept = decided.end, state.kept + len(decided.kept)
+                if writer.pending_tokens() >= self.config.shard_tokens:
+                    writer.commit(self._snapshot(state, counts))
+                    writer.start()
+            skipped.update(stats.skipped)
+            state.phase, state.position, state.kept = 1, 0, 0
+            writer.commit(self._snapshot(state, counts), done=True)
+            return skipped
+
+    return MergeBuild
+
+
+def merge(config: DataConfig, plan_path: Path) -> None:
+    """The merge stage's one task: the prepared folder from the parts."""
+    plan = Plan.load(plan_path)
+    plan.enter()
+    _merge_build()(config, plan, Path(plan_path).parent).run()
+
+
+# ----------------------------------------------------------------------------------------------
+# the driver: plan, tokenizer, the two stages on the chosen executor, the result
+
+
+def tasks_folder(config: DataConfig, fingerprint: str) -> Path:
+    folder = Path(config.executor_logs) if config.executor_logs else Path(config.cache_dir) / f".{fingerprint}.tasks"
+    return folder.resolve()
+
+
+def _plan(config: DataConfig, fingerprint: str, work: Path, directory: Path, tasks_dir: Path, dtype) -> Path:
+    """plan.json, made once per fingerprint and task count: the files are listed and assigned here only."""
+    path = tasks_dir / PLAN
+    completed = list((tasks_dir / "prepare" / "completions").glob("*"))
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        plan = Plan.load(path)
+        if plan.fingerprint == fingerprint and plan.tasks == config.executor_tasks and plan.work == str(work):
+            if not completed:
+                plan.started = time.time()
+                plan.save(path)
+            return path
+        if completed:
+            log(f"data: {plan.tasks} tasks were planned, now {config.executor_tasks}: the per-file stage starts over")
+    for stage in STAGES:
+        shutil.rmtree(tasks_dir / stage / "completions", ignore_errors=True)
+        shutil.rmtree(tasks_dir / stage / "errors", ignore_errors=True)
+    shutil.rmtree(tasks_dir / PARTS, ignore_errors=True)
+    stats = SourceStats()
+    units = file_units(config, stats)
+    tasks_dir.mkdir(parents=True, exist_ok=True)
+    Plan(
+        fingerprint,
+        config.executor_tasks,
+        units,
+        dict(stats.skipped),
+        np.dtype(dtype).name,
+        str(work),
+        str(directory),
+        time.time(),
+        os.getcwd(),
+    ).save(path)
+    return path
+
+
+def _executor(config: DataConfig, pipeline: list, tasks: int, logging_dir: Path, depends=None):
+    workers = config.executor_workers
+    if config.executor == "local":
+        from datatrove.executor import LocalPipelineExecutor
+
+        workers = min(tasks, os.cpu_count() or 1) if workers == -1 else min(tasks, workers)
+        # fork: the workers start with this process's modules imported (a fresh interpreter per worker
+        # would import llm_trainer and torch again, seconds on a small machine)
+        return LocalPipelineExecutor(
+            pipeline, tasks=tasks, workers=workers, logging_dir=str(logging_dir), start_method="fork"
+        )
+    if config.executor == "ray":
+        from datatrove.executor import RayPipelineExecutor
+
+        return RayPipelineExecutor(
+            pipeline,
+            tasks=tasks,
+            workers=workers,
+            logging_dir=str(logging_dir),
+            cpus_per_task=config.executor_cpus_per_task,
+            mem_per_cpu_gb=config.executor_mem_per_cpu_gb,
+        )
+    from datatrove.executor import SlurmPipelineExecutor
+
+    executor = SlurmPipelineExecutor(
+        pipeline,
+        tasks=tasks,
+        workers=workers,
+        time=config.executor_time,
+        partition=config.executor_partition or _default_partition(),
+        cpus_per_task=config.executor_cpus_per_task,
+        mem_per_cpu_gb=max(1, round(config.executor_mem_per_cpu_gb)),
+        job_name=f"prepare-{logging_dir.parent.name.strip('.').split('.')[0]}-{logging_dir.name}",
+        qos="",
+        env_command=config.executor_env_command or _python_path_command(),
+        logging_dir=str(logging_dir),
+        slurm_logs_folder=str(logging_dir.parent / "slurm_logs"),
+        depends=depends,
+        requeue=False,
+        with_srun=False,
+    )
+    # no stats-merging job: it would wait for ever behind a failed task (the stats stay per task in stats/)
+    executor.launch_merge_stats = _no_stats_job
+    return executor
+
+
+def _no_stats_job() -> None:
+    return None
+
+
+def _python_path_command() -> str:
+    """The tasks import this llm_trainer, whatever the job's environment: its folder on PYTHONPATH."""
+    import shlex
+
+    source = str(Path(__file__).resolve().parents[2])
+    return f"export PYTHONPATH={shlex.quote(source)}${{PYTHONPATH:+:$PYTHONPATH}}"
+
+
+def _default_partition() -> str:
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UsageError(f"executor slurm: sinfo could not be run ({exc}); is this a Slurm login node?") from None
+    names = out.split()
+    default = [n.rstrip("*") for n in names if n.endswith("*")] or [n for n in names]
+    if not default:
+        raise UsageError("executor slurm: sinfo lists no partition; set data.executor_partition")
+    return default[0]
+
+
+def _resume_command() -> str:
+    import shlex
+
+    if Path(sys.argv[0]).name in ("llm-trainer", "__main__.py", "cli.py"):
+        return shlex.join(["llm-trainer", *sys.argv[1:]])
+    return "the same prepare (same config and sources)"
+
+
+def _check(executor, stage: str, tasks_dir: Path, error: BaseException | None) -> None:
+    """Raise, naming the task, its file and how to resume, when a task of the stage did not finish."""
+    incomplete = executor.get_incomplete_ranks(skip_completed=True)
+    if not incomplete:
+        return
+    failures = []
+    for rank in incomplete:
+        path = tasks_dir / stage / "errors" / f"{rank:05d}.json"
+        with contextlib.suppress(OSError, ValueError):
+            failures.append(json.loads(path.read_text()))
+    if not failures:
+        if error is not None:
+            raise error
+        raise TaskFailed(
+            f"{len(incomplete)} task(s) of the {stage} stage did not finish (first: task {incomplete[0]}); "
+            f"logs in {tasks_dir / stage / 'logs'}; run {_resume_command()} again to resume"
+        )
+    first = failures[0]
+    where = f"task {first['task']} of {first['tasks']}" + (f", input file {first['file']}" if first["file"] else "")
+    if first["usage"]:
+        raise UsageError(f"{first['message']} ({where})")
+    done = executor.world_size - len(incomplete)
+    log_file = tasks_dir / stage / "logs" / f"task_{first['task']:05d}.log"
+    raise TaskFailed(
+        f"{stage} stage: {where} failed: {first['type']}: {first['message']}; log: "
+        f"{log_file}; {done} of {executor.world_size} tasks "
+        f"finished and are kept: run {_resume_command()} again to resume"
+    )
+
+
+def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, directory: Path):
+    """Build `directory` with the two stages on `config.executor`; returns its PreparedData."""
+    _, _ = _datatrove_modules()
+    from . import trove_steps
+    from .prepare import MANIFEST, PreparedData, _Build
+
+    only_files(config)
+    tokenizer = _Build(config, fingerprint, work, directory)._tokenizer()  # once, before any task, in `work`
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    tasks_dir = tasks_folder(config, fingerprint)
+    plan_path = _plan(config, fingerprint, work, directory, tasks_dir, dtype)
+    log(
+        f"data: preparing {directory} on executor {config.executor} ({config.executor_tasks} tasks); "
+        f"logs and completion markers in {tasks_dir}"
+    )
+    started = time.perf_counter()
+    per_file = _executor(
+        config, trove_steps.per_file_pipeline(config, plan_path), config.executor_tasks, tasks_dir / "prepare"
+    )
+    seconds = {}
+    try:
+        if config.executor == "slurm":
+            merge_steps = trove_steps.merge_pipeline(config, plan_path)
+            _run_slurm(
+                per_file,
+                _executor(config, merge_steps, 1, tasks_dir / "merge", per_file),
+                tasks_dir,
+                directory / MANIFEST,
+            )
+        else:
+            with _ray(config):
+                _run(per_file, "prepare", tasks_dir)
+                seconds["prepare"] = time.perf_counter() - started
+                merging = _executor(config, trove_steps.merge_pipeline(config, plan_path), 1, tasks_dir / "merge")
+                _run(merging, "merge", tasks_dir)
+    except UsageError:  # bad input: fixing it changes the fingerprint, so the work done is of no further use
+        shutil.rmtree(tasks_dir / PARTS, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    seconds["total"] = time.perf_counter() - started
+    if "prepare" in seconds:
+        seconds["merge"] = seconds["total"] - seconds["prepare"]
+    (tasks_dir / "seconds.json").write_text(json.dumps({k: round(v, 3) for k, v in seconds.items()}))
+    for stage in STAGES:
+        shutil.rmtree(tasks_dir / stage / "completions", ignore_errors=True)
+    shutil.rmtree(tasks_dir / PARTS, ignore_errors=True)
+    manifest = json.loads((directory / MANIFEST).read_text())
+    if config.executor != "local":
+        from .report import REPORT, print_summary
+
+        print_summary(json.loads((directory / REPORT).read_text()))
+    return PreparedData(directory, Tokenizer.load(directory), manifest)
+
+
+def _datatrove_modules():
+    try:
+        import datatrove.executor  # noqa: F401
+        import datatrove.pipeline.base  # noqa: F401
+    except ImportError:
+        raise UsageError("data.executor needs datatrove: pip install -e '.[cluster]'") from None
+    return datatrove.executor, datatrove.pipeline.base
+
+
+def _run(executor, stage: str, tasks_dir: Path) -> None:
+    error = None
+    from datatrove.executor import LocalPipelineExecutor
+
+    pooled = isinstance(executor, LocalPipelineExecutor) and executor.workers > 1
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    if pooled:  # one task per core: each tokenizes on its own thread (no oversubscription)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        executor.run()
+    except Exception as exc:  # a task's exception, re-raised by the executor: reported by _check
+        error = exc
+    finally:
+        if pooled and saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        elif pooled:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    _check(executor, stage, tasks_dir, error)
+
+
+@contextlib.contextmanager
+def _ray(config: DataConfig):
+    """Ray joined (data.executor_address, else RAY_ADDRESS, else a new local cluster) for the executor's run."""
+    if config.executor != "ray":
+        yield
+        return
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("executor ray needs ray: pip install -e '.[cluster]'") from None
+    if ray.is_initialized():
+        yield
+        return
+    source = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
+    ray.init(address=config.executor_address, runtime_env={"env_vars": {"PYTHONPATH": path}}, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _run_slurm(per_file, merging, tasks_dir: Path, manifest: Path, poll: float = 1.0) -> None:
+    """Submit both stages (the merge after the per-file jobs), then wait for the manifest or a failure."""
+    submitted = tasks_dir / "slurm_jobs.json"
+    with contextlib.suppress(OSError, ValueError):
+        earlier = json.loads(submitted.read_text())
+        while earlier and _queued(earlier):  # an earlier command's jobs still run: never two tasks on one part
+            log(f"data: waiting for the Slurm job(s) {', '.join(earlier)} an earlier prepare submitted")
+            time.sleep(10 * poll)
+    merging.run()  # submits the per-file array job first (its dependency), then the merge job
+    jobs = [str(j) for j in (per_file.job_id, merging.job_id) if j not in (None, -1)]
+    submitted.write_text(json.dumps(jobs))
+    log(f"data: submitted Slurm job(s) {', '.join(jobs) or '(none: all tasks were complete)'}")
+    while not manifest.is_file():
+        queued = _queued(jobs)
+        if str(per_file.job_id) not in queued and per_file.get_incomplete_ranks(skip_completed=True):
+            subprocess.run(["scancel", *jobs], capture_output=True)  # the merge would wait for ever
+            _check(per_file, "prepare", tasks_dir, None)
+        if not queued & set(jobs):
+            if manifest.is_file():
+                break
+            _check(merging, "merge", tasks_dir, None)
+            raise TaskFailed(
+                f"the Slurm jobs {', '.join(jobs)} ended without a result; see {tasks_dir / 'slurm_logs'}; "
+                f"run {_resume_command()} again to resume"
+            )
+        time.sleep(poll)
+
+
+def _queued(jobs: list[str]) -> set[str]:
+    """The jobs of `jobs` Slurm still lists (pending or running)."""
+    if not jobs:
+        return set()
+    listed = subprocess.run(["squeue", "-h", "-o", "%i", "-j", ",".join(jobs)], capture_output=True, text=True)
+    return {line.split("_")[0] for line in listed.stdout.split()} & set(jobs)

@@ -1,0 +1,226 @@
+"""The steps of `prepare` as datatrove pipeline steps (see `cluster` for the stages and the files).
+
+Each step calls the function the in-process prepare calls for that stage: `iter_unit` (the readers),
+`DocumentProcessor` (cleaning, quality filters, exact-dedup key, MinHash signature), `encode` (the
+tokenizer) and `_Build` (dedup decisions, split, shards, report) in the merge. A document removed by a
+filter is not dropped from the datatrove stream: it is carried to the part writer with its reason, so
+the merge can count and name it as the in-process report does.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from datatrove.data import Document, DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
+
+from ..config import DataConfig
+from ..tokenizer import Tokenizer
+from .cluster import (
+    _BATCH,
+    _TOKENIZE_THREADS,
+    PartWriter,
+    Plan,
+    clear_error,
+    merge,
+    part_folder,
+    tokenized_rows,
+    write_error,
+)
+from .process import DocumentProcessor, encode
+from .sources import SourceStats, iter_unit
+
+_END = "end_of_source"  # a marker document: the task read the last of its files of this source
+_current: dict = {}  # the file the reader of this process is in, named when a task fails
+
+
+class ReadFiles(PipelineStep):
+    """The task's contiguous range of input files, read as the in-process prepare reads them."""
+
+    name = "llm-trainer files"
+    type = "📖 - READER"
+
+    def __init__(self, config: DataConfig, plan_path: str):
+        super().__init__()
+        self.config, self.plan_path = config, str(plan_path)
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        plan = Plan.load(self.plan_path)
+        plan.enter()
+        start, end = plan.ranges()[rank]
+        source, pending = None, Counter()
+        for index in range(start, end):
+            unit = plan.units[index]
+            if source is not None and unit.source != source:
+                yield _end_marker(source, pending)
+                pending = Counter()
+            source = unit.source
+            _current["file"] = unit.path
+            stats = SourceStats()
+            counted = Counter()
+            for document in iter_unit(unit, self.config, stats):
+                if stats.skipped != counted:  # what the reader skipped since the last document
+                    pending.update(stats.skipped - counted)
+                    counted = Counter(stats.skipped)
+                self.stat_update("documents")
+                yield Document(
+                    text=document.text,
+                    id=document.origin or unit.path,
+                    metadata={
+                        "source": unit.source,
+                        "origin": document.origin,
+                        "score": document.score,
+                        "skips": dict(pending) or None,
+                    },
+                )
+                pending = Counter()
+            pending.update(stats.skipped - counted)
+        if source is not None:
+            yield _end_marker(source, pending)
+
+
+def _end_marker(source: int, skips: Counter) -> Document:
+    return Document(text="", id=_END, metadata={_END: source, "skips": {k: v for k, v in skips.items() if v}})
+
+
+def _is_marker(document: Document) -> bool:
+    return _END in document.metadata
+
+
+class ProcessDocuments(PipelineStep):
+    """Cleaning, quality filters and dedup keys (`DocumentProcessor`), a batch of one source at a time."""
+
+    name = "llm-trainer clean, filter, dedup keys"
+    type = "🔻 - FILTER"
+
+    def __init__(self, config: DataConfig):
+        super().__init__()
+        self.config = config
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        processor = DocumentProcessor(self.config)
+        batch: list[Document] = []
+
+        def flush():
+            with self.track_time("batch"):
+                result = processor([d.text for d in batch])
+            for i, document in enumerate(batch):
+                document.metadata["batch"], document.metadata["row"] = result, i
+                self.stat_update("kept" if result.reasons[i] is None else f"removed_{result.reasons[i]}")
+            yield from batch
+            batch.clear()
+
+        for document in data:
+            if _is_marker(document) or (batch and document.metadata["source"] != batch[0].metadata["source"]):
+                yield from flush() if batch else ()
+            if _is_marker(document):
+                yield document
+                continue
+            batch.append(document)
+            if len(batch) == _BATCH:
+                yield from flush()
+        if batch:
+            yield from flush()
+
+
+class WriteParts(PipelineStep):
+    """Tokenizes what the merge may keep (`encode`, on the tokenizer's threads while the next batch is
+    read and processed) and writes the task's part; a failure is recorded with the file it was in."""
+
+    name = "llm-trainer tokenize, write part"
+    type = "💽 - WRITER"
+
+    def __init__(self, config: DataConfig, plan_path: str):
+        super().__init__()
+        self.config, self.plan_path = config, str(plan_path)
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from .prepare import _ordered
+
+        tasks_dir = Path(self.plan_path).parent
+        plan = Plan.load(self.plan_path)
+        plan.enter()
+        clear_error(tasks_dir, "prepare", rank)
+        _current["file"] = None
+        try:
+            tokenizer = Tokenizer.load(Path(plan.work) / "tokenizer.json")
+            dtype = np.dtype(plan.dtype)
+            writer = PartWriter(part_folder(tasks_dir, rank), dtype, self.config.deduplication == "near")
+            seen: dict[int, set[int]] = {}
+            with ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize") as pool:
+
+                def submit(item):
+                    if item[0] == "end":
+                        return pool.submit(lambda: None)
+                    _, documents, rows = item
+                    return pool.submit(encode, tokenizer, [documents[i].text for i in rows], dtype)
+
+                items = self._batches(data, seen)
+                for item, encoded in _ordered(items, submit, _TOKENIZE_THREADS + 1):
+                    if item[0] == "end":
+                        writer.end_source(item[1], item[2])
+                        continue
+                    _, documents, rows = item
+                    tokens, lengths = encoded
+                    result = documents[0].metadata["batch"]
+                    writer.add(
+                        documents[0].metadata["source"], [d.metadata for d in documents], result, rows, tokens, lengths
+                    )
+                    self.stat_update("tokens", value=int(lengths.sum()), unit="batch")
+            writer.close()
+        except BaseException as exc:
+            write_error(tasks_dir, "prepare", rank, world_size, _current.get("file"), exc)
+            raise
+        yield from ()
+
+    def _batches(self, data: DocumentsPipeline, seen: dict) -> Iterator[tuple]:
+        """("batch", documents, rows to tokenize) per processed batch; ("end", source, skips) per marker."""
+        batch: list[Document] = []
+        for document in data:
+            if batch and (_is_marker(document) or document.metadata["batch"] is not batch[0].metadata["batch"]):
+                yield self._batch(batch, seen)
+                batch = []
+            if _is_marker(document):
+                yield ("end", document.metadata[_END], document.metadata["skips"])
+            else:
+                batch.append(document)
+        if batch:
+            yield self._batch(batch, seen)
+
+    def _batch(self, batch: list[Document], seen: dict) -> tuple:
+        result = batch[0].metadata["batch"]
+        source_seen = seen.setdefault(batch[0].metadata["source"], set())
+        return ("batch", batch, tokenized_rows(result, self.config.deduplication, source_seen))
+
+
+class MergeParts(PipelineStep):
+    """The merge stage's one task (`cluster.merge`): dedup decisions, split, shards, manifest, report."""
+
+    name = "llm-trainer merge parts"
+    type = "💽 - WRITER"
+
+    def __init__(self, config: DataConfig, plan_path: str):
+        super().__init__()
+        self.config, self.plan_path = config, str(plan_path)
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        tasks_dir = Path(self.plan_path).parent
+        clear_error(tasks_dir, "merge", rank)
+        try:
+            merge(self.config, Path(self.plan_path))
+        except BaseException as exc:
+            write_error(tasks_dir, "merge", rank, world_size, None, exc)
+            raise
+        yield from ()
+
+
+def per_file_pipeline(config: DataConfig, plan_path: Path) -> list[PipelineStep]:
+    return [ReadFiles(config, plan_path), ProcessDocuments(config), WriteParts(config, plan_path)]
+
+
+def merge_pipeline(config: DataConfig, plan_path: Path) -> list[PipelineStep]:
+    return [MergeParts(config, plan_path)]

@@ -1,0 +1,499 @@
+"""`prepare` as a datatrove pipeline (`data.executor`): the prepared folder equals the in-process prepare's
+for 1, 2 and 8 tasks and for the local, Ray and Slurm executors (real engines, started here); a killed
+prepare resumes with only its unfinished tasks; bad input and failed tasks are reported in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import free_port, src_env
+from llm_trainer.config import DataConfig
+from llm_trainer.data.cluster import task_ranges, tasks_folder
+from llm_trainer.data.prepare import prepare_data
+from llm_trainer.errors import UsageError
+
+pytest.importorskip("datatrove")
+
+TIMING = ("seconds", "bytes_per_second", "resumed_from_shard")  # the only report fields that may differ
+WORDS = "river stone light garden window paper music forest letter winter harbor silver market candle".split()
+
+
+def _text(rng, n: int) -> str:
+    words = rng.choice(WORDS + [f"w{i}" for i in range(300)], n)
+    return " ".join(words) + "."
+
+
+def write_mixed_corpus(root: Path, documents: int = 40, files: int = 4) -> list[dict]:
+    """Two sources: `web` (JSONL files with exact copies, planted near-duplicates one word apart, short
+    documents the filters remove, a binary file the folder walk skips) and `books` (text files)."""
+    rng = np.random.default_rng(0)
+    web, books = root / "web", root / "books"
+    web.mkdir(parents=True)
+    books.mkdir()
+    originals = []
+    for f in range(files):
+        with open(web / f"part-{f}.jsonl", "w") as out:
+            for d in range(documents):
+                text = _text(rng, 80)
+                if d % 6 == 1 and originals:  # a near-duplicate of an earlier document, in any file
+                    words = originals[int(rng.integers(len(originals)))].split()
+                    words[int(rng.integers(len(words)))] = "changed"
+                    text = " ".join(words)
+                elif d % 6 == 2 and originals:  # an exact copy up to case and spacing
+                    text = originals[int(rng.integers(len(originals)))].upper().replace(" ", "  ")
+                elif d % 6 == 3:
+                    text = "too short"
+                else:
+                    originals.append(text)
+                out.write(json.dumps({"text": text}) + "\n")
+    (web / "blob").write_bytes(b"\x00\x01binary" * 50)
+    for f in range(3):
+        (books / f"book{f}.txt").write_text("\n\n".join(_text(rng, 60) for _ in range(3)))
+    return [
+        {"name": "web", "data_files": [str(web)], "weight": 3.0},
+        {"name": "books", "data_files": [str(books)], "weight": 1.0},
+    ]
+
+
+def settings(sources: list[dict], cache: Path, **overrides) -> dict:
+    return {
+        "sources": sources,
+        "deduplication": "near",
+        "min_words": 5,
+        "tokenizer_vocab_size": 300,
+        "validation_split": 0.1,
+        "cache_dir": str(cache),
+        "progress_bar": False,
+        "shard_tokens": 2000,  # several shards
+        **overrides,
+    }
+
+
+def prepared_files(directory: Path) -> dict:
+    """Everything the trainer reads from a prepared folder; timings and where-it-ran settings left out."""
+    out = {}
+    for path in sorted(directory.iterdir()):
+        if path.name == "manifest.json":
+            manifest = json.loads(path.read_text())
+            manifest.pop("seconds")
+            manifest["config"] = {
+                k: v for k, v in manifest["config"].items() if not k.startswith("executor") and k != "cache_dir"
+            }
+            out[path.name] = manifest
+        elif path.name == "data_report.json":
+            out[path.name] = {k: v for k, v in json.loads(path.read_text()).items() if k not in TIMING}
+        elif not path.name.startswith("."):
+            out[path.name] = path.read_bytes()
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    sources = write_mixed_corpus(root / "corpus")
+    reference = prepare_data(DataConfig(**settings(sources, root / "in-process")))
+    return root, sources, prepared_files(reference.directory)
+
+
+def test_tasks_take_contiguous_file_ranges_balanced_by_bytes():
+    assert task_ranges([10, 10, 10, 10], 2) == [(0, 2), (2, 4)]
+    assert task_ranges([30, 10, 10, 10], 2) == [(0, 1), (1, 4)]
+    ranges = task_ranges([5, 7, 1], 8)  # more tasks than files: some tasks have none
+    assert ranges[0][0] == 0 and ranges[-1][1] == 3 and sum(b > a for a, b in ranges) == 3
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, every file once
+    assert task_ranges([0, 0], 3) == [(0, 2), (2, 2), (2, 2)]
+
+
+@pytest.mark.slow
+def test_the_local_executor_writes_the_in_process_folder_for_1_2_and_8_tasks(corpus):
+    root, sources, reference = corpus
+    report = reference["data_report.json"]
+    assert report["removed"]["near_duplicates"] > 0 and report["removed"]["exact_duplicates"] > 0
+    assert report["removed"]["min_words"] > 0 and report["skipped_inputs"] == {"binary_files": 1}
+    assert report["splits"]["val"]["documents"] > 0 and report["shards"] > 1
+    for tasks in (1, 2, 8):
+        config = DataConfig(**settings(sources, root / f"local-{tasks}", executor="local", executor_tasks=tasks))
+        prepared = prepare_data(config)
+        assert prepared_files(prepared.directory) == reference, f"{tasks} tasks"
+        logs = tasks_folder(config, prepared.manifest["fingerprint"])
+        assert len(list((logs / "prepare" / "logs").glob("task_*.log"))) == tasks
+        assert not (logs / "parts").exists() and not (logs / "prepare" / "completions").exists()
+
+
+def _cli(*args: str, cwd: Path, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "llm_trainer", *args], cwd=cwd, env=src_env(), capture_output=True, text=True, **kwargs
+    )
+
+
+def _experiment(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump({"data": data}))
+    return path
+
+
+@pytest.mark.slow
+def test_a_killed_prepare_runs_only_its_unfinished_tasks_again(tmp_path):
+    """SIGKILL the whole prepare (driver and tasks) once a task has finished; the same command again
+    skips the finished tasks (their parts untouched) and writes the folder an uninterrupted prepare writes."""
+    sources = write_mixed_corpus(tmp_path / "corpus", documents=400, files=6)
+    reference = prepared_files(prepare_data(DataConfig(**settings(sources, tmp_path / "in-process"))).directory)
+    data = settings(sources, tmp_path / "cache")
+    config = _experiment(tmp_path / "exp.yaml", data)
+    command = [sys.executable, "-m", "llm_trainer", "prepare", "--config", str(config), "--executor", "local"]
+    command += ["--tasks", "6", "--workers", "1"]
+    proc = subprocess.Popen(
+        command, cwd=tmp_path, env=src_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    logs = next_tasks_folder = None
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            found = list((tmp_path / "cache").glob(".*.tasks"))
+            if found and any((found[0] / "prepare" / "completions").glob("*")):
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no task finished"
+            time.sleep(0.002)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stderr.close()
+    logs = found[0]
+    finished = sorted(int(p.name) for p in (logs / "prepare" / "completions").iterdir())
+    assert 0 < len(finished) < 6, f"the kill came too late to leave unfinished tasks: {finished}"
+    parts = {r: (logs / "parts" / f"{r:05d}" / "done.json").stat().st_mtime_ns for r in finished}
+    next_tasks_folder = logs
+
+    done = subprocess.run(command, cwd=tmp_path, env=src_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"Skipping {len(finished)} already completed tasks" in done.stderr
+    started = {int(p.stem.split("_")[1]) for p in (next_tasks_folder / "prepare" / "logs").glob("task_*.log")}
+    assert started == set(range(6))
+    for rank in finished:  # not run again: its log still holds only the first run
+        log_text = (next_tasks_folder / "prepare" / "logs" / f"task_{rank:05d}.log").read_text()
+        assert log_text.count("Launching pipeline") == 1
+    directory = Path(json.loads(done.stdout)["directory"])
+    assert prepared_files(directory) == reference
+    assert parts  # the finished tasks' parts were kept until the merge used them
+
+
+@pytest.mark.slow
+def test_bad_input_in_a_task_is_one_line_and_exit_2(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text(
+        "".join(json.dumps({"text": f"some words that are fine {i}"}) + "\n" for i in range(300))
+    )
+    (corpus / "named.bin").write_bytes(b"\x00\x01\x02" * 100)
+    data = {"data_files": [str(corpus / "a.jsonl"), str(corpus / "named.bin")], "cache_dir": str(tmp_path / "cache")}
+    # the tokenizer's sample is read before the tasks, from the first batch of documents (a.jsonl's)
+    data.update(tokenizer_vocab_size=300, tokenizer_train_max_chars=100, executor="local", executor_tasks=2)
+    done = _cli("prepare", "--config", str(_experiment(tmp_path / "exp.yaml", data)), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "named.bin looks like a binary file" in last and "task 1 of 2" in last
+    # as without an executor, bad input leaves no work behind (fixing it changes the fingerprint); logs stay
+    assert not list((tmp_path / "cache").glob(".*.partial")) and not list((tmp_path / "cache").glob(".*.tasks/parts"))
+    assert list((tmp_path / "cache").glob(".*.tasks/prepare/logs/task_00001.log"))
+
+
+@pytest.mark.slow
+def test_a_failed_task_names_the_task_the_file_and_the_command_to_resume(tmp_path):
+    """A Parquet file whose data is damaged after its header: the reader's error is not bad input the
+    readers know, so the task fails; the message names it, its file, its log and the command to resume."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some words that are fine " * 10)
+    table = pa.table({"text": [f"document number {i} " * 20 for i in range(4000)]})
+    pq.write_table(table, corpus / "b.parquet", row_group_size=500, compression="NONE")
+    raw = bytearray((corpus / "b.parquet").read_bytes())
+    damaged = len(raw) * 3 // 4  # past the rows the tokenizer's sample reads before the tasks
+    raw[damaged : damaged + 4000] = b"\xff" * 4000
+    (corpus / "b.parquet").write_bytes(bytes(raw))
+    data = {"data_files": [str(corpus)], "cache_dir": str(tmp_path / "cache"), "tokenizer_vocab_size": 300}
+    data.update(executor="local", executor_tasks=2, tokenizer_train_max_chars=100)
+    config = _experiment(tmp_path / "exp.yaml", data)
+    done = _cli("prepare", "--config", str(config), cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: prepare stage: task 1 of 2, input file ") and "b.parquet failed" in last
+    assert "task_00001.log" in last and "1 of 2 tasks finished and are kept" in last
+    assert f"run llm-trainer prepare --config {config} again to resume" in last
+
+
+# -- Ray: a local cluster on 127.0.0.1 ------------------------------------------------------------------
+
+
+@pytest.fixture
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    try:
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            runtime_env={"env_vars": {"PYTHONPATH": src_env()["PYTHONPATH"]}},
+            log_to_driver=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any failure to start is a reason to skip, said in the report
+        pytest.skip(f"a local Ray cluster could not start here: {str(exc).splitlines()[0]}")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_the_ray_executor_writes_the_in_process_folder(corpus, ray_cluster, monkeypatch):
+    """With paths relative to the command's folder, which Ray's workers need not start in."""
+    root, sources, _ = corpus
+    monkeypatch.chdir(root)
+    relative = [{**source, "data_files": [str(Path(source["data_files"][0]).relative_to(root))]} for source in sources]
+    reference = prepared_files(prepare_data(DataConfig(**settings(relative, Path("relative")))).directory)
+    config = DataConfig(
+        **settings(relative, Path("ray"), executor="ray", executor_tasks=3, executor_workers=2),
+        executor_mem_per_cpu_gb=0.25,
+    )
+    prepared = prepare_data(config)
+    assert prepared_files(prepared.directory) == reference
+
+
+# -- Slurm: slurmctld + slurmd (Debian's slurm-wlm) as one node on localhost ------------------------------
+
+SLURM_CONF = """\
+ClusterName=llmtest
+SlurmctldHost=localhost
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+AuthType=auth/munge
+AuthInfo=socket={munge_socket}
+CredType=cred/munge
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/builtin
+ReturnToService=2
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+NodeName=localhost CPUs=2 RealMemory=4000 State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+@pytest.fixture
+def slurm_cluster(tmp_path_factory, monkeypatch):
+    """munged, slurmctld and slurmd on this machine with a temporary configuration; skipped, saying why,
+    where they cannot run (not root, not installed)."""
+    missing = [b for b in ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo") if shutil.which(b) is None]
+    if missing:
+        pytest.skip(f"Slurm is not installed here (missing {', '.join(missing)}; .ci/run installs slurm-wlm)")
+    if os.geteuid() != 0:
+        pytest.skip("a single-node Slurm runs as root (SlurmUser=root); this test runs as another user")
+    root = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool", "munge"):
+        (root / sub).mkdir()
+    key = root / "munge" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    socket = root / "munge" / "munge.socket"
+    started = []
+
+    def start(command: list[str]) -> subprocess.Popen:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        started.append(proc)
+        return proc
+
+    try:
+        munged = [
+            "munged",
+            "--foreground",
+            "--force",
+            f"--key-file={key}",
+            f"--socket={socket}",
+            f"--pid-file={root / 'munge' / 'munged.pid'}",
+            f"--log-file={root / 'munge' / 'munged.log'}",
+            f"--seed-file={root / 'munge' / 'munged.seed'}",
+        ]
+        start(munged)
+        conf = root / "slurm.conf"
+        conf.write_text(
+            SLURM_CONF.format(root=root, ctld_port=free_port(), slurmd_port=free_port(), munge_socket=socket)
+        )
+        monkeypatch.setenv("SLURM_CONF", str(conf))
+        deadline = time.monotonic() + 10
+        while not socket.exists():
+            if time.monotonic() > deadline or started[0].poll() is not None:
+                pytest.skip(
+                    f"munged did not start: {started[0].stderr.read().decode()[-500:] if started[0].poll() is not None else 'no socket'}"
+                )
+            time.sleep(0.1)
+        start(["slurmctld", "-D", "-f", str(conf)])
+        start(["slurmd", "-D", "-f", str(conf), "-N", "localhost"])
+        deadline = time.monotonic() + 30
+        while True:
+            state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True).stdout.strip()
+            if state in ("idle", "mixed", "allocated"):
+                break
+            if time.monotonic() > deadline or any(p.poll() is not None for p in started):
+                logs = "; ".join(
+                    f"{name}: {(root / name).read_text()[-300:]}"
+                    for name in ("slurmctld.log", "slurmd.log")
+                    if (root / name).is_file()
+                )
+                pytest.skip(f"a single-node Slurm did not come up here (node state {state!r}); {logs}")
+            time.sleep(0.3)
+        yield conf
+    finally:
+        for proc in reversed(started):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            proc.stderr.close()
+
+
+@pytest.mark.slow
+def test_the_slurm_executor_submits_jobs_and_writes_the_in_process_folder(corpus, slurm_cluster, tmp_path):
+    root, sources, reference = corpus
+    data = settings(sources, root / "slurm", executor_mem_per_cpu_gb=1)
+    config = _experiment(tmp_path / "exp.yaml", data)
+    done = _cli("prepare", "--config", str(config), "--executor", "slurm", "--tasks", "2", cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "submitted Slurm job(s)" in done.stderr
+    prepared = Path(json.loads(done.stdout)["directory"])
+    assert prepared_files(prepared) == reference
+    slurm_logs = list((root / "slurm").glob(".*.tasks/slurm_logs/*.out"))
+    assert slurm_logs, "no Slurm job wrote its output"
+
+
+@pytest.mark.slow
+def test_a_cancelled_slurm_task_is_reported_and_only_it_runs_again(corpus, slurm_cluster, tmp_path):
+    """One task of the array job is cancelled (Slurm kills it, or it never starts): the command says which
+    task did not finish and how to resume; the same command submits that task alone, then the merge."""
+    root, sources, reference = corpus
+    data = settings(sources, root / "slurm-cancel", executor_mem_per_cpu_gb=1)
+    config = _experiment(tmp_path / "exp.yaml", data)
+    command = [sys.executable, "-m", "llm_trainer", "prepare", "--config", str(config), "--executor", "slurm"]
+    command += ["--tasks", "3", "--workers", "1"]  # one array task at a time: the last one starts last
+    proc = subprocess.Popen(command, cwd=tmp_path, env=src_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (jobs := list((root / "slurm-cancel").glob(".*.tasks/slurm_jobs.json"))):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
+            time.sleep(0.05)
+        tasks_dir = jobs[0].parent
+        per_file_job = json.loads(jobs[0].read_text())[0]
+        subprocess.run(["scancel", f"{per_file_job}_2"], check=True)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err.decode()[-3000:]
+    last = err.decode().strip().splitlines()[-1]
+    assert "task(s) of the prepare stage did not finish (first: task 2)" in last and "again to resume" in last
+    finished = sorted(p.name for p in (tasks_dir / "prepare" / "completions").iterdir())
+    assert finished == ["00000", "00001"]
+    assert json.loads((tasks_dir / "prepare" / "ranks_to_run.json").read_text()) == [0, 1, 2]
+
+    done = subprocess.run(command, cwd=tmp_path, env=src_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tasks_dir / "prepare" / "ranks_to_run.json").read_text()) == [2]  # only the cancelled task
+    assert prepared_files(Path(json.loads(done.stdout)["directory"])) == reference
+
+
+def test_a_hugging_face_dataset_is_refused_in_one_line_before_anything_is_read(tmp_path):
+    config = DataConfig(dataset_name="wikitext", executor="local", cache_dir=str(tmp_path))
+    with pytest.raises(UsageError) as error:
+        prepare_data(config)
+    message = str(error.value)
+    assert "reads files" in message and "save it as JSONL or Parquet" in message and "\n" not in message
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _kill_ray_task_workers() -> int:
+    """SIGKILL the processes of this test's Ray cluster (descendants of this process) that run a datatrove
+    task: the actor and the rank it forked. How many."""
+    killed = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        pid = ancestor = int(proc.name)
+        while ancestor > 1 and ancestor != os.getpid():
+            ancestor = _parent(ancestor)
+        try:
+            if ancestor == os.getpid() and (proc / "cmdline").read_bytes().startswith(b"ray::RankWorker"):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
+
+
+@pytest.mark.slow
+def test_a_ray_task_whose_worker_is_killed_runs_again_and_the_result_is_the_same(tmp_path, ray_cluster):
+    """SIGKILL the worker process of a task while it writes its part: datatrove's Ray executor submits the
+    task again, which starts its part over; the folder is the in-process prepare's."""
+    import threading
+
+    sources = write_mixed_corpus(tmp_path / "corpus", documents=800, files=2)
+    reference = prepared_files(prepare_data(DataConfig(**settings(sources, tmp_path / "in-process"))).directory)
+    config = DataConfig(
+        **settings(sources, tmp_path / "ray", executor="ray", executor_tasks=2, executor_workers=1),
+        executor_mem_per_cpu_gb=0.25,
+    )
+    killed = []
+
+    def kill_first_task():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed:
+            if list((tmp_path / "ray").glob(".*.tasks/parts/00000")):  # the task is writing its part
+                killed.append(_kill_ray_task_workers())
+                killed.append(datetime.now())
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=kill_first_task, daemon=True)
+    watcher.start()
+    prepared = prepare_data(config)
+    watcher.join(timeout=5)
+    assert killed and killed[0] > 0, "no Ray task worker was killed"
+    log = tasks_folder(config, prepared.manifest["fingerprint"]) / "prepare" / "logs" / "task_00000.log"
+    started = datetime.strptime(log.read_text()[:23], "%Y-%m-%d %H:%M:%S.%f")  # its log's first line
+    assert started > killed[1]  # the task ran again after the kill (its log is rewritten by each run)
+    assert prepared_files(prepared.directory) == reference
