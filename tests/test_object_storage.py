@@ -1,0 +1,168 @@
+"""Data and checkpoints in object storage, against a real S3 endpoint: moto's server in its own process
+on 127.0.0.1, reached through s3fs. Nothing leaves the machine: the endpoint, fake credentials and
+AWS_EC2_METADATA_DISABLED are pinned for the tests and for every child process they start."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import yaml
+
+from conftest import free_port, src_env, write_corpus
+
+pytestmark = pytest.mark.slow
+
+FAKE_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+def _start_server(extra_env: dict | None = None):
+    """A moto S3 server process on a free local port, or a skip saying why it could not start."""
+    try:
+        import moto.server  # noqa: F401
+        import s3fs  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"the S3 tests need moto[server] and s3fs (pip install -e '.[dev]'): {exc}")
+    port = free_port()
+    env = {**os.environ, **FAKE_CREDENTIALS, **(extra_env or {})}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
+            return proc, endpoint
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.skip(f"the local S3 server did not start: {proc.stderr.read().decode()[-300:]}")
+            time.sleep(0.2)
+
+
+def _stop(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    proc.stderr.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    saved = {k: os.environ.get(k) for k in [*FAKE_CREDENTIALS, "AWS_ENDPOINT_URL"]}
+    proc, endpoint = _start_server()
+    os.environ.update({**FAKE_CREDENTIALS, "AWS_ENDPOINT_URL": endpoint})
+    try:
+        yield endpoint
+    finally:
+        _stop(proc)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def s3(s3_server, request):
+    """An s3fs filesystem on the local server and a fresh bucket named after the test."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server})
+    bucket = "t-" + request.node.name.lower().replace("_", "-")[:50].strip("-")
+    fs.mkdir(bucket)
+    s3fs.S3FileSystem.clear_instance_cache()
+    return fs, bucket
+
+
+def _env(endpoint: str) -> dict:
+    return {**src_env(), **FAKE_CREDENTIALS, "AWS_ENDPOINT_URL": endpoint, "OMP_NUM_THREADS": "1"}
+
+
+def _cli(args, endpoint: str, cwd, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "llm_trainer", *args],
+        env=_env(endpoint),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _experiment(root, bucket: str, **training) -> "os.PathLike":
+    """A one-layer char model; its corpus, prepared data and checkpoints in `bucket`."""
+    values = {
+        "batch_size": 4,
+        "max_steps": 6,
+        "learning_rate": 3e-3,
+        "eval_steps": 3,
+        "save_steps": 3,
+        "logging_steps": 2,
+        "output_dir": str(root / "run"),
+        "checkpoint_dir": f"s3://{bucket}/checkpoints",
+        "device": "cpu",
+        "progress_bar": False,
+        "report_to": ["jsonl"],
+    }
+    values.update(training)
+    config = {
+        "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 24},
+        "training": values,
+        "data": {
+            "data_files": [f"s3://{bucket}/corpus/"],
+            "tokenizer": "char",
+            "validation_split": 0.2,
+            "cache_dir": f"s3://{bucket}/prepared",
+            "stream_cache_dir": str(root / "stream"),
+        },
+    }
+    path = root / "exp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _upload_corpus(fs, bucket: str, tmp_path) -> None:
+    corpus = write_corpus(tmp_path / "corpus")
+    for file in sorted(corpus.iterdir()):
+        fs.put_file(str(file), f"{bucket}/corpus/{file.name}")
+
+
+def test_prepare_from_a_bucket_into_a_bucket(s3, tmp_path):
+    fs, bucket = s3
+    _upload_corpus(fs, bucket, tmp_path)
+    config = _experiment(tmp_path, bucket)
+    done = _cli(["prepare", "--config", str(config)], os.environ["AWS_ENDPOINT_URL"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    fs.invalidate_cache()
+    (folder,) = fs.ls(f"{bucket}/prepared")
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(folder)}
+    assert {"manifest.json", "files.json", "train.bin", "val.bin", "tokenizer.json"} <= names
+    manifest = json.loads(fs.cat_file(f"{folder}/manifest.json"))
+    assert manifest["splits"]["train"]["tokens"] > 0
+    assert (
+        fs.cat_file(f"{folder}/train.bin") == next((tmp_path / "stream" / "prepared").glob("*/train.bin")).read_bytes()
+    )
+    # Another machine (an empty local cache) downloads it, checksummed, instead of preparing again.
+    config2 = yaml.safe_load(config.read_text())
+    config2["data"]["stream_cache_dir"] = str(tmp_path / "stream2")
+    config.write_text(yaml.safe_dump(config2))
+    again = _cli(["prepare", "--config", str(config)], os.environ["AWS_ENDPOINT_URL"], tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "downloaded" in again.stderr + again.stdout
