@@ -166,3 +166,46 @@ def test_prepare_from_a_bucket_into_a_bucket(s3, tmp_path):
     again = _cli(["prepare", "--config", str(config)], os.environ["AWS_ENDPOINT_URL"], tmp_path)
     assert again.returncode == 0, again.stderr
     assert "downloaded" in again.stderr + again.stdout
+
+
+def _latest(fs, bucket: str) -> str:
+    fs.invalidate_cache()
+    return fs.cat_file(f"{bucket}/checkpoints/latest").decode().strip()
+
+
+def _steps(run) -> list[int]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [row["step"] for row in rows if row["kind"] == "train"]
+
+
+def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tmp_path):
+    fs, bucket = s3
+    _upload_corpus(fs, bucket, tmp_path)
+    config = _experiment(tmp_path, bucket, save_total_limit=1)
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    done = _cli(["train", "--config", str(config)], endpoint, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert _latest(fs, bucket) == "checkpoint-00000006"
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/checkpoints")}
+    assert "checkpoint-00000003" not in names  # rotated in the store as on disk
+    assert {"checkpoint-00000006", "latest", "best_model"} <= names
+    # Another machine: a new output folder and local cache; the run continues from the bucket.
+    more = _cli(
+        [
+            "train",
+            "--config",
+            str(config),
+            "training.max_steps=8",
+            f"training.output_dir={tmp_path / 'elsewhere'}",
+            f"data.stream_cache_dir={tmp_path / 'stream-elsewhere'}",
+            "--resume_from_checkpoint",
+            "latest",
+        ],
+        endpoint,
+        tmp_path,
+    )
+    assert more.returncode == 0, more.stderr
+    assert "downloaded s3://" in more.stderr + more.stdout
+    assert "continuing from" in more.stderr + more.stdout
+    assert _steps(tmp_path / "elsewhere")[0] > 6
+    assert _latest(fs, bucket) == "checkpoint-00000008"
