@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 import yaml
 
-from conftest import free_port, src_env, write_corpus
+from conftest import free_port, kill9_when, src_env, write_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -209,3 +209,48 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
     assert "continuing from" in more.stderr + more.stdout
     assert _steps(tmp_path / "elsewhere")[0] > 6
     assert _latest(fs, bucket) == "checkpoint-00000008"
+
+
+def test_sigkill_mid_upload_keeps_the_previous_checkpoint_as_latest(s3, tmp_path):
+    fs, bucket = s3
+    _upload_corpus(fs, bucket, tmp_path)
+    config = _experiment(tmp_path, bucket)
+    mark = tmp_path / "uploading"
+    # The run is killed after the first file of step 6's checkpoint reached the bucket, before the rest.
+    script = f"""
+import pathlib, sys, time
+from llm_trainer import storage
+real = storage.upload
+def upload(local, url):
+    real(local, url)
+    if "checkpoint-00000006" in url:
+        pathlib.Path({str(mark)!r}).touch()
+        time.sleep(600)
+storage.upload = upload
+from llm_trainer.cli import main
+sys.exit(main(["train", "--config", {str(config)!r}]))
+"""
+    kill9_when(script, mark.exists, "the upload of checkpoint 6", timeout=240)
+    assert _latest(fs, bucket) == "checkpoint-00000003"
+    partial = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/checkpoints/checkpoint-00000006")}
+    assert partial and "meta.json" not in partial and "files.json" not in partial
+    # Resumed on another machine from the bucket alone: step 3 is intact, and the run completes.
+    resumed = _cli(
+        [
+            "train",
+            "--config",
+            str(config),
+            f"training.output_dir={tmp_path / 'elsewhere'}",
+            f"data.stream_cache_dir={tmp_path / 'stream-elsewhere'}",
+            "--resume_from_checkpoint",
+            "latest",
+        ],
+        os.environ["AWS_ENDPOINT_URL"],
+        tmp_path,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step 3" in resumed.stderr + resumed.stdout
+    assert _steps(tmp_path / "elsewhere")[0] > 3
+    assert _latest(fs, bucket) == "checkpoint-00000006"
+    fs.invalidate_cache()
+    assert "meta.json" in {p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/checkpoints/checkpoint-00000006")}

@@ -47,7 +47,7 @@ from .background import BackgroundWriter, HostSnapshot
 from .durable import remove_stale
 from .find import resolve_checkpoint
 from .layout import BEST, checkpoint_name
-from .remote import fetch_latest, fetch_named, upload_best, upload_checkpoint
+from .remote import ensure_uploaded, fetch_latest, fetch_named, upload_best, upload_checkpoint
 from .store import load_checkpoint, rotate, save_best_model, save_checkpoint
 
 
@@ -242,6 +242,8 @@ class Checkpointer:
         if path is None:
             log(f"resume: no checkpoint in {self.root} yet; starting from step 0")
             return None
+        if self.remote and spec == "latest" and self.dist.is_main:
+            ensure_uploaded(path, self.remote, self.keep_last)
         parts = load_checkpoint(path, map_location=self.parallel.device, rank=self.dist.rank)
         self._check_tokenizer(path)
         saved = parts["train_state"]

@@ -54,6 +54,14 @@ def _rotate(remote: str, local_root: Path, keep_last: int, protect: set[str]) ->
             log(f"checkpoint: removed {name} from {remote} (save_total_limit={keep_last})")
 
 
+def ensure_uploaded(path: Path, remote: str, keep_last: int | None) -> None:
+    """After a resume from the local checkpoint `path`: upload it when the store's `latest` does not name
+    it (a run killed after the local write, before its upload completed, loses nothing)."""
+    named = storage.read_text(storage.join(remote, LATEST))
+    if (named or "").strip() != path.name:
+        upload_checkpoint(path, remote, keep_last, {path.name})
+
+
 def fetch_latest(remote: str, local_root: Path) -> None:
     """Bring the checkpoint the store's `latest` names into `local_root` (unless an intact copy is there).
     Nothing when the store holds no checkpoint yet."""
