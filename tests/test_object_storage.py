@@ -254,3 +254,38 @@ sys.exit(main(["train", "--config", {str(config)!r}]))
     assert _latest(fs, bucket) == "checkpoint-00000006"
     fs.invalidate_cache()
     assert "meta.json" in {p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/checkpoints/checkpoint-00000006")}
+
+
+def _one_line_exit_2(done: subprocess.CompletedProcess, *words: str) -> str:
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) >= 1 and "Traceback" not in done.stderr, done.stderr
+    for word in words:
+        assert word in lines[-1], lines[-1]
+    assert "testing" not in done.stderr  # no credential is ever printed
+    return lines[-1]
+
+
+def test_a_missing_bucket_is_one_line_exit_2(s3, tmp_path):
+    fs, bucket = s3
+    _upload_corpus(fs, bucket, tmp_path)
+    config = _experiment(tmp_path, bucket, checkpoint_dir="s3://no-such-bucket-here/checkpoints")
+    done = _cli(["train", "--config", str(config)], os.environ["AWS_ENDPOINT_URL"], tmp_path)
+    _one_line_exit_2(done, "no-such-bucket-here", "does not exist", "training.checkpoint_dir")
+    prepare = _cli(
+        ["prepare", "--config", str(config), "data.cache_dir=s3://no-such-bucket-here/prepared"],
+        os.environ["AWS_ENDPOINT_URL"],
+        tmp_path,
+    )
+    _one_line_exit_2(prepare, "no-such-bucket-here", "does not exist")
+
+
+def test_access_denied_is_one_line_exit_2(s3_server, tmp_path):
+    # A second server that checks credentials: the fake ones are refused.
+    proc, endpoint = _start_server({"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    try:
+        config = _experiment(tmp_path, "some-bucket")
+        done = _cli(["prepare", "--config", str(config)], endpoint, tmp_path)
+    finally:
+        _stop(proc)
+    _one_line_exit_2(done, "denied", "s3://some-bucket/corpus/")

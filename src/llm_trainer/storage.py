@@ -327,6 +327,38 @@ def get_folder(url: str, local: Path, *, last: Iterable[str] = (), room: Callabl
     return True
 
 
+def fetch_tree(url: str, cache: Path) -> Path:
+    """The folder `url` (a model folder) as a local copy under `cache`: checked against its `files.json`
+    when it has one (we uploaded it), else every file below it, each a plain name (no path outside)."""
+    from .checkpoint.folder_files import plain_name
+
+    local = cache / mirror_name(url)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    if get_folder(url, local):
+        return local
+    found = list_files(url.rstrip("/") + "/")
+    base = url.split("://", 1)[1].rstrip("/")
+    names = [(u, u.split("://", 1)[1][len(base) :].lstrip("/")) for u, _ in found]
+    if not names:
+        raise UsageError(f"{url} holds no files; point model.init_from at a model folder")
+    tmp = local.with_name(f".{local.name}.download-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for file_url, name in names:
+            if not all(plain_name(part) for part in name.split("/")):
+                raise UsageError(f"{file_url} is not a plain file name inside {url}; refusing the folder")
+            target = tmp / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs, path = _filesystem(file_url)
+            call("downloading", file_url, lambda fs=fs, path=path, target=target: fs.get_file(path, str(target)))
+        if local.exists():
+            shutil.rmtree(local)
+        os.replace(tmp, local)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return local
+
+
 def folder_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
 
@@ -335,7 +367,7 @@ def make_room(cache: Path, needed: int, limit: int, keep: Iterable[Path] = ()) -
     """Evict the least recently used folders of `cache` (each of its subfolders' entries) until `needed`
     more bytes fit within `limit`; `keep` is never evicted. A `UsageError` when they cannot fit."""
     keep = {Path(k).resolve() for k in keep}
-    entries = [e for group in ("prepared", "sources") if (cache / group).is_dir() for e in (cache / group).iterdir()]
+    entries = [e for e in (cache / "sources").glob("*")] + [e for e in (cache / "prepared").glob("*/*")]
     entries = [e for e in entries if not e.name.startswith(".") and e.resolve() not in keep]
     used = sum(folder_size(e) if e.is_dir() else e.stat().st_size for e in entries)
     kept = sum(folder_size(k) for k in keep if k.is_dir())

@@ -609,12 +609,12 @@ def prepare_data(config: DataConfig) -> PreparedData:
 
 def _prepare_in_store(config: DataConfig) -> PreparedData:
     """`data.cache_dir` is a URL: the prepared folder `{cache_dir}/{fingerprint}/` is downloaded (every file
-    checksummed on arrival) into `{stream_cache_dir}/prepared/`, or prepared there and uploaded, its
+    checksummed on arrival) into `{stream_cache_dir}/prepared/{the URL's name}/`, or prepared there and uploaded, its
     manifest last. The local copies are bounded by `stream_cache_limit`, least recently used evicted."""
     cache, limit = Path(config.stream_cache_dir), config.stream_cache_limit
     fingerprint = _fingerprint(config)
     remote = storage.join(config.cache_dir, fingerprint)
-    directory = cache / "prepared" / fingerprint
+    directory = cache / "prepared" / storage.mirror_name(config.cache_dir) / fingerprint
     if (directory / MANIFEST).is_file():
         storage.touch(directory)
         return _load(directory)
