@@ -4,8 +4,11 @@ AWS_EC2_METADATA_DISABLED are pinned for the tests and for every child process t
 
 import json
 import os
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -289,3 +292,80 @@ def test_access_denied_is_one_line_exit_2(s3_server, tmp_path):
     finally:
         _stop(proc)
     _one_line_exit_2(done, "denied", "s3://some-bucket/corpus/")
+
+
+class _Relay:
+    """A TCP relay from a local port to the S3 server that can be cut: open connections are reset and
+    new ones refused, as when the network or the endpoint goes away mid-run."""
+
+    def __init__(self, endpoint: str):
+        self.target = int(endpoint.rsplit(":", 1)[1])
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self.sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(1 << 16):
+                b.sendall(data)
+            b.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        self.listener.close()
+        for s in self.sockets:
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+                s.close()
+            except OSError:
+                pass
+
+
+def test_connection_lost_mid_run_is_retried_then_one_error_and_latest_stays_complete(s3, tmp_path):
+    fs, bucket = s3
+    _upload_corpus(fs, bucket, tmp_path)
+    config = _experiment(tmp_path, bucket, max_steps=400, save_steps=3, eval_steps=400)
+    relay = _Relay(os.environ["AWS_ENDPOINT_URL"])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llm_trainer", "train", "--config", str(config)],
+        env=_env(relay.endpoint),
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not fs.exists(f"{bucket}/checkpoints/latest"):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint reached the bucket"
+            time.sleep(0.1)
+            fs.invalidate_cache()
+        relay.cut()
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "trying again" in stderr  # retried first
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
+    _one_line_exit_2(done, "cannot reach", "AWS_ENDPOINT_URL")
+    # `latest` names a checkpoint whose every file is in the bucket.
+    name = _latest(fs, bucket)
+    record = json.loads(fs.cat_file(f"{bucket}/checkpoints/{name}/files.json"))
+    for file, entry in record.items():
+        assert fs.size(f"{bucket}/checkpoints/{name}/{file}") == entry["size"]
+    assert "meta.json" in record

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import UsageError
+from .logs import warn
 
 T = TypeVar("T")
 
@@ -131,6 +132,7 @@ def call(what: str, url: str, fn: Callable[[], T]) -> T:
                     f"{what}: cannot reach the store for {url} after {RETRIES} tries ({_first_line(exc)}); "
                     "check the endpoint (AWS_ENDPOINT_URL) and the network, then run again"
                 ) from None
+            warn(f"{what}: the store for {url} cannot be reached ({_first_line(exc)}); trying again in {wait:g} s")
             time.sleep(wait)
             wait *= 2
     raise AssertionError("unreachable")
