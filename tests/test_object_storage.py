@@ -8,6 +8,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -37,12 +38,14 @@ def _start_server(extra_env: dict | None = None):
         pytest.skip(f"the S3 tests need moto[server] and s3fs (pip install -e '.[dev]'): {exc}")
     port = free_port()
     env = {**os.environ, **FAKE_CREDENTIALS, **(extra_env or {})}
+    log = tempfile.TemporaryFile()  # its request log: a pipe nobody reads would fill and stall it
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=log,
     )
+    proc.log = log
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
@@ -52,7 +55,9 @@ def _start_server(extra_env: dict | None = None):
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                pytest.skip(f"the local S3 server did not start: {proc.stderr.read().decode()[-300:]}")
+                proc.wait()
+                log.seek(0)
+                pytest.skip(f"the local S3 server did not start: {log.read().decode(errors='replace')[-300:]}")
             time.sleep(0.2)
 
 
@@ -63,7 +68,7 @@ def _stop(proc) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    proc.stderr.close()
+    proc.log.close()
 
 
 @pytest.fixture(scope="session")
@@ -160,7 +165,8 @@ def test_prepare_from_a_bucket_into_a_bucket(s3, tmp_path):
     manifest = json.loads(fs.cat_file(f"{folder}/manifest.json"))
     assert manifest["splits"]["train"]["tokens"] > 0
     assert (
-        fs.cat_file(f"{folder}/train.bin") == next((tmp_path / "stream" / "prepared").glob("*/train.bin")).read_bytes()
+        fs.cat_file(f"{folder}/train.bin")
+        == next((tmp_path / "stream" / "prepared").glob("*/*/train.bin")).read_bytes()
     )
     # Another machine (an empty local cache) downloads it, checksummed, instead of preparing again.
     config2 = yaml.safe_load(config.read_text())
@@ -169,6 +175,20 @@ def test_prepare_from_a_bucket_into_a_bucket(s3, tmp_path):
     again = _cli(["prepare", "--config", str(config)], os.environ["AWS_ENDPOINT_URL"], tmp_path)
     assert again.returncode == 0, again.stderr
     assert "downloaded" in again.stderr + again.stdout
+    # A local cache too small for the prepared data: one line naming the setting, nothing downloaded.
+    small = _cli(
+        [
+            "prepare",
+            "--config",
+            str(config),
+            f"data.stream_cache_dir={tmp_path / 'stream3'}",
+            "data.stream_cache_limit=1000",
+        ],
+        os.environ["AWS_ENDPOINT_URL"],
+        tmp_path,
+    )
+    _one_line_exit_2(small, "data.stream_cache_limit")
+    assert not list((tmp_path / "stream3").rglob("*.bin"))
 
 
 def _latest(fs, bucket: str) -> str:
