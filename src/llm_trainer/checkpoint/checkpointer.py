@@ -47,7 +47,7 @@ from .background import BackgroundWriter, HostSnapshot
 from .durable import remove_stale
 from .find import resolve_checkpoint
 from .layout import BEST, checkpoint_name
-from .remote import ensure_uploaded, fetch_latest, fetch_named, upload_best, upload_checkpoint
+from .remote import ensure_uploaded, fetch_named, local_copy, upload_best, upload_checkpoint
 from .store import load_checkpoint, rotate, save_best_model, save_checkpoint
 
 
@@ -234,10 +234,12 @@ class Checkpointer:
     def load(self, spec: str):
         """Restore every part from a checkpoint folder or "latest" (a fresh start when there is none
         yet). Returns the restored TrainState, or None."""
-        if self.remote and spec == "latest":
-            fetch_latest(self.remote, self.root)
-        elif storage.is_url(spec):
-            spec = str(fetch_named(spec, self.root))
+        if (self.remote and spec == "latest") or storage.is_url(spec):  # from the store: one download per machine
+            url = self.remote if spec == "latest" else spec
+            if self.dist.local_rank == 0:
+                fetch_named(url, self.root)
+            distributed.barrier()
+            spec = spec if spec == "latest" else str(local_copy(url, self.root))
         path = resolve_checkpoint(spec, self.root)
         if path is None:
             log(f"resume: no checkpoint in {self.root} yet; starting from step 0")

@@ -74,14 +74,20 @@ def fetch_latest(remote: str, local_root: Path) -> None:
     fetch(storage.join(remote, name), local_root / name)
 
 
-def fetch_named(url: str, local_root: Path) -> Path:
-    """What a resume from the URL `url` continues from, downloaded into `local_root`: the checkpoint
-    folder it names, or the newest complete one of the checkpoints folder it names."""
+def local_copy(url: str, local_root: Path) -> Path:
+    """Where `fetch_named` puts what `url` names: a checkpoint folder's copy, or the checkpoints folder."""
     name = url.rstrip("/").rsplit("/", 1)[-1]
-    if _NAME.fullmatch(name):
-        return fetch(url, local_root / name)
-    fetch_latest(url, local_root)
-    return local_root
+    return local_root / name if _NAME.fullmatch(name) else local_root
+
+
+def fetch_named(url: str, local_root: Path) -> None:
+    """Download what a resume from `url` continues from into `local_root`: the checkpoint folder `url`
+    names, or the one the `latest` of the checkpoints folder it names names."""
+    target = local_copy(url, local_root)
+    if target == local_root:
+        fetch_latest(url, local_root)
+    else:
+        fetch(url, target)
 
 
 def fetch(url: str, local: Path) -> Path:
