@@ -9,7 +9,7 @@ uploads the corpus into a bucket and runs the runners one at a time, alternated 
 
   disk      data_files, cache_dir and checkpoints on local disk (the config as it is)
   s3        data_files s3://bench/corpus/input.txt, data.cache_dir s3://bench/prepared and
-            training.checkpoint_dir s3://bench/checkpoints: every run starts with an empty local stream
+            training.checkpoint_dir s3://bench/checkpoints-<run>: every run starts with an empty local stream
             cache, so it downloads the prepared data (checksummed) and uploads its checkpoints
   baseline  (with --baseline-src) disk, with another checkout's llm_trainer: the local path's cost
 
@@ -124,7 +124,7 @@ def main() -> int:
                 "data.data_files=s3://bench/corpus/input.txt",
                 "data.cache_dir=s3://bench/prepared",
                 f"data.stream_cache_dir={work / f'stream-{time.monotonic_ns()}'}",
-                "training.checkpoint_dir=s3://bench/checkpoints",
+                f"training.checkpoint_dir=s3://bench/checkpoints-{time.monotonic_ns()}",
             ]
 
         runners["s3"] = (None, env)

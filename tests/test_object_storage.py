@@ -212,6 +212,9 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
     names = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/checkpoints")}
     assert "checkpoint-00000003" not in names  # rotated in the store as on disk
     assert {"checkpoint-00000006", "latest", "best_model"} <= names
+    # A new run into the same bucket folder would replace its `latest`: refused, one line.
+    fresh = _cli(["train", "--config", str(config), f"training.output_dir={tmp_path / 'fresh'}"], endpoint, tmp_path)
+    _one_line_exit_2(fresh, "holds checkpoints already", "--resume_from_checkpoint latest")
     # Another machine: a new output folder and local cache; the run continues from the bucket.
     more = _cli(
         [

@@ -21,6 +21,7 @@ import torch.nn as nn
 import yaml
 
 from . import storage
+from .checkpoint import remote as remote_checkpoints
 from .checkpoint.durable import write_text_atomically
 from .checkpoint.folder_files import refuse_unreadable
 from .checkpoint.model_folder import load_model_folder
@@ -195,8 +196,11 @@ def prepare_run(experiment: ExperimentConfig, *, local: bool = False, meta: bool
     runtime = local_runtime(experiment.training) if local else setup_runtime(experiment.training)
     if not runtime.dist.is_main:  # rank 0 prepares the data; the others then reuse its cache
         distributed.barrier()
-    if runtime.dist.is_main and experiment.training.remote_checkpoint_dir:  # said before the data is prepared
-        storage.check_writable(experiment.training.remote_checkpoint_dir, "training.checkpoint_dir")
+    if runtime.dist.is_main and (remote := experiment.training.remote_checkpoint_dir):  # before the data is prepared
+        training = experiment.training
+        remote_checkpoints.check_target(
+            remote, resuming=bool(training.resume_from_checkpoint), overwrite=training.overwrite_output_dir
+        )
     prepared = prepare_data(experiment.data)
     if runtime.dist.is_main:
         distributed.barrier()

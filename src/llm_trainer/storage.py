@@ -118,7 +118,7 @@ def call(what: str, url: str, fn: Callable[[], T]) -> T:
                 raise UsageError(
                     f"{what}: the bucket {bucket!r} of {url} does not exist; create it or fix the URL"
                 ) from None
-            raise
+            raise UsageError(f"{what}: {url} does not exist in its store; fix the URL") from None
         except PermissionError as exc:
             raise UsageError(
                 f"{what}: access to {url} was denied ({_first_line(exc)}); check the store's credentials "

@@ -25,6 +25,21 @@ from .verify import verify_once
 _NAME = re.compile(rf"{PREFIX}\d+")
 
 
+def check_target(remote: str, *, resuming: bool, overwrite: bool) -> None:
+    """Before a run: `remote` can be written, and holds no other run's checkpoints unless this run
+    continues them (a resume) or starts over (--overwrite); a fresh run would replace its `latest`
+    and rotate them away."""
+    storage.check_writable(remote, "training.checkpoint_dir")
+    if resuming or overwrite:
+        return
+    held = [n for n in storage.children(remote) if _NAME.fullmatch(n) or n in (LATEST, BEST)]
+    if held:
+        raise CheckpointError(
+            f"training.checkpoint_dir {remote} holds checkpoints already ({', '.join(held[:3])}); continue them "
+            "with --resume_from_checkpoint latest, choose another training.checkpoint_dir, or pass --overwrite"
+        )
+
+
 def upload_checkpoint(path: Path, remote: str, keep_last: int | None, protect: set[str]) -> None:
     """Upload the local checkpoint folder `path` into `remote`, `latest` last; then rotate the store's."""
     storage.put_folder(path, storage.join(remote, path.name), last=[META])
