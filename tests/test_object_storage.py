@@ -212,6 +212,32 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
     names = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/checkpoints")}
     assert "checkpoint-00000003" not in names  # rotated in the store as on disk
     assert {"checkpoint-00000006", "latest", "best_model"} <= names
+    # Export straight into the bucket: a transformers folder, config.json uploaded last.
+    pytest.importorskip("transformers")
+    exported = _cli(
+        ["export", "--checkpoint", str(tmp_path / "run"), "--output", f"s3://{bucket}/hf-model"], endpoint, tmp_path
+    )
+    assert exported.returncode == 0, exported.stderr
+    fs.invalidate_cache()
+    assert {"config.json", "model.safetensors", "files.json"} <= {
+        p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/hf-model")
+    }
+    # A new run starts from the best model in the bucket (model.init_from a URL), read as any folder.
+    tuned = _cli(
+        [
+            "train",
+            "--config",
+            str(config),
+            "training.max_steps=2",
+            f"training.output_dir={tmp_path / 'tuned'}",
+            f"training.checkpoint_dir=s3://{bucket}/tuned",
+            f"model.init_from=s3://{bucket}/checkpoints/best_model",
+        ],
+        endpoint,
+        tmp_path,
+    )
+    assert tuned.returncode == 0, tuned.stderr
+    assert list((tmp_path / "stream" / "models").glob("*/model.safetensors"))
     # A new run into the same bucket folder would replace its `latest`: refused, one line.
     fresh = _cli(["train", "--config", str(config), f"training.output_dir={tmp_path / 'fresh'}"], endpoint, tmp_path)
     _one_line_exit_2(fresh, "holds checkpoints already", "--resume_from_checkpoint latest")
