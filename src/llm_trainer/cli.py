@@ -302,13 +302,24 @@ def cmd_export(args) -> int:
     model, _, _ = load_for_inference(path)
     import tempfile
 
+    from . import storage
     from .checkpoint.model_folder import save_model_folder
     from .checkpoint.publish import check_target
 
-    check_target(Path(args.output), path, args.overwrite)  # against the checkpoint, not the temporary folder
-    with tempfile.TemporaryDirectory(prefix="export-") as folder:
+    remote = args.output if storage.is_url(args.output) else None
+    if remote:  # written locally, then uploaded, config.json last
+        storage.check_writable(remote, "--output")
+        if storage.children(remote) and not args.overwrite:
+            raise UsageError(f"--output {remote} holds files already; choose another folder or pass --overwrite")
+    else:
+        check_target(Path(args.output), path, args.overwrite)  # against the checkpoint, not the temporary folder
+    with tempfile.TemporaryDirectory(prefix="export-") as folder, tempfile.TemporaryDirectory() as upload:
         save_model_folder(model, folder)
-        out = export_to_hf(Path(folder), args.output, tokenizer_file=path / "tokenizer.json", overwrite=args.overwrite)
+        target = Path(upload) / "export" if remote else args.output
+        out = export_to_hf(Path(folder), target, tokenizer_file=path / "tokenizer.json", overwrite=args.overwrite)
+        if remote:
+            storage.put_folder(Path(out), remote, last=["config.json"])
+            out = remote
     print(f"exported to {out}")
     return 0
 

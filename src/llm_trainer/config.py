@@ -23,6 +23,7 @@ import yaml
 from . import config_aliases
 from .errors import UsageError
 from .limits import MAX_NESTING, check_model_dimensions, check_structure, parse_json
+from .storage import is_url
 
 # ----------------------------------------------------------------------------------------------
 # Generic validation: the declared type of each field is the schema.
@@ -312,7 +313,7 @@ class TrainingConfig(_Validated):
     device: str = "auto"  # auto: CUDA, then MPS, then CPU
     seed: int = 42
     output_dir: str = "output"
-    checkpoint_dir: str | None = None  # default: {output_dir}/checkpoints
+    checkpoint_dir: str | None = None  # default: {output_dir}/checkpoints; a URL: uploaded there after each save
     save_steps: int | None = 500  # None or 0: only the final checkpoint
     save_total_limit: int | None = 3
     async_checkpoint: bool = True  # periodic saves: copy the state, write it from a background thread
@@ -469,7 +470,16 @@ class TrainingConfig(_Validated):
 
     @property
     def resolved_checkpoint_dir(self) -> Path:
-        return Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.output_dir) / "checkpoints"
+        """The local checkpoint folder. With a URL checkpoint_dir, checkpoints are written here first
+        ({output_dir}/checkpoints), then uploaded (see `remote_checkpoint_dir`)."""
+        if self.checkpoint_dir and not is_url(self.checkpoint_dir):
+            return Path(self.checkpoint_dir)
+        return Path(self.output_dir) / "checkpoints"
+
+    @property
+    def remote_checkpoint_dir(self) -> str | None:
+        """The URL checkpoints are uploaded to, or None."""
+        return self.checkpoint_dir if is_url(self.checkpoint_dir) else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -568,7 +578,11 @@ class DataConfig(_Validated):
     # "llama3" (those models' own, which llama.cpp's converter reproduces); see llm_trainer.tokenizer
     tokenizer_pre_split: Literal["unicode", "gpt2", "llama3"] = "unicode"
     normalize_whitespace: bool = True  # strip trailing spaces and collapse blank-line runs; indentation is kept
-    cache_dir: str = "data_cache"
+    cache_dir: str = "data_cache"  # a folder, or a URL (s3://, gs://, ...): prepared there from a local copy
+    # where files read from URLs are kept locally (data files, prepared data), and its size in bytes;
+    # the least recently used entries are evicted first
+    stream_cache_dir: str = "stream_cache"
+    stream_cache_limit: int = 50 * 2**30
 
     # -- sources: several at once, with weights ----------------------------------------------------
     # A mixture: a list of {name, data_files | dataset_name, weight, dataset_config, dataset_split,

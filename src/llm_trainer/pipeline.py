@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import yaml
 
+from . import storage
+from .checkpoint import remote as remote_checkpoints
 from .checkpoint.durable import write_text_atomically
 from .checkpoint.folder_files import refuse_unreadable
 from .checkpoint.model_folder import load_model_folder
@@ -180,6 +182,9 @@ def prepare_run(experiment: ExperimentConfig, *, local: bool = False, meta: bool
     module docstring). `local`: this process alone, no process group (the LR finder). `meta`: a fresh
     model is built on the meta device and initialised on the target device by the Trainer (after
     sharding under FSDP): every strategy and world size starts from the same weights for a seed."""
+    if storage.is_url(experiment.model.init_from):  # read from a local copy, checked as any folder
+        copy = storage.fetch_tree(experiment.model.init_from, Path(experiment.data.stream_cache_dir) / "models")
+        experiment = _replace_section(experiment, "model", init_from=str(copy))
     if experiment.model.init_from:  # a folder we may not have written: its tokenizer is read below
         refuse_unreadable(Path(experiment.model.init_from), (TOKENIZER_FILE,))
     if experiment.model.init_from and experiment.data.tokenizer == "bpe":
@@ -191,6 +196,11 @@ def prepare_run(experiment: ExperimentConfig, *, local: bool = False, meta: bool
     runtime = local_runtime(experiment.training) if local else setup_runtime(experiment.training)
     if not runtime.dist.is_main:  # rank 0 prepares the data; the others then reuse its cache
         distributed.barrier()
+    if runtime.dist.is_main and (remote := experiment.training.remote_checkpoint_dir):  # before the data is prepared
+        training = experiment.training
+        remote_checkpoints.check_target(
+            remote, resuming=bool(training.resume_from_checkpoint), overwrite=training.overwrite_output_dir
+        )
     prepared = prepare_data(experiment.data)
     if runtime.dist.is_main:
         distributed.barrier()

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import storage
 from ..errors import CheckpointError, UsageError
 from ..logs import log
 from ..parallel import distributed
@@ -45,7 +46,8 @@ from ..train.state import train_state_problem
 from .background import BackgroundWriter, HostSnapshot
 from .durable import remove_stale
 from .find import resolve_checkpoint
-from .layout import checkpoint_name
+from .layout import BEST, checkpoint_name
+from .remote import ensure_uploaded, fetch_named, local_copy, upload_best, upload_checkpoint
 from .store import load_checkpoint, rotate, save_best_model, save_checkpoint
 
 
@@ -64,8 +66,10 @@ class Checkpointer:
         background: bool,
         periodic: bool,
         on_saved: Callable[[Path], None] = lambda path: None,
+        remote: str | None = None,
     ):
         self.root = Path(root)
+        self.remote = remote  # a URL each checkpoint is uploaded to after its local write (see `remote`)
         self.parallel, self.loader, self.state = parallel, loader, state
         self.schedule = schedule  # {"name", "total_steps"}: a resume with another length is announced
         self.config, self.tokenizer_json, self.keep_last = config, tokenizer_json, keep_last
@@ -84,6 +88,8 @@ class Checkpointer:
         if self.dist.is_main:
             self._remove_staging()  # no rank writes there before the first save's barrier
             remove_stale(self.root)  # a best_model an interrupted save moved aside is put back now
+            if self.remote:
+                storage.check_writable(self.remote, "training.checkpoint_dir")
         if self.use_background:
             self._writer, self._buffers_reserved = BackgroundWriter(), False
         return self
@@ -183,6 +189,7 @@ class Checkpointer:
         step = self.state.step
         best = checkpoint_name(self.state.best_step) if self.state.best_step is not None else None
         model, root, keep_last, kind = self.parallel.module, self.root, self.keep_last, self.parallel.checkpoint_kind
+        remote = self.remote
         extra = {"world_size": self.dist.world_size, "strategy": self.dist.strategy}
 
         def write() -> Path:
@@ -201,6 +208,8 @@ class Checkpointer:
                 extra_meta=extra,
             )
             rotate(root, keep_last, protect={path.name, best} - {None})
+            if remote:
+                upload_checkpoint(path, remote, keep_last, protect={path.name, best} - {None})
             return path
 
         return write
@@ -217,16 +226,26 @@ class Checkpointer:
                 metrics={**metrics, "step": self.state.step},
                 state=weights,
             )
+            if self.remote:
+                upload_best(self.root / BEST, self.remote)
 
     # -- loading ----------------------------------------------------------------------------------
 
     def load(self, spec: str):
         """Restore every part from a checkpoint folder or "latest" (a fresh start when there is none
         yet). Returns the restored TrainState, or None."""
+        if (self.remote and spec == "latest") or storage.is_url(spec):  # from the store: one download per machine
+            url = self.remote if spec == "latest" else spec
+            if self.dist.local_rank == 0:
+                fetch_named(url, self.root)
+            distributed.barrier()
+            spec = spec if spec == "latest" else str(local_copy(url, self.root))
         path = resolve_checkpoint(spec, self.root)
         if path is None:
             log(f"resume: no checkpoint in {self.root} yet; starting from step 0")
             return None
+        if self.remote and spec == "latest" and self.dist.is_main:
+            ensure_uploaded(path, self.remote, self.keep_last)
         parts = load_checkpoint(path, map_location=self.parallel.device, rank=self.dist.rank)
         self._check_tokenizer(path)
         saved = parts["train_state"]

@@ -39,10 +39,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import storage
 from ..config import DataConfig
 from ..errors import UsageError
 from ..filesystem import disk_full, lock_exclusive
 from ..logs import log
+from ..storage import is_url
 from ..tokenizer import Tokenizer
 from .clean import clean_text  # noqa: F401  (re-exported: the cleaning rules used by prepare)
 from .dedup import Deduplicator
@@ -61,6 +63,8 @@ _TOKENIZE_THREADS = 2
 _NOT_FINGERPRINTED = (
     "preprocessing_num_workers",
     "cache_dir",
+    "stream_cache_dir",
+    "stream_cache_limit",
     "progress_bar",
     "shard_tokens",
     "pack_sequences",
@@ -608,7 +612,36 @@ def find_prepared(cache_dir: str | Path, fingerprint: str) -> PreparedData | Non
 def prepare_data(config: DataConfig) -> PreparedData:
     """Build (or reuse, or resume) the token files for `config`; see the module docstring for the layout."""
     config.check_source()
-    cache_root = Path(config.cache_dir)
+    if is_url(config.cache_dir):
+        return _prepare_in_store(config)
+    return _prepare_here(config, Path(config.cache_dir))
+
+
+def _prepare_in_store(config: DataConfig) -> PreparedData:
+    """`data.cache_dir` is a URL: the prepared folder `{cache_dir}/{fingerprint}/` is downloaded (every file
+    checksummed on arrival) into `{stream_cache_dir}/prepared/{the URL's name}/`, or prepared there and uploaded, its
+    manifest last. The local copies are bounded by `stream_cache_limit`, least recently used evicted."""
+    cache, limit = Path(config.stream_cache_dir), config.stream_cache_limit
+    fingerprint = _fingerprint(config)
+    remote = storage.join(config.cache_dir, fingerprint)
+    directory = cache / "prepared" / storage.mirror_name(config.cache_dir) / fingerprint
+    if (directory / MANIFEST).is_file():
+        storage.touch(directory)
+        return _load(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    room = lambda size: storage.make_room(cache, size, limit)  # noqa: E731
+    if storage.get_folder(remote, directory, last=[MANIFEST], room=room):
+        log(f"data: downloaded {remote} into {directory}")
+        return _load(directory)
+    storage.check_writable(config.cache_dir, "data.cache_dir")
+    prepared = _prepare_here(config, directory.parent)
+    storage.put_folder(directory, remote, last=[MANIFEST])
+    log(f"data: uploaded {directory} to {remote}")
+    storage.make_room(cache, 0, limit, keep=[directory])
+    return prepared
+
+
+def _prepare_here(config: DataConfig, cache_root: Path) -> PreparedData:
     if cache_root.exists() and not cache_root.is_dir():
         raise UsageError(f"data.cache_dir {cache_root} is a file; point data.cache_dir at a folder")
     fingerprint = _fingerprint(config)

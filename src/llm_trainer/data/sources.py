@@ -45,6 +45,7 @@ from urllib.parse import urlparse
 from ..config import DataConfig, SourceConfig
 from ..errors import UsageError
 from ..limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
+from ..storage import fetch_file, identity, is_url, list_files
 from .filters import QualityFilter
 
 BUILTIN_STDLIB = "python-stdlib"
@@ -153,16 +154,27 @@ def _glob_base(spec: str) -> Path:
     return Path(*static) if static else Path(".")
 
 
-def resolve_files(specs, include=None, exclude=None, bad: BadInput | None = None) -> list[tuple[Path, bool]]:
+def resolve_files(
+    specs, include=None, exclude=None, bad: BadInput | None = None, cache: Path | None = None
+) -> list[tuple[Path, bool]]:
     """Expand files, folders and globs into (path, named_explicitly) pairs, sorted within each spec.
 
     include/exclude filter the files found in folders and globs; a file named explicitly is always read.
+    A spec that is a URL is listed in its store and each file is downloaded into the local `cache`.
     """
     bad = bad or BadInput("error", SourceStats())
     if isinstance(specs, str):
         specs = [specs]
     out: list[tuple[Path, bool]] = []
     for spec in specs:
+        if is_url(spec):
+            if cache is None:
+                raise UsageError(f"data file {spec} is a URL; set data.stream_cache_dir to a local folder for its copy")
+            out += [
+                (fetch_file(url, info, cache), explicit)
+                for url, info, explicit in _remote_files(spec, include, exclude, bad)
+            ]
+            continue
         expanded = os.path.expanduser(spec)
         path = Path(expanded)
         if any(ch in spec for ch in "*?["):
@@ -187,6 +199,24 @@ def resolve_files(specs, include=None, exclude=None, bad: BadInput | None = None
     return out
 
 
+def _remote_files(spec: str, include, exclude, bad: BadInput) -> list[tuple[str, dict, bool]]:
+    """(URL, info, named_explicitly) of each file a URL spec names, filtered as local folders and globs are."""
+    found = list_files(spec)
+    if len(found) == 1 and found[0][0].rstrip("/") == spec.rstrip("/"):
+        return [(found[0][0], found[0][1], True)]
+    glob_like = any(ch in spec for ch in "*?[")
+    base = str(_glob_base(spec.split("://", 1)[1])) if glob_like else spec.split("://", 1)[1].rstrip("/")
+    chosen = [(url, info, False) for url, info in found if _selected(_relative_url(url, base), include, exclude)]
+    if not chosen:
+        bad("missing_files", f"data_files {spec!r} names no files in its store; check the URL and the pattern")
+    return chosen
+
+
+def _relative_url(url: str, base: str) -> str:
+    path = url.split("://", 1)[1]
+    return path[len(base) :].lstrip("/") if path.startswith(base + "/") else path
+
+
 def _relative(path: Path, base: Path) -> str:
     try:
         return path.relative_to(base).as_posix()
@@ -201,6 +231,7 @@ class _ReadOptions:
     invalid_utf8: str  # bad_input | replace | drop
     bad: BadInput
     split_chars: int | None = None  # plain-text files longer than this become several documents
+    cache: Path | None = None  # where files read from URLs are copied (data.stream_cache_dir)
 
 
 def read_text_file(
@@ -379,7 +410,7 @@ def _read_parquet(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tup
 
 
 def _iter_files(spec: SourceConfig, stats: SourceStats, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
-    for path, explicit in resolve_files(spec.data_files, spec.include, spec.exclude, opt.bad):
+    for path, explicit in resolve_files(spec.data_files, spec.include, spec.exclude, opt.bad, opt.cache):
         yield from _read_file(path, explicit, stats, opt)
 
 
@@ -541,6 +572,7 @@ def read_options(config: DataConfig, stats: SourceStats) -> _ReadOptions:
         config.invalid_utf8,
         BadInput(config.on_bad_input, stats),
         None if max_chars is None else max(1, int(max_chars * SPLIT_SHARE)),
+        Path(config.stream_cache_dir),
     )
 
 
@@ -607,7 +639,8 @@ def file_units(config: DataConfig, stats: SourceStats) -> list[FileUnit]:
         if spec.dataset_name == BUILTIN_STDLIB:
             units += [FileUnit(index, str(p), False, True, p.stat().st_size) for p in stdlib_files()]
         if spec.data_files is not None:
-            for path, explicit in resolve_files(spec.data_files, spec.include, spec.exclude, bad):
+            files = resolve_files(spec.data_files, spec.include, spec.exclude, bad, Path(config.stream_cache_dir))
+            for path, explicit in files:
                 units.append(FileUnit(index, str(path), explicit, False, path.stat().st_size))
     return units
 
@@ -650,7 +683,14 @@ def source_fingerprint(config: DataConfig) -> list:
                     stat = path.stat()
                     items.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
         if spec.data_files is not None:
-            for path, _ in resolve_files(spec.data_files, spec.include, spec.exclude, quiet):
-                stat = path.stat()
-                items.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
+            specs = [spec.data_files] if isinstance(spec.data_files, str) else spec.data_files
+            for one in specs:
+                if is_url(one):  # a store's file is identified by its URL, size and ETag (or time)
+                    items += [
+                        [url, *identity(info)] for url, info, _ in _remote_files(one, spec.include, spec.exclude, quiet)
+                    ]
+                    continue
+                for path, _ in resolve_files(one, spec.include, spec.exclude, quiet):
+                    stat = path.stat()
+                    items.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
     return items

@@ -127,6 +127,7 @@ class Trainer:
             background=config.async_checkpoint,
             periodic=bool(config.save_steps),
             on_saved=self._on_saved,
+            remote=config.remote_checkpoint_dir,
         )
         self.total_steps: int | None = config.max_steps  # with the data: from the epochs when max_steps is unset
         self.train_loader = self.val_loader = None

@@ -1,0 +1,117 @@
+"""Checkpoints in object storage (training.checkpoint_dir a URL), with the promises they keep on disk.
+
+A store has no atomic rename, so a checkpoint is first written on local disk as always (atomically,
+checksummed: `store.save_checkpoint`), then uploaded file by file: the data files, `files.json` (size
+and checksum of each), `meta.json`, and `latest` last, naming it. A crash at any point of an upload
+leaves `latest` naming the previous checkpoint, complete. Rotation in the store deletes only folders
+named like our checkpoints, never the one `latest` names nor the best one.
+
+A resume downloads the checkpoint `latest` names into the local checkpoint folder (each file checked
+against `files.json` on arrival, no path outside the folder) and then reads it there with the same
+rules as any folder on disk: meta.json's checksums, allow-listed unpickling, no symlinks out.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .. import storage
+from ..errors import CheckpointError
+from ..logs import log, warn
+from .layout import BEST, LATEST, META, PREFIX, list_checkpoints, step_of
+from .verify import verify_once
+
+_NAME = re.compile(rf"{PREFIX}\d+")
+
+
+def check_target(remote: str, *, resuming: bool, overwrite: bool) -> None:
+    """Before a run: `remote` can be written, and holds no other run's checkpoints unless this run
+    continues them (a resume) or starts over (--overwrite); a fresh run would replace its `latest`
+    and rotate them away."""
+    storage.check_writable(remote, "training.checkpoint_dir")
+    if resuming or overwrite:
+        return
+    held = [n for n in storage.children(remote) if _NAME.fullmatch(n) or n in (LATEST, BEST)]
+    if held:
+        raise CheckpointError(
+            f"training.checkpoint_dir {remote} holds checkpoints already ({', '.join(held[:3])}); continue them "
+            "with --resume_from_checkpoint latest, choose another training.checkpoint_dir, or pass --overwrite"
+        )
+
+
+def upload_checkpoint(path: Path, remote: str, keep_last: int | None, protect: set[str]) -> None:
+    """Upload the local checkpoint folder `path` into `remote`, `latest` last; then rotate the store's."""
+    storage.put_folder(path, storage.join(remote, path.name), last=[META])
+    storage.write_text(storage.join(remote, LATEST), path.name)
+    log(f"checkpoint: uploaded {path.name} to {remote}")
+    if keep_last is not None:
+        _rotate(remote, path.parent, keep_last, protect | {path.name})
+
+
+def upload_best(folder: Path, remote: str) -> None:
+    """The best model folder, its meta.json last (a partial upload has no meta.json: not a model folder)."""
+    target = storage.join(remote, BEST)
+    storage.remove(target)
+    storage.put_folder(folder, target, last=[META] if (folder / META).is_file() else [])
+
+
+def _rotate(remote: str, local_root: Path, keep_last: int, protect: set[str]) -> None:
+    """Delete the store's checkpoints that are neither among the newest `keep_last` (by step) nor kept
+    locally nor protected (the new one, the best one, the one `latest` names)."""
+    names = [n for n in storage.children(remote) if _NAME.fullmatch(n)]
+    named = storage.read_text(storage.join(remote, LATEST))
+    keep = set(sorted(names, key=lambda n: step_of(Path(n)), reverse=True)[:keep_last])
+    keep |= {p.name for p in list_checkpoints(local_root)} | protect | {(named or "").strip()}
+    for name in names:
+        if name not in keep:
+            storage.remove(storage.join(remote, name))
+            log(f"checkpoint: removed {name} from {remote} (save_total_limit={keep_last})")
+
+
+def ensure_uploaded(path: Path, remote: str, keep_last: int | None) -> None:
+    """After a resume from the local checkpoint `path`: upload it when the store's `latest` does not name
+    it (a run killed after the local write, before its upload completed, loses nothing)."""
+    named = storage.read_text(storage.join(remote, LATEST))
+    if (named or "").strip() != path.name:
+        upload_checkpoint(path, remote, keep_last, {path.name})
+
+
+def fetch_latest(remote: str, local_root: Path) -> None:
+    """Bring the checkpoint the store's `latest` names into `local_root` (unless an intact copy is there).
+    Nothing when the store holds no checkpoint yet."""
+    named = storage.read_text(storage.join(remote, LATEST))
+    if named is None:
+        return
+    name = named.strip()
+    if not _NAME.fullmatch(name):
+        raise CheckpointError(f"{storage.join(remote, LATEST)} names {name!r}, not a checkpoint; fix or remove it")
+    fetch(storage.join(remote, name), local_root / name)
+
+
+def local_copy(url: str, local_root: Path) -> Path:
+    """Where `fetch_named` puts what `url` names: a checkpoint folder's copy, or the checkpoints folder."""
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    return local_root / name if _NAME.fullmatch(name) else local_root
+
+
+def fetch_named(url: str, local_root: Path) -> None:
+    """Download what a resume from `url` continues from into `local_root`: the checkpoint folder `url`
+    names, or the one the `latest` of the checkpoints folder it names names."""
+    target = local_copy(url, local_root)
+    if target == local_root:
+        fetch_latest(url, local_root)
+    else:
+        fetch(url, target)
+
+
+def fetch(url: str, local: Path) -> Path:
+    """The checkpoint folder at `url` as the local folder `local` (downloaded unless an intact copy is there)."""
+    if local.is_dir() and verify_once(local) is None:
+        return local
+    local.parent.mkdir(parents=True, exist_ok=True)
+    if not storage.get_folder(url, local, last=[META]):
+        warn(f"{url} is not a complete checkpoint in the store; resuming from the local checkpoints")
+        return local
+    log(f"resume: downloaded {url} into {local}")
+    return local

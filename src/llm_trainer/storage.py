@@ -1,0 +1,393 @@
+"""Paths that are URLs (s3://, gs://, az://, hf://, ...): the one place that reads and writes them.
+
+Every other module keeps working on local paths. A setting that may be a URL asks `is_url`; when it is,
+the work happens in a local folder and this module moves files between that folder and the store:
+
+  `fetch_files(spec, ...)`        data_files (a file, a folder or a glob) downloaded into a local mirror
+  `put_folder(local, url, ...)`   every file of a folder uploaded, the commit marker last
+  `get_folder(url, local, ...)`   the files a commit record lists downloaded, each checksummed on arrival
+
+Everything goes through fsspec (s3fs, gcsfs, adlfs, huggingface_hub are the stores' own packages);
+credentials come from each store's usual environment variables and config files and are never logged.
+A call that fails to reach the store (connection refused or reset, a timeout) is retried a few times
+with backoff, then ends in one `UsageError` line; a missing bucket or a refused access is one line at
+once. No message carries more than the URL and the store's error code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .errors import UsageError
+from .logs import warn
+
+T = TypeVar("T")
+
+RETRIES = 4  # tries of one call to the store before it is reported
+BACKOFF_S = 0.5  # first wait between tries; doubled each time
+FILES_RECORD = "files.json"  # a folder's commit record in a store: each file's size and checksum
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(path: Any) -> bool:
+    """Whether `path` names a location in a store (scheme://...) rather than a local path (file:// is local)."""
+    return isinstance(path, str) and bool(_URL.match(path)) and not path.startswith("file://")
+
+
+def join(url: str, *names: str) -> str:
+    return "/".join([url.rstrip("/"), *names])
+
+
+def mirror_name(url: str) -> str:
+    """A local folder name for `url`: readable, and distinct for distinct URLs."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", url.split("://", 1)[-1]).strip("_")[-48:]
+    return f"{readable}-{hashlib.sha256(url.rstrip('/').encode()).hexdigest()[:12]}"
+
+
+# ----------------------------------------------------------------------------------------------
+# the store, with retries and one-line errors
+
+
+def _filesystem(url: str):
+    try:
+        import fsspec
+    except ImportError:  # pragma: no cover - fsspec comes with torch's and datasets' dependencies
+        raise UsageError(f"{url} is a URL and fsspec is not installed: pip install 'llm-trainer[s3]'") from None
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as exc:
+        scheme = url.split("://", 1)[0]
+        extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}.get(scheme)
+        fix = f"pip install 'llm-trainer[{extra}]'" if extra else f"install the fsspec package for {scheme}://"
+        raise UsageError(f"cannot open {url} ({_first_line(exc)}); {fix}") from None
+    return fs, path
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether `exc` means the store could not be reached (worth another try), not that it said no."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    transient = {
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ClientConnectorError",
+        "ServerDisconnectedError",
+        "ClientOSError",
+        "ClientPayloadError",
+    }
+    if names & transient:
+        return True
+    text = str(exc).lower()
+    return "connection refused" in text or "connection reset" in text or "could not connect" in text
+
+
+def _no_bucket(exc: FileNotFoundError) -> bool:
+    """Whether the store said that the bucket (not an object in it) does not exist."""
+    text = str(exc).lower()
+    return "nosuchbucket" in text or "bucket does not exist" in text or "container does not exist" in text
+
+
+def call(what: str, url: str, fn: Callable[[], T]) -> T:
+    """`fn()` (one operation on the store at `url`), retried while the store cannot be reached; its
+    failures as one-line `UsageError`s that say `what` was being done."""
+    wait = BACKOFF_S
+    for attempt in range(1, RETRIES + 1):
+        try:
+            return fn()
+        except UsageError:
+            raise
+        except FileNotFoundError as exc:
+            bucket = url.split("://", 1)[-1].split("/", 1)[0]
+            if _no_bucket(exc):
+                raise UsageError(
+                    f"{what}: the bucket {bucket!r} of {url} does not exist; create it or fix the URL"
+                ) from None
+            raise UsageError(f"{what}: {url} does not exist in its store; fix the URL") from None
+        except PermissionError as exc:
+            raise UsageError(
+                f"{what}: access to {url} was denied ({_first_line(exc)}); check the store's credentials "
+                "(environment variables or config file) and the bucket's permissions"
+            ) from None
+        except Exception as exc:
+            if not _unreachable(exc):
+                raise UsageError(f"{what}: {url} failed ({type(exc).__name__}: {_first_line(exc)})") from None
+            if attempt == RETRIES:
+                raise UsageError(
+                    f"{what}: cannot reach the store for {url} after {RETRIES} tries ({_first_line(exc)}); "
+                    "check the endpoint (AWS_ENDPOINT_URL) and the network, then run again"
+                ) from None
+            warn(f"{what}: the store for {url} cannot be reached ({_first_line(exc)}); trying again in {wait:g} s")
+            time.sleep(wait)
+            wait *= 2
+    raise AssertionError("unreachable")
+
+
+def exists(url: str) -> bool:
+    fs, path = _filesystem(url)
+    return call("reading", url, lambda: fs.exists(path))
+
+
+def read_text(url: str) -> str | None:
+    """The text of the object at `url`, or None when there is none."""
+    fs, path = _filesystem(url)
+
+    def read() -> str | None:
+        try:
+            return fs.cat_file(path).decode("utf-8")
+        except FileNotFoundError as exc:
+            if _no_bucket(exc):
+                raise
+            return None
+
+    return call("reading", url, read)
+
+
+def write_text(url: str, text: str) -> None:
+    fs, path = _filesystem(url)
+    call("writing", url, lambda: fs.pipe_file(path, text.encode("utf-8")))
+
+
+def upload(local: Path, url: str) -> None:
+    fs, path = _filesystem(url)
+    call("uploading", url, lambda: fs.put_file(str(local), path))
+
+
+def remove(url: str) -> None:
+    """Delete the folder (every object under) `url`."""
+    fs, path = _filesystem(url)
+
+    def delete() -> None:
+        try:
+            fs.rm(path, recursive=True)
+        except FileNotFoundError as exc:
+            if _no_bucket(exc):
+                raise
+
+    call("deleting", url, delete)
+
+
+def children(url: str) -> list[str]:
+    """The names directly under the folder `url` (none when it does not exist)."""
+    fs, path = _filesystem(url)
+
+    def listing() -> list[str]:
+        try:
+            fs.invalidate_cache(path)
+            return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False))
+        except FileNotFoundError as exc:
+            if _no_bucket(exc):
+                raise
+            return []
+
+    return call("listing", url, listing)
+
+
+def check_writable(url: str, what: str) -> None:
+    """Write and delete a probe object under `url`: a missing bucket or a refused write is said now,
+    in one line naming `what` (the setting), not after the first hours of a run."""
+    probe = join(url, f".write-probe-{os.getpid()}")
+    fs, path = _filesystem(probe)
+    try:
+        call(f"writing into {what}", url, lambda: fs.pipe_file(path, b""))
+        call(f"writing into {what}", url, lambda: fs.rm_file(path))
+    except UsageError as exc:
+        raise UsageError(str(exc)) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# data files: a file, a folder or a glob in a store, mirrored locally
+
+
+def list_files(spec: str) -> list[tuple[str, dict]]:
+    """(URL, info) of each file `spec` names: the file itself, every file below a folder, or a glob's matches."""
+    fs, path = _filesystem(spec)
+    protocol = spec.split("://", 1)[0]
+
+    def find() -> list[tuple[str, dict]]:
+        fs.invalidate_cache()
+        if any(ch in path for ch in "*?["):
+            found = fs.glob(path, detail=True)
+        elif fs.isdir(path):
+            found = fs.find(path, detail=True)
+        elif fs.isfile(path):
+            found = {path: fs.info(path)}
+        else:
+            return []
+        files = [(name, info) for name, info in found.items() if info.get("type") == "file"]
+        return [(f"{protocol}://{name}", info) for name, info in sorted(files)]
+
+    return call("listing data files", spec, find)
+
+
+def identity(info: dict) -> list:
+    """What identifies one version of an object: its size and its ETag / modification time."""
+    version = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or ""
+    return [int(info.get("size") or 0), str(version)]
+
+
+def fetch_file(url: str, info: dict, cache: Path) -> Path:
+    """The object at `url` as a local file in `cache` (downloaded once per version; a partial download
+    never takes the final name)."""
+    size, version = identity(info)
+    name = url.rsplit("/", 1)[-1]
+    folder = cache / "sources" / mirror_name(f"{url}#{size}#{version}")
+    local = folder / name
+    if local.is_file() and local.stat().st_size == size:
+        return local
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f".{name}.partial-{os.getpid()}"
+    fs, path = _filesystem(url)
+    call("downloading", url, lambda: fs.get_file(path, str(partial)))
+    os.replace(partial, local)
+    return local
+
+
+# ----------------------------------------------------------------------------------------------
+# folders: uploaded with a commit marker last; downloaded with every file checksummed
+
+
+def put_folder(local: Path, url: str, *, last: Iterable[str] = ()) -> None:
+    """Upload every file of the local folder `local` (its subfolders too) to the folder `url`, a
+    `files.json` record of their sizes and checksums, and then the files named in `last`, in order.
+
+    The last file is the commit marker: a reader that finds it finds every other file complete. A
+    crash part-way leaves no marker, and the folder is not taken as complete.
+    """
+    from .checkpoint.checksums import file_checksum
+
+    last = list(last)
+    files = sorted(p for p in local.rglob("*") if p.is_file() and not p.is_symlink())
+    names = [p.relative_to(local).as_posix() for p in files]
+    early = [(p, n) for p, n in zip(files, names) if n not in last and n != FILES_RECORD]
+    record = {n: {"size": p.stat().st_size, "checksum": file_checksum(p)} for p, n in zip(files, names)}
+    for path, name in early:
+        upload(path, join(url, name))
+    write_text(join(url, FILES_RECORD), json.dumps(record, sort_keys=True))
+    for name in last:
+        upload(local / name, join(url, name))
+
+
+def get_folder(url: str, local: Path, *, last: Iterable[str] = (), room: Callable[[int], None] | None = None) -> bool:
+    """Download the folder `url` that `put_folder` wrote into `local` (made atomically: a temporary
+    folder renamed into place), each file checked against its recorded size and checksum. False when
+    the folder is not complete in the store (no record or no commit marker). `room(bytes)` is called
+    before the download starts, to make room for it."""
+    from .checkpoint.checksums import file_checksum
+    from .checkpoint.folder_files import plain_name
+
+    text = read_text(join(url, FILES_RECORD))
+    if text is None:
+        return False
+    try:
+        record = json.loads(text)
+        entries = {name: (int(v["size"]), str(v["checksum"])) for name, v in record.items()}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise UsageError(
+            f"{join(url, FILES_RECORD)} is not a file record; the folder in the store is damaged"
+        ) from None
+    for name in entries:
+        if not all(plain_name(part) for part in name.split("/")):  # no "..", no absolute paths
+            raise UsageError(f"{join(url, FILES_RECORD)} names {name!r}, a path outside its folder; refusing it")
+    if any(name not in entries for name in last) or not all(exists(join(url, name)) for name in last):
+        return False
+    if room is not None:
+        room(sum(size for size, _ in entries.values()))
+    tmp = local.with_name(f".{local.name}.download-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for name, (size, checksum) in entries.items():
+            target = tmp / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs, path = _filesystem(join(url, name))
+            call("downloading", join(url, name), lambda fs=fs, path=path, target=target: fs.get_file(path, str(target)))
+            if target.stat().st_size != size or file_checksum(target) != checksum:
+                raise UsageError(
+                    f"{join(url, name)} does not match its recorded checksum (damaged in the store or in transit); "
+                    "prepare or save it again"
+                )
+        if local.exists():
+            shutil.rmtree(local)
+        os.replace(tmp, local)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return True
+
+
+def fetch_tree(url: str, cache: Path) -> Path:
+    """The folder `url` (a model folder) as a local copy under `cache`: checked against its `files.json`
+    when it has one (we uploaded it), else every file below it, each a plain name (no path outside)."""
+    from .checkpoint.folder_files import plain_name
+
+    local = cache / mirror_name(url)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    if get_folder(url, local):
+        return local
+    found = list_files(url.rstrip("/") + "/")
+    base = url.split("://", 1)[1].rstrip("/")
+    names = [(u, u.split("://", 1)[1][len(base) :].lstrip("/")) for u, _ in found]
+    if not names:
+        raise UsageError(f"{url} holds no files; point model.init_from at a model folder")
+    tmp = local.with_name(f".{local.name}.download-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for file_url, name in names:
+            if not all(plain_name(part) for part in name.split("/")):
+                raise UsageError(f"{file_url} is not a plain file name inside {url}; refusing the folder")
+            target = tmp / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs, path = _filesystem(file_url)
+            call("downloading", file_url, lambda fs=fs, path=path, target=target: fs.get_file(path, str(target)))
+        if local.exists():
+            shutil.rmtree(local)
+        os.replace(tmp, local)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return local
+
+
+def folder_size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def make_room(cache: Path, needed: int, limit: int, keep: Iterable[Path] = ()) -> None:
+    """Evict the least recently used folders of `cache` (each of its subfolders' entries) until `needed`
+    more bytes fit within `limit`; `keep` is never evicted. A `UsageError` when they cannot fit."""
+    keep = {Path(k).resolve() for k in keep}
+    entries = [e for e in (cache / "sources").glob("*")] + [e for e in (cache / "prepared").glob("*/*")]
+    entries = [e for e in entries if not e.name.startswith(".") and e.resolve() not in keep]
+    used = sum(folder_size(e) if e.is_dir() else e.stat().st_size for e in entries)
+    kept = sum(folder_size(k) for k in keep if k.is_dir())
+    if needed + kept > limit:
+        raise UsageError(
+            f"{needed + kept:,} bytes do not fit in data.stream_cache_limit ({limit:,} bytes) of "
+            f"data.stream_cache_dir {cache}; raise the limit"
+        )
+    for entry in sorted(entries, key=lambda e: e.stat().st_mtime):  # oldest use first
+        if used + kept + needed <= limit:
+            break
+        used -= folder_size(entry) if entry.is_dir() else entry.stat().st_size
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def touch(path: Path) -> None:
+    """Mark `path` as just used (eviction takes the least recently used first)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
