@@ -155,3 +155,33 @@ def test_llm_trainer_eval_reports_each_source_too(tmp_path, capsys):
     assert result["sources"] == pytest.approx(
         {"prose": last["eval/prose/loss"], "digits": last["eval/digits/loss"]}, rel=1e-5
     )
+
+
+def test_best_model_can_follow_one_sources_loss(tmp_path):
+    from llm_trainer.api import train
+    from llm_trainer.config import load_experiment
+    from llm_trainer.errors import UsageError
+
+    path = mixed_experiment(
+        tmp_path,
+        max_steps=40,
+        learning_rate=3e-2,
+        eval_steps=10,
+        logging_steps=10,
+        metric_for_best_model="eval/digits/loss",
+    )
+    train(load_experiment(path))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    best = min(evals, key=lambda r: r["eval/digits/loss"])
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "best_model" / "meta.json").read_text())
+    assert meta["metrics"]["step"] == best["step"]
+    assert meta["metrics"]["eval/digits/loss"] == pytest.approx(best["eval/digits/loss"])
+
+    other = tmp_path / "other"
+    other.mkdir()
+    path = mixed_experiment(other, max_steps=10, eval_steps=10, metric_for_best_model="eval/code/loss")
+    with pytest.raises(
+        UsageError, match="names no source of the validation data.*known: eval/prose/loss, eval/digits/loss"
+    ):
+        train(load_experiment(path))

@@ -358,7 +358,9 @@ class TrainingConfig(_Validated):
     eval_tasks: list[str] | str | None = None  # lm-eval task names or task YAML paths ("a,b" or a list)
     eval_tasks_steps: int | None = None  # None: at every evaluation; N: every N steps, and at the end
     eval_tasks_limit: int | None = None  # items per task; None: all
-    metric_for_best_model: str = "val_loss"  # or downstream/<task>/<metric> (e.g. downstream/llmt_choice/acc)
+    metric_for_best_model: str = (
+        "val_loss"  # or eval/<source>/loss, or downstream/<task>/<metric> (e.g. downstream/llmt_choice/acc)
+    )
     greater_is_better: bool | None = None  # None: False for val_loss, True for a downstream metric
     # Not kept: read as distributed_strategy: deepspeed (see config_aliases.TRAINING).
     use_deepspeed: InitVar[bool | None] = None
@@ -433,8 +435,10 @@ class TrainingConfig(_Validated):
         metric = self.metric_for_best_model
         _require(
             metric in ("val_loss", "eval_loss", "loss")
-            or (metric.startswith("downstream/") and metric.count("/") >= 2),
-            f"TrainingConfig.metric_for_best_model must be val_loss or downstream/<task>/<metric>, got {metric!r}",
+            or (metric.startswith("downstream/") and metric.count("/") >= 2)
+            or (metric.startswith("eval/") and metric.endswith("/loss") and len(metric) > len("eval//loss")),
+            "TrainingConfig.metric_for_best_model must be val_loss, eval/<source>/loss (one source of data.sources) "
+            f"or downstream/<task>/<metric>, got {metric!r}",
         )
         _require(
             not metric.startswith("downstream/") or bool(self.eval_tasks),

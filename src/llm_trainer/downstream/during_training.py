@@ -3,6 +3,8 @@ the scores every rank agrees on, and which metric `best_model/` follows (`metric
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from ..errors import UsageError
@@ -12,14 +14,19 @@ from .run import evaluate_tasks, scores
 LOSS_NAMES = ("val_loss", "eval_loss", "loss")  # HF's metric_for_best_model spells it eval_loss or loss
 
 
+SOURCE_LOSS = re.compile(r"eval/(.+)/loss")  # one source's validation loss in a mixture, as eval rows name it
+
+
 def follows_loss(config) -> bool:
-    """Whether best_model/ follows the validation loss (else a downstream metric)."""
+    """Whether best_model/ follows the (mixed) validation loss (else a source's loss or a downstream metric)."""
     return config.metric_for_best_model in LOSS_NAMES
 
 
 def greater_is_better(config) -> bool:
-    """HF's rule: as `greater_is_better` says, else False for the loss and True for any other metric."""
-    return config.greater_is_better if config.greater_is_better is not None else not follows_loss(config)
+    """HF's rule: as `greater_is_better` says, else False for a loss and True for any other metric."""
+    if config.greater_is_better is not None:
+        return config.greater_is_better
+    return not (follows_loss(config) or SOURCE_LOSS.fullmatch(config.metric_for_best_model))
 
 
 def is_due(config, step: int, at_end: bool) -> bool:
@@ -82,9 +89,18 @@ def run_during_training(trainer, step: int) -> dict[str, dict[str, float]]:
     return values
 
 
-def metric_value(config, values: dict[str, dict[str, float]]) -> float | None:
-    """metric_for_best_model's value in `values` (None: not measured at this evaluation); a metric the
-    tasks do not report is a one-line error naming those they do."""
+def metric_value(config, values: dict[str, dict[str, float]], metrics: dict, sources: list[str] | None) -> float | None:
+    """metric_for_best_model's value (None: not measured at this evaluation): a downstream score from
+    `values`, or a source's validation loss from the evaluation's `metrics` (`sources`: the names the
+    validation split has). A metric that is not reported is a one-line error naming those that are."""
+    if source := SOURCE_LOSS.fullmatch(config.metric_for_best_model):
+        if source.group(1) not in (sources or []):
+            known = ", ".join(f"eval/{name}/loss" for name in sources or []) or "none: the data has one source"
+            raise UsageError(
+                f"training.metric_for_best_model {config.metric_for_best_model} names no source of the "
+                f"validation data (data.sources); known: {known}"
+            )
+        return metrics.get("source_losses", {}).get(source.group(1))  # None: no tokens of it this time
     _, task, metric = config.metric_for_best_model.split("/", 2)
     if not values:
         return None

@@ -16,7 +16,7 @@ class TrainState:
     tokens_seen: int = 0  # input tokens consumed, by all ranks together
     best_val_loss: float | None = None  # the lowest evaluation so far: best_model holds its weights
     best_step: int | None = None
-    best_metric: float | None = None  # metric_for_best_model's best value, when that is a downstream metric
+    best_metric: float | None = None  # metric_for_best_model's best value, when that is not the mixed val_loss
     patience_reference: float | None = None  # early stopping: the last val_loss that improved by more than min_delta
     evals_without_improvement: int = 0
     skipped_steps: int = 0  # steps whose loss or gradient was not finite

@@ -439,9 +439,11 @@ class Trainer:
             if state.best_val_loss is None or loss < state.best_val_loss:
                 state.best_val_loss, state.best_step = loss, state.step
                 self.checkpointer.save_best(metrics)
-        else:  # best_model/ follows a downstream metric; best_val_loss stays the lowest loss
+        else:  # best_model/ follows a source's loss or a downstream metric; best_val_loss stays the lowest loss
             state.best_val_loss = loss if state.best_val_loss is None else min(loss, state.best_val_loss)
-            value, sign = downstream.metric_value(cfg, scores), 1 if downstream.greater_is_better(cfg) else -1
+            sources = getattr(getattr(self.val_loader, "source_labels", None), "names", None)
+            value = downstream.metric_value(cfg, scores, metrics, sources)
+            sign = 1 if downstream.greater_is_better(cfg) else -1
             if value is not None and (state.best_metric is None or sign * value > sign * state.best_metric):
                 state.best_metric, state.best_step = value, state.step
                 self.checkpointer.save_best({**metrics, cfg.metric_for_best_model: value})
