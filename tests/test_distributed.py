@@ -19,6 +19,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from conftest import src_env
+
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available"),
     pytest.mark.slow,  # several processes per test: the full tier only
@@ -58,7 +60,8 @@ def _free_port() -> int:
 
 
 def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    """A child's environment without the launcher variables an in-process test may have left behind."""
+    return {**src_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _torchrun(workdir, *overrides, nproc=2, check=True):

@@ -139,7 +139,7 @@ class WriteParts(PipelineStep):
         self.config, self.plan_path = config, str(plan_path)
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from .prepare import _ordered
+        from .build import _ordered
 
         tasks_dir = Path(self.plan_path).parent
         plan = Plan.load(self.plan_path)
