@@ -1,9 +1,19 @@
 """The memory estimate against the measured peak of real training steps (`tools/memory_probe.py`):
 two widths, with and without gradient checkpointing, AdamW and Muon, fp32 and bf16 autocast, each
-within 10%."""
+within 10%. Six of the probe's twelve configs cover every one of those choices (each is a fresh
+process of real steps); `bench/estimate_check.py` runs all twelve."""
 
 import pytest
 import torch
+
+SUBSET = {
+    "d256 full adamw gpt2 fp32",
+    "d256 ckpt muon gpt2 fp32",
+    "d512 full muon gpt2 fp32",
+    "d512 ckpt adamw gpt2 fp32",
+    "d512 full adamw llama bf16",
+    "d512 ckpt muon llama bf16",
+}
 
 
 @pytest.mark.slow
@@ -17,8 +27,8 @@ import torch
 def test_the_estimated_peak_is_within_10_percent_of_the_measured_one(device):
     from llm_trainer.tools.memory_probe import compare
 
-    rows = compare(device)
-    assert len(rows) == 12
+    rows = compare(device, SUBSET)
+    assert len(rows) == len(SUBSET)
     for row in rows:
         assert abs(row["error"]) < 0.10, row
     assert {row["peak_phase"] for row in rows} >= {"forward_backward"}

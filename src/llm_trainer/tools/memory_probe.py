@@ -45,13 +45,16 @@ CHECKED = [
 ]
 
 
-def compare(device: str = "cpu") -> list[dict]:
-    """Estimated and measured peak of each CHECKED config on `device` ("cpu" or "cuda"), in bytes."""
+def compare(device: str = "cpu", names: set[str] | None = None) -> list[dict]:
+    """Estimated and measured peak of each CHECKED config (those in `names`, when given) on `device`
+    ("cpu" or "cuda"), in bytes."""
     from ..config import ModelConfig, TrainingConfig
     from .estimate import estimate_memory
 
     rows = []
     for name, model, training in CHECKED:
+        if names is not None and name not in names:
+            continue
         training = {**training, "device": device}
         measured = measure_peak(model, training, SEQ_LEN)["peak_bytes"]
         estimate = estimate_memory(
