@@ -215,8 +215,8 @@ def test_flex_training_on_cpu_is_refused(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention trains on CUDA only")
 def test_flex_document_mask_trains_like_the_dense_mask_on_cuda():
     torch.manual_seed(0)
-    dense = Transformer(tiny_model_config(architecture="llama")).cuda()
-    flex = Transformer(tiny_model_config(architecture="llama", attention_backend="flex")).cuda()
+    dense = Transformer(tiny_model_config(architecture="llama", d_model=32)).cuda()  # FlexAttention: head size >= 16
+    flex = Transformer(tiny_model_config(architecture="llama", d_model=32, attention_backend="flex")).cuda()
     flex.load_state_dict(dense.state_dict())
     x = torch.randint(0, 61, (2, 20), device="cuda")
     doc_ids = torch.tensor([[0] * 7 + [1] * 13, [0] * 20], device="cuda")

@@ -123,11 +123,18 @@ def parallelize(
             f"optimizer muon needs each weight whole, and distributed_strategy {dist.strategy} shards "
             "them; use distributed_strategy ddp, or optimizer adamw"
         )
-    if getattr(getattr(model, "config", None), "attention_backend", None) == "flex" and device.type != "cuda":
-        raise UsageError(
-            "model.attention_backend flex trains on CUDA only (this torch's FlexAttention has no backward "
-            f"on {device.type}); use attention_backend: sdpa"
-        )
+    model_config = getattr(model, "config", None)
+    if getattr(model_config, "attention_backend", None) == "flex":
+        if device.type != "cuda":
+            raise UsageError(
+                "model.attention_backend flex trains on CUDA only (this torch's FlexAttention has no backward "
+                f"on {device.type}); use attention_backend: sdpa"
+            )
+        if model_config.head_dim < 16:  # the compiled FlexAttention kernel's smallest head
+            raise UsageError(
+                "model.attention_backend flex needs a head size of at least 16, got d_model/n_heads = "
+                f"{model_config.head_dim}; use fewer heads, a wider d_model, or attention_backend: sdpa"
+            )
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if config.compile and dist.strategy != "deepspeed":
