@@ -159,6 +159,17 @@ def test_sharding_divides_the_sharded_parts():
     assert checkpointed.activations_bytes < base.activations_bytes
 
 
+def test_cublas_workspaces_count_on_cuda_only():
+    """Each of the two cuBLAS handles (forward and backward threads) holds its workspace in the caching
+    allocator on CUDA, in every phase; a CPU run has none."""
+    config = tiny_model_config(d_model=64, n_heads=4, n_layers=2, vocab_size=1000)
+    cuda = estimate_memory(config, TrainingConfig(use_amp=False), device_type="cuda")
+    cpu = estimate_memory(config, TrainingConfig(use_amp=False), device_type="cpu")
+    assert cpu.workspace_bytes == 0 and cuda.workspace_bytes == 2 * 32 * 2**20
+    assert all(phase >= cuda.workspace_bytes + cuda.params_bytes for phase in cuda.details["phases"].values())
+    assert cuda.peak_bytes - cpu.peak_bytes >= cuda.workspace_bytes * 0.99
+
+
 def test_estimate_cli(tmp_path, capsys):
     config = write_tiny_experiment(tmp_path)
     assert main(["estimate", "--config", str(config), "--device-memory", "1", "--json"]) == 0

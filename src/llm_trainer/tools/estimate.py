@@ -44,6 +44,12 @@ and without gradient checkpointing, AdamW and Muon; on CUDA the same check reads
   `fsdp` (= ZeRO-3) also parameters (plus two gathered blocks in flight, fp32, the way our trainer
   keeps weights). Activations are per device: `training.batch_size` is the per-device micro-batch.
 
+* **cuBLAS workspaces** (CUDA only): PyTorch gives each cuBLAS handle a workspace from its caching
+  allocator, so `max_memory_allocated` counts it. Training uses two handles, the forward's thread and
+  autograd's backward thread, each with the Hopper default of 32 MiB (earlier GPUs take less, so this
+  bounds them). On an H100 this is what separated a small model's measured peak from the rest of the
+  model (bench/README.md, GPU).
+
 Not modelled: the CUDA context (~0.3-0.5 GiB outside `max_memory_allocated`), allocator
 fragmentation, torch.compile workspaces, attention kernels that materialise T x T (the math path:
 attention dropout, or a document mask for packed rows), communication buffers.
@@ -66,6 +72,8 @@ from ..train.flops import count_parameters, flops_per_token
 GiB = 1024**3
 
 SHARDING = ("none", "zero1", "zero2", "fsdp")
+
+CUBLAS_WORKSPACES_BYTES = 2 * 32 * 2**20  # two handles (forward, backward thread) x the Hopper default
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,6 +137,7 @@ class MemoryEstimate:
     tokens_per_micro_batch: int
     world_size: int = 1
     sharding: str = "none"
+    workspace_bytes: float = 0.0  # cuBLAS workspaces (CUDA)
     details: dict = field(default_factory=dict)
 
     @property
@@ -193,7 +202,8 @@ def estimate_memory(
     else:
         optimizer_temp = 0.0  # fused AdamW/Adam
 
-    steady = params + optimizer
+    workspace = CUBLAS_WORKSPACES_BYTES if device_type == "cuda" else 0.0
+    steady = params + optimizer + workspace
     phases = {
         "forward_backward": steady + amp_copies + activations + head_peak + head_grad,
         # each block's 16-bit weight copies are freed by its own backward, as its gradients appear
@@ -216,6 +226,7 @@ def estimate_memory(
         tokens_per_micro_batch=tokens,
         world_size=world_size,
         sharding=sharding,
+        workspace_bytes=workspace,
         details={
             "phases": phases,
             "peak_phase": peak_phase,
@@ -352,6 +363,7 @@ def estimate_report(
             "activations_gb": mem.activations_bytes / GiB,
             "output_head_peak_gb": mem.head_peak_bytes / GiB,
             "optimizer_step_temp_gb": mem.optimizer_temp_bytes / GiB,
+            "cublas_workspace_gb": mem.workspace_bytes / GiB,
             "peak_gb": mem.peak_bytes / GiB,
             "peak_phase": mem.details["peak_phase"],
         },
@@ -432,6 +444,7 @@ def format_report(report: dict) -> str:
         f"  activations     {m['activations_gb']:9.3f}",
         f"  head backward   {m['output_head_peak_gb']:9.3f}",
         f"  optimizer step  {m['optimizer_step_temp_gb']:9.3f}  (temporaries)",
+        *([f"  cuBLAS          {m['cublas_workspace_gb']:9.3f}  (workspaces)"] if m["cublas_workspace_gb"] else []),
         f"  peak            {m['peak_gb']:9.3f}  ({m['peak_phase'].replace('_', ' ')})",
     ]
     if "fits" in report:
