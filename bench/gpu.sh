@@ -76,7 +76,7 @@ python -m llm_trainer estimate --config configs/gpt2-small.yaml "${LLAMA[@]}" tr
   --world-size 1 --json \
   > "$WORK/llama1b_estimate.json" 2> "$OUT_DIR/llama1b.log"
 timeout 140 python -m torch.distributed.run --nproc_per_node=1 -m llm_trainer train --config configs/gpt2-small.yaml "${LLAMA[@]}" \
-  training.distributed_strategy=fsdp training.device=cuda training.max_steps=25 training.logging_steps=5 \
+  training.distributed_strategy=fsdp training.device=cuda training.max_steps=40 training.logging_steps=5 \
   training.eval_steps=0 training.save_steps=0 training.eval_max_batches=10 \
   training.output_dir="$WORK/llama1b" data.cache_dir="$WORK/cache" >> "$OUT_DIR/llama1b.log" 2>&1 \
   && summarise "$WORK/llama1b" llama-1.0B "$WORK/llama1b_estimate.json" > "$OUT_DIR/llama1b.json"
