@@ -58,6 +58,7 @@ def quiet_lm_eval() -> Iterator[None]:
     import lm_eval.api.model
     import lm_eval.api.task
     import lm_eval.evaluator
+
     swaps = [
         (lm_eval.api.task, "tqdm", _no_bar),
         (lm_eval.api.model, "tqdm", _no_bar),
