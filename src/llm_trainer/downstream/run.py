@@ -58,7 +58,7 @@ def evaluate_tasks(
             )
     finally:
         model.train(was_training)
-    if lm.model.rank != 0:  # lm-eval saw one process on every rank: each returned the results
+    if lm.model.rank != 0:  # lm-eval saw one process (it returns the results where LOCAL_RANK is 0)
         return None
     for kind, count in sorted((+lm.truncated).items()):  # (unary +: only counts above 0)
         warn(
