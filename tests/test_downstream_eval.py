@@ -8,6 +8,7 @@ import os
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -224,6 +225,34 @@ def test_eval_tasks_bad_input_is_one_line(tmp_path, args, message):
     assert len([line for line in done.stderr.splitlines() if line.startswith("error:")]) == 1
 
 
+def test_eval_tasks_console_has_no_progress_bars_or_git_noise(tmp_path):
+    """`eval --tasks` outside a git repository: no "fatal: not a git repository" (lm-eval records the
+    working directory's commit) and no progress bars of lm-eval's loops on stderr; our own warnings
+    (2-shot prompts longer than the 40-token context) still show, and the table is on stdout."""
+    from llm_trainer.checkpoint.model_folder import save_model_folder
+
+    tokenizer = _tokenizer()
+    save_model_folder(_model(tokenizer, "llama"), tmp_path / "m")
+    tokenizer.save(tmp_path / "m")
+    done = _cli(
+        "eval",
+        "--checkpoint",
+        str(tmp_path / "m"),
+        "--tasks",
+        "llmt_choice,llmt_exact",
+        "--limit",
+        "3",
+        "--num_fewshot",
+        "2",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "|llmt_choice" in done.stdout
+    assert "cut from the left" in done.stderr
+    assert "fatal:" not in done.stderr
+    assert not [line for line in done.stderr.splitlines() if "it/s" in line or "%|" in line], done.stderr
+
+
 def test_checkpoint_without_tokenizer_is_one_line(tmp_path):
     """A model folder without tokenizer.json: the project's loader says so in one line."""
     from llm_trainer.checkpoint.model_folder import save_model_folder
@@ -241,9 +270,14 @@ import torch
 torch.distributed.init_process_group("gloo")
 sys.path.insert(0, sys.argv[2])
 from test_downstream_eval import _model, _tokenizer
+from llm_trainer.config import TrainingConfig
 from llm_trainer.downstream import evaluate_tasks, scores
+from llm_trainer.parallel.parallelize import apply_fsdp
 tokenizer = _tokenizer()
-results = evaluate_tasks(_model(tokenizer, "llama"), tokenizer, sys.argv[3], limit=7, batch_size=3)
+model = _model(tokenizer, "llama")
+if sys.argv[5] == "fsdp":  # each rank holds its shards of every weight, as FSDP training leaves them
+    apply_fsdp(model, TrainingConfig(distributed_strategy="fsdp"), torch.device("cpu"), None)
+results = evaluate_tasks(model, tokenizer, sys.argv[3], num_fewshot=int(sys.argv[4]), limit=7, batch_size=3)
 if torch.distributed.get_rank() == 0:
     open(sys.argv[1], "w").write(json.dumps(scores(results)))
 else:
@@ -253,11 +287,13 @@ torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_two_processes_score_their_shares_and_equal_one_process(tmp_path):
-    """Under torchrun (2 CPU processes, gloo) each rank scores its share of the requests (7 items per
-    task: 4 and 3, lm-eval pads the shorter share) and rank 0's scores equal one process's. Zero-shot:
-    lm-eval draws few-shot examples from one generator in the order a rank visits its documents, so
-    with shots each rank's prompts differ from one process's (its own hf backend's too)."""
+@pytest.mark.parametrize("sharding, shots", [("whole", 0), ("whole", 2), ("fsdp", 2)])
+def test_two_processes_score_their_shares_and_equal_one_process(tmp_path, sharding, shots):
+    """Under torchrun (2 CPU processes, gloo) each rank scores its share of the batches (7 items per task,
+    batches of 3: one rank has more to do) and rank 0's scores equal one process's: with few-shot
+    examples too (every rank builds the requests one process builds, the examples drawn alike), and with
+    each rank holding only its FSDP2 shards of the weights (every forward a collective: the rank with less
+    to do joins the other's forwards, generation's decoding steps included)."""
     import subprocess
     import sys
 
@@ -267,10 +303,10 @@ def test_two_processes_score_their_shares_and_equal_one_process(tmp_path):
     tasks = ",".join(BUILTIN)
     script, out = tmp_path / "evaluate.py", tmp_path / "scores.json"
     script.write_text(DISTRIBUTED_SCRIPT)
-    env = {**src_env(), "OMP_NUM_THREADS": "1"}
+    env = {**src_env(), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}"]
     done = subprocess.run(
-        [*command, str(script), str(out), str(Path(__file__).parent), tasks],
+        [*command, str(script), str(out), str(Path(__file__).parent), tasks, str(shots), sharding],
         env=env,
         capture_output=True,
         text=True,
@@ -278,45 +314,73 @@ def test_two_processes_score_their_shares_and_equal_one_process(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     tokenizer = _tokenizer()
-    alone = scores(evaluate_tasks(_model(tokenizer, "llama"), tokenizer, tasks, limit=7, batch_size=3))
+    model = _model(tokenizer, "llama")
+    alone = scores(evaluate_tasks(model, tokenizer, tasks, num_fewshot=shots, limit=7, batch_size=3))
     together = json.loads(out.read_text())
     assert set(together) == set(BUILTIN)
     for task, metrics in alone.items():
         assert together[task] == pytest.approx(metrics, rel=1e-5), task
 
 
-@pytest.mark.slow
-def test_ddp_training_logs_the_scores_of_one_process(tmp_path):
-    """training.eval_tasks under DDP (2 CPU processes, gloo, batch 2 each) logs the downstream rows of
-    one process training with batch 4 (the same weights), and best_model/ follows the task metric."""
+TRAINING_OPTIONS = dict(
+    eval_tasks=["llmt_choice", "llmt_rolling"],
+    eval_tasks_limit=5,
+    use_amp=False,
+    metric_for_best_model="downstream/llmt_rolling/bits_per_byte",
+)
+STRATEGIES = {
+    "ddp": dict(distributed_strategy="ddp"),
+    "fsdp": dict(distributed_strategy="fsdp"),
+    "deepspeed": dict(distributed_strategy="deepspeed", deepspeed_config={"zero_optimization": {"stage": 3}}),
+}
+
+
+def _train_with_tasks(root: Path, nproc: int, **training):
+    """(the `downstream` rows of metrics.jsonl, the run's stderr) of the tiny experiment trained in `root`
+    by `nproc` CPU processes (gloo)."""
     import subprocess
     import sys
 
     from conftest import free_port, src_env, write_tiny_experiment
 
-    options = dict(eval_tasks=["llmt_choice", "llmt_rolling"], eval_tasks_limit=5, use_amp=False)
-    options["metric_for_best_model"] = "downstream/llmt_rolling/bits_per_byte"
-    runs = {}
-    for name, nproc, batch in (("ddp", 2, 2), ("one", 1, 4)):
-        root = tmp_path / name
-        root.mkdir()
-        config = write_tiny_experiment(root, batch_size=batch, **options)
-        launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master-port={free_port()}"]
-        done = subprocess.run(
-            [sys.executable, *(launcher if nproc > 1 else []), "-m", "llm_trainer", "train", "--config", str(config)],
-            cwd=root,
-            env={**src_env(), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        rows = [json.loads(line) for line in (root / "run/metrics.jsonl").read_text().splitlines()]
-        runs[name] = [row for row in rows if row["kind"] == "downstream"]
-        assert (root / "run/checkpoints/best_model").is_dir()
-    assert [row["step"] for row in runs["ddp"]] == [row["step"] for row in runs["one"]] == [3, 6]
-    for ddp, one in zip(runs["ddp"], runs["one"]):
-        assert ddp == pytest.approx(one, rel=1e-4)
+    root.mkdir()
+    config = write_tiny_experiment(root, **TRAINING_OPTIONS, **training)
+    launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master-port={free_port()}"]
+    done = subprocess.run(
+        [sys.executable, *(launcher if nproc > 1 else []), "-m", "llm_trainer", "train", "--config", str(config)],
+        cwd=root,
+        env={**src_env(), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (root / "run/checkpoints/best_model").is_dir()
+    rows = [json.loads(line) for line in (root / "run/metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if row["kind"] == "downstream"], done.stderr
+
+
+@pytest.fixture(scope="module")
+def one_process_rows(tmp_path_factory):
+    """The downstream rows of one process training the tiny experiment with batch 4."""
+    return _train_with_tasks(tmp_path_factory.mktemp("downstream") / "one", 1, batch_size=4)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_distributed_training_logs_the_scores_of_one_process(tmp_path, one_process_rows, strategy):
+    """training.eval_tasks under DDP, FSDP2 (each rank holds shards of the weights) or DeepSpeed ZeRO-3
+    (the same), 2 CPU processes with batch 2 each, logs the downstream rows of one process training with
+    batch 4 (the same weights), best_model/ follows the task metric, and lm-eval's progress bars and git
+    call stay off the console."""
+    if strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed (pip install '.[deepspeed]')")
+    rows, stderr = _train_with_tasks(tmp_path / strategy, 2, batch_size=2, **STRATEGIES[strategy])
+    assert [row["step"] for row in rows] == [row["step"] for row in one_process_rows] == [3, 6]
+    for together, alone in zip(rows, one_process_rows):
+        assert together == pytest.approx(alone, rel=1e-4)
+    assert "step 6 downstream: llmt_choice/acc" in stderr
+    assert "fatal:" not in stderr and "it/s]" not in stderr
 
 
 def test_a_continuation_merged_into_the_context_scores_zero_and_is_counted():

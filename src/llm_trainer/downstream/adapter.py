@@ -15,14 +15,17 @@ What differs is how they are computed:
 - generation is greedy (or sampled, as the request asks) through `tools.generate`, with its KV cache,
   stopping at the request's stop strings or its `max_gen_toks`.
 
-Under several processes lm-eval gives each rank its share of the requests and gathers the scores on
-rank 0 through `all_gather` / `gather_object` below (torch.distributed).
+Under several processes lm-eval is shown one process: every rank receives every request, exactly as one
+process builds them (few-shot examples included), computes its share of the batches and ends with every
+result (`lockstep.Lockstep`: the split, forwards in step for sharded models, the gather).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter, defaultdict
+from collections.abc import Callable
 
 import torch
 from lm_eval.api.model import TemplateLM
@@ -31,6 +34,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from ..errors import UsageError
 from ..model import KVCache, Transformer
 from ..tools.generate import generate
+from .lockstep import Lockstep
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf backend's default
 
@@ -53,22 +57,20 @@ def _cut(text: str, stops) -> str:
 
 
 class LLMTrainerLM(TemplateLM):
-    """`model` (ours, unwrapped: every rank holds the whole model) and the tokenizer it was trained with."""
+    """`model` (ours, unwrapped; under FSDP2 or ZeRO-3 each rank holds its shards) and the tokenizer it was
+    trained with. lm-eval sees rank 0 of 1 on every rank (see the module docstring)."""
 
     def __init__(self, model: Transformer, tokenizer, *, batch_size: int = 16, autocast=None):
         super().__init__()
         if batch_size < 1:
             raise UsageError(f"--batch_size must be at least 1, got {batch_size}")
-        self.model = model
+        self.model = Lockstep(model)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.autocast = autocast or contextlib.nullcontext
         self.max_length = model.config.max_seq_len
         self._device = next(model.parameters()).device
         self._dtype = next(model.parameters()).dtype
-        self._rank, self._world_size = 0, 1
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            self._rank, self._world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.truncated: Counter[str] = Counter()  # requests cut from the left, per request type
         self.empty: Counter[str] = Counter()  # requests whose continuation has no tokens of its own
 
@@ -110,11 +112,11 @@ class LLMTrainerLM(TemplateLM):
             return len(prefix) + sum(len(continuation) - 1 for _, continuation in by_prefix[prefix])
 
         prefixes = sorted(by_prefix, key=row_length, reverse=True)  # longest first: each batch pads to its first
-        with torch.no_grad(), self.autocast():
-            for start in range(0, len(prefixes), self.batch_size):
-                batch = prefixes[start : start + self.batch_size]
+        batches = [prefixes[start : start + self.batch_size] for start in range(0, len(prefixes), self.batch_size)]
+        with torch.no_grad(), self.autocast(), self.model.together():
+            for batch in self.model.mine(batches):
                 self._score_batch(batch, by_prefix, results)
-        return results
+        return self.model.gather(results)
 
     def _score_batch(self, prefixes, by_prefix, results) -> None:
         """One forward for the batch: each row is a prefix followed by the tokens of all its
@@ -188,44 +190,51 @@ class LLMTrainerLM(TemplateLM):
         """Each request's continuation up to (not including) its first stop string, at most
         `max_gen_toks` tokens; the context is left-truncated to leave room for them, as in lm-eval.
         Greedy requests go in batches of the same settings, longest first; sampled ones one by one."""
-        out: list[str | None] = [None] * len(requests)
+        units: list[tuple[list[int], Callable[[], list[str]]]] = []  # (requests, computing their texts)
         greedy: dict[tuple, list[tuple[int, list[int]]]] = defaultdict(list)
-        with torch.no_grad(), self.autocast():
-            for i, request in enumerate(requests):
-                context, kwargs = request.args
-                kwargs = dict(kwargs or {})
-                until = kwargs.pop("until", None) or []
-                stops = tuple(s for s in ([until] if isinstance(until, str) else until) if s)
-                max_new = int(kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
-                ids = self.tok_encode(context) or [self.eot_token_id]
-                room = max(1, self.max_length - max_new)
-                if len(ids) > room:
-                    self.truncated["generate_until"] += 1
-                    ids = ids[-room:]
-                max_new = min(max_new, self.max_length - len(ids))
-                if kwargs.pop("do_sample", False) and float(kwargs.get("temperature", 1.0) or 0) > 0:
-                    new = generate(
-                        self.model,
-                        ids,
-                        max_new_tokens=max_new,
-                        temperature=float(kwargs.get("temperature", 1.0)),
-                        top_k=kwargs.get("top_k"),
-                        top_p=kwargs.get("top_p"),
-                        seed=1234,
-                        eos_token_id=self.eot_token_id,
-                        stop=lambda new, stops=stops: any(s in self.tokenizer.decode(new) for s in stops),
-                    )
-                    out[i] = _cut(self.tokenizer.decode(new), stops)
-                else:
-                    greedy[(stops, max_new)].append((i, ids))
-            for (stops, max_new), items in greedy.items():
-                items.sort(key=lambda item: len(item[1]), reverse=True)
-                for start in range(0, len(items), self.batch_size):
-                    batch = items[start : start + self.batch_size]
-                    texts = self._greedy([ids for _, ids in batch], stops, max_new)
-                    for (i, _), text in zip(batch, texts):
-                        out[i] = text
-        return out
+        for i, request in enumerate(requests):
+            context, kwargs = request.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.pop("until", None) or []
+            stops = tuple(s for s in ([until] if isinstance(until, str) else until) if s)
+            max_new = int(kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+            ids = self.tok_encode(context) or [self.eot_token_id]
+            room = max(1, self.max_length - max_new)
+            if len(ids) > room:
+                self.truncated["generate_until"] += 1
+                ids = ids[-room:]
+            max_new = min(max_new, self.max_length - len(ids))
+            if kwargs.pop("do_sample", False) and float(kwargs.get("temperature", 1.0) or 0) > 0:
+                units.append(([i], functools.partial(self._sampled, ids, stops, max_new, kwargs)))
+            else:
+                greedy[(stops, max_new)].append((i, ids))
+        for (stops, max_new), items in greedy.items():
+            items.sort(key=lambda item: len(item[1]), reverse=True)
+            for start in range(0, len(items), self.batch_size):
+                batch = items[start : start + self.batch_size]
+                prompts = [ids for _, ids in batch]
+                units.append(([i for i, _ in batch], functools.partial(self._greedy, prompts, stops, max_new)))
+        out: list[str | None] = [None] * len(requests)
+        with torch.no_grad(), self.autocast(), self.model.together():
+            for indices, texts in self.model.mine(units):
+                for i, text in zip(indices, texts()):
+                    out[i] = text
+        return self.model.gather(out)
+
+    def _sampled(self, ids: list[int], stops: tuple[str, ...], max_new: int, kwargs: dict) -> list[str]:
+        """One sampled continuation (a fixed seed: the same text whichever rank draws it)."""
+        new = generate(
+            self.model,
+            ids,
+            max_new_tokens=max_new,
+            temperature=float(kwargs.get("temperature", 1.0)),
+            top_k=kwargs.get("top_k"),
+            top_p=kwargs.get("top_p"),
+            seed=1234,
+            eos_token_id=self.eot_token_id,
+            stop=lambda new: any(s in self.tokenizer.decode(new) for s in stops),
+        )
+        return [_cut(self.tokenizer.decode(new), stops)]
 
     def _greedy(self, prompts: list[list[int]], stops: tuple[str, ...], max_new: int) -> list[str]:
         """Greedy continuations of prompts of different lengths, decoded together: each row's new tokens
@@ -262,23 +271,3 @@ class LLMTrainerLM(TemplateLM):
             mask = _mask(lengths, cache_start, step + 1)[:, :, -1:]  # (B, 1, 1, cache_start + step + 1)
             logits = self.model.extend(tokens[:, None], cache, positions, mask, select=(rows, rows * 0))  # (B, V)
         return [_cut(self.tokenizer.decode(tokens), stops) for tokens in new]
-
-    # -- several processes ----------------------------------------------------------------------
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._world_size == 1:
-            return tensor
-        parts = [torch.zeros_like(tensor) for _ in range(self._world_size)]
-        torch.distributed.all_gather(parts, tensor)
-        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
-
-    def gather_object(self, obj, dst: int = 0):
-        if self._world_size == 1:
-            return [obj]
-        gathered = [None] * self._world_size if self._rank == dst else None
-        torch.distributed.gather_object(obj, gathered, dst=dst)
-        return gathered
-
-    def barrier(self) -> None:
-        if self._world_size > 1:
-            torch.distributed.barrier()

@@ -40,11 +40,6 @@ def check_supported(trainer) -> None:
     not at the first evaluation)."""
     if not trainer.config.eval_tasks:
         return
-    if trainer.dist.world_size > 1 and type(trainer.parallel).__name__ != "DDP":
-        raise UsageError(
-            "training.eval_tasks under several processes needs distributed_strategy ddp (every rank holds the "
-            "whole model); with fsdp or deepspeed, evaluate the checkpoints with `llm-trainer eval --tasks`"
-        )
     if _tokenizer(trainer) is None:
         raise UsageError("training.eval_tasks needs the run's tokenizer: pass tokenizer= to the Trainer")
     from .tasks import load_tasks, split_tasks

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..logs import warn
-from .tasks import load_tasks, require_lm_eval, split_tasks
+from .tasks import load_tasks, quiet_lm_eval, require_lm_eval, split_tasks, task_manager
 
 
 def check_limit(limit: int | float | None) -> None:
@@ -31,7 +31,8 @@ def evaluate_tasks(
     autocast=None,
 ) -> dict | None:
     """lm-eval's results dict for `tasks` (names, YAML paths, comma-separated or a list) on `model`; every
-    rank calls it and each scores its share of the requests; the results on rank 0, None elsewhere."""
+    rank calls it and each scores its share of the requests (the same requests as one process, few-shot
+    examples included); the results on rank 0, None elsewhere."""
     require_lm_eval()
     check_limit(limit)
     if num_fewshot is not None and num_fewshot < 0:
@@ -45,16 +46,20 @@ def evaluate_tasks(
     was_training = model.training
     model.eval()
     try:
-        results = simple_evaluate(
-            model=lm,
-            tasks=loaded,
-            num_fewshot=num_fewshot,
-            limit=int(limit) if limit is not None and limit >= 1 else limit,
-            bootstrap_iters=0,  # no standard errors: lm-eval's bootstrap takes longer than the evaluation
-            log_samples=False,
-        )
+        with quiet_lm_eval():
+            results = simple_evaluate(
+                model=lm,
+                tasks=loaded,
+                task_manager=task_manager(),  # the tasks are loaded: no index of lm-eval's own tasks (seconds)
+                num_fewshot=num_fewshot,
+                limit=int(limit) if limit is not None and limit >= 1 else limit,
+                bootstrap_iters=0,  # no standard errors: lm-eval's bootstrap takes longer than the evaluation
+                log_samples=False,
+            )
     finally:
         model.train(was_training)
+    if lm.model.rank != 0:  # lm-eval saw one process (it returns the results where LOCAL_RANK is 0)
+        return None
     for kind, count in sorted((+lm.truncated).items()):  # (unary +: only counts above 0)
         warn(
             f"downstream evaluation: {count} {kind} request(s) longer than the model's context "

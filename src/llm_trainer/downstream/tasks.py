@@ -12,9 +12,13 @@ lm-eval indexes its ~15,000 task names in seconds, so the index is built only wh
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import logging
+import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +47,56 @@ def require_lm_eval():
     for name in ("lm_eval", "lm-eval", "lm_eval.api.task", "lm_eval.evaluator"):  # its per-task INFO lines
         logging.getLogger(name).setLevel(logging.WARNING)
     return lm_eval
+
+
+@contextlib.contextmanager
+def quiet_lm_eval() -> Iterator[None]:
+    """While lm-eval evaluates: no progress bars from its loops over documents and requests (one bar per
+    task and request type at every evaluation, between the training log's lines), and its record of the
+    working directory's git commit asked of git quietly (lm-eval lets git print "fatal: not a git
+    repository" outside one). Its warnings and errors still show."""
+    import lm_eval.api.model
+    import lm_eval.api.task
+    import lm_eval.evaluator
+
+    swaps = [
+        (lm_eval.api.task, "tqdm", _no_bar),
+        (lm_eval.api.model, "tqdm", _no_bar),
+        (lm_eval.evaluator, "get_git_commit_hash", _git_commit),
+    ]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in swaps]
+    try:
+        for module, name, value in swaps:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def _no_bar(*args, **kwargs):
+    """tqdm, hidden whatever the caller asks (lm-eval passes `disable=False` where it passes anything)."""
+    from tqdm import tqdm
+
+    return tqdm(*args, **{**kwargs, "disable": True})
+
+
+def _git_commit() -> str | None:
+    """What lm-eval records as `git_hash`: the working directory's commit, or None outside a repository."""
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        done = None
+    if done is not None and done.returncode == 0:
+        return done.stdout.strip()
+    return get_commit_from_path(os.getcwd())
+
+
+def task_manager():
+    """lm-eval's task manager for tasks loaded already (no index of lm-eval's own tasks)."""
+    return _manager(False)
 
 
 def split_tasks(tasks: str | list[str] | tuple[str, ...]) -> list[str]:

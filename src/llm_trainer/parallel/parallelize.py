@@ -3,7 +3,8 @@
     1. activation checkpointing, per transformer block
     2. torch.compile, per transformer block (the blocks repeat, so one compiled graph serves them
        all; a model without `.blocks` is compiled whole, in place)
-    3. data parallelism: DDP, or FSDP2 (`fully_shard` per block, then the root)
+    3. data parallelism: DDP, or FSDP2 (`fully_shard` per block, then the root; the model's `extend`
+       registered as a forward, so it gathers the weights as `forward` does)
     4. the optimizer, over the (sharded) parameters
 
 Each step wraps what the one before made: a block is checkpointed inside its compiled graph, and FSDP
@@ -57,7 +58,7 @@ def apply_fsdp(model: nn.Module, config: TrainingConfig, device: torch.device, a
     full_shard (reshard after forward), shard_grad_op (keep params gathered until backward),
     hybrid_shard (2-D mesh: replicate across nodes, shard within a node)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     world = launcher.world_size()
     if config.fsdp_sharding == "hybrid_shard":
@@ -71,6 +72,8 @@ def apply_fsdp(model: nn.Module, config: TrainingConfig, device: torch.device, a
     for block in getattr(model, "blocks", []):
         fully_shard(block, **options)
     fully_shard(model, **options)
+    if hasattr(model, "extend"):  # evaluation's forward with given positions and mask gathers the root's weights too
+        register_fsdp_forward_method(model, "extend")
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
