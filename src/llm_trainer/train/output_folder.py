@@ -26,7 +26,7 @@ from ..checkpoint import remote as remote_checkpoints
 from ..checkpoint.layout import BEST, CHECKPOINTS_DIR, LATEST, list_checkpoints
 from ..config import TrainingConfig
 from ..errors import UsageError
-from ..logs import log
+from ..logs import log, warn
 from .metrics import tensorboard_dir
 from .profiling import PROFILE_DIR
 
@@ -53,6 +53,8 @@ def run_traces(training: TrainingConfig) -> list[str]:
         remote = training.remote_checkpoint_dir
         if remote and remote_checkpoints.held_checkpoints(remote):
             found.append(f"{CHECKPOINTS_DIR}/" if remote == storage.join(url, CHECKPOINTS_DIR) else f"{remote}/")
+        elif not remote and _checkpoint_entries(training.resolved_checkpoint_dir):  # a local checkpoint_dir
+            found.append(f"{training.resolved_checkpoint_dir}/")
         return found
     output, checkpoints = Path(training.output_dir), training.resolved_checkpoint_dir
     found = [METRICS_FILE] if (output / METRICS_FILE).exists() else []
@@ -93,7 +95,7 @@ def check_output_folder(training: TrainingConfig, *, is_main: bool) -> None:
             "(training.overwrite_output_dir=true) to start over"
         )
     if training.remote_output_dir and is_main:  # a fresh run: what staging holds is no run's copy
-        _clear_local(training, why=f"a fresh run into {training.output_dir}")
+        _clear_local(training, why=f"a fresh run into {training.output_dir}", staging_only=True)
 
 
 def clear_run_files(training: TrainingConfig) -> list[Path]:
@@ -117,11 +119,15 @@ def _tensorboard_name(training: TrainingConfig) -> str | None:
     return folder.name if folder.parent == training.local_output_dir else None
 
 
-def _clear_local(training: TrainingConfig, why: str = "overwrite: starting over") -> list[Path]:
+def _clear_local(training: TrainingConfig, why: str, staging_only: bool = False) -> list[Path]:
+    """Remove what a run writes from its local folders; `staging_only`: from the staging folder of a URL
+    output_dir only (a copy of the store's run, which a fresh run there replaces)."""
     output, checkpoints = training.local_output_dir, training.resolved_checkpoint_dir
     targets = [output / name for name in RUN_FILES]
     targets += [checkpoints] if _default_layout(training) else _checkpoint_entries(checkpoints)
     targets.append(tensorboard_dir(training))
+    if staging_only:
+        targets = [path for path in targets if output.resolve() in path.resolve().parents]
     removed, names = [path for path in targets if path.exists() or path.is_symlink()], []
     for path in removed:
         name = str(path.relative_to(output)) if output in path.parents else str(path)
@@ -184,7 +190,11 @@ def fetch_run_files(training: TrainingConfig) -> None:
     copy = output.parent / f".{output.name}.download"
     output.mkdir(parents=True, exist_ok=True)
     try:
-        if not storage.get_folder(url, copy):
+        try:
+            if not storage.get_folder(url, copy):
+                return
+        except UsageError as exc:  # an upload cut short: the run goes on, its earlier rows are not here
+            warn(f"the run's files in {url} could not be fetched ({exc}); metrics.jsonl starts here")
             return
         for path in sorted(copy.rglob("*")):
             target = output / path.relative_to(copy)
