@@ -4,11 +4,16 @@ test_object_storage.py (moto's server in its own process on 127.0.0.1), through 
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
+import torch
+import yaml
 
 import test_object_storage as base
-from test_object_storage import _cli, _experiment, _one_line_exit_2, _upload_corpus
+from conftest import free_port
+from test_object_storage import _cli, _env, _experiment, _one_line_exit_2, _upload_corpus
 
 s3_server, s3 = base.s3_server, base.s3  # the server and bucket fixtures, shared
 
@@ -130,3 +135,60 @@ def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replace
     )
     _one_line_exit_2(foreign, "did not write", "notes.txt")
     assert fs.cat_file(f"{bucket}/hf/notes.txt") == b"mine" and "config.json" in _names(fs, f"{bucket}/hf")
+
+
+def _torchrun(cwd, endpoint: str, *args) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}"]
+    return subprocess.run(
+        [*command, "-m", "llm_trainer", *args],
+        env={**_env(endpoint), "PYTHONUNBUFFERED": "1"},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
+def test_fsdp_on_two_processes_into_a_url_output_dir_resumes_from_the_store(s3, tmp_path):  # noqa: F811
+    """FSDP's sharded checkpoints (every rank's DCP shards) reach the store with `latest` last, and two
+    fresh processes with an empty staging folder continue from them."""
+    fs, bucket = s3
+    (tmp_path / "corpus.txt").write_text("".join(f"the cat sat on the mat number {i % 7}.\n" for i in range(400)))
+    url = f"s3://{bucket}/fsdp"
+    config = _experiment(
+        tmp_path,
+        bucket,
+        output_dir=url,
+        checkpoint_dir=None,
+        staging_dir=str(tmp_path / "stage"),
+        distributed_strategy="fsdp",
+        use_amp=False,
+    )
+    values = yaml.safe_load(config.read_text())
+    values["data"] = {"data_files": [str(tmp_path / "corpus.txt")], "tokenizer": "char", "validation_split": 0.2}
+    config.write_text(yaml.safe_dump(values))
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    done = _torchrun(tmp_path, endpoint, "train", "--config", str(config))
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = f"{bucket}/fsdp"
+    assert fs.cat_file(f"{run}/checkpoints/latest").decode().strip() == "checkpoint-00000006"
+    shards = _names(fs, f"{run}/checkpoints/checkpoint-00000006/sharded")
+    assert {".metadata", "rng-rank0.pt", "rng-rank1.pt"} <= shards and len(
+        [n for n in shards if n.endswith(".distcp")]
+    ) == 2
+    more = _torchrun(
+        tmp_path,
+        endpoint,
+        "train",
+        "--config",
+        str(config),
+        "training.max_steps=8",
+        f"training.staging_dir={tmp_path / 'stage2'}",
+        "--resume_from_checkpoint",
+        "latest",
+    )
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "continuing from" in more.stderr + more.stdout
+    assert fs.cat_file(f"{run}/checkpoints/latest").decode().strip() == "checkpoint-00000008"
+    assert _train_steps(fs.cat_file(f"{run}/metrics.jsonl").decode()) == [2, 4, 6, 8]
