@@ -69,6 +69,11 @@ def test_a_run_folder_in_a_bucket_is_written_resumed_elsewhere_and_refused_twice
     assert "continuing from" in more.stderr + more.stdout
     assert fs.cat_file(f"{run}/checkpoints/latest").decode().strip() == "checkpoint-00000008"
     assert _train_steps(fs.cat_file(f"{run}/metrics.jsonl").decode()) == [2, 4, 6, 8]  # one history
+    # A bucket that does not exist: one line naming the setting, before any data is prepared.
+    gone = _cli(
+        ["train", "--config", str(config), "training.output_dir=s3://no-such-bucket-here/x"], endpoint, tmp_path
+    )
+    _one_line_exit_2(gone, "no-such-bucket-here", "does not exist", "training.output_dir")
     # Starting over removes what runs write there, and nothing else.
     fs.pipe_file(f"{run}/notes.txt", b"mine")
     over = _cli(["train", "--config", str(config), "training.max_steps=2", "--overwrite"], endpoint, tmp_path)

@@ -76,6 +76,7 @@ def check_output_folder(training: TrainingConfig, *, is_main: bool) -> None:
             f"output: {url}; the run is written in {training.local_output_dir} first and uploaded there at "
             "each checkpoint and at the end"
         )
+        storage.check_writable(url, "training.output_dir")  # a missing bucket is said now, naming the setting
     if training.resume_from_checkpoint:
         if training.overwrite_output_dir:
             raise UsageError(
