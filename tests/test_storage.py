@@ -34,3 +34,18 @@ def test_the_stream_cache_evicts_the_least_recently_used_first(tmp_path):
     with pytest.raises(UsageError, match="stream_cache_limit"):
         make_room(tmp_path, 150, 200, keep=[kept])
     assert kept.exists()
+
+
+def test_a_url_output_dir_is_written_in_a_staging_folder_with_its_checkpoints_in_the_store():
+    from llm_trainer.config import TrainingConfig
+
+    run = TrainingConfig(output_dir="s3://b/runs/x", staging_dir="/stage")
+    assert run.remote_output_dir == "s3://b/runs/x" and run.local_output_dir.parent.as_posix() == "/stage"
+    assert run.resolved_checkpoint_dir == run.local_output_dir / "checkpoints"
+    assert run.remote_checkpoint_dir == "s3://b/runs/x/checkpoints"
+    assert TrainingConfig(output_dir="s3://b/runs/y", staging_dir="/stage").local_output_dir != run.local_output_dir
+    mine = TrainingConfig(output_dir="s3://b/runs/x", checkpoint_dir="/ckpt")  # a local checkpoint_dir stays local
+    assert mine.remote_checkpoint_dir is None and mine.resolved_checkpoint_dir.as_posix() == "/ckpt"
+    local = TrainingConfig(output_dir="out", checkpoint_dir="s3://b/c")
+    assert local.remote_output_dir is None and local.local_output_dir.as_posix() == "out"
+    assert local.resolved_checkpoint_dir.as_posix() == "out/checkpoints" and local.remote_checkpoint_dir == "s3://b/c"

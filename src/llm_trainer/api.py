@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import pipeline
+from . import pipeline, storage
+from .checkpoint import remote as remote_checkpoints
 from .checkpoint.find import find_checkpoint
 from .checkpoint.folder_files import refuse_unreadable
 from .checkpoint.layout import holds_dcp_shards, read_meta
@@ -61,15 +62,24 @@ def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Traine
     try:
         t = experiment.training
         is_main = launcher.is_main_process()
-        with lock_run_folders(t.output_dir, t.resolved_checkpoint_dir, is_main):
+        with lock_run_folders(t.local_output_dir, t.resolved_checkpoint_dir, is_main):
             check_output_folder(t, is_main=is_main)
             return build_trainer(experiment, callbacks=callbacks, trainer_class=trainer_class).train()
     finally:
         distributed.teardown()
 
 
+def local_checkpoint(path: str | Path) -> str | Path:
+    """`path` itself, or for a URL (a checkpoint, best_model, checkpoints or run folder in a store) the
+    local copy of the checkpoint it names, downloaded into {data.stream_cache_dir's default}/checkpoints."""
+    if not storage.is_url(str(path)):
+        return path
+    return remote_checkpoints.fetch_for_reading(str(path), Path(DataConfig.stream_cache_dir) / "checkpoints")
+
+
 def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transformer, Tokenizer, dict]:
-    """Model, tokenizer and experiment config from a checkpoint, best_model or run folder."""
+    """Model, tokenizer and experiment config from a checkpoint, best_model or run folder (or its URL)."""
+    path = local_checkpoint(path)
     found = find_checkpoint(path)  # a run or checkpoints folder, or `latest`: its newest checkpoint
     if found is None:
         raise UsageError(f"{path} holds no checkpoint; pass a checkpoint or best_model folder")

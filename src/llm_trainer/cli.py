@@ -15,7 +15,10 @@ from pathlib import Path
 from .errors import UsageError
 
 PRESETS = Path(__file__).parent / "configs"
-CHECKPOINT = "a checkpoint, best_model or run folder (a run's newest checkpoint), or checkpoints/latest"
+CHECKPOINT = (
+    "a checkpoint, best_model or run folder (a run's newest checkpoint), or checkpoints/latest; "
+    "or the URL of one (s3://..., downloaded first)"
+)
 START_OVER = (
     "start over in a training.output_dir that holds a run: remove what a run writes there first "
     "(metrics.jsonl, checkpoints/, config.yaml, tokenizer.json, plots/, tensorboard/; other files are kept)"
@@ -291,10 +294,10 @@ def cmd_export(args) -> int:
         from .hf.interop import export_to_hf
     except ImportError:
         raise UsageError("export needs transformers: pip install 'llm-trainer[hf]'") from None
-    from .api import load_for_inference
+    from .api import load_for_inference, local_checkpoint
     from .checkpoint.find import find_checkpoint
 
-    path = find_checkpoint(args.checkpoint)
+    path = find_checkpoint(local_checkpoint(args.checkpoint))  # a URL: its local copy
     if path is None:
         raise UsageError(f"{args.checkpoint} holds no checkpoint to export")
     # The model as load_for_inference gives it (checksums verified, an FSDP checkpoint's shards gathered),
@@ -304,13 +307,11 @@ def cmd_export(args) -> int:
 
     from . import storage
     from .checkpoint.model_folder import save_model_folder
-    from .checkpoint.publish import check_target
+    from .checkpoint.publish import check_remote_target, check_target, publish_remote
 
     remote = args.output if storage.is_url(args.output) else None
     if remote:  # written locally, then uploaded, config.json last
-        storage.check_writable(remote, "--output")
-        if storage.children(remote) and not args.overwrite:
-            raise UsageError(f"--output {remote} holds files already; choose another folder or pass --overwrite")
+        check_remote_target(remote, args.overwrite)
     else:
         check_target(Path(args.output), path, args.overwrite)  # against the checkpoint, not the temporary folder
     with tempfile.TemporaryDirectory(prefix="export-") as folder, tempfile.TemporaryDirectory() as upload:
@@ -318,7 +319,7 @@ def cmd_export(args) -> int:
         target = Path(upload) / "export" if remote else args.output
         out = export_to_hf(Path(folder), target, tokenizer_file=path / "tokenizer.json", overwrite=args.overwrite)
         if remote:
-            storage.put_folder(Path(out), remote, last=["config.json"])
+            publish_remote(Path(out), remote, marker="config.json")
             out = remote
     print(f"exported to {out}")
     return 0
@@ -407,7 +408,7 @@ def cmd_lr_find(args) -> int:
     try:
         import matplotlib  # noqa: F401
 
-        plot_path = Path(args.output) if args.output else Path(experiment.training.output_dir) / "lr_find.png"
+        plot_path = Path(args.output) if args.output else experiment.training.local_output_dir / "lr_find.png"
     except ImportError:
         from .logs import warn
 

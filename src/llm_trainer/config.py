@@ -23,7 +23,7 @@ import yaml
 from . import config_aliases
 from .errors import UsageError
 from .limits import MAX_NESTING, check_model_dimensions, check_structure, parse_json
-from .storage import is_url
+from .storage import is_url, join, mirror_name
 
 # ----------------------------------------------------------------------------------------------
 # Generic validation: the declared type of each field is the schema.
@@ -312,8 +312,9 @@ class TrainingConfig(_Validated):
     gradient_checkpointing: bool = False  # recompute each block's activations in backward
     device: str = "auto"  # auto: CUDA, then MPS, then CPU
     seed: int = 42
-    output_dir: str = "output"
+    output_dir: str = "output"  # a folder, or a URL (s3://, gs://, ...): written in staging_dir, then uploaded
     checkpoint_dir: str | None = None  # default: {output_dir}/checkpoints; a URL: uploaded there after each save
+    staging_dir: str = "run_staging"  # a URL output_dir: the run is written in {staging_dir}/<the URL's name> first
     save_steps: int | None = 500  # None or 0: only the final checkpoint
     save_total_limit: int | None = 3
     async_checkpoint: bool = True  # periodic saves: copy the state, write it from a background thread
@@ -472,18 +473,38 @@ class TrainingConfig(_Validated):
                 "choose steps within the run",
             )
 
+    # Where the run's files go: the one rule, read by the Trainer, the output-folder checks and the CLI.
+    # A URL output_dir or checkpoint_dir is written in a local folder first and uploaded from there.
+
+    @property
+    def remote_output_dir(self) -> str | None:
+        """The URL the run's files (metrics.jsonl, config.yaml, ...) are uploaded to, or None."""
+        return self.output_dir if is_url(self.output_dir) else None
+
+    @property
+    def local_output_dir(self) -> Path:
+        """The local folder the run writes in: output_dir, or, for a URL output_dir, its own folder in
+        staging_dir (named after the URL, so that a resume on this machine finds it again)."""
+        if self.remote_output_dir:
+            return Path(self.staging_dir) / mirror_name(self.output_dir)
+        return Path(self.output_dir)
+
     @property
     def resolved_checkpoint_dir(self) -> Path:
-        """The local checkpoint folder. With a URL checkpoint_dir, checkpoints are written here first
-        ({output_dir}/checkpoints), then uploaded (see `remote_checkpoint_dir`)."""
+        """The local checkpoint folder. With a URL checkpoint_dir (or output_dir), checkpoints are
+        written here first ({local_output_dir}/checkpoints), then uploaded (see `remote_checkpoint_dir`)."""
         if self.checkpoint_dir and not is_url(self.checkpoint_dir):
             return Path(self.checkpoint_dir)
-        return Path(self.output_dir) / "checkpoints"
+        return self.local_output_dir / "checkpoints"
 
     @property
     def remote_checkpoint_dir(self) -> str | None:
-        """The URL checkpoints are uploaded to, or None."""
-        return self.checkpoint_dir if is_url(self.checkpoint_dir) else None
+        """The URL checkpoints are uploaded to ({output_dir}/checkpoints for a URL output_dir), or None."""
+        if is_url(self.checkpoint_dir):
+            return self.checkpoint_dir
+        if self.remote_output_dir and not self.checkpoint_dir:
+            return join(self.output_dir, "checkpoints")
+        return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -229,7 +229,7 @@ def build_trainer(
     ready = prepare_run(experiment_from(config, training, data))
     run, prepared = ready.run, ready.prepared
     train_loader, val_loader = ready.loaders()
-    output = Path(run.training.output_dir)
+    output = run.training.local_output_dir
     return trainer_class(
         ready.model,
         run.training,

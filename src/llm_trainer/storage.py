@@ -262,9 +262,11 @@ def fetch_file(url: str, info: dict, cache: Path) -> Path:
 # folders: uploaded with a commit marker last; downloaded with every file checksummed
 
 
-def put_folder(local: Path, url: str, *, last: Iterable[str] = ()) -> None:
+def put_folder(local: Path, url: str, *, last: Iterable[str] = (), unchanged: dict | None = None) -> dict:
     """Upload every file of the local folder `local` (its subfolders too) to the folder `url`, a
     `files.json` record of their sizes and checksums, and then the files named in `last`, in order.
+    Returns the record. `unchanged`: the record of an earlier upload of this folder to `url`; a file
+    it holds with the same size and checksum is not uploaded again.
 
     The last file is the commit marker: a reader that finds it finds every other file complete. A
     crash part-way leaves no marker, and the folder is not taken as complete.
@@ -277,10 +279,12 @@ def put_folder(local: Path, url: str, *, last: Iterable[str] = ()) -> None:
     early = [(p, n) for p, n in zip(files, names) if n not in last and n != FILES_RECORD]
     record = {n: {"size": p.stat().st_size, "checksum": file_checksum(p)} for p, n in zip(files, names)}
     for path, name in early:
-        upload(path, join(url, name))
+        if (unchanged or {}).get(name) != record[name]:
+            upload(path, join(url, name))
     write_text(join(url, FILES_RECORD), json.dumps(record, sort_keys=True))
     for name in last:
         upload(local / name, join(url, name))
+    return record
 
 
 def get_folder(url: str, local: Path, *, last: Iterable[str] = (), room: Callable[[int], None] | None = None) -> bool:

@@ -9,18 +9,26 @@ tokenizer), except the weight files of another layout (a loader would read them 
 ones). Then the new folder takes the target's place as `best_model/` does (`durable.move_into_place`):
 one atomic exchange, so a kill at any instant leaves the old folder or the new one, whole. Leftovers
 of a killed run are cleaned (or the old folder put back) at the next one, and only those.
+
+A target in a store (s3://...) has no atomic exchange: the folder is built locally and uploaded, its
+commit marker (config.json) last. `--overwrite` there replaces only what an earlier upload of ours
+wrote, as its `files.json` record lists it: the files the new folder does not write are removed
+(never another file), and a target holding files we did not write is refused (`check_remote_target`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import storage
 from ..errors import UsageError
 from ..filesystem import disk_full, writable_folder
+from .checksums import file_checksum
 from .durable import first_line, move_into_place, remove_stale, temporary_folder
 
 # Weight files of a model folder's other layouts: left beside new weights, a loader could read them instead.
@@ -84,3 +92,67 @@ def publish(output: Path, build: Callable[[Path], None], *, source: Path, overwr
             raise UsageError(f"could not write {output} ({reason}); it is as it was before") from None
         raise
     return output
+
+
+# ----------------------------------------------------------------------------------------------
+# a target in a store (--output s3://...): the folder is built locally, then uploaded with `storage.put_folder`
+
+
+def _remote_names(url: str) -> list[str]:
+    """Every file under the folder `url`, by its path inside it."""
+    base = url.split("://", 1)[1].rstrip("/")
+    return [u.split("://", 1)[1][len(base) :].lstrip("/") for u, _ in storage.list_files(url.rstrip("/") + "/")]
+
+
+def _record(url: str) -> dict:
+    """The `files.json` an earlier upload of ours left in `url` ({} when there is none or it is not ours)."""
+    text = storage.read_text(storage.join(url, storage.FILES_RECORD))
+    try:
+        record = json.loads(text) if text is not None else {}
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) and all(isinstance(v, dict) for v in record.values()) else {}
+
+
+def check_remote_target(url: str, overwrite: bool) -> None:
+    """Refuse, before any work, a target in a store that cannot be written, that holds files (without
+    `overwrite`), or that holds files an earlier upload of ours did not write (those are never replaced
+    nor deleted: the user's)."""
+    storage.check_writable(url, "--output")
+    names = _remote_names(url)
+    if not names:
+        return
+    if not overwrite:
+        raise UsageError(
+            f"--output {url} holds files already; choose another folder, or pass --overwrite to replace "
+            "what an earlier export wrote there"
+        )
+    ours = set(_record(url)) | {storage.FILES_RECORD}
+    foreign = [name for name in names if name not in ours]
+    if foreign:
+        raise UsageError(
+            f"--output {url} holds files this command did not write ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}); choose another folder, or move them away first"
+        )
+
+
+def publish_remote(folder: Path, url: str, *, marker: str) -> None:
+    """Upload the local model folder `folder` to `url` (checked by `check_remote_target`), `marker` last.
+    The files an earlier upload of ours wrote there and this one does not are removed first, the old
+    marker before them: a reader never takes the old files for part of the new folder. Until the new
+    record is written, the old one lists the union, so that a run killed part-way is replaced next time."""
+    old = _record(url)
+    new = {
+        p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "checksum": file_checksum(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
+    present = set(_remote_names(url))
+    if old:
+        storage.write_text(storage.join(url, storage.FILES_RECORD), json.dumps({**old, **new}, sort_keys=True))
+    if marker in old and marker in present:
+        storage.remove(storage.join(url, marker))  # the folder is incomplete until the new one, uploaded last
+    for name in old:
+        if name not in new and name != marker and name in present:
+            storage.remove(storage.join(url, name))
+    storage.put_folder(folder, url, last=[marker] if (folder / marker).is_file() else [])

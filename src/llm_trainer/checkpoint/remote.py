@@ -17,9 +17,9 @@ import re
 from pathlib import Path
 
 from .. import storage
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UsageError
 from ..logs import log, warn
-from .layout import BEST, LATEST, META, PREFIX, list_checkpoints, step_of
+from .layout import BEST, CHECKPOINTS_DIR, LATEST, META, PREFIX, list_checkpoints, step_of
 from .verify import verify_once
 
 _NAME = re.compile(rf"{PREFIX}\d+")
@@ -32,12 +32,25 @@ def check_target(remote: str, *, resuming: bool, overwrite: bool) -> None:
     storage.check_writable(remote, "training.checkpoint_dir")
     if resuming or overwrite:
         return
-    held = [n for n in storage.children(remote) if _NAME.fullmatch(n) or n in (LATEST, BEST)]
+    held = held_checkpoints(remote)
     if held:
         raise CheckpointError(
             f"training.checkpoint_dir {remote} holds checkpoints already ({', '.join(held[:3])}); continue them "
             "with --resume_from_checkpoint latest, choose another training.checkpoint_dir, or pass --overwrite"
         )
+
+
+def held_checkpoints(remote: str) -> list[str]:
+    """What runs save into the checkpoint folder `remote` that it holds: checkpoints, `latest`, best_model."""
+    return [n for n in storage.children(remote) if _NAME.fullmatch(n) or n in (LATEST, BEST)]
+
+
+def remove_checkpoints(remote: str) -> list[str]:
+    """Delete what runs save into `remote` (`held_checkpoints`), `latest` first; every other object stays."""
+    held = sorted(held_checkpoints(remote), key=lambda n: n != LATEST)
+    for name in held:
+        storage.remove(storage.join(remote, name))
+    return held
 
 
 def upload_checkpoint(path: Path, remote: str, keep_last: int | None, protect: set[str]) -> None:
@@ -114,4 +127,42 @@ def fetch(url: str, local: Path) -> Path:
         warn(f"{url} is not a complete checkpoint in the store; resuming from the local checkpoints")
         return local
     log(f"resume: downloaded {url} into {local}")
+    return local
+
+
+def fetch_for_reading(url: str, cache: Path) -> Path:
+    """What `url` names, as a local folder under `cache` that eval, generate and export read as any
+    folder on disk: a checkpoint or best_model folder, or a checkpoints or run folder meaning the
+    checkpoint its `latest` names (as `find.find_checkpoint` takes a local path). Each file is checked
+    against the store's `files.json` on arrival; the reader then verifies meta.json as on disk."""
+    base = url.rstrip("/")
+    name = base.rsplit("/", 1)[-1]
+    if name == LATEST:
+        base, name = base.rsplit("/", 1)[0], ""
+    if not (_NAME.fullmatch(name) or name == BEST):
+        for folder in (base, storage.join(base, CHECKPOINTS_DIR)):
+            named = storage.read_text(storage.join(folder, LATEST))
+            if named is not None:
+                name = named.strip()
+                if not _NAME.fullmatch(name):
+                    raise CheckpointError(
+                        f"{storage.join(folder, LATEST)} names {name!r}, not a checkpoint; fix or remove it"
+                    )
+                base = storage.join(folder, name)
+                break
+        else:
+            raise UsageError(
+                f"{url} holds no checkpoint in its store (no latest, no checkpoints/latest); pass the URL of a "
+                "checkpoint, best_model, checkpoints or run folder"
+            )
+    local = cache / storage.mirror_name(base)
+    if _NAME.fullmatch(name) and local.is_dir() and verify_once(local) is None:  # a checkpoint never changes
+        return local
+    local.parent.mkdir(parents=True, exist_ok=True)
+    if not storage.get_folder(base, local, last=[META]):
+        raise UsageError(
+            f"{base} is not a complete checkpoint in its store (no files.json or meta.json); pass another "
+            "checkpoint, or the checkpoints folder (its latest)"
+        )
+    log(f"downloaded {base} into {local}")
     return local

@@ -231,7 +231,7 @@ def run_sweep(
     base = load_experiment(config_path, list(overrides))
     # Catch wrong keys and types now, not in the middle of the sweep.
     load_experiment(config_path, [*overrides, *(override(p.name, p.example()) for p in params)])
-    root = Path(output_dir) if output_dir is not None else Path(base.training.output_dir) / "sweep"
+    root = Path(output_dir) if output_dir is not None else base.training.local_output_dir / "sweep"
     root.mkdir(parents=True, exist_ok=True)
     storage = storage or f"sqlite:///{root.resolve() / 'study.db'}"
     study_name = study_name or Path(config_path).stem

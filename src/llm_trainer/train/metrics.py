@@ -327,8 +327,8 @@ def tensorboard_dir(training: TrainingConfig) -> Path:
     """`{checkpoint_dir}/logs` when checkpoint_dir is set (the logs beside the checkpoints); else
     `{output_dir}/tensorboard`."""
     if training.checkpoint_dir:
-        return Path(training.checkpoint_dir) / "logs"
-    return Path(training.output_dir) / "tensorboard"
+        return training.resolved_checkpoint_dir / "logs"
+    return training.local_output_dir / "tensorboard"
 
 
 def build_loggers(

@@ -6,17 +6,27 @@ would move to a new early checkpoint beside the old ones. `check_output_folder` 
 line, naming the three ways on: resume the run, choose another folder, or start over. Starting over
 (`training.overwrite_output_dir`, `train --overwrite`) removes what a run writes there and nothing
 else (`RUN_FILES`, the checkpoints, the TensorBoard logs), so the new run starts clean.
+
+A URL output_dir (s3://bucket/runs/x) holds the same run: the run writes in a local staging folder
+(`TrainingConfig.local_output_dir`), its checkpoints go to `{output_dir}/checkpoints` as any URL
+checkpoint_dir's do (`checkpoint.remote`, `latest` last), and its other files are uploaded after each
+checkpoint and at the end (`upload_run_files`, with a `files.json` record of them), so that a resume on
+a machine with an empty staging folder finds metrics.jsonl as it was (`fetch_run_files`). The checks
+above read the store instead of the disk; starting over removes the same names there.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
+from .. import storage
+from ..checkpoint import remote as remote_checkpoints
 from ..checkpoint.layout import BEST, CHECKPOINTS_DIR, LATEST, list_checkpoints
 from ..config import TrainingConfig
 from ..errors import UsageError
-from ..logs import log
+from ..logs import log, warn
 from .metrics import tensorboard_dir
 from .profiling import PROFILE_DIR
 
@@ -38,6 +48,14 @@ def _checkpoint_entries(folder: Path) -> list[Path]:
 
 def run_traces(training: TrainingConfig) -> list[str]:
     """What of an earlier run lies in the folders `training` writes to: [] for a fresh folder."""
+    if url := training.remote_output_dir:  # the store is the run folder; the staging folder is a copy of it
+        found = [METRICS_FILE] if storage.exists(storage.join(url, METRICS_FILE)) else []
+        remote = training.remote_checkpoint_dir
+        if remote and remote_checkpoints.held_checkpoints(remote):
+            found.append(f"{CHECKPOINTS_DIR}/" if remote == storage.join(url, CHECKPOINTS_DIR) else f"{remote}/")
+        elif not remote and _checkpoint_entries(training.resolved_checkpoint_dir):  # a local checkpoint_dir
+            found.append(f"{training.resolved_checkpoint_dir}/")
+        return found
     output, checkpoints = Path(training.output_dir), training.resolved_checkpoint_dir
     found = [METRICS_FILE] if (output / METRICS_FILE).exists() else []
     if _checkpoint_entries(checkpoints):
@@ -47,12 +65,18 @@ def run_traces(training: TrainingConfig) -> list[str]:
 
 def _default_layout(training: TrainingConfig) -> bool:
     """The checkpoints in `{output_dir}/checkpoints`, a folder only runs write."""
-    return training.resolved_checkpoint_dir.resolve() == (Path(training.output_dir) / CHECKPOINTS_DIR).resolve()
+    return training.resolved_checkpoint_dir.resolve() == (training.local_output_dir / CHECKPOINTS_DIR).resolve()
 
 
 def check_output_folder(training: TrainingConfig, *, is_main: bool) -> None:
     """Refuse an output folder that holds a run unless the run resumes or starts over (see the module
     docstring); starting over removes the earlier run's files here (on the main process only)."""
+    if (url := training.remote_output_dir) and is_main:
+        log(
+            f"output: {url}; the run is written in {training.local_output_dir} first and uploaded there at "
+            "each checkpoint and at the end"
+        )
+        storage.check_writable(url, "training.output_dir")  # a missing bucket is said now, naming the setting
     if training.resume_from_checkpoint:
         if training.overwrite_output_dir:
             raise UsageError(
@@ -71,15 +95,40 @@ def check_output_folder(training: TrainingConfig, *, is_main: bool) -> None:
             "training.resume_from_checkpoint=latest, choose another training.output_dir, or pass --overwrite "
             "(training.overwrite_output_dir=true) to start over"
         )
+    if training.remote_output_dir and is_main:  # a fresh run: what staging holds is no run's copy
+        _clear_local(training, why=f"a fresh run into {training.output_dir}", staging_only=True)
 
 
 def clear_run_files(training: TrainingConfig) -> list[Path]:
     """Remove what a run writes (RUN_FILES, the checkpoints, the TensorBoard logs) from its folders;
-    every other file stays. Returns what was removed."""
-    output, checkpoints = Path(training.output_dir), training.resolved_checkpoint_dir
+    every other file stays. Returns what was removed (locally)."""
+    if url := training.remote_output_dir:
+        names = [n for n in (*RUN_FILES, _tensorboard_name(training), storage.FILES_RECORD) if n]
+        removed = [n for n in names if storage.exists(storage.join(url, n))]
+        for name in removed:
+            storage.remove(storage.join(url, name))
+        if remote := training.remote_checkpoint_dir:
+            removed += [f"{CHECKPOINTS_DIR}/{n}" for n in remote_checkpoints.remove_checkpoints(remote)]
+        if removed:
+            log(f"overwrite: starting over in {url}; removed {', '.join(removed)}")
+    return _clear_local(training, why="overwrite: starting over")
+
+
+def _tensorboard_name(training: TrainingConfig) -> str | None:
+    """The TensorBoard folder's name in the output folder, when it lies there."""
+    folder = tensorboard_dir(training)
+    return folder.name if folder.parent == training.local_output_dir else None
+
+
+def _clear_local(training: TrainingConfig, why: str, staging_only: bool = False) -> list[Path]:
+    """Remove what a run writes from its local folders; `staging_only`: from the staging folder of a URL
+    output_dir only (a copy of the store's run, which a fresh run there replaces)."""
+    output, checkpoints = training.local_output_dir, training.resolved_checkpoint_dir
     targets = [output / name for name in RUN_FILES]
     targets += [checkpoints] if _default_layout(training) else _checkpoint_entries(checkpoints)
     targets.append(tensorboard_dir(training))
+    if staging_only:
+        targets = [path for path in targets if output.resolve() in path.resolve().parents]
     removed, names = [path for path in targets if path.exists() or path.is_symlink()], []
     for path in removed:
         name = str(path.relative_to(output)) if output in path.parents else str(path)
@@ -90,5 +139,69 @@ def clear_run_files(training: TrainingConfig) -> list[Path]:
             path.unlink()
         names.append(name)
     if removed:
-        log(f"overwrite: starting over in {output}; removed {', '.join(names)}")
+        log(f"{why} in {output}; removed {', '.join(names)}")
     return removed
+
+
+# ----------------------------------------------------------------------------------------------
+# a URL output_dir: the run's files (all but the checkpoints) between the staging folder and the store
+
+
+def _run_files(training: TrainingConfig) -> list[Path]:
+    """The files of the staging folder that are the run's, beside its checkpoints: every file but the
+    checkpoint folder's (uploaded on their own) and hidden ones (the lock, temporary files)."""
+    output, checkpoints = training.local_output_dir, training.resolved_checkpoint_dir.resolve()
+    found = []
+    for path in sorted(output.rglob("*")):
+        parts = path.relative_to(output).parts
+        if path.is_symlink() or not path.is_file() or any(part.startswith(".") for part in parts):
+            continue
+        if checkpoints == path.resolve() or checkpoints in path.resolve().parents:
+            continue
+        found.append(path)
+    return found
+
+
+def upload_run_files(training: TrainingConfig, uploaded: dict | None = None) -> dict:
+    """Upload the run's files to the URL output_dir (those changed since `uploaded`, the record this
+    returned last time), `files.json` after them. A copy is uploaded, taken now: a file the run goes on
+    appending to (metrics.jsonl, TensorBoard's) matches its recorded checksum in the store."""
+    url, output = training.remote_output_dir, training.local_output_dir
+    assert url is not None, "only a URL output_dir is uploaded"
+    copy = output.parent / f".{output.name}.upload"
+    shutil.rmtree(copy, ignore_errors=True)
+    try:
+        for path in _run_files(training):
+            target = copy / path.relative_to(output)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+        copy.mkdir(parents=True, exist_ok=True)
+        return storage.put_folder(copy, url, unchanged=uploaded)
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+def fetch_run_files(training: TrainingConfig) -> None:
+    """Before a resume: the run's files from the URL output_dir into a staging folder that lacks them
+    (another machine's), each checked against the store's record. Nothing when the store has none."""
+    url, output = training.remote_output_dir, training.local_output_dir
+    assert url is not None, "only a URL output_dir is fetched"
+    if (output / METRICS_FILE).exists():  # this machine's copy: as new as the store's, or newer
+        return
+    copy = output.parent / f".{output.name}.download"
+    output.mkdir(parents=True, exist_ok=True)
+    try:
+        try:
+            if not storage.get_folder(url, copy):
+                return
+        except UsageError as exc:  # an upload cut short: the run goes on, its earlier rows are not here
+            warn(f"the run's files in {url} could not be fetched ({exc}); metrics.jsonl starts here")
+            return
+        for path in sorted(copy.rglob("*")):
+            target = output / path.relative_to(copy)
+            if path.is_file() and not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, target)
+        log(f"resume: downloaded the run's files from {url} into {output}")
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)

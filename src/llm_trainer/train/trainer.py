@@ -41,6 +41,7 @@ from .evaluate import evaluate
 from .flops import flops_per_token, peak_flops
 from .metrics import MetricsTracker, tensorboard_dir
 from .optim import build_optimizer, learning_rate_at, set_learning_rate
+from .output_folder import fetch_run_files, upload_run_files
 from .profiling import StepProfiler, out_of_memory
 from .rows import EvalRow, SummaryRow, TrainRow, downstream_row
 from .run_lock import lock_run_folders
@@ -92,8 +93,9 @@ class Trainer:
         self.tokenizer = tokenizer
         self.callbacks = list(callbacks)
         self.experiment_config = experiment_config or run.config_dict()
-        self.output_dir = Path(config.output_dir)
+        self.output_dir = config.local_output_dir  # a URL output_dir: its local staging folder
         self.checkpoint_dir = config.resolved_checkpoint_dir
+        self._run_files_uploaded: dict | None = None  # a URL output_dir: the record of the last upload
 
         self.parallel = parallelize(
             model,
@@ -214,6 +216,8 @@ class Trainer:
     def _loop(self) -> dict[str, Any]:
         cfg, state, accum = self.config, self.state, self.config.gradient_accumulation_steps
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.resume_from_checkpoint and cfg.remote_output_dir and self.dist.is_main:
+            fetch_run_files(cfg)  # metrics.jsonl as the store holds it, on a machine without a copy
         if cfg.resume_from_checkpoint:
             self.checkpointer.load(cfg.resume_from_checkpoint)
         self.bad_steps = NonFiniteSteps(self.device, state.skipped_steps, state.consecutive_bad_steps)
@@ -237,7 +241,7 @@ class Trainer:
         self.parallel.wrapped.train()
         started = self._started = time.perf_counter()
         timer = PhaseTimer()
-        last_saved, final_eval = None, None
+        last_saved, final_eval, ended = None, None, False
 
         try:
             with self.checkpointer, self.stop.signals_handled(), self.profiler:
@@ -335,6 +339,7 @@ class Trainer:
             self._log_end(summary)
             for cb in self.callbacks:
                 cb.on_train_end(self, summary)
+            ended = True
             return summary
         except torch.OutOfMemoryError as error:
             raise out_of_memory(error, self.profiler, cfg) from None
@@ -342,6 +347,8 @@ class Trainer:
             if progress is not None:
                 progress.close()
             self.metrics_tracker.close()
+            if ended:  # the run's files as they end, logs closed
+                self._upload_run_files()
 
     # -- pieces of the loop -----------------------------------------------------------------------
 
@@ -485,6 +492,12 @@ class Trainer:
     def _on_saved(self, path: Path) -> None:
         for cb in self.callbacks:
             cb.on_save(self, path)
+        self._upload_run_files()
+
+    def _upload_run_files(self) -> None:
+        """A URL output_dir: the run's files beside the checkpoint just uploaded (see `train.output_folder`)."""
+        if self.config.remote_output_dir and self.dist.is_main:
+            self._run_files_uploaded = upload_run_files(self.config, self._run_files_uploaded)
 
     def _tokenizer_json(self) -> str | None:
         """Ours, a `tokenizers.Tokenizer` or a transformers fast tokenizer, as tokenizer.json; else None

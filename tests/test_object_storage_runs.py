@@ -1,0 +1,199 @@
+"""A run folder in object storage: training.output_dir a URL, checkpoints read by eval/generate/export
+straight from a URL, and an export replaced in a bucket. Against the same local S3 server as
+test_object_storage.py (moto's server in its own process on 127.0.0.1), through s3fs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+import test_object_storage as base
+from conftest import free_port
+from test_object_storage import _cli, _env, _experiment, _one_line_exit_2, _upload_corpus
+
+s3_server, s3 = base.s3_server, base.s3  # the server and bucket fixtures, shared
+
+pytestmark = pytest.mark.slow
+
+
+def _names(fs, folder: str) -> set[str]:
+    fs.invalidate_cache()
+    return {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder)}
+
+
+def _train_steps(text: str) -> list[int]:
+    rows = [json.loads(line) for line in text.splitlines()]
+    return [row["step"] for row in rows if row["kind"] == "train"]
+
+
+def test_a_run_folder_in_a_bucket_is_written_resumed_elsewhere_and_refused_twice(s3, tmp_path):  # noqa: F811
+    fs, bucket = s3
+    _upload_corpus(fs, bucket, tmp_path)
+    url = f"s3://{bucket}/runs/x"
+    config = _experiment(tmp_path, bucket, output_dir=url, checkpoint_dir=None, staging_dir=str(tmp_path / "stage"))
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    done = _cli(["train", "--config", str(config)], endpoint, tmp_path)
+    assert done.returncode == 0, done.stderr
+    first = (done.stderr + done.stdout).strip().splitlines()[0]
+    assert url in first and str(tmp_path / "stage") in first  # where the run is written, said first
+    assert not (tmp_path / "s3:").exists()
+    run = f"{bucket}/runs/x"
+    assert {"metrics.jsonl", "config.yaml", "tokenizer.json", "files.json", "checkpoints"} <= _names(fs, run)
+    assert fs.cat_file(f"{run}/checkpoints/latest").decode().strip() == "checkpoint-00000006"
+    assert {"checkpoint-00000006", "best_model"} <= _names(fs, f"{run}/checkpoints")
+    stored = fs.cat_file(f"{run}/metrics.jsonl").decode()
+    assert _train_steps(stored) == [2, 4, 6] and '"summary"' in stored  # uploaded at the end, summary included
+    # A new run into the same URL would mix with this one: refused in one line, as on disk.
+    again = _cli(["train", "--config", str(config)], endpoint, tmp_path)
+    _one_line_exit_2(again, "already holds a run", "resume_from_checkpoint=latest", "--overwrite")
+    # Another machine (empty staging folder and local cache): the run continues from the bucket alone.
+    more = _cli(
+        [
+            "train",
+            "--config",
+            str(config),
+            "training.max_steps=8",
+            f"training.staging_dir={tmp_path / 'stage2'}",
+            f"data.stream_cache_dir={tmp_path / 'stream2'}",
+            "--resume_from_checkpoint",
+            "latest",
+        ],
+        endpoint,
+        tmp_path,
+    )
+    assert more.returncode == 0, more.stderr
+    assert "continuing from" in more.stderr + more.stdout
+    assert fs.cat_file(f"{run}/checkpoints/latest").decode().strip() == "checkpoint-00000008"
+    assert _train_steps(fs.cat_file(f"{run}/metrics.jsonl").decode()) == [2, 4, 6, 8]  # one history
+    # A bucket that does not exist: one line naming the setting, before any data is prepared.
+    gone = _cli(
+        ["train", "--config", str(config), "training.output_dir=s3://no-such-bucket-here/x"], endpoint, tmp_path
+    )
+    _one_line_exit_2(gone, "no-such-bucket-here", "does not exist", "training.output_dir")
+    # Starting over removes what runs write there, and nothing else.
+    fs.pipe_file(f"{run}/notes.txt", b"mine")
+    over = _cli(["train", "--config", str(config), "training.max_steps=2", "--overwrite"], endpoint, tmp_path)
+    assert over.returncode == 0, over.stderr
+    assert fs.cat_file(f"{run}/notes.txt") == b"mine"
+    assert _train_steps(fs.cat_file(f"{run}/metrics.jsonl").decode()) == [2]
+    assert {n for n in _names(fs, f"{run}/checkpoints") if n.startswith("checkpoint-")} == {"checkpoint-00000002"}
+
+
+def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replaced_in_place(s3, tmp_path):  # noqa: F811
+    pytest.importorskip("transformers")
+    fs, bucket = s3
+    _upload_corpus(fs, bucket, tmp_path)
+    config = _experiment(tmp_path, bucket, output_dir=f"s3://{bucket}/run", checkpoint_dir=None)
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    done = _cli(["train", "--config", str(config)], endpoint, tmp_path)
+    assert done.returncode == 0, done.stderr
+    # A run folder's URL means its latest checkpoint, as a local run folder does; downloaded, checked, read.
+    text = str(tmp_path / "corpus" / "doc00.txt")
+    scored = _cli(["eval", "--checkpoint", f"s3://{bucket}/run", "--data", text, "--json"], endpoint, tmp_path)
+    assert scored.returncode == 0, scored.stderr
+    assert json.loads(scored.stdout.strip().splitlines()[-1])["loss"] > 0
+    assert "checkpoint-00000006" in scored.stderr + scored.stdout  # the one `latest` names
+    sample = _cli(
+        ["generate", "--checkpoint", f"s3://{bucket}/run/checkpoints/checkpoint-00000003", "--max-new-tokens", "4"],
+        endpoint,
+        tmp_path,
+    )
+    assert sample.returncode == 0, sample.stderr
+    local = tmp_path / "hf-local"
+    exported = _cli(
+        ["export", "--checkpoint", f"s3://{bucket}/run/checkpoints/best_model", "--output", str(local)],
+        endpoint,
+        tmp_path,
+    )
+    assert exported.returncode == 0, exported.stderr
+    assert (local / "config.json").is_file()
+    # A missing bucket or object: one line, exit 2.
+    gone = _cli(["eval", "--checkpoint", "s3://no-such-bucket-here/run"], endpoint, tmp_path)
+    _one_line_exit_2(gone, "no-such-bucket-here", "does not exist")
+    nothing = _cli(["generate", "--checkpoint", f"s3://{bucket}/nothing-here"], endpoint, tmp_path)
+    _one_line_exit_2(nothing, "holds no checkpoint")
+    # export --output URL --overwrite: what an earlier export of ours wrote and this one does not is removed.
+    target = f"s3://{bucket}/hf"
+    first = _cli(["export", "--checkpoint", f"s3://{bucket}/run", "--output", target], endpoint, tmp_path)
+    assert first.returncode == 0, first.stderr
+    record = json.loads(fs.cat_file(f"{bucket}/hf/files.json"))
+    fs.pipe_file(f"{bucket}/hf/model-00001-of-00002.safetensors", b"old layout")  # as an older export wrote it
+    record["model-00001-of-00002.safetensors"] = {"size": 10, "checksum": "x"}
+    fs.pipe_file(f"{bucket}/hf/files.json", json.dumps(record).encode())
+    refused = _cli(["export", "--checkpoint", f"s3://{bucket}/run", "--output", target], endpoint, tmp_path)
+    _one_line_exit_2(refused, "holds files already", "--overwrite")
+    again = _cli(
+        ["export", "--checkpoint", f"s3://{bucket}/run", "--output", target, "--overwrite"], endpoint, tmp_path
+    )
+    assert again.returncode == 0, again.stderr
+    names = _names(fs, f"{bucket}/hf")
+    assert "model-00001-of-00002.safetensors" not in names and {"config.json", "model.safetensors"} <= names
+    assert set(json.loads(fs.cat_file(f"{bucket}/hf/files.json"))) == names - {"files.json"}
+    # A file we did not write is never deleted: the target is refused, as it was left.
+    fs.pipe_file(f"{bucket}/hf/notes.txt", b"mine")
+    foreign = _cli(
+        ["export", "--checkpoint", f"s3://{bucket}/run", "--output", target, "--overwrite"], endpoint, tmp_path
+    )
+    _one_line_exit_2(foreign, "did not write", "notes.txt")
+    assert fs.cat_file(f"{bucket}/hf/notes.txt") == b"mine" and "config.json" in _names(fs, f"{bucket}/hf")
+
+
+def _torchrun(cwd, endpoint: str, *args) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}"]
+    return subprocess.run(
+        [*command, "-m", "llm_trainer", *args],
+        env={**_env(endpoint), "PYTHONUNBUFFERED": "1"},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
+def test_fsdp_on_two_processes_into_a_url_output_dir_resumes_from_the_store(s3, tmp_path):  # noqa: F811
+    """FSDP's sharded checkpoints (every rank's DCP shards) reach the store with `latest` last, and two
+    fresh processes with an empty staging folder continue from them."""
+    fs, bucket = s3
+    (tmp_path / "corpus.txt").write_text("".join(f"the cat sat on the mat number {i % 7}.\n" for i in range(400)))
+    url = f"s3://{bucket}/fsdp"
+    config = _experiment(
+        tmp_path,
+        bucket,
+        output_dir=url,
+        checkpoint_dir=None,
+        staging_dir=str(tmp_path / "stage"),
+        distributed_strategy="fsdp",
+        use_amp=False,
+    )
+    values = yaml.safe_load(config.read_text())
+    values["data"] = {"data_files": [str(tmp_path / "corpus.txt")], "tokenizer": "char", "validation_split": 0.2}
+    config.write_text(yaml.safe_dump(values))
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    done = _torchrun(tmp_path, endpoint, "train", "--config", str(config))
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = f"{bucket}/fsdp"
+    assert fs.cat_file(f"{run}/checkpoints/latest").decode().strip() == "checkpoint-00000006"
+    shards = _names(fs, f"{run}/checkpoints/checkpoint-00000006/sharded")
+    assert {".metadata", "rng-rank0.pt", "rng-rank1.pt"} <= shards and len(
+        [n for n in shards if n.endswith(".distcp")]
+    ) == 2
+    more = _torchrun(
+        tmp_path,
+        endpoint,
+        "train",
+        "--config",
+        str(config),
+        "training.max_steps=8",
+        f"training.staging_dir={tmp_path / 'stage2'}",
+        "--resume_from_checkpoint",
+        "latest",
+    )
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "continuing from" in more.stderr + more.stdout
+    assert fs.cat_file(f"{run}/checkpoints/latest").decode().strip() == "checkpoint-00000008"
+    assert _train_steps(fs.cat_file(f"{run}/metrics.jsonl").decode()) == [2, 4, 6, 8]
