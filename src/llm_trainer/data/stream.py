@@ -252,25 +252,28 @@ class ChunkedTokens:
 
     def _make_room(self, needed: int) -> None:
         """Evict the chunks used longest ago (not the pinned read-ahead ones) until `needed` bytes fit."""
-        files = []
-        for path in self.folder.glob("*.bin"):
-            try:
-                stat = path.stat()
-            except FileNotFoundError:  # evicted by another process
-                continue
-            files.append((stat.st_mtime_ns, int(path.stem), path, stat.st_size))
+        files = [(stat.st_mtime_ns, path, stat.st_size) for path, stat in self._files("*.bin")]
         used = sum(size for *_, size in files) + self._reserved
-        for _, c, path, size in sorted(files):
+        for _, path, size in sorted(files):
             if used + needed <= self.budget:
                 break
-            if c in self._pinned:
+            if int(path.stem) in self._pinned:
                 continue
             path.unlink(missing_ok=True)
-            self.evicted.append(c)
+            self.evicted.append(int(path.stem))
             used -= size
 
+    def _files(self, pattern: str):
+        """(path, stat) of the cache folder's files (one evicted by another thread or process is passed over)."""
+        for path in self.folder.glob(pattern):
+            try:
+                yield path, path.stat()
+            except FileNotFoundError:
+                continue
+
     def used_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.folder.glob("*")) if self.folder.is_dir() else 0
+        """Bytes in the cache folder now, partial writes included."""
+        return sum(stat.st_size for _, stat in self._files("*")) if self.folder.is_dir() else 0
 
 
 @dataclass
