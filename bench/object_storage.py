@@ -10,12 +10,13 @@ uploads the corpus into a bucket and runs the runners one at a time, alternated 
   disk      data_files, cache_dir and checkpoints on local disk (the config as it is)
   s3        data_files s3://bench/corpus/input.txt, data.cache_dir s3://bench/prepared and
             training.checkpoint_dir s3://bench/checkpoints-<run>: every run starts with an empty local stream
-            cache, so it downloads the prepared data (checksummed) and uploads its checkpoints
+            cache, so it downloads the prepared folder's small files, streams the training tokens in
+            checksummed chunks (read ahead while it trains) and uploads its checkpoints
   baseline  (with --baseline-src) disk, with another checkout's llm_trainer: the local path's cost
 
 Both data folders are prepared once before the timed runs. Tokens/s is the training loop's (from the
 run's metrics.jsonl, as bench/run_baby_gpt.py reads it); data_wait is the mean data_wait_fraction of
-its train rows; wall_s is the whole process (with the download and the uploads). Prints one JSON
+its train rows (the loop waiting for a chunk shows there); wall_s is the whole process (with the download and the uploads). Prints one JSON
 object and writes it to --out (default bench/out/object_storage_steps<N>.json).
 """
 

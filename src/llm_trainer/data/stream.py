@@ -207,9 +207,12 @@ class ChunkedTokens:
         return self.folder / f"{c:08d}.bin"
 
     def _from_disk(self, c: int) -> np.ndarray | None:
+        """Chunk c from the cache folder (checked when it arrived), or None when it is not there whole."""
         try:
             data = np.fromfile(self._path(c), dtype=self.dtype)
         except (FileNotFoundError, ValueError):
+            return None
+        if data.nbytes != min(self.chunk_bytes, self.size - c * self.chunk_bytes):
             return None
         storage.touch(self._path(c))
         return data
