@@ -33,7 +33,7 @@ def _samples(loader, steps):
     return [tuple(a.tolist() for a in loader.next_batch()[:2]) for _ in range(steps)]
 
 
-def test_block_order_is_seeded_grouped_and_the_same_on_any_world_size(tmp_path):
+def test_block_order_is_seeded_grouped_and_the_same_on_any_world_size(tmp_path, capsys):
     record = _token_file(tmp_path)
     tokens = ChunkedTokens(
         record, "uint16", url="unused", folder=tmp_path / "c", budget=0, whole=tmp_path / "train.bin"
@@ -59,6 +59,11 @@ def test_block_order_is_seeded_grouped_and_the_same_on_any_world_size(tmp_path):
     resumed = BatchLoader(WindowRows(tokens, 31, seed=3), 4, shuffle=True, seed=3, accumulation=2)
     resumed.load_state_dict(two[0].state_dict())
     assert _samples(resumed, 6) == _samples(one, 6)
+    # A position saved in the block order, resumed over a plain memory map (a local data.cache_dir): said.
+    plain = np.memmap(tmp_path / "train.bin", dtype="uint16", mode="r")
+    other = BatchLoader(WindowRows(plain, 31, seed=3), 4, shuffle=True, seed=3, accumulation=2)
+    other.load_state_dict(one.state_dict())
+    assert "data order was by chunks" in capsys.readouterr().err
 
 
 def _bucket_tokens(store, tmp_path, budget, n=20_000):

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..logs import warn
 from ..model import IGNORE_INDEX
 from .packing import _pieces, first_fit_decreasing  # noqa: F401  (re-exported)
 from .stream import READ_AHEAD, ChunkedTokens, block_order, schedule
@@ -193,7 +194,7 @@ class BatchLoader:
             self.rows.set_epoch(self.epoch)
             n = len(self.rows)
             tokens = getattr(self.rows, "tokens", None)
-            if not isinstance(tokens, ChunkedTokens):
+            if not self._chunked():
                 self._order = (
                     np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
                 )
@@ -213,7 +214,12 @@ class BatchLoader:
             "global_batch": self.global_batch,
             "samples": self.samples,
             "skip": [list(r) for r in self.skip],
+            **({"order": "chunks"} if self._chunked() else {}),
         }
+
+    def _chunked(self) -> bool:
+        """Whether the rows read `ChunkedTokens` (prepared in object storage): the block order."""
+        return isinstance(getattr(self.rows, "tokens", None), ChunkedTokens)
 
     def load_state_dict(self, state: dict) -> None:
         """Seek to a saved position in O(1). The global batch must be the one the position was saved
@@ -239,6 +245,12 @@ class BatchLoader:
         )
         if type(samples) is not int or samples < 0 or not ranges:  # (a checkpoint may come from elsewhere)
             raise TypeError(f"samples {samples!r}, skip {skip!r}")
+        if self.shuffle and (state.get("order") == "chunks") != self._chunked():
+            warn(
+                f"the checkpoint's data order was {'by chunks' if state.get('order') else 'a global permutation'}, "
+                f"this run's is {'by chunks' if self._chunked() else 'a global permutation'} (data.cache_dir changed "
+                "between a URL and a folder): the rest of the epoch follows this run's order"
+            )
         self.epoch, self.position, self.seed, self._order = state["epoch"], position, state["seed"], None
         self.samples, self.skip = samples, [(a, b) for a, b in skip]
 
