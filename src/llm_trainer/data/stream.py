@@ -129,8 +129,9 @@ class ChunkedTokens:
                     "raise data.stream_cache_limit"
                 )
             folder.mkdir(parents=True, exist_ok=True)
-            for stale in folder.glob(".*"):  # a partial write of a process that died
-                stale.unlink(missing_ok=True)
+            for partial in folder.glob(".*.tmp"):  # a partial write of a process that died
+                if not _alive(partial.name.split(".")[2]):
+                    partial.unlink(missing_ok=True)
 
     @property
     def shape(self) -> tuple[int]:
@@ -246,7 +247,7 @@ class ChunkedTokens:
             self._make_room(len(data))
             self._reserved += len(data)
         try:
-            tmp = self.folder / f".{c:08d}.{threading.get_ident()}.tmp"
+            tmp = self.folder / f".{c:08d}.{os.getpid()}.{threading.get_ident()}.tmp"
             tmp.write_bytes(data)
             os.replace(tmp, self._path(c))
         finally:
@@ -277,6 +278,17 @@ class ChunkedTokens:
     def used_bytes(self) -> int:
         """Bytes in the cache folder now, partial writes included."""
         return sum(stat.st_size for _, stat in self._files("*")) if self.folder.is_dir() else 0
+
+
+def _alive(pid: str) -> bool:
+    """Whether the process `pid` (a partial chunk's writer, which may share the cache folder) still runs."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclass
