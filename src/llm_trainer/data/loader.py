@@ -144,8 +144,9 @@ class BatchLoader:
     `permutation[i]` (rows over `ChunkedTokens`, prepared in object storage, take `stream.block_order`
     instead, and the chunks of the coming samples are read ahead). Each rank takes every world_size-th
     batch of it, so no row is read twice, and an optimizer step (`accumulation` batches per rank) takes
-    the next `global_batch` samples whatever the split into processes and micro-batches. The saved position is in global samples, so a checkpoint
-    resumes on any number of processes that keeps the global batch.
+    the next `global_batch` samples whatever the split into processes and micro-batches. The saved
+    position is in global samples, so a checkpoint resumes on any number of processes that keeps the
+    global batch.
     """
 
     def __init__(
