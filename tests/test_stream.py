@@ -90,6 +90,11 @@ def test_streamed_batches_equal_local_ones_and_the_cache_stays_under_its_limit(s
     # Read in order, the chunks leave the cache oldest first.
     assert len(streamed.evicted) > 5
     assert streamed.evicted == sorted(streamed.evicted)
+    # Slices across chunk boundaries (the document row layouts read them) and single tokens.
+    plain = np.memmap(tmp_path / "probe" / "train.bin", dtype="uint16", mode="r")
+    for a, b in [(0, 10), (500, 3000), (len(plain) - 5, len(plain) + 10), (7, 7)]:
+        assert np.array_equal(streamed[a:b], plain[a:b])
+    assert streamed[-1] == plain[-1] and streamed[1234] == plain[1234]
     # Shuffled (block order) too: the same rows as the local copy.
     a = BatchLoader(WindowRows(streamed, 31, seed=1), 8, shuffle=True, seed=1)
     b = BatchLoader(WindowRows(local, 31, seed=1), 8, shuffle=True, seed=1)

@@ -6,9 +6,9 @@ the validation split) are downloaded whole, but `train.bin` is read by byte rang
   train.chunks.json   written next to train.bin before the folder is uploaded (the manifest stays the
                       upload's last file): the file's size, the chunk size, and each chunk's checksum
   {prepared folder}/train.chunks/   the chunks that have arrived, each checked against its checksum
-                      (a mismatch is fetched once more, then one error), written atomically; the oldest
-                      (by arrival or last use) are evicted to keep the whole `data.stream_cache_dir`
-                      under `data.stream_cache_limit`
+                      (a mismatch is fetched once more, then one error), written atomically; those read
+                      longest ago are evicted first (never those read ahead), to keep the whole
+                      `data.stream_cache_dir` under `data.stream_cache_limit`
 
 A background pool reads ahead the chunks the loader will need next (it knows its future samples), so
 the training loop waits only for a chunk that has not arrived yet (counted in `data_wait_fraction`).
@@ -25,6 +25,8 @@ A remote folder prepared by a version without chunk records is downloaded whole,
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import json
 import os
 import threading
@@ -119,6 +121,8 @@ class ChunkedTokens:
         self._pending: dict[int, Future] = {}
         self._pinned: set[int] = set()
         self._reserved = 0  # bytes of fetches in flight
+        self._uses = itertools.count()
+        self._last_use: dict[int, int] = {}  # chunk -> when this process last read it (eviction order)
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         if self.whole is None:
@@ -174,6 +178,7 @@ class ChunkedTokens:
         """Chunk c's tokens, waiting for it when it has not arrived."""
         if self.whole is not None:
             return self.whole[c * self.chunk_tokens : (c + 1) * self.chunk_tokens]
+        self._last_use[c] = next(self._uses)
         found = self._memory.get(c)
         if found is not None:
             self._memory.move_to_end(c)
@@ -200,6 +205,7 @@ class ChunkedTokens:
                 self._pinned = set(chunks)
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="stream")
+                    atexit.register(self._pool.shutdown, wait=False, cancel_futures=True)  # no reads at exit
                 for c in chunks:
                     if c not in self._pending and c not in self._memory and not self._path(c).is_file():
                         self._pending[c] = self._pool.submit(self._fetch, c)
@@ -220,7 +226,7 @@ class ChunkedTokens:
 
     def _fetch(self, c: int) -> np.ndarray:
         """Chunk c read from the store by byte range, checked against its checksum (fetched once more on
-        a mismatch), written into the cache folder after evicting the oldest chunks."""
+        a mismatch), written into the cache folder after evicting the chunks read longest ago."""
         try:
             start = c * self.chunk_bytes
             end = min(self.size, start + self.chunk_bytes)
@@ -255,10 +261,13 @@ class ChunkedTokens:
                 self._reserved -= len(data)
 
     def _make_room(self, needed: int) -> None:
-        """Evict the chunks used longest ago (not the pinned read-ahead ones) until `needed` bytes fit."""
-        files = [(stat.st_mtime_ns, path, stat.st_size) for path, stat in self._files("*.bin")]
+        """Evict the chunks used longest ago (not the pinned read-ahead ones) until `needed` bytes fit:
+        first those this process never read (another's, by age), then by this process's last read."""
+        files = []
+        for path, stat in self._files("*.bin"):
+            files.append((self._last_use.get(int(path.stem), -1), stat.st_mtime_ns, path, stat.st_size))
         used = sum(size for *_, size in files) + self._reserved
-        for _, path, size in sorted(files):
+        for *_, path, size in sorted(files):
             if used + needed <= self.budget:
                 break
             if int(path.stem) in self._pinned:
