@@ -1,7 +1,7 @@
 """`prepare_data`: the prepared folder for a DataConfig, found, downloaded or built (its layout and
 stages: `data.build`). One prepare per folder at a time; `data.executor` builds it with a datatrove
 pipeline (`data.cluster`) instead of in this process; a `data.cache_dir` URL is prepared locally and
-uploaded (`storage`)."""
+uploaded (`storage`), and its training tokens are streamed from there (`data.stream`)."""
 
 from __future__ import annotations
 
