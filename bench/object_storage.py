@@ -10,12 +10,14 @@ uploads the corpus into a bucket and runs the runners one at a time, alternated 
   disk      data_files, cache_dir and checkpoints on local disk (the config as it is)
   s3        data_files s3://bench/corpus/input.txt, data.cache_dir s3://bench/prepared and
             training.checkpoint_dir s3://bench/checkpoints-<run>: every run starts with an empty local stream
-            cache, so it downloads the prepared data (checksummed) and uploads its checkpoints
+            cache, so it downloads the prepared folder's small files, streams the training tokens in
+            checksummed chunks (read ahead while it trains) through a cache smaller than them
+            (data.stream_cache_limit 1.5 MB), and uploads its checkpoints
   baseline  (with --baseline-src) disk, with another checkout's llm_trainer: the local path's cost
 
 Both data folders are prepared once before the timed runs. Tokens/s is the training loop's (from the
 run's metrics.jsonl, as bench/run_baby_gpt.py reads it); data_wait is the mean data_wait_fraction of
-its train rows; wall_s is the whole process (with the download and the uploads). Prints one JSON
+its train rows (the loop waiting for a chunk shows there); wall_s is the whole process (with the download and the uploads). Prints one JSON
 object and writes it to --out (default bench/out/object_storage_steps<N>.json).
 """
 
@@ -39,6 +41,7 @@ sys.path.insert(0, str(BENCH_DIR))
 from run_baby_gpt import CONFIG, _loop_throughput, _read_jsonl, emit_report, machine_info  # noqa: I001
 
 CORPUS = REPO_ROOT / "../shared/data/tinyshakespeare/input.txt"
+STREAM_CACHE_LIMIT = 1_500_000  # bytes: less than the training tokens (about 2 MB), so chunks are evicted
 FAKE = {
     "AWS_ACCESS_KEY_ID": "bench",
     "AWS_SECRET_ACCESS_KEY": "bench",
@@ -87,7 +90,10 @@ def run(name: str, args: list[str], env: dict, work: Path, steps: int) -> dict:
     tokens_per_s, loop_s = _loop_throughput(trains) or (None, None)
     waits = [row["data_wait_fraction"] for row in trains if row.get("data_wait_fraction") is not None]
     shutil.rmtree(out, ignore_errors=True)
+    caches = [Path(a.split("=", 1)[1]) for a in args if a.startswith("data.stream_cache_dir=")]
+    cached = sum(p.stat().st_size for c in caches for p in c.rglob("*") if p.is_file()) if caches else None
     return {
+        "stream_cache_bytes": cached,  # the local cache after the run (within data.stream_cache_limit)
         "tokens_per_s": tokens_per_s,
         "loop_s": loop_s,
         "wall_s": wall,
@@ -119,8 +125,9 @@ def main() -> int:
         if args.baseline_src:
             runners["baseline"] = (disk, {**env, "PYTHONPATH": str(Path(args.baseline_src).resolve())})
 
-        def s3_args() -> list[str]:  # each run: an empty local cache, as on a fresh machine
+        def s3_args(limit: bool = True) -> list[str]:  # each run: an empty local cache, as on a fresh machine
             return [
+                *([f"data.stream_cache_limit={STREAM_CACHE_LIMIT}"] if limit else []),
                 "data.data_files=s3://bench/corpus/input.txt",
                 "data.cache_dir=s3://bench/prepared",
                 f"data.stream_cache_dir={work / f'stream-{time.monotonic_ns()}'}",
@@ -130,7 +137,7 @@ def main() -> int:
         runners["s3"] = (None, env)
         for extra, runner_env in runners.values():  # prepare each data folder once, untimed
             subprocess.run(
-                [sys.executable, "-m", "llm_trainer", "prepare", "--config", CONFIG, *(extra or s3_args())],
+                [sys.executable, "-m", "llm_trainer", "prepare", "--config", CONFIG, *(extra or s3_args(limit=False))],
                 cwd=REPO_ROOT,
                 env=runner_env,
                 check=True,

@@ -287,11 +287,19 @@ def put_folder(local: Path, url: str, *, last: Iterable[str] = (), unchanged: di
     return record
 
 
-def get_folder(url: str, local: Path, *, last: Iterable[str] = (), room: Callable[[int], None] | None = None) -> bool:
+def get_folder(
+    url: str,
+    local: Path,
+    *,
+    last: Iterable[str] = (),
+    room: Callable[[int], None] | None = None,
+    skip: Iterable[str] = (),
+) -> bool:
     """Download the folder `url` that `put_folder` wrote into `local` (made atomically: a temporary
     folder renamed into place), each file checked against its recorded size and checksum. False when
     the folder is not complete in the store (no record or no commit marker). `room(bytes)` is called
-    before the download starts, to make room for it."""
+    before the download starts, to make room for it. Files named in `skip` stay in the store (read
+    from there later)."""
     from .checkpoint.checksums import file_checksum
     from .checkpoint.folder_files import plain_name
 
@@ -310,6 +318,7 @@ def get_folder(url: str, local: Path, *, last: Iterable[str] = (), room: Callabl
             raise UsageError(f"{join(url, FILES_RECORD)} names {name!r}, a path outside its folder; refusing it")
     if any(name not in entries for name in last) or not all(exists(join(url, name)) for name in last):
         return False
+    entries = {name: entry for name, entry in entries.items() if name not in set(skip)}
     if room is not None:
         room(sum(size for size, _ in entries.values()))
     tmp = local.with_name(f".{local.name}.download-{os.getpid()}")

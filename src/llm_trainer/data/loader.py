@@ -21,8 +21,10 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..logs import warn
 from ..model import IGNORE_INDEX
 from .packing import _pieces, first_fit_decreasing  # noqa: F401  (re-exported)
+from .stream import READ_AHEAD, ChunkedTokens, block_order, schedule
 
 
 def document_ids(x: np.ndarray, eot_id: int) -> np.ndarray:
@@ -60,6 +62,11 @@ class WindowRows:
 
     def __len__(self) -> int:
         return self.count
+
+    def token_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """The first and last token position of each row of this epoch (what a streamed row needs)."""
+        first = self.offset + np.arange(self.count, dtype=np.int64) * self.length
+        return first, np.minimum(first + self.length, len(self.tokens) - 1)
 
     def batch(self, indices: np.ndarray) -> tuple[np.ndarray, ...]:
         """(inputs, targets) each (B, L) int64, plus (B, L) document ids when eot_id is set."""
@@ -106,6 +113,12 @@ class DocumentRows:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def token_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """The first and last token position of each row (its first and last pieces': a first-fit row's
+        pieces between may lie anywhere, and are read when the row is)."""
+        first = np.array([row[0][0] for row in self.rows], dtype=np.int64)
+        return first, np.array([row[-1][1] - 1 for row in self.rows], dtype=np.int64)
+
     def batch(self, indices: np.ndarray) -> tuple[np.ndarray, ...]:
         """(inputs, targets) each (B, L) int64, plus (B, L) document ids when document_ids is set."""
         L = self.length
@@ -128,10 +141,12 @@ class BatchLoader:
     """Batches of rows in a seeded order per epoch, with a position that checkpoints can save and seek to.
 
     The order is a function of the seed and the epoch only: global sample i of an epoch is row
-    `permutation[i]`. Each rank takes every world_size-th batch of it, so no row is read twice, and an
-    optimizer step (`accumulation` batches per rank) takes the next `global_batch` samples whatever the
-    split into processes and micro-batches. The saved position is in global samples, so a checkpoint
-    resumes on any number of processes that keeps the global batch.
+    `permutation[i]` (rows over `ChunkedTokens`, prepared in object storage, take `stream.block_order`
+    instead, and the chunks of the coming samples are read ahead). Each rank takes every world_size-th
+    batch of it, so no row is read twice, and an optimizer step (`accumulation` batches per rank) takes
+    the next `global_batch` samples whatever the split into processes and micro-batches. The saved
+    position is in global samples, so a checkpoint resumes on any number of processes that keeps the
+    global batch.
     """
 
     def __init__(
@@ -155,6 +170,7 @@ class BatchLoader:
         self.samples = 0  # global sample index: rows all ranks have drawn since the run began (skipped ones too)
         self.skip: list[tuple[int, int]] = []  # [start, end) global sample ranges never trained on (a rewind's)
         self._order: np.ndarray | None = None
+        self._plan: tuple[np.ndarray, np.ndarray] | None = None  # streamed tokens: (sample, chunk) first needs
         if self.batches_per_epoch() == 0:
             raise UsageError(
                 f"not enough data for one batch: {len(rows)} rows of {getattr(rows, 'length', '?')} tokens, "
@@ -178,9 +194,15 @@ class BatchLoader:
         if self._order is None:
             self.rows.set_epoch(self.epoch)
             n = len(self.rows)
-            self._order = (
-                np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
-            )
+            tokens = getattr(self.rows, "tokens", None)
+            if not self._chunked():
+                self._order = (
+                    np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
+                )
+                return self._order
+            first, last = (bound // tokens.chunk_tokens for bound in self.rows.token_bounds())
+            self._order = block_order(first, tokens.n_chunks, self.seed, self.epoch) if self.shuffle else np.arange(n)
+            self._plan = schedule(self._order, first, last) if tokens.whole is None else None
         return self._order
 
     def state_dict(self) -> dict:
@@ -193,7 +215,12 @@ class BatchLoader:
             "global_batch": self.global_batch,
             "samples": self.samples,
             "skip": [list(r) for r in self.skip],
+            **({"order": "chunks"} if self._chunked() else {}),
         }
+
+    def _chunked(self) -> bool:
+        """Whether the rows read `ChunkedTokens` (prepared in object storage): the block order."""
+        return isinstance(getattr(self.rows, "tokens", None), ChunkedTokens)
 
     def load_state_dict(self, state: dict) -> None:
         """Seek to a saved position in O(1). The global batch must be the one the position was saved
@@ -219,6 +246,12 @@ class BatchLoader:
         )
         if type(samples) is not int or samples < 0 or not ranges:  # (a checkpoint may come from elsewhere)
             raise TypeError(f"samples {samples!r}, skip {skip!r}")
+        if self.shuffle and (state.get("order") == "chunks") != self._chunked():
+            warn(
+                f"the checkpoint's data order was {'by chunks' if state.get('order') else 'a global permutation'}, "
+                f"this run's is {'by chunks' if self._chunked() else 'a global permutation'} (data.cache_dir changed "
+                "between a URL and a folder): the rest of the epoch follows this run's order"
+            )
         self.epoch, self.position, self.seed, self._order = state["epoch"], position, state["seed"], None
         self.samples, self.skip = samples, [(a, b) for a, b in skip]
 
@@ -237,6 +270,10 @@ class BatchLoader:
             if not self.skipped(start):
                 break
         indices = order[global_batch * self.batch_size : (global_batch + 1) * self.batch_size]
+        if self._plan is not None:  # the chunks first needed from this batch on, fetched in the background
+            samples, chunks = self._plan
+            ahead = np.searchsorted(samples, global_batch * self.batch_size)
+            self.rows.tokens.read_ahead(chunks[ahead : ahead + READ_AHEAD])
         return tuple(_to_device(a, self.device) for a in self.rows.batch(indices))
 
     def skipped(self, sample: int) -> bool:

@@ -1,7 +1,7 @@
 """`prepare_data`: the prepared folder for a DataConfig, found, downloaded or built (its layout and
 stages: `data.build`). One prepare per folder at a time; `data.executor` builds it with a datatrove
 pipeline (`data.cluster`) instead of in this process; a `data.cache_dir` URL is prepared locally and
-uploaded (`storage`)."""
+uploaded (`storage`), and its training tokens are streamed from there (`data.stream`)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from .clean import clean_text
 from .executors import prepare_with_executor
 from .filters import FILTERS
 from .shards import SHARDS
+from .stream import CHUNK_FOLDER, CHUNKS, StreamedData, write_chunk_record
 
 
 @contextlib.contextmanager
@@ -78,26 +79,41 @@ def prepare_data(config: DataConfig) -> PreparedData:
 
 def _prepare_in_store(config: DataConfig) -> PreparedData:
     """`data.cache_dir` is a URL: the prepared folder `{cache_dir}/{fingerprint}/` is downloaded (every file
-    checksummed on arrival) into `{stream_cache_dir}/prepared/{the URL's name}/`, or prepared there and uploaded, its
-    manifest last. The local copies are bounded by `stream_cache_limit`, least recently used evicted."""
+    checksummed on arrival) into `{stream_cache_dir}/prepared/{the URL's name}/`, except its training tokens,
+    which stream in chunks (`data.stream`); or it is prepared there and uploaded, with a chunk record, its
+    manifest last. The local copies are bounded by `stream_cache_limit`, least recently used evicted.
+    A folder uploaded without a chunk record (an earlier version) is downloaded whole."""
     cache, limit = Path(config.stream_cache_dir), config.stream_cache_limit
     fingerprint = _fingerprint(config)
     remote = storage.join(config.cache_dir, fingerprint)
     directory = cache / "prepared" / storage.mirror_name(config.cache_dir) / fingerprint
     if (directory / MANIFEST).is_file():
         storage.touch(directory)
-        return _load(directory)
+        return _open(directory, remote, cache, limit)
     directory.parent.mkdir(parents=True, exist_ok=True)
     room = lambda size: storage.make_room(cache, size, limit)  # noqa: E731
-    if storage.get_folder(remote, directory, last=[MANIFEST], room=room):
-        log(f"data: downloaded {remote} into {directory}")
-        return _load(directory)
+    streamed = storage.exists(storage.join(remote, CHUNKS))
+    if storage.get_folder(remote, directory, last=[MANIFEST], room=room, skip=["train.bin"] if streamed else []):
+        log(f"data: downloaded {remote} into {directory}" + (", its training tokens stream" if streamed else ""))
+        return _open(directory, remote, cache, limit)
     storage.check_writable(config.cache_dir, "data.cache_dir")
-    prepared = _prepare_here(config, directory.parent)
+    _prepare_here(config, directory.parent)
+    write_chunk_record(directory)
     storage.put_folder(directory, remote, last=[MANIFEST])
     log(f"data: uploaded {directory} to {remote}")
     storage.make_room(cache, 0, limit, keep=[directory])
-    return prepared
+    return _open(directory, remote, cache, limit)
+
+
+def _open(directory: Path, remote: str, cache: Path, limit: int) -> PreparedData:
+    """The local prepared folder; with a chunk record, its training tokens read by chunks (streamed from
+    `remote` when train.bin is not here) within what `limit` leaves of the cache."""
+    prepared = _load(directory)
+    if not (directory / CHUNKS).is_file():
+        return prepared
+    chunks = directory / CHUNK_FOLDER
+    others = storage.folder_size(cache) - (storage.folder_size(chunks) if chunks.is_dir() else 0)
+    return StreamedData(prepared.directory, prepared.tokenizer, prepared.manifest, remote=remote, budget=limit - others)
 
 
 def _prepare_here(config: DataConfig, cache_root: Path) -> PreparedData:
