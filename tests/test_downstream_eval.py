@@ -130,6 +130,29 @@ def test_same_scores_as_lm_eval_hf_backend(tmp_path):
             assert math.isclose(ours[task][metric], value, rel_tol=1e-4), (task, metric, ours[task][metric], value)
 
 
+def test_an_evaluation_leaves_the_random_generators_where_they_were():
+    """lm-eval seeds every generator; training after an in-loop evaluation must draw what it would have."""
+    import random
+
+    import numpy as np
+
+    from llm_trainer.downstream import evaluate_tasks
+
+    tokenizer = _tokenizer()
+    model = _model(tokenizer, "gpt2", max_seq_len=128)
+
+    def draws():
+        return torch.rand(3).tolist(), random.random(), float(np.random.rand())
+
+    for generator in (torch.manual_seed, random.seed, np.random.seed):
+        generator(7)
+    expected = draws()
+    for generator in (torch.manual_seed, random.seed, np.random.seed):
+        generator(7)
+    evaluate_tasks(model, tokenizer, "llmt_choice", limit=2, batch_size=2)
+    assert draws() == expected
+
+
 def test_shared_context_batches_match_one_request_at_a_time():
     """Batching by length and reusing a context's KV cache for each continuation give the numbers of
     one request at a time, each computed from scratch by the plain forward."""

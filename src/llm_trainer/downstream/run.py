@@ -3,9 +3,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import random
+from collections.abc import Iterator
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from ..errors import UsageError
 from ..logs import warn
@@ -18,6 +24,20 @@ def check_limit(limit: int | float | None) -> None:
         return
     if isinstance(limit, bool) or not math.isfinite(limit) or limit <= 0 or (limit >= 1 and limit != int(limit)):
         raise UsageError(f"--limit must be a number of items >= 1 (or a fraction in (0, 1)), got {limit}")
+
+
+@contextlib.contextmanager
+def _random_state_kept() -> Iterator[None]:
+    """lm-eval seeds Python's, numpy's and torch's generators (its reproducible defaults); the training
+    around an evaluation must go on drawing as if none had run (dropout, data order, an exact resume)."""
+    python, numpy = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)
 
 
 def evaluate_tasks(
@@ -41,12 +61,12 @@ def evaluate_tasks(
 
     from .adapter import LLMTrainerLM
 
-    loaded = load_tasks(split_tasks(tasks))
-    lm = LLMTrainerLM(model, tokenizer, batch_size=batch_size, autocast=autocast)
     was_training = model.training
     model.eval()
     try:
-        with quiet_lm_eval():
+        with quiet_lm_eval(), _random_state_kept():  # loading tasks draws too
+            loaded = load_tasks(split_tasks(tasks))
+            lm = LLMTrainerLM(model, tokenizer, batch_size=batch_size, autocast=autocast)
             results = simple_evaluate(
                 model=lm,
                 tasks=loaded,
