@@ -4,6 +4,7 @@ test_object_storage.py (moto's server in its own process on 127.0.0.1), through 
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -97,6 +98,13 @@ def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replace
     assert scored.returncode == 0, scored.stderr
     assert json.loads(scored.stdout.strip().splitlines()[-1])["loss"] > 0
     assert "checkpoint-00000006" in scored.stderr + scored.stdout  # the one `latest` names
+    # Without --data: the run's validation split, from this machine's copy of the bucket's prepared folder.
+    own = _cli(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], endpoint, tmp_path)
+    assert own.returncode == 0, own.stderr
+    assert json.loads(own.stdout.strip().splitlines()[-1])["loss"] > 0
+    shutil.rmtree(tmp_path / "stream" / "prepared")  # as on a machine that never prepared it: nothing fetched
+    elsewhere = _cli(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], endpoint, tmp_path)
+    _one_line_exit_2(elsewhere, "is not prepared here from s3://", "llm-trainer prepare", "--data FILE")
     sample = _cli(
         ["generate", "--checkpoint", f"s3://{bucket}/run/checkpoints/checkpoint-00000003", "--max-new-tokens", "4"],
         endpoint,
