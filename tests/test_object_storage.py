@@ -375,6 +375,10 @@ class _Relay:
             pass
 
     def cut(self) -> None:
+        try:  # wakes the accept() blocked in the other thread; close() alone leaves the port accepting
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.listener.close()
         for s in self.sockets:
             try:
