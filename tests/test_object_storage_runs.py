@@ -205,3 +205,89 @@ def test_fsdp_on_two_processes_into_a_url_output_dir_resumes_from_the_store(s3, 
     assert "continuing from" in more.stderr + more.stdout
     assert fs.cat_file(f"{run}/checkpoints/latest").decode().strip() == "checkpoint-00000008"
     assert _train_steps(fs.cat_file(f"{run}/metrics.jsonl").decode()) == [2, 4, 6, 8]
+
+
+def _losses(fs, run: str) -> dict[int, float]:
+    rows = [json.loads(line) for line in fs.cat_file(f"{run}/metrics.jsonl").decode().splitlines()]
+    return {row["step"]: row["loss"] for row in rows if row["kind"] == "train"}
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
+def test_fsdp_shards_go_straight_to_the_store_and_resume_at_two_and_one_processes(s3, tmp_path):  # noqa: F811
+    """Each rank writes its DCP files straight into the store (none on local disk), meta.json and
+    files.json list them, `latest` names the checkpoint; a tampered shard is refused in one line naming it;
+    two fresh processes continue with the losses of an uninterrupted run, and one process reshards."""
+    fs, bucket = s3
+    (tmp_path / "corpus.txt").write_text("".join(f"the cat sat on the mat number {i % 7}.\n" for i in range(400)))
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+
+    def experiment(name: str, **training) -> "os.PathLike":
+        config = _experiment(
+            tmp_path,
+            bucket,
+            output_dir=f"s3://{bucket}/{name}",
+            checkpoint_dir=None,
+            staging_dir=str(tmp_path / f"stage-{name}"),
+            distributed_strategy="fsdp",
+            use_amp=False,
+            lr_scheduler="constant",  # a run of 6 steps continued to 8 follows the schedule of one of 8
+            **training,
+        )
+        values = yaml.safe_load(config.read_text())
+        values["data"] = {"data_files": [str(tmp_path / "corpus.txt")], "tokenizer": "char", "validation_split": 0.2}
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(values))
+        return path
+
+    reference = _torchrun(tmp_path, endpoint, "train", "--config", str(experiment("reference", max_steps=8)))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    config = experiment("direct")
+    done = _torchrun(tmp_path, endpoint, "train", "--config", str(config))
+    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoints = f"{bucket}/direct/checkpoints"
+    assert fs.cat_file(f"{checkpoints}/latest").decode().strip() == "checkpoint-00000006"
+    folder = f"{checkpoints}/checkpoint-00000006"
+    meta = json.loads(fs.cat_file(f"{folder}/meta.json"))
+    record = json.loads(fs.cat_file(f"{folder}/files.json"))
+    stored = meta["in_store"]
+    assert sorted(n for n in stored if n.endswith(".distcp")) == ["sharded/__0_0.distcp", "sharded/__1_0.distcp"]
+    assert "sharded/.metadata" in stored
+    for name in stored:  # listed with the size the store holds
+        assert record[name] == meta["files"][name]
+        assert fs.size(f"{folder}/{name}") == meta["files"][name]["size"]
+    local = [p for p in (tmp_path / "stage-direct").rglob("*") if p.is_file()]
+    assert any(p.name == "rng-rank1.pt" for p in local)  # the local folder was written...
+    assert not [p for p in local if p.suffix == ".distcp" or p.name == ".metadata"]  # ...without the shards
+
+    def one_process(name: str) -> subprocess.CompletedProcess:
+        """A resume of checkpoint 6 in one process, into its own output_dir (the same global batch)."""
+        alone = experiment(name, max_steps=8, gradient_accumulation_steps=2)
+        return _cli(["train", "--config", str(alone), "--resume_from_checkpoint", f"s3://{folder}"], endpoint, tmp_path)
+
+    shard = f"{folder}/sharded/__1_0.distcp"
+    original = fs.cat_file(shard)
+    fs.pipe_file(shard, original[:-1] + bytes([original[-1] ^ 1]))  # same size, one bit flipped
+    _one_line_exit_2(one_process("tampered"), "__1_0.distcp", "checksum")
+    fs.pipe_file(shard, original)
+
+    more = _torchrun(
+        tmp_path,
+        endpoint,
+        "train",
+        "--config",
+        str(config),
+        "training.max_steps=8",
+        f"training.staging_dir={tmp_path / 'stage-fresh'}",
+        "--resume_from_checkpoint",
+        "latest",
+    )
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "continuing from" in more.stderr + more.stdout
+    assert fs.cat_file(f"{checkpoints}/latest").decode().strip() == "checkpoint-00000008"
+    expected = _losses(fs, f"{bucket}/reference")
+    resumed = _losses(fs, f"{bucket}/direct")
+    assert resumed[8] == pytest.approx(expected[8], rel=1e-6)
+
+    alone = one_process("alone")
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert _losses(fs, f"{bucket}/alone")[8] == pytest.approx(expected[8], rel=1e-4)

@@ -214,6 +214,59 @@ def test_real_dcp_checkpoints_still_load(trained, tmp_path, capsys):
     assert ours.keys() == best.keys() and all(torch.equal(ours[k], best[k]) for k in ours)
 
 
+def test_shards_written_into_a_store_are_checked_as_they_are_read_back(tmp_path):
+    """The store writer records each file's size and checksum from the bytes it sent; the store reader
+    loads them back, refuses a flipped bit naming the file, and unpickles `.metadata` under the allow-list."""
+    import re
+
+    import fsspec
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from llm_trainer.checkpoint import sharded
+
+    fs = fsspec.filesystem("memory")
+    url = f"memory://{tmp_path.name}/checkpoint-00000001/sharded"
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    written = sharded.save_sharded_to_store(model, optimizer, url)
+    assert "sharded/.metadata" in written and any(name.endswith(".distcp") for name in written)
+    for name, entry in written.items():
+        data = fs.cat_file(f"{url}/{name.split('/', 1)[1]}")
+        assert entry == {"size": len(data), "checksum": checksums.data_checksum(data)}
+    folder = tmp_path / "checkpoint-00000001"
+    (folder / layout.SHARDED_DIR).mkdir(parents=True)
+
+    def list_in_meta(files: dict) -> None:
+        meta = {"format_version": 3, "checksum": checksums.CHECKSUM, "files": files, "in_store": sorted(files)}
+        (folder / layout.META).write_text(json.dumps(meta))
+
+    list_in_meta(written)
+    fresh = torch.nn.Linear(4, 3)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    sharded.load_sharded(fresh, fresh_optimizer, folder / layout.SHARDED_DIR, store=url)
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+    assert torch.equal(
+        fresh_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"]
+    )
+
+    shard = next(name for name in written if name.endswith(".distcp")).split("/", 1)[1]
+    data = fs.cat_file(f"{url}/{shard}")
+    fs.pipe_file(f"{url}/{shard}", data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(CheckpointError, match=re.escape(f"{url}/{shard} does not match its checksum")):
+        sharded.load_sharded(torch.nn.Linear(4, 3), None, folder / layout.SHARDED_DIR, store=url)
+    fs.pipe_file(f"{url}/{shard}", data)
+
+    marker = tmp_path / "pwned"
+    crafted = torch_saved(Metadata(state_dict_metadata={}, planner_data=Payload(marker)))
+    fs.pipe_file(f"{url}/.metadata", crafted)  # listed with its own checksum: only the allow-list stops it
+    list_in_meta({**written, "sharded/.metadata": {"size": len(crafted), "checksum": checksums.data_checksum(crafted)}})
+    with pytest.raises(CheckpointError, match=REFUSED):
+        sharded.load_sharded(torch.nn.Linear(4, 3), None, folder / layout.SHARDED_DIR, store=url)
+    assert not marker.exists()
+
+
 def test_dcp_metadata_in_dcps_own_pickle_format_is_refused(trained, tmp_path, capsys):
     """DCP's own writer pickles `.metadata` (protocol 4, pathlib objects): never unpickled, refused."""
     import torch.distributed.checkpoint as dcp

@@ -163,6 +163,17 @@ def write_text(url: str, text: str) -> None:
     call("writing", url, lambda: fs.pipe_file(path, text.encode("utf-8")))
 
 
+def read_bytes(url: str) -> bytes:
+    """The bytes of the object at `url` (an error when there is none)."""
+    fs, path = _filesystem(url)
+    return call("reading", url, lambda: fs.cat_file(path))
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    fs, path = _filesystem(url)
+    call("writing", url, lambda: fs.pipe_file(path, data))
+
+
 def upload(local: Path, url: str) -> None:
     fs, path = _filesystem(url)
     call("uploading", url, lambda: fs.put_file(str(local), path))
@@ -262,11 +273,14 @@ def fetch_file(url: str, info: dict, cache: Path) -> Path:
 # folders: uploaded with a commit marker last; downloaded with every file checksummed
 
 
-def put_folder(local: Path, url: str, *, last: Iterable[str] = (), unchanged: dict | None = None) -> dict:
+def put_folder(
+    local: Path, url: str, *, last: Iterable[str] = (), unchanged: dict | None = None, present: dict | None = None
+) -> dict:
     """Upload every file of the local folder `local` (its subfolders too) to the folder `url`, a
     `files.json` record of their sizes and checksums, and then the files named in `last`, in order.
     Returns the record. `unchanged`: the record of an earlier upload of this folder to `url`; a file
-    it holds with the same size and checksum is not uploaded again.
+    it holds with the same size and checksum is not uploaded again. `present`: the records of files
+    already written into `url` by others (sharded checkpoints' shards), listed but not uploaded.
 
     The last file is the commit marker: a reader that finds it finds every other file complete. A
     crash part-way leaves no marker, and the folder is not taken as complete.
@@ -278,6 +292,7 @@ def put_folder(local: Path, url: str, *, last: Iterable[str] = (), unchanged: di
     names = [p.relative_to(local).as_posix() for p in files]
     early = [(p, n) for p, n in zip(files, names) if n not in last and n != FILES_RECORD]
     record = {n: {"size": p.stat().st_size, "checksum": file_checksum(p)} for p, n in zip(files, names)}
+    record.update(present or {})
     for path, name in early:
         if (unchanged or {}).get(name) != record[name]:
             upload(path, join(url, name))

@@ -46,8 +46,9 @@ from ..train.state import train_state_problem
 from .background import BackgroundWriter, HostSnapshot
 from .durable import remove_stale
 from .find import resolve_checkpoint
+from .folder_files import SHARDED_DIR
 from .layout import BEST, checkpoint_name
-from .remote import ensure_uploaded, fetch_named, local_copy, upload_best, upload_checkpoint
+from .remote import ensure_uploaded, fetch_named, local_copy, store_shards, upload_best, upload_checkpoint
 from .store import load_checkpoint, rotate, save_best_model, save_checkpoint
 
 
@@ -142,7 +143,7 @@ class Checkpointer:
         if torch.cuda.is_available():
             rng_tensors["cuda"] = torch.cuda.get_rng_state_all()
         path = self.root / checkpoint_name(self.state.step)
-        staging, weights = None, None
+        staging, weights, in_store = None, None, None
         if self.dist.world_size > 1 or self.dist.strategy == "deepspeed":  # each rank's own files first
             staging = self.root / f".staging-{path.name}"
             if self.dist.is_main:
@@ -150,13 +151,16 @@ class Checkpointer:
                 staging.mkdir(parents=True)
             distributed.barrier()
             torch.save(rng_tensors, staging / f"rng-rank{self.dist.rank}.pt")
-            self.parallel.save_shards(staging)
+            if self.remote:  # FSDP: every rank's shards straight into the store (all ranks done on return)
+                in_store = self.parallel.save_shards_to_store(storage.join(self.remote, path.name, SHARDED_DIR))
+            if in_store is None:
+                self.parallel.save_shards(staging)
             if not self.parallel.checkpoint_kind.weights_in_shards:  # the checkpoint's model folder needs them whole
                 weights = self.parallel.full_state_dict()  # a collective where the weights are partitioned
             distributed.barrier()
         background = background and self._writer is not None
         if self.dist.is_main:
-            write = self._write_job(rng_tensors, staging, copy=background, weights=weights)
+            write = self._write_job(rng_tensors, staging, copy=background, weights=weights, in_store=in_store)
             if background:
                 self._writer.submit(write)
             else:
@@ -167,11 +171,17 @@ class Checkpointer:
         return path
 
     def _write_job(
-        self, rng_tensors: dict, staging: Path | None, copy: bool, weights: dict[str, torch.Tensor] | None
+        self,
+        rng_tensors: dict,
+        staging: Path | None,
+        copy: bool,
+        weights: dict[str, torch.Tensor] | None,
+        in_store: dict[str, dict] | None = None,
     ) -> Callable[[], Path]:
         """The write of this step's checkpoint, as a function. Everything it needs is read now; `copy`
         snapshots the tensors too, so the write may run while training changes them. `weights`: the
-        model gathered from its shards (a copy already)."""
+        model gathered from its shards (a copy already). `in_store`: the shards every rank wrote into
+        the store, listed in meta.json (the upload then writes files.json, meta.json and `latest`)."""
         np_state = np.random.get_state()
         train_state = self.state.to_file(
             epoch=self.loader.epoch,
@@ -206,6 +216,7 @@ class Checkpointer:
                 tokenizer_json=self.tokenizer_json,
                 sharded_dir=staging,
                 extra_meta=extra,
+                in_store=in_store,
             )
             rotate(root, keep_last, protect={path.name, best} - {None})
             if remote:
@@ -234,6 +245,7 @@ class Checkpointer:
     def load(self, spec: str):
         """Restore every part from a checkpoint folder or "latest" (a fresh start when there is none
         yet). Returns the restored TrainState, or None."""
+        url = None
         if (self.remote and spec == "latest") or storage.is_url(spec):  # from the store: one download per machine
             url = self.remote if spec == "latest" else spec
             if self.dist.local_rank == 0:
@@ -247,6 +259,7 @@ class Checkpointer:
         if self.remote and spec == "latest" and self.dist.is_main:
             ensure_uploaded(path, self.remote, self.keep_last)
         parts = load_checkpoint(path, map_location=self.parallel.device, rank=self.dist.rank)
+        parts["store"] = self._store_shards(path, parts["meta"], url)
         self._check_tokenizer(path)
         saved = parts["train_state"]
         problem = train_state_problem(saved)
@@ -282,6 +295,21 @@ class Checkpointer:
             ) from None
         log(f"resume: continuing from {path} (step {self.state.step}, {self.state.tokens_seen:,} tokens seen)")
         return self.state
+
+    def _store_shards(self, path: Path, meta: dict, url: str | None) -> str | None:
+        """The URL of the `sharded/` folder in the store to read the shards of `path` from: None where its
+        shards are all on disk. `url`: the store location the resume was given (a checkpoints folder or
+        one checkpoint), if any."""
+        missing = [n for n in meta.get("in_store", ()) if not (path / n).is_file()]
+        if not missing:
+            return None
+        if url is None:
+            raise CheckpointError(
+                f"{path} keeps its shards in the store ({missing[0]} is not on disk); resume with "
+                "training.checkpoint_dir set to that store's checkpoints folder, or from the checkpoint's URL"
+            )
+        folder = url if local_copy(url, self.root) != self.root else storage.join(url, path.name)
+        return store_shards(folder, meta)
 
     def _check_tokenizer(self, path: Path) -> None:
         """Refuse a checkpoint whose token ids mean other tokens than this run's tokenizer gives them."""

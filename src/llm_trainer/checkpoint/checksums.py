@@ -144,6 +144,43 @@ def data_checksum(data: bytes, kind: str = CHECKSUM) -> str:
     return combine(jobs, kind)
 
 
+class StreamChecksum:
+    """`file_checksum` of bytes as they are written to a stream (a file in a store, never read back):
+    each 64 MiB chunk hashed as it fills, in the current format."""
+
+    def __init__(self) -> None:
+        self.size, self._filled, self._chunks = 0, 0, hashlib.sha256()
+        self._state = self._fresh()
+
+    @staticmethod
+    def _fresh():
+        return xxhash.xxh3_64() if CHECKSUM == XXH3_TREE else [0]
+
+    def _close_chunk(self) -> None:
+        value = self._state.intdigest() if CHECKSUM == XXH3_TREE else self._state[0]
+        self._chunks.update(value.to_bytes(8 if CHECKSUM == XXH3_TREE else 4, "big"))
+        self._state, self._filled = self._fresh(), 0
+
+    def update(self, data) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            piece, view = view[: _CHUNK - self._filled], view[_CHUNK - self._filled :]
+            if CHECKSUM == XXH3_TREE:
+                self._state.update(piece)
+            else:
+                self._state[0] = zlib.crc32(piece, self._state[0])
+            self._filled += len(piece)
+            self.size += len(piece)
+            if self._filled == _CHUNK:
+                self._close_chunk()
+
+    def entry(self) -> dict:
+        """{"size", "checksum"} as meta.json and files.json record them (no further update after)."""
+        if self._filled:
+            self._close_chunk()
+        return {"size": self.size, "checksum": self._chunks.hexdigest()}
+
+
 def sha256_file(path: Path) -> str:  # format 1 checkpoints
     with open(path, "rb") as handle:
         return hashlib.file_digest(handle, "sha256").hexdigest()

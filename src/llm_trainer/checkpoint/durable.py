@@ -265,8 +265,13 @@ def _files(folder: Path) -> list[Path]:
     return files
 
 
-def write_folder_atomically(final: Path, writers: Iterable[Writer], meta: dict[str, Any]) -> Path:
+def write_folder_atomically(
+    final: Path, writers: Iterable[Writer], meta: dict[str, Any], in_store: dict[str, dict] | None = None
+) -> Path:
     """Create `final` by calling each writer on a temporary folder; add meta.json with sizes and checksums.
+
+    `in_store`: {name: {"size", "checksum"}} of files written straight into a store (a sharded
+    checkpoint's shards), listed in meta.json beside the local files and named under its "in_store".
 
     Each file a writer produced is checksummed by worker threads (from the page cache, in 64 MiB
     chunks) while the next writer runs, and its writeback to disk starts while the writers run
@@ -299,7 +304,9 @@ def write_folder_atomically(final: Path, writers: Iterable[Writer], meta: dict[s
         syncs.extend(_syncers.submit(_fsync, tmp / name) for name in sorted(jobs))
         files = {name: {"size": size, "checksum": combine(chunks)} for name, (size, chunks) in sorted(jobs.items())}
         version = FORMAT_VERSION if CHECKSUM == XXH3_TREE else 2  # CRC-32 chunks: format 2 readers take it
-        full = {**meta, "format_version": version, "checksum": CHECKSUM, "files": files}
+        full = {**meta, "format_version": version, "checksum": CHECKSUM, "files": {**files, **(in_store or {})}}
+        if in_store:
+            full["in_store"] = sorted(in_store)
         full["meta_sha256"] = meta_checksum(full)
         with open(tmp / META, "w", encoding="utf-8") as handle:
             handle.write(json.dumps(full, indent=2))

@@ -137,17 +137,28 @@ class FolderFiles:
                 raise CheckpointError(f"checkpoint {self.folder} is unusable: {problem}")
         return data
 
-    def _mismatch(self, name: str, data: bytes) -> str | None:
+    def check(self, name: str, data: bytes, source: str) -> None:
+        """Bytes of `name` read from elsewhere (the store, `source`): listed in meta.json, with the size and
+        checksum it records; else refused, naming `source`."""
+        if self.meta is None or name not in self.listed:
+            raise CheckpointError(f"{source} is not listed in {self.folder / META}; refusing to read it")
+        problem = self._mismatch(name, data, shown=source)
+        if problem:
+            raise CheckpointError(f"{problem}; resume from another checkpoint, or save this one again")
+
+    def _mismatch(self, name: str, data: bytes, shown: str | None = None) -> str | None:
+        """Why `data` is not the file meta.json lists as `name` (called `shown` in the message), or None."""
         entry = self.meta["files"][name]
+        shown = shown or name
         if self.meta.get("format_version", 1) < 2:  # format 1: a plain sha256 per file
             expected, kind = entry, "sha256"
         else:
             if not isinstance(entry, dict) or entry.get("size") != len(data):
                 size = entry.get("size") if isinstance(entry, dict) else None
-                return f"{name} has {len(data):,} bytes, {size!r} expected (it changed since it was written)"
+                return f"{shown} has {len(data):,} bytes, {size!r} expected (it changed since it was written)"
             expected, kind = entry.get("checksum"), self.meta.get("checksum")
         try:
             actual = data_checksum(data, kind)
         except Exception:  # an unknown checksum kind, or xxhash missing: verify() says which
             return f"meta.json records checksums of an unknown kind {kind!r}"
-        return None if actual == expected else f"{name} does not match its checksum (corrupt)"
+        return None if actual == expected else f"{shown} does not match its checksum (corrupt)"

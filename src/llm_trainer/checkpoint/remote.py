@@ -9,17 +9,24 @@ named like our checkpoints, never the one `latest` names nor the best one.
 A resume downloads the checkpoint `latest` names into the local checkpoint folder (each file checked
 against `files.json` on arrival, no path outside the folder) and then reads it there with the same
 rules as any folder on disk: meta.json's checksums, allow-listed unpickling, no symlinks out.
+
+FSDP's shards skip the local disk: every rank writes its own straight into the checkpoint's
+`sharded/` in the store, before rank 0 uploads the rest, and meta.json names them under "in_store"
+(`sharded`). `files.json` lists them with the rest; a resume downloads every other file and each rank
+reads the shards it needs from the store (`sharded.StoreReader`), checked against meta.json.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 from .. import storage
 from ..errors import CheckpointError, UsageError
 from ..logs import log, warn
-from .layout import BEST, CHECKPOINTS_DIR, LATEST, META, PREFIX, list_checkpoints, step_of
+from .folder_files import SHARDED_DIR, plain_name
+from .layout import BEST, CHECKPOINTS_DIR, LATEST, META, PREFIX, list_checkpoints, read_meta, step_of
 from .verify import verify_once
 
 _NAME = re.compile(rf"{PREFIX}\d+")
@@ -54,8 +61,11 @@ def remove_checkpoints(remote: str) -> list[str]:
 
 
 def upload_checkpoint(path: Path, remote: str, keep_last: int | None, protect: set[str]) -> None:
-    """Upload the local checkpoint folder `path` into `remote`, `latest` last; then rotate the store's."""
-    storage.put_folder(path, storage.join(remote, path.name), last=[META])
+    """Upload the local checkpoint folder `path` into `remote`, `latest` last; then rotate the store's.
+    Shards the ranks wrote into the store already ("in_store") are listed in files.json, not uploaded."""
+    meta = read_meta(path) or {}
+    present = {name: meta["files"][name] for name in meta.get("in_store", ())}
+    storage.put_folder(path, storage.join(remote, path.name), last=[META], present=present)
     storage.write_text(storage.join(remote, LATEST), path.name)
     log(f"checkpoint: uploaded {path.name} to {remote}")
     if keep_last is not None:
@@ -123,11 +133,31 @@ def fetch(url: str, local: Path) -> Path:
     if local.is_dir() and verify_once(local) is None:
         return local
     local.parent.mkdir(parents=True, exist_ok=True)
-    if not storage.get_folder(url, local, last=[META]):
+    if not storage.get_folder(url, local, last=[META], skip=in_store(url)):
         warn(f"{url} is not a complete checkpoint in the store; resuming from the local checkpoints")
         return local
     log(f"resume: downloaded {url} into {local}")
     return local
+
+
+def in_store(url: str) -> list[str]:
+    """The files the checkpoint folder `url` keeps in the store only: the shards its ranks wrote there,
+    which its meta.json names (read from the store) and each rank reads from there. Used only to leave
+    them out of a download: the local copy is verified and read as any other."""
+    text = storage.read_text(storage.join(url, META))
+    try:
+        names = json.loads(text).get("in_store") if text is not None else None
+    except (ValueError, AttributeError, RecursionError):
+        return []  # a damaged meta.json: the download's checks say so
+    if not isinstance(names, list):
+        return []
+    return [n for n in names if plain_name(n) and n.startswith(f"{SHARDED_DIR}/")]
+
+
+def store_shards(checkpoint_url: str, meta: dict) -> str | None:
+    """The URL of the `sharded/` folder whose shards a resume reads from the store: where meta.json names
+    some "in_store" (None when it names none)."""
+    return storage.join(checkpoint_url, SHARDED_DIR) if meta.get("in_store") else None
 
 
 def fetch_for_reading(url: str, cache: Path) -> Path:

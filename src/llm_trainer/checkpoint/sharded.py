@@ -12,12 +12,22 @@ not a path object), and every load goes through `SafeReader` (`.metadata` read o
 meta.json, and unpickled by `safe_pickle` with exactly DCP's metadata records allowed; every data
 file under `folder_files`' rule) and `SafePlanner` (non-tensor items with `weights_only=True`).
 A `.metadata` in DCP's own format (an FSDP checkpoint written before) is refused, not unpickled.
+
+Into a store (training.checkpoint_dir a URL), every rank writes its DCP files straight to the
+checkpoint's `sharded/` folder there through torch's fsspec writer (`StoreWriter`: `.metadata` as
+above; each file hashed as its bytes go out, never read back). The (name, size, checksum) records of
+all ranks are gathered, and meta.json lists them under `in_store` beside the local files, which are
+uploaded as before (`remote`). A resume reads those files from the store through `StoreReader`: each
+file a rank needs is read whole into memory once and checked against meta.json before DCP parses a
+byte of it, so each rank reads only the files holding its shards, and no plain pickle runs.
 """
 
 from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +35,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
@@ -35,8 +46,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from .. import storage
 from ..errors import CheckpointError
 from ..limits import check_dcp_items
+from .checksums import StreamChecksum, data_checksum
+from .durable import first_line
 from .folder_files import SHARDED_DIR, FolderFiles
 from .model_folder import check_fits, clean_name
 from .safe_pickle import DCP_METADATA, load_pickle
@@ -82,19 +96,138 @@ class SafeReader(FileSystemReader):
 
     def _read_metadata(self) -> Metadata:
         name = f"{SHARDED_DIR}/{METADATA}"
-        source = self.files.folder / name
-        metadata = load_pickle(self.files.read(name), str(source), DCP_METADATA)
-        if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-            raise CheckpointError(f"{source} is not DCP metadata; the checkpoint is corrupt")
-        for info in metadata.storage_data.values():
-            data_file = getattr(info, "relative_path", None)
-            if not isinstance(data_file, str) or "/" in data_file:
-                raise CheckpointError(f"{source} names the data file {data_file!r}, which is not a file name")
-            self.files.path(f"{SHARDED_DIR}/{data_file}")  # inside, a regular file, listed: else refused
-        check_dcp_items(metadata.storage_data, str(source))  # compressed items: refused before any is read
-        if getattr(metadata, "storage_meta", None) is None:  # what FileSystemReader.read_metadata adds
-            metadata.storage_meta = StorageMeta()
-        return metadata
+        source = str(self.files.folder / name)
+        in_store = (self.files.meta or {}).get("in_store")
+        if isinstance(in_store, list) and name in in_store and not os.path.lexists(source):
+            raise CheckpointError(
+                f"{self.files.folder} keeps its shards in the store ({name} is not on disk); pass the checkpoint's "
+                "URL instead, or resume with training.checkpoint_dir set to its store"
+            )
+        return _checked_metadata(
+            self.files.read(name), source, lambda data_file: self.files.path(f"{SHARDED_DIR}/{data_file}")
+        )
+
+
+def _checked_metadata(data: bytes, source: str, check_file: Callable[[str], Any]) -> Metadata:
+    """DCP metadata from `data` (checked bytes of `.metadata`), unpickled under the allow-list; every data
+    file it names must be a plain file name that `check_file` accepts (it raises otherwise)."""
+    metadata = load_pickle(data, source, DCP_METADATA)
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"{source} is not DCP metadata; the checkpoint is corrupt")
+    for info in metadata.storage_data.values():
+        data_file = getattr(info, "relative_path", None)
+        if not isinstance(data_file, str) or "/" in data_file:
+            raise CheckpointError(f"{source} names the data file {data_file!r}, which is not a file name")
+        check_file(data_file)  # inside, a regular file, listed: else refused
+    check_dcp_items(metadata.storage_data, source)  # compressed items: refused before any is read
+    if getattr(metadata, "storage_meta", None) is None:  # what FileSystemReader.read_metadata adds
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+class _HashingStream:
+    """A writable stream that hashes every byte on its way to the store (DCP writes each file through one)."""
+
+    def __init__(self, raw: Any, checksum: StreamChecksum):
+        self._raw, self._checksum = raw, checksum
+
+    def write(self, data: Any) -> int:
+        self._checksum.update(data)
+        return self._raw.write(data)
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, close: the store's file object
+        return getattr(self._raw, name)
+
+
+class _HashedWrites:
+    """torch's fsspec file system for a DCP writer, recording {file name: size and checksum} of each file
+    once it is closed (the object is then complete in the store)."""
+
+    def __init__(self, inner: Any, written: dict[str, dict]):
+        self._inner, self.written = inner, written
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        checksum = StreamChecksum()
+        with self._inner.create_stream(path, mode) as stream:
+            yield _HashingStream(stream, checksum)
+        self.written[os.path.basename(os.fspath(path))] = checksum.entry()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class StoreWriter(FsspecWriter):
+    """FsspecWriter into a store folder (a URL): `.metadata` as `SafeWriter` writes it, and `written`
+    holds the size and checksum of every file this rank wrote, computed from the bytes as they went out."""
+
+    def __init__(self, url: str):
+        super().__init__(url, sync_files=False)  # an object is complete once closed: nothing to fsync
+        self.url = url.rstrip("/")
+        self.written: dict[str, dict] = {}
+        self.fs = _HashedWrites(self.fs, self.written)
+
+    def finish(self, metadata: Metadata, results: list) -> None:
+        super().finish(metadata, results)  # fills in metadata.storage_data (DCP's own .metadata, replaced now)
+        if metadata.storage_meta is not None and metadata.storage_meta.checkpoint_id is not None:
+            metadata.storage_meta.checkpoint_id = str(metadata.storage_meta.checkpoint_id)
+        buffer = io.BytesIO()
+        torch.save(metadata, buffer)
+        data = buffer.getvalue()
+        storage.write_bytes(storage.join(self.url, METADATA), data)
+        self.written.pop(f"{METADATA}.tmp", None)
+        self.written[METADATA] = {"size": len(data), "checksum": data_checksum(data)}
+
+
+class _CheckedReads:
+    """torch's fsspec file system for a DCP reader: each file read whole from the store (with retries)
+    and checked against meta.json before DCP reads a byte of it."""
+
+    def __init__(self, inner: Any, url: str, files: FolderFiles):
+        self._inner, self.url, self.files = inner, url, files
+
+    def read(self, name: str) -> bytes:
+        url = storage.join(self.url, name)
+        data = storage.read_bytes(url)
+        self.files.check(f"{SHARDED_DIR}/{name}", data, url)
+        return data
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[io.BytesIO]:
+        assert mode == "rb", mode  # a reader never writes
+        yield io.BytesIO(self.read(os.path.basename(os.fspath(path))))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class StoreReader(FsspecReader):
+    """FsspecReader of a checkpoint's `sharded/` folder in a store: every file (`.metadata` too) must be
+    listed in the local copy's meta.json (`files`) and match its size and checksum; `.metadata` is
+    unpickled under the allow-list, as by `SafeReader`."""
+
+    def __init__(self, url: str, files: FolderFiles):
+        super().__init__(url)
+        self.url = url.rstrip("/")
+        self.checked = _CheckedReads(self.fs, self.url, files)
+        self.fs = self.checked
+        self.metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointError(f"{self.url} holds per-rank DCP metadata, which llm-trainer never writes")
+        if self.metadata is None:
+            self.metadata = _checked_metadata(
+                self.checked.read(METADATA), storage.join(self.url, METADATA), self._check_listed
+            )
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+    def _check_listed(self, data_file: str) -> None:
+        if f"{SHARDED_DIR}/{data_file}" not in (self.checked.files.listed or ()):
+            raise CheckpointError(
+                f"{storage.join(self.url, METADATA)} names {data_file}, which meta.json does not list; refusing it"
+            )
 
 
 class SafePlanner(DefaultLoadPlanner):
@@ -114,12 +247,16 @@ class SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def _load(state: dict, directory: Path, no_dist: bool = False) -> None:
-    """dcp.load through the safe reader and planner. The metadata is checked here first, so a refusal
-    comes out as itself (not as DCP's per-rank CheckpointException, after DCP logged a traceback)."""
+def _load(state: dict, directory: Path, no_dist: bool = False, store: str | None = None) -> None:
+    """dcp.load through the safe reader (of `store`, the URL of the `sharded/` folder, when the shards
+    live there) and planner. The metadata is checked here first, so a refusal comes out as itself (not
+    as DCP's per-rank CheckpointException, after DCP logged a traceback)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    reader = SafeReader(str(directory))
+    if store is None:
+        reader = SafeReader(str(directory))
+    else:
+        reader = StoreReader(store, FolderFiles.of(Path(directory).parent))
     reader.read_metadata()
     try:
         dcp.load(state, storage_reader=reader, planner=SafePlanner(), no_dist=no_dist)
@@ -142,13 +279,40 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
     dcp.save(state, storage_writer=SafeWriter(str(directory)))
 
 
-def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: Path) -> None:
+def save_sharded_to_store(model: nn.Module, optimizer: torch.optim.Optimizer, url: str) -> dict[str, dict]:
+    """Every rank writes its shards straight into the store folder `url` (a collective). Returns the
+    {"sharded/NAME": {"size", "checksum"}} of the files all ranks wrote, on every rank: once it returns,
+    every rank has finished."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    writer = StoreWriter(url)
+    try:
+        dcp.save(state, storage_writer=writer)
+    except CheckpointException as exc:
+        failure = next(iter(exc.failures.values()))[0]
+        raise CheckpointError(
+            f"writing the shards to {url} failed ({first_line(failure)}); "
+            "the earlier checkpoints and `latest` are intact. Check the store, then resume from latest"
+        ) from None
+    mine = {f"{SHARDED_DIR}/{name}": entry for name, entry in writer.written.items()}
+    if not torch.distributed.is_initialized():
+        return mine
+    everyone: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    return {name: entry for written in everyone for name, entry in written.items()}
+
+
+def load_sharded(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: Path, store: str | None = None
+) -> None:
     """Load model (and optimizer) shards for this rank's part, whatever world size wrote them; into a
-    model that is not sharded (one process, DDP), the whole of each tensor."""
+    model that is not sharded (one process, DDP), the whole of each tensor. `store`: the URL of the
+    `sharded/` folder whose DCP files the local `directory` does not hold."""
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    _load(state, directory, no_dist=not torch.distributed.is_initialized())
+    _load(state, directory, no_dist=not torch.distributed.is_initialized(), store=store)
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -70,13 +70,15 @@ def save_checkpoint(
     extra_meta: dict | None = None,
     sharded_dir: Path | None = None,
     model_state: dict[str, torch.Tensor] | None = None,
+    in_store: dict[str, dict] | None = None,
 ) -> Path:
     """Write one checkpoint of `kind` (the Parallelism's: which parts live in `sharded_dir`).
 
     `sharded_dir`: every rank's own files, already written (RNG states; FSDP's DCP shards of model
     and optimizer, DeepSpeed's files); it moves in as `sharded/`. `optimizer_state` is None where the
     kind keeps it there. `model_state`, when given, holds the weights to write (a copy taken earlier,
-    for a background save); `model` then only supplies the config.
+    for a background save); `model` then only supplies the config. `in_store`: the records of the
+    shards the ranks wrote straight into the store (`sharded.save_sharded_to_store`), listed in meta.json.
     """
     assert (optimizer_state is None) == kind.optimizer_in_shards, kind.name
     assert sharded_dir is not None or not kind.optimizer_in_shards, kind.name
@@ -112,7 +114,7 @@ def save_checkpoint(
         "config": config,
         **(extra_meta or {}),
     }
-    path = write_folder_atomically(root / checkpoint_name(step), writers, meta)
+    path = write_folder_atomically(root / checkpoint_name(step), writers, meta, in_store)
     write_text_atomically(root / LATEST, path.name)
     return path
 
@@ -178,7 +180,7 @@ def load_checkpoint(
     parts: dict[str, Any] = {
         "model": None,
         "optimizer": None,
-        "sharded": path / SHARDED_DIR if (path / SHARDED_DIR).is_dir() else None,
+        "sharded": path / SHARDED_DIR if (path / SHARDED_DIR).is_dir() or files.meta.get("in_store") else None,
         "files": files,
         "meta": files.meta,
     }

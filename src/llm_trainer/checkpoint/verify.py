@@ -4,7 +4,9 @@ A folder is read as untrusted (checksums prove integrity, not origin): meta.json
 (a crafted meta.json is damage like any other), every file it names must pass `folder_files`' rule
 (a plain name, inside the folder, a regular file), and every file must have the size and checksum
 meta.json records (see `checksums`). Loading reads each file again under the same rule, and checks
-each pickle's checksum on the bytes it parses (`folder_files.FolderFiles`).
+each pickle's checksum on the bytes it parses (`folder_files.FolderFiles`). A sharded checkpoint
+whose shards were written straight into a store names them in meta.json's "in_store": those that are
+not on disk are checked as they are read from the store instead.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 from .checksums import CRC32_TREE, XXH3_TREE, checksum_jobs, combine, meta_checksum, sha256_file, xxhash
 from .folder_files import path_problem, plain_name
-from .layout import FORMAT_VERSION, KINDS, META, OPTIMIZER_TENSORS, read_meta
+from .layout import FORMAT_VERSION, KINDS, META, OPTIMIZER_TENSORS, SHARDED_DIR, read_meta
 
 _verified: dict[str, tuple] = {}  # folder -> file signatures when it last verified, so resume hashes once
 
@@ -48,6 +50,7 @@ _META_TYPES = {
     "metrics": lambda v: isinstance(v, dict),
     "files": lambda v: isinstance(v, dict),
     "world_size": _is_int,
+    "in_store": lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
 }
 
 
@@ -102,12 +105,18 @@ def verify(path: Path) -> str | None:
     for name in files:
         if not plain_name(name):
             return f"meta.json names an invalid file {name!r}"
+    for name in meta.get("in_store", ()):
+        if name not in files or not name.startswith(f"{SHARDED_DIR}/"):
+            return f"meta.json names {name!r} as kept in the store, which is not one of its sharded files"
+    remote = {n for n in meta.get("in_store", ()) if not (path / n).exists() and not (path / n).is_symlink()}
     for name in (META, *files):
-        problem = path_problem(path, name, None)
+        problem = path_problem(path, name, None) if name not in remote else None
         if problem:
             return problem
     jobs: dict[str, Any] = {}
     for name, entry in files.items():
+        if name in remote:  # in the store only: checked as it is read from there (`sharded.StoreReader`)
+            continue
         file = path / name
         if plain_sha256:
             jobs[name] = (entry, None)

@@ -11,6 +11,8 @@ The loop and the Checkpointer call these methods and never ask which backend run
     full_state_dict()    the whole model's weights gathered from shards (a collective), or None
                          when the module holds them whole
     save_shards(folder)  every rank's own files (FSDP's DCP shards, DeepSpeed's files)
+    save_shards_to_store(url)  FSDP's shards straight into a store folder, their records returned;
+                         None where a backend writes them locally only (uploaded with the folder)
     load(parts, path)    model and optimizer state from a loaded checkpoint
 
 `Parallelism` is one process (and the base of the others); `DDP`, `FSDP` and `DeepSpeed` change
@@ -115,6 +117,9 @@ class Parallelism:
     def save_shards(self, folder: Path) -> None:
         pass
 
+    def save_shards_to_store(self, url: str) -> dict[str, dict] | None:
+        return None
+
     def load(self, parts: dict[str, Any], path: Path) -> None:
         kind = parts["meta"].get("kind")
         if kind == layout.DEEPSPEED.name:
@@ -125,7 +130,7 @@ class Parallelism:
         if parts["model"] is None:  # FSDP's shards, from any world size: each tensor read whole
             from ..checkpoint.sharded import load_sharded
 
-            return load_sharded(self.module, self.optimizer, parts["sharded"])
+            return load_sharded(self.module, self.optimizer, parts["sharded"], parts.get("store"))
         load_model_state(self.module, parts["model"], str(path))
         try:
             self.optimizer.load_state_dict(parts["optimizer"])
@@ -175,13 +180,18 @@ class FSDP(Parallelism):
 
         save_sharded(self.module, self.optimizer, folder)
 
+    def save_shards_to_store(self, url: str) -> dict[str, dict]:
+        from ..checkpoint.sharded import save_sharded_to_store
+
+        return save_sharded_to_store(self.module, self.optimizer, url)
+
     def load(self, parts: dict[str, Any], path: Path) -> None:
         if parts["meta"].get("kind") == layout.DEEPSPEED.name:
             return super().load(parts, path)
         from ..checkpoint.sharded import load_sharded, load_whole
 
         if parts["model"] is None:
-            return load_sharded(self.module, self.optimizer, parts["sharded"])
+            return load_sharded(self.module, self.optimizer, parts["sharded"], parts.get("store"))
         try:  # a whole checkpoint (one process, DDP): each rank takes its shards of every tensor
             load_whole(self.module, self.optimizer, parts["model"], parts["optimizer"], str(path))
         except (ValueError, KeyError, IndexError) as exc:
