@@ -345,23 +345,30 @@ def test_access_denied_is_one_line_exit_2(s3_server, tmp_path):
 
 class _Relay:
     """A TCP relay from a local port to the S3 server that can be cut: open connections are reset and
-    new ones refused, as when the network or the endpoint goes away mid-run."""
+    new ones refused, as when the network or the endpoint goes away mid-run. A connection accepted while
+    the cut happens is reset too (the lock): none survives it."""
 
     def __init__(self, endpoint: str):
         self.target = int(endpoint.rsplit(":", 1)[1])
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.is_cut = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
         while True:
             try:
                 client, _ = self.listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.target))
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.target))
-            self.sockets += [client, upstream]
+            with self.lock:
+                if self.is_cut:
+                    self._reset([client, upstream])
+                    return
+                self.sockets += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
@@ -374,18 +381,24 @@ class _Relay:
         except OSError:
             pass
 
-    def cut(self) -> None:
-        try:  # wakes the accept() blocked in the other thread; close() alone leaves the port accepting
-            self.listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.listener.close()
-        for s in self.sockets:
+    @staticmethod
+    def _reset(sockets: list[socket.socket]) -> None:
+        for s in sockets:
             try:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
                 s.close()
             except OSError:
                 pass
+
+    def cut(self) -> None:
+        with self.lock:
+            self.is_cut = True
+            try:  # wakes the accept() blocked in the other thread; close() alone leaves the port accepting
+                self.listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.listener.close()
+            self._reset(self.sockets)
 
 
 def test_connection_lost_mid_run_is_retried_then_one_error_and_latest_stays_complete(s3, tmp_path):
