@@ -136,6 +136,12 @@ class Checkpointer:
         if self._writer is not None and (path := self._writer.wait()) is not None:
             self.on_saved(path)
 
+    def wait_everywhere(self) -> None:
+        """`wait`, then a barrier: rank 0 writes in the background, so another rank that reads the latest
+        checkpoint must first know that rank 0's write is complete. Every rank calls it at the same step."""
+        self.wait()
+        distributed.barrier()
+
     def save(self, *, background: bool = False) -> Path:
         """Save the current step. Every rank calls this at the same step; rank 0 writes the folder."""
         self.wait()  # one write at a time, in step order

@@ -148,7 +148,7 @@ def rewind(checkpointer, state, loader, spike: Spike, max_rewinds: int) -> Path 
     if state.rewinds >= max_rewinds:
         log(f"loss spike at step {spike.step}: training.max_rewinds={max_rewinds} used up; going on without rewinding")
         return None
-    checkpointer.wait()
+    checkpointer.wait_everywhere()  # every rank reads the checkpoint rank 0 may still be writing
     path = resolve_checkpoint("latest", checkpointer.root)
     if path is None:
         log(f"loss spike at step {spike.step}: no checkpoint to rewind to yet; going on without rewinding")
