@@ -112,10 +112,15 @@ def checksum_jobs(path: Path, size: int, kind: str = CHECKSUM) -> list[Future]:
 
 
 def combine(jobs: Iterable[Future], kind: str = CHECKSUM) -> str:
+    return tree_checksum((job.result() for job in jobs), kind)
+
+
+def tree_checksum(chunk_hashes: Iterable[int], kind: str = CHECKSUM) -> str:
+    """The checksum of a file from its chunks' hashes, in order: sha256 over their big-endian bytes."""
     width = 8 if kind == XXH3_TREE else 4
     top = hashlib.sha256()
-    for job in jobs:
-        top.update(job.result().to_bytes(width, "big"))
+    for value in chunk_hashes:
+        top.update(value.to_bytes(width, "big"))
     return top.hexdigest()
 
 
@@ -149,7 +154,7 @@ class StreamChecksum:
     each 64 MiB chunk hashed as it fills, in the current format."""
 
     def __init__(self) -> None:
-        self.size, self._filled, self._chunks = 0, 0, hashlib.sha256()
+        self.size, self._filled, self._hashes = 0, 0, []
         self._state = self._fresh()
 
     @staticmethod
@@ -157,8 +162,7 @@ class StreamChecksum:
         return xxhash.xxh3_64() if CHECKSUM == XXH3_TREE else [0]
 
     def _close_chunk(self) -> None:
-        value = self._state.intdigest() if CHECKSUM == XXH3_TREE else self._state[0]
-        self._chunks.update(value.to_bytes(8 if CHECKSUM == XXH3_TREE else 4, "big"))
+        self._hashes.append(self._state.intdigest() if CHECKSUM == XXH3_TREE else self._state[0])
         self._state, self._filled = self._fresh(), 0
 
     def update(self, data) -> None:
@@ -178,7 +182,7 @@ class StreamChecksum:
         """{"size", "checksum"} as meta.json and files.json record them (no further update after)."""
         if self._filled:
             self._close_chunk()
-        return {"size": self.size, "checksum": self._chunks.hexdigest()}
+        return {"size": self.size, "checksum": tree_checksum(self._hashes)}
 
 
 def sha256_file(path: Path) -> str:  # format 1 checkpoints

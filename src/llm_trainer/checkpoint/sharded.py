@@ -64,15 +64,27 @@ class SafeWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list) -> None:
         super().finish(metadata, results)  # fills in metadata.storage_data and storage_meta
-        if metadata.storage_meta is not None and metadata.storage_meta.checkpoint_id is not None:
-            metadata.storage_meta.checkpoint_id = str(metadata.storage_meta.checkpoint_id)  # not a pathlib object
         target = Path(self.path) / METADATA
         temporary = target.with_name(f"{METADATA}.tmp")
         with open(temporary, "wb") as handle:
-            torch.save(metadata, handle)
+            handle.write(_metadata_bytes(metadata))
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, target)
+
+
+def _metadata_bytes(metadata: Metadata) -> bytes:
+    """`.metadata` as the weights-only unpickler reads it: `torch.save`, the checkpoint id a string (not a
+    pathlib object)."""
+    if metadata.storage_meta is not None and metadata.storage_meta.checkpoint_id is not None:
+        metadata.storage_meta.checkpoint_id = str(metadata.storage_meta.checkpoint_id)
+    buffer = io.BytesIO()
+    torch.save(metadata, buffer)
+    return buffer.getvalue()
+
+
+def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
 class SafeReader(FileSystemReader):
@@ -169,11 +181,7 @@ class StoreWriter(FsspecWriter):
 
     def finish(self, metadata: Metadata, results: list) -> None:
         super().finish(metadata, results)  # fills in metadata.storage_data (DCP's own .metadata, replaced now)
-        if metadata.storage_meta is not None and metadata.storage_meta.checkpoint_id is not None:
-            metadata.storage_meta.checkpoint_id = str(metadata.storage_meta.checkpoint_id)
-        buffer = io.BytesIO()
-        torch.save(metadata, buffer)
-        data = buffer.getvalue()
+        data = _metadata_bytes(metadata)
         storage.write_bytes(storage.join(self.url, METADATA), data)
         self.written.pop(f"{METADATA}.tmp", None)
         self.written[METADATA] = {"size": len(data), "checksum": data_checksum(data)}
@@ -275,8 +283,7 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Every rank writes its shards of model and optimizer into `directory` (a collective)."""
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, storage_writer=SafeWriter(str(directory)))
+    dcp.save(_sharded_state(model, optimizer), storage_writer=SafeWriter(str(directory)))
 
 
 def save_sharded_to_store(model: nn.Module, optimizer: torch.optim.Optimizer, url: str) -> dict[str, dict]:
@@ -285,10 +292,9 @@ def save_sharded_to_store(model: nn.Module, optimizer: torch.optim.Optimizer, ur
     every rank has finished."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     writer = StoreWriter(url)
     try:
-        dcp.save(state, storage_writer=writer)
+        dcp.save(_sharded_state(model, optimizer), storage_writer=writer)
     except CheckpointException as exc:
         failure = next(iter(exc.failures.values()))[0]
         raise CheckpointError(
