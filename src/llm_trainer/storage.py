@@ -163,10 +163,10 @@ def write_text(url: str, text: str) -> None:
     call("writing", url, lambda: fs.pipe_file(path, text.encode("utf-8")))
 
 
-def read_bytes(url: str) -> bytes:
-    """The bytes of the object at `url` (an error when there is none)."""
+def read_bytes(url: str, start: int | None = None, end: int | None = None, *, what: str = "reading") -> bytes:
+    """The bytes of the object at `url`, or of its range [start, end) (an error when there is none)."""
     fs, path = _filesystem(url)
-    return call("reading", url, lambda: fs.cat_file(path))
+    return call(what, url, lambda: fs.cat_file(path, start=start, end=end))
 
 
 def write_bytes(url: str, data: bytes) -> None:

@@ -230,11 +230,10 @@ class ChunkedTokens:
         try:
             start = c * self.chunk_bytes
             end = min(self.size, start + self.chunk_bytes)
-            fs, path = storage._filesystem(self.url)
             expected = self.record["chunks"][c]
             what = f"streaming chunk {c} (bytes {start}-{end})"
             for attempt in range(2):
-                data = storage.call(what, self.url, lambda: fs.cat_file(path, start=start, end=end))
+                data = storage.read_bytes(self.url, start, end, what=what)
                 if len(data) == end - start and data_checksum(data, self.record["checksum"]) == expected:
                     break
                 if attempt == 1:
