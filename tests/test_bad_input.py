@@ -65,8 +65,16 @@ def deep_json(levels: int = 100_000) -> str:
 LAUGHS = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
     f"{x}: &{x} [{', '.join([f'*{p}'] * 9)}]\n" for p, x in zip("abcdefgh", "bcdefghi")
 )
-MERGES = "a0: &a0 {k: 1, j: 2}\n" + "".join(
+# Merge keys that copy the same mapping eight times, eleven levels deep: 8**11 entries where each merge is
+# copied (PyYAML up to 6.0.3), a dozen small mappings where repeated merges collapse (6.0.4 and later).
+REPEATED_MERGES = "a0: &a0 {k: 1, j: 2}\n" + "".join(
     f"a{i}: &a{i} {{<<: [{', '.join([f'*a{i - 1}'] * 8)}], x{i}: 1}}\n" for i in range(1, 12)
+)
+# Six mappings of 2,000 keys each, each merging the one before: the last holds 12,000 distinct entries in any
+# PyYAML version, over the merge limit.
+MERGES = "".join(
+    f"a{i}: &a{i} {{{'<<: *a' + str(i - 1) + ', ' if i else ''}{', '.join(f'k{i}_{j}: 1' for j in range(2000))}}}\n"
+    for i in range(6)
 )
 
 TINY = ["--config", "tiny"]
@@ -227,6 +235,16 @@ def test_bad_input_is_one_line_and_exit_2(build, fragment, tmp_path, capsys, mon
     assert [line for line in lines if line.startswith("error: ")] == lines[-1:], err
     assert code == 2, err
     assert fragment in lines[-1], lines[-1]
+
+
+def test_repeated_yaml_merges_are_one_line_whatever_the_pyyaml_version(tmp_path, capsys):
+    """Where PyYAML copies each merge, the merge limit refuses the document before it grows; where it collapses
+    repeated merges, the document is a dozen small unknown sections. Either way: one line, exit 2."""
+    code = cli.main(["estimate", "--config", str(text_file(tmp_path, "c.yaml", REPEATED_MERGES))])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and len(lines) == 1 and code == 2, err
+    assert "merges more than" in lines[0] or "unknown section 'a11'" in lines[0], lines[0]
 
 
 def test_meta_json_nested_too_deep_is_a_corrupt_folder(tmp_path, capsys):
