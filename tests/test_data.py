@@ -86,7 +86,7 @@ def test_text_file(tmp_path):
     assert prepared.manifest["documents_in"] == prepared.manifest["documents_out"] == 1
 
 
-def test_folder_recursive_skips_and_counts_bad_files(tmp_path):
+def test_folder_recursive_skips_and_counts_bad_files(tmp_path, capsys):
     root = tmp_path / "corpus"
     (root / "sub" / "deeper").mkdir(parents=True)
     (root / "a.txt").write_text("alpha text", encoding="utf-8")
@@ -105,6 +105,17 @@ def test_folder_recursive_skips_and_counts_bad_files(tmp_path):
     assert removed["unsupported_files"] == 1
     assert removed["min_length"] == 0
     assert prepared.manifest["documents_out"] == 3
+    # each skipped input is named with its reason, in the report and on the console
+    named = json.loads((prepared.directory / "data_report.json").read_text())["skipped_inputs_named"]
+    assert named["unsupported_files"] == [
+        f"{root / 'image.png'} (not read: extension '.png' is not a text, "
+        "JSONL or Parquet one; name the file in data.data_files to read it as text)"
+    ]
+    assert named["binary_files"][0].startswith(f"{root / 'blob.txt'} looks like a binary file")
+    assert named["non_utf8_files"][0].startswith(f"{root / 'latin.txt'} is not UTF-8 text")
+    err = capsys.readouterr().err
+    assert f"data: skipped (unsupported_files): {root / 'image.png'} (not read: extension '.png'" in err
+    assert f"data: skipped (binary_files): {root / 'blob.txt'}" in err
 
 
 def test_glob(tmp_path):

@@ -316,7 +316,7 @@ class TrainingConfig(_Validated):
     checkpoint_dir: str | None = None  # default: {output_dir}/checkpoints; a URL: uploaded there after each save
     staging_dir: str = "run_staging"  # a URL output_dir: the run is written in {staging_dir}/<the URL's name> first
     save_steps: int | None = 500  # None or 0: only the final checkpoint
-    save_total_limit: int | None = 3
+    save_total_limit: int | None = 3  # checkpoints kept in rotation (latest and best_model always); None: all
     async_checkpoint: bool = True  # periodic saves: copy the state, write it from a background thread
     eval_steps: int | None = 500  # None or 0: evaluate only at the end
     eval_max_batches: int | None = None  # None: the whole validation set

@@ -283,6 +283,7 @@ class _State:
     kept_by_source: dict = field(default_factory=dict)  # the same, per source name
     counts: dict | None = None
     skipped_done: dict = field(default_factory=dict)  # reader skips of finished phases
+    skipped_named: dict = field(default_factory=dict)  # the first of each kind, named (SourceStats.named)
     seconds: float = 0.0  # time spent by earlier, interrupted runs
 
 
@@ -315,7 +316,7 @@ class _Build:
             )
         else:
             log(f"data: preparing {self.directory}")
-        skipped = Counter(state.skipped_done)
+        skipped = SourceStats(Counter(state.skipped_done), dict(state.skipped_named))
         if not (record and record["done"]):
             dedup = Deduplicator(self.config)
             writer.restore_dedup(dedup)
@@ -348,7 +349,7 @@ class _Build:
         report["validation_split_by"] = split_by
         write_report(self.work, report)
         manifest = {
-            **self._manifest(tokenizer, dtype, splits, counts, skipped, seconds),
+            **self._manifest(tokenizer, dtype, splits, counts, skipped.skipped, seconds),
             "validation_split_by": split_by,
         }
         (self.work / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -402,9 +403,11 @@ class _Build:
                 2 * workers,
             )
 
-    def _stream(self, tokenizer, dtype, writer, dedup, state: _State, counts: Counts, progress: Progress) -> Counter:
-        """Run the phases from `state` to the end, committing shards; returns the readers' skip counts."""
-        skipped = Counter(state.skipped_done)
+    def _stream(
+        self, tokenizer, dtype, writer, dedup, state: _State, counts: Counts, progress: Progress
+    ) -> SourceStats:
+        """Run the phases from `state` to the end, committing shards; returns what the readers skipped."""
+        skipped = SourceStats(Counter(state.skipped_done), dict(state.skipped_named))
         phases = _phases(self.config)
         writer.start()
         with self._executors(tokenizer, dtype) as (submit_process, submit_encode, depth):
@@ -427,8 +430,8 @@ class _Build:
                     if writer.pending_tokens() >= self.config.shard_tokens:
                         writer.commit(self._snapshot(state, counts))
                         writer.start()
-                skipped.update(stats.skipped)
-                state.skipped_done = dict(skipped)
+                skipped.update(stats)
+                state.skipped_done, state.skipped_named = dict(skipped.skipped), skipped.named
         state.phase, state.position, state.kept, state.kept_by_source = len(phases), 0, 0, {}
         writer.commit(self._snapshot(state, counts), done=True)
         return skipped

@@ -366,7 +366,7 @@ def _merge_build():
                 bands,
             )
 
-        def _stream(self, tokenizer, dtype, writer, dedup, state, counts, progress) -> Counter:
+        def _stream(self, tokenizer, dtype, writer, dedup, state, counts, progress) -> SourceStats:
             skipped = Counter(self.plan.skipped)
             stats = SourceStats()
             bad = BadInput(self.config.on_bad_input, stats)
@@ -402,7 +402,7 @@ def _merge_build():
             skipped.update(stats.skipped)
             state.phase, state.position, state.kept = 1, 0, 0
             writer.commit(self._snapshot(state, counts), done=True)
-            return skipped
+            return SourceStats(skipped, stats.named)
 
     return MergeBuild
 

@@ -16,12 +16,16 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..logs import log
 from .filters import Removal
 from .packing import _pieces, first_fit_decreasing
+
+if TYPE_CHECKING:
+    from .sources import SourceStats
 
 REPORT = "data_report.json"
 NAMED_REMOVALS = 20  # removed documents named per reason in data_report.json
@@ -149,7 +153,7 @@ def build_report(
     splits: dict,
     *,
     seconds: float,
-    reader_skipped: Counter,
+    reader_skipped: SourceStats,
     padding: dict | None,
     shards: int,
     resumed_from_shard: int | None,
@@ -163,7 +167,8 @@ def build_report(
         "removed": dict(counts.removed),
         "removed_bytes": dict(counts.removed_bytes),
         "removed_documents": counts.named,
-        "skipped_inputs": dict(reader_skipped),
+        "skipped_inputs": dict(reader_skipped.skipped),
+        "skipped_inputs_named": reader_skipped.named,
         "sources": {k: dict(v) for k, v in counts.sources.items()},
         "padding_fraction": padding,
         "bytes_in": counts.bytes_in,
@@ -189,6 +194,12 @@ def print_summary(report: dict) -> None:
         f"({mb:,.1f} MB in {report['seconds']:.1f}s, {speed:.2f} MB/s)"
     )
     log(f"data: removed: {removed}" + (f"; skipped inputs: {skipped}" if skipped else ""))
+    for kind, names in sorted(report.get("skipped_inputs_named", {}).items()):
+        more = report["skipped_inputs"][kind] - 1
+        log(
+            f"data: skipped ({kind}): {names[0]}"
+            + (f"; {more:,} more, listed in skipped_inputs_named of {REPORT}" if more else "")
+        )
     if len(report["sources"]) > 1:
         for name, per in report["sources"].items():
             log(

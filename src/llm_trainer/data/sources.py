@@ -79,11 +79,29 @@ class Document(NamedTuple):
     origin: str | None = None  # where it was read (file, file:line, file[row], dataset:split[i]), named in the report
 
 
+NAMED_SKIPS = 20  # skipped inputs named per kind in data_report.json
+
+
 @dataclass
 class SourceStats:
-    """What the readers skipped, by kind (binary_files, bad_json_lines, ...), reported in the manifest."""
+    """What the readers skipped, by kind (binary_files, bad_json_lines, ...), reported in the manifest,
+    and the first `NAMED_SKIPS` of each kind named with the reason, for the report and the console."""
 
     skipped: Counter = field(default_factory=Counter)
+    named: dict[str, list[str]] = field(default_factory=dict)
+
+    def skip(self, kind: str, what: str) -> None:
+        self.skipped[kind] += 1
+        names = self.named.setdefault(kind, [])
+        if len(names) < NAMED_SKIPS:
+            names.append(what)
+
+    def update(self, other: SourceStats) -> None:
+        """Add `other`'s counts and names (a later phase), keeping at most `NAMED_SKIPS` names per kind."""
+        self.skipped.update(other.skipped)
+        for kind, names in other.named.items():
+            kept = self.named.setdefault(kind, [])
+            kept += names[: NAMED_SKIPS - len(kept)]
 
 
 class BadInput:
@@ -98,7 +116,7 @@ class BadInput:
 
     def __call__(self, kind: str, message: str, *, in_folder: bool = False) -> None:
         if self.mode == "skip" or (self.mode == "skip_in_folders" and in_folder):
-            self.stats.skipped[kind] += 1
+            self.stats.skip(kind, message)
             return
         raise UsageError(message)
 
@@ -256,7 +274,7 @@ def read_text_file(
         if invalid_utf8 == "replace":
             return raw.decode("utf-8", errors="replace")
         if invalid_utf8 == "drop":
-            stats.skipped["invalid_utf8"] += 1
+            stats.skip("invalid_utf8", f"{path} is not UTF-8 text (dropped: data.invalid_utf8 is drop)")
             return None
         bad(
             "non_utf8_files",
@@ -338,7 +356,9 @@ def _jsonl_record(path: Path, line_no: int, line: bytes, opt: _ReadOptions) -> t
         if opt.invalid_utf8 == "replace":
             decoded = line.decode("utf-8", errors="replace")
         elif opt.invalid_utf8 == "drop":
-            opt.bad.stats.skipped["invalid_utf8"] += 1
+            opt.bad.stats.skip(
+                "invalid_utf8", f"{path}:{line_no} is not UTF-8 text (dropped: data.invalid_utf8 is drop)"
+            )
             return None
         else:
             opt.bad(
@@ -426,7 +446,15 @@ def _read_file(
     elif explicit or path.suffix.lower() in TEXT_SUFFIXES or not path.suffix:
         yield from _text_file_documents(path, explicit, stats, opt)
     else:
-        stats.skipped["unsupported_files"] += 1
+        stats.skip("unsupported_files", f"{path} (not read: {unsupported_reason(path)})")
+
+
+def unsupported_reason(path: Path) -> str:
+    """Why a file found in a folder or a glob is not read: the extension rule, in the report's words."""
+    return (
+        f"extension {path.suffix!r} is not a text, JSONL or Parquet one; name the file in data.data_files "
+        "to read it as text"
+    )
 
 
 def _text_file_documents(
@@ -610,7 +638,7 @@ def _documents(records: Iterator[tuple[str, float | None, str]], source: str, st
     """Records as Documents; one longer than MAX_DOCUMENT_CHARS is cut into several (and counted)."""
     for text, score, origin in records:
         if len(text) > MAX_DOCUMENT_CHARS:  # one document a tokenizer cannot take whole: cut, and say so
-            stats.skipped["long_documents_split"] += 1
+            stats.skip("long_documents_split", f"{origin} ({len(text):,} characters, cut into pieces)")
             pieces = split_long_text(text, MAX_DOCUMENT_CHARS)
             documents = [(piece, f"{origin} (part {i} of {len(pieces)})") for i, piece in enumerate(pieces, 1)]
         else:
