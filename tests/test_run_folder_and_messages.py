@@ -37,12 +37,20 @@ def test_a_second_train_into_a_run_folder_is_refused_then_resumes_or_starts_over
     before = (run / "metrics.jsonl").read_text()
     capfd.readouterr()
 
+    assert main(["train", "--config", str(config)]) == 2  # a finished run: resuming it would train nothing
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"error: {run} holds a finished run (it ended at step 4); choose another training.output_dir" in err
+    assert "--overwrite" in err and "raise training.max_steps and resume it" in err
+    assert (run / "metrics.jsonl").read_text() == before  # nothing touched
+
+    (run / "metrics.jsonl").write_text("".join(before.splitlines(keepends=True)[:-1]))  # as a kill leaves it
     assert main(["train", "--config", str(config)]) == 2
     err = capfd.readouterr().err
     assert err.count("\n") == 1, err
     assert f"error: {run} already holds a run (metrics.jsonl, checkpoints/); resume it with " in err
     assert "training.resume_from_checkpoint=latest" in err and "training.output_dir" in err and "--overwrite" in err
-    assert (run / "metrics.jsonl").read_text() == before  # nothing touched
+    (run / "metrics.jsonl").write_text(before)
 
     resume_short = ["train", "--config", str(config), "training.resume_from_checkpoint=latest", "training.max_steps=3"]
     assert main(resume_short) == 2

@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -300,6 +301,17 @@ def test_plots_never_raise_by_default_and_the_cli_reports(tmp_path, capsys):
     run = _fake_run(tmp_path / "run")
     assert main(["plot", str(run)]) == 0
     assert len(capsys.readouterr().out.split()) == 6 and (run / "plots" / "lr_vs_tokens.png").is_file()
+
+
+def test_without_matplotlib_a_finished_run_says_so_once_and_leaves_no_plots_folder(tmp_path, capsys, monkeypatch):
+    from llm_trainer.tools.plots import plot_runs
+
+    run = _fake_run(tmp_path / "run")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where the [tracking] extra is not installed
+    assert plot_runs([run], run / "plots") == {}
+    err = capsys.readouterr().err
+    assert "matplotlib is not installed" in err and "warning" not in err.lower()
+    assert not (run / "plots").exists()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..checkpoint.durable import write_bytes_atomically
 from ..errors import UsageError
 from ..filesystem import writable_folder
-from ..logs import warn
+from ..logs import log, warn
 from ..train.rows import row_kind
 
 FIGURES = ("loss", "perplexity", "lr")
@@ -147,6 +147,14 @@ def make_figures(runs: list[RunSeries]) -> dict:
     return figures
 
 
+def _matplotlib_installed() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plot_runs(run_dirs, output_dir, *, labels: list[str] | None = None, strict: bool = False) -> dict[str, Path]:
     """Write loss/perplexity/lr vs steps/tokens PNGs of the runs into `output_dir`; returns name -> path.
 
@@ -160,10 +168,15 @@ def plot_runs(run_dirs, output_dir, *, labels: list[str] | None = None, strict: 
             raise UsageError("no run folders to plot")
         if labels is not None and len(labels) != len(run_dirs):
             raise UsageError(f"{len(labels)} labels for {len(run_dirs)} runs")
+        if not strict and not _matplotlib_installed():  # an optional extra: said, not warned
+            log(
+                "plots: none drawn, matplotlib is not installed (pip install 'llm-trainer[tracking]', then `llm-trainer plot RUN_DIR`)"
+            )
+            return {}
         runs = [read_run(d, labels[i] if labels else None) for i, d in enumerate(run_dirs)]
         _disambiguate(runs, run_dirs)
+        figures = make_figures(runs)  # before the folder: a run that cannot be plotted leaves no empty plots/
         out = writable_folder(Path(output_dir), "the plot folder (--output)")
-        figures = make_figures(runs)
         written = {}
         for name, fig in figures.items():
             path = out / f"{name}.png"

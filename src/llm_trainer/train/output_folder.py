@@ -17,6 +17,7 @@ above read the store instead of the disk; starting over removes the same names t
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -63,6 +64,22 @@ def run_traces(training: TrainingConfig) -> list[str]:
     return found
 
 
+def _finished_at(training: TrainingConfig) -> int | None:
+    """The step a run in the local output folder ended at, when its metrics.jsonl ends with the summary of
+    a run that was not stopped by a signal; None otherwise (an interrupted run, or no local history)."""
+    path = training.local_output_dir / METRICS_FILE
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(max(0, handle.seek(0, os.SEEK_END) - 65536))  # the last row is well within the tail
+            last = handle.read().splitlines()[-1]
+        row = json.loads(last)
+    except (OSError, IndexError, ValueError):
+        return None
+    if not isinstance(row, dict) or row.get("kind") != "summary" or row.get("stopped_by_signal"):
+        return None
+    return row["step"] if isinstance(row.get("step"), int) else None
+
+
 def _default_layout(training: TrainingConfig) -> bool:
     """The checkpoints in `{output_dir}/checkpoints`, a folder only runs write."""
     return training.resolved_checkpoint_dir.resolve() == (training.local_output_dir / CHECKPOINTS_DIR).resolve()
@@ -89,6 +106,12 @@ def check_output_folder(training: TrainingConfig, *, is_main: bool) -> None:
             clear_run_files(training)
         return
     traces = run_traces(training)
+    if traces and (step := _finished_at(training)) is not None:  # resuming it would train no step
+        raise UsageError(
+            f"{training.output_dir} holds a finished run (it ended at step {step:,}); choose another "
+            "training.output_dir, pass --overwrite (training.overwrite_output_dir=true) to start over, or raise "
+            "training.max_steps and resume it (training.resume_from_checkpoint=latest) to train on"
+        )
     if traces:
         raise UsageError(
             f"{training.output_dir} already holds a run ({', '.join(traces)}); resume it with "
