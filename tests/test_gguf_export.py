@@ -24,6 +24,7 @@ from llm_trainer.errors import UsageError  # noqa: E402
 from llm_trainer.hf.gguf import export_to_gguf  # noqa: E402
 from llm_trainer.model import Transformer  # noqa: E402
 from llm_trainer.tokenizer import Tokenizer  # noqa: E402
+from test_object_storage import s3, s3_server  # noqa: E402, F401  (the local S3 server's fixtures)
 
 # Latin, Cyrillic, CJK, Arabic, emoji, digits, contractions, whitespace runs, tabs and newlines.
 MULTILINGUAL = (
@@ -302,3 +303,19 @@ def test_the_transformers_export_says_nothing_about_gguf(tmp_path, capsys):
     said = (captured.out + captured.err).lower()
     assert "gguf" not in said and "llama.cpp" not in said
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
+
+
+@pytest.mark.slow  # starts a local S3 server
+def test_a_url_output_is_uploaded_once_written_and_replaced_only_with_overwrite(tmp_path, capsys, s3):  # noqa: F811
+    fs, bucket = s3
+    folder, _ = model_folder(tmp_path, bpe("llama3"), architecture="llama")
+    url = f"s3://{bucket}/models/small.gguf"
+    argv = ["export", "--checkpoint", str(folder), "--output", url, "--format", "gguf"]
+    assert cli.main(argv) == 0
+    fs.get(f"{bucket}/models/small.gguf", str(tmp_path / "back.gguf"))
+    assert read_fields(tmp_path / "back.gguf")["tokenizer.ggml.pre"] == "llama-bpe"
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert cli.main([*argv, "--overwrite"]) == 0
+    assert fs.ls(f"{bucket}/models") == [f"{bucket}/models/small.gguf"]
