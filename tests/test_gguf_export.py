@@ -125,6 +125,59 @@ def test_transformers_loads_the_gguf_with_our_logits(tmp_path, case):
     assert ("output.weight" in names) == (not ours.config.resolved().tie_embeddings)
 
 
+def llama_cpp_llama_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's LLaMA graph (llm_build_llama) on one sequence, from the file alone: RMSNorm, RoPE in
+    its normal mode (adjacent pairs (2i, 2i+1) rotated by pos * base^(-2i/D)), causal attention with
+    grouped kv heads, SwiGLU, the head or else token_embd. Independent of transformers' loader."""
+    fields = read_fields(path)
+    w = {t.name: torch.from_numpy(t.data.copy()).float() for t in gguf.GGUFReader(str(path)).tensors}
+    n_head, n_kv = fields["llama.attention.head_count"], fields["llama.attention.head_count_kv"]
+    d_head, eps = fields["llama.attention.key_length"], fields["llama.attention.layer_norm_rms_epsilon"]
+    base, n_layer = fields["llama.rope.freq_base"], fields["llama.block_count"]
+    T = ids.numel()
+    pairs = base ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * pairs[None, :]
+    cos, sin = angle.cos().float(), angle.sin().float()
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    def linear(x, name):
+        out = x @ w[name + ".weight"].T
+        return out + w[name + ".bias"] if name + ".bias" in w else out
+
+    def rope(x):  # (T, heads, d_head)
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        c, s = cos[:, None, :], sin[:, None, :]
+        return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)
+
+    x = w["token_embd.weight"][ids.flatten()]
+    mask = torch.ones(T, T).tril().bool()
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        h = rms(x, w[b + "attn_norm.weight"])
+        q = rope(linear(h, b + "attn_q").view(T, n_head, d_head))
+        k = rope(linear(h, b + "attn_k").view(T, n_kv, d_head)).repeat_interleave(n_head // n_kv, dim=1)
+        v = linear(h, b + "attn_v").view(T, n_kv, d_head).repeat_interleave(n_head // n_kv, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / d_head**0.5
+        attn = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        x = x + linear(torch.einsum("hqk,khd->qhd", attn, v).reshape(T, n_head * d_head), b + "attn_output")
+        h = rms(x, w[b + "ffn_norm.weight"])
+        x = x + linear(torch.nn.functional.silu(linear(h, b + "ffn_gate")) * linear(h, b + "ffn_up"), b + "ffn_down")
+    head = w.get("output.weight", w["token_embd.weight"])
+    return rms(x, w["output_norm.weight"]) @ head.T
+
+
+@pytest.mark.parametrize("case", ["llama-gqa", "llama-tied", "llama-bias"])
+def test_llama_cpps_llama_graph_on_the_file_gives_our_logits(tmp_path, case):
+    model, pre_split, _ = CASES[case]
+    folder, ours = model_folder(tmp_path, bpe(pre_split), **model)
+    export_to_gguf(folder, tmp_path / "model.gguf")
+    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (ours(ids)[0] - llama_cpp_llama_logits(tmp_path / "model.gguf", ids)).abs().max().item() <= 1e-4
+
+
 def test_f16_keeps_norms_and_biases_in_float32_and_stays_close(tmp_path):
     transformers = pytest.importorskip("transformers")
     folder, ours = model_folder(tmp_path, bpe("llama3"), architecture="llama", bias=True)
