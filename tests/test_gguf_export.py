@@ -168,14 +168,44 @@ def llama_cpp_llama_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
     return rms(x, w["output_norm.weight"]) @ head.T
 
 
-@pytest.mark.parametrize("case", ["llama-gqa", "llama-tied", "llama-bias"])
-def test_llama_cpps_llama_graph_on_the_file_gives_our_logits(tmp_path, case):
+def llama_cpp_gpt2_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's GPT-2 graph (llm_build_gpt2) on one sequence, from the file alone: learned positions,
+    LayerNorm, one qkv matrix cut [q | k | v], GELU (tanh), the head or else token_embd."""
+    fields = read_fields(path)
+    w = {t.name: torch.from_numpy(t.data.copy()).float() for t in gguf.GGUFReader(str(path)).tensors}
+    n_head, eps = fields["gpt2.attention.head_count"], fields["gpt2.attention.layer_norm_epsilon"]
+    d_model, n_layer = fields["gpt2.embedding_length"], fields["gpt2.block_count"]
+    T, d_head = ids.numel(), d_model // n_head
+    F = torch.nn.functional
+
+    def norm(x, name):
+        return F.layer_norm(x, (d_model,), w[name + ".weight"], w[name + ".bias"], eps)
+
+    def linear(x, name):
+        return x @ w[name + ".weight"].T + w[name + ".bias"]
+
+    x = w["token_embd.weight"][ids.flatten()] + w["position_embd.weight"][:T]
+    mask = torch.ones(T, T).tril().bool()
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        q, k, v = linear(norm(x, b + "attn_norm"), b + "attn_qkv").view(T, 3, n_head, d_head).unbind(1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / d_head**0.5
+        attn = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        x = x + linear(torch.einsum("hqk,khd->qhd", attn, v).reshape(T, d_model), b + "attn_output")
+        x = x + linear(F.gelu(linear(norm(x, b + "ffn_norm"), b + "ffn_up"), approximate="tanh"), b + "ffn_down")
+    head = w.get("output.weight", w["token_embd.weight"])
+    return norm(x, "output_norm") @ head.T
+
+
+@pytest.mark.parametrize("case", ["gpt2", "gpt2-untied", "llama-gqa", "llama-tied", "llama-bias"])
+def test_llama_cpps_graph_on_the_file_gives_our_logits(tmp_path, case):
     model, pre_split, _ = CASES[case]
     folder, ours = model_folder(tmp_path, bpe(pre_split), **model)
     export_to_gguf(folder, tmp_path / "model.gguf")
     ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        assert (ours(ids)[0] - llama_cpp_llama_logits(tmp_path / "model.gguf", ids)).abs().max().item() <= 1e-4
+        reference = llama_cpp_gpt2_logits if model["architecture"] == "gpt2" else llama_cpp_llama_logits
+        assert (ours(ids)[0] - reference(tmp_path / "model.gguf", ids)).abs().max().item() <= 1e-4
 
 
 def test_f16_keeps_norms_and_biases_in_float32_and_stays_close(tmp_path):

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from .. import storage
+from ..checkpoint.durable import no_follow
 from ..checkpoint.model_folder import load_model_folder
 from ..config import ModelConfig
 from ..errors import UsageError
@@ -319,8 +320,12 @@ def export_to_gguf(model_dir, output, *, tokenizer_file=None, dtype: str = "f32"
         final = Path(upload) / Path(remote).name if remote else Path(output)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         try:
+            tmp.unlink(missing_ok=True)  # a symlink planted there goes, its target untouched
+            os.close(no_follow(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL))  # ours, new, no link followed
             _write(tmp, Path(str(output)).stem, config, state, vocab, dtype)
             os.chmod(tmp, new_file_mode())
+            with open(tmp, "rb+") as written:
+                os.fsync(written.fileno())  # on disk before the rename makes it the target
             if remote:
                 storage.upload(tmp, remote)
             else:
