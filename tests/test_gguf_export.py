@@ -351,6 +351,8 @@ def test_a_model_llama_cpp_cannot_compute_and_a_missing_tokenizer_are_refused(tm
     assert "cannot export to GGUF: qk_norm" in refused(tmp_path, folder, capsys)
     folder, _ = model_folder(tmp_path / "none", None, architecture="llama")
     assert "carries its tokenizer" in refused(tmp_path, folder, capsys)
+    (folder / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": {"a": "not an id"}}}')
+    assert "is not a valid tokenizer.json" in refused(tmp_path, folder, capsys)
     folder, _ = model_folder(tmp_path / "dtype", bpe("gpt2"), architecture="llama")
     assert cli.main(["export", "--checkpoint", str(folder), "--output", str(tmp_path / "hf"), "--dtype", "f16"]) == 2
     assert "--format gguf" in capsys.readouterr().err

@@ -342,7 +342,7 @@ def _export_gguf(args) -> int:
     path = find_checkpoint(local_checkpoint(args.checkpoint))
     if path is None:
         raise UsageError(f"{args.checkpoint} holds no checkpoint to export")
-    llama_cpp_pre(read_tokenizer_json(path / "tokenizer.json"))  # a tokenizer llama.cpp cannot read: before the weights
+    llama_cpp_pre(read_tokenizer_json(path / "tokenizer.json")[1])  # one llama.cpp cannot read: before the weights
     model, _, _ = load_for_inference(path)
     import tempfile
 

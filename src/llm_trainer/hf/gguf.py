@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer as HFTokenizer
 
 from .. import storage
 from ..checkpoint.durable import no_follow
@@ -100,7 +101,8 @@ def llama_cpp_pre(tokenizer_json: dict[str, Any]) -> str:
         )
     pre_split = pre_split_of(tokenizer_json)
     if kind != "BPE" or (pre_split is None and not _byte_level(tokenizer_json)):
-        raise _refuse(f"llama.cpp reads byte-level BPE tokenizers only, this one is {kind or 'unknown'} without it")
+        what = "BPE without the byte-level alphabet" if kind == "BPE" else f"a {kind or 'model of no known type'}"
+        raise _refuse(f"llama.cpp reads byte-level BPE tokenizers only and this tokenizer.json holds {what}")
     if pre_split not in LLAMA_CPP_PRE:
         raise _refuse(
             f"none of llama.cpp's pre-tokenizers splits text as this tokenizer's "
@@ -115,31 +117,32 @@ def llama_cpp_pre(tokenizer_json: dict[str, Any]) -> str:
     return LLAMA_CPP_PRE[pre_split]
 
 
-def read_tokenizer_json(path: Path) -> dict[str, Any]:
-    """The tokenizer.json a GGUF file is made with, as data (nothing in it runs), or a one-line error."""
+def read_tokenizer_json(path: Path) -> tuple[HFTokenizer, dict[str, Any]]:
+    """The tokenizer a GGUF file is made with, loaded by `tokenizers` (which validates it; nothing in it
+    runs) and as JSON (its merges and settings), or a one-line error."""
     path = Path(path)
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
         raise UsageError(f"a GGUF file carries its tokenizer and {path} does not exist; pass the tokenizer.json")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        text = path.read_text(encoding="utf-8")
+        backend = HFTokenizer.from_str(text)
+        data = json.loads(text)
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError) as exc:
         raise UsageError(f"{path} is not a valid tokenizer.json ({type(exc).__name__})") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{path} is not a valid tokenizer.json (not a JSON object)")
-    return data
+    except Exception as exc:  # tokenizers raises plain Exception for malformed JSON
+        raise UsageError(f"{path} is not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})") from None
+    return backend, data
 
 
-def gguf_vocab(tokenizer_json: dict[str, Any], vocab_size: int) -> GGUFVocab:
+def gguf_vocab(backend: HFTokenizer, tokenizer_json: dict[str, Any], vocab_size: int) -> GGUFVocab:
     """The tokenizer as GGUF metadata, or a one-line refusal (`llama_cpp_pre`, or ids llama.cpp cannot list)."""
     pre = llama_cpp_pre(tokenizer_json)
-    model = tokenizer_json.get("model") or {}
-    by_id: dict[int, str] = {int(i): t for t, i in (model.get("vocab") or {}).items()}
+    by_id = {i: t for t, i in backend.get_vocab(with_added_tokens=True).items()}
     types = {i: _NORMAL for i in by_id}
-    for added in tokenizer_json.get("added_tokens") or []:
-        by_id[int(added["id"])] = added["content"]
-        types[int(added["id"])] = _CONTROL if added.get("special") else _USER_DEFINED
+    for i, added in backend.get_added_tokens_decoder().items():
+        types[i] = _CONTROL if added.special else _USER_DEFINED
     n = len(by_id)
     if sorted(by_id) != list(range(n)):
         raise _refuse("the tokenizer's ids are not 0..N-1 without gaps, as llama.cpp's token list needs")
@@ -151,7 +154,7 @@ def gguf_vocab(tokenizer_json: dict[str, Any], vocab_size: int) -> GGUFVocab:
     # Rows of the embedding past the tokenizer (vocab_size rounded up): tokens llama.cpp never produces.
     tokens = [by_id[i] for i in range(n)] + [f"[PAD{i}]" for i in range(n, vocab_size)]
     token_types = [types[i] for i in range(n)] + [_UNUSED] * (vocab_size - n)
-    return GGUFVocab(pre, tokens, token_types, _merges(model), eot_id)
+    return GGUFVocab(pre, tokens, token_types, _merges(tokenizer_json.get("model") or {}), eot_id)
 
 
 def _byte_level(tokenizer_json: dict[str, Any]) -> bool:
@@ -308,12 +311,14 @@ def export_to_gguf(model_dir, output, *, tokenizer_file=None, dtype: str = "f32"
     model_dir = Path(model_dir)
     remote = str(output) if storage.is_url(output) else None
     check_output(output, overwrite)
-    tokenizer_json = read_tokenizer_json(model_dir / "tokenizer.json" if tokenizer_file is None else tokenizer_file)
+    backend, tokenizer_json = read_tokenizer_json(
+        model_dir / "tokenizer.json" if tokenizer_file is None else tokenizer_file
+    )
     llama_cpp_pre(tokenizer_json)  # refused before the weights are read
     model = load_model_folder(model_dir)
     config = model.config.resolved()
     check_gguf_exportable(config)
-    vocab = gguf_vocab(tokenizer_json, config.vocab_size)
+    vocab = gguf_vocab(backend, tokenizer_json, config.vocab_size)
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
 
     with tempfile.TemporaryDirectory(prefix="gguf-") as upload:
