@@ -404,3 +404,56 @@ def test_a_url_output_is_uploaded_once_written_and_replaced_only_with_overwrite(
     assert "--overwrite" in capsys.readouterr().err
     assert cli.main([*argv, "--overwrite"]) == 0
     assert fs.ls(f"{bucket}/models") == [f"{bucket}/models/small.gguf"]
+
+
+@pytest.mark.slow  # trains through the CLI in a subprocess
+def test_a_trained_runs_gguf_export_computes_the_runs_logits_and_tokens(tmp_path, corpus):
+    import subprocess
+    import sys
+
+    import yaml
+
+    from conftest import src_env
+    from llm_trainer.api import load_for_inference
+
+    config = {
+        "model": {
+            "architecture": "llama",
+            "d_model": 32,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "n_layers": 2,
+            "max_seq_len": 32,
+        },
+        "training": {"batch_size": 8, "max_steps": 10, "eval_steps": 0, "save_steps": 0, "output_dir": "run"}
+        | {"device": "cpu", "use_amp": False, "progress_bar": False, "report_to": ["jsonl"]},
+        "data": {"data_files": [str(corpus)], "tokenizer": "bpe", "tokenizer_vocab_size": 300}
+        | {"tokenizer_pre_split": "llama3"},
+    }
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(config))
+
+    def run(*args):
+        done = subprocess.run(
+            [sys.executable, "-m", "llm_trainer", *args], cwd=tmp_path, env=src_env(), capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        return done
+
+    run("train", "--config", "exp.yaml")
+    assert (
+        "exported to small.gguf"
+        in run("export", "--checkpoint", "run", "--output", "small.gguf", "--format", "gguf").stdout
+    )
+    model, tokenizer, _ = load_for_inference(tmp_path / "run")
+    text = "the fox sat on the mat number 5."
+    ids = torch.tensor([tokenizer.encode(text)])
+    assert llama_cpp_tokenize(tmp_path / "small.gguf", text) == ids[0].tolist()
+    with torch.no_grad():
+        ours = model.eval()(ids)[0]
+    assert (ours - llama_cpp_llama_logits(tmp_path / "small.gguf", ids)).abs().max().item() <= 1e-4
+
+
+def test_without_the_gguf_package_the_export_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    folder, _ = model_folder(tmp_path, bpe("gpt2"), architecture="llama")
+    monkeypatch.setitem(__import__("sys").modules, "gguf", None)  # `import gguf` raises ImportError
+    assert "pip install 'llm-trainer[gguf]'" in refused(tmp_path, folder, capsys)
