@@ -291,6 +291,10 @@ def _quiet_transformers() -> None:
 
 
 def cmd_export(args) -> int:
+    if args.format == "gguf":
+        return _export_gguf(args)
+    if args.dtype is not None:
+        raise UsageError("--dtype sets a GGUF file's weights; a transformers export keeps float32 (use --format gguf)")
     try:
         _quiet_transformers()
         from .hf.interop import export_to_hf
@@ -323,6 +327,36 @@ def cmd_export(args) -> int:
         if remote:
             publish_remote(Path(out), remote, marker="config.json")
             out = remote
+    print(f"exported to {out}")
+    return 0
+
+
+def _export_gguf(args) -> int:
+    """`export --format gguf`: the checkpoint's model and tokenizer as one GGUF file (hf/gguf.py)."""
+    from .api import load_for_inference, local_checkpoint
+    from .checkpoint.find import find_checkpoint
+    from .hf.gguf import check_output, export_to_gguf, llama_cpp_pre, read_tokenizer_json, require_gguf
+
+    require_gguf()
+    check_output(args.output, args.overwrite)  # before the checkpoint is read
+    path = find_checkpoint(local_checkpoint(args.checkpoint))
+    if path is None:
+        raise UsageError(f"{args.checkpoint} holds no checkpoint to export")
+    llama_cpp_pre(read_tokenizer_json(path / "tokenizer.json")[1])  # one llama.cpp cannot read: before the weights
+    model, _, _ = load_for_inference(path)
+    import tempfile
+
+    from .checkpoint.model_folder import save_model_folder
+
+    with tempfile.TemporaryDirectory(prefix="export-") as folder:
+        save_model_folder(model, folder)
+        out = export_to_gguf(
+            Path(folder),
+            args.output,
+            tokenizer_file=path / "tokenizer.json",
+            dtype=args.dtype or "f32",
+            overwrite=args.overwrite,
+        )
     print(f"exported to {out}")
     return 0
 
@@ -606,9 +640,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     overwrite = "replace the files this command writes in a non-empty --output folder (other files are kept)"
-    p = sub.add_parser("export", help="write a Hugging Face transformers model folder")
+    p = sub.add_parser("export", help="write a Hugging Face transformers model folder, or a GGUF file for llama.cpp")
     p.add_argument("--checkpoint", required=True)
-    p.add_argument("--output", required=True)
+    p.add_argument("--output", required=True, help="a folder (--format hf) or a .gguf file (--format gguf)")
+    p.add_argument(
+        "--format",
+        choices=("hf", "gguf"),
+        default="hf",
+        help="hf: a transformers folder; gguf: one file llama.cpp runs (byte-level BPE with "
+        "data.tokenizer_pre_split gpt2 or llama3)",
+    )
+    p.add_argument("--dtype", choices=("f32", "f16"), default=None, help="the GGUF file's weights (default f32)")
     p.add_argument("--overwrite", action="store_true", help=overwrite)
     p.set_defaults(func=cmd_export)
 

@@ -28,10 +28,8 @@ from ..checkpoint.publish import check_target, publish
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..filesystem import with_default_mode
-from ..logs import log
 from ..model import Transformer
 from ..tokenizer import EOT as EOT_TOKEN
-from ..tokenizer import pre_split_of
 from .fast_tokenizer import fast_tokenizer, special_tokens
 from .fast_tokenizer import require_transformers as _transformers
 
@@ -56,11 +54,12 @@ _GPT2_ACTIVATIONS_BACK = {
 # Configs
 
 
-def _check_exportable(config: ModelConfig) -> None:
-    """Refuse, in one line, settings the target transformers class cannot express."""
+def check_exportable(config: ModelConfig, target: str = "transformers") -> None:
+    """Refuse, in one line, settings the target transformers class (or llama.cpp's graph of the same
+    family, `target="GGUF"`) cannot express."""
 
     def refuse(reason: str) -> None:
-        raise UsageError(f"cannot export to transformers: {reason}")
+        raise UsageError(f"cannot export to {target}: {reason}")
 
     if not config.pre_norm:
         refuse("post-norm blocks (pre_norm: false) exist in neither GPT-2 nor LLaMA; only pre-norm models export")
@@ -99,7 +98,7 @@ def _rope_kwargs(config_class, theta: float) -> dict[str, Any]:
 def to_hf_config(config: ModelConfig, eos_token_id: int | None = None):
     """The transformers config (GPT2Config or LlamaConfig) equivalent to `config`."""
     config = config.resolved()
-    _check_exportable(config)
+    check_exportable(config)
     tf = _transformers()
     common = dict(
         vocab_size=config.vocab_size,
@@ -351,29 +350,6 @@ def _save_tokenizer(tokenizer_path: Path, directory: Path, max_seq_len: int) -> 
     return eot_id
 
 
-# Our pre-splits -> the name llama.cpp gives the same regex (`tokenizer.ggml.pre`); `unicode` has none.
-_LLAMA_CPP_PRE = {"gpt2": "gpt-2", "llama3": "llama-bpe"}
-
-
-def gguf_note(tokenizer_json: dict) -> str | None:
-    """One line on converting the export to GGUF with llama.cpp's convert_hf_to_gguf.py. It knows a byte-level
-    BPE tokenizer only by a hash of its ids on a fixed text, so it refuses every vocabulary trained here as
-    shipped, and it can only split text with the regexes of the tokenizers it knows. None: not byte-level BPE."""
-    if (tokenizer_json.get("model") or {}).get("type") != "BPE":
-        return None
-    pre_split = pre_split_of(tokenizer_json)
-    refused = "export: llama.cpp's convert_hf_to_gguf.py knows tokenizers by a hash of their ids and refuses new ones"
-    if pre_split in _LLAMA_CPP_PRE:
-        return (
-            f"{refused}; this one splits text as its {_LLAMA_CPP_PRE[pre_split]!r} does: map the chkhsh it prints "
-            f"to res = {_LLAMA_CPP_PRE[pre_split]!r} in its get_vocab_base_pre() to convert"
-        )
-    return (
-        f"{refused}, and none of its pre-tokenizers splits as this one ({pre_split or 'its own regex'}) does; train with "
-        "data.tokenizer_pre_split: gpt2 or llama3 for a tokenizer a GGUF can reproduce"
-    )
-
-
 def _format_count(n: int) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
@@ -471,7 +447,7 @@ def export_to_hf(
     check_target(output_dir, model_dir, overwrite)
     model = load_model_folder(model_dir)
     config = model.config
-    _check_exportable(config)
+    check_exportable(config)
     tokenizer_path = _resolve_tokenizer_file(model_dir, tokenizer_file)
     if tokenizer_path is not None:
         from tokenizers import Tokenizer
@@ -508,8 +484,6 @@ def export_to_hf(
         (tmp / "README.md").write_text(card)
 
     publish(output_dir, build, source=model_dir, overwrite=overwrite)
-    if tokenizer_path is not None and (note := gguf_note(json.loads(tokenizer_path.read_text(encoding="utf-8")))):
-        log(note)
     return output_dir
 
 
