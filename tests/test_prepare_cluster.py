@@ -30,9 +30,16 @@ TIMING = ("seconds", "bytes_per_second", "resumed_from_shard")  # the only repor
 WORDS = "river stone light garden window paper music forest letter winter harbor silver market candle".split()
 
 
+# What cleaning changes (CRLF, trailing spaces, blank-line runs, control characters, text that NFC
+# normalises, other scripts): a stage that tokenized the raw text instead of the cleaned one differs.
+NOISE = ("\r\n", "  \n", "\n\n\n\n", "\x07", "\x0c", "e\u0301", "\u212b", "мир ", "水 ", "\t\n")
+
+
 def _text(rng, n: int) -> str:
-    words = rng.choice(WORDS + [f"w{i}" for i in range(300)], n)
-    return " ".join(words) + "."
+    words = rng.choice(WORDS + [f"w{i}" for i in range(300)], n).tolist()
+    for _ in range(int(rng.integers(0, 4))):
+        words[int(rng.integers(n))] += NOISE[int(rng.integers(len(NOISE)))]
+    return " ".join(words) + ".  "
 
 
 def write_mixed_corpus(root: Path, documents: int = 40, files: int = 4) -> list[dict]:
@@ -60,7 +67,7 @@ def write_mixed_corpus(root: Path, documents: int = 40, files: int = 4) -> list[
                 out.write(json.dumps({"text": text}) + "\n")
     (web / "blob").write_bytes(b"\x00\x01binary" * 50)
     for f in range(3):
-        (books / f"book{f}.txt").write_text("\n\n".join(_text(rng, 60) for _ in range(3)))
+        (books / f"book{f}.txt").write_bytes("\r\n\r\n".join(_text(rng, 60) for _ in range(3)).encode())
     return [
         {"name": "web", "data_files": [str(web)], "weight": 3.0},
         {"name": "books", "data_files": [str(books)], "weight": 1.0},
@@ -497,3 +504,19 @@ def test_a_ray_task_whose_worker_is_killed_runs_again_and_the_result_is_the_same
     started = datetime.strptime(log.read_text()[:23], "%Y-%m-%d %H:%M:%S.%f")  # its log's first line
     assert started > killed[1]  # the task ran again after the kill (its log is rewritten by each run)
     assert prepared_files(prepared.directory) == reference
+
+
+def test_a_folder_an_executor_wrote_from_raw_text_is_not_reused(tmp_path, monkeypatch):
+    """Executors of data format 5 tokenized the raw text; their folders carry format 5's fingerprint, which
+    this version never looks up, so a prepare writes a new folder beside the old one (left as it was)."""
+    from llm_trainer.data import build
+
+    sources = write_mixed_corpus(tmp_path / "corpus", documents=12, files=1)
+    config = DataConfig(**settings(sources, tmp_path / "cache", deduplication="exact"))
+    monkeypatch.setattr(build, "FORMAT_VERSION", 5)
+    old = prepare_data(config).directory
+    monkeypatch.undo()
+    assert build.FORMAT_VERSION == 6
+    new = prepare_data(config).directory
+    assert new != old and (old / "manifest.json").is_file()
+    assert json.loads((new / "manifest.json").read_text())["format_version"] == 6

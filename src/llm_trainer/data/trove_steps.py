@@ -157,7 +157,8 @@ class WriteParts(PipelineStep):
                     if item[0] == "end":
                         return pool.submit(lambda: None)
                     _, documents, rows = item
-                    return pool.submit(encode, tokenizer, [documents[i].text for i in rows], dtype)
+                    cleaned = documents[0].metadata["batch"].texts  # what the filters and dedup decided on
+                    return pool.submit(encode, tokenizer, [cleaned[i] for i in rows], dtype)
 
                 items = self._batches(data, seen)
                 for item, encoded in _ordered(items, submit, _TOKENIZE_THREADS + 1):
