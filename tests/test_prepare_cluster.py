@@ -520,3 +520,45 @@ def test_a_folder_an_executor_wrote_from_raw_text_is_not_reused(tmp_path, monkey
     new = prepare_data(config).directory
     assert new != old and (old / "manifest.json").is_file()
     assert json.loads((new / "manifest.json").read_text())["format_version"] == 6
+
+
+def test_a_planted_plan_neither_removes_a_folder_nor_adds_an_input(tmp_path):
+    """A plan.json written into the shared cache's task folder by someone else, with this config's
+    fingerprint, task count and work folder, naming a user's folder as the result and a file outside
+    data_files as input: the command builds its plan from the config, so the folder is untouched and
+    the prepared tokens are the in-process prepare's."""
+    from llm_trainer.data.build import _fingerprint
+    from llm_trainer.data.sources import FileUnit
+
+    sources = write_mixed_corpus(tmp_path / "corpus", documents=12, files=2)
+    reference = prepared_files(prepare_data(DataConfig(**settings(sources, tmp_path / "in-process"))).directory)
+    own = tmp_path / "users-own-folder"
+    own.mkdir()
+    (own / "thesis.txt").write_text("years of work")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("planted words that were never in data_files " * 20)
+    config = DataConfig(**settings(sources, tmp_path / "cache", executor="local", executor_tasks=1))
+    fingerprint = _fingerprint(config)
+    tasks_dir = tasks_folder(config, fingerprint)
+    tasks_dir.mkdir(parents=True)
+    planted = {
+        "fingerprint": fingerprint,
+        "tasks": 1,
+        "units": [
+            list(FileUnit(source, str(path), True, False, path.stat().st_size))
+            for source, path in ((0, tmp_path / "corpus" / "web" / "part-0.jsonl"), (1, outside))
+        ],
+        "skipped": {},
+        "dtype": "uint16",
+        "work": str(tmp_path / "cache" / f".{fingerprint}.partial"),
+        "directory": str(own),
+        "started": 0.0,
+        "cwd": str(tmp_path),
+    }
+    (tasks_dir / "plan.json").write_text(json.dumps(planted))
+
+    prepared = prepare_data(config)
+    assert (own / "thesis.txt").read_text() == "years of work"
+    assert prepared.directory == tmp_path / "cache" / fingerprint
+    assert prepared_files(prepared.directory) == reference
+    assert json.loads((tasks_dir / "plan.json").read_text())["directory"] == str(prepared.directory)

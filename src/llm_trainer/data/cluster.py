@@ -21,7 +21,8 @@ folder; every task reads that file.
 Resumable per task: datatrove writes `completions/{rank}` when a task has finished, and skips the
 completed tasks when the same command runs again; a task that was killed starts its part over.
 Where things are (`data.executor_logs`, default `{cache_dir}/.{fingerprint}.tasks/`):
-  plan.json                       the input files, their assignment to tasks, the tokenizer's dtype
+  plan.json                       the input files, their assignment to tasks, the tokenizer's dtype: a
+                                  record only (the tasks get the plan the command built from the config)
   prepare/ and merge/             datatrove's folders of each stage: logs/task_NNNNN.log,
                                   completions/NNNNN, stats/, errors/NNNNN.json (a failed task's message)
   parts/NNNNN/                    the per-file stage's output (removed once the merge has finished)
@@ -108,17 +109,22 @@ class Plan:
     def root(self) -> Path:
         return Path(self.work).parent
 
-    def save(self, path: Path) -> None:
-        data = {**self.__dict__, "units": [list(u) for u in self.units]}
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+    def record(self) -> dict:
+        """The plan as plan.json holds it (JSON types throughout, so a record read back compares equal)."""
+        return json.loads(json.dumps({**self.__dict__, "units": [list(u) for u in self.units]}))
 
-    @classmethod
-    def load(cls, path: Path) -> Plan:
-        data = json.loads(Path(path).read_text())
-        data["units"] = [FileUnit(*u) for u in data["units"]]
-        return cls(**data)
+    def matches(self, record: object) -> bool:
+        """Whether plan.json's `record` is this plan up to when it started: the tasks that completed under
+        it did this plan's work. Only compared, never read as the plan: the folder may be shared."""
+        if not isinstance(record, dict):
+            return False
+        mine = self.record()
+        return {k: v for k, v in record.items() if k != "started"} == {k: v for k, v in mine.items() if k != "started"}
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.record()))
+        os.replace(tmp, path)
 
     def ranges(self) -> list[tuple[int, int]]:
         return task_ranges([u.size for u in self.units], self.tasks)
@@ -407,11 +413,10 @@ def _merge_build():
     return MergeBuild
 
 
-def merge(config: DataConfig, plan_path: Path) -> None:
+def merge(config: DataConfig, plan: Plan, tasks_dir: Path) -> None:
     """The merge stage's one task: the prepared folder from the parts."""
-    plan = Plan.load(plan_path)
     plan.enter()
-    _merge_build()(config, plan, Path(plan_path).parent).run()
+    _merge_build()(config, plan, Path(tasks_dir)).run()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,27 +24,14 @@ from .cluster import PARTS, PLAN, STAGES, Plan, TaskFailed, tasks_folder
 from .sources import SourceStats, file_units, only_files
 
 
-def _plan(config: DataConfig, fingerprint: str, work: Path, directory: Path, tasks_dir: Path, dtype) -> Path:
-    """plan.json, made once per fingerprint and task count: the files are listed and assigned here only."""
-    path = tasks_dir / PLAN
-    completed = list((tasks_dir / "prepare" / "completions").glob("*"))
-    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-        plan = Plan.load(path)
-        if plan.fingerprint == fingerprint and plan.tasks == config.executor_tasks and plan.work == str(work):
-            if not completed:
-                plan.started = time.time()
-                plan.save(path)
-            return path
-        if completed:
-            log(f"data: {plan.tasks} tasks were planned, now {config.executor_tasks}: the per-file stage starts over")
-    for stage in STAGES:
-        shutil.rmtree(tasks_dir / stage / "completions", ignore_errors=True)
-        shutil.rmtree(tasks_dir / stage / "errors", ignore_errors=True)
-    shutil.rmtree(tasks_dir / PARTS, ignore_errors=True)
+def _plan(config: DataConfig, fingerprint: str, work: Path, directory: Path, tasks_dir: Path, dtype) -> Plan:
+    """The plan, built from the config on every run: the files are listed and assigned here. plan.json
+    records the plan the completed tasks ran under and is only compared with this one, never read as the
+    plan (a shared cache's task folder may be written by others): when it differs, the per-file stage
+    starts over, and all that is removed are the completion markers, errors and parts in `tasks_dir`."""
     stats = SourceStats()
     units = file_units(config, stats)
-    tasks_dir.mkdir(parents=True, exist_ok=True)
-    Plan(
+    plan = Plan(
         fingerprint,
         config.executor_tasks,
         units,
@@ -54,8 +41,30 @@ def _plan(config: DataConfig, fingerprint: str, work: Path, directory: Path, tas
         str(directory),
         time.time(),
         os.getcwd(),
-    ).save(path)
-    return path
+    )
+    path = tasks_dir / PLAN
+    completed = any((tasks_dir / "prepare" / "completions").glob("*"))
+    recorded = None
+    with contextlib.suppress(OSError, ValueError):
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    if plan.matches(recorded):
+        started = recorded.get("started")
+        if completed and isinstance(started, (int, float)):  # the stage's time counts from its first run
+            plan.started = float(started)
+    else:
+        if completed and isinstance(recorded, dict) and recorded.get("tasks") != config.executor_tasks:
+            log(
+                f"data: {recorded.get('tasks')} tasks were planned, now {config.executor_tasks}: the per-file stage starts over"
+            )
+        elif completed:
+            log(f"data: {path} is not this config's plan: the per-file stage starts over")
+        for stage in STAGES:
+            shutil.rmtree(tasks_dir / stage / "completions", ignore_errors=True)
+            shutil.rmtree(tasks_dir / stage / "errors", ignore_errors=True)
+        shutil.rmtree(tasks_dir / PARTS, ignore_errors=True)
+    tasks_dir.mkdir(parents=True, exist_ok=True)
+    plan.save(path)
+    return plan
 
 
 def _executor(config: DataConfig, pipeline: list, tasks: int, logging_dir: Path, depends=None):
@@ -175,19 +184,19 @@ def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, dire
     tokenizer = _Build(config, fingerprint, work, directory)._tokenizer()  # once, before any task, in `work`
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     tasks_dir = tasks_folder(config, fingerprint)
-    plan_path = _plan(config, fingerprint, work, directory, tasks_dir, dtype)
+    plan = _plan(config, fingerprint, work, directory, tasks_dir, dtype)
     log(
         f"data: preparing {directory} on executor {config.executor} ({config.executor_tasks} tasks); "
         f"logs and completion markers in {tasks_dir}"
     )
     started = time.perf_counter()
     per_file = _executor(
-        config, trove_steps.per_file_pipeline(config, plan_path), config.executor_tasks, tasks_dir / "prepare"
+        config, trove_steps.per_file_pipeline(config, plan, tasks_dir), config.executor_tasks, tasks_dir / "prepare"
     )
     seconds = {}
     try:
         if config.executor == "slurm":
-            merge_steps = trove_steps.merge_pipeline(config, plan_path)
+            merge_steps = trove_steps.merge_pipeline(config, plan, tasks_dir)
             _run_slurm(
                 per_file,
                 _executor(config, merge_steps, 1, tasks_dir / "merge", per_file),
@@ -198,7 +207,7 @@ def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, dire
             with _ray(config):
                 _run(per_file, "prepare", tasks_dir)
                 seconds["prepare"] = time.perf_counter() - started
-                merging = _executor(config, trove_steps.merge_pipeline(config, plan_path), 1, tasks_dir / "merge")
+                merging = _executor(config, trove_steps.merge_pipeline(config, plan, tasks_dir), 1, tasks_dir / "merge")
                 _run(merging, "merge", tasks_dir)
     except UsageError:  # bad input: fixing it changes the fingerprint, so the work done is of no further use
         shutil.rmtree(tasks_dir / PARTS, ignore_errors=True)

@@ -44,12 +44,12 @@ class ReadFiles(PipelineStep):
     name = "llm-trainer files"
     type = "📖 - READER"
 
-    def __init__(self, config: DataConfig, plan_path: str):
+    def __init__(self, config: DataConfig, plan: Plan):
         super().__init__()
-        self.config, self.plan_path = config, str(plan_path)
+        self.config, self.plan = config, plan
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        plan = Plan.load(self.plan_path)
+        plan = self.plan
         plan.enter()
         start, end = plan.ranges()[rank]
         source, pending = None, Counter()
@@ -134,15 +134,14 @@ class WriteParts(PipelineStep):
     name = "llm-trainer tokenize, write part"
     type = "💽 - WRITER"
 
-    def __init__(self, config: DataConfig, plan_path: str):
+    def __init__(self, config: DataConfig, plan: Plan, tasks_dir: Path):
         super().__init__()
-        self.config, self.plan_path = config, str(plan_path)
+        self.config, self.plan, self.tasks_dir = config, plan, Path(tasks_dir)
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from .build import _ordered
 
-        tasks_dir = Path(self.plan_path).parent
-        plan = Plan.load(self.plan_path)
+        tasks_dir, plan = self.tasks_dir, self.plan
         plan.enter()
         clear_error(tasks_dir, "prepare", rank)
         _current["file"] = None
@@ -204,24 +203,26 @@ class MergeParts(PipelineStep):
     name = "llm-trainer merge parts"
     type = "💽 - WRITER"
 
-    def __init__(self, config: DataConfig, plan_path: str):
+    def __init__(self, config: DataConfig, plan: Plan, tasks_dir: Path):
         super().__init__()
-        self.config, self.plan_path = config, str(plan_path)
+        self.config, self.plan, self.tasks_dir = config, plan, Path(tasks_dir)
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        tasks_dir = Path(self.plan_path).parent
+        tasks_dir = self.tasks_dir
         clear_error(tasks_dir, "merge", rank)
         try:
-            merge(self.config, Path(self.plan_path))
+            merge(self.config, self.plan, tasks_dir)
         except BaseException as exc:
             write_error(tasks_dir, "merge", rank, world_size, None, exc)
             raise
         yield from ()
 
 
-def per_file_pipeline(config: DataConfig, plan_path: Path) -> list[PipelineStep]:
-    return [ReadFiles(config, plan_path), ProcessDocuments(config), WriteParts(config, plan_path)]
+def per_file_pipeline(config: DataConfig, plan: Plan, tasks_dir: Path) -> list[PipelineStep]:
+    """The steps carry the plan the command built from the config (pickled with them), so a task reads
+    no plan from the task folder, which others may be able to write."""
+    return [ReadFiles(config, plan), ProcessDocuments(config), WriteParts(config, plan, tasks_dir)]
 
 
-def merge_pipeline(config: DataConfig, plan_path: Path) -> list[PipelineStep]:
-    return [MergeParts(config, plan_path)]
+def merge_pipeline(config: DataConfig, plan: Plan, tasks_dir: Path) -> list[PipelineStep]:
+    return [MergeParts(config, plan, tasks_dir)]
