@@ -32,6 +32,7 @@ Where things are (`data.executor_logs`, default `{cache_dir}/.{fingerprint}.task
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import shutil
@@ -85,7 +86,7 @@ def task_ranges(sizes: list[int], tasks: int) -> list[tuple[int, int]]:
     for size in sizes:
         owner.append(min(tasks - 1, (2 * before + size) * tasks // (2 * total)) if total else 0)  # its middle
         before += size
-    return [(sum(o < r for o in owner), sum(o <= r for o in owner)) for r in range(tasks)]
+    return [(bisect.bisect_left(owner, r), bisect.bisect_right(owner, r)) for r in range(tasks)]  # owner is sorted
 
 
 @dataclass
@@ -424,5 +425,10 @@ def merge(config: DataConfig, plan: Plan, tasks_dir: Path) -> None:
 
 
 def tasks_folder(config: DataConfig, fingerprint: str) -> Path:
-    folder = Path(config.executor_logs) if config.executor_logs else Path(config.cache_dir) / f".{fingerprint}.tasks"
-    return folder.resolve()
+    """`data.executor_logs`, else beside the prepared folder in this machine's cache: for a `cache_dir`
+    URL that is its local copy (`prepare.local_root`), never a folder named after the URL."""
+    from .prepare import local_root
+
+    if config.executor_logs:
+        return Path(config.executor_logs).resolve()
+    return (local_root(config) / f".{fingerprint}.tasks").resolve()

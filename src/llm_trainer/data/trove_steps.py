@@ -9,6 +9,9 @@ the merge can count and name it as the in-process report does.
 
 from __future__ import annotations
 
+import contextlib
+import shlex
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 from datatrove.data import Document, DocumentsPipeline
+from datatrove.executor import SlurmPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 
 from ..config import DataConfig
@@ -36,6 +40,12 @@ from .sources import SourceStats, iter_unit
 
 _END = "end_of_source"  # a marker document: the task read the last of its files of this source
 _current: dict = {}  # the file the reader of this process is in, named when a task fails
+CONSOLE: list = []  # the command's stderr while datatrove's console log goes to a file (executors._run)
+
+
+def _to_console() -> contextlib.AbstractContextManager:
+    """Our own lines (warnings, the merge's progress and summary) on the command's console."""
+    return contextlib.redirect_stderr(CONSOLE[0]) if CONSOLE else contextlib.nullcontext()
 
 
 class ReadFiles(PipelineStep):
@@ -139,6 +149,11 @@ class WriteParts(PipelineStep):
         self.config, self.plan, self.tasks_dir = config, plan, Path(tasks_dir)
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        with _to_console():  # the steps before this one run inside it, as it pulls their documents
+            self._write(data, rank, world_size)
+        yield from ()
+
+    def _write(self, data: DocumentsPipeline, rank: int, world_size: int) -> None:
         from .build import _ordered
 
         tasks_dir, plan = self.tasks_dir, self.plan
@@ -175,7 +190,6 @@ class WriteParts(PipelineStep):
         except BaseException as exc:
             write_error(tasks_dir, "prepare", rank, world_size, _current.get("file"), exc)
             raise
-        yield from ()
 
     def _batches(self, data: DocumentsPipeline, seen: dict) -> Iterator[tuple]:
         """("batch", documents, rows to tokenize) per processed batch; ("end", source, skips) per marker."""
@@ -211,11 +225,26 @@ class MergeParts(PipelineStep):
         tasks_dir = self.tasks_dir
         clear_error(tasks_dir, "merge", rank)
         try:
-            merge(self.config, self.plan, tasks_dir)
+            with _to_console():
+                merge(self.config, self.plan, tasks_dir)
         except BaseException as exc:
             write_error(tasks_dir, "merge", rank, world_size, None, exc)
             raise
         yield from ()
+
+
+class SlurmThisPython(SlurmPipelineExecutor):
+    """datatrove's Slurm executor, whose jobs run the pickled pipeline with the interpreter that submitted
+    them rather than the `launch_pickled_pipeline` script found on the job's PATH (absent unless the
+    virtual environment is activated: `venv/bin/llm-trainer`, cron, a job script), and with no
+    stats-merging job, which would wait for ever behind a failed task (the stats stay in stats/)."""
+
+    def get_launch_file_contents(self, sbatch_args: dict, run_script: str) -> str:
+        ours = f"{shlex.quote(sys.executable)} -m datatrove.tools.launch_pickled_pipeline "
+        return super().get_launch_file_contents(sbatch_args, run_script.replace("launch_pickled_pipeline ", ours, 1))
+
+    def launch_merge_stats(self) -> None:
+        return None
 
 
 def per_file_pipeline(config: DataConfig, plan: Plan, tasks_dir: Path) -> list[PipelineStep]:
