@@ -717,3 +717,18 @@ def test_a_url_cache_dir_keeps_the_task_folder_in_its_local_copy(tmp_path, monke
         assert remote.exists(f"executor-cache/prepared/{fingerprint}/manifest.json")
     finally:
         _stop(proc)
+
+
+def test_a_task_refuses_a_plan_changed_after_the_command_wrote_it(tmp_path):
+    from llm_trainer.data.cluster import Plan
+    from llm_trainer.data.sources import FileUnit
+
+    unit = FileUnit(0, str(tmp_path / "a.txt"), True, False, 10)
+    plan = Plan("0" * 16, 1, [unit], {}, "uint16", str(tmp_path / "w"), str(tmp_path / "d"), 0.0, str(tmp_path))
+    plan_file = plan.save(tmp_path / "plan.json")
+    assert plan_file.load() == plan
+    changed = json.loads((tmp_path / "plan.json").read_text())
+    changed["directory"] = str(tmp_path / "users-own-folder")
+    (tmp_path / "plan.json").write_text(json.dumps(changed))
+    with pytest.raises(UsageError, match=r"plan.json changed after the command wrote it"):
+        plan_file.load()

@@ -21,8 +21,8 @@ folder; every task reads that file.
 Resumable per task: datatrove writes `completions/{rank}` when a task has finished, and skips the
 completed tasks when the same command runs again; a task that was killed starts its part over.
 Where things are (`data.executor_logs`, default `{cache_dir}/.{fingerprint}.tasks/`):
-  plan.json                       the input files, their assignment to tasks, the tokenizer's dtype: a
-                                  record only (the tasks get the plan the command built from the config)
+  plan.json                       the input files, their assignment to tasks, the tokenizer's dtype:
+                                  built from the config by every command, which hands the tasks its digest
   prepare/ and merge/             datatrove's folders of each stage: logs/task_NNNNN.log,
                                   console.log (what datatrove prints on the local and Ray executors),
                                   completions/NNNNN, stats/, errors/NNNNN.json (a failed task's message)
@@ -34,6 +34,7 @@ Where things are (`data.executor_logs`, default `{cache_dir}/.{fingerprint}.task
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import os
 import shutil
@@ -123,13 +124,41 @@ class Plan:
         mine = self.record()
         return {k: v for k, v in record.items() if k != "started"} == {k: v for k, v in mine.items() if k != "started"}
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path) -> PlanFile:
+        raw = json.dumps(self.record()).encode()
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.record()))
+        tmp.write_bytes(raw)
         os.replace(tmp, path)
+        return PlanFile(str(path), hashlib.sha256(raw).hexdigest())
 
     def ranges(self) -> list[tuple[int, int]]:
         return task_ranges([u.size for u in self.units], self.tasks)
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    """plan.json as this command wrote it: what the steps carry to the tasks (a path and a digest, small to
+    pickle for every task, where the plan itself may list a million files)."""
+
+    path: str
+    sha256: str
+
+    @property
+    def tasks_dir(self) -> Path:
+        return Path(self.path).parent
+
+    def load(self) -> Plan:
+        """The plan, refused when the file is no longer the one the command wrote: the task folder may be
+        shared, and a plan decides which files are read and where the result goes."""
+        raw = Path(self.path).read_bytes()
+        if hashlib.sha256(raw).hexdigest() != self.sha256:
+            raise UsageError(
+                f"{self.path} changed after the command wrote it (another prepare, or someone else writing "
+                "its task folder); run the command again"
+            )
+        data = json.loads(raw)
+        data["units"] = [FileUnit(*u) for u in data["units"]]
+        return Plan(**data)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -415,10 +444,11 @@ def _merge_build():
     return MergeBuild
 
 
-def merge(config: DataConfig, plan: Plan, tasks_dir: Path) -> None:
+def merge(config: DataConfig, plan_file: PlanFile) -> None:
     """The merge stage's one task: the prepared folder from the parts."""
+    plan = plan_file.load()
     plan.enter()
-    _merge_build()(config, plan, Path(tasks_dir)).run()
+    _merge_build()(config, plan, plan_file.tasks_dir).run()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,15 +22,16 @@ from ..errors import UsageError
 from ..logs import log
 from ..tokenizer import Tokenizer
 from .build import MANIFEST, PreparedData, _Build
-from .cluster import PARTS, PLAN, STAGES, Plan, TaskFailed, tasks_folder
+from .cluster import PARTS, PLAN, STAGES, Plan, PlanFile, TaskFailed, tasks_folder
 from .sources import SourceStats, file_units, only_files
 
 
-def _plan(config: DataConfig, fingerprint: str, work: Path, directory: Path, tasks_dir: Path, dtype) -> Plan:
+def _plan(config: DataConfig, fingerprint: str, work: Path, directory: Path, tasks_dir: Path, dtype) -> PlanFile:
     """The plan, built from the config on every run: the files are listed and assigned here. plan.json
     records the plan the completed tasks ran under and is only compared with this one, never read as the
     plan (a shared cache's task folder may be written by others): when it differs, the per-file stage
-    starts over, and all that is removed are the completion markers, errors and parts in `tasks_dir`."""
+    starts over, and all that is removed are the completion markers, errors and parts in `tasks_dir`.
+    The tasks read the file written here, checked against its digest (`PlanFile`)."""
     stats = SourceStats()
     units = file_units(config, stats)
     plan = Plan(
@@ -65,8 +66,7 @@ def _plan(config: DataConfig, fingerprint: str, work: Path, directory: Path, tas
             shutil.rmtree(tasks_dir / stage / "errors", ignore_errors=True)
         shutil.rmtree(tasks_dir / PARTS, ignore_errors=True)
     tasks_dir.mkdir(parents=True, exist_ok=True)
-    plan.save(path)
-    return plan
+    return plan.save(path)
 
 
 def _executor(config: DataConfig, pipeline: list, tasks: int, logging_dir: Path, depends=None):
@@ -242,19 +242,19 @@ def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, dire
     _check_ray_address(config)
     tokenizer = _Build(config, fingerprint, work, directory)._tokenizer()  # once, before any task, in `work`
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    plan = _plan(config, fingerprint, work, directory, tasks_dir, dtype)
+    plan_file = _plan(config, fingerprint, work, directory, tasks_dir, dtype)
     log(
         f"data: preparing {directory} on executor {config.executor} ({config.executor_tasks} tasks); "
         f"logs and completion markers in {tasks_dir}"
     )
     started = time.perf_counter()
     per_file = _executor(
-        config, trove_steps.per_file_pipeline(config, plan, tasks_dir), config.executor_tasks, tasks_dir / "prepare"
+        config, trove_steps.per_file_pipeline(config, plan_file), config.executor_tasks, tasks_dir / "prepare"
     )
     seconds = {}
     try:
         if config.executor == "slurm":
-            merge_steps = trove_steps.merge_pipeline(config, plan, tasks_dir)
+            merge_steps = trove_steps.merge_pipeline(config, plan_file)
             _run_slurm(
                 per_file,
                 _executor(config, merge_steps, 1, tasks_dir / "merge", per_file),
@@ -265,7 +265,7 @@ def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, dire
             with _ray(config):
                 _run(per_file, "prepare", tasks_dir, config.progress_bar)
                 seconds["prepare"] = time.perf_counter() - started
-                merging = _executor(config, trove_steps.merge_pipeline(config, plan, tasks_dir), 1, tasks_dir / "merge")
+                merging = _executor(config, trove_steps.merge_pipeline(config, plan_file), 1, tasks_dir / "merge")
                 _run(merging, "merge", tasks_dir, config.progress_bar)
     except UsageError:  # bad input: fixing it changes the fingerprint, so the work done is of no further use
         shutil.rmtree(tasks_dir / PARTS, ignore_errors=True)

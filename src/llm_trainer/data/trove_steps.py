@@ -28,7 +28,7 @@ from .cluster import (
     _BATCH,
     _TOKENIZE_THREADS,
     PartWriter,
-    Plan,
+    PlanFile,
     clear_error,
     merge,
     part_folder,
@@ -54,12 +54,12 @@ class ReadFiles(PipelineStep):
     name = "llm-trainer files"
     type = "📖 - READER"
 
-    def __init__(self, config: DataConfig, plan: Plan):
+    def __init__(self, config: DataConfig, plan_file: PlanFile):
         super().__init__()
-        self.config, self.plan = config, plan
+        self.config, self.plan_file = config, plan_file
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        plan = self.plan
+        plan = self.plan_file.load()
         plan.enter()
         start, end = plan.ranges()[rank]
         source, pending = None, Counter()
@@ -144,9 +144,9 @@ class WriteParts(PipelineStep):
     name = "llm-trainer tokenize, write part"
     type = "💽 - WRITER"
 
-    def __init__(self, config: DataConfig, plan: Plan, tasks_dir: Path):
+    def __init__(self, config: DataConfig, plan_file: PlanFile):
         super().__init__()
-        self.config, self.plan, self.tasks_dir = config, plan, Path(tasks_dir)
+        self.config, self.plan_file = config, plan_file
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         with _to_console():  # the steps before this one run inside it, as it pulls their documents
@@ -156,11 +156,12 @@ class WriteParts(PipelineStep):
     def _write(self, data: DocumentsPipeline, rank: int, world_size: int) -> None:
         from .build import _ordered
 
-        tasks_dir, plan = self.tasks_dir, self.plan
-        plan.enter()
+        tasks_dir = self.plan_file.tasks_dir
         clear_error(tasks_dir, "prepare", rank)
         _current["file"] = None
         try:
+            plan = self.plan_file.load()
+            plan.enter()
             tokenizer = Tokenizer.load(Path(plan.work) / "tokenizer.json")
             dtype = np.dtype(plan.dtype)
             writer = PartWriter(part_folder(tasks_dir, rank), dtype, self.config.deduplication == "near")
@@ -217,16 +218,16 @@ class MergeParts(PipelineStep):
     name = "llm-trainer merge parts"
     type = "💽 - WRITER"
 
-    def __init__(self, config: DataConfig, plan: Plan, tasks_dir: Path):
+    def __init__(self, config: DataConfig, plan_file: PlanFile):
         super().__init__()
-        self.config, self.plan, self.tasks_dir = config, plan, Path(tasks_dir)
+        self.config, self.plan_file = config, plan_file
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        tasks_dir = self.tasks_dir
+        tasks_dir = self.plan_file.tasks_dir
         clear_error(tasks_dir, "merge", rank)
         try:
             with _to_console():
-                merge(self.config, self.plan, tasks_dir)
+                merge(self.config, self.plan_file)
         except BaseException as exc:
             write_error(tasks_dir, "merge", rank, world_size, None, exc)
             raise
@@ -247,11 +248,11 @@ class SlurmThisPython(SlurmPipelineExecutor):
         return None
 
 
-def per_file_pipeline(config: DataConfig, plan: Plan, tasks_dir: Path) -> list[PipelineStep]:
-    """The steps carry the plan the command built from the config (pickled with them), so a task reads
-    no plan from the task folder, which others may be able to write."""
-    return [ReadFiles(config, plan), ProcessDocuments(config), WriteParts(config, plan, tasks_dir)]
+def per_file_pipeline(config: DataConfig, plan_file: PlanFile) -> list[PipelineStep]:
+    """The steps carry the digest of the plan the command built from the config: a task follows that plan
+    or none, whoever else can write the task folder."""
+    return [ReadFiles(config, plan_file), ProcessDocuments(config), WriteParts(config, plan_file)]
 
 
-def merge_pipeline(config: DataConfig, plan: Plan, tasks_dir: Path) -> list[PipelineStep]:
-    return [MergeParts(config, plan, tasks_dir)]
+def merge_pipeline(config: DataConfig, plan_file: PlanFile) -> list[PipelineStep]:
+    return [MergeParts(config, plan_file)]
