@@ -24,7 +24,7 @@ Where things are (`data.executor_logs`, default `{cache_dir}/.{fingerprint}.task
   plan.json                       the input files, their assignment to tasks, the tokenizer's dtype:
                                   built from the config by every command, which hands the tasks its digest
   prepare/ and merge/             datatrove's folders of each stage: logs/task_NNNNN.log,
-                                  console.log (what datatrove prints on the local and Ray executors),
+                                  console.log (what datatrove prints; on Slurm, the jobs' launch),
                                   completions/NNNNN, stats/, errors/NNNNN.json (a failed task's message)
   parts/NNNNN/                    the per-file stage's output (removed once the merge has finished)
   slurm_logs/, slurm_jobs.json    Slurm's own job output, the jobs the last command submitted (slurm)

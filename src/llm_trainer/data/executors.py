@@ -439,7 +439,8 @@ def _run_slurm(per_file, merging, tasks_dir: Path, manifest: Path, poll: float =
             log(f"data: waiting for the Slurm job(s) {', '.join(earlier)} an earlier prepare submitted")
             time.sleep(10 * poll)
     try:
-        merging.run()  # submits the per-file array job first (its dependency), then the merge job
+        with _datatrove_console(tasks_dir / "prepare"):  # datatrove's launch lines; sbatch's errors stay
+            merging.run()  # submits the per-file array job first (its dependency), then the merge job
     except subprocess.CalledProcessError as exc:
         raise UsageError(
             f"executor slurm: sbatch failed (exit status {exc.returncode}, its message above); the jobs "
