@@ -56,9 +56,8 @@ def _plan(config: DataConfig, fingerprint: str, work: Path, directory: Path, tas
             plan.started = float(started)
     else:
         if completed and isinstance(recorded, dict) and recorded.get("tasks") != config.executor_tasks:
-            log(
-                f"data: {recorded.get('tasks')} tasks were planned, now {config.executor_tasks}: the per-file stage starts over"
-            )
+            planned = recorded.get("tasks")
+            log(f"data: {planned} tasks were planned, now {config.executor_tasks}: the per-file stage starts over")
         elif completed:
             log(f"data: {path} is not this config's plan: the per-file stage starts over")
         for stage in STAGES:
@@ -442,9 +441,11 @@ def _run_slurm(per_file, merging, tasks_dir: Path, manifest: Path, poll: float =
         with _datatrove_console(tasks_dir / "prepare"):  # datatrove's launch lines; sbatch's errors stay
             merging.run()  # submits the per-file array job first (its dependency), then the merge job
     except subprocess.CalledProcessError as exc:
-        raise UsageError(
+        jobs = [str(j) for j in (per_file.job_id, merging.job_id) if j not in (None, -1)]
+        submitted.write_text(json.dumps(jobs))  # the next command waits for these before submitting
+        raise TaskFailed(
             f"executor slurm: sbatch failed (exit status {exc.returncode}, its message above); the jobs "
-            f"submitted before it: {_submitted(per_file, merging)}; run {_resume_command()} again once it is fixed"
+            f"submitted before it: {', '.join(jobs) or 'none'}; run {_resume_command()} again once it is fixed"
         ) from None
     jobs = [str(j) for j in (per_file.job_id, merging.job_id) if j not in (None, -1)]
     submitted.write_text(json.dumps(jobs))
@@ -463,11 +464,6 @@ def _run_slurm(per_file, merging, tasks_dir: Path, manifest: Path, poll: float =
                 f"run {_resume_command()} again to resume"
             )
         time.sleep(poll)
-
-
-def _submitted(*executors) -> str:
-    jobs = [str(e.job_id) for e in executors if e.job_id not in (None, -1)]
-    return ", ".join(jobs) or "none"
 
 
 def _queued(jobs: list[str]) -> set[str]:
