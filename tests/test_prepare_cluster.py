@@ -30,9 +30,16 @@ TIMING = ("seconds", "bytes_per_second", "resumed_from_shard")  # the only repor
 WORDS = "river stone light garden window paper music forest letter winter harbor silver market candle".split()
 
 
+# What cleaning changes (CRLF, trailing spaces, blank-line runs, control characters, text that NFC
+# normalises, other scripts): a stage that tokenized the raw text instead of the cleaned one differs.
+NOISE = ("\r\n", "  \n", "\n\n\n\n", "\x07", "\x0c", "e\u0301", "\u212b", "мир ", "水 ", "\t\n")
+
+
 def _text(rng, n: int) -> str:
-    words = rng.choice(WORDS + [f"w{i}" for i in range(300)], n)
-    return " ".join(words) + "."
+    words = rng.choice(WORDS + [f"w{i}" for i in range(300)], n).tolist()
+    for _ in range(int(rng.integers(0, 4))):
+        words[int(rng.integers(n))] += NOISE[int(rng.integers(len(NOISE)))]
+    return " ".join(words) + ".  "
 
 
 def write_mixed_corpus(root: Path, documents: int = 40, files: int = 4) -> list[dict]:
@@ -60,7 +67,7 @@ def write_mixed_corpus(root: Path, documents: int = 40, files: int = 4) -> list[
                 out.write(json.dumps({"text": text}) + "\n")
     (web / "blob").write_bytes(b"\x00\x01binary" * 50)
     for f in range(3):
-        (books / f"book{f}.txt").write_text("\n\n".join(_text(rng, 60) for _ in range(3)))
+        (books / f"book{f}.txt").write_bytes("\r\n\r\n".join(_text(rng, 60) for _ in range(3)).encode())
     return [
         {"name": "web", "data_files": [str(web)], "weight": 3.0},
         {"name": "books", "data_files": [str(books)], "weight": 1.0},
@@ -181,7 +188,9 @@ def test_a_killed_prepare_runs_only_its_unfinished_tasks_again(tmp_path):
 
     done = subprocess.run(command, cwd=tmp_path, env=src_env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"Skipping {len(finished)} already completed tasks" in done.stderr
+    assert f"data: prepare stage: {len(finished)} of 6 tasks finished earlier, kept" in done.stderr
+    console_log = (next_tasks_folder / "prepare" / "console.log").read_text()
+    assert f"Skipping {len(finished)} already completed tasks" in console_log  # datatrove's own count
     started = {int(p.stem.split("_")[1]) for p in (next_tasks_folder / "prepare" / "logs").glob("task_*.log")}
     assert started == set(range(6))
     for rank in finished:  # not run again: its log still holds only the first run
@@ -190,6 +199,24 @@ def test_a_killed_prepare_runs_only_its_unfinished_tasks_again(tmp_path):
     directory = Path(json.loads(done.stdout)["directory"])
     assert prepared_files(directory) == reference
     assert parts  # the finished tasks' parts were kept until the merge used them
+
+
+@pytest.mark.slow
+def test_datatrove_s_console_log_goes_to_the_task_folder_and_ours_stays(tmp_path):
+    """A prepare on the local executor, 3 tasks 2 at a time: the console shows our lines only (the plan,
+    the stage's time, the merge's summary); datatrove's log (pipelines, stats, emoji) is in console.log."""
+    data = {"data_files": _small_corpus(tmp_path / "corpus"), "cache_dir": str(tmp_path / "cache")}
+    data.update(tokenizer_vocab_size=300, executor="local", executor_tasks=3, executor_workers=2)
+    done = _cli("prepare", "--config", str(_experiment(tmp_path / "exp.yaml", data)), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert all(line.startswith("data: ") for line in lines), done.stderr
+    assert "data: prepare stage: 3 tasks done in " in done.stderr and "documents in -> " in done.stderr
+    (tasks_dir,) = (tmp_path / "cache").glob(".*.tasks")
+    for stage in ("prepare", "merge"):
+        console_log = (tasks_dir / stage / "console.log").read_text()
+        assert "Stats" in console_log and "Launching pipeline" in console_log
+    assert len(list((tasks_dir / "prepare" / "logs").glob("task_*.log"))) == 3
 
 
 @pytest.mark.slow
@@ -383,10 +410,17 @@ def slurm_cluster(tmp_path_factory, monkeypatch):
 
 @pytest.mark.slow
 def test_the_slurm_executor_submits_jobs_and_writes_the_in_process_folder(corpus, slurm_cluster, tmp_path):
+    """The command is run by its interpreter's full path with only the system's folders on PATH (no
+    activated environment: cron, a job script): the jobs run that interpreter, not a script on PATH."""
     root, sources, reference = corpus
     data = settings(sources, root / "slurm", executor_mem_per_cpu_gb=1)
     config = _experiment(tmp_path / "exp.yaml", data)
-    done = _cli("prepare", "--config", str(config), "--executor", "slurm", "--tasks", "2", cwd=tmp_path, timeout=300)
+    command = [sys.executable, "-m", "llm_trainer", "prepare", "--config", str(config), "--executor", "slurm"]
+    env = {**src_env(), "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    assert shutil.which("launch_pickled_pipeline", path=env["PATH"]) is None
+    done = subprocess.run(
+        [*command, "--tasks", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "submitted Slurm job(s)" in done.stderr
     prepared = Path(json.loads(done.stdout)["directory"])
@@ -421,6 +455,7 @@ def test_a_cancelled_slurm_task_is_reported_and_only_it_runs_again(corpus, slurm
     assert proc.returncode == 1, err.decode()[-3000:]
     last = err.decode().strip().splitlines()[-1]
     assert "task(s) of the prepare stage did not finish (first: task 2)" in last and "again to resume" in last
+    assert f"Slurm's job output in {tasks_dir / 'slurm_logs'}" in last
     finished = sorted(p.name for p in (tasks_dir / "prepare" / "completions").iterdir())
     assert finished == ["00000", "00001"]
     assert json.loads((tasks_dir / "prepare" / "ranks_to_run.json").read_text()) == [0, 1, 2]
@@ -497,3 +532,203 @@ def test_a_ray_task_whose_worker_is_killed_runs_again_and_the_result_is_the_same
     started = datetime.strptime(log.read_text()[:23], "%Y-%m-%d %H:%M:%S.%f")  # its log's first line
     assert started > killed[1]  # the task ran again after the kill (its log is rewritten by each run)
     assert prepared_files(prepared.directory) == reference
+
+
+def test_a_folder_an_executor_wrote_from_raw_text_is_not_reused(tmp_path, monkeypatch):
+    """Executors of data format 5 tokenized the raw text; their folders carry format 5's fingerprint, which
+    this version never looks up, so a prepare writes a new folder beside the old one (left as it was)."""
+    from llm_trainer.data import build
+
+    sources = write_mixed_corpus(tmp_path / "corpus", documents=12, files=1)
+    config = DataConfig(**settings(sources, tmp_path / "cache", deduplication="exact"))
+    monkeypatch.setattr(build, "FORMAT_VERSION", 5)
+    old = prepare_data(config).directory
+    monkeypatch.undo()
+    assert build.FORMAT_VERSION == 6
+    new = prepare_data(config).directory
+    assert new != old and (old / "manifest.json").is_file()
+    assert json.loads((new / "manifest.json").read_text())["format_version"] == 6
+
+
+def test_a_planted_plan_neither_removes_a_folder_nor_adds_an_input(tmp_path):
+    """A plan.json written into the shared cache's task folder by someone else, with this config's
+    fingerprint, task count and work folder, naming a user's folder as the result and a file outside
+    data_files as input: the command builds its plan from the config, so the folder is untouched and
+    the prepared tokens are the in-process prepare's."""
+    from llm_trainer.data.build import _fingerprint
+    from llm_trainer.data.sources import FileUnit
+
+    sources = write_mixed_corpus(tmp_path / "corpus", documents=12, files=2)
+    reference = prepared_files(prepare_data(DataConfig(**settings(sources, tmp_path / "in-process"))).directory)
+    own = tmp_path / "users-own-folder"
+    own.mkdir()
+    (own / "thesis.txt").write_text("years of work")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("planted words that were never in data_files " * 20)
+    config = DataConfig(**settings(sources, tmp_path / "cache", executor="local", executor_tasks=1))
+    fingerprint = _fingerprint(config)
+    tasks_dir = tasks_folder(config, fingerprint)
+    tasks_dir.mkdir(parents=True)
+    planted = {
+        "fingerprint": fingerprint,
+        "tasks": 1,
+        "units": [
+            list(FileUnit(source, str(path), True, False, path.stat().st_size))
+            for source, path in ((0, tmp_path / "corpus" / "web" / "part-0.jsonl"), (1, outside))
+        ],
+        "skipped": {},
+        "dtype": "uint16",
+        "work": str(tmp_path / "cache" / f".{fingerprint}.partial"),
+        "directory": str(own),
+        "started": 0.0,
+        "cwd": str(tmp_path),
+    }
+    (tasks_dir / "plan.json").write_text(json.dumps(planted))
+
+    prepared = prepare_data(config)
+    assert (own / "thesis.txt").read_text() == "years of work"
+    assert prepared.directory == tmp_path / "cache" / fingerprint
+    assert prepared_files(prepared.directory) == reference
+    assert json.loads((tasks_dir / "plan.json").read_text())["directory"] == str(prepared.directory)
+
+
+# -- bad input around the executors: one line, before anything is written ----------------------------------
+
+
+def _small_corpus(root: Path) -> list[str]:
+    root.mkdir(parents=True)
+    (root / "a.jsonl").write_text(
+        "".join(json.dumps({"text": f"some words that are fine {i}"}) + "\n" for i in range(50))
+    )
+    return [str(root / "a.jsonl")]
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file"])
+def test_executor_logs_that_cannot_be_a_folder_is_one_line_and_nothing_is_written(tmp_path, kind):
+    blocker = tmp_path / "logs"
+    blocker.write_text("not a folder")
+    logs = blocker if kind == "a file" else blocker / "tasks"
+    config = DataConfig(
+        data_files=_small_corpus(tmp_path / "corpus"),
+        cache_dir=str(tmp_path / "cache"),
+        executor="local",
+        executor_logs=str(logs),
+        tokenizer_vocab_size=300,
+    )
+    with pytest.raises(UsageError) as error:
+        prepare_data(config)
+    message = str(error.value)
+    assert "data.executor_logs" in message and str(logs) in message and "\n" not in message
+    assert blocker.read_text() == "not a folder"
+    assert not list((tmp_path / "cache").glob("*/tokenizer.json")) and not list((tmp_path / "cache").glob("*/*.bin"))
+
+
+def test_executor_logs_as_a_url_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"executor_logs must be a local folder .* got s3://b/logs$"):
+        DataConfig(executor="local", executor_logs="s3://b/logs")
+
+
+def test_absurd_task_counts_and_memory_are_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"executor_tasks \(100,000,000\) is over the limit of 100,000 \(each task"):
+        DataConfig(executor="local", executor_tasks=100_000_000)
+    for value in (-1.0, 0.0):
+        with pytest.raises(ValueError, match="executor_mem_per_cpu_gb must be above 0"):
+            DataConfig(executor="ray", executor_mem_per_cpu_gb=value)
+
+
+@pytest.mark.slow
+def test_tasks_100000000_on_the_command_line_is_exit_2_at_once(tmp_path):
+    data = {"data_files": _small_corpus(tmp_path / "corpus"), "cache_dir": str(tmp_path / "cache")}
+    started = time.monotonic()
+    done = _cli("prepare", "--config", str(_experiment(tmp_path / "exp.yaml", data)), "--executor", "local",
+                "--tasks", "100000000", cwd=tmp_path, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and time.monotonic() - started < 60, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "executor_tasks (100,000,000) is over the limit" in lines[0]
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("where", ["executor_address", "RAY_ADDRESS"])
+def test_a_ray_address_where_nobody_answers_is_one_line_in_seconds(tmp_path, monkeypatch, where):
+    pytest.importorskip("ray")
+    address = f"127.0.0.1:{free_port()}"
+    settings_ = {"executor_address": address} if where == "executor_address" else {}
+    if where == "RAY_ADDRESS":
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    config = DataConfig(
+        data_files=_small_corpus(tmp_path / "corpus"),
+        cache_dir=str(tmp_path / "cache"),
+        executor="ray",
+        tokenizer_vocab_size=300,
+        **settings_,
+    )
+    started = time.monotonic()
+    with pytest.raises(UsageError) as error:
+        prepare_data(config)
+    assert time.monotonic() - started < 30
+    message = str(error.value)
+    assert f"no Ray cluster answers at {address}" in message and where in message and "\n" not in message
+    assert not list((tmp_path / "cache").glob("*/tokenizer.json"))
+
+
+@pytest.mark.slow
+def test_a_slurm_request_sbatch_refuses_is_one_line_and_exit_2(corpus, slurm_cluster, tmp_path):
+    root, sources, _ = corpus
+    data = settings(sources, root / "slurm-refused", executor_partition="no-such-partition")
+    config = _experiment(tmp_path / "exp.yaml", data)
+    done = _cli("prepare", "--config", str(config), "--executor", "slurm", "--tasks", "2", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert (
+        last.startswith("error: executor slurm: sbatch refuses the tasks' request (") and "Traceback" not in done.stderr
+    )
+    assert "data.executor_partition (no-such-partition)" in last
+    assert not list((root / "slurm-refused").glob(".*.tasks/slurm_jobs.json"))  # nothing was submitted
+
+
+@pytest.mark.slow
+def test_a_url_cache_dir_keeps_the_task_folder_in_its_local_copy(tmp_path, monkeypatch):
+    """`--executor local` with `data.cache_dir: s3://...`: the folder is prepared in the local copy under
+    stream_cache_dir and uploaded; nothing named after the URL appears in the command's folder."""
+    import s3fs
+
+    from test_object_storage import FAKE_CREDENTIALS, _start_server, _stop
+
+    proc, endpoint = _start_server()
+    try:
+        for key, value in {**FAKE_CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}.items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}).mkdir("executor-cache")
+        s3fs.S3FileSystem.clear_instance_cache()
+        monkeypatch.chdir(tmp_path)
+        config = DataConfig(
+            data_files=_small_corpus(tmp_path / "corpus"),
+            cache_dir="s3://executor-cache/prepared",
+            stream_cache_dir=str(tmp_path / "stream"),
+            executor="local",
+            tokenizer_vocab_size=300,
+        )
+        prepared = prepare_data(config)
+        fingerprint = prepared.manifest["fingerprint"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "stream"]
+        assert tasks_folder(config, fingerprint).is_relative_to(tmp_path / "stream")
+        assert (tasks_folder(config, fingerprint) / "plan.json").is_file()
+        remote = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
+        assert remote.exists(f"executor-cache/prepared/{fingerprint}/manifest.json")
+    finally:
+        _stop(proc)
+
+
+def test_a_task_refuses_a_plan_changed_after_the_command_wrote_it(tmp_path):
+    from llm_trainer.data.cluster import Plan
+    from llm_trainer.data.sources import FileUnit
+
+    unit = FileUnit(0, str(tmp_path / "a.txt"), True, False, 10)
+    plan = Plan("0" * 16, 1, [unit], {}, "uint16", str(tmp_path / "w"), str(tmp_path / "d"), 0.0, str(tmp_path))
+    plan_file = plan.save(tmp_path / "plan.json")
+    assert plan_file.load() == plan
+    changed = json.loads((tmp_path / "plan.json").read_text())
+    changed["directory"] = str(tmp_path / "users-own-folder")
+    (tmp_path / "plan.json").write_text(json.dumps(changed))
+    with pytest.raises(UsageError, match=r"plan.json changed after the command wrote it"):
+        plan_file.load()

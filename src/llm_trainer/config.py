@@ -22,7 +22,7 @@ import yaml
 
 from . import config_aliases
 from .errors import UsageError
-from .limits import MAX_NESTING, check_model_dimensions, check_structure, parse_json
+from .limits import MAX_EXECUTOR_TASKS, MAX_NESTING, check_model_dimensions, check_structure, parse_json
 from .storage import is_url, join, mirror_name
 
 # ----------------------------------------------------------------------------------------------
@@ -747,6 +747,21 @@ class DataConfig(_Validated):
         _require(8 <= self.minhash_num_perm <= 1024, "DataConfig.minhash_num_perm must be between 8 and 1024")
         _require(bool(self.curriculum_key), "DataConfig.curriculum_key must be length or a column name")
         _require(self.executor_tasks >= 1, "DataConfig.executor_tasks must be >= 1")
+        _require(
+            self.executor_tasks <= MAX_EXECUTOR_TASKS,
+            f"DataConfig.executor_tasks ({self.executor_tasks:,}) is over the limit of {MAX_EXECUTOR_TASKS:,} "
+            "(each task has its own log, completion marker and part folder, and a task never has less than "
+            "one input file); use at most as many tasks as files",
+        )
+        _require(
+            not is_url(self.executor_logs),
+            f"DataConfig.executor_logs must be a local folder every task can reach (a shared file system on "
+            f"Slurm and Ray), got {self.executor_logs}",
+        )
+        _require(
+            self.executor_mem_per_cpu_gb > 0,
+            f"DataConfig.executor_mem_per_cpu_gb must be above 0, got {self.executor_mem_per_cpu_gb}",
+        )
         _require(
             self.executor_workers == -1 or self.executor_workers >= 1, "DataConfig.executor_workers must be -1 or >= 1"
         )

@@ -13,6 +13,8 @@ or setting that reached it.
                            `check_model_memory` also weighs its parameters against this machine's memory
     MAX_DOCUMENT_CHARS     one document read from data files: longer plain-text files are cut into
                            pieces, longer JSONL lines are bad input (both counted in the data report)
+    MAX_EXECUTOR_TASKS     data.executor_tasks: each task has its own log, completion marker, stats
+                           file and part folder, and the plan assigns files to every task
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ MAX_PARAMETERS = 10**14
 MAX_SEQ_LEN = 1 << 24
 MAX_DOCUMENT_CHARS = 16 << 20
 MAX_LINE_BYTES = 4 * MAX_DOCUMENT_CHARS  # a JSONL line holding one document of MAX_DOCUMENT_CHARS, escaped
+MAX_EXECUTOR_TASKS = 100_000  # a task has one file at least to do its work: cut the corpus into files first
 _MODULE_BYTES_PER_LAYER = 64 << 10  # Python objects of one built block (modules, parameters), beside the weights
 
 

@@ -50,7 +50,9 @@ from .report import Counts, Progress, build_report, nothing_kept, padding_fracti
 from .shards import SHARDS, SPLITS, ShardWriter
 from .sources import Document, SourceStats, iter_source, resolved_sources, source_fingerprint
 
-FORMAT_VERSION = 5  # 5: a fraction split takes each source's own fraction of its documents
+# 6: an executor's tasks tokenize the cleaned text (folders an executor wrote from raw text are not reused)
+# 5: a fraction split takes each source's own fraction of its documents
+FORMAT_VERSION = 6
 MANIFEST = "manifest.json"
 _BATCH = 256  # raw documents per pipeline batch
 _TOKENIZE_THREADS = 2

@@ -21,8 +21,10 @@ folder; every task reads that file.
 Resumable per task: datatrove writes `completions/{rank}` when a task has finished, and skips the
 completed tasks when the same command runs again; a task that was killed starts its part over.
 Where things are (`data.executor_logs`, default `{cache_dir}/.{fingerprint}.tasks/`):
-  plan.json                       the input files, their assignment to tasks, the tokenizer's dtype
+  plan.json                       the input files, their assignment to tasks, the tokenizer's dtype:
+                                  built from the config by every command, which hands the tasks its digest
   prepare/ and merge/             datatrove's folders of each stage: logs/task_NNNNN.log,
+                                  console.log (what datatrove prints; on Slurm, the jobs' launch),
                                   completions/NNNNN, stats/, errors/NNNNN.json (a failed task's message)
   parts/NNNNN/                    the per-file stage's output (removed once the merge has finished)
   slurm_logs/, slurm_jobs.json    Slurm's own job output, the jobs the last command submitted (slurm)
@@ -31,6 +33,8 @@ Where things are (`data.executor_logs`, default `{cache_dir}/.{fingerprint}.task
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import json
 import os
 import shutil
@@ -84,7 +88,7 @@ def task_ranges(sizes: list[int], tasks: int) -> list[tuple[int, int]]:
     for size in sizes:
         owner.append(min(tasks - 1, (2 * before + size) * tasks // (2 * total)) if total else 0)  # its middle
         before += size
-    return [(sum(o < r for o in owner), sum(o <= r for o in owner)) for r in range(tasks)]
+    return [(bisect.bisect_left(owner, r), bisect.bisect_right(owner, r)) for r in range(tasks)]  # owner is sorted
 
 
 @dataclass
@@ -108,20 +112,53 @@ class Plan:
     def root(self) -> Path:
         return Path(self.work).parent
 
-    def save(self, path: Path) -> None:
-        data = {**self.__dict__, "units": [list(u) for u in self.units]}
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+    def record(self) -> dict:
+        """The plan as plan.json holds it (JSON types throughout, so a record read back compares equal)."""
+        return json.loads(json.dumps({**self.__dict__, "units": [list(u) for u in self.units]}))
 
-    @classmethod
-    def load(cls, path: Path) -> Plan:
-        data = json.loads(Path(path).read_text())
-        data["units"] = [FileUnit(*u) for u in data["units"]]
-        return cls(**data)
+    def matches(self, record: object) -> bool:
+        """Whether plan.json's `record` is this plan up to when it started: the tasks that completed under
+        it did this plan's work. Only compared, never read as the plan: the folder may be shared."""
+        if not isinstance(record, dict):
+            return False
+        mine = self.record()
+        return {k: v for k, v in record.items() if k != "started"} == {k: v for k, v in mine.items() if k != "started"}
+
+    def save(self, path: Path) -> PlanFile:
+        raw = json.dumps(self.record()).encode()
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(raw)
+        os.replace(tmp, path)
+        return PlanFile(str(path), hashlib.sha256(raw).hexdigest())
 
     def ranges(self) -> list[tuple[int, int]]:
         return task_ranges([u.size for u in self.units], self.tasks)
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    """plan.json as this command wrote it: what the steps carry to the tasks (a path and a digest, small to
+    pickle for every task, where the plan itself may list a million files)."""
+
+    path: str
+    sha256: str
+
+    @property
+    def tasks_dir(self) -> Path:
+        return Path(self.path).parent
+
+    def load(self) -> Plan:
+        """The plan, refused when the file is no longer the one the command wrote: the task folder may be
+        shared, and a plan decides which files are read and where the result goes."""
+        raw = Path(self.path).read_bytes()
+        if hashlib.sha256(raw).hexdigest() != self.sha256:
+            raise UsageError(
+                f"{self.path} changed after the command wrote it (another prepare, or someone else writing "
+                "its task folder); run the command again"
+            )
+        data = json.loads(raw)
+        data["units"] = [FileUnit(*u) for u in data["units"]]
+        return Plan(**data)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,11 +444,11 @@ def _merge_build():
     return MergeBuild
 
 
-def merge(config: DataConfig, plan_path: Path) -> None:
+def merge(config: DataConfig, plan_file: PlanFile) -> None:
     """The merge stage's one task: the prepared folder from the parts."""
-    plan = Plan.load(plan_path)
+    plan = plan_file.load()
     plan.enter()
-    _merge_build()(config, plan, Path(plan_path).parent).run()
+    _merge_build()(config, plan, plan_file.tasks_dir).run()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,5 +456,10 @@ def merge(config: DataConfig, plan_path: Path) -> None:
 
 
 def tasks_folder(config: DataConfig, fingerprint: str) -> Path:
-    folder = Path(config.executor_logs) if config.executor_logs else Path(config.cache_dir) / f".{fingerprint}.tasks"
-    return folder.resolve()
+    """`data.executor_logs`, else beside the prepared folder in this machine's cache: for a `cache_dir`
+    URL that is its local copy (`prepare.local_root`), never a folder named after the URL."""
+    from .prepare import local_root
+
+    if config.executor_logs:
+        return Path(config.executor_logs).resolve()
+    return (local_root(config) / f".{fingerprint}.tasks").resolve()

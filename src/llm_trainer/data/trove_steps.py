@@ -9,6 +9,9 @@ the merge can count and name it as the in-process report does.
 
 from __future__ import annotations
 
+import contextlib
+import shlex
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 from datatrove.data import Document, DocumentsPipeline
+from datatrove.executor import SlurmPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 
 from ..config import DataConfig
@@ -24,7 +28,7 @@ from .cluster import (
     _BATCH,
     _TOKENIZE_THREADS,
     PartWriter,
-    Plan,
+    PlanFile,
     clear_error,
     merge,
     part_folder,
@@ -36,6 +40,12 @@ from .sources import SourceStats, iter_unit
 
 _END = "end_of_source"  # a marker document: the task read the last of its files of this source
 _current: dict = {}  # the file the reader of this process is in, named when a task fails
+CONSOLE: list = []  # the command's stderr while datatrove's console log goes to a file (executors._run)
+
+
+def _to_console() -> contextlib.AbstractContextManager:
+    """Our own lines (warnings, the merge's progress and summary) on the command's console."""
+    return contextlib.redirect_stderr(CONSOLE[0]) if CONSOLE else contextlib.nullcontext()
 
 
 class ReadFiles(PipelineStep):
@@ -44,12 +54,12 @@ class ReadFiles(PipelineStep):
     name = "llm-trainer files"
     type = "📖 - READER"
 
-    def __init__(self, config: DataConfig, plan_path: str):
+    def __init__(self, config: DataConfig, plan_file: PlanFile):
         super().__init__()
-        self.config, self.plan_path = config, str(plan_path)
+        self.config, self.plan_file = config, plan_file
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        plan = Plan.load(self.plan_path)
+        plan = self.plan_file.load()
         plan.enter()
         start, end = plan.ranges()[rank]
         source, pending = None, Counter()
@@ -134,19 +144,24 @@ class WriteParts(PipelineStep):
     name = "llm-trainer tokenize, write part"
     type = "💽 - WRITER"
 
-    def __init__(self, config: DataConfig, plan_path: str):
+    def __init__(self, config: DataConfig, plan_file: PlanFile):
         super().__init__()
-        self.config, self.plan_path = config, str(plan_path)
+        self.config, self.plan_file = config, plan_file
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        with _to_console():  # the steps before this one run inside it, as it pulls their documents
+            self._write(data, rank, world_size)
+        yield from ()
+
+    def _write(self, data: DocumentsPipeline, rank: int, world_size: int) -> None:
         from .build import _ordered
 
-        tasks_dir = Path(self.plan_path).parent
-        plan = Plan.load(self.plan_path)
-        plan.enter()
+        tasks_dir = self.plan_file.tasks_dir
         clear_error(tasks_dir, "prepare", rank)
         _current["file"] = None
         try:
+            plan = self.plan_file.load()
+            plan.enter()
             tokenizer = Tokenizer.load(Path(plan.work) / "tokenizer.json")
             dtype = np.dtype(plan.dtype)
             writer = PartWriter(part_folder(tasks_dir, rank), dtype, self.config.deduplication == "near")
@@ -157,7 +172,8 @@ class WriteParts(PipelineStep):
                     if item[0] == "end":
                         return pool.submit(lambda: None)
                     _, documents, rows = item
-                    return pool.submit(encode, tokenizer, [documents[i].text for i in rows], dtype)
+                    cleaned = documents[0].metadata["batch"].texts  # what the filters and dedup decided on
+                    return pool.submit(encode, tokenizer, [cleaned[i] for i in rows], dtype)
 
                 items = self._batches(data, seen)
                 for item, encoded in _ordered(items, submit, _TOKENIZE_THREADS + 1):
@@ -175,7 +191,6 @@ class WriteParts(PipelineStep):
         except BaseException as exc:
             write_error(tasks_dir, "prepare", rank, world_size, _current.get("file"), exc)
             raise
-        yield from ()
 
     def _batches(self, data: DocumentsPipeline, seen: dict) -> Iterator[tuple]:
         """("batch", documents, rows to tokenize) per processed batch; ("end", source, skips) per marker."""
@@ -203,24 +218,41 @@ class MergeParts(PipelineStep):
     name = "llm-trainer merge parts"
     type = "💽 - WRITER"
 
-    def __init__(self, config: DataConfig, plan_path: str):
+    def __init__(self, config: DataConfig, plan_file: PlanFile):
         super().__init__()
-        self.config, self.plan_path = config, str(plan_path)
+        self.config, self.plan_file = config, plan_file
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        tasks_dir = Path(self.plan_path).parent
+        tasks_dir = self.plan_file.tasks_dir
         clear_error(tasks_dir, "merge", rank)
         try:
-            merge(self.config, Path(self.plan_path))
+            with _to_console():
+                merge(self.config, self.plan_file)
         except BaseException as exc:
             write_error(tasks_dir, "merge", rank, world_size, None, exc)
             raise
         yield from ()
 
 
-def per_file_pipeline(config: DataConfig, plan_path: Path) -> list[PipelineStep]:
-    return [ReadFiles(config, plan_path), ProcessDocuments(config), WriteParts(config, plan_path)]
+class SlurmThisPython(SlurmPipelineExecutor):
+    """datatrove's Slurm executor, whose jobs run the pickled pipeline with the interpreter that submitted
+    them rather than the `launch_pickled_pipeline` script found on the job's PATH (absent unless the
+    virtual environment is activated: `venv/bin/llm-trainer`, cron, a job script), and with no
+    stats-merging job, which would wait for ever behind a failed task (the stats stay in stats/)."""
+
+    def get_launch_file_contents(self, sbatch_args: dict, run_script: str) -> str:
+        ours = f"{shlex.quote(sys.executable)} -m datatrove.tools.launch_pickled_pipeline "
+        return super().get_launch_file_contents(sbatch_args, run_script.replace("launch_pickled_pipeline ", ours, 1))
+
+    def launch_merge_stats(self) -> None:
+        return None
 
 
-def merge_pipeline(config: DataConfig, plan_path: Path) -> list[PipelineStep]:
-    return [MergeParts(config, plan_path)]
+def per_file_pipeline(config: DataConfig, plan_file: PlanFile) -> list[PipelineStep]:
+    """The steps carry the digest of the plan the command built from the config: a task follows that plan
+    or none, whoever else can write the task folder."""
+    return [ReadFiles(config, plan_file), ProcessDocuments(config), WriteParts(config, plan_file)]
+
+
+def merge_pipeline(config: DataConfig, plan_file: PlanFile) -> list[PipelineStep]:
+    return [MergeParts(config, plan_file)]
