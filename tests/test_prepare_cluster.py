@@ -66,6 +66,7 @@ def write_mixed_corpus(root: Path, documents: int = 40, files: int = 4) -> list[
                     originals.append(text)
                 out.write(json.dumps({"text": text}) + "\n")
     (web / "blob").write_bytes(b"\x00\x01binary" * 50)
+    (web / "README.Debian").write_text("a file the folder walk does not read\n")
     for f in range(3):
         (books / f"book{f}.txt").write_bytes("\r\n\r\n".join(_text(rng, 60) for _ in range(3)).encode())
     return [
@@ -128,7 +129,9 @@ def test_the_local_executor_writes_the_in_process_folder_for_1_2_and_8_tasks(cor
     root, sources, reference = corpus
     report = reference["data_report.json"]
     assert report["removed"]["near_duplicates"] > 0 and report["removed"]["exact_duplicates"] > 0
-    assert report["removed"]["min_words"] > 0 and report["skipped_inputs"] == {"binary_files": 1}
+    assert report["removed"]["min_words"] > 0
+    assert report["skipped_inputs"] == {"binary_files": 1, "unsupported_files": 1}
+    assert [len(names) for names in report["skipped_inputs_named"].values()] == [1, 1]  # named on every path
     assert report["splits"]["val"]["documents"] > 0 and report["shards"] > 1
     for tasks in (1, 2, 8):
         config = DataConfig(**settings(sources, root / f"local-{tasks}", executor="local", executor_tasks=tasks))

@@ -39,7 +39,6 @@ import json
 import os
 import shutil
 import time
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +95,7 @@ class Plan:
     fingerprint: str
     tasks: int
     units: list[FileUnit]
-    skipped: dict  # what the readers skipped while the files were listed (missing files, empty folders)
+    skipped: dict | None  # what the listing skipped (missing files, empty folders): SourceStats.to_json()
     dtype: str
     work: str
     directory: str
@@ -191,7 +190,7 @@ class PartWriter:
         if source not in self.files:
             names = ["records", "tokens", "meta.jsonl"] + (["sigs"] if self.with_signatures else [])
             self.files[source] = {n: open(self.folder / f"{source}.{n}", "wb") for n in names}
-            self.sources[source] = {"documents": 0, "trailing": {}}
+            self.sources[source] = {"documents": 0, "trailing": None}
         return self.files[source]
 
     def add(
@@ -232,11 +231,11 @@ class PartWriter:
         files["meta.jsonl"].write("".join(lines).encode())
         self.sources[source]["documents"] += len(metadata)
 
-    def end_source(self, source: int, skips: dict) -> None:
+    def end_source(self, source: int, skips: dict | None) -> None:
         self._files(source)
-        trailing = Counter(self.sources[source]["trailing"])
-        trailing.update(skips)
-        self.sources[source]["trailing"] = dict(trailing)
+        trailing = SourceStats.from_json(self.sources[source]["trailing"])
+        trailing.update(SourceStats.from_json(skips))
+        self.sources[source]["trailing"] = trailing.to_json()
 
     def close(self) -> None:
         for files in self.files.values():
@@ -304,7 +303,7 @@ class _Record:
 _CHUNK = 4096  # records read from a part at a time
 
 
-def _part_records(folder: Path, source: int, name: str, count: int, dtype, num_perm: int | None, skipped: Counter):
+def _part_records(folder: Path, source: int, name: str, count: int, dtype, num_perm: int | None, skipped: SourceStats):
     """The documents of one source in one part, in order; adds what the readers skipped before each to `skipped`."""
     if count == 0:
         return
@@ -325,8 +324,7 @@ def _part_records(folder: Path, source: int, name: str, count: int, dtype, num_p
                     origin, value, threshold, setting = line[1:-1], None, None, None
                 else:
                     origin, value, threshold, setting, skips = json.loads(line)
-                    if skips:
-                        skipped.update(skips)
+                    skipped.update(SourceStats.from_json(skips))
                 reason = None if fields["reason"][j] < 0 else FILTERS[fields["reason"][j]]
                 score = fields["score"][j]
                 n = fields["tokens"][j]
@@ -371,7 +369,7 @@ def _merge_build():
         def _elapsed(self) -> float:
             return time.time() - self.plan.started
 
-        def _source_stream(self, index: int, spec, dtype, skipped: Counter, bad: BadInput) -> Iterator[_Record]:
+        def _source_stream(self, index: int, spec, dtype, skipped: SourceStats, bad: BadInput) -> Iterator[_Record]:
             count = 0
             num_perm = self.config.minhash_num_perm if self.near else None
             for rank in range(self.plan.tasks):
@@ -384,7 +382,7 @@ def _merge_build():
                     count += 1
                     if spec.max_documents is not None and count >= spec.max_documents:
                         return
-                skipped.update(info["trailing"])
+                skipped.update(SourceStats.from_json(info["trailing"]))
             if count == 0:
                 empty_source(spec, bad)
 
@@ -404,7 +402,7 @@ def _merge_build():
             )
 
         def _stream(self, tokenizer, dtype, writer, dedup, state, counts, progress) -> SourceStats:
-            skipped = Counter(self.plan.skipped)
+            skipped = SourceStats.from_json(self.plan.skipped)
             stats = SourceStats()
             bad = BadInput(self.config.on_bad_input, stats)
             sources = resolved_sources(self.config)
@@ -436,10 +434,10 @@ def _merge_build():
                 if writer.pending_tokens() >= self.config.shard_tokens:
                     writer.commit(self._snapshot(state, counts))
                     writer.start()
-            skipped.update(stats.skipped)
+            skipped.update(stats)
             state.phase, state.position, state.kept = 1, 0, 0
             writer.commit(self._snapshot(state, counts), done=True)
-            return SourceStats(skipped, stats.named)
+            return skipped
 
     return MergeBuild
 

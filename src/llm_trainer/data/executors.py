@@ -38,7 +38,7 @@ def _plan(config: DataConfig, fingerprint: str, work: Path, directory: Path, tas
         fingerprint,
         config.executor_tasks,
         units,
-        dict(stats.skipped),
+        stats.to_json(),
         np.dtype(dtype).name,
         str(work),
         str(directory),

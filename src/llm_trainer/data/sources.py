@@ -96,6 +96,22 @@ class SourceStats:
         if len(names) < NAMED_SKIPS:
             names.append(what)
 
+    def to_json(self) -> dict | None:
+        """The counts and names as plain JSON (a task's part file, plan.json); None when nothing was skipped."""
+        counts = {kind: n for kind, n in self.skipped.items() if n}
+        return {"counts": counts, "named": self.named} if counts else None
+
+    @classmethod
+    def from_json(cls, record: dict | None) -> SourceStats:
+        return cls(Counter(record["counts"]), record["named"]) if record else cls()
+
+    def take(self) -> SourceStats:
+        """What was skipped since the last `take`, handed over and cleared here (a reader keeps this object)."""
+        taken = SourceStats(Counter(self.skipped), self.named)
+        self.skipped.clear()
+        self.named = {}
+        return taken
+
     def update(self, other: SourceStats) -> None:
         """Add `other`'s counts and names (a later phase), keeping at most `NAMED_SKIPS` names per kind."""
         self.skipped.update(other.skipped)

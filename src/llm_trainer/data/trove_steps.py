@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import shlex
 import sys
-from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -62,20 +61,17 @@ class ReadFiles(PipelineStep):
         plan = self.plan_file.load()
         plan.enter()
         start, end = plan.ranges()[rank]
-        source, pending = None, Counter()
+        source, pending = None, SourceStats()
         for index in range(start, end):
             unit = plan.units[index]
             if source is not None and unit.source != source:
                 yield _end_marker(source, pending)
-                pending = Counter()
+                pending = SourceStats()
             source = unit.source
             _current["file"] = unit.path
             stats = SourceStats()
-            counted = Counter()
             for document in iter_unit(unit, self.config, stats):
-                if stats.skipped != counted:  # what the reader skipped since the last document
-                    pending.update(stats.skipped - counted)
-                    counted = Counter(stats.skipped)
+                pending.update(stats.take())  # what the reader skipped since the last document
                 self.stat_update("documents")
                 yield Document(
                     text=document.text,
@@ -84,17 +80,17 @@ class ReadFiles(PipelineStep):
                         "source": unit.source,
                         "origin": document.origin,
                         "score": document.score,
-                        "skips": dict(pending) or None,
+                        "skips": pending.to_json(),
                     },
                 )
-                pending = Counter()
-            pending.update(stats.skipped - counted)
+                pending = SourceStats()
+            pending.update(stats.take())
         if source is not None:
             yield _end_marker(source, pending)
 
 
-def _end_marker(source: int, skips: Counter) -> Document:
-    return Document(text="", id=_END, metadata={_END: source, "skips": {k: v for k, v in skips.items() if v}})
+def _end_marker(source: int, skips: SourceStats) -> Document:
+    return Document(text="", id=_END, metadata={_END: source, "skips": skips.to_json()})
 
 
 def _is_marker(document: Document) -> bool:
