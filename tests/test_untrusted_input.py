@@ -839,13 +839,57 @@ def test_a_meta_json_with_wrong_types_is_damage_like_any_other(trained, tmp_path
         ("spike_history", {"loss": ["high"]}, "train_state.json is corrupt (spike_history"),
         ("data.skip", [[9, 3]], "malformed data position"),
         ("data.skip", "all", "malformed data position"),
+        ("data.seed", "seven", "malformed data position (seed 'seven'"),
+        ("data.seed", -1, "malformed data position (seed -1"),
+        ("data.epoch", 1.5, "malformed data position (epoch 1.5"),
+        ("data.epoch", -2, "malformed data position (epoch -2"),
+        ("epoch", -1, "train_state.json is corrupt (epoch)"),
     ],
 )
 def test_a_train_state_with_wrong_types(trained, tmp_path, capsys, part, value, fragment):
+    def edit(state: dict) -> None:
+        (state["data"] if part.startswith("data.") else state)[part.removeprefix("data.")] = value
+
+    assert fragment in resume_refused_after(trained, tmp_path, capsys, edit)
+
+
+@pytest.mark.parametrize("position", ["three", -1, None])
+def test_an_old_format_data_position_with_wrong_types(trained, tmp_path, capsys, position):
+    """A position saved as this rank's batches ("position", "world_size"; before "epoch_samples")."""
+
+    def edit(state: dict) -> None:
+        data = state["data"]
+        del data["epoch_samples"], data["global_batch"]
+        data.update({"world_size": 1, **({} if position is None else {"position": position})})
+
+    error = resume_refused_after(trained, tmp_path, capsys, edit)
+    assert "malformed data position" in error and ("position" in error if position is not None else True)
+
+
+@pytest.mark.parametrize(
+    "skip, fragment",
+    [
+        ([[0, 10**18]], "batches ahead of its position"),  # a resume would pass over them one by one: for ever
+        ([[2 * i, 2 * i + 1] for i in range(20_000)], "20,000 skipped ranges"),
+    ],
+)
+def test_a_skip_range_no_rewind_makes_is_refused_at_once(trained, tmp_path, capsys, skip, fragment):
+    def edit(state: dict) -> None:
+        state["data"]["skip"] = skip
+
+    started = time.perf_counter()
+    error = resume_refused_after(trained, tmp_path, capsys, edit)
+    assert fragment in error and "over the limit" in error and "resume from another checkpoint" in error
+    assert time.perf_counter() - started < 30
+
+
+def resume_refused_after(trained: Path, tmp_path: Path, capsys, edit) -> str:
+    """The error of a resume from the newest checkpoint once `edit` changed its train_state.json (meta
+    re-sealed); the run folder is left byte-identical."""
     run = run_copy(trained, tmp_path)
     newest = checkpoint(run, MAX_STEPS)
     state = json.loads((newest / "train_state.json").read_text())
-    (state["data"] if part.startswith("data.") else state)[part.removeprefix("data.")] = value
+    edit(state)
     (newest / "train_state.json").write_text(json.dumps(state))
     reseal(newest)
     before = snapshot(run)
@@ -858,7 +902,8 @@ def test_a_train_state_with_wrong_types(trained, tmp_path, capsys, part, value, 
         "training.max_steps=8",
         "training.resume_from_checkpoint=latest",
     )
-    assert fragment in error and snapshot(run) == before
+    assert snapshot(run) == before
+    return error
 
 
 @pytest.mark.parametrize("value", ["inf", ".inf", "-.inf", ".nan"])

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..limits import check_skip
 from ..logs import warn
 from ..model import IGNORE_INDEX
 from .packing import _pieces, first_fit_decreasing  # noqa: F401  (re-exported)
@@ -240,12 +241,16 @@ class BatchLoader:
             )
         else:
             position = state["position"]
+        for name, value in (("epoch", state["epoch"]), ("seed", state["seed"]), ("position", position)):
+            if not _is_count(value):  # (a checkpoint may come from elsewhere)
+                raise TypeError(f"{name} {value!r} is not a whole number >= 0")
         samples, skip = state.get("samples", 0), state.get("skip", [])
         ranges = isinstance(skip, list) and all(
             isinstance(r, list) and len(r) == 2 and all(type(v) is int for v in r) and 0 <= r[0] < r[1] for r in skip
         )
-        if type(samples) is not int or samples < 0 or not ranges:  # (a checkpoint may come from elsewhere)
+        if not _is_count(samples) or not ranges:
             raise TypeError(f"samples {samples!r}, skip {skip!r}")
+        check_skip(skip, samples, self.batch_size * self.world_size)
         if self.shuffle and (state.get("order") == "chunks") != self._chunked():
             warn(
                 f"the checkpoint's data order was {'by chunks' if state.get('order') else 'a global permutation'}, "
@@ -304,6 +309,10 @@ class BatchLoader:
 
     def __len__(self) -> int:
         return self.batches_per_epoch()
+
+
+def _is_count(value) -> bool:
+    return type(value) is int and value >= 0
 
 
 def _global_batch_changed(saved: int, loader: BatchLoader) -> str:
