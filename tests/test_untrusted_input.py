@@ -267,6 +267,77 @@ def test_shards_written_into_a_store_are_checked_as_they_are_read_back(tmp_path)
     assert not marker.exists()
 
 
+def _length_past_any_file(metadata, fqn: str) -> None:
+    next(info for index, info in metadata.storage_data.items() if index.fqn == fqn).length = 10**12
+
+
+def _offset_past_the_end(metadata, fqn: str) -> None:
+    info = next(info for index, info in metadata.storage_data.items() if index.fqn == fqn)
+    info.offset += 10**6
+
+
+def _missing_key(metadata, fqn: str) -> None:
+    del metadata.state_dict_metadata[fqn]
+
+
+def _weight_as_bytes(metadata, fqn: str) -> None:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata.state_dict_metadata[fqn] = BytesStorageMetadata()
+
+
+def _doubled_chunk(metadata, fqn: str) -> None:
+    chunk = metadata.state_dict_metadata[fqn].chunks[0]
+    chunk.sizes = torch.Size(2 * n for n in chunk.sizes)
+
+
+def _doubled_shape(metadata, fqn: str) -> None:
+    record = metadata.state_dict_metadata[fqn]
+    record.size = torch.Size(2 * n for n in record.size)
+    record.chunks[0].sizes = record.size
+
+
+def _negative_offset(metadata, fqn: str) -> None:
+    chunk = metadata.state_dict_metadata[fqn].chunks[0]
+    chunk.offsets = torch.Size([-1] + list(chunk.offsets)[1:])
+
+
+def _data_of_no_record(metadata, fqn: str) -> None:
+    for index in [index for index in metadata.storage_data if index.fqn == fqn]:
+        del metadata.storage_data[index]
+
+
+def _size_as_text(metadata, fqn: str) -> None:
+    metadata.state_dict_metadata[fqn].size = "large"
+
+
+@pytest.mark.parametrize(
+    "craft, fragment",
+    [
+        (_length_past_any_file, "past the end of"),
+        (_offset_past_the_end, "past the end of"),
+        (_missing_key, "has no record of model.tok_emb.weight"),
+        (_weight_as_bytes, "records model.tok_emb.weight as bytes"),
+        (_doubled_chunk, "outside its shape"),
+        (_doubled_shape, "this model's is"),
+        (_negative_offset, "outside its shape"),
+        (_data_of_no_record, "names no data for"),
+        (_size_as_text, "records model.tok_emb.weight with a malformed shape"),
+    ],
+)
+def test_dcp_metadata_records_are_checked_against_the_files_and_the_model(trained, tmp_path, capsys, craft, fragment):
+    """Records that pass the allow-list but describe what is not there: one line each, before any
+    item is read, and nothing written."""
+    folder = real_sharded_folder(trained, tmp_path)
+    file = folder / layout.SHARDED_DIR / ".metadata"
+    metadata = safe_pickle.load_pickle(file.read_bytes(), str(file), safe_pickle.DCP_METADATA)
+    craft(metadata, "model.tok_emb.weight")
+    file.write_bytes(torch_saved(metadata))
+    error = refused(capsys, "consolidate", "--checkpoint", str(folder), "--output", str(tmp_path / "out"))
+    assert fragment in error and str(file) in error
+    assert not (tmp_path / "out").exists()
+
+
 def test_dcp_metadata_in_dcps_own_pickle_format_is_refused(trained, tmp_path, capsys):
     """DCP's own writer pickles `.metadata` (protocol 4, pathlib objects): never unpickled, refused."""
     import torch.distributed.checkpoint as dcp
