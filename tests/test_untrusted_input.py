@@ -846,6 +846,40 @@ def test_a_tokenizer_larger_than_the_models_vocabulary(trained, tmp_path, capsys
     assert "the folder holds another model's tokenizer" in refused(capsys, "generate", "--checkpoint", str(folder))
 
 
+def _backtracking_split(saved: dict) -> None:
+    saved["pre_tokenizer"]["pattern"] = {"Regex": "(a+)+b|(?m)."}  # 2**n steps on n a's not followed by b
+
+
+def _strip_decoder(saved: dict) -> None:
+    saved["decoder"] = {"type": "Strip", "content": " ", "start": 10**6, "stop": 10**6}  # panics on any decode
+
+
+def _precompiled_normalizer(saved: dict) -> None:
+    saved["normalizer"] = {"type": "Precompiled", "precompiled_charsmap": "AQAAAA=="}  # panics on any encode
+
+
+@pytest.mark.parametrize(
+    "craft, fragment",
+    [
+        (_backtracking_split, "splits text with the regex '(a+)+b|(?m).', not one llm-trainer writes"),
+        (_strip_decoder, "made the tokenizers library fail"),
+        (_precompiled_normalizer, "made the tokenizers library fail"),
+    ],
+)
+def test_a_crafted_tokenizer_json_is_refused_as_it_is_read(trained, tmp_path, capsys, craft, fragment):
+    """A few hundred bytes of tokenizer.json cannot cost seconds per character nor panic mid-run."""
+    folder = tmp_path / "best"
+    shutil.copytree(trained / "run" / "checkpoints" / layout.BEST, folder)
+    saved = json.loads((folder / "tokenizer.json").read_text())
+    craft(saved)
+    (folder / "tokenizer.json").write_text(json.dumps(saved))
+    reseal(folder)
+    started = time.perf_counter()
+    error = refused(capsys, "generate", "--checkpoint", str(folder), "--prompt", "a" * 40, "--max-new-tokens", "2")
+    assert fragment in error and str(folder / "tokenizer.json") in error
+    assert time.perf_counter() - started < 30
+
+
 def test_init_from_a_folder_with_a_pickled_pytorch_model_bin(trained, tmp_path, capsys):
     pytest.importorskip("transformers")
     folder = tmp_path / "hf"
