@@ -880,6 +880,26 @@ def test_a_crafted_tokenizer_json_is_refused_as_it_is_read(trained, tmp_path, ca
     assert time.perf_counter() - started < 30
 
 
+def test_a_resume_from_a_checkpoint_with_a_crafted_tokenizer_json_is_refused(trained, tmp_path, capsys):
+    run = run_copy(trained, tmp_path)
+    newest = checkpoint(run, MAX_STEPS)
+    saved = json.loads((newest / "tokenizer.json").read_text())
+    _backtracking_split(saved)
+    (newest / "tokenizer.json").write_text(json.dumps(saved))
+    reseal(newest)
+    before = snapshot(run)
+    error = refused(
+        capsys,
+        "train",
+        "--config",
+        str(trained / "exp.yaml"),
+        f"training.output_dir={run}",
+        "training.max_steps=8",
+        "training.resume_from_checkpoint=latest",
+    )
+    assert f"{newest / 'tokenizer.json'} splits text with the regex" in error and snapshot(run) == before
+
+
 def test_init_from_a_folder_with_a_pickled_pytorch_model_bin(trained, tmp_path, capsys):
     pytest.importorskip("transformers")
     folder = tmp_path / "hf"

@@ -180,10 +180,11 @@ class Tokenizer:
         return fast_tokenizer(self.backend, EOT, model_max_length)
 
 
-def vocabulary_mismatch(source_json: str, ours_json: str) -> tuple[int, int]:
+def vocabulary_mismatch(source_json: str, ours_json: str, where: str = "the tokenizer.json") -> tuple[int, int]:
     """(tokens of ours that the source lacks or numbers otherwise, tokens of ours): the rows of an
-    embedding trained with `source_json` that would be read for the wrong token, or for none."""
-    source = backend_from_json(source_json, "the checkpoint's tokenizer.json").get_vocab(with_added_tokens=True)
+    embedding trained with `source_json` (read as `where`, see `backend_from_json`) that would be read
+    for the wrong token, or for none."""
+    source = backend_from_json(source_json, where).get_vocab(with_added_tokens=True)
     ours = HFTokenizer.from_str(ours_json).get_vocab(with_added_tokens=True)
     return sum(source.get(token) != index for token, index in ours.items()), len(ours)
 

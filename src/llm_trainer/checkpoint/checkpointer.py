@@ -322,7 +322,7 @@ class Checkpointer:
         saved = path / "tokenizer.json"
         if self.tokenizer_json is None or not saved.is_file():
             return
-        wrong, total = vocabulary_mismatch(saved.read_text(encoding="utf-8"), self.tokenizer_json)
+        wrong, total = vocabulary_mismatch(saved.read_text(encoding="utf-8"), self.tokenizer_json, str(saved))
         if wrong:
             raise UsageError(
                 f"{path} was trained with another tokenizer ({wrong} of this run's {total} tokens are "
