@@ -16,7 +16,8 @@ or setting that reached it.
     MAX_SKIPPED_BATCHES, MAX_SKIP_RANGES
                            a saved data position's `skip` ranges (a rewind's): the batches a resume
                            passes over one by one before its first step, and how many ranges each
-                           batch is checked against
+                           batch is checked against; and a position in a DataLoader that cannot
+                           seek (the batches read to get there)
     MAX_SPIKE_WINDOW       training.loss_spike_window: the steps of history kept on the device
 """
 
@@ -221,4 +222,15 @@ def check_skip(skip: list[list[int]], samples: int, per_batch: int) -> None:
             f"{where} skips {ahead:,} batches ahead of its position (sample {samples:,}), over the limit of "
             f"{MAX_SKIPPED_BATCHES:,} (a rewind skips only what was read since the last checkpoint); the file "
             "is damaged or was edited: resume from another checkpoint"
+        )
+
+
+def check_skip_forward(batches: int) -> None:
+    """Refuse a saved position `batches` into an epoch of an iterable that cannot seek (a DataLoader of
+    the user's): a resume reads every batch before it, one at a time, to get there."""
+    if batches > MAX_SKIPPED_BATCHES:
+        raise UsageError(
+            f"the checkpoint's train_state.json puts the data position {batches:,} batches into an epoch of a "
+            f"DataLoader that cannot seek, over the limit of {MAX_SKIPPED_BATCHES:,} batches read to get there; "
+            "the file is damaged or was edited: resume from another checkpoint"
         )
