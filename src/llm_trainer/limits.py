@@ -210,7 +210,7 @@ def check_skip(skip: list[list[int]], samples: int, per_batch: int) -> None:
     sample `samples` could not pass over in bounded time: the loader passes over a skipped batch one at
     a time (`per_batch` samples each) and checks every batch against every range. A rewind's range only
     covers what was read since the last checkpoint, so a real one is far inside both limits."""
-    where = "the checkpoint's train_state.json (data.skip)"
+    where = "train_state.json's data.skip"
     if len(skip) > MAX_SKIP_RANGES:
         raise UsageError(
             f"{where} holds {len(skip):,} skipped ranges, over the limit of {MAX_SKIP_RANGES:,} (one per rewind); "
@@ -230,7 +230,7 @@ def check_skip_forward(batches: int) -> None:
     the user's): a resume reads every batch before it, one at a time, to get there."""
     if batches > MAX_SKIPPED_BATCHES:
         raise UsageError(
-            f"the checkpoint's train_state.json puts the data position {batches:,} batches into an epoch of a "
+            f"train_state.json puts the data position {batches:,} batches into an epoch of a "
             f"DataLoader that cannot seek, over the limit of {MAX_SKIPPED_BATCHES:,} batches read to get there; "
             "the file is damaged or was edited: resume from another checkpoint"
         )

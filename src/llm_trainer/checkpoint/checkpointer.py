@@ -278,6 +278,8 @@ class Checkpointer:
             )
         try:  # before the weights: a position this run cannot continue (another global batch) is refused first
             self.loader.load_state_dict(saved["data"])
+        except UsageError as exc:  # a limit (limits.py) the saved position passes
+            raise CheckpointError(f"checkpoint {path} is unusable: {exc}") from None
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         except (KeyError, TypeError) as exc:
