@@ -210,6 +210,11 @@ CASES = [
     ),
     ("profile steps reversed", lambda t: ["estimate", *TINY, "training.profile_steps=[5,3]"], "1 <= first <= last"),
     (
+        "spike window of 10**10 steps",
+        lambda t: ["estimate", *TINY, "training.on_loss_spike=warn", f"training.loss_spike_window={10**10}"],
+        "loss_spike_window (10,000,000,000) is over the limit",
+    ),
+    (
         "rewind without checkpoints",
         lambda t: ["estimate", *TINY, "training.on_loss_spike=rewind", "training.save_steps=0"],
         "no periodic checkpoints",

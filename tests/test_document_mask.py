@@ -221,3 +221,17 @@ def test_curriculum_by_score_column(tmp_path):
     )
     with pytest.raises(UsageError, match="curriculum stage 0"):
         build_loaders(too_hard, prepared, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "key, value", [("curriculum_samples", -8), ("curriculum_samples", "8"), ("curriculum_taken", 1.5)]
+)
+def test_a_curriculum_position_of_the_wrong_type_is_refused(tmp_path, key, value):
+    """A saved position may come from a folder we did not write: the checkpoint calls this a malformed
+    data position (one line) instead of seeking to a negative batch."""
+    stages = [{"until_step": 5, "max_difficulty": 20}, {"until_step": 10, "max_difficulty": 40}]
+    experiment, prepared = _experiment(tmp_path, curriculum=stages, packing_strategy="first_fit", pack_sequences=False)
+    train, _ = build_loaders(experiment, prepared, torch.device("cpu"))
+    state = {**train.state_dict(), key: value}
+    with pytest.raises(TypeError, match=f"{key} {value!r} is not a whole number"):
+        train.load_state_dict(state)

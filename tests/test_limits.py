@@ -197,3 +197,25 @@ def test_a_resume_from_a_checkpoint_whose_rng_file_is_a_deflate_bomb_is_one_line
     )
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and lines[-1].startswith("error: ") and "compression ratio limit" in lines[-1], lines
+
+
+# -- a saved data position -----------------------------------------------------------------------------
+
+
+def test_a_position_in_a_dataloader_that_cannot_seek_is_bounded_and_checked():
+    """A user's DataLoader is skipped forward batch by batch: a crafted position would read for ever."""
+    from llm_trainer.train.batches import IterableBatches
+
+    batches = [torch.zeros(2, 5, dtype=torch.long)] * 3
+    loader = IterableBatches(batches, torch.device("cpu"))
+    started = time.perf_counter()
+    with pytest.raises(UsageError, match="10,000,000,000 batches into an epoch .* over the limit"):
+        loader.load_state_dict({"epoch": 0, "position": 10**10})
+    assert time.perf_counter() - started < 0.5
+    with pytest.raises(ValueError, match=r"batch 5 of epoch 0\) is past the end of this DataLoader \(3 batches\)"):
+        loader.load_state_dict({"epoch": 0, "position": 5})
+    for state in ({"epoch": 0, "position": "2"}, {"epoch": -1, "position": 1}, {"epoch": 0, "position": -4}):
+        with pytest.raises(TypeError, match="is not a whole number"):
+            loader.load_state_dict(state)
+    loader.load_state_dict({"epoch": 1, "position": 2})
+    assert (loader.epoch, loader.position) == (1, 2) and loader.next_batch()[0].shape == (2, 4)

@@ -267,6 +267,77 @@ def test_shards_written_into_a_store_are_checked_as_they_are_read_back(tmp_path)
     assert not marker.exists()
 
 
+def _length_past_any_file(metadata, fqn: str) -> None:
+    next(info for index, info in metadata.storage_data.items() if index.fqn == fqn).length = 10**12
+
+
+def _offset_past_the_end(metadata, fqn: str) -> None:
+    info = next(info for index, info in metadata.storage_data.items() if index.fqn == fqn)
+    info.offset += 10**6
+
+
+def _missing_key(metadata, fqn: str) -> None:
+    del metadata.state_dict_metadata[fqn]
+
+
+def _weight_as_bytes(metadata, fqn: str) -> None:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata.state_dict_metadata[fqn] = BytesStorageMetadata()
+
+
+def _doubled_chunk(metadata, fqn: str) -> None:
+    chunk = metadata.state_dict_metadata[fqn].chunks[0]
+    chunk.sizes = torch.Size(2 * n for n in chunk.sizes)
+
+
+def _doubled_shape(metadata, fqn: str) -> None:
+    record = metadata.state_dict_metadata[fqn]
+    record.size = torch.Size(2 * n for n in record.size)
+    record.chunks[0].sizes = record.size
+
+
+def _negative_offset(metadata, fqn: str) -> None:
+    chunk = metadata.state_dict_metadata[fqn].chunks[0]
+    chunk.offsets = torch.Size([-1] + list(chunk.offsets)[1:])
+
+
+def _data_of_no_record(metadata, fqn: str) -> None:
+    for index in [index for index in metadata.storage_data if index.fqn == fqn]:
+        del metadata.storage_data[index]
+
+
+def _size_as_text(metadata, fqn: str) -> None:
+    metadata.state_dict_metadata[fqn].size = "large"
+
+
+@pytest.mark.parametrize(
+    "craft, fragment",
+    [
+        (_length_past_any_file, "past the end of"),
+        (_offset_past_the_end, "past the end of"),
+        (_missing_key, "has no record of model.tok_emb.weight"),
+        (_weight_as_bytes, "records model.tok_emb.weight as bytes"),
+        (_doubled_chunk, "outside its shape"),
+        (_doubled_shape, "this model's is"),
+        (_negative_offset, "outside its shape"),
+        (_data_of_no_record, "names no data for"),
+        (_size_as_text, "records model.tok_emb.weight with a malformed shape"),
+    ],
+)
+def test_dcp_metadata_records_are_checked_against_the_files_and_the_model(trained, tmp_path, capsys, craft, fragment):
+    """Records that pass the allow-list but describe what is not there: one line each, before any
+    item is read, and nothing written."""
+    folder = real_sharded_folder(trained, tmp_path)
+    file = folder / layout.SHARDED_DIR / ".metadata"
+    metadata = safe_pickle.load_pickle(file.read_bytes(), str(file), safe_pickle.DCP_METADATA)
+    craft(metadata, "model.tok_emb.weight")
+    file.write_bytes(torch_saved(metadata))
+    error = refused(capsys, "consolidate", "--checkpoint", str(folder), "--output", str(tmp_path / "out"))
+    assert fragment in error and str(file) in error
+    assert not (tmp_path / "out").exists()
+
+
 def test_dcp_metadata_in_dcps_own_pickle_format_is_refused(trained, tmp_path, capsys):
     """DCP's own writer pickles `.metadata` (protocol 4, pathlib objects): never unpickled, refused."""
     import torch.distributed.checkpoint as dcp
@@ -775,6 +846,60 @@ def test_a_tokenizer_larger_than_the_models_vocabulary(trained, tmp_path, capsys
     assert "the folder holds another model's tokenizer" in refused(capsys, "generate", "--checkpoint", str(folder))
 
 
+def _backtracking_split(saved: dict) -> None:
+    saved["pre_tokenizer"]["pattern"] = {"Regex": "(a+)+b|(?m)."}  # 2**n steps on n a's not followed by b
+
+
+def _strip_decoder(saved: dict) -> None:
+    saved["decoder"] = {"type": "Strip", "content": " ", "start": 10**6, "stop": 10**6}  # panics on any decode
+
+
+def _precompiled_normalizer(saved: dict) -> None:
+    saved["normalizer"] = {"type": "Precompiled", "precompiled_charsmap": "AQAAAA=="}  # panics on any encode
+
+
+@pytest.mark.parametrize(
+    "craft, fragment",
+    [
+        (_backtracking_split, "splits text with the regex '(a+)+b|(?m).', not one llm-trainer writes"),
+        (_strip_decoder, "made the tokenizers library fail"),
+        (_precompiled_normalizer, "made the tokenizers library fail"),
+    ],
+)
+def test_a_crafted_tokenizer_json_is_refused_as_it_is_read(trained, tmp_path, capsys, craft, fragment):
+    """A few hundred bytes of tokenizer.json cannot cost seconds per character nor panic mid-run."""
+    folder = tmp_path / "best"
+    shutil.copytree(trained / "run" / "checkpoints" / layout.BEST, folder)
+    saved = json.loads((folder / "tokenizer.json").read_text())
+    craft(saved)
+    (folder / "tokenizer.json").write_text(json.dumps(saved))
+    reseal(folder)
+    started = time.perf_counter()
+    error = refused(capsys, "generate", "--checkpoint", str(folder), "--prompt", "a" * 40, "--max-new-tokens", "2")
+    assert fragment in error and str(folder / "tokenizer.json") in error
+    assert time.perf_counter() - started < 30
+
+
+def test_a_resume_from_a_checkpoint_with_a_crafted_tokenizer_json_is_refused(trained, tmp_path, capsys):
+    run = run_copy(trained, tmp_path)
+    newest = checkpoint(run, MAX_STEPS)
+    saved = json.loads((newest / "tokenizer.json").read_text())
+    _backtracking_split(saved)
+    (newest / "tokenizer.json").write_text(json.dumps(saved))
+    reseal(newest)
+    before = snapshot(run)
+    error = refused(
+        capsys,
+        "train",
+        "--config",
+        str(trained / "exp.yaml"),
+        f"training.output_dir={run}",
+        "training.max_steps=8",
+        "training.resume_from_checkpoint=latest",
+    )
+    assert f"{newest / 'tokenizer.json'} splits text with the regex" in error and snapshot(run) == before
+
+
 def test_init_from_a_folder_with_a_pickled_pytorch_model_bin(trained, tmp_path, capsys):
     pytest.importorskip("transformers")
     folder = tmp_path / "hf"
@@ -839,13 +964,57 @@ def test_a_meta_json_with_wrong_types_is_damage_like_any_other(trained, tmp_path
         ("spike_history", {"loss": ["high"]}, "train_state.json is corrupt (spike_history"),
         ("data.skip", [[9, 3]], "malformed data position"),
         ("data.skip", "all", "malformed data position"),
+        ("data.seed", "seven", "malformed data position (seed 'seven'"),
+        ("data.seed", -1, "malformed data position (seed -1"),
+        ("data.epoch", 1.5, "malformed data position (epoch 1.5"),
+        ("data.epoch", -2, "malformed data position (epoch -2"),
+        ("epoch", -1, "train_state.json is corrupt (epoch)"),
     ],
 )
 def test_a_train_state_with_wrong_types(trained, tmp_path, capsys, part, value, fragment):
+    def edit(state: dict) -> None:
+        (state["data"] if part.startswith("data.") else state)[part.removeprefix("data.")] = value
+
+    assert fragment in resume_refused_after(trained, tmp_path, capsys, edit)
+
+
+@pytest.mark.parametrize("position", ["three", -1, None])
+def test_an_old_format_data_position_with_wrong_types(trained, tmp_path, capsys, position):
+    """A position saved as this rank's batches ("position", "world_size"; before "epoch_samples")."""
+
+    def edit(state: dict) -> None:
+        data = state["data"]
+        del data["epoch_samples"], data["global_batch"]
+        data.update({"world_size": 1, **({} if position is None else {"position": position})})
+
+    error = resume_refused_after(trained, tmp_path, capsys, edit)
+    assert "malformed data position" in error and ("position" in error if position is not None else True)
+
+
+@pytest.mark.parametrize(
+    "skip, fragment",
+    [
+        ([[0, 10**18]], "batches ahead of its position"),  # a resume would pass over them one by one: for ever
+        ([[2 * i, 2 * i + 1] for i in range(20_000)], "20,000 skipped ranges"),
+    ],
+)
+def test_a_skip_range_no_rewind_makes_is_refused_at_once(trained, tmp_path, capsys, skip, fragment):
+    def edit(state: dict) -> None:
+        state["data"]["skip"] = skip
+
+    started = time.perf_counter()
+    error = resume_refused_after(trained, tmp_path, capsys, edit)
+    assert fragment in error and "over the limit" in error and "resume from another checkpoint" in error
+    assert time.perf_counter() - started < 30
+
+
+def resume_refused_after(trained: Path, tmp_path: Path, capsys, edit) -> str:
+    """The error of a resume from the newest checkpoint once `edit` changed its train_state.json (meta
+    re-sealed); the run folder is left byte-identical."""
     run = run_copy(trained, tmp_path)
     newest = checkpoint(run, MAX_STEPS)
     state = json.loads((newest / "train_state.json").read_text())
-    (state["data"] if part.startswith("data.") else state)[part.removeprefix("data.")] = value
+    edit(state)
     (newest / "train_state.json").write_text(json.dumps(state))
     reseal(newest)
     before = snapshot(run)
@@ -858,7 +1027,8 @@ def test_a_train_state_with_wrong_types(trained, tmp_path, capsys, part, value, 
         "training.max_steps=8",
         "training.resume_from_checkpoint=latest",
     )
-    assert fragment in error and snapshot(run) == before
+    assert snapshot(run) == before
+    return error
 
 
 @pytest.mark.parametrize("value", ["inf", ".inf", "-.inf", ".nan"])

@@ -22,7 +22,14 @@ import yaml
 
 from . import config_aliases
 from .errors import UsageError
-from .limits import MAX_EXECUTOR_TASKS, MAX_NESTING, check_model_dimensions, check_structure, parse_json
+from .limits import (
+    MAX_EXECUTOR_TASKS,
+    MAX_NESTING,
+    MAX_SPIKE_WINDOW,
+    check_model_dimensions,
+    check_structure,
+    parse_json,
+)
 from .storage import is_url, join, mirror_name
 
 # ----------------------------------------------------------------------------------------------
@@ -450,6 +457,11 @@ class TrainingConfig(_Validated):
     def _check_health(self) -> None:
         for name in ("loss_spike_window", "loss_spike_warmup", "max_rewinds"):
             _require(getattr(self, name) >= 1, f"TrainingConfig.{name} must be at least 1, got {getattr(self, name)}")
+        _require(
+            self.loss_spike_window <= MAX_SPIKE_WINDOW,
+            f"TrainingConfig.loss_spike_window ({self.loss_spike_window:,}) is over the limit of {MAX_SPIKE_WINDOW:,} "
+            "steps (the window is kept on the device and sorted every step); use a window of a few hundred steps",
+        )
         _require(
             self.loss_spike_warmup <= self.loss_spike_window,
             f"TrainingConfig.loss_spike_warmup ({self.loss_spike_warmup}) must be at most loss_spike_window "

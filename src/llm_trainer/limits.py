@@ -15,6 +15,12 @@ or setting that reached it.
                            pieces, longer JSONL lines are bad input (both counted in the data report)
     MAX_EXECUTOR_TASKS     data.executor_tasks: each task has its own log, completion marker, stats
                            file and part folder, and the plan assigns files to every task
+    MAX_SKIPPED_BATCHES, MAX_SKIP_RANGES
+                           a saved data position's `skip` ranges (a rewind's): the batches a resume
+                           passes over one by one before its first step, and how many ranges each
+                           batch is checked against; and a position in a DataLoader that cannot
+                           seek (the batches read to get there)
+    MAX_SPIKE_WINDOW       training.loss_spike_window: the steps of history kept on the device
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ MAX_SEQ_LEN = 1 << 24
 MAX_DOCUMENT_CHARS = 16 << 20
 MAX_LINE_BYTES = 4 * MAX_DOCUMENT_CHARS  # a JSONL line holding one document of MAX_DOCUMENT_CHARS, escaped
 MAX_EXECUTOR_TASKS = 100_000  # a task has one file at least to do its work: cut the corpus into files first
+MAX_SKIPPED_BATCHES = 10**7  # a rewind skips what was read since the last checkpoint: save_steps x accumulation
+MAX_SKIP_RANGES = 10_000  # one range per rewind (training.max_rewinds, 3 by default)
+MAX_SPIKE_WINDOW = 100_000  # float32 values per watched metric, on the device, sorted every step
 _MODULE_BYTES_PER_LAYER = 64 << 10  # Python objects of one built block (modules, parameters), beside the weights
 
 
@@ -193,3 +202,38 @@ def check_dcp_items(storage_data: dict, where: str) -> None:
                 f"{where} stores an item through {', '.join(map(str, transforms))}; llm-trainer writes DCP items "
                 "uncompressed, and a compressed one may expand without bound (the decompression limit)"
             )
+
+
+# ----------------------------------------------------------------------------------------------
+# A saved data position
+
+
+def check_skip(skip: list[list[int]], samples: int, per_batch: int) -> None:
+    """Refuse `skip` ranges ([start, end) global sample indices, well-formed) that a resume at global
+    sample `samples` could not pass over in bounded time: the loader passes over a skipped batch one at
+    a time (`per_batch` samples each) and checks every batch against every range. A rewind's range only
+    covers what was read since the last checkpoint, so a real one is far inside both limits."""
+    where = "train_state.json's data.skip"
+    if len(skip) > MAX_SKIP_RANGES:
+        raise UsageError(
+            f"{where} holds {len(skip):,} skipped ranges, over the limit of {MAX_SKIP_RANGES:,} (one per rewind); "
+            "the file is damaged or was edited: resume from another checkpoint"
+        )
+    ahead = sum(-(-max(0, end - max(start, samples)) // per_batch) for start, end in skip)
+    if ahead > MAX_SKIPPED_BATCHES:
+        raise UsageError(
+            f"{where} skips {ahead:,} batches ahead of its position (sample {samples:,}), over the limit of "
+            f"{MAX_SKIPPED_BATCHES:,} (a rewind skips only what was read since the last checkpoint); the file "
+            "is damaged or was edited: resume from another checkpoint"
+        )
+
+
+def check_skip_forward(batches: int) -> None:
+    """Refuse a saved position `batches` into an epoch of an iterable that cannot seek (a DataLoader of
+    the user's): a resume reads every batch before it, one at a time, to get there."""
+    if batches > MAX_SKIPPED_BATCHES:
+        raise UsageError(
+            f"train_state.json puts the data position {batches:,} batches into an epoch of a "
+            f"DataLoader that cannot seek, over the limit of {MAX_SKIPPED_BATCHES:,} batches read to get there; "
+            "the file is damaged or was edited: resume from another checkpoint"
+        )

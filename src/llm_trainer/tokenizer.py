@@ -20,7 +20,9 @@ pre-split (llama.cpp's converter reproduces those two and not ours). The byte-le
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,16 @@ LLAMA3_PRE_SPLIT = (
 _WORD = r"[\p{L}\p{M}]+(?:[\x{200C}\x{200D}]+[\p{L}\p{M}]+)*"
 PRE_SPLIT = rf"'s|'t|'re|'ve|'m|'ll|'d| ?{_WORD}| ?\p{{N}}+| ?[^\s\p{{L}}\p{{M}}\p{{N}}]+|\s+(?!\S)|\s+"
 PRE_SPLITS = {"unicode": PRE_SPLIT, "gpt2": GPT2_PRE_SPLIT, "llama3": LLAMA3_PRE_SPLIT}
+# The char tokenizer's split: every character its own piece ((?m) makes "." match newlines too, in
+# Oniguruma's syntax).
+CHAR_SPLIT = "(?m)."
+# The only regexes a tokenizer.json may hold (Split pre-tokenizers, Replace normalizers and decoders):
+# those we write. The regex engine (Oniguruma) backtracks, so a crafted pattern of a few bytes costs
+# tens of milliseconds per character of every text encoded; a regex cannot be told safe by running it.
+KNOWN_REGEXES = frozenset({*PRE_SPLITS.values(), CHAR_SPLIT})
+# Encoded and decoded once when a tokenizer.json is read, so a file whose parts fail on any text
+# (the library panics) is refused as it is read, not in the middle of a run.
+_PROBE = "The cat's 42 dogs \u2014 na\u00efve caf\u00e9, \u092d\u093e\u0930\u0924 \u65e5\u672c\n\t  end."
 
 
 def byte_level_pre_tokenizer(pre_split: str = "unicode") -> pre_tokenizers.PreTokenizer:
@@ -111,8 +123,7 @@ class Tokenizer:
         for ch in sorted(chars):
             vocab[ch] = len(vocab)
         backend = HFTokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-        # (?m) makes "." match newlines too (Oniguruma syntax): every character is its own piece.
-        backend.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_SPLIT), behavior="isolated")
         backend.decoder = decoders.Fuse()
         backend.add_special_tokens([EOT])
         return cls(backend)
@@ -123,10 +134,7 @@ class Tokenizer:
         file = path / TOKENIZER_FILE if path.is_dir() else path
         if not file.is_file():
             raise UsageError(f"tokenizer not found at {path}; pass a tokenizer.json file or a folder holding one")
-        try:
-            return cls(HFTokenizer.from_file(str(file)))
-        except Exception as exc:  # tokenizers raises plain Exception for malformed JSON
-            raise UsageError(f"{file} is not a valid tokenizer.json ({str(exc).splitlines()[0]})") from None
+        return cls(load_backend(file))
 
     def save(self, directory: str | Path) -> Path:
         directory = Path(directory)
@@ -144,13 +152,16 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        with panics_as_errors("the tokenizer"):
+            return self.backend.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+        with panics_as_errors("the tokenizer"):
+            return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        with panics_as_errors("the tokenizer"):
+            return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def to_json(self) -> str:
         return self.backend.to_str()
@@ -169,13 +180,11 @@ class Tokenizer:
         return fast_tokenizer(self.backend, EOT, model_max_length)
 
 
-def vocabulary_mismatch(source_json: str, ours_json: str) -> tuple[int, int]:
+def vocabulary_mismatch(source_json: str, ours_json: str, where: str = "the tokenizer.json") -> tuple[int, int]:
     """(tokens of ours that the source lacks or numbers otherwise, tokens of ours): the rows of an
-    embedding trained with `source_json` that would be read for the wrong token, or for none."""
-    try:
-        source = HFTokenizer.from_str(source_json).get_vocab(with_added_tokens=True)
-    except Exception as exc:  # tokenizers raises plain Exception for malformed JSON
-        raise UsageError(f"not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})") from None
+    embedding trained with `source_json` (read as `where`, see `backend_from_json`) that would be read
+    for the wrong token, or for none."""
+    source = backend_from_json(source_json, where).get_vocab(with_added_tokens=True)
     ours = HFTokenizer.from_str(ours_json).get_vocab(with_added_tokens=True)
     return sum(source.get(token) != index for token, index in ours.items()), len(ours)
 
@@ -188,3 +197,75 @@ def _bounded(texts: Iterable[str], max_chars: int) -> Iterator[str]:
         text = text[: max_chars - seen]
         seen += len(text)
         yield text
+
+
+# ----------------------------------------------------------------------------------------------
+# A tokenizer.json from a file: input like any other
+
+
+def load_backend(file: str | Path) -> HFTokenizer:
+    """The `tokenizers.Tokenizer` of a tokenizer.json file, read under `backend_from_json`'s checks."""
+    try:
+        text = Path(file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{file} could not be read as a tokenizer.json ({exc})") from None
+    return backend_from_json(text, str(file))
+
+
+def backend_from_json(text: str, where: str) -> HFTokenizer:
+    """The `tokenizers.Tokenizer` of a tokenizer.json's `text` (`where` names it in errors), bounded in
+    what it may cost: its nesting within `limits`, every regex one of KNOWN_REGEXES, no truncation
+    or padding (an encode returns every token of a text), and a probe text encoded and decoded, so a
+    part that makes the library panic is refused here, in one line."""
+    try:  # (not limits.parse_json: a large vocabulary's merges hold millions of values)
+        parsed = json.loads(text)
+    except RecursionError:
+        raise UsageError(f"{where} is nested too deep to be a tokenizer.json") from None
+    except ValueError as exc:
+        raise UsageError(f"{where} is not a valid tokenizer.json ({exc})") from None
+    unknown = next((regex for regex in _regexes(parsed) if regex not in KNOWN_REGEXES), None)
+    if unknown is not None:
+        shown = unknown if len(unknown) <= 60 else unknown[:57] + "..."
+        raise UsageError(
+            f"{where} splits text with the regex {shown!r}, not one llm-trainer writes; a regex can cost seconds "
+            "per character (backtracking), so only the pre-splits of data.tokenizer_pre_split (unicode, gpt2, "
+            "llama3) and the char tokenizer's are read: train the tokenizer with llm-trainer (data.tokenizer: bpe)"
+        )
+    with panics_as_errors(where):
+        try:
+            backend = HFTokenizer.from_str(text)
+        except Exception as exc:  # tokenizers raises plain Exception for a malformed part
+            raise UsageError(f"{where} is not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})") from None
+        backend.no_truncation()
+        backend.no_padding()
+        backend.decode(backend.encode(_PROBE, add_special_tokens=False).ids)
+    return backend
+
+
+def _regexes(value: Any) -> Iterator[str]:
+    """Every regex pattern ({"Regex": ...}) anywhere in a parsed tokenizer.json."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if len(item) == 1 and "Regex" in item:  # a pattern: {"Regex": ...} or {"String": ...}
+                yield item["Regex"] if isinstance(item["Regex"], str) else repr(item["Regex"])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+@contextmanager
+def panics_as_errors(where: str) -> Iterator[None]:
+    """A panic inside `tokenizers` (pyo3's PanicException, a BaseException: no `except Exception` catches
+    it) as a UsageError naming `where`, in one line."""
+    try:
+        yield
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        detail = (str(exc).strip().splitlines() or ["a panic"])[0][:160]
+        raise UsageError(
+            f"{where} made the tokenizers library fail ({detail}); the tokenizer.json is damaged or was crafted: "
+            "use the tokenizer the model was trained with"
+        ) from None

@@ -278,6 +278,8 @@ class Checkpointer:
             )
         try:  # before the weights: a position this run cannot continue (another global batch) is refused first
             self.loader.load_state_dict(saved["data"])
+        except UsageError as exc:  # a limit (limits.py) the saved position passes
+            raise CheckpointError(f"checkpoint {path} is unusable: {exc}") from None
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         except (KeyError, TypeError) as exc:
@@ -322,7 +324,7 @@ class Checkpointer:
         saved = path / "tokenizer.json"
         if self.tokenizer_json is None or not saved.is_file():
             return
-        wrong, total = vocabulary_mismatch(saved.read_text(encoding="utf-8"), self.tokenizer_json)
+        wrong, total = vocabulary_mismatch(saved.read_text(encoding="utf-8"), self.tokenizer_json, str(saved))
         if wrong:
             raise UsageError(
                 f"{path} was trained with another tokenizer ({wrong} of this run's {total} tokens are "

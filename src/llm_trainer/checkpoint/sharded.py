@@ -25,6 +25,7 @@ byte of it, so each rank reads only the files holding its shards, and no plain p
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,7 +38,13 @@ import torch.nn as nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -96,6 +103,7 @@ class SafeReader(FileSystemReader):
         super().__init__(path)
         folder = Path(path)
         self.files = files if files is not None else FolderFiles.of(folder.parent)  # the checkpoint folder
+        self.source = str(self.files.folder / SHARDED_DIR / METADATA)  # how errors name `.metadata`
         self.metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -115,22 +123,31 @@ class SafeReader(FileSystemReader):
                 f"{self.files.folder} keeps its shards in the store ({name} is not on disk); pass the checkpoint's "
                 "URL instead, or resume with training.checkpoint_dir set to its store"
             )
-        return _checked_metadata(
-            self.files.read(name), source, lambda data_file: self.files.path(f"{SHARDED_DIR}/{data_file}")
-        )
+        return _checked_metadata(self.files.read(name), source, self._file_size)
+
+    def _file_size(self, data_file: str) -> int:
+        return self.files.path(f"{SHARDED_DIR}/{data_file}").stat().st_size  # the rule first: else refused
 
 
-def _checked_metadata(data: bytes, source: str, check_file: Callable[[str], Any]) -> Metadata:
+def _checked_metadata(data: bytes, source: str, file_size: Callable[[str], int]) -> Metadata:
     """DCP metadata from `data` (checked bytes of `.metadata`), unpickled under the allow-list; every data
-    file it names must be a plain file name that `check_file` accepts (it raises otherwise)."""
+    file it names must be a plain file name that `file_size` accepts (it raises otherwise, and returns
+    the file's size), and every item must lie inside its file."""
     metadata = load_pickle(data, source, DCP_METADATA)
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+    if (
+        not isinstance(metadata, Metadata)
+        or not isinstance(metadata.storage_data, dict)
+        or not isinstance(metadata.state_dict_metadata, dict)
+    ):
         raise CheckpointError(f"{source} is not DCP metadata; the checkpoint is corrupt")
-    for info in metadata.storage_data.values():
+    sizes: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
         data_file = getattr(info, "relative_path", None)
         if not isinstance(data_file, str) or "/" in data_file:
             raise CheckpointError(f"{source} names the data file {data_file!r}, which is not a file name")
-        check_file(data_file)  # inside, a regular file, listed: else refused
+        if data_file not in sizes:
+            sizes[data_file] = file_size(data_file)  # inside, a regular file, listed: else refused
+        _check_extent(index, info, sizes[data_file], source)
     check_dcp_items(metadata.storage_data, source)  # compressed items: refused before any is read
     if getattr(metadata, "storage_meta", None) is None:  # what FileSystemReader.read_metadata adds
         metadata.storage_meta = StorageMeta()
@@ -225,17 +242,21 @@ class StoreReader(FsspecReader):
         if kwargs.get("rank") is not None:
             raise CheckpointError(f"{self.url} holds per-rank DCP metadata, which llm-trainer never writes")
         if self.metadata is None:
-            self.metadata = _checked_metadata(
-                self.checked.read(METADATA), storage.join(self.url, METADATA), self._check_listed
-            )
+            self.metadata = _checked_metadata(self.checked.read(METADATA), self.source, self._listed_size)
         self.metadata.storage_meta.load_id = self.load_id
         return self.metadata
 
-    def _check_listed(self, data_file: str) -> None:
-        if f"{SHARDED_DIR}/{data_file}" not in (self.checked.files.listed or ()):
-            raise CheckpointError(
-                f"{storage.join(self.url, METADATA)} names {data_file}, which meta.json does not list; refusing it"
-            )
+    @property
+    def source(self) -> str:
+        return storage.join(self.url, METADATA)
+
+    def _listed_size(self, data_file: str) -> int:
+        """The size meta.json records for `data_file` (its bytes are checked against it as they are read)."""
+        files = self.checked.files
+        entry = (files.meta or {}).get("files", {}).get(f"{SHARDED_DIR}/{data_file}")
+        if f"{SHARDED_DIR}/{data_file}" not in (files.listed or ()) or not isinstance(entry, dict):
+            raise CheckpointError(f"{self.source} names {data_file}, which meta.json does not list; refusing it")
+        return entry["size"]
 
 
 class SafePlanner(DefaultLoadPlanner):
@@ -265,14 +286,120 @@ def _load(state: dict, directory: Path, no_dist: bool = False, store: str | None
         reader = SafeReader(str(directory))
     else:
         reader = StoreReader(store, FolderFiles.of(Path(directory).parent))
-    reader.read_metadata()
+    _check_records(reader.read_metadata(), state, reader.source)
     try:
         dcp.load(state, storage_reader=reader, planner=SafePlanner(), no_dist=no_dist)
     except CheckpointException as exc:
-        for failure in exc.failures.values():
-            if isinstance(failure[0], CheckpointError):
-                raise failure[0] from None
-        raise
+        failures = [failure[0] if isinstance(failure, tuple) else failure for failure in exc.failures.values()]
+        for failure in failures:
+            if isinstance(failure, CheckpointError):
+                raise failure from None
+        # every record was checked against the files and the model: what is left is a damaged item
+        raise CheckpointError(
+            f"{reader.source}: an item could not be read ({first_line(failures[0]) if failures else exc}); "
+            "the checkpoint is damaged, resume from another one"
+        ) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# The records of `.metadata`, checked before DCP reads an item: it trusts them, and a record that
+# describes what is not there ends in a traceback, an allocation of whatever it declares, or a tensor
+# filled from outside its own bytes.
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_extent(index: Any, info: Any, file_size: int, source: str) -> None:
+    """The item `index` (its storage record `info`) lies inside its data file of `file_size` bytes."""
+    fqn = getattr(index, "fqn", index)
+    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+    if not isinstance(index, MetadataIndex) or not _is_count(offset) or not _is_count(length):
+        raise CheckpointError(f"{source} has a malformed record of {fqn!r} (offset {offset!r}, length {length!r})")
+    if offset + length > file_size:
+        raise CheckpointError(
+            f"{source} places {fqn} at bytes [{offset:,}, {offset + length:,}) of {info.relative_path}, "
+            f"past the end of its {file_size:,} bytes; the checkpoint is damaged or was crafted"
+        )
+
+
+def _check_records(metadata: Metadata, state: dict, source: str) -> None:
+    """Each item `state` (the model's and optimizer's state to fill) will read: recorded, a tensor where
+    the model has one and bytes where it has plain data, of the model's shape, its chunks inside that
+    shape covering it exactly once, each with its data."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state)
+    for fqn, value in flat.items():
+        record = metadata.state_dict_metadata.get(fqn)
+        if record is None:
+            raise CheckpointError(
+                f"{source} has no record of {fqn}, which this model (or optimizer) has: the checkpoint holds "
+                "another model, or is damaged"
+            )
+        if not isinstance(value, torch.Tensor):
+            if not isinstance(record, BytesStorageMetadata):
+                raise CheckpointError(
+                    f"{source} records {fqn} as {type(record).__name__}, where this run has plain data"
+                )
+            _require_data(metadata, MetadataIndex(fqn), fqn, source)
+            continue
+        if not isinstance(record, TensorStorageMetadata):
+            kind = "bytes" if isinstance(record, BytesStorageMetadata) else type(record).__name__
+            raise CheckpointError(f"{source} records {fqn} as {kind}, where this model has a tensor")
+        _check_tensor_record(metadata, fqn, record, tuple(value.size()), source)
+
+
+def _check_tensor_record(
+    metadata: Metadata, fqn: str, record: TensorStorageMetadata, shape: tuple[int, ...], source: str
+) -> None:
+    size, chunks = getattr(record, "size", None), getattr(record, "chunks", None)
+    if not isinstance(size, (tuple, list)) or not all(map(_is_count, size)):
+        raise CheckpointError(f"{source} records {fqn} with a malformed shape ({size!r})")
+    if tuple(size) != shape:
+        raise CheckpointError(f"{source} records {fqn} of shape {tuple(size)}, this model's is {shape}")
+    if not isinstance(getattr(getattr(record, "properties", None), "dtype", None), torch.dtype):
+        raise CheckpointError(f"{source} records {fqn} without a tensor type")
+    if not isinstance(chunks, list):
+        raise CheckpointError(f"{source} records {fqn} with malformed chunks")
+    boxes = []
+    for chunk in chunks:
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        ok = all(
+            isinstance(v, (tuple, list)) and len(v) == len(shape) and all(map(_is_count, v)) for v in (offsets, sizes)
+        )
+        if not ok or any(o + n > s for o, n, s in zip(offsets, sizes, shape)):
+            raise CheckpointError(
+                f"{source} records a chunk of {fqn} at offsets {offsets!r} of sizes {sizes!r}, outside its shape "
+                f"{shape}; the checkpoint is damaged or was crafted"
+            )
+        _require_data(metadata, MetadataIndex(fqn, torch.Size(offsets)), fqn, source)
+        boxes.append((tuple(offsets), tuple(sizes)))
+    if sum(math.prod(sizes) for _, sizes in boxes) != math.prod(shape) or _overlap(boxes):
+        raise CheckpointError(
+            f"{source} records chunks of {fqn} that do not cover its shape {shape} exactly once; "
+            "the checkpoint is damaged or was crafted"
+        )
+
+
+def _require_data(metadata: Metadata, index: MetadataIndex, fqn: str, source: str) -> None:
+    if index not in metadata.storage_data:
+        offset = "" if index.offset is None else f" at offsets {tuple(index.offset)}"
+        raise CheckpointError(f"{source} names no data for {fqn}{offset}; the checkpoint is damaged")
+
+
+def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """Whether two non-empty boxes (offsets, sizes) share an element: a sweep along the first dimension,
+    so chunks side by side along it (FSDP's shards) are each compared with their neighbours only."""
+    boxes = sorted(box for box in boxes if all(box[1]) and box[1])
+    for i, (offsets, sizes) in enumerate(boxes):
+        for other, other_sizes in boxes[i + 1 :]:
+            if other[0] >= offsets[0] + sizes[0]:
+                break
+            if all(b < a + n and a < b + m for a, n, b, m in zip(offsets, sizes, other, other_sizes)):
+                return True
+    return False
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:

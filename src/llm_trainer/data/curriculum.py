@@ -19,7 +19,7 @@ import torch
 from ..config import CurriculumStage
 from ..errors import UsageError
 from ..logs import log
-from .loader import BatchLoader, DocumentRows, WindowRows, _to_device
+from .loader import BatchLoader, DocumentRows, WindowRows, _is_count, _to_device
 
 
 def document_difficulty(offsets: np.ndarray, scores: np.ndarray | None, key: str) -> np.ndarray:
@@ -144,4 +144,7 @@ class CurriculumLoader(BatchLoader):
         taken = state.pop("curriculum_taken", 0)
         samples = state.pop("curriculum_samples", None)
         super().load_state_dict(state)  # the global batch is checked there
+        for name, value in (("curriculum_taken", taken), ("curriculum_samples", samples)):
+            if value is not None and not _is_count(value):  # (a checkpoint may come from elsewhere)
+                raise TypeError(f"{name} {value!r} is not a whole number >= 0")
         self.taken = taken if samples is None else samples // (self.batch_size * self.world_size)

@@ -17,10 +17,14 @@ block-diagonal causal mask and positions that restart per document (`Transformer
 
 from __future__ import annotations
 
+import bisect
+import math
+
 import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..limits import check_skip
 from ..logs import warn
 from ..model import IGNORE_INDEX
 from .packing import _pieces, first_fit_decreasing  # noqa: F401  (re-exported)
@@ -168,7 +172,8 @@ class BatchLoader:
         self.device = torch.device(device)
         self.epoch, self.position = 0, 0  # position: batches this rank has taken in this epoch
         self.samples = 0  # global sample index: rows all ranks have drawn since the run began (skipped ones too)
-        self.skip: list[tuple[int, int]] = []  # [start, end) global sample ranges never trained on (a rewind's)
+        # [start, end) global sample ranges never trained on (a rewind's): sorted and disjoint (`merged_ranges`)
+        self.skip: list[tuple[int, int]] = []
         self._order: np.ndarray | None = None
         self._plan: tuple[np.ndarray, np.ndarray] | None = None  # streamed tokens: (sample, chunk) first needs
         if self.batches_per_epoch() == 0:
@@ -240,12 +245,16 @@ class BatchLoader:
             )
         else:
             position = state["position"]
+        for name, value in (("epoch", state["epoch"]), ("seed", state["seed"]), ("position", position)):
+            if not _is_count(value):  # (a checkpoint may come from elsewhere)
+                raise TypeError(f"{name} {value!r} is not a whole number >= 0")
         samples, skip = state.get("samples", 0), state.get("skip", [])
         ranges = isinstance(skip, list) and all(
             isinstance(r, list) and len(r) == 2 and all(type(v) is int for v in r) and 0 <= r[0] < r[1] for r in skip
         )
-        if type(samples) is not int or samples < 0 or not ranges:  # (a checkpoint may come from elsewhere)
+        if not _is_count(samples) or not ranges:
             raise TypeError(f"samples {samples!r}, skip {skip!r}")
+        check_skip(skip, samples, self.batch_size * self.world_size)
         if self.shuffle and (state.get("order") == "chunks") != self._chunked():
             warn(
                 f"the checkpoint's data order was {'by chunks' if state.get('order') else 'a global permutation'}, "
@@ -253,7 +262,7 @@ class BatchLoader:
                 "between a URL and a folder): the rest of the epoch follows this run's order"
             )
         self.epoch, self.position, self.seed, self._order = state["epoch"], position, state["seed"], None
-        self.samples, self.skip = samples, [(a, b) for a, b in skip]
+        self.samples, self.skip = samples, merged_ranges([(a, b) for a, b in skip])
 
     def next_batch(self) -> tuple[torch.Tensor, ...]:
         """The next (inputs, targets[, doc_ids]), each (B, L) int64 on the loader's device; rolls over epochs.
@@ -278,7 +287,8 @@ class BatchLoader:
 
     def skipped(self, sample: int) -> bool:
         """Whether the batch starting at this global sample index is in a skipped range."""
-        return any(a <= sample < b for a, b in self.skip)
+        at = bisect.bisect_right(self.skip, (sample, math.inf)) - 1  # the last range starting at or before it
+        return at >= 0 and sample < self.skip[at][1]
 
     def __iter__(self):
         """One pass over the data in order (for evaluation); does not touch the saved position.
@@ -304,6 +314,22 @@ class BatchLoader:
 
     def __len__(self) -> int:
         return self.batches_per_epoch()
+
+
+def merged_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[start, end) ranges sorted, overlapping and touching ones joined: the form `BatchLoader.skip`
+    holds, so whether a sample is skipped is one binary search."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _is_count(value) -> bool:
+    return type(value) is int and value >= 0
 
 
 def _global_batch_changed(saved: int, loader: BatchLoader) -> str:

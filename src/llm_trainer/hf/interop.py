@@ -331,9 +331,9 @@ def _resolve_tokenizer_file(model_dir: Path, tokenizer_file) -> Path | None:
 
 def _save_tokenizer(tokenizer_path: Path, directory: Path, max_seq_len: int) -> int | None:
     """Write the tokenizer as a PreTrainedTokenizerFast; returns the <|endoftext|> id (None if absent)."""
-    from tokenizers import Tokenizer
+    from ..tokenizer import load_backend
 
-    backend = Tokenizer.from_file(str(tokenizer_path))
+    backend = load_backend(tokenizer_path)
     eot_id = backend.token_to_id(EOT_TOKEN)
     specials = special_tokens(backend, EOT_TOKEN)
     tokenizer = fast_tokenizer(backend, EOT_TOKEN, max_seq_len)
@@ -450,14 +450,9 @@ def export_to_hf(
     check_exportable(config)
     tokenizer_path = _resolve_tokenizer_file(model_dir, tokenizer_file)
     if tokenizer_path is not None:
-        from tokenizers import Tokenizer
+        from ..tokenizer import load_backend
 
-        try:
-            n_tokens = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size(with_added_tokens=True)
-        except Exception as exc:  # tokenizers raises plain Exception for malformed JSON
-            raise UsageError(
-                f"{tokenizer_path} is not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})"
-            ) from None
+        n_tokens = load_backend(tokenizer_path).get_vocab_size(with_added_tokens=True)
         if n_tokens > config.vocab_size:
             raise UsageError(
                 f"{tokenizer_path} has {n_tokens} tokens but the model's vocab_size is {config.vocab_size}; "
@@ -559,7 +554,7 @@ def import_from_hf(path_or_name) -> tuple[Transformer, Tokenizer | None]:
 
     tokenizer = None
     if (folder / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
+        from ..tokenizer import load_backend
 
-        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        tokenizer = load_backend(folder / "tokenizer.json")
     return model, tokenizer

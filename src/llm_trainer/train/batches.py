@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from ..data.loader import IGNORE_INDEX
+from ..limits import check_skip_forward
 
 
 class IterableBatches:
@@ -73,10 +74,19 @@ class IterableBatches:
                 f"process(es), this run has {self.processes}; resume with {state['processes']}, or train with "
                 "llm-trainer's own loaders (build_loaders), whose position holds at any world size"
             )
-        self.epoch, self._it = state["epoch"], iter(self.iterable)
-        for _ in range(state["position"]):
-            next(self._it)
-        self.position = state["position"]
+        epoch, position = state["epoch"], state["position"]
+        for name, value in (("epoch", epoch), ("position", position)):
+            if type(value) is not int or value < 0:  # (a checkpoint may come from elsewhere)
+                raise TypeError(f"{name} {value!r} is not a whole number >= 0")
+        check_skip_forward(position)
+        self.epoch, self._it = epoch, iter(self.iterable)
+        for taken in range(position):
+            if next(self._it, None) is None:
+                raise ValueError(
+                    f"the checkpoint's data position (batch {position:,} of epoch {epoch}) is past the end of this "
+                    f"DataLoader ({taken:,} batches); resume with the data the run was saved with"
+                )
+        self.position = position
 
 
 def as_loader(loader, device: torch.device, processes: int = 1):

@@ -29,6 +29,7 @@ import torch
 
 from ..checkpoint.find import resolve_checkpoint
 from ..config import TrainingConfig
+from ..data.loader import merged_ranges
 from ..errors import UsageError
 from ..logs import log
 
@@ -157,20 +158,10 @@ def rewind(checkpointer, state, loader, spike: Spike, max_rewinds: int) -> Path 
     rewinds, spikes = state.rewinds + 1, state.loss_spikes
     checkpointer.load(str(path))
     start = loader.samples
-    loader.skip = _merged([*skip, (start, end)])
+    loader.skip = merged_ranges([*skip, (start, end)])
     state.rewinds, state.loss_spikes = rewinds, spikes
     log(
         f"loss spike at step {spike.step}: rewound to {path.name} (step {state.step}); the samples "
         f"[{start}, {end}) (global sample index) are skipped (rewind {rewinds} of at most {max_rewinds})"
     )
     return path
-
-
-def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(ranges):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
