@@ -9,6 +9,7 @@ overrides (`training.learning_rate=3e-4`) and names the closest valid key for a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -142,6 +143,33 @@ class _Validated:
         return cls(**values)
 
 
+def _keywords_as_in_files(cls: type) -> type:
+    """Let the constructor take every spelling a config file may use (`ModelConfig(hidden_size=768,
+    num_hidden_layers=12)`, `TrainingConfig(lr=1e-3)`), read by `config_aliases` as a file's keys are,
+    so Python and YAML accept the same names and a wrong one is the same one-line ValueError naming the
+    closest valid key, instead of a bare TypeError. Keywords the dataclass takes skip the alias pass."""
+    init = cls.__init__
+    own = [f.name for f in dataclasses.fields(cls)]
+    accepted = {*own, *cls.SPELLINGS}
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **given: Any) -> None:
+        if not given.keys() <= accepted:
+            spelled = {key: value for key, value in given.items() if key in cls.SPELLINGS}
+            values, problems, _ = config_aliases.canonical_section(
+                cls.SECTION or cls.__name__,
+                {key: value for key, value in given.items() if key not in spelled},
+                own,
+            )
+            if problems:
+                raise ValueError(f"{cls.__name__}: {config_aliases.one_message(problems)}")
+            given = {**values, **spelled}
+        init(self, *args, **given)
+
+    cls.__init__ = __init__
+    return cls
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -158,6 +186,7 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+@_keywords_as_in_files
 @dataclass(kw_only=True)
 class ModelConfig(_Validated):
     """The decoder-only transformer. Fields left as None take the `architecture` preset's value.
@@ -272,12 +301,31 @@ class ModelConfig(_Validated):
         return self.d_model // self.n_heads
 
 
+def _other_name_of(field_name: str) -> property:
+    """A read-only attribute that gives `field_name`'s value (a preset's where the field is unset), so code
+    written for a transformers config reads ours: `model.config.hidden_size`, `config.num_hidden_layers`."""
+
+    def get(self: ModelConfig) -> Any:
+        return self._filled().get(field_name, getattr(self, field_name))
+
+    def refuse(self: ModelConfig, value: Any) -> None:
+        raise AttributeError(f"this name is read-only: it reads ModelConfig.{field_name}; set {field_name} instead")
+
+    return property(get, refuse, doc=f"ModelConfig.{field_name}, under the name other frameworks give it.")
+
+
+for _name, _field_name in config_aliases.MODEL.items():  # the names a model config file may use, read back
+    if not hasattr(ModelConfig, _name):
+        setattr(ModelConfig, _name, _other_name_of(_field_name))
+
+
 # ----------------------------------------------------------------------------------------------
 # Training
 
 MAX_LEARNING_RATE = 1e3  # far above any rate a range test (lr-find) suggests
 
 
+@_keywords_as_in_files
 @dataclass(kw_only=True)
 class TrainingConfig(_Validated):
     """The optimisation run: batch, optimiser, schedule, precision, evaluation, checkpoints, logging."""
@@ -511,6 +559,7 @@ class TrainingConfig(_Validated):
 # Data
 
 
+@_keywords_as_in_files
 @dataclass(kw_only=True)
 class SourceConfig(_Validated):
     """One source of a weighted mixture (`data.sources`); unset fields take DataConfig's top-level values."""
@@ -537,6 +586,7 @@ class SourceConfig(_Validated):
         _require(self.max_documents is None or self.max_documents > 0, f"{where}: max_documents must be positive")
 
 
+@_keywords_as_in_files
 @dataclass(kw_only=True)
 class CurriculumStage(_Validated):
     """Until optimizer step `until_step`, draw only rows whose difficulty is at most `max_difficulty`."""
@@ -575,6 +625,7 @@ def _typed_list(values: Any, cls: type, field_name: str) -> Any:
     return out
 
 
+@_keywords_as_in_files
 @dataclass(kw_only=True)
 class DataConfig(_Validated):
     """Where the text comes from and how it becomes fixed-length token sequences.
