@@ -110,6 +110,7 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
             "tokenizer), or copy your tokenizer.json into it"
         )
     tokenizer = Tokenizer.load(path)
+    tokenizer.model_max_length = model.config.max_seq_len  # where its transformers copy truncates
     if tokenizer.vocab_size > model.config.vocab_size:
         raise UsageError(
             f"{path / 'tokenizer.json'} has {tokenizer.vocab_size} tokens but the model's vocabulary is "

@@ -209,10 +209,12 @@ def prepare_run(experiment: ExperimentConfig, *, local: bool = False, meta: bool
         _check_init_vocabulary(experiment.model.init_from, prepared.tokenizer)
     run = resolve_run(experiment, prepared.tokenizer, runtime, model_config=loaded.config if loaded else None)
     if loaded is not None:
-        return PreparedRun(run=run, prepared=prepared, model=loaded)
-    _note_unused_embeddings(run, prepared.tokenizer)
-    seed_everything(run.training.seed)  # a model built with storage is initialised here, from the run's seed
-    model = build_model(run.experiment.model, meta=meta)
+        model = loaded
+    else:
+        _note_unused_embeddings(run, prepared.tokenizer)
+        seed_everything(run.training.seed)  # a model built with storage is initialised here, from the run's seed
+        model = build_model(run.experiment.model, meta=meta)
+    prepared.tokenizer.model_max_length = model.config.max_seq_len  # where its transformers copy truncates
     return PreparedRun(run=run, prepared=prepared, model=model)
 
 

@@ -31,7 +31,7 @@ from ..filesystem import with_default_mode
 from ..logs import log
 from ..model import Transformer
 from ..tokenizer import EOT as EOT_TOKEN
-from ..tokenizer import pre_split_of
+from ..tokenizer import pre_split_of, tokenizer_json
 from .fast_tokenizer import fast_tokenizer, special_tokens
 from .fast_tokenizer import require_transformers as _transformers
 
@@ -330,11 +330,9 @@ def _resolve_tokenizer_file(model_dir: Path, tokenizer_file) -> Path | None:
     return path
 
 
-def _save_tokenizer(tokenizer_path: Path, directory: Path, max_seq_len: int) -> int | None:
-    """Write the tokenizer as a PreTrainedTokenizerFast; returns the <|endoftext|> id (None if absent)."""
-    from tokenizers import Tokenizer
-
-    backend = Tokenizer.from_file(str(tokenizer_path))
+def save_tokenizer(backend: Tokenizer, directory: Path, max_seq_len: int | None) -> int | None:
+    """Write `backend` as a PreTrainedTokenizerFast that truncates at `max_seq_len`; returns the
+    <|endoftext|> id (None if absent). The export and `Tokenizer.save_pretrained` both write this."""
     eot_id = backend.token_to_id(EOT_TOKEN)
     specials = special_tokens(backend, EOT_TOKEN)
     tokenizer = fast_tokenizer(backend, EOT_TOKEN, max_seq_len)
@@ -448,6 +446,16 @@ def _model_card(
     return "\n".join(lines) + "\n"
 
 
+def _read_tokenizer(tokenizer_path: Path) -> Tokenizer:
+    """The tokenizer.json at `tokenizer_path`, refused in one line when malformed."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(tokenizer_path))
+    except Exception as exc:  # tokenizers raises plain Exception for malformed JSON
+        raise UsageError(f"{tokenizer_path} is not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})") from None
+
+
 def export_to_hf(
     model_dir,
     output_dir,
@@ -464,32 +472,54 @@ def export_to_hf(
     is refused unless `overwrite`, which replaces only the files an export writes (see
     `checkpoint.publish`).
     """
-    tf = _transformers()
     model_dir, output_dir = Path(model_dir), Path(output_dir)
-    if max_shard_size_bytes <= 0:
-        raise UsageError(f"max_shard_size_bytes must be positive, got {max_shard_size_bytes}")
-    check_target(output_dir, model_dir, overwrite)
+    _transformers()
+    check_target(output_dir, model_dir, overwrite)  # before the weights are read
     model = load_model_folder(model_dir)
+    tokenizer_path = _resolve_tokenizer_file(model_dir, tokenizer_file)
+    backend = _read_tokenizer(tokenizer_path) if tokenizer_path is not None else None
+    return export_model(
+        model,
+        output_dir,
+        tokenizer=backend,
+        tokenizer_name=str(tokenizer_path),
+        metrics=metrics,
+        max_shard_size_bytes=max_shard_size_bytes,
+        overwrite=overwrite,
+        source=model_dir,
+    )
+
+
+def export_model(
+    model: Transformer,
+    output_dir,
+    *,
+    tokenizer: Tokenizer | None = None,
+    metrics: dict | None = None,
+    max_shard_size_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
+    source: Path | None = None,
+    tokenizer_name: str = "the tokenizer",
+    overwrite_hint: str = "pass --overwrite",
+) -> Path:
+    """Write a model in memory (and its `tokenizers.Tokenizer`, if given) as the folder `export_to_hf`
+    writes, through the same `checkpoint.publish` rules; `model.save_pretrained` is this. `source`: the
+    folder the model was read from, which the output may not hold; the names are for messages."""
+    tf = _transformers()
+    output_dir = Path(output_dir)
     config = model.config
     _check_exportable(config)
-    tokenizer_path = _resolve_tokenizer_file(model_dir, tokenizer_file)
-    if tokenizer_path is not None:
-        from tokenizers import Tokenizer
-
-        try:
-            n_tokens = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size(with_added_tokens=True)
-        except Exception as exc:  # tokenizers raises plain Exception for malformed JSON
-            raise UsageError(
-                f"{tokenizer_path} is not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})"
-            ) from None
-        if n_tokens > config.vocab_size:
-            raise UsageError(
-                f"{tokenizer_path} has {n_tokens} tokens but the model's vocab_size is {config.vocab_size}; "
-                "wrong tokenizer?"
-            )
+    if max_shard_size_bytes <= 0:
+        raise UsageError(f"max_shard_size_bytes must be positive, got {max_shard_size_bytes}")
+    if tokenizer is not None and tokenizer.get_vocab_size(with_added_tokens=True) > config.vocab_size:
+        raise UsageError(
+            f"{tokenizer_name} has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens but the model's "
+            f"vocab_size is {config.vocab_size}; wrong tokenizer?"
+        )
+    check_target(output_dir, source, overwrite, overwrite_hint)
 
     def build(tmp: Path) -> None:
-        eot_id = _save_tokenizer(tokenizer_path, tmp, config.max_seq_len) if tokenizer_path is not None else None
+        eot_id = save_tokenizer(tokenizer, tmp, config.max_seq_len) if tokenizer is not None else None
         hf_config = to_hf_config(config, eos_token_id=eot_id)
         model_class = tf.GPT2LMHeadModel if config.architecture == "gpt2" else tf.LlamaForCausalLM
         with torch.device("meta"):  # no random init, no second copy: the weights are assigned below
@@ -503,14 +533,33 @@ def export_to_hf(
         for weights in tmp.glob("*.safetensors"):
             with_default_mode(weights)
         card = _model_card(
-            output_dir.name, config, model_class.__name__, model.num_parameters(), metrics, tokenizer_path is not None
+            output_dir.name, config, model_class.__name__, model.num_parameters(), metrics, tokenizer is not None
         )
         (tmp / "README.md").write_text(card)
 
-    publish(output_dir, build, source=model_dir, overwrite=overwrite)
-    if tokenizer_path is not None and (note := gguf_note(json.loads(tokenizer_path.read_text(encoding="utf-8")))):
+    publish(output_dir, build, source=source, overwrite=overwrite, overwrite_hint=overwrite_hint)
+    if tokenizer is not None and (note := gguf_note(json.loads(tokenizer.to_str()))):
         log(note)
     return output_dir
+
+
+def save_pretrained(model: Transformer, save_directory, tokenizer: Any = None, *, overwrite: bool = False) -> Path:
+    """`model.save_pretrained(dir)`: `export_model` for a model in memory, with `tokenizer` given as ours,
+    a `tokenizers.Tokenizer` or a transformers fast tokenizer (anything else is refused in one line)."""
+    from tokenizers import Tokenizer
+
+    backend = None
+    if tokenizer is not None:
+        text = tokenizer_json(tokenizer)
+        if text is None:
+            raise UsageError(
+                f"save_pretrained(tokenizer=...) takes llm-trainer's Tokenizer, a tokenizers.Tokenizer or a "
+                f"transformers fast tokenizer, got {type(tokenizer).__name__}; or save the tokenizer on its own"
+            )
+        backend = Tokenizer.from_str(text)
+    return export_model(
+        model, save_directory, tokenizer=backend, overwrite=overwrite, overwrite_hint="pass overwrite=True"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
