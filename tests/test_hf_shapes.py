@@ -259,6 +259,14 @@ def test_the_lessons_export_model_runs_as_written_and_transformers_loads_the_sam
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, model(ids), atol=1e-5)
     assert again.model_max_length == 32
+    # the lesson's own model_config.json beside the export does not make it a folder of ours
+    from llm_trainer.api import load_for_inference
+    from llm_trainer.pipeline import load_init_model
+
+    with torch.no_grad():
+        assert torch.allclose(load_init_model(str(tmp_path / "export")).eval()(ids), model(ids), atol=1e-5)
+    with pytest.raises(UsageError, match="is a transformers model folder"):
+        load_for_inference(tmp_path / "export")
 
 
 def test_save_pretrained_writes_the_tokenizer_it_is_given_and_refuses_a_full_folder_without_overwrite(tmp_path):
