@@ -195,6 +195,15 @@ def test_encode_plus_call_and_save_pretrained_give_our_ids_padded_with_end_of_te
     assert ours.encode(texts[1]) == bpe().encode(texts[1])  # ours is not changed by the transformers copy
 
 
+def test_the_lessons_dataset_given_our_tokenizer_itself_says_to_pass_as_transformers():
+    dataset = TextDataset(TEXTS, bpe(), max_length=16)
+    with pytest.raises(AttributeError, match=r"has no encode_plus; pass tokenizer\.as_transformers\(\)"):
+        dataset[0]
+    assert not hasattr(bpe(), "pad_token_id") and getattr(bpe(), "eos_token_id", None) is None
+    with pytest.raises(AttributeError, match="'Tokenizer' object has no attribute 'encod'"):
+        bpe().encod("x")  # a typo is not sent to transformers
+
+
 def test_char_tokenizer_keeps_its_unknown_token():
     pytest.importorskip("transformers")
     ours = Tokenizer.build_char(["abc def"])

@@ -72,6 +72,15 @@ def pre_split_of(tokenizer_json: dict[str, Any]) -> str | None:
     return next((name for name, regex in PRE_SPLITS.items() if regex == patterns[0]), None)
 
 
+# What code written for transformers calls on a tokenizer, which ours leaves to `as_transformers()`.
+_TRANSFORMERS_NAMES = frozenset(
+    {"encode_plus", "batch_encode_plus", "batch_decode", "pad", "tokenize", "apply_chat_template"}
+    | {"convert_ids_to_tokens", "convert_tokens_to_ids", "get_vocab", "add_special_tokens", "backend_tokenizer"}
+    | {"pad_token", "pad_token_id", "eos_token", "eos_token_id", "bos_token", "bos_token_id", "unk_token_id"}
+    | {"padding_side", "truncation_side", "special_tokens_map", "all_special_ids"}
+)
+
+
 class Tokenizer:
     """A thin wrapper that fixes the end-of-text token and the on-disk format."""
 
@@ -84,6 +93,17 @@ class Tokenizer:
             backend.add_special_tokens([EOT])
             eot = backend.token_to_id(EOT)
         self.eot_id: int = eot
+
+    def __getattr__(self, name: str) -> Any:
+        """Reached only for a name this class lacks: one a transformers tokenizer has (`encode_plus`,
+        `pad_token_id`, `batch_decode`) says where to find it, since code written for transformers gets
+        ours that way first."""
+        if name in _TRANSFORMERS_NAMES:
+            raise AttributeError(
+                f"llm-trainer's Tokenizer has no {name}; pass tokenizer.as_transformers(), the same tokenizer "
+                "as a transformers PreTrainedTokenizerFast, to code written for transformers"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- construction ---------------------------------------------------------------------------
 
