@@ -77,6 +77,20 @@ def test_constructors_take_the_names_a_file_takes_and_a_wrong_one_names_the_clos
         TrainingConfig(8)  # still keyword-only
 
 
+def test_a_setting_of_another_section_is_named_there_in_python_and_in_yaml(tmp_path):
+    """The lesson's ModelConfig holds its training parameters too: each is named where it belongs."""
+    with pytest.raises(ValueError) as error:
+        ModelConfig(hidden_size=768, learning_rate=5e-5, batch_size=16, gradient_clipping=1.0)
+    message = str(error.value)
+    assert "unknown key model.learning_rate; it is a setting of another section: training.learning_rate" in message
+    assert "model.batch_size; it is a setting of another section: training.batch_size" in message  # not block_size
+    assert "training.gradient_clipping (= training.max_grad_norm)" in message and len(message.splitlines()) == 1
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {hidden_size: 64, learning_rate: 0.1}\ndata: {data_files: [x]}\n")
+    with pytest.raises(UsageError, match=r"model\.learning_rate; it is a setting of another section: training\."):
+        load_experiment(path)
+
+
 def test_the_hf_names_read_back_on_a_model_config_and_say_which_field_to_set():
     config = ModelConfig(architecture="llama", d_model=256, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=99)
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (256, 2, 4)

@@ -137,7 +137,9 @@ class _Validated:
         if not isinstance(values, dict):
             raise ValueError(f"section {section!r} must be a mapping of field: value, got {type(values).__name__}")
         known = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-        values, problems, _ = config_aliases.canonical_section(section, values, known)  # other frameworks' names
+        values, problems, _ = config_aliases.canonical_section(  # other frameworks' names
+            section, values, known, others=ExperimentConfig.known_fields()
+        )
         if problems:
             raise ValueError(config_aliases.one_message(problems))
         return cls(**values)
@@ -160,6 +162,7 @@ def _keywords_as_in_files(cls: type) -> type:
                 cls.SECTION or cls.__name__,
                 {key: value for key, value in given.items() if key not in spelled},
                 own,
+                others=ExperimentConfig.known_fields(),
             )
             if problems:
                 raise ValueError(f"{cls.__name__}: {config_aliases.one_message(problems)}")
