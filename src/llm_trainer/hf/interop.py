@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..checkpoint.model_folder import load_model_folder, load_model_state
+from ..checkpoint.model_folder import clean_name, load_model_folder, load_model_state
 from ..checkpoint.publish import check_target, publish
 from ..config import ModelConfig
 from ..errors import UsageError
@@ -524,7 +524,8 @@ def export_model(
         model_class = tf.GPT2LMHeadModel if config.architecture == "gpt2" else tf.LlamaForCausalLM
         with torch.device("meta"):  # no random init, no second copy: the weights are assigned below
             hf_model = model_class(hf_config)
-        state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+        # under the names of the bare model (a trained one may hold checkpoint or compile wrappers), on the CPU
+        state = {clean_name(name): tensor.detach().cpu() for name, tensor in model.state_dict().items()}
         hf_model.load_state_dict(to_hf_state(config, state), strict=True, assign=True)
         if config.tie_embeddings:
             hf_model.tie_weights()
