@@ -91,7 +91,7 @@ def test_a_setting_of_another_section_is_named_there_in_python_and_in_yaml(tmp_p
         load_experiment(path)
 
 
-def test_the_hf_names_read_back_on_a_model_config_and_say_which_field_to_set():
+def test_the_hf_names_read_back_on_the_configs_and_say_which_field_to_set():
     config = ModelConfig(architecture="llama", d_model=256, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=99)
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (256, 2, 4)
     assert (config.max_position_embeddings, config.vocab_size, config.model_type) == (64, 99, "llama")
@@ -101,6 +101,11 @@ def test_the_hf_names_read_back_on_a_model_config_and_say_which_field_to_set():
     with pytest.raises(AttributeError, match="reads ModelConfig.d_model; set d_model instead"):
         config.hidden_size = 512
     assert "hidden_size" not in config.to_dict()  # not a field: nothing saved twice
+    # the lesson's training loop reads config.gradient_clipping, config.learning_rate, config.num_epochs
+    training = TrainingConfig(max_grad_norm=0.5, learning_rate=1e-3, num_epochs=2)
+    assert (training.gradient_clipping, training.lr, training.num_train_epochs) == (0.5, 1e-3, 2)
+    with pytest.raises(AttributeError, match="reads TrainingConfig.max_grad_norm; set max_grad_norm instead"):
+        training.gradient_clipping = 1.0
 
 
 def test_quality_filters_off_unquoted_in_yaml(tmp_path):

@@ -121,6 +121,10 @@ class _Validated:
             setattr(self, name, value)
         return sections
 
+    def _value_of(self, name: str) -> Any:
+        """The value field `name` stands for (ModelConfig: a preset's where the field is unset)."""
+        return getattr(self, name)
+
     def _coerce(self) -> None:
         """Turn nested mappings into their typed configs before the type check (overridden where needed)."""
 
@@ -173,6 +177,27 @@ def _keywords_as_in_files(cls: type) -> type:
     return cls
 
 
+def _other_name_of(cls_name: str, field_name: str) -> property:
+    """A read-only attribute that gives `field_name`'s value under another framework's name, so code
+    written for a transformers config reads ours (`model.config.hidden_size`, `config.gradient_clipping`)."""
+
+    def get(self: _Validated) -> Any:
+        return self._value_of(field_name)
+
+    def refuse(self: _Validated, value: Any) -> None:
+        raise AttributeError(f"this name is read-only: it reads {cls_name}.{field_name}; set {field_name} instead")
+
+    return property(get, refuse, doc=f"{cls_name}.{field_name}, under the name other frameworks give it.")
+
+
+def _names_read_back(cls: type) -> type:
+    """Give `cls` the names of its section's alias table (`config_aliases`) as read-only attributes."""
+    for name, field_name in config_aliases.ALIASES.get(cls.SECTION, {}).items():
+        if isinstance(field_name, str) and not hasattr(cls, name):
+            setattr(cls, name, _other_name_of(cls.__name__, field_name))
+    return cls
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -189,6 +214,7 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+@_names_read_back
 @_keywords_as_in_files
 @dataclass(kw_only=True)
 class ModelConfig(_Validated):
@@ -247,6 +273,9 @@ class ModelConfig(_Validated):
             values["d_ff"] = 4 * self.d_model
         return values
 
+    def _value_of(self, name: str) -> Any:
+        return self._filled().get(name, getattr(self, name))
+
     def resolved(self) -> ModelConfig:
         """Every preset-dependent field set explicitly."""
         return dataclasses.replace(self, **self._filled())
@@ -304,30 +333,13 @@ class ModelConfig(_Validated):
         return self.d_model // self.n_heads
 
 
-def _other_name_of(field_name: str) -> property:
-    """A read-only attribute that gives `field_name`'s value (a preset's where the field is unset), so code
-    written for a transformers config reads ours: `model.config.hidden_size`, `config.num_hidden_layers`."""
-
-    def get(self: ModelConfig) -> Any:
-        return self._filled().get(field_name, getattr(self, field_name))
-
-    def refuse(self: ModelConfig, value: Any) -> None:
-        raise AttributeError(f"this name is read-only: it reads ModelConfig.{field_name}; set {field_name} instead")
-
-    return property(get, refuse, doc=f"ModelConfig.{field_name}, under the name other frameworks give it.")
-
-
-for _name, _field_name in config_aliases.MODEL.items():  # the names a model config file may use, read back
-    if not hasattr(ModelConfig, _name):
-        setattr(ModelConfig, _name, _other_name_of(_field_name))
-
-
 # ----------------------------------------------------------------------------------------------
 # Training
 
 MAX_LEARNING_RATE = 1e3  # far above any rate a range test (lr-find) suggests
 
 
+@_names_read_back
 @_keywords_as_in_files
 @dataclass(kw_only=True)
 class TrainingConfig(_Validated):
