@@ -1,7 +1,8 @@
 """Hugging Face `transformers` interop: export our model folders as GPT-2 / LLaMA, import them back.
 
 `export_to_hf` writes a folder that `AutoModelForCausalLM.from_pretrained` and
-`AutoTokenizer.from_pretrained` load with no code of ours; `import_from_hf` turns a transformers GPT-2
+`AutoTokenizer.from_pretrained` load with no code of ours (`export_model`, which `model.save_pretrained`
+calls, writes the same folder from a model in memory); `import_from_hf` turns a transformers GPT-2
 or LLaMA folder (or hub name) into our `Transformer`. The weights map one to one, so logits agree to
 float32 rounding. Only the layouts differ:
 
