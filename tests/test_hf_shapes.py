@@ -294,6 +294,8 @@ def test_save_pretrained_writes_the_tokenizer_it_is_given_and_refuses_a_full_fol
     with pytest.raises(UsageError, match="save_pretrained\\(tokenizer=...\\) takes llm-trainer's Tokenizer"):
         model.save_pretrained(tmp_path / "other", tokenizer="gpt2")
     assert not (tmp_path / "other").exists()
+    with pytest.raises(UsageError, match="save_pretrained writes a local folder, not s3://bucket/hf"):
+        model.save_pretrained("s3://bucket/hf")
     # our Tokenizer saves as transformers expects it, too
     ours.model_max_length = 20
     ours.save_pretrained(tmp_path / "tok")

@@ -31,6 +31,7 @@ from ..errors import UsageError
 from ..filesystem import with_default_mode
 from ..logs import log
 from ..model import Transformer
+from ..storage import is_url
 from ..tokenizer import EOT as EOT_TOKEN
 from ..tokenizer import pre_split_of, tokenizer_json
 from .fast_tokenizer import fast_tokenizer, special_tokens
@@ -550,6 +551,11 @@ def save_pretrained(model: Transformer, save_directory, tokenizer: Any = None, *
     a `tokenizers.Tokenizer` or a transformers fast tokenizer (anything else is refused in one line)."""
     from tokenizers import Tokenizer
 
+    if is_url(str(save_directory)):
+        raise UsageError(
+            f"save_pretrained writes a local folder, not {save_directory}; save it locally, or save a checkpoint "
+            f"and run llm-trainer export --checkpoint DIR --output {save_directory}"
+        )
     backend = None
     if tokenizer is not None:
         text = tokenizer_json(tokenizer)
