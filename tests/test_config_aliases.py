@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_trainer.config import TrainingConfig, load_experiment
+from llm_trainer.config import ModelConfig, TrainingConfig, load_experiment
 from llm_trainer.errors import UsageError
 
 
@@ -44,6 +44,68 @@ def test_nanogpt_and_hf_names_are_aliases_and_conflicts_are_reported(tmp_path):
         UsageError, match=r"model.hidden_size \(64\) and model.d_model \(32\) both set model.d_model; keep one"
     ):
         load_experiment(path)
+
+
+def test_constructors_take_the_names_a_file_takes_and_a_wrong_one_names_the_closest():
+    """`ModelConfig(hidden_size=768, ...)` as transformers users type it: the alias table, as in YAML."""
+    config = ModelConfig(
+        vocab_size=30522,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        max_position_embeddings=512,
+        dropout_rate=0.1,
+    )
+    assert config == ModelConfig(
+        vocab_size=30522, d_model=768, n_layers=12, n_heads=12, d_ff=3072, max_seq_len=512, dropout=0.1
+    )
+    assert ModelConfig(architecture="llama", size="7B").d_model == 4096  # a named shape, as `size: 7B`
+    training = TrainingConfig(lr=1e-3, gradient_clipping=0.5, per_device_train_batch_size=2, bf16=True)
+    assert (training.learning_rate, training.max_grad_norm, training.batch_size) == (1e-3, 0.5, 2)
+    assert (training.use_amp, training.amp_dtype) == (True, "bfloat16")
+    with pytest.raises(
+        ValueError,
+        match=r"^ModelConfig: unknown key model\.hiden_size; did you mean model\.hidden_size \(= model\.d_model\)\?$",
+    ):
+        ModelConfig(hiden_size=768)
+    with pytest.raises(ValueError, match=r"model\.hidden_size \(768\) and model\.d_model \(256\) both set"):
+        ModelConfig(hidden_size=768, d_model=256)
+    with pytest.raises(ValueError, match=r"unknown key training\.learning_rat; did you mean training\.learning_rate\?"):
+        TrainingConfig(learning_rat=1e-3)
+    with pytest.raises(TypeError):
+        TrainingConfig(8)  # still keyword-only
+
+
+def test_a_setting_of_another_section_is_named_there_in_python_and_in_yaml(tmp_path):
+    """The lesson's ModelConfig holds its training parameters too: each is named where it belongs."""
+    with pytest.raises(ValueError) as error:
+        ModelConfig(hidden_size=768, learning_rate=5e-5, batch_size=16, gradient_clipping=1.0)
+    message = str(error.value)
+    assert "unknown key model.learning_rate; it is a setting of another section: training.learning_rate" in message
+    assert "model.batch_size; it is a setting of another section: training.batch_size" in message  # not block_size
+    assert "training.gradient_clipping (= training.max_grad_norm)" in message and len(message.splitlines()) == 1
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {hidden_size: 64, learning_rate: 0.1}\ndata: {data_files: [x]}\n")
+    with pytest.raises(UsageError, match=r"model\.learning_rate; it is a setting of another section: training\."):
+        load_experiment(path)
+
+
+def test_the_hf_names_read_back_on_the_configs_and_say_which_field_to_set():
+    config = ModelConfig(architecture="llama", d_model=256, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=99)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (256, 2, 4)
+    assert (config.max_position_embeddings, config.vocab_size, config.model_type) == (64, 99, "llama")
+    # unset preset fields read as the preset gives them, as a transformers config holds them
+    assert (config.intermediate_size, config.num_key_value_heads, config.tie_word_embeddings) == (768, 4, False)
+    assert (config.n_embd, config.n_layer, config.block_size) == (256, 2, 64)  # nanoGPT's names too
+    with pytest.raises(AttributeError, match="reads ModelConfig.d_model; set d_model instead"):
+        config.hidden_size = 512
+    assert "hidden_size" not in config.to_dict()  # not a field: nothing saved twice
+    # the lesson's training loop reads config.gradient_clipping, config.learning_rate, config.num_epochs
+    training = TrainingConfig(max_grad_norm=0.5, learning_rate=1e-3, num_epochs=2)
+    assert (training.gradient_clipping, training.lr, training.num_train_epochs) == (0.5, 1e-3, 2)
+    with pytest.raises(AttributeError, match="reads TrainingConfig.max_grad_norm; set max_grad_norm instead"):
+        training.gradient_clipping = 1.0
 
 
 def test_quality_filters_off_unquoted_in_yaml(tmp_path):

@@ -195,6 +195,15 @@ def test_encode_plus_call_and_save_pretrained_give_our_ids_padded_with_end_of_te
     assert ours.encode(texts[1]) == bpe().encode(texts[1])  # ours is not changed by the transformers copy
 
 
+def test_the_lessons_dataset_given_our_tokenizer_itself_says_to_pass_as_transformers():
+    dataset = TextDataset(TEXTS, bpe(), max_length=16)
+    with pytest.raises(AttributeError, match=r"has no encode_plus; pass tokenizer\.as_transformers\(\)"):
+        dataset[0]
+    assert not hasattr(bpe(), "pad_token_id") and getattr(bpe(), "eos_token_id", None) is None
+    with pytest.raises(AttributeError, match="'Tokenizer' object has no attribute 'encod'"):
+        bpe().encod("x")  # a typo is not sent to transformers
+
+
 def test_char_tokenizer_keeps_its_unknown_token():
     pytest.importorskip("transformers")
     ours = Tokenizer.build_char(["abc def"])
@@ -219,6 +228,121 @@ def test_the_export_writes_the_same_tokenizer_as_as_transformers(tmp_path):
     assert exported.model_max_length == in_memory.model_max_length
     texts = ["hello", "the lazy dog"]
     assert exported(texts, padding=True)["input_ids"] == in_memory(texts, padding=True)["input_ids"]
+
+
+# Seed 002's export block, as written.
+def export_model(model, tokenizer, export_dir):
+    """Export model for inference."""
+    # Save model
+    model.save_pretrained(export_dir)
+
+    # Save tokenizer
+    tokenizer.save_pretrained(export_dir)
+
+    # Save config
+    config_dict = {
+        "model_type": "transformer",
+        "hidden_size": model.config.hidden_size,
+        "num_layers": model.config.num_hidden_layers,
+        "num_heads": model.config.num_attention_heads,
+    }
+
+    with open(f"{export_dir}/model_config.json", "w") as f:
+        json.dump(config_dict, f)
+
+
+@pytest.mark.parametrize("architecture", ["gpt2", "llama"])
+def test_the_lessons_export_model_runs_as_written_and_transformers_loads_the_same_model(tmp_path, architecture):
+    transformers = pytest.importorskip("transformers")
+    ours = bpe()
+    model = tiny_model(vocab_size=ours.vocab_size, architecture=architecture, max_seq_len=32).eval()
+    tokenizer = ours.as_transformers(model_max_length=model.config.max_seq_len)
+    export_model(model, tokenizer, str(tmp_path / "export"))
+
+    written = json.loads((tmp_path / "export" / "model_config.json").read_text())
+    assert written == {"model_type": "transformer", "hidden_size": 16, "num_layers": 1, "num_heads": 2}
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+    again = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))
+    ids = again(TEXTS[:2], padding=True, return_tensors="pt")["input_ids"]
+    assert ids[0].tolist()[: len(ours.encode(TEXTS[0]))] == ours.encode(TEXTS[0])
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, model(ids), atol=1e-5)
+    assert again.model_max_length == 32
+    # the lesson's own model_config.json beside the export does not make it a folder of ours
+    from llm_trainer.api import load_for_inference
+    from llm_trainer.pipeline import load_init_model
+
+    with torch.no_grad():
+        assert torch.allclose(load_init_model(str(tmp_path / "export")).eval()(ids), model(ids), atol=1e-5)
+    with pytest.raises(UsageError, match="is a transformers model folder"):
+        load_for_inference(tmp_path / "export")
+
+
+def test_save_pretrained_writes_the_tokenizer_it_is_given_and_refuses_a_full_folder_without_overwrite(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    ours = bpe()
+    model = tiny_model(vocab_size=ours.vocab_size, architecture="llama")
+    assert model.save_pretrained(tmp_path / "hf", ours) == tmp_path / "hf"
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["eos_token_id"] == ours.eot_id and config["hidden_size"] == 16
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf")).model_max_length == 24
+    (tmp_path / "hf" / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match=r"is not empty; .* or pass overwrite=True to replace"):
+        model.save_pretrained(tmp_path / "hf")
+    model.save_pretrained(tmp_path / "hf", ours.as_transformers(), overwrite=True)
+    assert (tmp_path / "hf" / "notes.txt").read_text() == "mine"  # the user's file is kept
+    with pytest.raises(UsageError, match="save_pretrained\\(tokenizer=...\\) takes llm-trainer's Tokenizer"):
+        model.save_pretrained(tmp_path / "other", tokenizer="gpt2")
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(UsageError, match="save_pretrained writes a local folder, not s3://bucket/hf"):
+        model.save_pretrained("s3://bucket/hf")
+    # our Tokenizer saves as transformers expects it, too
+    ours.model_max_length = 20
+    ours.save_pretrained(tmp_path / "tok")
+    loaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    assert loaded.model_max_length == 20 and loaded(TEXTS[0])["input_ids"] == ours.encode(TEXTS[0])
+
+
+def test_a_checkpoints_tokenizer_truncates_at_max_seq_len_and_the_model_names_max_length(tmp_path):
+    pytest.importorskip("transformers")
+    from llm_trainer.api import load_for_inference
+    from llm_trainer.checkpoint.model_folder import save_model_folder
+
+    ours = bpe()
+    save_model_folder(tiny_model(vocab_size=ours.vocab_size), tmp_path / "model")
+    ours.save(tmp_path / "model")
+    model, tokenizer, _ = load_for_inference(tmp_path / "model")
+    hf = tokenizer.as_transformers()
+    long_text = " ".join(TEXTS)
+    assert len(ours.encode(long_text)) > 24
+    assert hf.model_max_length == 24
+    ids = hf(long_text, truncation=True, return_tensors="pt")["input_ids"]
+    assert ids.shape == (1, 24)
+    assert model(input_ids=ids).logits.shape == (1, 24, ours.vocab_size)
+    too_long = torch.tensor([ours.encode(long_text)])
+    with pytest.raises(ValueError, match=r"longer than max_seq_len=24; .*truncation=True, max_length=24\)"):
+        model(input_ids=too_long)
+    assert tokenizer.as_transformers(model_max_length=8).model_max_length == 8  # an explicit length wins
+
+
+def test_the_tokenizer_of_a_prepared_run_truncates_at_the_models_max_seq_len(tmp_path):
+    pytest.importorskip("transformers")
+    from llm_trainer.config import ExperimentConfig, ModelConfig, TrainingConfig
+    from llm_trainer.pipeline import prepare_run
+
+    experiment = ExperimentConfig(
+        model=ModelConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=1, max_position_embeddings=20),
+        training=TrainingConfig(output_dir=str(tmp_path / "run"), device="cpu"),
+        data=DataConfig(
+            data_files=[str(write_corpus(tmp_path / "corpus"))],
+            tokenizer_vocab_size=300,
+            cache_dir=str(tmp_path / "cache"),
+            progress_bar=False,
+        ),
+    )
+    ready = prepare_run(experiment, local=True)
+    assert ready.model.config.max_position_embeddings == 20
+    assert ready.prepared.tokenizer.as_transformers().model_max_length == 20
 
 
 # ==================================================================================================

@@ -650,3 +650,31 @@ def test_002_best_model_follows_the_lowest_loss_and_min_delta_only_drives_patien
     assert stopped == [False, False, False, True] and summary["step"] == 4  # stops where the lesson's class does
     best = json.loads((tmp_path / "run" / "checkpoints" / "best_model" / "meta.json").read_text())
     assert best["metrics"]["step"] == 2 and summary["best_val_loss"] == 2.9995
+
+
+def test_002_export_model_as_written_writes_a_folder_transformers_loads(tmp_path):
+    """The lesson's export_model block, as written, on our model and tokenizer: `model.save_pretrained`,
+    `tokenizer.save_pretrained`, `model.config.hidden_size`; transformers then loads the same model."""
+    transformers = pytest.importorskip("transformers")
+    from llm_trainer.tokenizer import Tokenizer
+
+    namespace: dict = {"json": json}  # imported by the lesson's earlier logging block
+    exec(block(2, "python", "def export_model(model, tokenizer, export_dir):"), namespace)
+    texts = ["the cat sat on the mat.", "a dog ran after the birds."] * 8
+    ours = Tokenizer.train_bpe(texts, vocab_size=300, max_chars=10**6)
+    model = Transformer(
+        ModelConfig(
+            vocab_size=ours.vocab_size,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=32,
+        )
+    ).eval()
+    namespace["export_model"](model, ours, str(tmp_path / "export"))
+    assert json.loads((tmp_path / "export" / "model_config.json").read_text())["hidden_size"] == 16
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+    ids = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))(texts[0], return_tensors="pt")
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids["input_ids"]).logits, model(ids["input_ids"]), atol=1e-5)

@@ -15,7 +15,7 @@ from .checkpoint import remote as remote_checkpoints
 from .checkpoint.find import find_checkpoint
 from .checkpoint.folder_files import refuse_unreadable
 from .checkpoint.layout import holds_dcp_shards, read_meta
-from .checkpoint.model_folder import CONFIG_NAME, load_model_folder, load_model_state, read_model_config
+from .checkpoint.model_folder import is_transformers_folder, load_model_folder, load_model_state, read_model_config
 from .checkpoint.verify import verify
 from .config import DataConfig, ExperimentConfig, TrainingConfig
 from .data.prepare import prepare_data
@@ -83,7 +83,7 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
     found = find_checkpoint(path)  # a run or checkpoints folder, or `latest`: its newest checkpoint
     if found is None:
         raise UsageError(f"{path} holds no checkpoint; pass a checkpoint or best_model folder")
-    if (found / "config.json").is_file() and not (found / CONFIG_NAME).is_file():
+    if is_transformers_folder(found):
         raise UsageError(
             f"{path} is a transformers model folder (an export), not a checkpoint of ours: pass the checkpoint, "
             f"best_model or run folder it was exported from, load it with transformers "
@@ -110,6 +110,7 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
             "tokenizer), or copy your tokenizer.json into it"
         )
     tokenizer = Tokenizer.load(path)
+    tokenizer.model_max_length = model.config.max_seq_len  # where its transformers copy truncates
     if tokenizer.vocab_size > model.config.vocab_size:
         raise UsageError(
             f"{path / 'tokenizer.json'} has {tokenizer.vocab_size} tokens but the model's vocabulary is "

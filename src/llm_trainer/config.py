@@ -9,6 +9,7 @@ overrides (`training.learning_rate=3e-4`) and names the closest valid key for a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -127,6 +128,10 @@ class _Validated:
             setattr(self, name, value)
         return sections
 
+    def _value_of(self, name: str) -> Any:
+        """The value field `name` stands for (ModelConfig: a preset's where the field is unset)."""
+        return getattr(self, name)
+
     def _coerce(self) -> None:
         """Turn nested mappings into their typed configs before the type check (overridden where needed)."""
 
@@ -143,10 +148,61 @@ class _Validated:
         if not isinstance(values, dict):
             raise ValueError(f"section {section!r} must be a mapping of field: value, got {type(values).__name__}")
         known = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-        values, problems, _ = config_aliases.canonical_section(section, values, known)  # other frameworks' names
+        values, problems, _ = config_aliases.canonical_section(  # other frameworks' names
+            section, values, known, others=ExperimentConfig.known_fields()
+        )
         if problems:
             raise ValueError(config_aliases.one_message(problems))
         return cls(**values)
+
+
+def _keywords_as_in_files(cls: type) -> type:
+    """Let the constructor take every spelling a config file may use (`ModelConfig(hidden_size=768,
+    num_hidden_layers=12)`, `TrainingConfig(lr=1e-3)`), read by `config_aliases` as a file's keys are,
+    so Python and YAML accept the same names and a wrong one is the same one-line ValueError naming the
+    closest valid key, instead of a bare TypeError. Keywords the dataclass takes skip the alias pass."""
+    init = cls.__init__
+    own = [f.name for f in dataclasses.fields(cls)]
+    accepted = {*own, *cls.SPELLINGS}
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **given: Any) -> None:
+        if not given.keys() <= accepted:
+            spelled = {key: value for key, value in given.items() if key in cls.SPELLINGS}
+            values, problems, _ = config_aliases.canonical_section(
+                cls.SECTION or cls.__name__,
+                {key: value for key, value in given.items() if key not in spelled},
+                own,
+                others=ExperimentConfig.known_fields(),
+            )
+            if problems:
+                raise ValueError(f"{cls.__name__}: {config_aliases.one_message(problems)}")
+            given = {**values, **spelled}
+        init(self, *args, **given)
+
+    cls.__init__ = __init__
+    return cls
+
+
+def _other_name_of(cls_name: str, field_name: str) -> property:
+    """A read-only attribute that gives `field_name`'s value under another framework's name, so code
+    written for a transformers config reads ours (`model.config.hidden_size`, `config.gradient_clipping`)."""
+
+    def get(self: _Validated) -> Any:
+        return self._value_of(field_name)
+
+    def refuse(self: _Validated, value: Any) -> None:
+        raise AttributeError(f"this name is read-only: it reads {cls_name}.{field_name}; set {field_name} instead")
+
+    return property(get, refuse, doc=f"{cls_name}.{field_name}, under the name other frameworks give it.")
+
+
+def _names_read_back(cls: type) -> type:
+    """Give `cls` the names of its section's alias table (`config_aliases`) as read-only attributes."""
+    for name, field_name in config_aliases.ALIASES.get(cls.SECTION, {}).items():
+        if isinstance(field_name, str) and not hasattr(cls, name):
+            setattr(cls, name, _other_name_of(cls.__name__, field_name))
+    return cls
 
 
 def _require(condition: bool, message: str) -> None:
@@ -165,6 +221,8 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+@_names_read_back
+@_keywords_as_in_files
 @dataclass(kw_only=True)
 class ModelConfig(_Validated):
     """The decoder-only transformer. Fields left as None take the `architecture` preset's value.
@@ -221,6 +279,9 @@ class ModelConfig(_Validated):
         else:
             values["d_ff"] = 4 * self.d_model
         return values
+
+    def _value_of(self, name: str) -> Any:
+        return self._filled().get(name, getattr(self, name))
 
     def resolved(self) -> ModelConfig:
         """Every preset-dependent field set explicitly."""
@@ -285,6 +346,8 @@ class ModelConfig(_Validated):
 MAX_LEARNING_RATE = 1e3  # far above any rate a range test (lr-find) suggests
 
 
+@_names_read_back
+@_keywords_as_in_files
 @dataclass(kw_only=True)
 class TrainingConfig(_Validated):
     """The optimisation run: batch, optimiser, schedule, precision, evaluation, checkpoints, logging."""
@@ -523,6 +586,7 @@ class TrainingConfig(_Validated):
 # Data
 
 
+@_keywords_as_in_files
 @dataclass(kw_only=True)
 class SourceConfig(_Validated):
     """One source of a weighted mixture (`data.sources`); unset fields take DataConfig's top-level values."""
@@ -549,6 +613,7 @@ class SourceConfig(_Validated):
         _require(self.max_documents is None or self.max_documents > 0, f"{where}: max_documents must be positive")
 
 
+@_keywords_as_in_files
 @dataclass(kw_only=True)
 class CurriculumStage(_Validated):
     """Until optimizer step `until_step`, draw only rows whose difficulty is at most `max_difficulty`."""
@@ -587,6 +652,7 @@ def _typed_list(values: Any, cls: type, field_name: str) -> Any:
     return out
 
 
+@_keywords_as_in_files
 @dataclass(kw_only=True)
 class DataConfig(_Validated):
     """Where the text comes from and how it becomes fixed-length token sequences.

@@ -200,7 +200,20 @@ class _Fields:
         self.spelled.setdefault(field, spelled)
 
 
-def _hint(section: str, key: str, known: list[str], aliases: Mapping[str, Any]) -> str:
+def _section_of(key: str, section: str, others: Mapping[str, list[str]]) -> str | None:
+    """`key` as another section spells it (`training.learning_rate`, `training.gradient_clipping (=
+    training.max_grad_norm)`): a setting given in the wrong section, such as the lesson's ModelConfig
+    that holds the learning rate too. None when no other section has it."""
+    for other, fields in others.items():
+        target = ALIASES.get(other, {}).get(key)
+        if other != section and (key in fields or target is not None):
+            return f"{other}.{key}" + (f" (= {other}.{target})" if isinstance(target, str) else "")
+    return None
+
+
+def _hint(section: str, key: str, known: list[str], aliases: Mapping[str, Any], others: Mapping[str, list[str]]) -> str:
+    if (elsewhere := _section_of(str(key), section, others)) is not None:
+        return f"; it is a setting of another section: {elsewhere}"
     close = difflib.get_close_matches(
         str(key), [k for k in known if not k.startswith("_")] + list(aliases), n=1, cutoff=0.6
     )
@@ -228,7 +241,14 @@ def _put(fields: _Fields, target: str, where: str, spelling: str | Expand, value
 
 
 def _read_section(
-    fields: _Fields, section: str, values: Mapping[str, Any], known: list[str], *, strict: bool, unused: list[str]
+    fields: _Fields,
+    section: str,
+    values: Mapping[str, Any],
+    known: list[str],
+    *,
+    strict: bool,
+    unused: list[str],
+    others: Mapping[str, list[str]],
 ) -> None:
     """Put one section's keys into `fields` under our names; unknown keys go to problems (or `unused`)."""
     aliases = ALIASES.get(section, {})
@@ -242,7 +262,7 @@ def _read_section(
         elif strict and (section, key) in ACROSS:
             fields.problems.append(f"{where} sets {ACROSS[section, key][0]}.{key}; give it in that section")
         elif strict:
-            fields.problems.append(f"unknown key {where}{_hint(section, key, known, aliases)}")
+            fields.problems.append(f"unknown key {where}{_hint(section, key, known, aliases, others)}")
         else:
             unused.append(key)
 
@@ -308,23 +328,36 @@ def _apply_size(fields: _Fields) -> None:
         fields.values.setdefault(field, value)
 
 
-def _section(section: str, values: Mapping[str, Any], known: list[str], *, strict: bool, unused: list[str]) -> _Fields:
+def _section(
+    section: str,
+    values: Mapping[str, Any],
+    known: list[str],
+    *,
+    strict: bool,
+    unused: list[str],
+    others: Mapping[str, list[str]],
+) -> _Fields:
     fields = _Fields()
-    _read_section(
-        fields, section, values, known + (["size"] if section == "model" else []), strict=strict, unused=unused
-    )
+    known = known + (["size"] if section == "model" else [])
+    _read_section(fields, section, values, known, strict=strict, unused=unused, others=others)
     if section == "model":
         _apply_size(fields)
     return fields
 
 
 def canonical_section(
-    section: str, values: Mapping[str, Any], known: list[str], *, strict: bool = True
+    section: str,
+    values: Mapping[str, Any],
+    known: list[str],
+    *,
+    strict: bool = True,
+    others: Mapping[str, list[str]] | None = None,
 ) -> tuple[dict[str, Any], list[str], list[str]]:
     """(values under our field names, problems, unused keys). `strict`: unknown keys are problems,
-    else they are returned as unused (a user's own dict holds more than our section)."""
+    else they are returned as unused (a user's own dict holds more than our section). `others`: each
+    section's fields, so that a key of another section is named as one."""
     unused: list[str] = []
-    fields = _section(section, values, known, strict=strict, unused=unused)
+    fields = _section(section, values, known, strict=strict, unused=unused, others=others or {})
     return fields.values, fields.problems, unused
 
 
@@ -355,7 +388,7 @@ def canonical_experiment(
             else:
                 own[section][key] = value
     for section in SECTIONS:
-        fields = _section(section, own[section], known[section], strict=True, unused=[])
+        fields = _section(section, own[section], known[section], strict=True, unused=[], others=known)
         if section == "training" and values.get("distributed") is not None:
             _read_distributed(fields, values["distributed"], known["training"])
         for where, spelling, value in across[section]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -347,6 +349,15 @@ class Transformer(nn.Module):
         else:
             nn.init.normal_(tensor, mean=0.0, std=std)
 
+    def save_pretrained(self, save_directory: str | Path, tokenizer: Any = None, *, overwrite: bool = False) -> Path:
+        """The folder `llm-trainer export` writes (transformers GPT-2/LLaMA, which `from_pretrained` loads),
+        for code written for transformers models; `tokenizer` (ours, a `tokenizers.Tokenizer` or a
+        transformers fast tokenizer) is written into it too. A non-empty folder is refused unless
+        `overwrite`. The writing is `hf.interop.save_pretrained`'s: this module is the architecture."""
+        from .hf.interop import save_pretrained
+
+        return save_pretrained(self, save_directory, tokenizer, overwrite=overwrite)
+
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings and self.pos_emb is not None:
@@ -412,7 +423,11 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
         if given is None and start + T > self.config.max_seq_len:
-            raise ValueError(f"sequence of {start + T} tokens is longer than max_seq_len={self.config.max_seq_len}")
+            limit = self.config.max_seq_len
+            raise ValueError(
+                f"sequence of {start + T} tokens is longer than max_seq_len={limit}; cut the input to {limit} "
+                f"tokens (a transformers tokenizer: truncation=True, max_length={limit})"
+            )
         doc_mask, positions = given if given is not None else (None, None)
         if doc_ids is not None:
             if cache is not None:

@@ -24,7 +24,7 @@ from . import storage
 from .checkpoint import remote as remote_checkpoints
 from .checkpoint.durable import write_text_atomically
 from .checkpoint.folder_files import refuse_unreadable
-from .checkpoint.model_folder import load_model_folder
+from .checkpoint.model_folder import CONFIG_NAME, is_transformers_folder, load_model_folder
 from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
 from .data.loader import BatchLoader, DocumentRows, WindowRows
 from .data.prepare import PreparedData, prepare_data
@@ -61,7 +61,7 @@ def build_model(config: ModelConfig, *, meta: bool = False) -> Transformer:
 
 def load_init_model(path: str) -> Transformer:
     """The model `model.init_from` names: our model folder, or a transformers folder / hub name."""
-    if (Path(path) / "model_config.json").is_file():
+    if (Path(path) / CONFIG_NAME).is_file() and not is_transformers_folder(path):
         return load_model_folder(path)
     from .hf.interop import import_from_hf
 
@@ -209,10 +209,12 @@ def prepare_run(experiment: ExperimentConfig, *, local: bool = False, meta: bool
         _check_init_vocabulary(experiment.model.init_from, prepared.tokenizer)
     run = resolve_run(experiment, prepared.tokenizer, runtime, model_config=loaded.config if loaded else None)
     if loaded is not None:
-        return PreparedRun(run=run, prepared=prepared, model=loaded)
-    _note_unused_embeddings(run, prepared.tokenizer)
-    seed_everything(run.training.seed)  # a model built with storage is initialised here, from the run's seed
-    model = build_model(run.experiment.model, meta=meta)
+        model = loaded
+    else:
+        _note_unused_embeddings(run, prepared.tokenizer)
+        seed_everything(run.training.seed)  # a model built with storage is initialised here, from the run's seed
+        model = build_model(run.experiment.model, meta=meta)
+    prepared.tokenizer.model_max_length = model.config.max_seq_len  # where its transformers copy truncates
     return PreparedRun(run=run, prepared=prepared, model=model)
 
 

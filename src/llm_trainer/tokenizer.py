@@ -84,16 +84,38 @@ def pre_split_of(tokenizer_json: dict[str, Any]) -> str | None:
     return next((name for name, regex in PRE_SPLITS.items() if regex == patterns[0]), None)
 
 
+# What code written for transformers calls on a tokenizer, which ours leaves to `as_transformers()`.
+_TRANSFORMERS_NAMES = frozenset(
+    {"encode_plus", "batch_encode_plus", "batch_decode", "pad", "tokenize", "apply_chat_template"}
+    | {"convert_ids_to_tokens", "convert_tokens_to_ids", "get_vocab", "add_special_tokens", "backend_tokenizer"}
+    | {"pad_token", "pad_token_id", "eos_token", "eos_token_id", "bos_token", "bos_token_id", "unk_token_id"}
+    | {"padding_side", "truncation_side", "special_tokens_map", "all_special_ids"}
+)
+
+
 class Tokenizer:
     """A thin wrapper that fixes the end-of-text token and the on-disk format."""
 
-    def __init__(self, backend: HFTokenizer):
+    def __init__(self, backend: HFTokenizer, model_max_length: int | None = None):
         self.backend = backend
+        # The model's max_seq_len where a run or checkpoint gives one: where `as_transformers()` truncates.
+        self.model_max_length = model_max_length
         eot = backend.token_to_id(EOT)
         if eot is None:
             backend.add_special_tokens([EOT])
             eot = backend.token_to_id(EOT)
         self.eot_id: int = eot
+
+    def __getattr__(self, name: str) -> Any:
+        """Reached only for a name this class lacks: one a transformers tokenizer has (`encode_plus`,
+        `pad_token_id`, `batch_decode`) says where to find it, since code written for transformers gets
+        ours that way first."""
+        if name in _TRANSFORMERS_NAMES:
+            raise AttributeError(
+                f"llm-trainer's Tokenizer has no {name}; pass tokenizer.as_transformers(), the same tokenizer "
+                "as a transformers PreTrainedTokenizerFast, to code written for transformers"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -174,10 +196,38 @@ class Tokenizer:
         one an export writes: `tokenizer(texts, padding=True, truncation=True, return_tensors="pt")`,
         `encode_plus` and `save_pretrained` work as in any transformers code. Padding is end-of-text on
         the right, with attention_mask 0 there (the model leaves those targets out of its loss);
-        `model_max_length` (the model's max_seq_len) is where truncation=True cuts."""
+        truncation=True cuts at `model_max_length`, by default the model's max_seq_len where this
+        tokenizer came with a run or checkpoint (`load_for_inference`, `prepare_run`)."""
         from .hf.fast_tokenizer import fast_tokenizer
 
-        return fast_tokenizer(self.backend, EOT, model_max_length)
+        return fast_tokenizer(self.backend, EOT, model_max_length or self.model_max_length)
+
+    def save_pretrained(self, save_directory: str | Path) -> Path:
+        """Write the files `as_transformers().save_pretrained` and an export write (`AutoTokenizer` loads
+        them), truncating at `model_max_length`; returns the folder."""
+        from .hf.interop import save_tokenizer
+
+        directory = Path(save_directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_tokenizer(self.backend, directory, self.model_max_length)
+        return directory
+
+
+def tokenizer_json(tokenizer: Any) -> str | None:
+    """Ours, a `tokenizers.Tokenizer` or a transformers fast tokenizer, as tokenizer.json text; None for
+    anything else (a slow transformers tokenizer has no tokenizer.json)."""
+    for get in (
+        lambda: tokenizer.to_json(),
+        lambda: tokenizer.to_str(),
+        lambda: tokenizer.backend_tokenizer.to_str(),
+    ):
+        try:
+            text = get()
+        except AttributeError:
+            continue
+        if isinstance(text, str):
+            return text
+    return None
 
 
 def vocabulary_mismatch(source_json: str, ours_json: str, where: str = "the tokenizer.json") -> tuple[int, int]:

@@ -27,6 +27,7 @@ from .folder_files import refuse_unreadable
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "model_config.json"
 MODEL_CLASS = "model_class"  # written instead of the architecture for a model that is not our Transformer
+TRANSFORMERS_CONFIG = "config.json"  # what makes a folder a transformers one (an export); ours never hold it
 # Parts that wrappers add to parameter names; they never reach a file. DDP's `module.` is added in front
 # only (a model's own submodule may be called `module`); the others stand wherever a wrapper does.
 _WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
@@ -136,6 +137,13 @@ def write_model_config(model: nn.Module, directory: str | Path, extra_metadata: 
 def _dedupe_tied(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
     """A gathered state lists a tied head separately; files store it once, like `model_state_dict`."""
     return {k: v.contiguous() for k, v in state.items() if not _is_tied(unwrap(model), k)}
+
+
+def is_transformers_folder(directory: str | Path) -> bool:
+    """Whether `directory` is a transformers model folder (an export) rather than one of ours: it holds
+    transformers' config.json. A model_config.json beside it is not ours (code written for transformers,
+    such as a lesson's `export_model`, writes its own file of that name into the export)."""
+    return (Path(directory) / TRANSFORMERS_CONFIG).is_file()
 
 
 def read_model_config(directory: str | Path) -> ModelConfig:

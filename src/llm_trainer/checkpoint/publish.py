@@ -35,17 +35,18 @@ from .durable import first_line, move_into_place, remove_stale, temporary_folder
 WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 
 
-def check_target(output: Path, source: Path, overwrite: bool) -> None:
-    """Refuse, before any work, a target that is a file, that holds the source, that is not empty
-    (without `overwrite`), or whose folder cannot be written."""
+def check_target(output: Path, source: Path | None, overwrite: bool, overwrite_hint: str = "pass --overwrite") -> None:
+    """Refuse, before any work, a target that is a file, that holds the source (a model in memory has
+    none), that is not empty (without `overwrite`, which `overwrite_hint` says how to give), or whose
+    folder cannot be written."""
     if output.exists() and not output.is_dir():
         raise UsageError(f"{output} exists and is not a folder; choose another output folder")
-    out, src = output.resolve(), Path(source).resolve()
-    if out == src or out in src.parents:
+    out = output.resolve()
+    if source is not None and (out == Path(source).resolve() or out in Path(source).resolve().parents):
         raise UsageError(f"the output folder {output} must not contain the model folder {source}")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise UsageError(
-            f"{output} is not empty; choose an empty or new folder, or pass --overwrite to replace "
+            f"{output} is not empty; choose an empty or new folder, or {overwrite_hint} to replace "
             "the files this command writes there (other files are kept)"
         )
     writable_folder(output.absolute().parent, "the folder of --output")
@@ -70,11 +71,18 @@ def _write_failure(exc: Exception, folder: Path) -> bool:
     return isinstance(exc, OSError) or disk_full(exc, folder) or "os error" in str(exc).lower()
 
 
-def publish(output: Path, build: Callable[[Path], None], *, source: Path, overwrite: bool) -> Path:
+def publish(
+    output: Path,
+    build: Callable[[Path], None],
+    *,
+    source: Path | None,
+    overwrite: bool,
+    overwrite_hint: str = "pass --overwrite",
+) -> Path:
     """Build the folder with `build(tmp)`, then put it at `output` as the module docstring says."""
     output = Path(output)
     remove_stale(output.absolute().parent, names={output.name})  # a killed run's leftovers only, before the check
-    check_target(output, source, overwrite)
+    check_target(output, source, overwrite, overwrite_hint)
     tmp = temporary_folder(output.absolute())
     shutil.rmtree(tmp, ignore_errors=True)
     try:

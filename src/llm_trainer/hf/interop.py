@@ -1,7 +1,8 @@
 """Hugging Face `transformers` interop: export our model folders as GPT-2 / LLaMA, import them back.
 
 `export_to_hf` writes a folder that `AutoModelForCausalLM.from_pretrained` and
-`AutoTokenizer.from_pretrained` load with no code of ours; `import_from_hf` turns a transformers GPT-2
+`AutoTokenizer.from_pretrained` load with no code of ours (`export_model`, which `model.save_pretrained`
+calls, writes the same folder from a model in memory); `import_from_hf` turns a transformers GPT-2
 or LLaMA folder (or hub name) into our `Transformer`. The weights map one to one, so logits agree to
 float32 rounding. Only the layouts differ:
 
@@ -23,13 +24,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..checkpoint.model_folder import load_model_folder, load_model_state
+from ..checkpoint.model_folder import clean_name, load_model_folder, load_model_state
 from ..checkpoint.publish import check_target, publish
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..filesystem import with_default_mode
 from ..model import Transformer
+from ..storage import is_url
 from ..tokenizer import EOT as EOT_TOKEN
+from ..tokenizer import backend_from_json, load_backend, tokenizer_json
 from .fast_tokenizer import fast_tokenizer, special_tokens
 from .fast_tokenizer import require_transformers as _transformers
 
@@ -329,11 +332,9 @@ def _resolve_tokenizer_file(model_dir: Path, tokenizer_file) -> Path | None:
     return path
 
 
-def _save_tokenizer(tokenizer_path: Path, directory: Path, max_seq_len: int) -> int | None:
-    """Write the tokenizer as a PreTrainedTokenizerFast; returns the <|endoftext|> id (None if absent)."""
-    from ..tokenizer import load_backend
-
-    backend = load_backend(tokenizer_path)
+def save_tokenizer(backend: Tokenizer, directory: Path, max_seq_len: int | None) -> int | None:
+    """Write `backend` as a PreTrainedTokenizerFast that truncates at `max_seq_len`; returns the
+    <|endoftext|> id (None if absent). The export and `Tokenizer.save_pretrained` both write this."""
     eot_id = backend.token_to_id(EOT_TOKEN)
     specials = special_tokens(backend, EOT_TOKEN)
     tokenizer = fast_tokenizer(backend, EOT_TOKEN, max_seq_len)
@@ -440,32 +441,60 @@ def export_to_hf(
     is refused unless `overwrite`, which replaces only the files an export writes (see
     `checkpoint.publish`).
     """
-    tf = _transformers()
     model_dir, output_dir = Path(model_dir), Path(output_dir)
-    if max_shard_size_bytes <= 0:
-        raise UsageError(f"max_shard_size_bytes must be positive, got {max_shard_size_bytes}")
-    check_target(output_dir, model_dir, overwrite)
+    _transformers()
+    check_target(output_dir, model_dir, overwrite)  # before the weights are read
     model = load_model_folder(model_dir)
+    tokenizer_path = _resolve_tokenizer_file(model_dir, tokenizer_file)
+    backend = load_backend(tokenizer_path) if tokenizer_path is not None else None
+    return export_model(
+        model,
+        output_dir,
+        tokenizer=backend,
+        tokenizer_name=str(tokenizer_path),
+        metrics=metrics,
+        max_shard_size_bytes=max_shard_size_bytes,
+        overwrite=overwrite,
+        source=model_dir,
+    )
+
+
+def export_model(
+    model: Transformer,
+    output_dir,
+    *,
+    tokenizer: Tokenizer | None = None,
+    metrics: dict | None = None,
+    max_shard_size_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
+    source: Path | None = None,
+    tokenizer_name: str = "the tokenizer",
+    overwrite_hint: str = "pass --overwrite",
+) -> Path:
+    """Write a model in memory (and its `tokenizers.Tokenizer`, if given) as the folder `export_to_hf`
+    writes, through the same `checkpoint.publish` rules; `model.save_pretrained` is this. `source`: the
+    folder the model was read from, which the output may not hold; the names are for messages."""
+    tf = _transformers()
+    output_dir = Path(output_dir)
     config = model.config
     check_exportable(config)
-    tokenizer_path = _resolve_tokenizer_file(model_dir, tokenizer_file)
-    if tokenizer_path is not None:
-        from ..tokenizer import load_backend
-
-        n_tokens = load_backend(tokenizer_path).get_vocab_size(with_added_tokens=True)
-        if n_tokens > config.vocab_size:
-            raise UsageError(
-                f"{tokenizer_path} has {n_tokens} tokens but the model's vocab_size is {config.vocab_size}; "
-                "wrong tokenizer?"
-            )
+    if max_shard_size_bytes <= 0:
+        raise UsageError(f"max_shard_size_bytes must be positive, got {max_shard_size_bytes}")
+    if tokenizer is not None and tokenizer.get_vocab_size(with_added_tokens=True) > config.vocab_size:
+        raise UsageError(
+            f"{tokenizer_name} has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens but the model's "
+            f"vocab_size is {config.vocab_size}; wrong tokenizer?"
+        )
+    check_target(output_dir, source, overwrite, overwrite_hint)
 
     def build(tmp: Path) -> None:
-        eot_id = _save_tokenizer(tokenizer_path, tmp, config.max_seq_len) if tokenizer_path is not None else None
+        eot_id = save_tokenizer(tokenizer, tmp, config.max_seq_len) if tokenizer is not None else None
         hf_config = to_hf_config(config, eos_token_id=eot_id)
         model_class = tf.GPT2LMHeadModel if config.architecture == "gpt2" else tf.LlamaForCausalLM
         with torch.device("meta"):  # no random init, no second copy: the weights are assigned below
             hf_model = model_class(hf_config)
-        state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+        # under the names of the bare model (a trained one may hold checkpoint or compile wrappers), on the CPU
+        state = {clean_name(name): tensor.detach().cpu() for name, tensor in model.state_dict().items()}
         hf_model.load_state_dict(to_hf_state(config, state), strict=True, assign=True)
         if config.tie_embeddings:
             hf_model.tie_weights()
@@ -474,12 +503,35 @@ def export_to_hf(
         for weights in tmp.glob("*.safetensors"):
             with_default_mode(weights)
         card = _model_card(
-            output_dir.name, config, model_class.__name__, model.num_parameters(), metrics, tokenizer_path is not None
+            output_dir.name, config, model_class.__name__, model.num_parameters(), metrics, tokenizer is not None
         )
         (tmp / "README.md").write_text(card)
 
-    publish(output_dir, build, source=model_dir, overwrite=overwrite)
+    publish(output_dir, build, source=source, overwrite=overwrite, overwrite_hint=overwrite_hint)
     return output_dir
+
+
+def save_pretrained(model: Transformer, save_directory, tokenizer: Any = None, *, overwrite: bool = False) -> Path:
+    """`model.save_pretrained(dir)`: `export_model` for a model in memory, with `tokenizer` given as ours,
+    a `tokenizers.Tokenizer` or a transformers fast tokenizer (anything else is refused in one line)."""
+
+    if is_url(str(save_directory)):
+        raise UsageError(
+            f"save_pretrained writes a local folder, not {save_directory}; save it locally, or save a checkpoint "
+            f"and run llm-trainer export --checkpoint DIR --output {save_directory}"
+        )
+    backend = None
+    if tokenizer is not None:
+        text = tokenizer_json(tokenizer)
+        if text is None:
+            raise UsageError(
+                f"save_pretrained(tokenizer=...) takes llm-trainer's Tokenizer, a tokenizers.Tokenizer or a "
+                f"transformers fast tokenizer, got {type(tokenizer).__name__}; or save the tokenizer on its own"
+            )
+        backend = backend_from_json(text, "save_pretrained(tokenizer=...)")
+    return export_model(
+        model, save_directory, tokenizer=backend, overwrite=overwrite, overwrite_hint="pass overwrite=True"
+    )
 
 
 # ----------------------------------------------------------------------------------------------

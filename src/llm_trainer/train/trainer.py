@@ -35,6 +35,7 @@ from ..parallel.distributed import all_reduce_
 from ..parallel.parallelize import parallelize
 from ..pipeline import build_trainer  # the pipeline takes the Trainer class as an argument, never imports it
 from ..resolve import ResolvedRun, native_bf16, resolve_for_model, seed_everything
+from ..tokenizer import tokenizer_json
 from .batches import as_loader
 from .callbacks import Callback
 from .evaluate import evaluate
@@ -500,21 +501,9 @@ class Trainer:
             self._run_files_uploaded = upload_run_files(self.config, self._run_files_uploaded)
 
     def _tokenizer_json(self) -> str | None:
-        """Ours, a `tokenizers.Tokenizer` or a transformers fast tokenizer, as tokenizer.json; else None
-        (the checkpoint then has no tokenizer, and generate/export say so)."""
-        tokenizer = self.tokenizer
-        for get in (
-            lambda: tokenizer.to_json(),
-            lambda: tokenizer.to_str(),
-            lambda: tokenizer.backend_tokenizer.to_str(),
-        ):
-            try:
-                text = get()
-            except AttributeError:
-                continue
-            if isinstance(text, str):
-                return text
-        return None
+        """The tokenizer as tokenizer.json (`tokenizer.tokenizer_json`); None: the checkpoint then has no
+        tokenizer, and generate/export say so."""
+        return tokenizer_json(self.tokenizer)
 
     # -- output -----------------------------------------------------------------------------------
 
