@@ -606,7 +606,5 @@ def import_from_hf(path_or_name) -> tuple[Transformer, Tokenizer | None]:
 
     tokenizer = None
     if (folder / "tokenizer.json").is_file():
-        from ..tokenizer import load_backend
-
         tokenizer = load_backend(folder / "tokenizer.json")
     return model, tokenizer
