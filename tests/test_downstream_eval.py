@@ -477,3 +477,37 @@ def test_trainer_refuses_eval_tasks_it_cannot_run_before_training(tmp_path):
         Trainer(
             tiny_model(), {**config, "eval_tasks": "tasks/mine.yaml"}, train_dataloader=train, tokenizer=_tokenizer()
         )
+
+
+HUB_TASK_SCRIPT = """
+import sys, time
+from llm_trainer.downstream.tasks import _manager, load_tasks
+from llm_trainer.errors import UsageError
+_manager(True)  # lm-eval's index of its own tasks (seconds, no network): not what is timed
+start = time.monotonic()
+try:
+    load_tasks(["hellaswag"])
+except UsageError as error:
+    print(f"{time.monotonic() - start:.1f}", error)
+"""
+
+
+@pytest.mark.slow
+def test_hub_task_offline_without_offline_mode_fails_at_once(tmp_path):
+    """HF_HUB_OFFLINE not set and the Hub unreachable (nothing listens at HF_ENDPOINT), a dataset not in
+    the (empty) cache: one line saying it cannot be reached, in well under the 23 s that `datasets`
+    spends retrying (1 + 2 + 4 + 8 + 8 s)."""
+    import subprocess
+    import sys
+
+    from conftest import free_port, src_env
+
+    env = {k: v for k, v in src_env().items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env |= {"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", HUB_TASK_SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    seconds, message = done.stdout.strip().split(" ", 1)
+    assert "task hellaswag" in message and "cannot be reached" in message and "dataset_path: json" in message
+    assert float(seconds) < 10, done.stdout
