@@ -81,32 +81,56 @@ def _requests(names, num_fewshot: int = 0):
     return grouped
 
 
-@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
-def test_same_loglikelihoods_and_generations_as_lm_eval_hf_backend(tmp_path, architecture):
-    """Per request: log-likelihoods within 1e-4 of lm-eval's `hf` backend on the exported model (contexts
-    longer than the model's 40 tokens included: with 2 shots many are cut from the left), the same
-    is-greedy flags, and the same greedy generations."""
+def _max_new_tokens_task(folder: Path) -> str:
+    """llmt_exact as a task YAML that caps generation with `max_new_tokens` (one of lm-eval's aliases of
+    `max_gen_toks`: the hf backend leaves max_length - 8 tokens of context for it)."""
+    import yaml
+
+    from llm_trainer.downstream.tasks import builtin_config
+
+    config = builtin_config("llmt_exact")
+    config["task"] = "llmt_exact_new_tokens"
+    del config["generation_kwargs"]["max_gen_toks"]
+    config["generation_kwargs"]["max_new_tokens"] = 8
+    path = folder / "llmt_exact_new_tokens.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "architecture, max_seq_len, shots", [("llama", 40, 2), ("gpt2", 40, 2), ("llama", 28, 5), ("gpt2", 28, 5)]
+)
+def test_same_loglikelihoods_and_generations_as_lm_eval_hf_backend(tmp_path, architecture, max_seq_len, shots):
+    """Per request: log-likelihoods within 1e-4 of lm-eval's `hf` backend on the exported model, the same
+    is-greedy flags and the same greedy generations, with prompts longer than the model's context: with 2
+    shots many do not fit in 40 tokens, with 5 shots none fits in 28 (every one cut from the left, as the
+    hf backend cuts it), and a task that caps generation with `max_new_tokens` instead of `max_gen_toks`
+    leaves room for 8 new tokens, not the default 256."""
     from llm_trainer.downstream.adapter import LLMTrainerLM
 
     tokenizer = _tokenizer()
-    model = _model(tokenizer, architecture)
+    model = _model(tokenizer, architecture, max_seq_len)
     reference = _reference(model, tokenizer, tmp_path)
     ours = LLMTrainerLM(model, tokenizer, batch_size=5)
-    grouped = _requests(BUILTIN, num_fewshot=2)
+    grouped = _requests([*BUILTIN, _max_new_tokens_task(tmp_path)], num_fewshot=shots)
     assert set(grouped) == {"loglikelihood", "loglikelihood_rolling", "generate_until"}
 
     theirs_ll, ours_ll = reference.loglikelihood(grouped["loglikelihood"]), ours.loglikelihood(grouped["loglikelihood"])
     assert len(ours_ll) == len(theirs_ll) == 24 * 4 + 24
     assert max(abs(a[0] - b[0]) for a, b in zip(ours_ll, theirs_ll)) < 1e-4
     assert [a[1] for a in ours_ll] == [b[1] for b in theirs_ll]
-    assert ours.truncated["loglikelihood"] > 0  # the 2-shot prompts do not fit in 40 tokens
+    assert 0 < ours.truncated["loglikelihood"] <= len(ours_ll)
+    if shots == 5:
+        assert ours.truncated["loglikelihood"] == len(ours_ll)
 
     rolling = grouped["loglikelihood_rolling"]
     theirs_roll, ours_roll = reference.loglikelihood_rolling(rolling), ours.loglikelihood_rolling(rolling)
-    assert max(abs(a - b) for a, b in zip(ours_roll, theirs_roll)) < 1e-4
+    assert ours_roll == pytest.approx(theirs_roll, rel=1e-6, abs=1e-4)
 
     generations = grouped["generate_until"]
+    assert len(generations) == 16 * 2
     assert ours.generate_until(generations) == reference.generate_until(generations)
+    assert ours.truncated["generate_until"] > 0
 
 
 @pytest.mark.slow

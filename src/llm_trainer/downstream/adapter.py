@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from ..errors import UsageError
@@ -194,17 +195,18 @@ class LLMTrainerLM(TemplateLM):
         greedy: dict[tuple, list[tuple[int, list[int]]]] = defaultdict(list)
         for i, request in enumerate(requests):
             context, kwargs = request.args
-            kwargs = dict(kwargs or {})
-            until = kwargs.pop("until", None) or []
-            stops = tuple(s for s in ([until] if isinstance(until, str) else until) if s)
-            max_new = int(kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+            # lm-eval's own reading of the settings: `max_new_tokens`, `max_tokens`, `max_completion_tokens`
+            # mean `max_gen_toks`; a temperature above 0 without `do_sample` samples
+            kwargs = dict(normalize_gen_kwargs(dict(kwargs or {}), DEFAULT_MAX_GEN_TOKS))
+            stops = tuple(s for s in kwargs.pop("until") if s)
+            max_new = int(kwargs.pop("max_gen_toks"))
             ids = self.tok_encode(context) or [self.eot_token_id]
-            room = max(1, self.max_length - max_new)
+            room = max(1, self.max_length - max_new)  # the hf backend's context: max_length - max_gen_toks
             if len(ids) > room:
                 self.truncated["generate_until"] += 1
                 ids = ids[-room:]
             max_new = min(max_new, self.max_length - len(ids))
-            if kwargs.pop("do_sample", False) and float(kwargs.get("temperature", 1.0) or 0) > 0:
+            if kwargs.pop("do_sample") and float(kwargs.get("temperature") or 0) > 0:
                 units.append(([i], functools.partial(self._sampled, ids, stops, max_new, kwargs)))
             else:
                 greedy[(stops, max_new)].append((i, ids))
