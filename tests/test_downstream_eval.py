@@ -275,7 +275,8 @@ def test_eval_tasks_bad_input_is_one_line(tmp_path, args, message):
 def test_eval_tasks_console_has_no_progress_bars_or_git_noise(tmp_path):
     """`eval --tasks` outside a git repository: no "fatal: not a git repository" (lm-eval records the
     working directory's commit) and no progress bars of lm-eval's loops on stderr; our own warnings
-    (2-shot prompts longer than the 40-token context) still show, and the table is on stdout."""
+    (2-shot prompts longer than the 40-token context: one line with the counts, which the results JSON
+    holds too) still show, and the table is on stdout."""
     from llm_trainer.checkpoint.model_folder import save_model_folder
 
     tokenizer = _tokenizer()
@@ -291,11 +292,18 @@ def test_eval_tasks_console_has_no_progress_bars_or_git_noise(tmp_path):
         "3",
         "--num_fewshot",
         "2",
+        "--output",
+        "results.json",
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "|llmt_choice" in done.stdout
-    assert "cut from the left" in done.stderr
+    config = json.loads((tmp_path / "results.json").read_text())["config"]
+    cut = config["truncated_requests"]
+    assert config["max_length"] == 40 and set(cut) == {"loglikelihood", "generate_until"}
+    assert 0 < cut["loglikelihood"] <= 3 * 4 and 0 < cut["generate_until"] <= 3
+    [line] = [line for line in done.stderr.splitlines() if "cut from the left" in line]
+    assert f"{cut['generate_until']} of 3 generate_until, {cut['loglikelihood']} of 12 loglikelihood" in line
     assert "fatal:" not in done.stderr
     assert not [line for line in done.stderr.splitlines() if "it/s" in line or "%|" in line], done.stderr
 

@@ -72,8 +72,19 @@ class LLMTrainerLM(TemplateLM):
         self.max_length = model.config.max_seq_len
         self._device = next(model.parameters()).device
         self._dtype = next(model.parameters()).dtype
+        self.requests: Counter[str] = Counter()  # requests seen, per request type (rolling: windows)
         self.truncated: Counter[str] = Counter()  # requests cut from the left, per request type
         self.empty: Counter[str] = Counter()  # requests whose continuation has no tokens of its own
+
+    def cut_summary(self) -> str | None:
+        """One line on the requests longer than the context and cut from the left, or None if none was."""
+        cut = [f"{count} of {self.requests[kind]} {kind}" for kind, count in sorted((+self.truncated).items())]
+        if not cut:
+            return None
+        return (
+            f"{', '.join(cut)} requests are longer than the model's context ({self.max_length} tokens) and were "
+            "cut from the left (their oldest tokens dropped), as lm-eval's hf backend cuts them"
+        )
 
     # -- tokens ---------------------------------------------------------------------------------
 
@@ -90,6 +101,7 @@ class LLMTrainerLM(TemplateLM):
         """[(strings, context ids, continuation ids)] -> [(sum of the continuation's log-probabilities,
         whether each of its tokens is the likeliest)], in order."""
         L = self.max_length
+        self.requests[kind] += len(requests)
         results_empty: list[int] = []
         by_prefix: dict[tuple[int, ...], list[tuple[int, list[int]]]] = defaultdict(list)
         for i, (_, context, continuation) in enumerate(requests):
@@ -193,6 +205,7 @@ class LLMTrainerLM(TemplateLM):
         Greedy requests go in batches of the same settings, longest first; sampled ones one by one."""
         units: list[tuple[list[int], Callable[[], list[str]]]] = []  # (requests, computing their texts)
         greedy: dict[tuple, list[tuple[int, list[int]]]] = defaultdict(list)
+        self.requests["generate_until"] += len(requests)
         for i, request in enumerate(requests):
             context, kwargs = request.args
             # lm-eval's own reading of the settings: `max_new_tokens`, `max_tokens`, `max_completion_tokens`

@@ -80,11 +80,12 @@ def evaluate_tasks(
         model.train(was_training)
     if lm.model.rank != 0:  # lm-eval saw one process (it returns the results where LOCAL_RANK is 0)
         return None
-    for kind, count in sorted((+lm.truncated).items()):  # (unary +: only counts above 0)
-        warn(
-            f"downstream evaluation: {count} {kind} request(s) longer than the model's context "
-            f"({lm.max_length} tokens) were cut from the left (their oldest tokens dropped), as lm-eval does"
-        )
+    cut = lm.cut_summary()
+    if cut is not None:
+        warn(f"downstream evaluation: {cut}")
+    config = results.setdefault("config", {})  # in the results JSON beside lm-eval's record of the model
+    config["max_length"] = lm.max_length
+    config["truncated_requests"] = {kind: lm.truncated[kind] for kind in sorted(lm.requests)}
     for kind, count in sorted((+lm.empty).items()):
         warn(
             f"downstream evaluation: {count} {kind} request(s) have a continuation the tokenizer merges into "
