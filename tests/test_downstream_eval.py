@@ -134,21 +134,29 @@ def test_same_loglikelihoods_and_generations_as_lm_eval_hf_backend(tmp_path, arc
 
 
 @pytest.mark.slow
-def test_same_scores_as_lm_eval_hf_backend(tmp_path):
-    """The whole evaluation (lm-eval's evaluator, metrics and aggregation) gives the same accuracy,
-    perplexities and exact match with our adapter as with lm-eval's `hf` backend."""
+@pytest.mark.parametrize("max_seq_len, shots", [(128, None), (32, 5)])
+def test_same_scores_as_lm_eval_hf_backend(tmp_path, max_seq_len, shots):
+    """The whole evaluation (lm-eval's evaluator, few-shot examples, metrics and aggregation) gives the
+    same accuracy, perplexities and exact match with our adapter as with lm-eval's `hf` backend: with
+    prompts that fit, and with 5-shot prompts longer than a 32-token context (each cut from the left)."""
     from lm_eval.evaluator import simple_evaluate
 
     from llm_trainer.downstream import evaluate_tasks, scores
 
     tokenizer = _tokenizer()
-    model = _model(tokenizer, "llama", max_seq_len=128)
+    model = _model(tokenizer, "llama", max_seq_len=max_seq_len)
     reference = _reference(model, tokenizer, tmp_path)
+    tasks = [*BUILTIN, _max_new_tokens_task(tmp_path)]
     theirs = scores(
-        simple_evaluate(model=reference, tasks=load_tasks(list(BUILTIN)), bootstrap_iters=0, log_samples=False)
+        simple_evaluate(
+            model=reference, tasks=load_tasks(tasks), num_fewshot=shots, bootstrap_iters=0, log_samples=False
+        )
     )
-    ours = scores(evaluate_tasks(model, tokenizer, ",".join(BUILTIN), batch_size=4))
-    assert set(ours) == set(BUILTIN) and set(ours["llmt_choice"]) == {"acc", "acc_norm"}
+    results = evaluate_tasks(model, tokenizer, tasks, num_fewshot=shots, batch_size=4)
+    ours = scores(results)
+    assert set(ours) == {*BUILTIN, "llmt_exact_new_tokens"} and set(ours["llmt_choice"]) == {"acc", "acc_norm"}
+    if shots:
+        assert results["config"]["truncated_requests"]["loglikelihood"] == 24 * 4 + 24
     for task, metrics in theirs.items():
         for metric, value in metrics.items():
             assert math.isclose(ours[task][metric], value, rel_tol=1e-4), (task, metric, ours[task][metric], value)
