@@ -551,3 +551,21 @@ def test_hub_task_offline_without_offline_mode_fails_at_once(tmp_path):
     seconds, message = done.stdout.strip().split(" ", 1)
     assert "task hellaswag" in message and "cannot be reached" in message and "dataset_path: json" in message
     assert float(seconds) < 10, done.stdout
+
+
+def test_the_hub_probe_dials_the_proxy_when_one_is_set(monkeypatch):
+    """Behind HTTPS_PROXY the Hub's own address may not be reachable from here: the probe dials the proxy
+    (a real listener on 127.0.0.1), and names it when it does not answer."""
+    import socket
+
+    from llm_trainer.hf.hub import hub_unreachable
+
+    for name in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")  # never resolves: only the proxy can answer
+    with socket.create_server(("127.0.0.1", 0)) as proxy:
+        port = proxy.getsockname()[1]
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{port}")
+        assert hub_unreachable() is None
+    why = hub_unreachable()  # the proxy has stopped listening
+    assert why is not None and f"hub.invalid:443 through the proxy 127.0.0.1:{port}" in why
