@@ -569,3 +569,26 @@ def test_the_hub_probe_dials_the_proxy_when_one_is_set(monkeypatch):
         assert hub_unreachable() is None
     why = hub_unreachable()  # the proxy has stopped listening
     assert why is not None and f"hub.invalid:443 through the proxy 127.0.0.1:{port}" in why
+
+
+def test_max_gen_toks_as_long_as_the_context_keeps_one_prompt_token_and_says_so(tmp_path, capsys):
+    """lm-eval's hf backend refuses a generation whose max_gen_toks leaves no room for the prompt; ours
+    keeps the prompt's last token, generates up to the context's end and says so in one line, with the
+    other counts: every one of the 2 prompts cut, in `config.truncated_requests`."""
+    import yaml
+
+    from llm_trainer.downstream import evaluate_tasks
+    from llm_trainer.downstream.tasks import builtin_config
+
+    config = builtin_config("llmt_exact")
+    config["task"] = "llmt_exact_long"
+    config["generation_kwargs"]["max_gen_toks"] = 40
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump(config))
+    tokenizer = _tokenizer()
+    results = evaluate_tasks(_model(tokenizer, "llama", max_seq_len=40), tokenizer, [str(path)], limit=2)
+    assert results["config"]["truncated_requests"] == {"generate_until": 2}
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: downstream")]
+    assert len(lines) == 2, lines
+    assert "2 of 2 generate_until requests do not fit in the model's context (40 tokens" in lines[0]
+    assert "2 generate_until request(s) allow as many new tokens as the model's context (40)" in lines[1]

@@ -75,6 +75,7 @@ class LLMTrainerLM(TemplateLM):
         self.requests: Counter[str] = Counter()  # requests seen, per request type (rolling: windows)
         self.truncated: Counter[str] = Counter()  # requests cut from the left, per request type
         self.empty: Counter[str] = Counter()  # requests whose continuation has no tokens of its own
+        self.no_room = 0  # generation requests whose max_gen_toks leaves no room for the prompt
 
     def cut_summary(self) -> str | None:
         """One line on the requests longer than the context and cut from the left, or None if none was."""
@@ -82,8 +83,9 @@ class LLMTrainerLM(TemplateLM):
         if not cut:
             return None
         return (
-            f"{', '.join(cut)} requests are longer than the model's context ({self.max_length} tokens) and were "
-            "cut from the left (their oldest tokens dropped), as lm-eval's hf backend cuts them"
+            f"{', '.join(cut)} requests do not fit in the model's context ({self.max_length} tokens; a "
+            "generation's prompt with room for its max_gen_toks new tokens) and were cut from the left (their "
+            "oldest tokens dropped), as lm-eval's hf backend cuts them"
         )
 
     # -- tokens ---------------------------------------------------------------------------------
@@ -215,6 +217,8 @@ class LLMTrainerLM(TemplateLM):
             max_new = int(kwargs.pop("max_gen_toks"))
             ids = self.tok_encode(context) or [self.eot_token_id]
             room = max(1, self.max_length - max_new)  # the hf backend's context: max_length - max_gen_toks
+            if max_new >= self.max_length:  # the hf backend refuses these; the prompt keeps its last token
+                self.no_room += 1
             if len(ids) > room:
                 self.truncated["generate_until"] += 1
                 ids = ids[-room:]

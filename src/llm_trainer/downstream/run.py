@@ -83,6 +83,12 @@ def evaluate_tasks(
     cut = lm.cut_summary()
     if cut is not None:
         warn(f"downstream evaluation: {cut}")
+    if lm.no_room:
+        warn(
+            f"downstream evaluation: {lm.no_room} generate_until request(s) allow as many new tokens as the "
+            f"model's context ({lm.max_length}) or more, so only the last token of each prompt was kept (lm-eval's "
+            "hf backend refuses them); lower the task's max_gen_toks for a comparable score"
+        )
     config = results.setdefault("config", {})  # in the results JSON beside lm-eval's record of the model
     config["max_length"] = lm.max_length
     config["truncated_requests"] = {kind: lm.truncated[kind] for kind in sorted(lm.requests)}
