@@ -2,7 +2,9 @@
 
 Requests are tokenized as lm-eval's own `hf` backend tokenizes them (`TemplateLM`: the context's
 trailing spaces move to the continuation, an empty context becomes end-of-text), and what exceeds the
-context is cut from the left as that backend cuts it, so the log-likelihoods are the same numbers.
+context is cut from the left as that backend cuts it (a generation's settings read by lm-eval's own
+`normalize_gen_kwargs`, so `max_new_tokens` is `max_gen_toks` there and here), so the log-likelihoods
+and greedy generations are the same.
 What differs is how they are computed:
 
 - a context shared by several continuations (every answer of a multiple-choice question) is computed
