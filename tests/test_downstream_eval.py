@@ -90,50 +90,82 @@ def _requests(names, num_fewshot: int = 0):
     return grouped
 
 
-@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
-def test_same_loglikelihoods_and_generations_as_lm_eval_hf_backend(tmp_path, architecture):
-    """Per request: log-likelihoods within 1e-4 of lm-eval's `hf` backend on the exported model (contexts
-    longer than the model's 40 tokens included: with 2 shots many are cut from the left), the same
-    is-greedy flags, and the same greedy generations."""
+def _max_new_tokens_task(folder: Path) -> str:
+    """llmt_exact as a task YAML that caps generation with `max_new_tokens` (one of lm-eval's aliases of
+    `max_gen_toks`: the hf backend leaves max_length - 8 tokens of context for it)."""
+    import yaml
+
+    from llm_trainer.downstream.tasks import builtin_config
+
+    config = builtin_config("llmt_exact")
+    config["task"] = "llmt_exact_new_tokens"
+    del config["generation_kwargs"]["max_gen_toks"]
+    config["generation_kwargs"]["max_new_tokens"] = 8
+    path = folder / "llmt_exact_new_tokens.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "architecture, max_seq_len, shots", [("llama", 40, 2), ("gpt2", 40, 2), ("llama", 28, 5), ("gpt2", 28, 5)]
+)
+def test_same_loglikelihoods_and_generations_as_lm_eval_hf_backend(tmp_path, architecture, max_seq_len, shots):
+    """Per request: log-likelihoods within 1e-4 of lm-eval's `hf` backend on the exported model, the same
+    is-greedy flags and the same greedy generations, with prompts longer than the model's context: with 2
+    shots many do not fit in 40 tokens, with 5 shots none fits in 28 (every one cut from the left, as the
+    hf backend cuts it), and a task that caps generation with `max_new_tokens` instead of `max_gen_toks`
+    leaves room for 8 new tokens, not the default 256."""
     from llm_trainer.downstream.adapter import LLMTrainerLM
 
     tokenizer = _tokenizer()
-    model = _model(tokenizer, architecture)
+    model = _model(tokenizer, architecture, max_seq_len)
     reference = _reference(model, tokenizer, tmp_path)
     ours = LLMTrainerLM(model, tokenizer, batch_size=5)
-    grouped = _requests(BUILTIN, num_fewshot=2)
+    grouped = _requests([*BUILTIN, _max_new_tokens_task(tmp_path)], num_fewshot=shots)
     assert set(grouped) == {"loglikelihood", "loglikelihood_rolling", "generate_until"}
 
     theirs_ll, ours_ll = reference.loglikelihood(grouped["loglikelihood"]), ours.loglikelihood(grouped["loglikelihood"])
     assert len(ours_ll) == len(theirs_ll) == 24 * 4 + 24
     assert max(abs(a[0] - b[0]) for a, b in zip(ours_ll, theirs_ll)) < 1e-4
     assert [a[1] for a in ours_ll] == [b[1] for b in theirs_ll]
-    assert ours.truncated["loglikelihood"] > 0  # the 2-shot prompts do not fit in 40 tokens
+    assert 0 < ours.truncated["loglikelihood"] <= len(ours_ll)
+    if shots == 5:
+        assert ours.truncated["loglikelihood"] == len(ours_ll)
 
     rolling = grouped["loglikelihood_rolling"]
     theirs_roll, ours_roll = reference.loglikelihood_rolling(rolling), ours.loglikelihood_rolling(rolling)
-    assert max(abs(a - b) for a, b in zip(ours_roll, theirs_roll)) < 1e-4
+    assert ours_roll == pytest.approx(theirs_roll, rel=1e-6, abs=1e-4)
 
     generations = grouped["generate_until"]
+    assert len(generations) == 16 * 2
     assert ours.generate_until(generations) == reference.generate_until(generations)
+    assert ours.truncated["generate_until"] > 0
 
 
 @pytest.mark.slow
-def test_same_scores_as_lm_eval_hf_backend(tmp_path):
-    """The whole evaluation (lm-eval's evaluator, metrics and aggregation) gives the same accuracy,
-    perplexities and exact match with our adapter as with lm-eval's `hf` backend."""
+@pytest.mark.parametrize("max_seq_len, shots", [(128, None), (32, 5)])
+def test_same_scores_as_lm_eval_hf_backend(tmp_path, max_seq_len, shots):
+    """The whole evaluation (lm-eval's evaluator, few-shot examples, metrics and aggregation) gives the
+    same accuracy, perplexities and exact match with our adapter as with lm-eval's `hf` backend: with
+    prompts that fit, and with 5-shot prompts longer than a 32-token context (each cut from the left)."""
     from lm_eval.evaluator import simple_evaluate
 
     from llm_trainer.downstream import evaluate_tasks, scores
 
     tokenizer = _tokenizer()
-    model = _model(tokenizer, "llama", max_seq_len=128)
+    model = _model(tokenizer, "llama", max_seq_len=max_seq_len)
     reference = _reference(model, tokenizer, tmp_path)
+    tasks = [*BUILTIN, _max_new_tokens_task(tmp_path)]
     theirs = scores(
-        simple_evaluate(model=reference, tasks=load_tasks(list(BUILTIN)), bootstrap_iters=0, log_samples=False)
+        simple_evaluate(
+            model=reference, tasks=load_tasks(tasks), num_fewshot=shots, bootstrap_iters=0, log_samples=False
+        )
     )
-    ours = scores(evaluate_tasks(model, tokenizer, ",".join(BUILTIN), batch_size=4))
-    assert set(ours) == set(BUILTIN) and set(ours["llmt_choice"]) == {"acc", "acc_norm"}
+    results = evaluate_tasks(model, tokenizer, tasks, num_fewshot=shots, batch_size=4)
+    ours = scores(results)
+    assert set(ours) == {*BUILTIN, "llmt_exact_new_tokens"} and set(ours["llmt_choice"]) == {"acc", "acc_norm"}
+    if shots:
+        assert results["config"]["truncated_requests"]["loglikelihood"] == 24 * 4 + 24
     for task, metrics in theirs.items():
         for metric, value in metrics.items():
             assert math.isclose(ours[task][metric], value, rel_tol=1e-4), (task, metric, ours[task][metric], value)
@@ -260,7 +292,8 @@ def test_eval_tasks_bad_input_is_one_line(tmp_path, args, message):
 def test_eval_tasks_console_has_no_progress_bars_or_git_noise(tmp_path):
     """`eval --tasks` outside a git repository: no "fatal: not a git repository" (lm-eval records the
     working directory's commit) and no progress bars of lm-eval's loops on stderr; our own warnings
-    (2-shot prompts longer than the 40-token context) still show, and the table is on stdout."""
+    (2-shot prompts longer than the 40-token context: one line with the counts, which the results JSON
+    holds too) still show, and the table is on stdout."""
     from llm_trainer.checkpoint.model_folder import save_model_folder
 
     tokenizer = _tokenizer()
@@ -276,11 +309,18 @@ def test_eval_tasks_console_has_no_progress_bars_or_git_noise(tmp_path):
         "3",
         "--num_fewshot",
         "2",
+        "--output",
+        "results.json",
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "|llmt_choice" in done.stdout
-    assert "cut from the left" in done.stderr
+    config = json.loads((tmp_path / "results.json").read_text())["config"]
+    cut = config["truncated_requests"]
+    assert config["max_length"] == 40 and set(cut) == {"loglikelihood", "generate_until"}
+    assert 0 < cut["loglikelihood"] <= 3 * 4 and 0 < cut["generate_until"] <= 3
+    [line] = [line for line in done.stderr.splitlines() if "cut from the left" in line]
+    assert f"{cut['generate_until']} of 3 generate_until, {cut['loglikelihood']} of 12 loglikelihood" in line
     assert "fatal:" not in done.stderr
     assert not [line for line in done.stderr.splitlines() if "it/s" in line or "%|" in line], done.stderr
 
@@ -486,3 +526,78 @@ def test_trainer_refuses_eval_tasks_it_cannot_run_before_training(tmp_path):
         Trainer(
             tiny_model(), {**config, "eval_tasks": "tasks/mine.yaml"}, train_dataloader=train, tokenizer=_tokenizer()
         )
+
+
+HUB_TASK_SCRIPT = """
+import sys, time
+from llm_trainer.downstream.tasks import _manager, load_tasks
+from llm_trainer.errors import UsageError
+_manager(True)  # lm-eval's index of its own tasks (seconds, no network): not what is timed
+start = time.monotonic()
+try:
+    load_tasks(["hellaswag"])
+except UsageError as error:
+    print(f"{time.monotonic() - start:.1f}", error)
+"""
+
+
+@pytest.mark.slow
+def test_hub_task_offline_without_offline_mode_fails_at_once(tmp_path):
+    """HF_HUB_OFFLINE not set and the Hub unreachable (nothing listens at HF_ENDPOINT), a dataset not in
+    the (empty) cache: one line saying it cannot be reached, in well under the 23 s that `datasets`
+    spends retrying (1 + 2 + 4 + 8 + 8 s)."""
+    import subprocess
+    import sys
+
+    from conftest import free_port, src_env
+
+    env = {k: v for k, v in src_env().items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env |= {"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", HUB_TASK_SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    seconds, message = done.stdout.strip().split(" ", 1)
+    assert "task hellaswag" in message and "cannot be reached" in message and "dataset_path: json" in message
+    assert float(seconds) < 10, done.stdout
+
+
+def test_the_hub_probe_dials_the_proxy_when_one_is_set(monkeypatch):
+    """Behind HTTPS_PROXY the Hub's own address may not be reachable from here: the probe dials the proxy
+    (a real listener on 127.0.0.1), and names it when it does not answer."""
+    import socket
+
+    from llm_trainer.hf.hub import hub_unreachable
+
+    for name in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")  # never resolves: only the proxy can answer
+    with socket.create_server(("127.0.0.1", 0)) as proxy:
+        port = proxy.getsockname()[1]
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{port}")
+        assert hub_unreachable() is None
+    why = hub_unreachable()  # the proxy has stopped listening
+    assert why is not None and f"hub.invalid:443 through the proxy 127.0.0.1:{port}" in why
+
+
+def test_max_gen_toks_as_long_as_the_context_keeps_one_prompt_token_and_says_so(tmp_path, capsys):
+    """lm-eval's hf backend refuses a generation whose max_gen_toks leaves no room for the prompt; ours
+    keeps the prompt's last token, generates up to the context's end and says so in one line, with the
+    other counts: every one of the 2 prompts cut, in `config.truncated_requests`."""
+    import yaml
+
+    from llm_trainer.downstream import evaluate_tasks
+    from llm_trainer.downstream.tasks import builtin_config
+
+    config = builtin_config("llmt_exact")
+    config["task"] = "llmt_exact_long"
+    config["generation_kwargs"]["max_gen_toks"] = 40
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump(config))
+    tokenizer = _tokenizer()
+    results = evaluate_tasks(_model(tokenizer, "llama", max_seq_len=40), tokenizer, [str(path)], limit=2)
+    assert results["config"]["truncated_requests"] == {"generate_until": 2}
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: downstream")]
+    assert len(lines) == 2, lines
+    assert "2 of 2 generate_until requests do not fit in the model's context (40 tokens" in lines[0]
+    assert "2 generate_until request(s) allow as many new tokens as the model's context (40)" in lines[1]

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import re
-import socket
 import sysconfig
 import unicodedata
 from collections import Counter
@@ -40,10 +39,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
-from urllib.parse import urlparse
 
 from ..config import DataConfig, SourceConfig
 from ..errors import UsageError
+from ..hf.hub import hub_unreachable, offline_mode_set
 from ..limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
 from ..storage import fetch_file, identity, is_url, list_files
 from .filters import QualityFilter
@@ -528,20 +527,15 @@ def _cut(text: str, start: int, target: int, limit: int) -> int:
 def _require_hub(name: str) -> None:
     """Fail at once, naming data_files, when the Hub cannot be reached (instead of `datasets` retrying for
     tens of seconds). In offline mode (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) `datasets` reads its cache."""
-    if any(
-        os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    ):
+    if offline_mode_set():
         return
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
-    try:
-        socket.create_connection((host, port), timeout=5).close()
-    except OSError as exc:
+    why = hub_unreachable()
+    if why is not None:
         raise UsageError(
-            f"data.dataset_name {name!r} is a Hugging Face Hub name and the Hub ({host}) cannot be reached "
-            f"({exc.strerror or exc}); use data.data_files with local files (text, .jsonl, .parquet) or a "
+            f"data.dataset_name {name!r} is a Hugging Face Hub name and the Hub cannot be reached ({why}); "
+            "use data.data_files with local files (text, .jsonl, .parquet) or a "
             "local dataset folder, or set HF_HUB_OFFLINE=1 to read a copy already in the cache"
-        ) from None
+        )
 
 
 def _iter_hf_dataset(spec: SourceConfig, split: str, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:

@@ -2,7 +2,9 @@
 
 Requests are tokenized as lm-eval's own `hf` backend tokenizes them (`TemplateLM`: the context's
 trailing spaces move to the continuation, an empty context becomes end-of-text), and what exceeds the
-context is cut from the left as that backend cuts it, so the log-likelihoods are the same numbers.
+context is cut from the left as that backend cuts it (a generation's settings read by lm-eval's own
+`normalize_gen_kwargs`, so `max_new_tokens` is `max_gen_toks` there and here), so the log-likelihoods
+and greedy generations are the same.
 What differs is how they are computed:
 
 - a context shared by several continuations (every answer of a multiple-choice question) is computed
@@ -29,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from ..errors import UsageError
@@ -71,8 +74,21 @@ class LLMTrainerLM(TemplateLM):
         self.max_length = model.config.max_seq_len
         self._device = next(model.parameters()).device
         self._dtype = next(model.parameters()).dtype
+        self.requests: Counter[str] = Counter()  # requests seen, per request type (rolling: windows)
         self.truncated: Counter[str] = Counter()  # requests cut from the left, per request type
         self.empty: Counter[str] = Counter()  # requests whose continuation has no tokens of its own
+        self.no_room = 0  # generation requests whose max_gen_toks leaves no room for the prompt
+
+    def cut_summary(self) -> str | None:
+        """One line on the requests longer than the context and cut from the left, or None if none was."""
+        cut = [f"{count} of {self.requests[kind]} {kind}" for kind, count in sorted((+self.truncated).items())]
+        if not cut:
+            return None
+        return (
+            f"{', '.join(cut)} requests do not fit in the model's context ({self.max_length} tokens; a "
+            "generation's prompt with room for its max_gen_toks new tokens) and were cut from the left (their "
+            "oldest tokens dropped), as lm-eval's hf backend cuts them"
+        )
 
     # -- tokens ---------------------------------------------------------------------------------
 
@@ -89,6 +105,7 @@ class LLMTrainerLM(TemplateLM):
         """[(strings, context ids, continuation ids)] -> [(sum of the continuation's log-probabilities,
         whether each of its tokens is the likeliest)], in order."""
         L = self.max_length
+        self.requests[kind] += len(requests)
         results_empty: list[int] = []
         by_prefix: dict[tuple[int, ...], list[tuple[int, list[int]]]] = defaultdict(list)
         for i, (_, context, continuation) in enumerate(requests):
@@ -192,19 +209,23 @@ class LLMTrainerLM(TemplateLM):
         Greedy requests go in batches of the same settings, longest first; sampled ones one by one."""
         units: list[tuple[list[int], Callable[[], list[str]]]] = []  # (requests, computing their texts)
         greedy: dict[tuple, list[tuple[int, list[int]]]] = defaultdict(list)
+        self.requests["generate_until"] += len(requests)
         for i, request in enumerate(requests):
             context, kwargs = request.args
-            kwargs = dict(kwargs or {})
-            until = kwargs.pop("until", None) or []
-            stops = tuple(s for s in ([until] if isinstance(until, str) else until) if s)
-            max_new = int(kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+            # lm-eval's own reading of the settings: `max_new_tokens`, `max_tokens`, `max_completion_tokens`
+            # mean `max_gen_toks`; a temperature above 0 without `do_sample` samples
+            kwargs = dict(normalize_gen_kwargs(dict(kwargs or {}), DEFAULT_MAX_GEN_TOKS))
+            stops = tuple(s for s in kwargs.pop("until") if s)
+            max_new = int(kwargs.pop("max_gen_toks"))
             ids = self.tok_encode(context) or [self.eot_token_id]
-            room = max(1, self.max_length - max_new)
+            room = max(1, self.max_length - max_new)  # the hf backend's context: max_length - max_gen_toks
+            if max_new >= self.max_length:  # the hf backend refuses these; the prompt keeps its last token
+                self.no_room += 1
             if len(ids) > room:
                 self.truncated["generate_until"] += 1
                 ids = ids[-room:]
             max_new = min(max_new, self.max_length - len(ids))
-            if kwargs.pop("do_sample", False) and float(kwargs.get("temperature", 1.0) or 0) > 0:
+            if kwargs.pop("do_sample") and float(kwargs.get("temperature") or 0) > 0:
                 units.append(([i], functools.partial(self._sampled, ids, stops, max_new, kwargs)))
             else:
                 greedy[(stops, max_new)].append((i, ids))

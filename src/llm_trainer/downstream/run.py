@@ -80,11 +80,18 @@ def evaluate_tasks(
         model.train(was_training)
     if lm.model.rank != 0:  # lm-eval saw one process (it returns the results where LOCAL_RANK is 0)
         return None
-    for kind, count in sorted((+lm.truncated).items()):  # (unary +: only counts above 0)
+    cut = lm.cut_summary()
+    if cut is not None:
+        warn(f"downstream evaluation: {cut}")
+    if lm.no_room:
         warn(
-            f"downstream evaluation: {count} {kind} request(s) longer than the model's context "
-            f"({lm.max_length} tokens) were cut from the left (their oldest tokens dropped), as lm-eval does"
+            f"downstream evaluation: {lm.no_room} generate_until request(s) allow as many new tokens as the "
+            f"model's context ({lm.max_length}) or more, so only the last token of each prompt was kept (lm-eval's "
+            "hf backend refuses them); lower the task's max_gen_toks for a comparable score"
         )
+    config = results.setdefault("config", {})  # in the results JSON beside lm-eval's record of the model
+    config["max_length"] = lm.max_length
+    config["truncated_requests"] = {kind: lm.truncated[kind] for kind in sorted(lm.requests)}
     for kind, count in sorted((+lm.empty).items()):
         warn(
             f"downstream evaluation: {count} {kind} request(s) have a continuation the tokenizer merges into "

@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from ..errors import UsageError
+from ..hf.hub import cache_only_while_hub_unreachable
 
 BUILTIN_DIR = Path(__file__).parent / "tasks"
 BUILTIN = ("llmt_choice", "llmt_cloze", "llmt_rolling", "llmt_exact")
@@ -162,10 +163,14 @@ def load_tasks(specs: list[str]) -> list:
 
 
 def _load(manager, spec, name: str) -> list:
+    hub = contextlib.nullcontext() if name in BUILTIN else cache_only_while_hub_unreachable()
+    unreachable = None
     try:
-        found = manager.load([spec])
+        with hub as unreachable:  # a Hub that cannot be reached: the cache only, not tens of seconds of retries
+            found = manager.load([spec])
     except (ConnectionError, TimeoutError) as exc:
-        raise UsageError(f"task {name}: its dataset cannot be reached ({_first_line(exc)}); {OFFLINE_HINT}") from None
+        why = f"the Hub: {unreachable}; not in the cache either" if unreachable else _first_line(exc)
+        raise UsageError(f"task {name}: its dataset cannot be reached ({why}); {OFFLINE_HINT}") from None
     except OSError as exc:  # datasets: "not cached", "not found on the Hub" ...
         raise UsageError(f"task {name}: its dataset cannot be read ({_first_line(exc)}); {OFFLINE_HINT}") from None
     except (KeyError, ValueError, TypeError, yaml.YAMLError) as exc:
