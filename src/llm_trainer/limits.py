@@ -13,6 +13,8 @@ or setting that reached it.
                            `check_model_memory` also weighs its parameters against this machine's memory
     MAX_DOCUMENT_CHARS     one document read from data files: longer plain-text files are cut into
                            pieces, longer JSONL lines are bad input (both counted in the data report)
+    MAX_TASK_REPEATS, MAX_GEN_TOKS
+                           a downstream task's `repeats:` and `max_gen_toks:` (`check_count`)
 """
 
 from __future__ import annotations
@@ -190,3 +192,20 @@ def check_dcp_items(storage_data: dict, where: str) -> None:
                 f"{where} stores an item through {', '.join(map(str, transforms))}; llm-trainer writes DCP items "
                 "uncompressed, and a compressed one may expand without bound (the decompression limit)"
             )
+
+
+# ----------------------------------------------------------------------------------------------
+# Downstream task configs (lm-eval task YAMLs)
+
+MAX_TASK_REPEATS = 10_000  # `repeats:` of a task (lm-eval copies each request that many times)
+MAX_GEN_TOKS = MAX_SEQ_LEN  # `generation_kwargs.max_gen_toks` of a task
+
+
+def check_count(value: Any, where: str, maximum: int, *, minimum: int = 1) -> int:
+    """`value` if it is an integer in [minimum, maximum]; a UsageError naming `where` otherwise (a word,
+    a float, a bool or a count no real input reaches)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"{where} must be a whole number, got {value!r}")
+    if not minimum <= value <= maximum:
+        raise UsageError(f"{where} must be from {minimum:,} to {maximum:,}, got {value:,}")
+    return value
