@@ -614,6 +614,7 @@ def _write(root: Path, name: str, text: str) -> str:
         ("metric-through-evaluate", "metric './mymetric'"),
         ("output-under-a-file", "--output"),
         ("output-a-folder", "is a folder"),
+        ("output-read-only-folder", "/sys/kernel/results.json cannot be written"),
     ],
 )
 def test_task_file_bad_input_is_one_line(tmp_path, capsys, case, message):
@@ -670,5 +671,9 @@ def test_task_file_bad_input_is_one_line(tmp_path, capsys, case, message):
         args += ["--tasks", "llmt_choice", "--output", str(tmp_path / "file/results.json")]
     elif case == "output-a-folder":
         args += ["--tasks", "llmt_choice", "--output", str(tmp_path)]
+    elif case == "output-read-only-folder":  # even root cannot create files there
+        if not Path("/sys/kernel").is_dir():
+            pytest.skip("needs /sys/kernel")
+        args += ["--tasks", "llmt_choice", "--output", "/sys/kernel/results.json"]
     line = _refused(capsys, *args)
     assert message in line, line

@@ -3,9 +3,12 @@
 A task is named three ways: one of the tasks shipped with this package (`BUILTIN`, data in the package,
 read offline), an lm-eval task name (`arc_easy`; its data comes from the Hugging Face Hub or its cache),
 or a path to a task YAML file or a folder of them (the user's own tasks; lm-eval reads `data_files`
-relative to the working directory). Each is loaded here, one by one, so a mistake is one line naming the
-task: an unknown name with the closest known ones, a Hub dataset that cannot be reached with how to
-point the task at local files instead.
+relative to the working directory). A spec is a path only when written as one (`./x`, `/x`, `x.yaml`),
+never because a folder of that name exists. A task file or folder is read first by `task_files.py`:
+the Python it names runs only when the user trusts it. Each is loaded here, one by one, and checked
+(`check_task`), so a mistake is one line naming the task: an unknown name with the closest known ones,
+a Hub dataset that cannot be reached with how to point the task at local files instead, a setting
+lm-eval would only trip over mid-evaluation.
 
 lm-eval indexes its ~15,000 task names in seconds, so the index is built only when a name is not ours.
 """
