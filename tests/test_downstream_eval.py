@@ -611,6 +611,8 @@ def _write(root: Path, name: str, text: str) -> str:
         ("repeats-huge", "repeats must be from 1 to 10,000, got 3,000,000,000"),
         ("folder-with-broken-yaml", "broken.yaml is not valid YAML (line 3"),
         ("include-missing", "includes"),
+        ("yaml-alias-bomb", "expands to more than 1,000,000 values"),
+        ("yaml-nested-deep", "nested more than 64 levels deep"),
         ("metric-through-evaluate", "metric './mymetric'"),
         ("output-under-a-file", "--output"),
         ("output-a-folder", "is a folder"),
@@ -664,6 +666,12 @@ def test_task_file_bad_input_is_one_line(tmp_path, capsys, case, message):
         args += ["--tasks", str(tmp_path / "tasks")]
     elif case == "include-missing":
         args += ["--tasks", _write(tmp_path, "t.yaml", "include: gone.yaml\ntask: mine\n")]
+    elif case == "yaml-alias-bomb":  # 10^9 values from a few hundred bytes
+        levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+        levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+        args += ["--tasks", _write(tmp_path, "t.yaml", _task_yaml() + "\n".join(levels) + "\n")]
+    elif case == "yaml-nested-deep":
+        args += ["--tasks", _write(tmp_path, "t.yaml", _task_yaml() + "deep: " + "[" * 5000 + "]" * 5000 + "\n")]
     elif case == "metric-through-evaluate":
         args += ["--tasks", _write(tmp_path, "t.yaml", _task_yaml(metric_list=[{"metric": "./mymetric"}]))]
     elif case == "output-under-a-file":

@@ -13,8 +13,8 @@ or setting that reached it.
                            `check_model_memory` also weighs its parameters against this machine's memory
     MAX_DOCUMENT_CHARS     one document read from data files: longer plain-text files are cut into
                            pieces, longer JSONL lines are bad input (both counted in the data report)
-    MAX_TASK_REPEATS, MAX_GEN_TOKS
-                           a downstream task's `repeats:` and `max_gen_toks:` (`check_count`)
+    MAX_TASK_FILE_BYTES, MAX_TASK_REPEATS, MAX_GEN_TOKS
+                           a downstream task YAML's size, its `repeats:` and `max_gen_toks:` (`check_count`)
 """
 
 from __future__ import annotations
@@ -197,6 +197,7 @@ def check_dcp_items(storage_data: dict, where: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # Downstream task configs (lm-eval task YAMLs)
 
+MAX_TASK_FILE_BYTES = 1 << 20  # one task YAML (lm-eval's own are a few hundred bytes to a few KB)
 MAX_TASK_REPEATS = 10_000  # `repeats:` of a task (lm-eval copies each request that many times)
 MAX_GEN_TOKS = MAX_SEQ_LEN  # `generation_kwargs.max_gen_toks` of a task
 

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from ..errors import UsageError
-from ..limits import MAX_NESTING, check_structure
+from ..limits import MAX_NESTING, MAX_TASK_FILE_BYTES, check_structure
 
 TRUST_FLAG = "--trust_task_code (training.trust_task_code: true)"
 
@@ -79,10 +79,19 @@ def _is_trusted(path: Path) -> bool:
 def _parse(path: Path, tags: list[FunctionTag]) -> dict[str, Any]:
     """One task YAML as a mapping (its `!function` tags recorded), or a UsageError naming the file."""
     try:
+        size = path.stat().st_size
+        if size > MAX_TASK_FILE_BYTES:
+            raise UsageError(
+                f"task file {path} is {size:,} bytes, over the limit of {MAX_TASK_FILE_BYTES:,} for a task YAML"
+            )
         text = path.read_text(encoding="utf-8")
         config = yaml.load(text, Loader=_loader(path, tags))  # noqa: S506 (a SafeLoader subclass)
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"task file {path} cannot be read ({_first_line(exc)})") from None
+    except RecursionError:
+        raise UsageError(
+            f"task file {path} is nested more than {MAX_NESTING} levels deep (the nesting limit)"
+        ) from None
     except yaml.YAMLError as exc:
         raise UsageError(f"task file {path} is not valid YAML ({_yaml_problem(exc)})") from None
     check_structure(config, f"task file {path}")
@@ -101,7 +110,7 @@ def _chain(path: Path, tags: list[FunctionTag], seen: tuple[Path, ...] = ()) -> 
         raise UsageError(f"task file {seen[0]} has includes nested more than {MAX_NESTING} levels deep")
     if not path.is_file():
         where = f"task file {seen[-1]} includes {path}" if seen else f"task file {path}"
-        raise UsageError(f"{where}, which is not there")
+        raise UsageError(f"{where}, which is {'not a file' if path.exists() else 'not there'}")
     config = _parse(path, tags)
     files = [(path, config)]
     includes = config.get("include")
