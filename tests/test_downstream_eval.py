@@ -614,9 +614,9 @@ def _write(root: Path, name: str, text: str) -> str:
         ("yaml-alias-bomb", "expands to more than 1,000,000 values"),
         ("yaml-nested-deep", "nested more than 64 levels deep"),
         ("metric-through-evaluate", "metric './mymetric'"),
-        ("output-under-a-file", "--output"),
+        ("output-under-a-file", "file is a file, not a folder"),
         ("output-a-folder", "is a folder"),
-        ("output-read-only-folder", "/sys/kernel/results.json cannot be written"),
+        ("output-read-only-folder", "cannot write into the folder of --output /sys/kernel"),
     ],
 )
 def test_task_file_bad_input_is_one_line(tmp_path, capsys, case, message):

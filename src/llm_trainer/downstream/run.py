@@ -7,7 +7,6 @@ import contextlib
 import json
 import math
 import random
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..filesystem import writable_folder
 from ..logs import warn
 from .tasks import load_tasks, quiet_lm_eval, require_lm_eval, sandboxed_templates, split_tasks, task_manager
 
@@ -123,21 +123,11 @@ def table(results: dict) -> str:
 
 def check_output(path: str | Path) -> Path:
     """Where `--output` will go, refused before any evaluation runs if it cannot be written: a folder
-    there, or no folder to create it in that takes a new file (tried with a file deleted at once: the
-    permission bits do not say it for root or a read-only mount)."""
+    there, or a folder to hold it that cannot be created or written (the project's one probe)."""
     path = Path(path).expanduser()
     if path.is_dir():
         raise UsageError(f"--output {path} is a folder; give the results file's path (e.g. {path}/results.json)")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    try:
-        if not parent.is_dir():
-            raise NotADirectoryError(f"{parent} is not a folder")
-        with tempfile.TemporaryFile(dir=parent):
-            pass
-    except OSError as exc:
-        raise UsageError(f"--output {path} cannot be written ({exc.strerror or exc}); choose another path") from None
+    writable_folder(path.absolute().parent, "the folder of --output")
     return path
 
 
@@ -149,9 +139,5 @@ def write_results(results: dict, path: str | Path) -> Path:
     from ..checkpoint.durable import write_text_atomically
 
     path = check_output(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--output {path} cannot be written ({exc.strerror or exc}); choose another path") from None
     write_text_atomically(path, json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
     return path
