@@ -616,6 +616,8 @@ def _write(root: Path, name: str, text: str) -> str:
         ("metric-through-evaluate", "metric './mymetric'"),
         ("output-under-a-file", "file is a file, not a folder"),
         ("output-a-folder", "is a folder"),
+        ("tasks-too-many", "--tasks names 100,000 tasks, over the limit of 1,000"),
+        ("tasks-twice", "--tasks names llmt_choice more than once"),
         ("output-read-only-folder", "cannot write into the folder of --output /sys/kernel"),
     ],
 )
@@ -679,6 +681,10 @@ def test_task_file_bad_input_is_one_line(tmp_path, capsys, case, message):
         args += ["--tasks", "llmt_choice", "--output", str(tmp_path / "file/results.json")]
     elif case == "output-a-folder":
         args += ["--tasks", "llmt_choice", "--output", str(tmp_path)]
+    elif case == "tasks-too-many":
+        args += ["--tasks", ",".join(f"t{i}" for i in range(100_000))]
+    elif case == "tasks-twice":
+        args += ["--tasks", "llmt_choice,llmt_cloze,llmt_choice"]
     elif case == "output-read-only-folder":  # even root cannot create files there
         if not Path("/sys/kernel").is_dir():
             pytest.skip("needs /sys/kernel")

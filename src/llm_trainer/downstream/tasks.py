@@ -15,6 +15,7 @@ lm-eval indexes its ~15,000 task names in seconds, so the index is built only wh
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import difflib
 import functools
@@ -34,6 +35,7 @@ from .task_files import check_task_files, task_yamls
 BUILTIN_DIR = Path(__file__).parent / "tasks"
 BUILTIN = ("llmt_choice", "llmt_cloze", "llmt_rolling", "llmt_exact")
 MAX_FEWSHOT = 10_000  # few-shot examples in one prompt (each task's data bounds it further)
+MAX_TASK_SPECS = 1_000  # names and paths in one --tasks (a group or a folder stands for many tasks)
 OFFLINE_HINT = (
     "to run it offline, save its data as JSONL and point a task YAML at it "
     "(dataset_path: json, dataset_kwargs: {data_files: {test: FILE.jsonl}}), then pass that YAML to --tasks"
@@ -141,6 +143,14 @@ def split_tasks(tasks: str | list[str] | tuple[str, ...]) -> list[str]:
     names = [item.strip() for item in items if item and item.strip()]
     if not names:
         raise UsageError("--tasks names no task; give lm-eval task names or task YAML paths, comma-separated")
+    if len(names) > MAX_TASK_SPECS:
+        raise UsageError(
+            f"--tasks names {len(names):,} tasks, over the limit of {MAX_TASK_SPECS:,}; "
+            "name a group or a folder of task YAMLs instead"
+        )
+    twice = sorted(name for name, count in collections.Counter(names).items() if count > 1)
+    if twice:
+        raise UsageError(f"--tasks names {', '.join(twice[:5])} more than once; name each task once")
     return names
 
 
