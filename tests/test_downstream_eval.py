@@ -521,8 +521,13 @@ def _shared_task_folder(root: Path, marker: Path) -> Path:
 
 def _refused(capsys, *argv) -> str:
     """The one `error:` line of `llm-trainer eval ARGV` (exit status 2, no traceback)."""
+    import logging
+    import sys
+
     from llm_trainer.cli import main
 
+    for handler in logging.getLogger("datasets").handlers:  # made with the stderr of an earlier test's capsys
+        handler.stream = sys.stderr
     assert main(["eval", *argv]) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
@@ -611,6 +616,9 @@ def _write(root: Path, name: str, text: str) -> str:
         ("repeats-huge", "repeats must be from 1 to 10,000, got 3,000,000,000"),
         ("folder-with-broken-yaml", "broken.yaml is not valid YAML (line 3"),
         ("include-missing", "includes"),
+        ("data-empty", "its data cannot be read (no records)"),
+        ("data-not-json", "its data cannot be read ("),
+        ("choices-not-a-list", "SyntaxError"),
         ("yaml-alias-bomb", "expands to more than 1,000,000 values"),
         ("yaml-nested-deep", "nested more than 64 levels deep"),
         ("metric-through-evaluate", "metric './mymetric'"),
@@ -668,6 +676,12 @@ def test_task_file_bad_input_is_one_line(tmp_path, capsys, case, message):
         args += ["--tasks", str(tmp_path / "tasks")]
     elif case == "include-missing":
         args += ["--tasks", _write(tmp_path, "t.yaml", "include: gone.yaml\ntask: mine\n")]
+    elif case in ("data-empty", "data-not-json"):
+        data = _write(tmp_path, "d.jsonl", "" if case == "data-empty" else '{"context": "a"}\n{not json\n')
+        config = _task_yaml(dataset_kwargs={"data_files": {"test": data}})
+        args += ["--tasks", _write(tmp_path, "t.yaml", config)]
+    elif case == "choices-not-a-list":  # lm-eval reads rendered choices with ast.literal_eval
+        args += ["--tasks", _write(tmp_path, "t.yaml", _task_yaml(doc_to_choice="{{ choices }}x"))]
     elif case == "yaml-alias-bomb":  # 10^9 values from a few hundred bytes
         levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
         levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]

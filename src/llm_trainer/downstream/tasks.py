@@ -232,6 +232,7 @@ def _load_name(spec: str) -> list:
 
 def _load(manager, spec, name: str) -> list:
     import jinja2
+    from datasets.exceptions import DatasetsError
 
     try:
         found = manager.load([spec])
@@ -239,12 +240,20 @@ def _load(manager, spec, name: str) -> list:
         raise UsageError(f"task {name}: its dataset cannot be reached ({_first_line(exc)}); {OFFLINE_HINT}") from None
     except OSError as exc:  # datasets: "not cached", "not found on the Hub" ...
         raise UsageError(f"task {name}: its dataset cannot be read ({_first_line(exc)}); {OFFLINE_HINT}") from None
+    except (StopIteration, DatasetsError) as exc:  # datasets: an empty data file, a line that is not JSON
+        reason = "no records" if isinstance(exc, StopIteration) else _first_line(exc.__cause__ or exc)
+        raise UsageError(
+            f"task {name}: its data cannot be read ({reason}); check the files its dataset_kwargs.data_files name"
+        ) from None
     except (ImportError, AttributeError) as exc:  # a trusted `!function` naming a module or function not there
         raise UsageError(f"task {name}: a `!function` of it cannot be imported ({_first_line(exc)})") from None
     except jinja2.TemplateError as exc:  # lm-eval renders the first document's prompt as it builds a task
         raise UsageError(f"task {name}: a prompt template fails on its first document ({_first_line(exc)})") from None
-    except (KeyError, ValueError, TypeError, yaml.YAMLError) as exc:
-        raise UsageError(f"task {name} is not a valid lm-eval task ({_first_line(exc)})") from None
+    except (KeyError, ValueError, TypeError, IndexError, SyntaxError, yaml.YAMLError) as exc:
+        # SyntaxError: choices rendered as text that is not a Python list (lm-eval reads them with literal_eval)
+        raise UsageError(
+            f"task {name} is not a valid lm-eval task ({type(exc).__name__}: {_first_line(exc)})"
+        ) from None
     groups = list(found["groups"].values())
     in_groups = {task.task_name for group in groups for task in group.get_all_tasks()}
     return [*groups, *(task for key, task in found["tasks"].items() if key not in in_groups)]
@@ -253,8 +262,8 @@ def _load(manager, spec, name: str) -> list:
 def check_task(task, spec: str, num_fewshot: int | None) -> None:
     """Refuse, before any model runs, a loaded task lm-eval would fail on (or build without bound for)
     only once it evaluates: `repeats` and `generation_kwargs` of the wrong type or past their limits,
-    multiple choice without `doc_to_choice`, more few-shot examples than its data holds, and prompt
-    templates that fail on its first document (an undefined Jinja variable)."""
+    multiple choice without `doc_to_choice`, more few-shot examples than its data holds. (lm-eval
+    renders the first document's prompt, target and choices as it builds the task: see `_load`.)"""
     config = task.config
     where = f"task {task.task_name}" + (f" ({spec})" if spec != task.task_name else "")
     check_count(getattr(config, "repeats", 1), f"{where}: repeats", MAX_TASK_REPEATS)
@@ -266,7 +275,6 @@ def check_task(task, spec: str, num_fewshot: int | None) -> None:
     if shots:
         check_count(shots, f"{where}: num_fewshot", MAX_FEWSHOT, minimum=0)
         _check_fewshot(task, shots, where)
-    _check_templates(task, where)
 
 
 def _check_generation(kwargs: Any, where: str) -> None:
@@ -296,28 +304,6 @@ def _check_fewshot(task, shots: int, where: str) -> None:
             f"{where}: {shots} few-shot examples asked for, but its few-shot split holds {len(docs)} documents "
             f"(at most {len(docs) - needed + shots} can be drawn); lower --num_fewshot or the task's num_fewshot"
         )
-
-
-def _check_templates(task, where: str) -> None:
-    """The task's prompt, target (and choices) rendered for its first document, as lm-eval renders them."""
-    import jinja2
-
-    docs = task.eval_docs
-    if docs is None or len(docs) == 0:
-        raise UsageError(f"{where}: its evaluation split has no documents")
-    doc = docs[0]
-    fields = ["doc_to_text", "doc_to_target"]
-    if getattr(task.config, "output_type", None) == "multiple_choice":
-        fields.append("doc_to_choice")
-    for field in fields:
-        try:
-            getattr(task, field)(doc)
-        except jinja2.TemplateError as exc:
-            template = task.config.get(field)
-            raise UsageError(
-                f"{where}: {field} {template!r} fails on its first document ({_first_line(exc)}; "
-                f"the document has {', '.join(map(str, doc)) if isinstance(doc, dict) else type(doc).__name__})"
-            ) from None
 
 
 def _first_line(exc: BaseException) -> str:
