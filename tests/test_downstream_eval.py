@@ -620,6 +620,7 @@ def _write(root: Path, name: str, text: str) -> str:
         ("data-not-json", "its data cannot be read ("),
         ("choices-not-a-list", "SyntaxError"),
         ("yaml-alias-bomb", "expands to more than 1,000,000 values"),
+        ("yaml-python-tag", "could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply"),
         ("yaml-nested-deep", "nested more than 64 levels deep"),
         ("metric-through-evaluate", "metric './mymetric'"),
         ("output-under-a-file", "file is a file, not a folder"),
@@ -686,6 +687,9 @@ def test_task_file_bad_input_is_one_line(tmp_path, capsys, case, message):
         levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
         levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
         args += ["--tasks", _write(tmp_path, "t.yaml", _task_yaml() + "\n".join(levels) + "\n")]
+    elif case == "yaml-python-tag":
+        text = _task_yaml() + f"x: !!python/object/apply:os.system ['touch {tmp_path / 'ran'}']\n"
+        args += ["--tasks", _write(tmp_path, "t.yaml", text)]
     elif case == "yaml-nested-deep":
         args += ["--tasks", _write(tmp_path, "t.yaml", _task_yaml() + "deep: " + "[" * 5000 + "]" * 5000 + "\n")]
     elif case == "metric-through-evaluate":
@@ -705,3 +709,4 @@ def test_task_file_bad_input_is_one_line(tmp_path, capsys, case, message):
         args += ["--tasks", "llmt_choice", "--output", "/sys/kernel/results.json"]
     line = _refused(capsys, *args)
     assert message in line, line
+    assert not (tmp_path / "ran").exists()
