@@ -45,7 +45,8 @@ def check_supported(trainer) -> None:
     from .tasks import load_tasks, split_tasks
 
     config = trainer.config
-    load_tasks(split_tasks(config.eval_tasks), trust_code=config.trust_task_code)  # unknown names, ...: said now
+    # a wrong name, task code not trusted, a task that cannot run: said now, not at the first evaluation
+    load_tasks(split_tasks(config.eval_tasks), trust_code=config.trust_task_code)
 
 
 def _tokenizer(trainer):
