@@ -601,3 +601,236 @@ def test_max_gen_toks_as_long_as_the_context_keeps_one_prompt_token_and_says_so(
     assert len(lines) == 2, lines
     assert "2 of 2 generate_until requests do not fit in the model's context (40 tokens" in lines[0]
     assert "2 generate_until request(s) allow as many new tokens as the model's context (40)" in lines[1]
+
+
+# -- task files someone else made: their code runs only when trusted; bad ones are one line ---------
+
+
+CHOICE_DATA = Path(__file__).parents[1] / "src/llm_trainer/downstream/tasks/choice.jsonl"
+MARKER_CODE = (
+    "from pathlib import Path\nPath({marker!r}).write_text('ran')\n\n\ndef process(doc):\n    return doc['context']\n"
+)
+
+
+def _task_yaml(**fields) -> str:
+    """A multiple-choice task YAML on the shipped items (24 documents), with `fields` changed (None: left out)."""
+    import yaml
+
+    config = {
+        "task": "mine",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(CHOICE_DATA)}},
+        "test_split": "test",
+        "fewshot_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "context",
+        "doc_to_choice": "choices",
+        "doc_to_target": "answer",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+    }
+    config.update(fields)
+    return yaml.safe_dump({key: value for key, value in config.items() if value is not None})
+
+
+def _shared_task_folder(root: Path, marker: Path) -> Path:
+    """A task folder as someone might share it: task.yaml includes sub/base.yaml, whose `!function`
+    names sub/utils.py; importing utils.py creates `marker`."""
+    folder = root / "shared"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub/utils.py").write_text(MARKER_CODE.format(marker=str(marker)))
+    (folder / "sub/base.yaml").write_text(_task_yaml(task=None) + "doc_to_text: !function utils.process\n")
+    (folder / "task.yaml").write_text("include: sub/base.yaml\ntask: shared_task\n")
+    return folder
+
+
+def _refused(capsys, *argv) -> str:
+    """The one `error:` line of `llm-trainer eval ARGV` (exit status 2, no traceback)."""
+    import logging
+    import sys
+
+    from llm_trainer.cli import main
+
+    for handler in logging.getLogger("datasets").handlers:  # made with the stderr of an earlier test's capsys
+        handler.stream = sys.stderr
+    assert main(["eval", *argv]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_task_code_runs_only_when_trusted(tmp_path, capsys):
+    """A task folder or file whose YAML (through an include) names Python with `!function`: refused in one
+    line naming the Python file and the flag, from `eval --tasks` and from `training.eval_tasks`, and
+    nothing of it runs; with --trust_task_code / training.trust_task_code it loads (the payload is live)."""
+    from conftest import tiny_loaders, tiny_model
+    from llm_trainer.errors import UsageError
+    from llm_trainer.train.trainer import Trainer
+
+    marker = tmp_path / "ran"
+    folder = _shared_task_folder(tmp_path, marker)
+    for spec in (str(folder), str(folder / "task.yaml")):
+        line = _refused(capsys, "--checkpoint", str(tmp_path), "--tasks", spec)
+        assert str(folder / "sub/utils.py") in line and "--trust_task_code" in line, line
+    train, val = tiny_loaders()
+    config = dict(max_steps=2, output_dir=str(tmp_path / "run"), device="cpu", report_to=["jsonl"])
+    with pytest.raises(UsageError, match="training.trust_task_code: true"):
+        Trainer(tiny_model(), {**config, "eval_tasks": str(folder)}, train_dataloader=train, tokenizer=_tokenizer())
+    assert not marker.exists()
+
+    Trainer(
+        tiny_model(),
+        {**config, "eval_tasks": str(folder), "trust_task_code": True},
+        train_dataloader=train,
+        val_dataloader=val,
+        tokenizer=_tokenizer(),
+    )
+    assert marker.exists()
+
+
+def test_a_prompt_template_cannot_reach_python(tmp_path, capsys):
+    """lm-eval renders `doc_to_*` templates with Jinja: one that climbs to Python's `os` is a template
+    error in the sandbox, trusted or not, and runs nothing."""
+    marker = tmp_path / "ran"
+    template = "{{ cycler.__init__.__globals__.os.popen('touch " + str(marker) + "').read() }}{{ context }}"
+    (tmp_path / "t.yaml").write_text(_task_yaml(doc_to_text=template))
+    for trust in ([], ["--trust_task_code"]):
+        line = _refused(capsys, "--checkpoint", str(tmp_path), "--tasks", str(tmp_path / "t.yaml"), *trust)
+        assert "unsafe" in line, line
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_bare_task_name_is_never_a_folder(tmp_path, monkeypatch):
+    """`arc_easy` is lm-eval's task even with a folder of that name in the working directory (here offline:
+    the one line about its Hub dataset), and `./arc_easy` is that folder, whose code is refused."""
+    from llm_trainer.errors import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "ran"
+    (tmp_path / "arc_easy").mkdir()
+    (tmp_path / "arc_easy/utils.py").write_text(MARKER_CODE.format(marker=str(marker)))
+    (tmp_path / "arc_easy/arc.yaml").write_text(_task_yaml(task="arc_easy") + "doc_to_text: !function utils.process\n")
+    with pytest.raises(UsageError, match="dataset_path: json"):
+        load_tasks(["arc_easy"])
+    with pytest.raises(UsageError, match="--trust_task_code"):
+        load_tasks(["./arc_easy"])
+    assert not marker.exists()
+
+
+def _write(root: Path, name: str, text: str) -> str:
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("function-module-missing", "Cannot import module 'nothere'"),
+        ("function-attribute-missing", "has no function 'absent'"),
+        ("max-gen-toks-word", "generation_kwargs.max_gen_toks must be a whole number, got 'lots'"),
+        ("until-number", "generation_kwargs.until must be a string or a list of strings, got 5"),
+        ("fewshot-above-data", "50 few-shot examples asked for, but its few-shot split holds 24 documents"),
+        ("fewshot-flag-huge", "--num_fewshot must be from 0 to 10,000, got 100,000"),
+        ("jinja-undefined", "'nope' is undefined"),
+        ("choice-without-doc-to-choice", "multiple_choice needs doc_to_choice"),
+        ("repeats-word", "repeats must be a whole number, got 'many'"),
+        ("repeats-huge", "repeats must be from 1 to 10,000, got 3,000,000,000"),
+        ("folder-with-broken-yaml", "broken.yaml is not valid YAML (line 3"),
+        ("include-missing", "includes"),
+        ("data-empty", "its data cannot be read (no records)"),
+        ("data-not-json", "its data cannot be read ("),
+        ("choices-not-a-list", "SyntaxError"),
+        ("yaml-alias-bomb", "expands to more than 1,000,000 values"),
+        ("yaml-python-tag", "could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply"),
+        ("yaml-nested-deep", "nested more than 64 levels deep"),
+        ("metric-through-evaluate", "metric './mymetric'"),
+        ("output-under-a-file", "file is a file, not a folder"),
+        ("output-a-folder", "is a folder"),
+        ("tasks-too-many", "--tasks names 100,000 tasks, over the limit of 1,000"),
+        ("tasks-twice", "--tasks names llmt_choice more than once"),
+        ("output-read-only-folder", "cannot write into the folder of --output /sys/kernel"),
+    ],
+)
+def test_task_file_bad_input_is_one_line(tmp_path, capsys, case, message):
+    """Each mistake in a task YAML (or the flags next to it) is one line naming it, before any model
+    loads (the checkpoint here is an empty folder): where lm-eval would fail mid-evaluation with a
+    traceback, build a list of billions of requests, or skip a folder's broken file without a word."""
+    args = ["--checkpoint", str(tmp_path)]
+    utils = "def process(doc):\n    return doc['context']\n"
+    if case == "function-module-missing":
+        args += [
+            "--trust_task_code",
+            "--tasks",
+            _write(tmp_path, "t.yaml", _task_yaml() + "process_docs: !function nothere.f\n"),
+        ]
+    elif case == "function-attribute-missing":
+        _write(tmp_path, "utils.py", utils)
+        args += [
+            "--trust_task_code",
+            "--tasks",
+            _write(tmp_path, "t.yaml", _task_yaml() + "process_docs: !function utils.absent\n"),
+        ]
+    elif case in ("max-gen-toks-word", "until-number"):
+        generation = {"max_gen_toks": "lots"} if case == "max-gen-toks-word" else {"until": 5}
+        text = _task_yaml(
+            output_type="generate_until",
+            doc_to_choice=None,
+            doc_to_target="{{ choices[answer] }}",
+            generation_kwargs=generation,
+            metric_list=[{"metric": "exact_match"}],
+        )
+        args += ["--tasks", _write(tmp_path, "t.yaml", text)]
+    elif case == "fewshot-above-data":
+        args += ["--tasks", _write(tmp_path, "t.yaml", _task_yaml(num_fewshot=50))]
+    elif case == "fewshot-flag-huge":
+        args += ["--tasks", "llmt_choice", "--num_fewshot", "100000"]
+    elif case == "jinja-undefined":
+        args += ["--tasks", _write(tmp_path, "t.yaml", _task_yaml(doc_to_text="{{ nope }}"))]
+    elif case == "choice-without-doc-to-choice":
+        args += ["--tasks", _write(tmp_path, "t.yaml", _task_yaml(doc_to_choice=None))]
+    elif case == "repeats-word":
+        args += ["--tasks", _write(tmp_path, "t.yaml", _task_yaml(repeats="many"))]
+    elif case == "repeats-huge":  # lm-eval would build a list of 3e9 requests per document (24 GB)
+        args += ["--tasks", _write(tmp_path, "t.yaml", _task_yaml(repeats=3_000_000_000))]
+    elif case == "folder-with-broken-yaml":
+        _write(tmp_path, "tasks/good.yaml", _task_yaml())
+        _write(tmp_path, "tasks/broken.yaml", "task: other\ndoc_to_text: [unclosed\n")
+        args += ["--tasks", str(tmp_path / "tasks")]
+    elif case == "include-missing":
+        args += ["--tasks", _write(tmp_path, "t.yaml", "include: gone.yaml\ntask: mine\n")]
+    elif case in ("data-empty", "data-not-json"):
+        data = _write(tmp_path, "d.jsonl", "" if case == "data-empty" else '{"context": "a"}\n{not json\n')
+        config = _task_yaml(dataset_kwargs={"data_files": {"test": data}})
+        args += ["--tasks", _write(tmp_path, "t.yaml", config)]
+    elif case == "choices-not-a-list":  # lm-eval reads rendered choices with ast.literal_eval
+        args += ["--tasks", _write(tmp_path, "t.yaml", _task_yaml(doc_to_choice="{{ choices }}x"))]
+    elif case == "yaml-alias-bomb":  # 10^9 values from a few hundred bytes
+        levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+        levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+        args += ["--tasks", _write(tmp_path, "t.yaml", _task_yaml() + "\n".join(levels) + "\n")]
+    elif case == "yaml-python-tag":
+        text = _task_yaml() + f"x: !!python/object/apply:os.system ['touch {tmp_path / 'ran'}']\n"
+        args += ["--tasks", _write(tmp_path, "t.yaml", text)]
+    elif case == "yaml-nested-deep":
+        args += ["--tasks", _write(tmp_path, "t.yaml", _task_yaml() + "deep: " + "[" * 5000 + "]" * 5000 + "\n")]
+    elif case == "metric-through-evaluate":
+        args += ["--tasks", _write(tmp_path, "t.yaml", _task_yaml(metric_list=[{"metric": "./mymetric"}]))]
+    elif case == "output-under-a-file":
+        _write(tmp_path, "file", "")
+        args += ["--tasks", "llmt_choice", "--output", str(tmp_path / "file/results.json")]
+    elif case == "output-a-folder":
+        args += ["--tasks", "llmt_choice", "--output", str(tmp_path)]
+    elif case == "tasks-too-many":
+        args += ["--tasks", ",".join(f"t{i}" for i in range(100_000))]
+    elif case == "tasks-twice":
+        args += ["--tasks", "llmt_choice,llmt_cloze,llmt_choice"]
+    elif case == "output-read-only-folder":  # even root cannot create files there
+        if not Path("/sys/kernel").is_dir():
+            pytest.skip("needs /sys/kernel")
+        args += ["--tasks", "llmt_choice", "--output", "/sys/kernel/results.json"]
+    line = _refused(capsys, *args)
+    assert message in line, line
+    assert not (tmp_path / "ran").exists()

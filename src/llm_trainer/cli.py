@@ -230,13 +230,17 @@ def cmd_eval(args) -> int:
 def _eval_tasks(args) -> int:
     """`eval --tasks`: lm-eval's results for the checkpoint (JSON to --output), its table on the console."""
     from .api import load_for_inference
-    from .downstream.run import check_limit, evaluate_tasks, scores, table, write_results
+    from .downstream.run import check_limit, check_output, evaluate_tasks, scores, table, write_results
     from .downstream.tasks import load_tasks, split_tasks
     from .resolve import recorded_amp_dtype
     from .train.step import autocast
 
     check_limit(args.limit)
-    load_tasks(split_tasks(args.tasks))  # a wrong task name fails before the model loads
+    if args.output:
+        check_output(args.output)
+    trust = args.trust_task_code
+    # a wrong task name, a task file's code not trusted, a task that cannot run: said before the model loads
+    load_tasks(split_tasks(args.tasks), trust_code=trust, num_fewshot=args.num_fewshot)
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
     device = next(model.parameters()).device
     results = evaluate_tasks(
@@ -247,10 +251,11 @@ def _eval_tasks(args) -> int:
         limit=args.limit,
         batch_size=args.batch_size or 16,
         autocast=lambda: autocast(device, recorded_amp_dtype(experiment.get("training"), device)),
+        trust_task_code=trust,
     )
+    print(json.dumps(scores(results)) if args.json else table(results))  # shown even if --output fails
     if args.output:
         print(f"results in {write_results(results, args.output)}", file=sys.stderr)
-    print(json.dumps(scores(results)) if args.json else table(results))
     return 0
 
 
@@ -416,6 +421,7 @@ def _quickstart_scores(folder: Path) -> None:
                 batch_size=None,
                 output=None,
                 json=False,
+                trust_task_code=False,
             )
         )
     except UsageError as exc:  # lm-eval not installed: the rest of the quickstart stands
@@ -614,6 +620,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_fewshot", "--num-fewshot", type=int, help="examples before each question (task default)")
     p.add_argument("--limit", type=float, help="at most N items per task (a fraction in (0, 1): that share)")
     p.add_argument("--output", "-o", help="write lm-eval's results JSON here")
+    p.add_argument(
+        "--trust_task_code",
+        "--trust-task-code",
+        action="store_true",
+        help="let --tasks files run the Python they name (lm-eval's `!function`, metrics loaded through "
+        "Hugging Face evaluate); only for task files you trust",
+    )
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("generate", help="generate text from a checkpoint")

@@ -429,6 +429,7 @@ class TrainingConfig(_Validated):
     eval_tasks: list[str] | str | None = None  # lm-eval task names or task YAML paths ("a,b" or a list)
     eval_tasks_steps: int | None = None  # None: at every evaluation; N: every N steps, and at the end
     eval_tasks_limit: int | None = None  # items per task; None: all
+    trust_task_code: bool = False  # let eval_tasks files run the Python they name (lm-eval's `!function`)
     metric_for_best_model: str = (
         "val_loss"  # or eval/<source>/loss, or downstream/<task>/<metric> (e.g. downstream/llmt_choice/acc)
     )

@@ -21,6 +21,8 @@ or setting that reached it.
                            batch is checked against; and a position in a DataLoader that cannot
                            seek (the batches read to get there)
     MAX_SPIKE_WINDOW       training.loss_spike_window: the steps of history kept on the device
+    MAX_TASK_FILE_BYTES, MAX_TASK_REPEATS, MAX_GEN_TOKS
+                           a downstream task YAML's size, its `repeats:` and `max_gen_toks:` (`check_count`)
 """
 
 from __future__ import annotations
@@ -237,3 +239,20 @@ def check_skip_forward(batches: int) -> None:
             f"DataLoader that cannot seek, over the limit of {MAX_SKIPPED_BATCHES:,} batches read to get there; "
             "the file is damaged or was edited: resume from another checkpoint"
         )
+
+
+# Downstream task configs (lm-eval task YAMLs)
+
+MAX_TASK_FILE_BYTES = 1 << 20  # one task YAML (lm-eval's own are a few hundred bytes to a few KB)
+MAX_TASK_REPEATS = 10_000  # `repeats:` of a task (lm-eval copies each request that many times)
+MAX_GEN_TOKS = MAX_SEQ_LEN  # `generation_kwargs.max_gen_toks` of a task
+
+
+def check_count(value: Any, where: str, maximum: int, *, minimum: int = 1) -> int:
+    """`value` if it is an integer in [minimum, maximum]; a UsageError naming `where` otherwise (a word,
+    a float, a bool or a count no real input reaches)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"{where} must be a whole number, got {value!r}")
+    if not minimum <= value <= maximum:
+        raise UsageError(f"{where} must be from {minimum:,} to {maximum:,}, got {value:,}")
+    return value

@@ -3,6 +3,7 @@
 (`llm-trainer eval --tasks`).
 
     tasks.py    which tasks a name or path means (and the tasks shipped in tasks/, read offline)
+    task_files.py  what a task YAML the user names may run, read before lm-eval reads it
     adapter.py  our model as an lm-eval model, scoring shared contexts once
     run.py      one evaluation: lm-eval's results, the scores a run logs, the table
 """

@@ -44,7 +44,9 @@ def check_supported(trainer) -> None:
         raise UsageError("training.eval_tasks needs the run's tokenizer: pass tokenizer= to the Trainer")
     from .tasks import load_tasks, split_tasks
 
-    load_tasks(split_tasks(trainer.config.eval_tasks))  # unknown names, unreachable datasets: said now
+    config = trainer.config
+    # a wrong name, task code not trusted, a task that cannot run: said now, not at the first evaluation
+    load_tasks(split_tasks(config.eval_tasks), trust_code=config.trust_task_code)
 
 
 def _tokenizer(trainer):
@@ -74,6 +76,7 @@ def run_during_training(trainer, step: int) -> dict[str, dict[str, float]]:
         limit=config.eval_tasks_limit,
         batch_size=config.eval_batch_size or config.batch_size,
         autocast=lambda: trainer.autocast,
+        trust_task_code=config.trust_task_code,
     )
     found = [scores(results) if results is not None else None]
     if trainer.dist.world_size > 1:

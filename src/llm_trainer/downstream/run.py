@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..filesystem import writable_folder
 from ..logs import warn
-from .tasks import load_tasks, quiet_lm_eval, require_lm_eval, split_tasks, task_manager
+from .tasks import load_tasks, quiet_lm_eval, require_lm_eval, sandboxed_templates, split_tasks, task_manager
 
 
 def check_limit(limit: int | float | None) -> None:
@@ -49,14 +50,14 @@ def evaluate_tasks(
     limit: int | float | None = None,
     batch_size: int = 16,
     autocast=None,
+    trust_task_code: bool = False,
 ) -> dict | None:
     """lm-eval's results dict for `tasks` (names, YAML paths, comma-separated or a list) on `model`; every
     rank calls it and each scores its share of the requests (the same requests as one process, few-shot
-    examples included); the results on rank 0, None elsewhere."""
+    examples included); the results on rank 0, None elsewhere. Python named by the task files the user
+    gave (`!function`) runs only with `trust_task_code`."""
     require_lm_eval()
     check_limit(limit)
-    if num_fewshot is not None and num_fewshot < 0:
-        raise UsageError(f"--num_fewshot must be >= 0, got {num_fewshot}")
     from lm_eval.evaluator import simple_evaluate
 
     from .adapter import LLMTrainerLM
@@ -64,8 +65,8 @@ def evaluate_tasks(
     was_training = model.training
     model.eval()
     try:
-        with quiet_lm_eval(), _random_state_kept():  # loading tasks draws too
-            loaded = load_tasks(split_tasks(tasks))
+        with quiet_lm_eval(), sandboxed_templates(), _random_state_kept():  # loading tasks draws too
+            loaded = load_tasks(split_tasks(tasks), trust_code=trust_task_code, num_fewshot=num_fewshot)
             lm = LLMTrainerLM(model, tokenizer, batch_size=batch_size, autocast=autocast)
             results = simple_evaluate(
                 model=lm,
@@ -127,11 +128,23 @@ def table(results: dict) -> str:
     return make_table(results)
 
 
+def check_output(path: str | Path) -> Path:
+    """Where `--output` will go, refused before any evaluation runs if it cannot be written: a folder
+    there, or a folder to hold it that cannot be created or written (the project's one probe)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise UsageError(f"--output {path} is a folder; give the results file's path (e.g. {path}/results.json)")
+    writable_folder(path.absolute().parent, "the folder of --output")
+    return path
+
+
 def write_results(results: dict, path: str | Path) -> Path:
-    """lm-eval's results JSON, as its own CLI writes it."""
+    """lm-eval's results JSON, as its own CLI writes it, replacing the file at `path` in one step (a
+    failed write leaves what was there)."""
     from lm_eval.utils import handle_non_serializable
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
+    from ..checkpoint.durable import write_text_atomically
+
+    path = check_output(path)
+    write_text_atomically(path, json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
     return path
