@@ -136,7 +136,7 @@ def _eval_loader(model, tokenizer, experiment: dict, args, batch_size: int):
         rows = WindowRows(tokens, length, keep_partial=True)
     else:  # the run's validation split, prepared earlier; the checkpoint's config cannot name files or folders to write
         from .config import DataConfig
-        from .data.prepare import find_prepared, local_root
+        from .data.prepare import find_prepared
         from .storage import is_url
 
         data, fingerprint = experiment.get("data"), experiment.get("data_fingerprint")
@@ -146,7 +146,7 @@ def _eval_loader(model, tokenizer, experiment: dict, args, batch_size: int):
             settings = DataConfig.from_dict(data, section="data")
         except (TypeError, ValueError) as exc:
             raise UsageError(f"the checkpoint's saved data settings are invalid ({exc}); pass --data FILE") from None
-        prepared = find_prepared(local_root(settings), fingerprint)  # read only: nothing fetched for a saved config
+        prepared = find_prepared(settings.local_cache_dir, fingerprint)  # read only: nothing fetched for a saved config
         if prepared is None:
             where = f"in {settings.cache_dir}" if not is_url(settings.cache_dir) else f"here from {settings.cache_dir}"
             raise UsageError(

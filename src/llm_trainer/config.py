@@ -758,6 +758,14 @@ class DataConfig(_Validated):
     executor_env_command: str | None = None  # slurm: shell command run before each task (e.g. activating a venv)
     executor_address: str | None = None  # ray: the cluster to join (null: RAY_ADDRESS, else a local one)
 
+    @property
+    def local_cache_dir(self) -> Path:
+        """Where this machine keeps the prepared folders: cache_dir, or for a URL cache_dir its local
+        mirror under stream_cache_dir."""
+        if is_url(self.cache_dir):
+            return Path(self.stream_cache_dir) / "prepared" / mirror_name(self.cache_dir)
+        return Path(self.cache_dir)
+
     def check_source(self) -> None:
         """Where the data is read (prepare, train), not on construction: a config is often built in pieces,
         and an estimate needs no data."""

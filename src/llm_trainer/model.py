@@ -11,8 +11,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -348,15 +346,6 @@ class Transformer(nn.Module):
                 nn.init.normal_(tensor, mean=0.0, std=std / math.sqrt(2 * self.config.n_layers))
         else:
             nn.init.normal_(tensor, mean=0.0, std=std)
-
-    def save_pretrained(self, save_directory: str | Path, tokenizer: Any = None, *, overwrite: bool = False) -> Path:
-        """The folder `llm-trainer export` writes (transformers GPT-2/LLaMA, which `from_pretrained` loads),
-        for code written for transformers models; `tokenizer` (ours, a `tokenizers.Tokenizer` or a
-        transformers fast tokenizer) is written into it too. A non-empty folder is refused unless
-        `overwrite`. The writing is `hf.interop.save_pretrained`'s: this module is the architecture."""
-        from .hf.interop import save_pretrained
-
-        return save_pretrained(self, save_directory, tokenizer, overwrite=overwrite)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -205,11 +205,11 @@ class Tokenizer:
     def save_pretrained(self, save_directory: str | Path) -> Path:
         """Write the files `as_transformers().save_pretrained` and an export write (`AutoTokenizer` loads
         them), truncating at `model_max_length`; returns the folder."""
-        from .hf.interop import save_tokenizer
+        from .hf.fast_tokenizer import save_tokenizer
 
         directory = Path(save_directory)
         directory.mkdir(parents=True, exist_ok=True)
-        save_tokenizer(self.backend, directory, self.model_max_length)
+        save_tokenizer(self.backend, EOT, directory, self.model_max_length)
         return directory
 
 

@@ -455,9 +455,7 @@ def merge(config: DataConfig, plan_file: PlanFile) -> None:
 
 def tasks_folder(config: DataConfig, fingerprint: str) -> Path:
     """`data.executor_logs`, else beside the prepared folder in this machine's cache: for a `cache_dir`
-    URL that is its local copy (`prepare.local_root`), never a folder named after the URL."""
-    from .prepare import local_root
-
+    URL that is its local copy (`DataConfig.local_cache_dir`), never a folder named after the URL."""
     if config.executor_logs:
         return Path(config.executor_logs).resolve()
-    return (local_root(config) / f".{fingerprint}.tasks").resolve()
+    return (config.local_cache_dir / f".{fingerprint}.tasks").resolve()

@@ -69,14 +69,6 @@ def find_prepared(cache_dir: str | Path, fingerprint: str) -> PreparedData | Non
         return None
 
 
-def local_root(config: DataConfig) -> Path:
-    """Where this machine keeps the prepared folders of `config`: `data.cache_dir`, or for a URL its local
-    mirror under `data.stream_cache_dir`."""
-    if is_url(config.cache_dir):
-        return Path(config.stream_cache_dir) / "prepared" / storage.mirror_name(config.cache_dir)
-    return Path(config.cache_dir)
-
-
 def prepare_data(config: DataConfig) -> PreparedData:
     """Build (or reuse, or resume) the token files for `config`; see the module docstring for the layout."""
     config.check_source()
@@ -94,7 +86,7 @@ def _prepare_in_store(config: DataConfig) -> PreparedData:
     cache, limit = Path(config.stream_cache_dir), config.stream_cache_limit
     fingerprint = _fingerprint(config)
     remote = storage.join(config.cache_dir, fingerprint)
-    directory = local_root(config) / fingerprint
+    directory = config.local_cache_dir / fingerprint
     if (directory / MANIFEST).is_file():
         storage.touch(directory)
         return _open(directory, remote, cache, limit)

@@ -25,6 +25,7 @@ import yaml
 from ..errors import UsageError
 from ..limits import MAX_NESTING, MAX_TASK_FILE_BYTES, check_structure
 
+BUILTIN_DIR = Path(__file__).parent / "tasks"  # the task YAMLs shipped with the package
 TRUST_FLAG = "--trust_task_code (training.trust_task_code: true)"
 
 
@@ -66,8 +67,6 @@ def _loader(yaml_path: Path, tags: list[FunctionTag]) -> type[yaml.SafeLoader]:
 def trusted_dirs() -> tuple[Path, ...]:
     """Where task YAMLs are ours or lm-eval's own: the tasks shipped here and lm-eval's task folder."""
     import lm_eval.tasks
-
-    from .tasks import BUILTIN_DIR
 
     return (BUILTIN_DIR.resolve(), Path(lm_eval.tasks.__file__).parent.resolve())
 

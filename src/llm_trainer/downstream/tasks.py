@@ -31,9 +31,8 @@ import yaml
 from ..errors import UsageError
 from ..hf.hub import cache_only_while_hub_unreachable
 from ..limits import MAX_GEN_TOKS, MAX_TASK_REPEATS, check_count
-from .task_files import check_task_files, task_yamls
+from .task_files import BUILTIN_DIR, check_task_files, task_yamls
 
-BUILTIN_DIR = Path(__file__).parent / "tasks"
 BUILTIN = ("llmt_choice", "llmt_cloze", "llmt_rolling", "llmt_exact")
 MAX_FEWSHOT = 10_000  # few-shot examples in one prompt (each task's data bounds it further)
 MAX_TASK_SPECS = 1_000  # names and paths in one --tasks (a group or a folder stands for many tasks)

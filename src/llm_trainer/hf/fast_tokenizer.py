@@ -7,6 +7,8 @@ transformers is an optional dependency (`pip install 'llm-trainer[hf]'`); it is 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UsageError
@@ -51,3 +53,22 @@ def fast_tokenizer(backend: Tokenizer, end_of_text: str, model_max_length: int |
         if not hasattr(tokenizer, name):
             setattr(tokenizer, name, tokenizer.__call__)
     return tokenizer
+
+
+def save_tokenizer(backend: Tokenizer, eot: str, directory: Path, max_seq_len: int | None) -> int | None:
+    """Write `backend` as a PreTrainedTokenizerFast that truncates at `max_seq_len`; returns the id of
+    `eot` (end-of-text; None if absent). The export and `Tokenizer.save_pretrained` both write this."""
+    eot_id = backend.token_to_id(eot)
+    specials = special_tokens(backend, eot)
+    tokenizer = fast_tokenizer(backend, eot, max_seq_len)
+    tokenizer.save_pretrained(str(directory))
+    # transformers 5 names its class TokenizersBackend and writes no special_tokens_map.json; name the class
+    # both 4.x and 5 know, and write the map that older readers look for.
+    config_path = directory / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    special_map = directory / "special_tokens_map.json"
+    if not special_map.is_file():
+        special_map.write_text(json.dumps(specials, indent=2) + "\n")
+    return eot_id

@@ -33,8 +33,8 @@ from ..model import Transformer
 from ..storage import is_url
 from ..tokenizer import EOT as EOT_TOKEN
 from ..tokenizer import backend_from_json, load_backend, tokenizer_json
-from .fast_tokenizer import fast_tokenizer, special_tokens
 from .fast_tokenizer import require_transformers as _transformers
+from .fast_tokenizer import save_tokenizer
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -332,25 +332,6 @@ def _resolve_tokenizer_file(model_dir: Path, tokenizer_file) -> Path | None:
     return path
 
 
-def save_tokenizer(backend: Tokenizer, directory: Path, max_seq_len: int | None) -> int | None:
-    """Write `backend` as a PreTrainedTokenizerFast that truncates at `max_seq_len`; returns the
-    <|endoftext|> id (None if absent). The export and `Tokenizer.save_pretrained` both write this."""
-    eot_id = backend.token_to_id(EOT_TOKEN)
-    specials = special_tokens(backend, EOT_TOKEN)
-    tokenizer = fast_tokenizer(backend, EOT_TOKEN, max_seq_len)
-    tokenizer.save_pretrained(str(directory))
-    # transformers 5 names its class TokenizersBackend and writes no special_tokens_map.json; name the class
-    # both 4.x and 5 know, and write the map that older readers look for.
-    config_path = directory / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_path.read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    special_map = directory / "special_tokens_map.json"
-    if not special_map.is_file():
-        special_map.write_text(json.dumps(specials, indent=2) + "\n")
-    return eot_id
-
-
 def _format_count(n: int) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
@@ -488,7 +469,7 @@ def export_model(
     check_target(output_dir, source, overwrite, overwrite_hint)
 
     def build(tmp: Path) -> None:
-        eot_id = save_tokenizer(tokenizer, tmp, config.max_seq_len) if tokenizer is not None else None
+        eot_id = save_tokenizer(tokenizer, EOT_TOKEN, tmp, config.max_seq_len) if tokenizer is not None else None
         hf_config = to_hf_config(config, eos_token_id=eot_id)
         model_class = tf.GPT2LMHeadModel if config.architecture == "gpt2" else tf.LlamaForCausalLM
         with torch.device("meta"):  # no random init, no second copy: the weights are assigned below
