@@ -156,13 +156,17 @@ def call(what: str, url: str, fn: Callable[[], T]) -> T:
 
 
 def exists(url: str) -> bool:
+    """Whether the store holds `url` now (asked of the store: a listing cached earlier in this process
+    would miss what another process wrote since)."""
     fs, path = _filesystem(url)
+    fs.invalidate_cache(path)
     return call("reading", url, lambda: fs.exists(path))
 
 
 def read_text(url: str) -> str | None:
-    """The text of the object at `url`, or None when there is none."""
+    """The text of the object at `url`, or None when there is none (asked of the store, as `exists`)."""
     fs, path = _filesystem(url)
+    fs.invalidate_cache(path)
 
     def read() -> str | None:
         try:
