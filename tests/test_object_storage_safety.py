@@ -92,11 +92,12 @@ BAD_RECORDS = [
 
 def test_a_damaged_files_record_is_one_line(s3, tmp_path):
     from llm_trainer import storage
+    from llm_trainer.errors import UsageError
 
     fs, bucket = s3
     for i, (record, words) in enumerate(BAD_RECORDS):
         _put(fs, {f"{bucket}/f{i}/files.json": record, f"{bucket}/f{i}/a.bin": "x"})
-        with pytest.raises(storage.UnverifiedFolder) as exc:
+        with pytest.raises(UsageError) as exc:
             storage.get_folder(f"s3://{bucket}/f{i}", tmp_path / "copy")
         _one_line(exc, *words)
         assert not (tmp_path / "copy").exists()
