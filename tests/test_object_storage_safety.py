@@ -133,6 +133,18 @@ def test_data_file_keys_dot_and_dot_dot_are_refused(s3, tmp_path):
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("planted"))
 
 
+def test_a_model_folder_whose_object_is_also_a_folder_is_one_line(s3, tmp_path):
+    from llm_trainer import storage
+    from llm_trainer.errors import UsageError
+
+    fs, bucket = s3
+    _put(fs, {f"{bucket}/m[1]/config.json": "{}", f"{bucket}/m[1]/a": "x", f"{bucket}/m[1]/a/b": "y"})
+    with pytest.raises(UsageError) as exc:
+        storage.fetch_tree(f"s3://{bucket}/m[1]", tmp_path / "models")
+    _one_line(exc, "both an object and a folder", "m[1]/a")
+    assert not any((tmp_path / "models").iterdir())
+
+
 @pytest.mark.slow
 def test_an_unreachable_gs_store_is_one_line_soon(tmp_path):
     pytest.importorskip("gcsfs")

@@ -396,10 +396,17 @@ def read_record(url: str) -> dict[str, tuple[int, str]] | None:
             raise UnverifiedFolder(f"{where} gives {name} the size {str(size)[:40]}, not a byte count; it is damaged")
         if not isinstance(checksum, str):
             raise UnverifiedFolder(f"{where} gives {name} no checksum; it is damaged")
-    folders = {"/".join(name.split("/")[:i]) for name in entries for i in range(1, name.count("/") + 1)}
-    if clash := sorted(folders & set(entries)):
-        raise UnverifiedFolder(f"{where} names {clash[0]} both as a file and as a folder; it is damaged")
+    if clash := _file_and_folder(entries):
+        raise UnverifiedFolder(f"{where} names {clash} both as a file and as a folder; it is damaged")
     return entries
+
+
+def _file_and_folder(names: Iterable[str]) -> str | None:
+    """A name that is also the folder of another (`a` and `a/b`): no local folder can hold both."""
+    names = set(names)
+    folders = {"/".join(name.split("/")[:i]) for name in names for i in range(1, name.count("/") + 1)}
+    clash = sorted(folders & names)
+    return clash[0] if clash else None
 
 
 def get_folder(
@@ -458,6 +465,8 @@ def fetch_tree(url: str, cache: Path) -> Path:
     names = [(join(url, name), name) for name in files_under(url)]
     if not names:
         raise UsageError(f"{url} holds no files; point model.init_from at a model folder")
+    if clash := _file_and_folder(name for _, name in names):
+        raise UsageError(f"{join(url, clash)} is both an object and a folder in the store; refusing the folder")
     tmp = local.with_name(f".{local.name}.download-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -4,9 +4,11 @@ A store has no atomic rename, so a checkpoint is first written on local disk as 
 checksummed: `store.save_checkpoint`), then uploaded file by file: the data files, `files.json` (size
 and checksum of each), `meta.json`, and `latest` last, naming it. A crash at any point of an upload
 leaves `latest` naming the previous checkpoint, complete. Rotation in the store deletes only folders
-named like our checkpoints, never the one `latest` names nor the best one.
+named like our checkpoints, never the one `latest` names nor the best one. best_model/ is replaced with
+a complete copy beside it until the new one is complete (`upload_best`).
 
-A resume downloads the checkpoint `latest` names into the local checkpoint folder (each file checked
+A resume downloads the checkpoint `latest` names into the local checkpoint folder (unless the copy
+there is the same checkpoint, by the store's record of its meta.json: `same_as_store`; each file checked
 against `files.json` on arrival, no path outside the folder) and then reads it there with the same
 rules as any folder on disk: meta.json's checksums, allow-listed unpickling, no symlinks out.
 

@@ -11,8 +11,10 @@ A URL output_dir (s3://bucket/runs/x) holds the same run: the run writes in a lo
 (`TrainingConfig.local_output_dir`), its checkpoints go to `{output_dir}/checkpoints` as any URL
 checkpoint_dir's do (`checkpoint.remote`, `latest` last), and its other files are uploaded after each
 checkpoint and at the end (`upload_run_files`, with a `files.json` record of them), so that a resume on
-a machine with an empty staging folder finds metrics.jsonl as it was (`fetch_run_files`). The checks
-above read the store instead of the disk; starting over removes the same names there.
+a machine whose staging folder is empty or behind the store finds metrics.jsonl as it was
+(`fetch_run_files`); a history in the store that cannot be checked against its record is copied aside
+before anything is uploaded over it. The checks above read the store instead of the disk; starting over
+removes the same names there.
 """
 
 from __future__ import annotations
