@@ -187,9 +187,12 @@ def test_a_resume_on_a_machine_that_ran_before_takes_the_store_history(s3, tmp_p
     assert (a.local_output_dir / "metrics.jsonl").read_text() == _rows(b_rows)
     a_rows = b_rows + [("A", s) for s in range(7, 11)]
     (a.local_output_dir / "metrics.jsonl").write_text(_rows(a_rows))
+    (a.local_output_dir / "config.yaml").write_text("max_steps: 10\n")
     upload_run_files(a)  # A ran 7-10
+    (b.local_output_dir / "config.yaml").write_text("max_steps: 12\n")  # this run's own config
     fetch_run_files(b)  # B again, its staging copy holding 1-6 only
     assert (b.local_output_dir / "metrics.jsonl").read_text() == _rows(a_rows)
+    assert (b.local_output_dir / "config.yaml").read_text() == "max_steps: 12\n"
     both = a_rows + [("B", 11), ("B", 12)]
     (b.local_output_dir / "metrics.jsonl").write_text(_rows(both))
     upload_run_files(b)

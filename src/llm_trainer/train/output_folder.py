@@ -187,7 +187,8 @@ def upload_run_files(training: TrainingConfig, uploaded: dict | None = None) -> 
 def fetch_run_files(training: TrainingConfig) -> None:
     """Before a resume: the run's files from the URL output_dir into the staging folder, each checked
     against the store's record, unless the staging folder's metrics.jsonl continues the store's (this
-    machine ran last). A staging copy the store has moved past (another machine ran since) is replaced.
+    machine ran last). A staging metrics.jsonl the store has moved past (another machine ran since) is
+    replaced; the run's other files are fetched where the staging folder lacks them.
     A history in the store that cannot be checked (no record, a damaged one, a file that does not match
     it) is never uploaded over: it is copied aside in the store first, and a warning says where."""
     url, output = training.remote_output_dir, training.local_output_dir
@@ -214,9 +215,9 @@ def fetch_run_files(training: TrainingConfig) -> None:
             return
         for path in sorted(copy.rglob("*")):
             target = output / path.relative_to(copy)
-            if path.is_file():
+            if path.is_file() and (not target.exists() or target == output / METRICS_FILE):
                 target.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(path, target)
+                os.replace(path, target)  # this run's own files (its config.yaml) stay
         log(f"resume: downloaded the run's files from {url} into {output}")
     finally:
         shutil.rmtree(copy, ignore_errors=True)
