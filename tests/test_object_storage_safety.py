@@ -77,6 +77,33 @@ def test_glob_characters_in_a_url_delete_only_that_folder(s3, tmp_path):
     assert storage.files_under(f"s3://{bucket}/runs/exp[1]x") == ["metrics.jsonl"]
 
 
+@pytest.mark.slow
+def test_train_overwrite_into_a_url_with_brackets_leaves_the_run_it_would_match(s3, tmp_path):
+    fs, bucket = s3
+    base._upload_corpus(fs, bucket, tmp_path)
+    theirs = {
+        f"{bucket}/runs/exp1/metrics.jsonl": "theirs",
+        f"{bucket}/runs/exp1/files.json": "{}",
+        f"{bucket}/runs/exp1/checkpoints/latest": "checkpoint-00000002",
+        f"{bucket}/runs/exp1/checkpoints/checkpoint-00000002/meta.json": "{}",
+        f"{bucket}/runs/exp1/checkpoints/best_model/meta.json": "{}",
+    }
+    _put(fs, theirs)
+    url = f"s3://{bucket}/runs/exp[1]"
+    config = base._experiment(
+        tmp_path, bucket, output_dir=url, checkpoint_dir=None, staging_dir=str(tmp_path / "stage"), max_steps=4
+    )
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    args = ["train", "--config", str(config), "training.save_total_limit=1", "training.eval_steps=2"]
+    for extra in ([], ["--overwrite"]):
+        done = base._cli([*args, "training.save_steps=2", *extra], endpoint, tmp_path)
+        assert done.returncode == 0, done.stderr
+    assert {k for k in _keys(fs, bucket) if k.startswith("runs/exp1/")} == {k[len(bucket) + 1 :] for k in theirs}
+    assert all(fs.cat_file(k) == v.encode() for k, v in theirs.items())
+    ours = {k for k in _keys(fs, bucket) if k.startswith("runs/exp[1]/checkpoints/checkpoint-")}
+    assert {k.split("/")[3] for k in ours} == {"checkpoint-00000004"}  # rotated in the bracketed folder only
+
+
 # ----------------------------------------------------------------------------------------------
 # bad bucket contents: one line each
 
