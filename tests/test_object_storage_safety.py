@@ -77,6 +77,24 @@ def test_glob_characters_in_a_url_delete_only_that_folder(s3, tmp_path):
     assert storage.files_under(f"s3://{bucket}/runs/exp[1]x") == ["metrics.jsonl"]
 
 
+def test_sharded_writes_into_a_url_with_brackets_rename_and_delete_by_name(s3):
+    import torch
+
+    from llm_trainer.checkpoint.sharded import save_sharded_to_store
+
+    fs, bucket = s3
+    theirs = {f"{bucket}/exp1/sharded/.metadata": "theirs", f"{bucket}/exp1/sharded/.metadata.tmp": "theirs too"}
+    _put(fs, theirs)
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):  # the second save replaces the first's .metadata
+        written = save_sharded_to_store(model, optimizer, f"s3://{bucket}/exp[1]/sharded")
+    assert all(fs.cat_file(k) == v.encode() for k, v in theirs.items())
+    assert _keys(fs, bucket) == {"exp1/sharded/.metadata", "exp1/sharded/.metadata.tmp"} | {
+        f"exp[1]/{name}" for name in written
+    }
+
+
 @pytest.mark.slow
 def test_train_overwrite_into_a_url_with_brackets_leaves_the_run_it_would_match(s3, tmp_path):
     fs, bucket = s3
