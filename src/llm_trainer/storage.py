@@ -12,6 +12,10 @@ credentials come from each store's usual environment variables and config files 
 A call that fails to reach the store (connection refused or reset, a timeout) is retried a few times
 with backoff, then ends in one `UsageError` line; a missing bucket or a refused access is one line at
 once. No message carries more than the URL and the store's error code.
+
+Names are literal: `[`, `*` and `?` in a URL are characters of it (only `list_files`, for data_files,
+takes a glob). fsspec's recursive `rm`, `mv` and `get`/`put` expand them as patterns, so a folder is
+deleted object by object from a listing by prefix (`remove`), and files move one by one by name.
 """
 
 from __future__ import annotations
