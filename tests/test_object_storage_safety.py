@@ -148,6 +148,18 @@ def test_a_damaged_files_record_is_one_line(s3, tmp_path):
         assert not (tmp_path / "copy").exists()
 
 
+@pytest.mark.slow
+def test_export_of_a_url_with_a_damaged_record_is_one_line_exit_2(s3, tmp_path):
+    fs, bucket = s3
+    record = '{"meta.json": {"size": 1e999, "checksum": "x"}}'
+    _put(fs, {f"{bucket}/run/checkpoints/latest": "checkpoint-00000002"})
+    _put(fs, {f"{bucket}/run/checkpoints/checkpoint-00000002/{n}": record for n in ("files.json", "meta.json")})
+    args = ["export", "--checkpoint", f"s3://{bucket}/run", "--output", str(tmp_path / "hf")]
+    done = base._cli(args, os.environ["AWS_ENDPOINT_URL"], tmp_path)
+    base._one_line_exit_2(done, "files.json", "damaged")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_a_planted_checkpoint_name_of_5000_digits_is_not_a_checkpoint(s3, tmp_path):
     from llm_trainer.checkpoint import remote
     from llm_trainer.errors import CheckpointError
