@@ -12,12 +12,17 @@ credentials come from each store's usual environment variables and config files 
 A call that fails to reach the store (connection refused or reset, a timeout) is retried a few times
 with backoff, then ends in one `UsageError` line; a missing bucket or a refused access is one line at
 once. No message carries more than the URL and the store's error code.
+
+Names are literal: `[`, `*` and `?` in a URL are characters of it (only `list_files`, for data_files,
+takes a glob). fsspec's recursive `rm`, `mv` and `get`/`put` expand them as patterns, so a folder is
+deleted object by object from a listing by prefix (`remove`), and files move one by one by name.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -32,6 +37,8 @@ from .logs import warn
 T = TypeVar("T")
 
 RETRIES = 4  # tries of one call to the store before it is reported
+OWN_RETRIES = {"gs", "gcs"}  # schemes whose library retries an unreachable store itself (gcsfs: 6 tries, backoff)
+QUIET_LOGGERS = ("gcsfs", "s3fs", "fsspec", "aiobotocore", "botocore", "adlfs")  # they log tracebacks per retry
 BACKOFF_S = 0.5  # first wait between tries; doubled each time
 FILES_RECORD = "files.json"  # a folder's commit record in a store: each file's size and checksum
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -56,7 +63,14 @@ def mirror_name(url: str) -> str:
 # the store, with retries and one-line errors
 
 
+def _quiet_libraries() -> None:
+    """The stores' libraries log a traceback for each of their retries; our one line says what failed."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+
+
 def _filesystem(url: str):
+    _quiet_libraries()
     try:
         import fsspec
     except ImportError:  # pragma: no cover - fsspec comes with torch's and datasets' dependencies
@@ -97,6 +111,12 @@ def _unreachable(exc: BaseException) -> bool:
     return "connection refused" in text or "connection reset" in text or "could not connect" in text
 
 
+def _endpoint_setting(url: str) -> str:
+    """The environment variable that points the store's library at an endpoint other than the default."""
+    scheme = url.split("://", 1)[0]
+    return {"gs": "STORAGE_EMULATOR_HOST", "gcs": "STORAGE_EMULATOR_HOST"}.get(scheme, "AWS_ENDPOINT_URL")
+
+
 def _no_bucket(exc: FileNotFoundError) -> bool:
     """Whether the store said that the bucket (not an object in it) does not exist."""
     text = str(exc).lower()
@@ -107,7 +127,8 @@ def call(what: str, url: str, fn: Callable[[], T]) -> T:
     """`fn()` (one operation on the store at `url`), retried while the store cannot be reached; its
     failures as one-line `UsageError`s that say `what` was being done."""
     wait = BACKOFF_S
-    for attempt in range(1, RETRIES + 1):
+    tries = 1 if url.split("://", 1)[0] in OWN_RETRIES else RETRIES
+    for attempt in range(1, tries + 1):
         try:
             return fn()
         except UsageError:
@@ -127,10 +148,10 @@ def call(what: str, url: str, fn: Callable[[], T]) -> T:
         except Exception as exc:
             if not _unreachable(exc):
                 raise UsageError(f"{what}: {url} failed ({type(exc).__name__}: {_first_line(exc)})") from None
-            if attempt == RETRIES:
+            if attempt == tries:
                 raise UsageError(
-                    f"{what}: cannot reach the store for {url} after {RETRIES} tries ({_first_line(exc)}); "
-                    "check the endpoint (AWS_ENDPOINT_URL) and the network, then run again"
+                    f"{what}: cannot reach the store for {url} ({_first_line(exc)}); check the endpoint "
+                    f"({_endpoint_setting(url)}) and the network, then run again"
                 ) from None
             warn(f"{what}: the store for {url} cannot be reached ({_first_line(exc)}); trying again in {wait:g} s")
             time.sleep(wait)
@@ -139,13 +160,17 @@ def call(what: str, url: str, fn: Callable[[], T]) -> T:
 
 
 def exists(url: str) -> bool:
+    """Whether the store holds `url` now (asked of the store: a listing cached earlier in this process
+    would miss what another process wrote since)."""
     fs, path = _filesystem(url)
+    fs.invalidate_cache(path)
     return call("reading", url, lambda: fs.exists(path))
 
 
 def read_text(url: str) -> str | None:
-    """The text of the object at `url`, or None when there is none."""
+    """The text of the object at `url`, or None when there is none (asked of the store, as `exists`)."""
     fs, path = _filesystem(url)
+    fs.invalidate_cache(path)
 
     def read() -> str | None:
         try:
@@ -179,18 +204,50 @@ def upload(local: Path, url: str) -> None:
     call("uploading", url, lambda: fs.put_file(str(local), path))
 
 
+def _below(fs, path: str) -> list[str]:
+    """The store's paths of the object `path` and of every object under the folder `path`, from a
+    listing by prefix: `[`, `*` and `?` are characters of a name here, never a pattern."""
+    base = path.rstrip("/")
+    fs.invalidate_cache(base)
+    try:
+        found = fs.find(base, withdirs=False)
+    except FileNotFoundError as exc:
+        if _no_bucket(exc):
+            raise
+        return []
+    return sorted(name for name in found if name == base or name.startswith(base + "/"))
+
+
+def files_under(url: str) -> list[str]:
+    """The path inside the folder `url` of every object under it (a literal listing, never a glob)."""
+    fs, path = _filesystem(url)
+    base = path.rstrip("/")
+    return [name[len(base) + 1 :] for name in call("listing", url, lambda: _below(fs, path)) if name != base]
+
+
 def remove(url: str) -> None:
-    """Delete the folder (every object under) `url`."""
+    """Delete the object `url`, or every object under the folder `url`: one by one, each by the name the
+    store listed. fsspec's recursive `rm` would expand `[`, `*` and `?` in the URL and delete what
+    another folder's name matches (`runs/exp[1]` matching `runs/exp1`)."""
     fs, path = _filesystem(url)
 
-    def delete() -> None:
+    def delete(name: str) -> None:
         try:
-            fs.rm(path, recursive=True)
+            fs.rm_file(name)
         except FileNotFoundError as exc:
             if _no_bucket(exc):
                 raise
 
-    call("deleting", url, delete)
+    for name in call("listing", url, lambda: _below(fs, path)):
+        call("deleting", url, lambda name=name: delete(name))
+    fs.invalidate_cache(path.rstrip("/"))
+
+
+def copy(source: str, target: str) -> None:
+    """Copy the object `source` to `target` inside its store (both literal names)."""
+    fs, path = _filesystem(source)
+    _, target_path = _filesystem(target)
+    call("copying", source, lambda: fs.cp_file(path, target_path))
 
 
 def children(url: str) -> list[str]:
@@ -243,7 +300,20 @@ def list_files(spec: str) -> list[tuple[str, dict]]:
         files = [(name, info) for name, info in found.items() if info.get("type") == "file"]
         return [(f"{protocol}://{name}", info) for name, info in sorted(files)]
 
-    return call("listing data files", spec, find)
+    found = call("listing data files", spec, find)
+    for url, _ in found:
+        check_object_name(url, spec)
+    return found
+
+
+def check_object_name(url: str, where: str) -> None:
+    """Refuse an object whose key would not be a plain local file name (`.`, `..`, an empty last part):
+    its copy would land outside its folder, or over it."""
+    parts = url.split("://", 1)[-1].split("/")
+    if parts[-1] in ("", ".", "..") or any(part in (".", "..") for part in parts):
+        raise UsageError(
+            f"{where} holds the object {url!r}, whose name is not a plain file name; rename or remove it in the store"
+        )
 
 
 def identity(info: dict) -> list:
@@ -302,6 +372,47 @@ def put_folder(
     return record
 
 
+class UnverifiedFolder(UsageError):
+    """A folder in a store whose files cannot be checked: its `files.json` is damaged, or a file does not
+    match it (an upload cut short between a file and the record, or damage in the store)."""
+
+
+def read_record(url: str) -> dict[str, tuple[int, str]] | None:
+    """The `files.json` of the folder `url` as {path inside it: (size, checksum)}; None when there is
+    none. An `UnverifiedFolder` error when it is not a record we could have written: not JSON, a size
+    that is not a whole number of bytes, a path outside the folder, or a path both a file and a folder."""
+    from .checkpoint.folder_files import plain_name
+    from .limits import parse_json
+
+    where = join(url, FILES_RECORD)
+    text = read_text(where)
+    if text is None:
+        return None
+    try:
+        record = parse_json(text, where)
+        entries = {name: (v["size"], v["checksum"]) for name, v in record.items()}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise UnverifiedFolder(f"{where} is not a file record; the folder in the store is damaged") from None
+    for name, (size, checksum) in entries.items():
+        if not all(plain_name(part) for part in name.split("/")):  # no "..", no absolute paths
+            raise UnverifiedFolder(f"{where} names {name!r}, a path outside its folder; refusing it")
+        if not (isinstance(size, int) and not isinstance(size, bool) and 0 <= size < 1 << 63):
+            raise UnverifiedFolder(f"{where} gives {name} the size {str(size)[:40]}, not a byte count; it is damaged")
+        if not isinstance(checksum, str):
+            raise UnverifiedFolder(f"{where} gives {name} no checksum; it is damaged")
+    if clash := _file_and_folder(entries):
+        raise UnverifiedFolder(f"{where} names {clash} both as a file and as a folder; it is damaged")
+    return entries
+
+
+def _file_and_folder(names: Iterable[str]) -> str | None:
+    """A name that is also the folder of another (`a` and `a/b`): no local folder can hold both."""
+    names = set(names)
+    folders = {"/".join(name.split("/")[:i]) for name in names for i in range(1, name.count("/") + 1)}
+    clash = sorted(folders & names)
+    return clash[0] if clash else None
+
+
 def get_folder(
     url: str,
     local: Path,
@@ -312,25 +423,14 @@ def get_folder(
 ) -> bool:
     """Download the folder `url` that `put_folder` wrote into `local` (made atomically: a temporary
     folder renamed into place), each file checked against its recorded size and checksum. False when
-    the folder is not complete in the store (no record or no commit marker). `room(bytes)` is called
-    before the download starts, to make room for it. Files named in `skip` stay in the store (read
-    from there later)."""
+    the folder is not complete in the store (no record or no commit marker); an `UnverifiedFolder`
+    error when its record is damaged or a file does not match it. `room(bytes)` is called before the
+    download starts, to make room for it. Files named in `skip` stay in the store (read from there later)."""
     from .checkpoint.checksums import file_checksum
-    from .checkpoint.folder_files import plain_name
 
-    text = read_text(join(url, FILES_RECORD))
-    if text is None:
+    entries = read_record(url)
+    if entries is None:
         return False
-    try:
-        record = json.loads(text)
-        entries = {name: (int(v["size"]), str(v["checksum"])) for name, v in record.items()}
-    except (ValueError, TypeError, KeyError, AttributeError):
-        raise UsageError(
-            f"{join(url, FILES_RECORD)} is not a file record; the folder in the store is damaged"
-        ) from None
-    for name in entries:
-        if not all(plain_name(part) for part in name.split("/")):  # no "..", no absolute paths
-            raise UsageError(f"{join(url, FILES_RECORD)} names {name!r}, a path outside its folder; refusing it")
     if any(name not in entries for name in last) or not all(exists(join(url, name)) for name in last):
         return False
     entries = {name: entry for name, entry in entries.items() if name not in set(skip)}
@@ -345,7 +445,7 @@ def get_folder(
             fs, path = _filesystem(join(url, name))
             call("downloading", join(url, name), lambda fs=fs, path=path, target=target: fs.get_file(path, str(target)))
             if target.stat().st_size != size or file_checksum(target) != checksum:
-                raise UsageError(
+                raise UnverifiedFolder(
                     f"{join(url, name)} does not match its recorded checksum (damaged in the store or in transit); "
                     "prepare or save it again"
                 )
@@ -366,11 +466,11 @@ def fetch_tree(url: str, cache: Path) -> Path:
     local.parent.mkdir(parents=True, exist_ok=True)
     if get_folder(url, local):
         return local
-    found = list_files(url.rstrip("/") + "/")
-    base = url.split("://", 1)[1].rstrip("/")
-    names = [(u, u.split("://", 1)[1][len(base) :].lstrip("/")) for u, _ in found]
+    names = [(join(url, name), name) for name in files_under(url)]
     if not names:
         raise UsageError(f"{url} holds no files; point model.init_from at a model folder")
+    if clash := _file_and_folder(name for _, name in names):
+        raise UsageError(f"{join(url, clash)} is both an object and a folder in the store; refusing the folder")
     tmp = local.with_name(f".{local.name}.download-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -108,8 +108,7 @@ def publish(
 
 def _remote_names(url: str) -> list[str]:
     """Every file under the folder `url`, by its path inside it."""
-    base = url.split("://", 1)[1].rstrip("/")
-    return [u.split("://", 1)[1][len(base) :].lstrip("/") for u, _ in storage.list_files(url.rstrip("/") + "/")]
+    return storage.files_under(url)
 
 
 def _record(url: str) -> dict:

@@ -4,9 +4,11 @@ A store has no atomic rename, so a checkpoint is first written on local disk as 
 checksummed: `store.save_checkpoint`), then uploaded file by file: the data files, `files.json` (size
 and checksum of each), `meta.json`, and `latest` last, naming it. A crash at any point of an upload
 leaves `latest` naming the previous checkpoint, complete. Rotation in the store deletes only folders
-named like our checkpoints, never the one `latest` names nor the best one.
+named like our checkpoints, never the one `latest` names nor the best one. best_model/ is replaced with
+a complete copy beside it until the new one is complete (`upload_best`).
 
-A resume downloads the checkpoint `latest` names into the local checkpoint folder (each file checked
+A resume downloads the checkpoint `latest` names into the local checkpoint folder (unless the copy
+there is the same checkpoint, by the store's record of its meta.json: `same_as_store`; each file checked
 against `files.json` on arrival, no path outside the folder) and then reads it there with the same
 rules as any folder on disk: meta.json's checksums, allow-listed unpickling, no symlinks out.
 
@@ -25,11 +27,13 @@ from pathlib import Path
 from .. import storage
 from ..errors import CheckpointError, UsageError
 from ..logs import log, warn
+from .checksums import file_checksum
 from .folder_files import SHARDED_DIR, plain_name
 from .layout import BEST, CHECKPOINTS_DIR, LATEST, META, PREFIX, list_checkpoints, read_meta, step_of
 from .verify import verify_once
 
-_NAME = re.compile(rf"{PREFIX}\d+")
+_NAME = re.compile(rf"{PREFIX}\d{{1,18}}")  # a step fits in 64 bits; a longer name is not a checkpoint of ours
+SPARE = f"{BEST}.new"  # the new best model, complete beside the old one while best_model/ is replaced
 
 
 def check_target(remote: str, *, resuming: bool, overwrite: bool) -> None:
@@ -49,7 +53,7 @@ def check_target(remote: str, *, resuming: bool, overwrite: bool) -> None:
 
 def held_checkpoints(remote: str) -> list[str]:
     """What runs save into the checkpoint folder `remote` that it holds: checkpoints, `latest`, best_model."""
-    return [n for n in storage.children(remote) if _NAME.fullmatch(n) or n in (LATEST, BEST)]
+    return [n for n in storage.children(remote) if _NAME.fullmatch(n) or n in (LATEST, BEST, SPARE)]
 
 
 def remove_checkpoints(remote: str) -> list[str]:
@@ -73,10 +77,27 @@ def upload_checkpoint(path: Path, remote: str, keep_last: int | None, protect: s
 
 
 def upload_best(folder: Path, remote: str) -> None:
-    """The best model folder, its meta.json last (a partial upload has no meta.json: not a model folder)."""
-    target = storage.join(remote, BEST)
-    storage.remove(target)
-    storage.put_folder(folder, target, last=[META] if (folder / META).is_file() else [])
+    """The best model folder as the store's best_model/, replaced so that a complete best model is in
+    the store at every moment: the new one uploaded beside the old (`SPARE`, its meta.json last), then
+    best_model/'s meta.json removed (readers take the spare from then on), best_model/ rewritten, meta.json
+    last, and the spare removed. A switch cut short leaves best_model/ without meta.json: the next one
+    writes straight into it, the spare staying the complete copy until it is done."""
+    best, spare = storage.join(remote, BEST), storage.join(remote, SPARE)
+    last = [META] if (folder / META).is_file() else []
+    if complete(best):
+        storage.remove(spare)
+        storage.put_folder(folder, spare, last=last)
+        storage.remove(storage.join(best, META))
+    stale = set(storage.files_under(best))
+    record = storage.put_folder(folder, best, last=last)
+    for name in sorted(stale - set(record) - {storage.FILES_RECORD}):
+        storage.remove(storage.join(best, name))  # an older best model's file the new one does not have
+    storage.remove(spare)
+
+
+def complete(url: str) -> bool:
+    """Whether the folder `url` was uploaded to the end: its record and its meta.json (written last) are there."""
+    return storage.exists(storage.join(url, storage.FILES_RECORD)) and storage.exists(storage.join(url, META))
 
 
 def _rotate(remote: str, local_root: Path, keep_last: int, protect: set[str]) -> None:
@@ -108,7 +129,7 @@ def fetch_latest(remote: str, local_root: Path) -> None:
         return
     name = named.strip()
     if not _NAME.fullmatch(name):
-        raise CheckpointError(f"{storage.join(remote, LATEST)} names {name!r}, not a checkpoint; fix or remove it")
+        raise CheckpointError(f"{storage.join(remote, LATEST)} names {name[:40]!r}, not a checkpoint; fix or remove it")
     fetch(storage.join(remote, name), local_root / name)
 
 
@@ -128,9 +149,26 @@ def fetch_named(url: str, local_root: Path) -> None:
         fetch(url, target)
 
 
+def same_as_store(local: Path, url: str) -> bool:
+    """Whether the local folder `local` is an intact copy of the folder `url` as the store holds it now:
+    its meta.json (which holds every other file's checksum, checked by `verify_once`) has the size and
+    checksum the store's `files.json` records. A folder of the same name written by another run (after
+    `train --overwrite` into the same URL) differs there."""
+    if not (local / META).is_file() or verify_once(local) is not None:
+        return False
+    try:
+        record = storage.read_record(url)
+    except storage.UnverifiedFolder:
+        return False
+    if record is None or META not in record:
+        return False
+    return record[META] == ((local / META).stat().st_size, file_checksum(local / META))
+
+
 def fetch(url: str, local: Path) -> Path:
-    """The checkpoint folder at `url` as the local folder `local` (downloaded unless an intact copy is there)."""
-    if local.is_dir() and verify_once(local) is None:
+    """The checkpoint folder at `url` as the local folder `local` (downloaded unless a copy of the same
+    checkpoint is there)."""
+    if local.is_dir() and same_as_store(local, url):
         return local
     local.parent.mkdir(parents=True, exist_ok=True)
     if not storage.get_folder(url, local, last=[META], skip=in_store(url)):
@@ -138,6 +176,11 @@ def fetch(url: str, local: Path) -> Path:
         return local
     log(f"resume: downloaded {url} into {local}")
     return local
+
+
+def remote_parent(url: str) -> str:
+    """The folder that holds the folder `url`."""
+    return url.rstrip("/").rsplit("/", 1)[0]
 
 
 def in_store(url: str) -> list[str]:
@@ -176,7 +219,7 @@ def fetch_for_reading(url: str, cache: Path) -> Path:
                 name = named.strip()
                 if not _NAME.fullmatch(name):
                     raise CheckpointError(
-                        f"{storage.join(folder, LATEST)} names {name!r}, not a checkpoint; fix or remove it"
+                        f"{storage.join(folder, LATEST)} names {name[:40]!r}, not a checkpoint; fix or remove it"
                     )
                 base = storage.join(folder, name)
                 break
@@ -185,8 +228,10 @@ def fetch_for_reading(url: str, cache: Path) -> Path:
                 f"{url} holds no checkpoint in its store (no latest, no checkpoints/latest); pass the URL of a "
                 "checkpoint, best_model, checkpoints or run folder"
             )
+    if name == BEST and not complete(base) and complete(storage.join(remote_parent(base), SPARE)):
+        base = storage.join(remote_parent(base), SPARE)  # a replacement of best_model/ under way, or cut short
     local = cache / storage.mirror_name(base)
-    if _NAME.fullmatch(name) and local.is_dir() and verify_once(local) is None:  # a checkpoint never changes
+    if local.is_dir() and same_as_store(local, base):
         return local
     local.parent.mkdir(parents=True, exist_ok=True)
     if not storage.get_folder(base, local, last=[META]):

@@ -182,6 +182,15 @@ class _HashedWrites:
             yield _HashingStream(stream, checksum)
         self.written[os.path.basename(os.fspath(path))] = checksum.entry()
 
+    def rm_file(self, path: Any) -> None:
+        """Delete by name: fsspec's `rm` would expand `[`, `*` and `?` in the URL into other folders' files."""
+        storage.remove(os.fspath(path))
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        """Copy, then delete, by name (fsspec's `mv` expands patterns as `rm` does; a store cannot rename)."""
+        storage.copy(os.fspath(path), os.fspath(new_path))
+        storage.remove(os.fspath(path))
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 

@@ -11,8 +11,10 @@ A URL output_dir (s3://bucket/runs/x) holds the same run: the run writes in a lo
 (`TrainingConfig.local_output_dir`), its checkpoints go to `{output_dir}/checkpoints` as any URL
 checkpoint_dir's do (`checkpoint.remote`, `latest` last), and its other files are uploaded after each
 checkpoint and at the end (`upload_run_files`, with a `files.json` record of them), so that a resume on
-a machine with an empty staging folder finds metrics.jsonl as it was (`fetch_run_files`). The checks
-above read the store instead of the disk; starting over removes the same names there.
+a machine whose staging folder is empty or behind the store finds metrics.jsonl as it was
+(`fetch_run_files`); a history in the store that cannot be checked against its record is copied aside
+before anything is uploaded over it. The checks above read the store instead of the disk; starting over
+removes the same names there.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 from .. import storage
@@ -205,26 +208,68 @@ def upload_run_files(training: TrainingConfig, uploaded: dict | None = None) -> 
 
 
 def fetch_run_files(training: TrainingConfig) -> None:
-    """Before a resume: the run's files from the URL output_dir into a staging folder that lacks them
-    (another machine's), each checked against the store's record. Nothing when the store has none."""
+    """Before a resume: the run's files from the URL output_dir into the staging folder, each checked
+    against the store's record, unless the staging folder's metrics.jsonl continues the store's (this
+    machine ran last). A staging metrics.jsonl the store has moved past (another machine ran since) is
+    replaced; the run's other files are fetched where the staging folder lacks them.
+    A history in the store that cannot be checked (no record, a damaged one, a file that does not match
+    it) is never uploaded over: it is copied aside in the store first, and a warning says where."""
     url, output = training.remote_output_dir, training.local_output_dir
     assert url is not None, "only a URL output_dir is fetched"
-    if (output / METRICS_FILE).exists():  # this machine's copy: as new as the store's, or newer
+    output.mkdir(parents=True, exist_ok=True)
+    try:
+        record = storage.read_record(url)
+    except storage.UnverifiedFolder as exc:
+        _keep_aside(url, str(exc))
+        return
+    if record is None:
+        if storage.exists(storage.join(url, METRICS_FILE)):  # uploaded, then cut short before its record
+            _keep_aside(url, f"{storage.join(url, METRICS_FILE)} has no {storage.FILES_RECORD} record")
+        return
+    if _continues(output / METRICS_FILE, record.get(METRICS_FILE)):
         return
     copy = output.parent / f".{output.name}.download"
-    output.mkdir(parents=True, exist_ok=True)
     try:
         try:
             if not storage.get_folder(url, copy):
                 return
-        except UsageError as exc:  # an upload cut short: the run goes on, its earlier rows are not here
-            warn(f"the run's files in {url} could not be fetched ({exc}); metrics.jsonl starts here")
+        except storage.UnverifiedFolder as exc:
+            _keep_aside(url, str(exc))
             return
         for path in sorted(copy.rglob("*")):
             target = output / path.relative_to(copy)
-            if path.is_file() and not target.exists():
+            if path.is_file() and (not target.exists() or target == output / METRICS_FILE):
                 target.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(path, target)
+                os.replace(path, target)  # this run's own files (its config.yaml) stay
         log(f"resume: downloaded the run's files from {url} into {output}")
     finally:
         shutil.rmtree(copy, ignore_errors=True)
+
+
+def _continues(local: Path, stored: tuple[int, str] | None) -> bool:
+    """Whether the local metrics.jsonl holds the store's (`stored`: its size and checksum) as its start:
+    the store's rows and maybe the rows this machine wrote since. False when there is no local file."""
+    from ..checkpoint.checksums import checksum_jobs, combine
+
+    if not local.is_file():
+        return False
+    if stored is None:
+        return True
+    size, checksum = stored
+    return local.stat().st_size >= size and combine(checksum_jobs(local, size)) == checksum
+
+
+def _keep_aside(url: str, why: str) -> None:
+    """Copy the store's metrics.jsonl and files.json into a new `unverified-<time>/` folder beside them,
+    before this run uploads its own: a history that could not be checked is never overwritten unseen."""
+    aside = storage.join(url, f"unverified-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}")
+    kept = []
+    for name in (METRICS_FILE, storage.FILES_RECORD):
+        if storage.exists(storage.join(url, name)):
+            storage.copy(storage.join(url, name), storage.join(aside, name))
+            kept.append(name)
+    warn(
+        f"the run's files in {url} could not be verified ({why}); "
+        + (f"kept {' and '.join(kept)} aside in {aside}; " if kept else "")
+        + "this run's metrics.jsonl replaces it in the store"
+    )
