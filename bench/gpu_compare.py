@@ -123,8 +123,8 @@ class Settings:
                 nanogpt_shape_batch=12,
                 max_best_batch=8,
                 device_memory_gib=4.0,
-                gpt2_steps=10,
-                llama_steps=6,
+                gpt2_steps=8,
+                llama_steps=4,
                 profile_steps=(3, 4),
                 max_documents=40,
                 limits=dict(env=30, prepare=60, plan=60, gpt2=60, nanogpt=60, llama1b=60),
@@ -398,13 +398,15 @@ def summarise(out: Path) -> dict:
 def kernel_breakdown(trace: Path, top: int = 20) -> dict:
     """Where the profiled steps' time went, from the Chrome trace our profiler writes: GPU kernels (and
     copies) by total time, grouped by kind, against the steps' wall time. Without a GPU the trace has
-    only CPU ops, whose times include the ops they call, so their shares overlap."""
+    only CPU ops; each op's own time (less the ops it calls) is counted, so the shares add up to one."""
     events = json.loads(trace.read_text()).get("traceEvents", [])
     spans = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    source = "cuda kernels"
-    if not spans:
-        spans = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
-        source = "cpu ops (inclusive: nested ops also count in their callers)"
+    source = "CUDA kernels"
+    if spans:
+        times = [(str(e.get("name")), float(e.get("dur", 0))) for e in spans]
+    else:
+        source = "CPU ops, self time"
+        times = self_times([e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"])
     steps = [
         e
         for e in events
@@ -412,9 +414,9 @@ def kernel_breakdown(trace: Path, top: int = 20) -> dict:
     ]
     n = max(len(steps), 1)
     by_name: dict[str, list[float]] = {}
-    for e in spans:
-        entry = by_name.setdefault(str(e.get("name")), [0.0, 0])
-        entry[0] += float(e.get("dur", 0))
+    for name, duration in times:
+        entry = by_name.setdefault(name, [0.0, 0])
+        entry[0] += duration
         entry[1] += 1
     busy = sum(total for total, _ in by_name.values())
     groups: dict[str, float] = {}
@@ -440,6 +442,28 @@ def kernel_breakdown(trace: Path, top: int = 20) -> dict:
             for name, (t, c) in ranked
         ],
     }
+
+
+def self_times(ops: list[dict]) -> list[tuple[str, float]]:
+    """Each op's duration less that of the ops nested in it on the same thread (a trace gives only
+    inclusive durations: `aten::linear` would otherwise count its `aten::mm` again)."""
+    result = []
+    threads: dict[tuple, list[dict]] = {}
+    for op in ops:
+        threads.setdefault((op.get("pid"), op.get("tid")), []).append(op)
+    for thread in threads.values():
+        thread.sort(key=lambda e: (float(e.get("ts", 0)), -float(e.get("dur", 0))))
+        stack: list[list] = []  # [name, end, self time]
+        for op in thread:
+            start, duration = float(op.get("ts", 0)), float(op.get("dur", 0))
+            while stack and stack[-1][1] <= start:
+                name, _, own = stack.pop()
+                result.append((name, own))
+            if stack:
+                stack[-1][2] -= duration  # the caller's own time excludes this op
+            stack.append([str(op.get("name")), start + duration, duration])
+        result.extend((name, own) for name, _, own in stack)
+    return result
 
 
 def _text(path: Path) -> str:
@@ -583,6 +607,12 @@ def main() -> int:
     parser.add_argument("--peer", type=Path, default=DEFAULT_PEER, help="nanoGPT's folder, for --stage")
     parser.add_argument("--budget", type=float, default=510, help="seconds for every step together")
     parser.add_argument("--best-batch", type=int, default=None, help="our best GPT-2 batch, instead of the plan's")
+    parser.add_argument(
+        "--llama",
+        choices=["auto", "plain", "fsdp-checkpointing"],
+        default="auto",
+        help="the 1.0B's settings: auto (the estimate decides), or one of the two",
+    )
     args = parser.parse_args()
     if args.stage:
         return stage(args.peer)
@@ -604,6 +634,8 @@ def main() -> int:
         peer = Path(steps["prepare"]["nanogpt"]) if steps["prepare"].get("nanogpt", "").startswith("/") else None
         plan = steps["plan"] = plan_step(run, steps["env"].get("gpu_memory_gib"))
         best = args.best_batch or plan["gpt2_best_batch"]
+        if args.llama != "auto":
+            plan["llama_checkpointing"] = args.llama == "fsdp-checkpointing"
         steps["gpt2_nanogpt_shape"] = ours_gpt2(run, "gpt2_nanogpt_shape", settings.nanogpt_shape_batch, profile=True)
         steps["nanogpt_nanogpt_shape"] = nanogpt_step(run, "nanogpt_nanogpt_shape", peer, settings.nanogpt_shape_batch)
         steps["llama1b"] = llama_step(run, plan)
