@@ -317,9 +317,20 @@ def _loop_overrides(out: Path, batch: int, steps: int) -> list[str]:
 
 
 def llama_step(run: Run, plan: dict) -> dict:
+    """The 1.0B at the plan's settings; when the run without checkpointing runs out of memory (the
+    estimate is within about 10%), once more with FSDP2 and checkpointing, in what the budget leaves."""
+    record = _llama(run, "llama1b", plan["llama_checkpointing"])
+    if record["status"] == "failed" and not plan["llama_checkpointing"]:
+        if "out of device memory" in _text(run.logs[-1]):
+            retry = _llama(run, "llama1b_checkpointing", True)
+            retry["first_try"] = {key: record.get(key) for key in ("status", "wall_s", "settings")}
+            return retry
+    return record
+
+
+def _llama(run: Run, name: str, checkpointing: bool) -> dict:
     s = run.settings
-    out = run.work / "llama1b"
-    checkpointing = plan["llama_checkpointing"]
+    out = run.work / name
     batch = 2 if s.cpu else 8
     overrides = [*s.llama, *_loop_overrides(out, batch, s.llama_steps), *data_overrides(run)]
     if checkpointing:  # the settings measured before: FSDP2 on a world of 1 with activation checkpointing
@@ -330,7 +341,7 @@ def llama_step(run: Run, plan: dict) -> dict:
     if s.cpu and checkpointing:
         overrides.append("training.distributed_backend=gloo")
     cmd = [*launcher, "train", "--config", "configs/gpt2-small.yaml", *overrides]
-    record = run.step("llama1b", cmd, REPO_ROOT, s.limits["llama1b"])
+    record = run.step(name, cmd, REPO_ROOT, s.limits["llama1b"])
     settings = "FSDP2 world 1, activation checkpointing" if checkpointing else "one GPU, no sharding, no checkpointing"
     record.update(batch=batch, context=s.llama_context, settings=settings, **summarise(out))
     return record
@@ -550,6 +561,10 @@ def readme_lines(report: dict) -> str:
             f"| {label}{extra} | {r['batch']} x {r['context']} | {tokens} | {step} | {mfu} | {memory} | {wait} |"
         )
     lines.append("")
+    for key, r in report["steps"].items():
+        if r.get("status") in ("failed", "timeout", "skipped"):
+            why = r.get("why") or f"after {r.get('wall_s')} s of its {r.get('limit_s')} s; logs.txt has its log"
+            lines.append(f"- {key}: {r['status']} ({why})")
     for pair in report["ratios"]:
         lines.append(
             f"- ours / nanoGPT tokens/s, same GPU, same batch: {pair['ratio']:.2f}× "
