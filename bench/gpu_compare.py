@@ -52,6 +52,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 STAGED_PEER = BENCH_DIR / ".peers" / "nanoGPT"  # git-ignored; the device call carries bench/.peers
 DEFAULT_PEER = REPO_ROOT.parent / "shared" / "peers" / "nanoGPT"
+sys.path.insert(0, str(REPO_ROOT / "src"))  # this checkout's llm_trainer (the FLOP count, the peak), as the steps run
 PEER_FILES = ("train.py", "model.py", "configurator.py", "LICENSE")  # what its train.py needs (and its licence)
 NANOGPT_VOCAB = 50304  # nanoGPT's default: GPT-2's 50,257 padded to a multiple of 64
 VOCAB = 50257
@@ -246,6 +247,7 @@ def prepare_step(run: Run) -> dict:
     record = run.step("prepare", cmd, REPO_ROOT, run.settings.limits["prepare"])
     if not all((STAGED_PEER / name).is_file() for name in PEER_FILES):
         record["nanogpt"] = "not staged: run `bash bench/gpu_compare.sh --stage` here and carry bench/.peers"
+        record["nanogpt_copy"] = None
         return record
     import numpy as np
 
@@ -256,7 +258,8 @@ def prepare_step(run: Run) -> dict:
     rng = np.random.default_rng(0)
     for split, count in (("train", SYNTH_TOKENS), ("val", SYNTH_TOKENS // 10)):
         rng.integers(0, VOCAB, count, dtype=np.uint16).tofile(synth / f"{split}.bin")
-    record["nanogpt"] = str(peer)
+    record["nanogpt"] = "copied, with random tokens in data/synth"
+    record["nanogpt_copy"] = str(peer)
     return record
 
 
@@ -295,7 +298,7 @@ def ours_gpt2(run: Run, name: str, batch: int, profile: bool) -> dict:
     if profile:
         cmd.append(f"training.profile_steps=[{s.profile_steps[0]},{s.profile_steps[1]}]")
     record = run.step(name, cmd, REPO_ROOT, s.limits["gpt2"])
-    record.update(batch=batch, context=s.context, **summarise(out))
+    record.update(batch=batch, context=s.context, header=header(run.logs[-1]), **summarise(out))
     if profile:
         traces = sorted((out / "profile").glob("*.pt.trace.json")) if (out / "profile").is_dir() else []
         record["kernels"] = kernel_breakdown(traces[0]) if traces else None
@@ -343,7 +346,8 @@ def _llama(run: Run, name: str, checkpointing: bool) -> dict:
     cmd = [*launcher, "train", "--config", "configs/gpt2-small.yaml", *overrides]
     record = run.step(name, cmd, REPO_ROOT, s.limits["llama1b"])
     settings = "FSDP2 world 1, activation checkpointing" if checkpointing else "one GPU, no sharding, no checkpointing"
-    record.update(batch=batch, context=s.llama_context, settings=settings, **summarise(out))
+    record.update(batch=batch, context=s.llama_context, settings=settings, header=header(run.logs[-1]))
+    record.update(summarise(out))
     return record
 
 
@@ -404,6 +408,12 @@ def summarise(out: Path) -> dict:
     if summary:
         result["checkpoint_s"] = summary.get("checkpoint_s")
     return result
+
+
+def header(log: Path) -> list[str]:
+    """Our run's header lines (the model and loop it ran, the attention kernel where it says one)."""
+    keep = re.compile(r"^train:|attention|sdpa|flash|cudnn", re.IGNORECASE)
+    return [line for line in _text(log).splitlines() if keep.search(line)][:4]
 
 
 def kernel_breakdown(trace: Path, top: int = 20) -> dict:
@@ -639,14 +649,15 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="gpu_compare_"))
     run = Run(settings=settings, out=out, work=work, deadline=started + args.budget)
     steps: dict[str, dict] = {}
+    usage_error = None
     run.report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "cpu_dry_run": settings.cpu, "steps": steps}
     try:
         steps["env"] = env_step(run)
         if not settings.cpu and not steps["env"].get("gpu"):
-            print("error: no CUDA device found; for a CPU walk-through pass --cpu-dry-run", file=sys.stderr)
+            usage_error = "error: no CUDA device found; for a CPU walk-through pass --cpu-dry-run"
             return 2
         steps["prepare"] = prepare_step(run)
-        peer = Path(steps["prepare"]["nanogpt"]) if steps["prepare"].get("nanogpt", "").startswith("/") else None
+        peer = Path(steps["prepare"]["nanogpt_copy"]) if steps["prepare"]["nanogpt_copy"] else None
         plan = steps["plan"] = plan_step(run, steps["env"].get("gpu_memory_gib"))
         best = args.best_batch or plan["gpt2_best_batch"]
         if args.llama != "auto":
@@ -670,6 +681,8 @@ def main() -> int:
                 tail = _text(log).splitlines()[-40:]
                 sink.write(f"==> {log.name} <==\n" + "\n".join(tail) + "\n\n")
         shutil.rmtree(work, ignore_errors=True)
+        if usage_error:
+            print(usage_error, file=sys.stderr)
     print(json.dumps({"wall_s": report["wall_s"], "ratios": report["ratios"]}))
     print(readme_lines(report))
     return 0
