@@ -139,7 +139,7 @@ class Settings:
             nanogpt_shape_batch=12,
             max_best_batch=64,
             device_memory_gib=None,
-            gpt2_steps=40,
+            gpt2_steps=60,
             llama_steps=30,
             profile_steps=(6, 8),
             max_documents=300,
@@ -560,6 +560,8 @@ def readme_lines(report: dict) -> str:
             lines.append(f"| {label} | {r['batch']} x {r['context']} | {r['status']} | | | | |")
             continue
         extra = f" ({r['settings']})" if r.get("settings") else ""
+        if report["cpu_dry_run"]:
+            extra += " [tiny stand-in]"
         mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") is not None else ""
         if r.get("its_printed_mfu") is not None:
             mfu += f" (it prints {r['its_printed_mfu'] * 100:.1f}%)"
@@ -576,9 +578,10 @@ def readme_lines(report: dict) -> str:
             why = r.get("why") or f"after {r.get('wall_s')} s of its {r.get('limit_s')} s; logs.txt has its log"
             lines.append(f"- {key}: {r['status']} ({why})")
     for pair in report["ratios"]:
+        model = "tiny stand-in" if report["cpu_dry_run"] else "GPT-2 124M"
         lines.append(
             f"- ours / nanoGPT tokens/s, same GPU, same batch: {pair['ratio']:.2f}× "
-            f"(GPT-2 124M, {pair['batch']} x {pair['context']})"
+            f"({model}, {pair['batch']} x {pair['context']})"
         )
     kernels = report["steps"].get("gpt2_nanogpt_shape", {}).get("kernels")
     if kernels and kernels.get("groups"):
