@@ -1,0 +1,695 @@
+"""Ours beside nanoGPT's own train.py on one GPU, in one device call of under 9 minutes (issue #35).
+
+    python bench/gpu_compare.py --stage [--peer DIR]   # here, before the call: copy nanoGPT into bench/.peers
+    python bench/gpu_compare.py [OUT_DIR]              # on the GPU machine (bench/gpu_compare.sh runs this)
+    python bench/gpu_compare.py --cpu-dry-run [OUT_DIR] # every step with tiny shapes on the CPU (~2 min)
+
+Steps, in order, each a subprocess with its own time limit (and all of them inside `--budget` seconds,
+so one that hangs or fails leaves the later ones what is left):
+
+  env          the GPU, torch and the packages found
+  prepare      our data (the built-in python-stdlib corpus, char tokenizer, model.vocab_size 50257: the
+               token values do not change a step's cost) and nanoGPT's `data/synth/{train,val}.bin`
+               (random uint16 ids, its own format) in a scratch copy of the staged nanoGPT
+  plan         `llm-trainer estimate`: our best GPT-2 batch (the largest power of two whose estimated
+               peak leaves a quarter of the GPU free, at most 64 rows of 1024) and whether the 1.0B LLaMA
+               fits without activation checkpointing (estimated peak under 85% of the GPU)
+  gpt2_nanogpt_shape   ours, GPT-2 124M at nanoGPT's shape (12 x 1024, no biases, bf16, compile), with
+               the profiler on three early steps (training.profile_steps): the per-kernel breakdown
+  nanogpt_nanogpt_shape  nanoGPT's train.py at the same batch
+  llama1b      our 1.0B LLaMA at its best settings (the plan's choice)
+  gpt2_best    ours at the best batch;   nanogpt_best: nanoGPT at that batch
+
+Both trainers run one micro-batch per step (gradient accumulation 1). tokens/s: ours, the median of
+the speed monitor's windows over the second half of the logged steps; nanoGPT, rows x context over the
+median of its printed iteration times over the second half (it synchronises every iteration at its
+default log_interval=1). MFU is ours by our count (6N + 12·L·d·T) against the device's dense peak.
+
+Writes into OUT_DIR (default $OUT, else bench/out/gpu_compare): `gpu_compare.json` (everything),
+`readme_lines.md` (the lines for bench/README "On an H100") and `logs.txt` (the end of each step's log).
+nanoGPT's code is never committed: `--stage` copies it into bench/.peers/ (git-ignored), which the
+device call carries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+STAGED_PEER = BENCH_DIR / ".peers" / "nanoGPT"  # git-ignored; the device call carries bench/.peers
+DEFAULT_PEER = REPO_ROOT.parent / "shared" / "peers" / "nanoGPT"
+sys.path.insert(0, str(REPO_ROOT / "src"))  # this checkout's llm_trainer (the FLOP count, the peak), as the steps run
+PEER_FILES = ("train.py", "model.py", "configurator.py", "LICENSE")  # what its train.py needs (and its licence)
+NANOGPT_VOCAB = 50304  # nanoGPT's default: GPT-2's 50,257 padded to a multiple of 64
+VOCAB = 50257
+SYNTH_TOKENS = 4_000_000  # random ids in nanoGPT's train.bin: far more than any run here reads
+RESERVE_S = 15  # kept back from the budget for writing the report
+
+# GPT-2 124M at nanoGPT's defaults: 12 layers, 12 heads, 768 wide, context 1024, no biases, no dropout.
+GPT2 = ["model.bias=false", "model.dropout=0.0"]
+LLAMA_1B = [  # 1,017,526,272 parameters with the 50,257 vocabulary (bench/gpu.sh's 1.0B)
+    "model.architecture=llama",
+    "model.d_model=2048",
+    "model.n_layers=18",
+    "model.n_heads=16",
+    "model.n_kv_heads=4",
+    "model.d_ff=5632",
+    "model.max_seq_len=2048",
+]
+TINY_GPT2 = ["model.d_model=64", "model.n_heads=2", "model.n_layers=2", "model.d_ff=256", "model.max_seq_len=64"]
+TINY_LLAMA = [
+    "model.architecture=llama",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=176",
+    "model.max_seq_len=128",
+]
+
+# (group, substrings of a lower-cased kernel or op name), first match wins
+KERNEL_GROUPS = [
+    ("attention", ("flash", "fmha", "cudnn", "scaled_dot_product", "attention", "sdpa")),
+    ("loss (softmax, cross-entropy)", ("cross_entropy", "softmax", "nll_loss")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "lerp", "addcdiv")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "matmul")),
+    ("compiled (triton)", ("triton",)),
+    ("norm", ("layer_norm", "rms_norm", "layernorm")),
+    ("copies and fills", ("memcpy", "memset", "copy_", "aten::to", "fill")),
+    ("other elementwise and reductions", ("elementwise", "vectorized", "reduce", "gelu", "silu", "aten::")),
+]
+
+
+@dataclass
+class Settings:
+    """What differs between the GPU run and the CPU dry-run; the steps are the same."""
+
+    cpu: bool
+    gpt2: list[str]
+    llama: list[str]
+    context: int
+    llama_context: int
+    nanogpt_shape_batch: int  # nanoGPT's own micro-batch at its shape
+    max_best_batch: int  # the plan's best GPT-2 batch is at most this
+    device_memory_gib: float | None  # None: the GPU's, from the env step
+    gpt2_steps: int
+    llama_steps: int
+    profile_steps: tuple[int, int]
+    max_documents: int
+    limits: dict[str, int]  # seconds per step
+
+    @staticmethod
+    def for_run(cpu: bool) -> Settings:
+        if cpu:
+            return Settings(
+                cpu=True,
+                gpt2=[*GPT2, *TINY_GPT2, "training.device=cpu", "training.compile=false", "training.use_amp=false"],
+                llama=[*TINY_LLAMA, "training.device=cpu", "training.compile=false", "training.use_amp=false"],
+                context=64,
+                llama_context=128,
+                nanogpt_shape_batch=12,
+                max_best_batch=8,
+                device_memory_gib=4.0,
+                gpt2_steps=8,
+                llama_steps=4,
+                profile_steps=(3, 4),
+                max_documents=40,
+                limits=dict(env=30, prepare=60, plan=60, gpt2=60, nanogpt=60, llama1b=60),
+            )
+        return Settings(
+            cpu=False,
+            gpt2=[*GPT2, "training.device=cuda"],
+            llama=[*LLAMA_1B, "training.device=cuda"],
+            context=1024,
+            llama_context=2048,
+            nanogpt_shape_batch=12,
+            max_best_batch=64,
+            device_memory_gib=None,
+            gpt2_steps=60,
+            llama_steps=30,
+            profile_steps=(6, 8),
+            max_documents=300,
+            limits=dict(env=20, prepare=60, plan=40, gpt2=100, nanogpt=90, llama1b=130),
+        )
+
+
+@dataclass
+class Run:
+    """One call: where things go, the clock, and the report being built."""
+
+    settings: Settings
+    out: Path
+    work: Path
+    deadline: float
+    report: dict = field(default_factory=dict)
+    logs: list[Path] = field(default_factory=list)
+
+    def step(self, name: str, cmd: list[str], cwd: Path, limit: int) -> dict:
+        """Run `cmd` as a process group of its own, killed (with its children: compile workers,
+        torchrun's ranks) at `limit` seconds or at the call's budget, whichever comes first."""
+        left = self.deadline - time.monotonic() - RESERVE_S
+        limit = int(min(limit, left))
+        if limit < 10:
+            return {"status": "skipped", "why": "the call's time budget is spent"}
+        log = self.work / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.logs.append(log)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath()}
+        if self.settings.cpu:
+            env.setdefault("OMP_NUM_THREADS", "1")
+        start = time.monotonic()
+        with open(log, "w") as sink:
+            proc = subprocess.Popen(
+                cmd, cwd=cwd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+            try:
+                rc = proc.wait(timeout=limit)
+                status = "ok" if rc == 0 else "failed"
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc, status = None, "timeout"
+        record = {"status": status, "returncode": rc, "wall_s": round(time.monotonic() - start, 1), "limit_s": limit}
+        print(f"[{name}] {status} in {record['wall_s']} s (limit {limit} s)", flush=True)
+        return record
+
+
+def _pythonpath() -> str:
+    """Our tree's src first: the steps run this checkout, not an installed copy."""
+    current = os.environ.get("PYTHONPATH")
+    return str(REPO_ROOT / "src") + (os.pathsep + current if current else "")
+
+
+def stage(peer: Path) -> int:
+    """Copy nanoGPT's train.py, model.py and configurator.py (with its licence) into bench/.peers/nanoGPT."""
+    missing = [name for name in PEER_FILES if not (peer / name).is_file()]
+    if missing:
+        print(f"error: {peer} has no {', '.join(missing)}: pass --peer with nanoGPT's folder", file=sys.stderr)
+        return 2
+    shutil.rmtree(STAGED_PEER, ignore_errors=True)
+    STAGED_PEER.mkdir(parents=True)
+    for name in PEER_FILES:
+        shutil.copy2(peer / name, STAGED_PEER / name)
+    print(f"nanoGPT staged in {STAGED_PEER.relative_to(REPO_ROOT)} (git-ignored): carry bench/.peers")
+    return 0
+
+
+# -- steps ------------------------------------------------------------------------------------------
+
+
+def env_step(run: Run) -> dict:
+    code = (
+        "import importlib.util, json, platform, torch\n"
+        "mods = ['torchao', 'triton', 'transformers', 'numpy']\n"
+        "cuda = torch.cuda.is_available()\n"
+        "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda,\n"
+        "  'gpu': torch.cuda.get_device_name(0) if cuda else None,\n"
+        "  'gpu_memory_gib': round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,\n"
+        "  'cudnn': torch.backends.cudnn.version() if cuda else None, 'python': platform.python_version(),\n"
+        "  'cpus': __import__('os').cpu_count(),\n"
+        "  'packages': {m: importlib.util.find_spec(m) is not None for m in mods}}))\n"
+    )
+    record = run.step("env", [sys.executable, "-c", code], REPO_ROOT, run.settings.limits["env"])
+    if record["status"] == "ok":
+        record.update(_last_json(run.logs[-1]) or {})
+    return record
+
+
+def data_overrides(run: Run) -> list[str]:
+    return [
+        "data.dataset_name=python-stdlib",
+        "data.tokenizer=char",
+        f"model.vocab_size={VOCAB}",
+        f"data.max_documents={run.settings.max_documents}",
+        "data.validation_split=0.02",
+        f"data.cache_dir={run.work / 'cache'}",
+    ]
+
+
+def prepare_step(run: Run) -> dict:
+    """Our prepared data (once, shared by every run of ours) and a scratch copy of nanoGPT with random
+    tokens in its .bin format; nanoGPT writes next to itself, so it never runs from bench/.peers."""
+    cmd = [sys.executable, "-m", "llm_trainer", "prepare", "--config", "configs/gpt2-small.yaml", *data_overrides(run)]
+    record = run.step("prepare", cmd, REPO_ROOT, run.settings.limits["prepare"])
+    if not all((STAGED_PEER / name).is_file() for name in PEER_FILES):
+        record["nanogpt"] = "not staged: run `bash bench/gpu_compare.sh --stage` here and carry bench/.peers"
+        record["nanogpt_copy"] = None
+        return record
+    import numpy as np
+
+    peer = run.work / "nanoGPT"
+    shutil.copytree(STAGED_PEER, peer)
+    synth = peer / "data" / "synth"
+    synth.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split, count in (("train", SYNTH_TOKENS), ("val", SYNTH_TOKENS // 10)):
+        rng.integers(0, VOCAB, count, dtype=np.uint16).tofile(synth / f"{split}.bin")
+    record["nanogpt"] = "copied, with random tokens in data/synth"
+    record["nanogpt_copy"] = str(peer)
+    return record
+
+
+def estimate(run: Run, name: str, overrides: list[str], memory_gib: float) -> dict | None:
+    cmd = [sys.executable, "-m", "llm_trainer", "estimate", "--config", "configs/gpt2-small.yaml"]
+    cmd += [*overrides, f"model.vocab_size={VOCAB}", "--device-memory", str(memory_gib), "--json"]
+    record = run.step(name, cmd, REPO_ROOT, run.settings.limits["plan"] // 2)
+    return _last_json(run.logs[-1], whole=True) if record["status"] == "ok" else None
+
+
+def plan_step(run: Run, memory_gib: float | None) -> dict:
+    """The estimator chooses the best GPT-2 batch and the 1.0B's checkpointing before anything runs."""
+    s = run.settings
+    memory_gib = s.device_memory_gib or memory_gib
+    plan: dict = {"device_memory_gib": memory_gib, "gpt2_best_batch": 16, "llama_checkpointing": True}
+    if memory_gib is None:
+        plan["why"] = "no GPU memory known (the env step failed): batch 16 and checkpointing"
+        return plan
+    gpt2 = estimate(run, "plan_gpt2", [*s.gpt2, "training.batch_size=1"], memory_gib * 0.75)
+    if gpt2 and gpt2.get("max_micro_batch_size"):
+        most = min(int(gpt2["max_micro_batch_size"]), s.max_best_batch)
+        plan["gpt2_best_batch"] = 1 << (most.bit_length() - 1)  # the largest power of two that fits
+        plan["gpt2_max_micro_batch_at_75_percent"] = gpt2["max_micro_batch_size"]
+    llama = estimate(run, "plan_llama1b", [*s.llama, "training.batch_size=8"], memory_gib * 0.85)
+    if llama:
+        plan["llama_checkpointing"] = not llama.get("fits", False)
+        plan["llama_estimated_peak_gib"] = round(llama["memory"]["peak_gb"], 2)
+    return plan
+
+
+def ours_gpt2(run: Run, name: str, batch: int, profile: bool) -> dict:
+    s = run.settings
+    out = run.work / name
+    cmd = [sys.executable, "-m", "llm_trainer", "train", "--config", "configs/gpt2-small.yaml", *s.gpt2]
+    cmd += _loop_overrides(out, batch, s.gpt2_steps) + data_overrides(run)
+    if profile:
+        cmd.append(f"training.profile_steps=[{s.profile_steps[0]},{s.profile_steps[1]}]")
+    record = run.step(name, cmd, REPO_ROOT, s.limits["gpt2"])
+    record.update(batch=batch, context=s.context, header=header(run.logs[-1]), **summarise(out))
+    if profile:
+        traces = sorted((out / "profile").glob("*.pt.trace.json")) if (out / "profile").is_dir() else []
+        record["kernels"] = kernel_breakdown(traces[0]) if traces else None
+    return record
+
+
+def _loop_overrides(out: Path, batch: int, steps: int) -> list[str]:
+    return [
+        f"training.batch_size={batch}",
+        "training.gradient_accumulation_steps=1",
+        f"training.max_steps={steps}",
+        "training.warmup_steps=5",
+        "training.logging_steps=5" if steps >= 20 else "training.logging_steps=2",
+        "training.eval_steps=0",
+        "training.save_steps=0",
+        "training.eval_max_batches=2",
+        f"training.output_dir={out}",
+    ]
+
+
+def llama_step(run: Run, plan: dict) -> dict:
+    """The 1.0B at the plan's settings; when the run without checkpointing runs out of memory (the
+    estimate is within about 10%), once more with FSDP2 and checkpointing, in what the budget leaves."""
+    record = _llama(run, "llama1b", plan["llama_checkpointing"])
+    if record["status"] == "failed" and not plan["llama_checkpointing"]:
+        if "out of device memory" in _text(run.logs[-1]):
+            retry = _llama(run, "llama1b_checkpointing", True)
+            retry["first_try"] = {key: record.get(key) for key in ("status", "wall_s", "settings")}
+            return retry
+    return record
+
+
+def _llama(run: Run, name: str, checkpointing: bool) -> dict:
+    s = run.settings
+    out = run.work / name
+    batch = 2 if s.cpu else 8
+    overrides = [*s.llama, *_loop_overrides(out, batch, s.llama_steps), *data_overrides(run)]
+    if checkpointing:  # the settings measured before: FSDP2 on a world of 1 with activation checkpointing
+        overrides += ["training.gradient_checkpointing=true", "training.distributed_strategy=fsdp"]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "-m", "llm_trainer"]
+    else:  # it fits: no sharding and no recomputation
+        launcher = [sys.executable, "-m", "llm_trainer"]
+    if s.cpu and checkpointing:
+        overrides.append("training.distributed_backend=gloo")
+    cmd = [*launcher, "train", "--config", "configs/gpt2-small.yaml", *overrides]
+    record = run.step(name, cmd, REPO_ROOT, s.limits["llama1b"])
+    settings = "FSDP2 world 1, activation checkpointing" if checkpointing else "one GPU, no sharding, no checkpointing"
+    record.update(batch=batch, context=s.llama_context, settings=settings, header=header(run.logs[-1]))
+    record.update(summarise(out))
+    return record
+
+
+def nanogpt_step(run: Run, name: str, peer: Path | None, batch: int) -> dict:
+    if peer is None:
+        return {"status": "skipped", "why": "nanoGPT is not staged: `bash bench/gpu_compare.sh --stage` here first"}
+    s = run.settings
+    steps = s.gpt2_steps
+    flags = [
+        "--dataset=synth",
+        f"--batch_size={batch}",
+        f"--block_size={s.context}",
+        "--gradient_accumulation_steps=1",
+        f"--max_iters={steps}",
+        f"--lr_decay_iters={steps}",
+        "--warmup_iters=5",
+        "--eval_interval=100000",  # it still evaluates once, at iteration 0
+        "--eval_iters=1",
+        "--always_save_checkpoint=False",
+        f"--out_dir={run.work / (name + '_out')}",
+    ]
+    if s.cpu:
+        flags += ["--device=cpu", "--compile=False", "--dtype=float32", "--n_layer=2", "--n_head=2", "--n_embd=64"]
+    else:
+        flags += ["--compile=True"]  # its defaults: cuda, bfloat16, GPT-2 124M shape
+    record = run.step(name, [sys.executable, "train.py", *flags], peer, s.limits["nanogpt"])
+    iters = [
+        (int(i), float(ms), float(mfu))
+        for i, ms, mfu in re.findall(
+            r"iter (\d+): loss [\d.na]+, time ([\d.]+)ms, mfu (-?[\d.]+)%", _text(run.logs[-1])
+        )
+    ]
+    steady = [row for row in iters if row[0] >= steps // 2 and row[0] > 0]
+    record.update(batch=batch, context=s.context, iterations=len(iters))
+    if steady:
+        step_s = statistics.median(ms for _, ms, _ in steady) / 1000
+        record.update(step_time_s=round(step_s, 5), tokens_per_s=round(batch * s.context / step_s, 1))
+        record["its_printed_mfu_a100"] = steady[-1][2] / 100  # against an A100's 312 TFLOP/s, smoothed
+    return record
+
+
+# -- reading results --------------------------------------------------------------------------------
+
+
+def summarise(out: Path) -> dict:
+    """Our run's steady state: the medians over the second half of the logged train rows."""
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r.get("kind") == "train"]
+    train = train[len(train) // 2 :]
+    result = {}
+    for key in ("tokens_per_s", "mfu", "peak_memory_mb", "data_wait_fraction", "step_time_s"):
+        values = [r[key] for r in train if r.get(key) is not None]
+        result[key] = statistics.median(values) if values else None
+    summary = next((r for r in reversed(rows) if r.get("kind") == "summary"), None)
+    if summary:
+        result["checkpoint_s"] = summary.get("checkpoint_s")
+    return result
+
+
+def header(log: Path) -> list[str]:
+    """Our run's header lines (the model and loop it ran, the attention kernel where it says one)."""
+    keep = re.compile(r"^train:|attention|sdpa|flash|cudnn", re.IGNORECASE)
+    return [line for line in _text(log).splitlines() if keep.search(line)][:4]
+
+
+def kernel_breakdown(trace: Path, top: int = 20) -> dict:
+    """Where the profiled steps' time went, from the Chrome trace our profiler writes: GPU kernels (and
+    copies) by total time, grouped by kind, against the steps' wall time. Without a GPU the trace has
+    only CPU ops; each op's own time (less the ops it calls) is counted, so the shares add up to one."""
+    events = json.loads(trace.read_text()).get("traceEvents", [])
+    spans = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    source = "CUDA kernels"
+    if spans:
+        times = [(str(e.get("name")), float(e.get("dur", 0))) for e in spans]
+    else:
+        source = "CPU ops, self time"
+        times = self_times([e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"])
+    steps = [
+        e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and str(e.get("name")).startswith("ProfilerStep#")
+    ]
+    n = max(len(steps), 1)
+    by_name: dict[str, list[float]] = {}
+    for name, duration in times:
+        entry = by_name.setdefault(name, [0.0, 0])
+        entry[0] += duration
+        entry[1] += 1
+    busy = sum(total for total, _ in by_name.values())
+    groups: dict[str, float] = {}
+    for name, (total, _) in by_name.items():
+        lower = name.lower()
+        group = next((g for g, keys in KERNEL_GROUPS if any(k in lower for k in keys)), "other")
+        groups[group] = groups.get(group, 0.0) + total
+    wall = sum(float(e.get("dur", 0)) for e in steps)
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "source": source,
+        "steps": len(steps),
+        "wall_ms_per_step": round(wall / n / 1000, 3),
+        "busy_ms_per_step": round(busy / n / 1000, 3),
+        "groups": {g: round(t / busy, 4) for g, t in sorted(groups.items(), key=lambda kv: -kv[1])} if busy else {},
+        "top": [
+            {
+                "name": name[:160],
+                "ms_per_step": round(t / n / 1000, 3),
+                "calls_per_step": c / n,
+                "share": round(t / busy, 4),
+            }
+            for name, (t, c) in ranked
+        ],
+    }
+
+
+def self_times(ops: list[dict]) -> list[tuple[str, float]]:
+    """Each op's duration less that of the ops nested in it on the same thread (a trace gives only
+    inclusive durations: `aten::linear` would otherwise count its `aten::mm` again)."""
+    result = []
+    threads: dict[tuple, list[dict]] = {}
+    for op in ops:
+        threads.setdefault((op.get("pid"), op.get("tid")), []).append(op)
+    for thread in threads.values():
+        thread.sort(key=lambda e: (float(e.get("ts", 0)), -float(e.get("dur", 0))))
+        stack: list[list] = []  # [name, end, self time]
+        for op in thread:
+            start, duration = float(op.get("ts", 0)), float(op.get("dur", 0))
+            while stack and stack[-1][1] <= start:
+                name, _, own = stack.pop()
+                result.append((name, own))
+            if stack:
+                stack[-1][2] -= duration  # the caller's own time excludes this op
+            stack.append([str(op.get("name")), start + duration, duration])
+        result.extend((name, own) for name, _, own in stack)
+    return result
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
+def _last_json(path: Path, whole: bool = False) -> dict | None:
+    """The last JSON object a step printed (`whole`: the output is one indented object)."""
+    text = _text(path)
+    if whole:  # from the line that opens it (warnings may come first)
+        lines = text.splitlines()
+        start = next((i for i, line in enumerate(lines) if line.rstrip() == "{"), None)
+        try:
+            return json.loads("\n".join(lines[start:])) if start is not None else None
+        except json.JSONDecodeError:
+            return None
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+# -- the report -------------------------------------------------------------------------------------
+
+
+def ratios(report: dict) -> list[dict]:
+    """ours / nanoGPT tokens/s for each batch both ran."""
+    steps = report["steps"]
+    pairs = [("gpt2_nanogpt_shape", "nanogpt_nanogpt_shape"), ("gpt2_best", "nanogpt_best")]
+    found = []
+    for ours, theirs in pairs:
+        a, b = steps.get(ours, {}), steps.get(theirs, {})
+        if a.get("tokens_per_s") and b.get("tokens_per_s"):
+            found.append(
+                {
+                    "batch": a["batch"],
+                    "context": a["context"],
+                    "ours_tokens_per_s": a["tokens_per_s"],
+                    "nanogpt_tokens_per_s": b["tokens_per_s"],
+                    "ratio": round(a["tokens_per_s"] / b["tokens_per_s"], 3),
+                }
+            )
+    return found
+
+
+def readme_lines(report: dict) -> str:
+    env = report["steps"].get("env", {})
+    device = env.get("gpu") or "CPU (dry-run: tiny shapes, not GPU figures)"
+    day = report["date"][:10]
+    lines = [
+        f'One device call, `bash bench/gpu_compare.sh "$OUT"` ({report["wall_s"] / 60:.1f} min wall), on {device}, '
+        f"PyTorch {env.get('torch')}, {day}. tokens/s: the second half of each run's steps; MFU by our count "
+        "against the dense bf16 peak.",
+        "",
+        "| run | batch | tokens/s | step | MFU (ours) | peak memory | data wait |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    names = {
+        "gpt2_nanogpt_shape": "ours, GPT-2 124M at nanoGPT's shape",
+        "nanogpt_nanogpt_shape": "nanoGPT train.py, same shape",
+        "gpt2_best": "ours, GPT-2 124M at our best batch",
+        "nanogpt_best": "nanoGPT train.py, same batch",
+        "llama1b": "ours, LLaMA-style 1.0B",
+    }
+    for key, label in names.items():
+        r = report["steps"].get(key, {})
+        if "batch" not in r:
+            continue
+        if not r.get("tokens_per_s"):
+            lines.append(f"| {label} | {r['batch']} x {r['context']} | {r['status']} | | | | |")
+            continue
+        extra = f" ({r['settings']})" if r.get("settings") else ""
+        if report["cpu_dry_run"]:
+            extra += " [tiny stand-in]"
+        mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") is not None else ""
+        if r.get("its_printed_mfu") is not None:
+            mfu += f" (it prints {r['its_printed_mfu'] * 100:.1f}%)"
+        memory = f"{r['peak_memory_mb'] / 1024:.2f} GiB" if r.get("peak_memory_mb") else ""
+        wait = f"{r['data_wait_fraction'] * 100:.2f}%" if r.get("data_wait_fraction") is not None else ""
+        step = f"{r['step_time_s']:.3f} s" if r.get("step_time_s") else ""
+        tokens = f"{r['tokens_per_s'] / 1000:.1f}k"
+        lines.append(
+            f"| {label}{extra} | {r['batch']} x {r['context']} | {tokens} | {step} | {mfu} | {memory} | {wait} |"
+        )
+    lines.append("")
+    for key, r in report["steps"].items():
+        if r.get("status") in ("failed", "timeout", "skipped"):
+            why = r.get("why") or f"after {r.get('wall_s')} s of its {r.get('limit_s')} s; logs.txt has its log"
+            lines.append(f"- {key}: {r['status']} ({why})")
+    for pair in report["ratios"]:
+        model = "tiny stand-in" if report["cpu_dry_run"] else "GPT-2 124M"
+        lines.append(
+            f"- ours / nanoGPT tokens/s, same GPU, same batch: {pair['ratio']:.2f}× "
+            f"({model}, {pair['batch']} x {pair['context']})"
+        )
+    kernels = report["steps"].get("gpt2_nanogpt_shape", {}).get("kernels")
+    if kernels and kernels.get("groups"):
+        shares = ", ".join(f"{g} {s * 100:.0f}%" for g, s in list(kernels["groups"].items())[:6])
+        lines.append(
+            f"- Where GPT-2's step goes at nanoGPT's shape ({kernels['source']}, {kernels['steps']} profiled steps, "
+            f"{kernels['busy_ms_per_step']:.1f} ms busy of {kernels['wall_ms_per_step']:.1f} ms): {shares}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def peak_bf16(gpu: str | None) -> float | None:
+    if not gpu:
+        return None
+    import torch
+
+    from llm_trainer.train.flops import peak_flops
+
+    return peak_flops(gpu, torch.bfloat16)
+
+
+def nanogpt_mfu(record: dict, settings: Settings, peak: float | None) -> None:
+    """nanoGPT's MFU by our count (its model: no biases, vocabulary 50,304), and its own printed figure
+    moved from an A100's 312 TFLOP/s to this GPU's peak."""
+    if not (peak and record.get("tokens_per_s")):
+        return
+    from llm_trainer.config import ModelConfig
+    from llm_trainer.train.flops import flops_per_token
+
+    width, layers, heads = (64, 2, 2) if settings.cpu else (768, 12, 12)
+    shape = ModelConfig(
+        architecture="gpt2",
+        d_model=width,
+        n_layers=layers,
+        n_heads=heads,
+        d_ff=4 * width,
+        bias=False,
+        max_seq_len=settings.context,
+        vocab_size=NANOGPT_VOCAB,
+    )
+    record["mfu"] = round(flops_per_token(shape, settings.context) * record["tokens_per_s"] / peak, 4)
+    if record.get("its_printed_mfu_a100") is not None:
+        record["its_printed_mfu"] = round(record["its_printed_mfu_a100"] * 312e12 / peak, 4)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", nargs="?", default=os.environ.get("OUT") or str(BENCH_DIR / "out" / "gpu_compare"))
+    parser.add_argument("--cpu-dry-run", action="store_true", help="every step with tiny shapes on the CPU")
+    parser.add_argument("--stage", action="store_true", help="copy nanoGPT into bench/.peers/nanoGPT and stop")
+    parser.add_argument("--peer", type=Path, default=DEFAULT_PEER, help="nanoGPT's folder, for --stage")
+    parser.add_argument("--budget", type=float, default=510, help="seconds for every step together")
+    parser.add_argument("--best-batch", type=int, default=None, help="our best GPT-2 batch, instead of the plan's")
+    parser.add_argument(
+        "--llama",
+        choices=["auto", "plain", "fsdp-checkpointing"],
+        default="auto",
+        help="the 1.0B's settings: auto (the estimate decides), or one of the two",
+    )
+    args = parser.parse_args()
+    if args.stage:
+        return stage(args.peer)
+
+    settings = Settings.for_run(args.cpu_dry_run)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="gpu_compare_"))
+    run = Run(settings=settings, out=out, work=work, deadline=started + args.budget)
+    steps: dict[str, dict] = {}
+    usage_error = None
+    run.report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "cpu_dry_run": settings.cpu, "steps": steps}
+    try:
+        steps["env"] = env_step(run)
+        if not settings.cpu and not steps["env"].get("gpu"):
+            usage_error = "error: no CUDA device found; for a CPU walk-through pass --cpu-dry-run"
+            return 2
+        steps["prepare"] = prepare_step(run)
+        peer = Path(steps["prepare"]["nanogpt_copy"]) if steps["prepare"]["nanogpt_copy"] else None
+        plan = steps["plan"] = plan_step(run, steps["env"].get("gpu_memory_gib"))
+        best = args.best_batch or plan["gpt2_best_batch"]
+        if args.llama != "auto":
+            plan["llama_checkpointing"] = args.llama == "fsdp-checkpointing"
+        steps["gpt2_nanogpt_shape"] = ours_gpt2(run, "gpt2_nanogpt_shape", settings.nanogpt_shape_batch, profile=True)
+        steps["nanogpt_nanogpt_shape"] = nanogpt_step(run, "nanogpt_nanogpt_shape", peer, settings.nanogpt_shape_batch)
+        steps["llama1b"] = llama_step(run, plan)
+        steps["gpt2_best"] = ours_gpt2(run, "gpt2_best", best, profile=False)
+        steps["nanogpt_best"] = nanogpt_step(run, "nanogpt_best", peer, best)
+    finally:
+        report = run.report
+        report["wall_s"] = round(time.monotonic() - started, 1)
+        report["peak_bf16_flops"] = peak_bf16(steps.get("env", {}).get("gpu"))
+        for key in ("nanogpt_nanogpt_shape", "nanogpt_best"):
+            nanogpt_mfu(steps.get(key, {}), settings, report["peak_bf16_flops"])
+        report["ratios"] = ratios(report)
+        (out / "gpu_compare.json").write_text(json.dumps(report, indent=2))
+        (out / "readme_lines.md").write_text(readme_lines(report))
+        with open(out / "logs.txt", "w") as sink:
+            for log in run.logs:
+                tail = _text(log).splitlines()[-40:]
+                sink.write(f"==> {log.name} <==\n" + "\n".join(tail) + "\n\n")
+        shutil.rmtree(work, ignore_errors=True)
+        if usage_error:
+            print(usage_error, file=sys.stderr)
+    print(json.dumps({"wall_s": report["wall_s"], "ratios": report["ratios"]}))
+    print(readme_lines(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
