@@ -49,6 +49,8 @@ class MetricLogger(Protocol):
 
 def scalar_items(row: dict) -> list[tuple[str, float]]:
     """The numeric values of a row under their backend names (see the module docstring)."""
+    if row.get("kind") == "alert":  # words, not a series: metrics.jsonl and the alert's destinations hold it
+        return []
     kind = row_kind(row) or ("train" if "kind" not in row else None)
     items = []
     for key, value in row.items():
@@ -121,6 +123,8 @@ def _replayed(line: str, resumed_at: int | None) -> bool:
     if not isinstance(row, dict):
         return False
     step = row.get("step")
+    if row.get("kind") == "alert":  # what happened stays, whatever part of the run is replayed
+        return False
     return row_kind(row) == "summary" or (isinstance(step, int) and step > resumed_at)
 
 

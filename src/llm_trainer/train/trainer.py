@@ -35,6 +35,7 @@ from ..parallel.distributed import all_reduce_
 from ..parallel.parallelize import parallelize
 from ..pipeline import build_trainer  # the pipeline takes the Trainer class as an argument, never imports it
 from ..resolve import ResolvedRun, native_bf16, resolve_for_model, seed_everything
+from .alerts import Alerter, StallWatchdog, ThroughputWatch
 from .batches import as_loader
 from .callbacks import Callback
 from .evaluate import evaluate
@@ -117,6 +118,13 @@ class Trainer:
         self._part_to_whole: float | None = None  # whole-split / screened-part validation loss, last measured
         self.stop = StopControl(self.dist.world_size)
         self.metrics_tracker = MetricsTracker()  # the run's metric backends (opened by train())
+        self.alerts = Alerter(  # training.alerts: rank 0 tells people of anomalies and the run's end
+            config.alerts,
+            enabled=self.dist.is_main,
+            run_name=str(config.output_dir).rstrip("/").rsplit("/", 1)[-1],
+            write_row=self.metrics_tracker.log,
+            use_wandb="wandb" in config.report_to,
+        )
         self.checkpointer = Checkpointer(
             self.checkpoint_dir,
             parallel=self.parallel,
@@ -241,7 +249,8 @@ class Trainer:
         self.parallel.wrapped.train()
         started = self._started = time.perf_counter()
         timer = PhaseTimer()
-        last_saved, final_eval, ended = None, None, False
+        last_saved, final_eval, ended, crash = None, None, False, None
+        watchdog, speed_watch = StallWatchdog(self.alerts), ThroughputWatch(self.alerts)
 
         try:
             with self.checkpointer, self.stop.signals_handled(), self.profiler:
@@ -263,6 +272,7 @@ class Trainer:
                     state.step += 1
                     state.tokens_seen += out.tokens * self.dist.world_size  # all ranks': the same at any world size
                     self.speed.end_step(out.tokens, out.samples)
+                    watchdog.beat(state.step)
                     if progress is not None:
                         progress.update(1)
 
@@ -286,6 +296,7 @@ class Trainer:
                             **self.speed.metrics(),
                         ).as_dict()
                         self._log_metrics(row)
+                        speed_watch.check(row)
                         if progress is not None:
                             progress.set_postfix(
                                 loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:,.0f}"
@@ -335,6 +346,7 @@ class Trainer:
                 stopped_by_signal=self.stop.signal,
                 **self._spike_counters(),
             ).as_dict()
+            self._alert_end(summary)
             self._log_metrics(summary)
             self._log_end(summary)
             for cb in self.callbacks:
@@ -342,8 +354,17 @@ class Trainer:
             ended = True
             return summary
         except torch.OutOfMemoryError as error:
-            raise out_of_memory(error, self.profiler, cfg) from None
+            crash = out_of_memory(error, self.profiler, cfg)
+            raise crash from None
+        except BaseException as error:
+            crash = error
+            raise
         finally:  # also when a callback or a stop raises: logs flushed, bar closed
+            watchdog.close()
+            if crash is not None:
+                reason = str(crash).strip().splitlines()[0][:300] if str(crash).strip() else type(crash).__name__
+                self.alerts.raise_alert("crashed", reason, state.step)
+            self.alerts.close(timeout=15)  # the run's end delivered (or given up) before the process exits
             if progress is not None:
                 progress.close()
             self.metrics_tracker.close()
@@ -355,7 +376,15 @@ class Trainer:
     def _read_bad_steps(self) -> None:
         """Copy the device-side non-finite counters into the state; stop after too many in a row."""
         state = self.state
+        before = state.skipped_steps
         state.skipped_steps, state.consecutive_bad_steps, longest = self.bad_steps.read()
+        if state.skipped_steps > before:
+            self.alerts.raise_alert(
+                "non_finite",
+                f"{state.skipped_steps - before} step(s) with a non-finite loss or gradient skipped "
+                f"({state.skipped_steps} in all)",
+                state.step,
+            )
         if longest >= self.config.max_consecutive_bad_steps:
             state.consecutive_bad_steps = max(state.consecutive_bad_steps, longest)
             raise TrainingStopped(
@@ -385,9 +414,37 @@ class Trainer:
                 self.bad_steps = NonFiniteSteps(self.device, state.skipped_steps, state.consecutive_bad_steps)
                 self.spikes = self._spike_monitor()
                 self.metrics_tracker.rewound(state.step)
+                self._alert_spike(spikes[0], "rewind", f"rewound to {path.name} (rewind {state.rewinds})")
                 return True
+            if self.state.rewinds >= self.config.max_rewinds:
+                self._alert_spike(spikes[0], "max_rewinds", f"training.max_rewinds={self.config.max_rewinds} used up")
+        for spike in spikes:
+            self._alert_spike(spike, "loss_spike", f"training.on_loss_spike={self.config.on_loss_spike}")
         self.state.spike_history = self.spikes.history()
         return False
+
+    def _alert_spike(self, spike, event: str, what: str) -> None:
+        self.alerts.raise_alert(
+            event,
+            f"loss spike at step {spike.step}: {spike.metric} {spike.value:.4g} above {spike.limit:.4g}; {what}",
+            spike.step,
+        )
+
+    def _alert_end(self, summary: dict) -> None:
+        """The run's end as an alert (before the summary row, which ends metrics.jsonl)."""
+        why = summary.get("stopped_early")
+        if summary.get("stopped_by_signal"):
+            event, text = (
+                "stopped",
+                f"stopped by {summary['stopped_by_signal']}; resume with resume_from_checkpoint=latest",
+            )
+        elif why:
+            event, text = "finished", f"stopped early: {why}"
+        else:
+            event, text = "finished", f"finished {summary['step']} steps in {summary['train_runtime_s']:.0f} s"
+        if summary.get("best_val_loss") is not None:
+            text += f"; best val_loss {summary['best_val_loss']:.4f}"
+        self.alerts.raise_alert(event, text, summary["step"])
 
     def _spike_counters(self) -> dict:
         if self.spikes is None:
@@ -460,6 +517,12 @@ class Trainer:
             state.patience_reference, state.evals_without_improvement = loss, 0
         else:
             state.evals_without_improvement += 1
+            self.alerts.raise_alert(
+                "eval_worse",
+                f"val_loss {loss:.4f} did not improve on {reference:.4f} ({state.evals_without_improvement} "
+                "evaluation(s) in a row)",
+                state.step,
+            )
             if cfg.early_stopping_patience and state.evals_without_improvement >= cfg.early_stopping_patience:
                 reasons.append(
                     f"early stopping: val_loss did not improve by more than {cfg.early_stopping_min_delta} for "
@@ -521,7 +584,8 @@ class Trainer:
     def _log_metrics(self, row: dict) -> None:
         """Send one row (train, eval or summary) to every backend; override to add metrics (e.g.
         `custom/...`), calling `super()._log_metrics(row)`."""
-        self.metrics_tracker.log(row)
+        with self.alerts.rows_lock:  # (the stall watchdog's thread logs its alert rows too)
+            self.metrics_tracker.log(row)
 
     def _shows_progress_bar(self) -> bool:
         """A bar on a terminal only (see `logs.shows_progress_bar`); without one, the console logger
