@@ -280,3 +280,77 @@ def test_alert_rows_survive_a_resume_that_replays_their_steps(tmp_path):
     logger.close()
     JsonlLogger(folder, resumed_at=5).close()
     assert [(r["kind"], r["step"]) for r in _rows(folder)] == [("train", 5), ("alert", 7)]
+
+
+def _children(pid: int) -> list[int]:
+    """The PIDs whose parent is `pid` (this test's own processes only, never another job's)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.slow
+def test_a_stopped_ddp_rank_raises_the_stall_alert_and_the_run_stays_intact(hook, tmp_path):
+    """SIGSTOP of rank 1 hangs rank 0 in its next collective: rank 0's watchdog raises `stall` within
+    its window; the lock stays held and the last checkpoint stays complete."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    from llm_trainer.checkpoint.find import latest_checkpoint
+    from llm_trainer.tools.status import run_status
+    from test_distributed import EXPERIMENT, _env, _free_port, _is_rank
+
+    work = tmp_path
+    lines = [f"the {w} sat on the mat number {i % 7}.\n" for i, w in enumerate(["cat", "dog", "bird", "fox"] * 120)]
+    (work / "corpus.txt").write_text("".join(lines))
+    (work / "exp.yaml").write_text(yaml.safe_dump(EXPERIMENT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}"]
+    cmd += ["-m", "llm_trainer", "train", "--config", "exp.yaml", "training.output_dir=run"]
+    cmd += ["training.batch_size=4", "training.max_steps=100000", "training.save_steps=10", "training.eval_steps=0"]
+    cmd += ["training.distributed_timeout_s=120", f"training.alerts={{webhook_env: {HOOK_ENV}, stall_min_s: 3}}"]
+    job = subprocess.Popen(
+        cmd, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**_env(), HOOK_ENV: hook.url}
+    )
+    run, stopped = work / "run", None
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "checkpoints" / "latest").is_file():
+            assert job.poll() is None and time.monotonic() < deadline, "the run never saved a checkpoint"
+            time.sleep(0.3)
+        ranks = {r: [p for p in _children(job.pid) if _is_rank(str(p), r)] for r in ("0", "1")}
+        assert len(ranks["0"]) == len(ranks["1"]) == 1
+        stopped = ranks["1"][0]
+        os.kill(stopped, signal.SIGSTOP)
+        started = time.monotonic()
+        while "stall" not in [b["event"] for b in hook.bodies()]:
+            assert time.monotonic() - started < 30, "no stall alert within 30 s"
+            time.sleep(0.2)
+        waited = time.monotonic() - started
+        assert waited < 3 + 10  # stall_min_s (the median step is milliseconds), the watchdog's poll and slack
+        status = run_status(str(run))
+        assert status["state"] == "running" and status["lock"]["pid"] == ranks["0"][0]
+        assert status["checkpoint"]["name"] is not None and "skipped" not in status["checkpoint"]
+        assert latest_checkpoint(run / "checkpoints") is not None  # verified: complete, checksums match
+        assert any(r["event"] == "stall" for r in status["last_alerts"])
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        job.send_signal(signal.SIGTERM)
+        try:
+            job.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            job.wait()
+    assert latest_checkpoint(run / "checkpoints") is not None
+    _no_secret_in(run)
