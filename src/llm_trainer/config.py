@@ -364,6 +364,7 @@ class TrainingConfig(_Validated):
     )
     greater_is_better: bool | None = None  # None: False for val_loss, True for a downstream metric
     alerts: AlertsConfig | None = None  # who is told of anomalies and the run's end (train/alerts.py); None: no one
+    layer_stats_steps: int | None = None  # every N steps: per-layer gradient/weight/update norms (train/layer_stats.py)
     # Not kept: read as distributed_strategy: deepspeed (see config_aliases.TRAINING).
     use_deepspeed: InitVar[bool | None] = None
 
@@ -392,6 +393,7 @@ class TrainingConfig(_Validated):
             "max_tokens",
             "total_batch_tokens",
             "eval_batch_size",
+            "layer_stats_steps",
         ):
             value = getattr(self, name)
             _require(value is None or value > 0, f"TrainingConfig.{name} must be positive or null, got {value}")

@@ -40,6 +40,7 @@ from .batches import as_loader
 from .callbacks import Callback
 from .evaluate import evaluate
 from .flops import flops_per_token, peak_flops
+from .layer_stats import LayerStats
 from .metrics import MetricsTracker, tensorboard_dir
 from .optim import build_optimizer, learning_rate_at, set_learning_rate
 from .output_folder import fetch_run_files, upload_run_files
@@ -251,6 +252,7 @@ class Trainer:
         timer = PhaseTimer()
         last_saved, final_eval, ended, crash = None, None, False, None
         watchdog, speed_watch = StallWatchdog(self.alerts), ThroughputWatch(self.alerts)
+        layers = LayerStats(self.model, cfg.layer_stats_steps)  # training.layer_stats_steps
 
         try:
             with self.checkpointer, self.stop.signals_handled(), self.profiler:
@@ -260,6 +262,7 @@ class Trainer:
                     set_learning_rate(self.optimizer, lr)
                     self.speed.start_step()
                     micro = [self.speed.timed_batch(self.train_loader) for _ in range(accum)]
+                    layers_due = layers.due(state.step + 1)
                     out = train_step(
                         self.parallel,
                         micro,
@@ -267,12 +270,15 @@ class Trainer:
                         max_grad_norm=cfg.max_grad_norm,
                         share=self.stop.flag(self.device) if self.dist.world_size > 1 else None,
                         reject=functools.partial(self.spikes.check, state.step + 1) if self.spikes else None,
+                        inspect=layers.before_step if layers_due else None,
                     )
                     self.bad_steps.add(out.finite)
                     state.step += 1
                     state.tokens_seen += out.tokens * self.dist.world_size  # all ranks': the same at any world size
                     self.speed.end_step(out.tokens, out.samples)
                     watchdog.beat(state.step)
+                    if layers_due and (layer_row := layers.after_step(state.step)) is not None:
+                        self._log_metrics(layer_row)
                     if progress is not None:
                         progress.update(1)
 
