@@ -229,9 +229,9 @@ class FailAt(Callback):
             raise RuntimeError("the data source went away\nsecond line")
 
 
-def _tiny(tmp_path, callbacks=(), **alerts) -> Trainer:
+def _tiny(tmp_path, callbacks=(), training=None, **alerts) -> Trainer:
     train, val = tiny_loaders()
-    config = TrainingConfig(
+    values = dict(
         max_steps=12,
         logging_steps=1,
         eval_steps=0,
@@ -242,6 +242,7 @@ def _tiny(tmp_path, callbacks=(), **alerts) -> Trainer:
         report_to=["jsonl"],
         alerts={"webhook_env": HOOK_ENV, **alerts},
     )
+    config = TrainingConfig(**{**values, **(training or {})})
     return Trainer(tiny_model(), config, train_dataloader=train, callbacks=callbacks)
 
 
@@ -354,3 +355,67 @@ def test_a_stopped_ddp_rank_raises_the_stall_alert_and_the_run_stays_intact(hook
             job.wait()
     assert latest_checkpoint(run / "checkpoints") is not None
     _no_secret_in(run)
+
+
+class FailOnSave(Callback):
+    def on_save(self, trainer, path):
+        raise OSError(28, "No space left on device")
+
+
+def test_a_failed_save_and_a_nearly_full_disk_raise_their_alerts(hook, tmp_path):
+    t = _tiny(tmp_path, [FailOnSave()], {"save_steps": 4}, disk_free_fraction=1.0)  # every disk is below 100% free
+    with pytest.raises(OSError):
+        t.train()
+    alerts = [(r["event"], r["step"]) for r in _rows(tmp_path / "run") if r["kind"] == "alert"]
+    assert [event for event, _ in alerts] == ["disk_full", "checkpoint_failed", "crashed"]
+    assert alerts[0][1] == 4 and 4 <= alerts[1][1] == alerts[2][1] <= 8  # a background save's error: at a later poll
+    message = next(r["message"] for r in _rows(tmp_path / "run") if r.get("event") == "checkpoint_failed")
+    assert message == "a checkpoint save failed: [Errno 28] No space left on device"
+
+
+def test_a_nearly_full_disk_is_told_once_per_interval(hook, tmp_path):
+    t = _tiny(tmp_path, training={"save_steps": 4}, disk_free_fraction=1.0)
+    t.train()
+    disk = [r for r in _rows(tmp_path / "run") if r["kind"] == "alert" and r["event"] == "disk_full"]
+    assert [r["step"] for r in disk] == [4] and "% free" in disk[0]["message"]
+
+
+class PoisonAt(Callback):
+    """Makes a weight NaN after step `step`: every later step is non-finite."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, trainer, row):
+        if row["step"] == self.step:
+            import torch
+
+            with torch.no_grad():
+                next(trainer.model.parameters()).fill_(float("nan"))
+
+
+def test_non_finite_steps_raise_an_alert_and_the_stop_is_the_crash_reason(hook, tmp_path):
+    t = _tiny(tmp_path, [PoisonAt(3)], {"max_consecutive_bad_steps": 3})
+    with pytest.raises(Exception, match="non-finite"):
+        t.train()
+    alerts = [r for r in _rows(tmp_path / "run") if r["kind"] == "alert"]
+    assert [r["event"] for r in alerts] == ["non_finite", "crashed"]  # rate-limited: one non_finite
+    assert alerts[0]["step"] == 4 and "steps in a row had a non-finite loss" in alerts[1]["message"]
+
+
+def test_throughput_below_the_runs_median_and_data_wait_are_raised():
+    from llm_trainer.train.alerts import ThroughputWatch
+
+    rows: list = []
+    a = Alerter(
+        AlertsConfig(throughput_windows=2, throughput_fraction=0.5, data_wait_fraction=0.3),
+        enabled=True,
+        run_name="r",
+        write_row=rows.append,
+    )
+    watch = ThroughputWatch(a)
+    speeds = [50.0, 1000.0, 1010.0, 990.0, 400.0, 1000.0, 400.0, 390.0]  # the first window (warm-up) is not judged
+    for step, speed in enumerate(speeds, 1):
+        watch.check({"step": step, "tokens_per_s": speed, "data_wait_fraction": 0.6 if step == 2 else 0.01})
+    assert [(r["event"], r["step"]) for r in rows] == [("data_wait", 2), ("throughput", 8)]
+    assert "below 50% of this run's median" in rows[1]["message"]

@@ -528,6 +528,7 @@ class AlertsConfig(_Validated):
     throughput_fraction: float = 0.5  # tokens/s below this fraction of the run's median ...
     throughput_windows: int = 3  # ... for this many logged windows in a row
     data_wait_fraction: float = 0.5  # the step's share spent waiting for data above this (1 turns it off)
+    disk_free_fraction: float = 0.05  # after each checkpoint: the checkpoint disk's free share below this (0: off)
     retries: int = 4  # tries of each destination per alert, with backoff doubling from backoff_s
     backoff_s: float = 1.0
     timeout_s: float = 10.0  # of one try
@@ -543,7 +544,7 @@ class AlertsConfig(_Validated):
         )
         for field_name in ("min_interval_s", "stall_factor", "stall_min_s", "backoff_s", "timeout_s"):
             _require(getattr(self, field_name) >= 0, f"TrainingConfig.alerts.{field_name} must be >= 0")
-        for field_name in ("throughput_fraction", "data_wait_fraction"):
+        for field_name in ("throughput_fraction", "data_wait_fraction", "disk_free_fraction"):
             value = getattr(self, field_name)
             _require(0 <= value <= 1, f"TrainingConfig.alerts.{field_name} must be within [0, 1], got {value}")
         _require(self.throughput_windows >= 1, "TrainingConfig.alerts.throughput_windows must be >= 1")

@@ -19,14 +19,18 @@ main process (rank 0) raises alerts; other ranks get an Alerter that does nothin
 median step time (and at least `stall_min_s`): a hung collective, a stopped rank or a dead data source.
 `ThroughputWatch` raises `throughput` after `throughput_windows` logged windows in a row below
 `throughput_fraction` of the run's own median tokens/s, and `data_wait` when the share of a step spent
-waiting for data exceeds `data_wait_fraction`.
+waiting for data exceeds `data_wait_fraction`. After each checkpoint, `disk_full` when the checkpoint
+disk's free share is below `disk_free_fraction`; a save that fails raises `checkpoint_failed` (and the
+run's end, `crashed`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
+import shutil
 import smtplib
 import statistics
 import threading
@@ -34,14 +38,14 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from email.message import EmailMessage
+from pathlib import Path
 
 from ..config import AlertsConfig
 from ..logs import log, warn
 from .rows import AlertRow
 
-SMTP_ENV = ("LLMT_SMTP_HOST", "LLMT_SMTP_PORT", "LLMT_SMTP_USER", "LLMT_SMTP_PASSWORD", "LLMT_SMTP_FROM")
 END_EVENTS = ("finished", "stopped", "crashed")  # the run's end
 UNLIMITED = (*END_EVENTS, "rewind")  # never rate-limited: one alert per rewind (max_rewinds bounds them)
 _STOP = object()  # tells the sender thread to finish
@@ -99,6 +103,34 @@ class Alerter:
         self._start_sender()
         self._queue.put(row)
         return True
+
+    @contextlib.contextmanager
+    def on_failure(self, event: str, what: str, step: Callable[[], int]) -> Iterator[None]:
+        """Raise `event` (e.g. checkpoint_failed) when the block fails, then let the error go on."""
+        try:
+            yield
+        except Exception as exc:
+            text = str(exc).strip()
+            self.raise_alert(event, f"{what}: {text.splitlines()[0][:300] if text else type(exc).__name__}", step())
+            raise
+
+    def check_disk(self, folder: Path, step: int) -> None:
+        """Raise `disk_full` when the disk holding `folder` has less than `disk_free_fraction` free."""
+        if not self.enabled or self.config is None or self.config.disk_free_fraction <= 0:
+            return
+        existing = next((p for p in (Path(folder), *Path(folder).parents) if p.exists()), None)
+        try:  # (a background save may not have made the folder yet: its disk is the nearest existing one's)
+            usage = shutil.disk_usage(existing or ".")
+        except OSError:
+            return
+        free = usage.free / usage.total if usage.total else 1.0
+        if free < self.config.disk_free_fraction:
+            self.raise_alert(
+                "disk_full",
+                f"the disk holding {folder} has {100 * free:.1f}% free ({usage.free / 2**30:.1f} GiB; limit "
+                f"{100 * self.config.disk_free_fraction:g}%); free space or lower training.save_total_limit",
+                step,
+            )
 
     def close(self, timeout: float = 30.0) -> None:
         """Send what is queued (the run's end among it), waiting at most `timeout` seconds."""

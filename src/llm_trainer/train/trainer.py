@@ -319,7 +319,8 @@ class Trainer:
                             final_eval = self._evaluate_and_track(full=at_end)
 
                     # Checkpoint periodically (in the background), at the end and when a signal asked us to stop.
-                    self.checkpointer.poll()
+                    with self.alerts.on_failure("checkpoint_failed", "a checkpoint save failed", lambda: state.step):
+                        self.checkpointer.poll()  # (a background save's error surfaces here)
                     self.stop.poll()  # one process: a signal that came during logging/evaluation counts now
                     stopping = at_end or self.stop.stopping
                     if stopping or (cfg.save_steps and state.step % cfg.save_steps == 0):
@@ -327,7 +328,11 @@ class Trainer:
                         if self._act_on_spikes():  # never a checkpoint after an unread spike
                             continue
                         with timer.count("checkpoint"):
-                            last_saved = self.checkpointer.save(background=not stopping)
+                            with self.alerts.on_failure(
+                                "checkpoint_failed", "a checkpoint save failed", lambda: state.step
+                            ):
+                                last_saved = self.checkpointer.save(background=not stopping)
+                        self.alerts.check_disk(self.checkpoint_dir, state.step)
                     self.stop.end_step()
 
             self._read_bad_steps()
