@@ -107,3 +107,37 @@ def test_two_processes_log_what_one_process_of_twice_the_batch_logs(tmp_path, st
         for key in a:
             if key.startswith("layers/"):
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
+
+
+def test_histograms_of_gradients_and_weights_reach_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train, _ = tiny_loaders()
+    config = TrainingConfig(
+        max_steps=2,
+        logging_steps=1,
+        eval_steps=0,
+        save_steps=0,
+        output_dir=str(tmp_path / "run"),
+        device="cpu",
+        use_amp=False,
+        progress_bar=False,
+        report_to=["jsonl", "tensorboard"],
+        layer_stats_steps=2,
+    )
+    trainer = Trainer(tiny_model(n_layers=2), config, train_dataloader=train)
+    weights = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    (folder,) = {p.parent for p in (tmp_path / "run").rglob("events.out.tfevents*")}
+    events = EventAccumulator(str(folder), size_guidance={"histograms": 0}).Reload()
+    tags = events.Tags()["histograms"]
+    assert "layers/blocks.1.mlp/grad" in tags and "layers/tok_emb/weight" in tags
+    assert len(tags) == 2 * 11
+    (entry,) = events.Histograms("layers/blocks.1.mlp/grad")
+    assert entry.step == 2 and entry.histogram_value.num == sum(
+        weights[n].numel() for n in weights if n.startswith("blocks.1.mlp.")
+    )
+    (entry,) = events.Histograms("layers/tok_emb/weight")
+    assert sum(entry.histogram_value.bucket) == weights["tok_emb.weight"].numel()
+    assert "layers/tok_emb/weight" not in (tmp_path / "run" / "metrics.jsonl").read_text()  # scalars only there

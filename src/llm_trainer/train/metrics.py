@@ -223,6 +223,11 @@ class TensorBoardLogger:
         for name, value in scalar_items(row):
             self.writer.add_scalar(name, value, row["step"])
 
+    def histograms(self, step: int, histograms: dict[str, dict]) -> None:
+        """Histograms given as TensorBoard's raw fields (`train.layer_stats`)."""
+        for name, fields in histograms.items():
+            self.writer.add_histogram_raw(name, global_step=step, **fields)
+
     def close(self) -> None:
         if getattr(self, "_hparams_end", None) is not None:
             self.writer._get_file_writer().add_summary(self._hparams_end)
@@ -247,6 +252,17 @@ class WandbLogger:
             project=os.environ.get("WANDB_PROJECT", "llm-trainer"),
             name=os.environ.get("WANDB_NAME") or directory.resolve().name,
         )
+
+    def histograms(self, step: int, histograms: dict[str, dict]) -> None:
+        """Histograms given as TensorBoard's raw fields (`train.layer_stats`), as W&B histograms."""
+        import numpy as np
+        import wandb
+
+        values = {}
+        for name, fields in histograms.items():
+            edges = np.asarray([fields["min"], *fields["bucket_limits"]])
+            values[name] = wandb.Histogram(np_histogram=(np.asarray(fields["bucket_counts"]), edges))
+        self.run.log(values, step=step)
 
     def log(self, row: dict) -> None:
         values = dict(scalar_items(row))
@@ -400,6 +416,12 @@ class MetricsTracker:
         for logger in self.loggers:
             if hasattr(logger, "rewound"):
                 logger.rewound(step)
+
+    def histograms(self, step: int, histograms: dict[str, dict]) -> None:
+        """To the backends that draw histograms (TensorBoard, W&B); the others take none."""
+        for logger in self.loggers:
+            if hasattr(logger, "histograms"):
+                logger.histograms(step, histograms)
 
     def update(self, values: dict, step: int) -> None:
         """Log `values` ({"custom/metric": number}) at `step` to every backend."""

@@ -252,7 +252,8 @@ class Trainer:
         timer = PhaseTimer()
         last_saved, final_eval, ended, crash = None, None, False, None
         watchdog, speed_watch = StallWatchdog(self.alerts), ThroughputWatch(self.alerts)
-        layers = LayerStats(self.model, cfg.layer_stats_steps)  # training.layer_stats_steps
+        drawn = any(backend in cfg.report_to for backend in ("tensorboard", "wandb"))  # histograms too
+        layers = LayerStats(self.model, cfg.layer_stats_steps, histograms=drawn)  # training.layer_stats_steps
 
         try:
             with self.checkpointer, self.stop.signals_handled(), self.profiler:
@@ -279,6 +280,10 @@ class Trainer:
                     watchdog.beat(state.step)
                     if layers_due and (layer_row := layers.after_step(state.step)) is not None:
                         self._log_metrics(layer_row)
+                        if drawn:  # (every rank: FSDP2 reduces the counts)
+                            histograms = layers.histograms(state.step)
+                            with self.alerts.rows_lock:
+                                self.metrics_tracker.histograms(state.step, histograms)
                     if progress is not None:
                         progress.update(1)
 
