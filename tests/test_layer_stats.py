@@ -90,6 +90,7 @@ def test_two_processes_log_what_one_process_of_twice_the_batch_logs(tmp_path, st
         f"model.init_from={init}",
         "training.layer_stats_steps=2",
         "training.max_steps=4",
+        "training.report_to=[jsonl,tensorboard]",  # the histograms too
         "training.save_steps=0",
     ]
     _single(tmp_path, "training.output_dir=single", *common)
@@ -107,6 +108,23 @@ def test_two_processes_log_what_one_process_of_twice_the_batch_logs(tmp_path, st
         for key in a:
             if key.startswith("layers/"):
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
+    hist_one, hist_two = _histograms(tmp_path / "single"), _histograms(tmp_path / "two")
+    assert hist_one.keys() == hist_two.keys() and len(hist_one) == 2 * 11
+    for tag, (num, total, low, high) in hist_one.items():
+        assert hist_two[tag][0] == num  # every value counted once over the shards
+        assert hist_two[tag][1:] == pytest.approx((total, low, high), rel=1e-4, abs=1e-6), tag
+
+
+def _histograms(run: Path) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (folder,) = {p.parent for p in run.rglob("events.out.tfevents*")}
+    events = EventAccumulator(str(folder), size_guidance={"histograms": 0}).Reload()
+    out = {}
+    for tag in events.Tags()["histograms"]:
+        last = events.Histograms(tag)[-1].histogram_value
+        out[tag] = (last.num, last.sum, last.min, last.max)
+    return out
 
 
 def test_histograms_of_gradients_and_weights_reach_tensorboard(tmp_path):
