@@ -3,9 +3,10 @@
     python bench/layer_stats_cost.py                      # baby GPT and a wider model, on this machine's device
     python bench/layer_stats_cost.py --device cuda --shape gpt2-small
 
-Each round times `--steps` plain steps and `--steps` steps that collect the statistics (`train_step`
-with the LayerStats hooks, the row read back to the host), alternated one by one on the same model,
-optimizer and batch, after `--warmup` steps. `stats_cost_ms` = median(with) - median(without);
+Each round times `--steps` plain steps, steps that collect the norms only (`train_step` with the
+LayerStats hooks, the row read back to the host: `norms_cost_ms`) and steps that also compute the
+histograms (what TensorBoard or W&B as a backend adds: `stats_cost_ms`), alternated one by one on the
+same model, optimizer and batch, after `--warmup` steps. Costs are medians minus the plain median;
 `share_every_100` = stats_cost_ms / (100 x median plain step): the share of step time the statistics
 take when logged every 100 steps. One JSON object on stdout and in bench/out/layer_stats_cost.json.
 """
@@ -51,7 +52,7 @@ def measure(shape: str, device: str, steps: int, warmup: int) -> dict:
     parallel, dev = trainer.parallel, trainer.device
     tokens = torch.randint(0, values["vocab_size"], (batch, values["max_seq_len"] + 1), device=dev)
     micro = [(tokens[:, :-1], tokens[:, 1:])]
-    stats = LayerStats(trainer.model, 1)
+    stats = LayerStats(trainer.model, 1, histograms=True)
 
     def step(with_stats: bool) -> float:
         _sync(dev)
@@ -65,23 +66,30 @@ def measure(shape: str, device: str, steps: int, warmup: int) -> dict:
         )
         if with_stats:
             stats.after_step(1)  # the row, read back to the host
+            stats.histograms(1)  # computed and read back when kept (drawing them is the backend's)
         float(out.loss)  # both sides read the loss (what logging does)
         _sync(dev)
         return time.perf_counter() - start
 
     for i in range(warmup):
         step(i % 2 == 1)
-    plain, with_stats = [], []
+    plain, with_stats, norms_only = [], [], []
     for _ in range(steps):
         plain.append(step(False))
         with_stats.append(step(True))
-    base, cost = statistics.median(plain), statistics.median(with_stats) - statistics.median(plain)
+        stats.keep_values = False
+        norms_only.append(step(True))
+        stats.keep_values = True
+    base = statistics.median(plain)
+    cost = statistics.median(with_stats) - base
+    norms = statistics.median(norms_only) - base
     return {
         "shape": shape,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "parameters": sum(p.numel() for p in model.parameters()),
         "groups": len(stats.groups),
         "step_ms": 1000 * base,
+        "norms_cost_ms": 1000 * norms,
         "stats_cost_ms": 1000 * cost,
         "share_every_100": cost / (100 * base),
     }
