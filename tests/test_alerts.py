@@ -13,6 +13,7 @@ import pytest
 
 from conftest import free_port, tiny_loaders, tiny_model
 from llm_trainer.config import AlertsConfig, TrainingConfig
+from llm_trainer.tools.status import format_status, run_status
 from llm_trainer.train.alerts import Alerter
 from llm_trainer.train.callbacks import Callback
 from llm_trainer.train.trainer import Trainer
@@ -206,6 +207,9 @@ def test_a_planted_spike_raises_one_alert_per_rewind_and_the_end_is_told(hook, t
     assert [r["event"] for r in alerts if r["event"] == "max_rewinds"] == ["max_rewinds"]  # the later spikes
     assert alerts[-1]["event"] == "finished" and rows[-1]["kind"] == "summary"  # the summary still ends the file
     assert [b["event"] for b in hook.bodies()] == [r["event"] for r in alerts]  # every row was also sent
+    status = run_status(str(run))
+    assert status["state"] == "finished" and status["alerts"] == len(alerts)
+    assert "rewound to checkpoint-00000028" in format_status(status)
     _no_secret_in(tmp_path)
 
 
@@ -264,6 +268,7 @@ def test_a_crash_raises_one_alert_with_its_one_line_reason(hook, tmp_path):
         t.train()
     alerts = [r for r in _rows(tmp_path / "run") if r["kind"] == "alert"]
     assert [(r["event"], r["step"], r["message"]) for r in alerts] == [("crashed", 3, "the data source went away")]
+    assert run_status(str(tmp_path / "run"))["state"] == "crashed: the data source went away"
     assert hook.bodies()[-1]["event"] == "crashed"
 
 

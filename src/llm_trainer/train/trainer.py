@@ -429,7 +429,8 @@ class Trainer:
                 state = self.state
                 self.bad_steps = NonFiniteSteps(self.device, state.skipped_steps, state.consecutive_bad_steps)
                 self.spikes = self._spike_monitor()
-                self.metrics_tracker.rewound(state.step)
+                with self.alerts.rows_lock:  # (metrics.jsonl is reopened; the watchdog's thread may log)
+                    self.metrics_tracker.rewound(state.step)
                 self._alert_spike(spikes[0], "rewind", f"rewound to {path.name} (rewind {state.rewinds})")
                 return True
             if self.state.rewinds >= self.config.max_rewinds:
