@@ -1,5 +1,5 @@
-"""`llm-trainer prepare | train | eval | generate | export | consolidate | plot | lr-find | sweep | registry |
-estimate | quickstart`: a thin layer over the Python API.
+"""`llm-trainer prepare | train | eval | generate | export | consolidate | plot | status | lr-find | sweep |
+registry | estimate | quickstart`: a thin layer over the Python API.
 
 A user error prints one line, `error: ...`, and exits with status 2; no traceback.
 """
@@ -443,6 +443,13 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_status(args) -> int:
+    from .tools.status import print_status
+
+    print_status(args.run, args.json)
+    return 0
+
+
 def cmd_lr_find(args) -> int:
     from .tools.lr_finder import run_lr_finder
 
@@ -686,6 +693,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--labels", nargs="+", help="legend names, one per run (default: the folder names)")
     p.set_defaults(func=cmd_plot)
+
+    what = "a run at a glance: step, losses, speed, ETA, last checkpoint, alerts, whether it is running"
+    p = sub.add_parser("status", help=what, description=what)
+    p.add_argument("run", metavar="RUN", help="a run's output folder, or its URL output_dir (s3://...)")
+    p.add_argument("--json", action="store_true", help="the same as one JSON object, for scripts")
+    p.set_defaults(func=cmd_status)
 
     p = with_config(sub.add_parser("lr-find", help="learning-rate range test on a copy of the model; suggests a rate"))
     p.add_argument("--start-lr", "--start_lr", type=float, default=1e-7)

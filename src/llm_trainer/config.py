@@ -434,11 +434,17 @@ class TrainingConfig(_Validated):
         "val_loss"  # or eval/<source>/loss, or downstream/<task>/<metric> (e.g. downstream/llmt_choice/acc)
     )
     greater_is_better: bool | None = None  # None: False for val_loss, True for a downstream metric
+    alerts: AlertsConfig | None = None  # who is told of anomalies and the run's end (train/alerts.py); None: no one
+    layer_stats_steps: int | None = None  # every N steps: per-layer gradient/weight/update norms (train/layer_stats.py)
     # Not kept: read as distributed_strategy: deepspeed (see config_aliases.TRAINING).
     use_deepspeed: InitVar[bool | None] = None
 
     SECTION = "training"
     SPELLINGS = ("use_deepspeed",)
+
+    def _coerce(self) -> None:
+        if isinstance(self.alerts, dict):
+            self.alerts = AlertsConfig.from_dict(self.alerts, section="TrainingConfig.alerts")
 
     def _check(self) -> None:
         for name in (
@@ -458,6 +464,7 @@ class TrainingConfig(_Validated):
             "max_tokens",
             "total_batch_tokens",
             "eval_batch_size",
+            "layer_stats_steps",
         ):
             value = getattr(self, name)
             _require(value is None or value > 0, f"TrainingConfig.{name} must be positive or null, got {value}")
@@ -581,6 +588,44 @@ class TrainingConfig(_Validated):
         if self.remote_output_dir and not self.checkpoint_dir:
             return join(self.output_dir, "checkpoints")
         return None
+
+
+@dataclass(kw_only=True)
+class AlertsConfig(_Validated):
+    """`training.alerts`: where alerts go and what raises them (see train/alerts.py). Secrets are never
+    here: the webhook's URL and the SMTP server's credentials are read from the environment."""
+
+    webhook_env: str | None = None  # the environment variable holding the webhook URL (Slack, Teams, Discord)
+    email_to: list[str] | None = None  # addresses; the server from LLMT_SMTP_HOST/PORT/USER/PASSWORD/FROM
+    wandb: bool = True  # wandb.alert too, when report_to has wandb
+    min_interval_s: float = 600.0  # one alert of a kind per this many seconds (the run's end always goes)
+    stall_factor: float = 10.0  # a stall: no step for this many times the median step time ...
+    stall_min_s: float = 300.0  # ... and at least this long; 0 turns the watchdog off
+    throughput_fraction: float = 0.5  # tokens/s below this fraction of the run's median ...
+    throughput_windows: int = 3  # ... for this many logged windows in a row
+    data_wait_fraction: float = 0.5  # the step's share spent waiting for data above this (1 turns it off)
+    disk_free_fraction: float = 0.05  # after each checkpoint: the checkpoint disk's free share below this (0: off)
+    retries: int = 4  # tries of each destination per alert, with backoff doubling from backoff_s
+    backoff_s: float = 1.0
+    timeout_s: float = 10.0  # of one try
+
+    SECTION = "alerts"
+
+    def _check(self) -> None:
+        name = self.webhook_env
+        _require(
+            name is None or re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) is not None,
+            "TrainingConfig.alerts.webhook_env must name an environment variable (e.g. LLMT_WEBHOOK_URL); put the "
+            "URL itself in that variable, never in the config (the value given is not repeated here)",
+        )
+        for field_name in ("min_interval_s", "stall_factor", "stall_min_s", "backoff_s", "timeout_s"):
+            _require(getattr(self, field_name) >= 0, f"TrainingConfig.alerts.{field_name} must be >= 0")
+        for field_name in ("throughput_fraction", "data_wait_fraction", "disk_free_fraction"):
+            value = getattr(self, field_name)
+            _require(0 <= value <= 1, f"TrainingConfig.alerts.{field_name} must be within [0, 1], got {value}")
+        _require(self.throughput_windows >= 1, "TrainingConfig.alerts.throughput_windows must be >= 1")
+        _require(self.retries >= 1, "TrainingConfig.alerts.retries must be >= 1")
+        _require(self.timeout_s > 0, "TrainingConfig.alerts.timeout_s must be > 0")
 
 
 # ----------------------------------------------------------------------------------------------

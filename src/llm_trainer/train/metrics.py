@@ -49,6 +49,8 @@ class MetricLogger(Protocol):
 
 def scalar_items(row: dict) -> list[tuple[str, float]]:
     """The numeric values of a row under their backend names (see the module docstring)."""
+    if row.get("kind") == "alert":  # words, not a series: metrics.jsonl and the alert's destinations hold it
+        return []
     kind = row_kind(row) or ("train" if "kind" not in row else None)
     items = []
     for key, value in row.items():
@@ -121,6 +123,8 @@ def _replayed(line: str, resumed_at: int | None) -> bool:
     if not isinstance(row, dict):
         return False
     step = row.get("step")
+    if row.get("kind") == "alert":  # what happened stays, whatever part of the run is replayed
+        return False
     return row_kind(row) == "summary" or (isinstance(step, int) and step > resumed_at)
 
 
@@ -219,6 +223,11 @@ class TensorBoardLogger:
         for name, value in scalar_items(row):
             self.writer.add_scalar(name, value, row["step"])
 
+    def histograms(self, step: int, histograms: dict[str, dict]) -> None:
+        """Histograms given as TensorBoard's raw fields (`train.layer_stats`)."""
+        for name, fields in histograms.items():
+            self.writer.add_histogram_raw(name, global_step=step, **fields)
+
     def close(self) -> None:
         if getattr(self, "_hparams_end", None) is not None:
             self.writer._get_file_writer().add_summary(self._hparams_end)
@@ -243,6 +252,17 @@ class WandbLogger:
             project=os.environ.get("WANDB_PROJECT", "llm-trainer"),
             name=os.environ.get("WANDB_NAME") or directory.resolve().name,
         )
+
+    def histograms(self, step: int, histograms: dict[str, dict]) -> None:
+        """Histograms given as TensorBoard's raw fields (`train.layer_stats`), as W&B histograms."""
+        import numpy as np
+        import wandb
+
+        values = {}
+        for name, fields in histograms.items():
+            edges = np.asarray([fields["min"], *fields["bucket_limits"]])
+            values[name] = wandb.Histogram(np_histogram=(np.asarray(fields["bucket_counts"]), edges))
+        self.run.log(values, step=step)
 
     def log(self, row: dict) -> None:
         values = dict(scalar_items(row))
@@ -396,6 +416,12 @@ class MetricsTracker:
         for logger in self.loggers:
             if hasattr(logger, "rewound"):
                 logger.rewound(step)
+
+    def histograms(self, step: int, histograms: dict[str, dict]) -> None:
+        """To the backends that draw histograms (TensorBoard, W&B); the others take none."""
+        for logger in self.loggers:
+            if hasattr(logger, "histograms"):
+                logger.histograms(step, histograms)
 
     def update(self, values: dict, step: int) -> None:
         """Log `values` ({"custom/metric": number}) at `step` to every backend."""

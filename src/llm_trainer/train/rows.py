@@ -5,6 +5,7 @@
                 data sources each one's loss (`eval/<source>/loss`)
     SummaryRow  once, at the end of `train()`
     "downstream" benchmark scores of `training.eval_tasks`: `downstream/<task>/<metric>` (`downstream_row`)
+    AlertRow    each alert raised (`training.alerts`, train/alerts.py): event, message, wall-clock time
     "custom"    a user's own values (`Trainer.metrics_tracker.update`): `custom_row`, no fixed schema
 
 Each row is a flat JSON object with `kind` ("train", "eval", "summary") and `step`; optional fields
@@ -93,6 +94,16 @@ class SummaryRow(_Row):
     stopped_by_signal: str | None = None  # the signal the run stopped for: its name (SIGTERM), or another rank's
     loss_spikes: int | None = None  # with training.on_loss_spike
     rewinds: int | None = None
+
+
+@dataclass(kw_only=True)
+class AlertRow(_Row):
+    kind: ClassVar[str] = "alert"
+    step: int
+    event: str  # loss_spike, rewind, max_rewinds, non_finite, stall, throughput, data_wait, eval_worse,
+    # checkpoint_failed, disk_full, finished, stopped, crashed
+    message: str  # one line, for people
+    time: float  # Unix time it was raised
 
 
 def custom_row(step: int, values: dict) -> dict:

@@ -92,6 +92,16 @@ def _read_lock(folder: Path, *, probe: bool) -> tuple[str | None, list[str]] | N
         os.close(fd)  # releases the probe's lock, if it took one
 
 
+def lock_holder(folder: Path) -> tuple[bool, int | None]:
+    """(whether a live process holds `folder`'s lock, its PID when it recorded one): what `status` shows.
+    Probes the lock for an instant, as a second run would; creates nothing."""
+    found = _read_lock(Path(folder), probe=True)
+    if found is None or found[0] is None:
+        return False, None
+    first = found[1][0].strip() if found[1] else ""
+    return True, int(first) if first.isdigit() else None
+
+
 def _refuse_held_ancestor(folder: Path, setting: str) -> None:
     """A lock on a folder guards its subtree: refuse `folder` inside a folder another run holds."""
     for ancestor in folder.parents:

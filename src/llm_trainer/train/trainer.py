@@ -36,10 +36,12 @@ from ..parallel.parallelize import parallelize
 from ..pipeline import build_trainer  # the pipeline takes the Trainer class as an argument, never imports it
 from ..resolve import ResolvedRun, native_bf16, resolve_for_model, seed_everything
 from ..tokenizer import tokenizer_json
+from .alerts import Alerter, StallWatchdog, ThroughputWatch
 from .batches import as_loader
 from .callbacks import Callback
 from .evaluate import evaluate
 from .flops import flops_per_token, peak_flops
+from .layer_stats import LayerStats
 from .metrics import MetricsTracker, tensorboard_dir
 from .optim import build_optimizer, learning_rate_at, set_learning_rate
 from .output_folder import fetch_run_files, upload_run_files
@@ -118,6 +120,13 @@ class Trainer:
         self._part_to_whole: float | None = None  # whole-split / screened-part validation loss, last measured
         self.stop = StopControl(self.dist.world_size)
         self.metrics_tracker = MetricsTracker()  # the run's metric backends (opened by train())
+        self.alerts = Alerter(  # training.alerts: rank 0 tells people of anomalies and the run's end
+            config.alerts,
+            enabled=self.dist.is_main,
+            run_name=str(config.output_dir).rstrip("/").rsplit("/", 1)[-1],
+            write_row=self.metrics_tracker.log,
+            use_wandb="wandb" in config.report_to,
+        )
         self.checkpointer = Checkpointer(
             self.checkpoint_dir,
             parallel=self.parallel,
@@ -242,7 +251,10 @@ class Trainer:
         self.parallel.wrapped.train()
         started = self._started = time.perf_counter()
         timer = PhaseTimer()
-        last_saved, final_eval, ended = None, None, False
+        last_saved, final_eval, ended, crash = None, None, False, None
+        watchdog, speed_watch = StallWatchdog(self.alerts), ThroughputWatch(self.alerts)
+        drawn = any(backend in cfg.report_to for backend in ("tensorboard", "wandb"))  # histograms too
+        layers = LayerStats(self.model, cfg.layer_stats_steps, histograms=drawn)  # training.layer_stats_steps
 
         try:
             with self.checkpointer, self.stop.signals_handled(), self.profiler:
@@ -252,6 +264,7 @@ class Trainer:
                     set_learning_rate(self.optimizer, lr)
                     self.speed.start_step()
                     micro = [self.speed.timed_batch(self.train_loader) for _ in range(accum)]
+                    layers_due = layers.due(state.step + 1)
                     out = train_step(
                         self.parallel,
                         micro,
@@ -259,11 +272,19 @@ class Trainer:
                         max_grad_norm=cfg.max_grad_norm,
                         share=self.stop.flag(self.device) if self.dist.world_size > 1 else None,
                         reject=functools.partial(self.spikes.check, state.step + 1) if self.spikes else None,
+                        inspect=layers.before_step if layers_due else None,
                     )
                     self.bad_steps.add(out.finite)
                     state.step += 1
                     state.tokens_seen += out.tokens * self.dist.world_size  # all ranks': the same at any world size
                     self.speed.end_step(out.tokens, out.samples)
+                    watchdog.beat(state.step)
+                    if layers_due and (layer_row := layers.after_step(state.step)) is not None:
+                        self._log_metrics(layer_row)
+                        if drawn:  # (every rank: FSDP2 reduces the counts)
+                            histograms = layers.histograms(state.step)
+                            with self.alerts.rows_lock:
+                                self.metrics_tracker.histograms(state.step, histograms)
                     if progress is not None:
                         progress.update(1)
 
@@ -287,6 +308,7 @@ class Trainer:
                             **self.speed.metrics(),
                         ).as_dict()
                         self._log_metrics(row)
+                        speed_watch.check(row)
                         if progress is not None:
                             progress.set_postfix(
                                 loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:,.0f}"
@@ -303,7 +325,8 @@ class Trainer:
                             final_eval = self._evaluate_and_track(full=at_end)
 
                     # Checkpoint periodically (in the background), at the end and when a signal asked us to stop.
-                    self.checkpointer.poll()
+                    with self.alerts.on_failure("checkpoint_failed", "a checkpoint save failed", lambda: state.step):
+                        self.checkpointer.poll()  # (a background save's error surfaces here)
                     self.stop.poll()  # one process: a signal that came during logging/evaluation counts now
                     stopping = at_end or self.stop.stopping
                     if stopping or (cfg.save_steps and state.step % cfg.save_steps == 0):
@@ -311,7 +334,11 @@ class Trainer:
                         if self._act_on_spikes():  # never a checkpoint after an unread spike
                             continue
                         with timer.count("checkpoint"):
-                            last_saved = self.checkpointer.save(background=not stopping)
+                            with self.alerts.on_failure(
+                                "checkpoint_failed", "a checkpoint save failed", lambda: state.step
+                            ):
+                                last_saved = self.checkpointer.save(background=not stopping)
+                        self.alerts.check_disk(self.checkpoint_dir, state.step)
                     self.stop.end_step()
 
             self._read_bad_steps()
@@ -336,6 +363,7 @@ class Trainer:
                 stopped_by_signal=self.stop.signal,
                 **self._spike_counters(),
             ).as_dict()
+            self._alert_end(summary)
             self._log_metrics(summary)
             self._log_end(summary)
             for cb in self.callbacks:
@@ -343,8 +371,17 @@ class Trainer:
             ended = True
             return summary
         except torch.OutOfMemoryError as error:
-            raise out_of_memory(error, self.profiler, cfg) from None
+            crash = out_of_memory(error, self.profiler, cfg)
+            raise crash from None
+        except BaseException as error:
+            crash = error
+            raise
         finally:  # also when a callback or a stop raises: logs flushed, bar closed
+            watchdog.close()
+            if crash is not None:
+                reason = str(crash).strip().splitlines()[0][:300] if str(crash).strip() else type(crash).__name__
+                self.alerts.raise_alert("crashed", reason, state.step)
+            self.alerts.close(timeout=15)  # the run's end delivered (or given up) before the process exits
             if progress is not None:
                 progress.close()
             self.metrics_tracker.close()
@@ -356,7 +393,15 @@ class Trainer:
     def _read_bad_steps(self) -> None:
         """Copy the device-side non-finite counters into the state; stop after too many in a row."""
         state = self.state
+        before = state.skipped_steps
         state.skipped_steps, state.consecutive_bad_steps, longest = self.bad_steps.read()
+        if state.skipped_steps > before:
+            self.alerts.raise_alert(
+                "non_finite",
+                f"{state.skipped_steps - before} step(s) with a non-finite loss or gradient skipped "
+                f"({state.skipped_steps} in all)",
+                state.step,
+            )
         if longest >= self.config.max_consecutive_bad_steps:
             state.consecutive_bad_steps = max(state.consecutive_bad_steps, longest)
             raise TrainingStopped(
@@ -385,10 +430,39 @@ class Trainer:
                 state = self.state
                 self.bad_steps = NonFiniteSteps(self.device, state.skipped_steps, state.consecutive_bad_steps)
                 self.spikes = self._spike_monitor()
-                self.metrics_tracker.rewound(state.step)
+                with self.alerts.rows_lock:  # (metrics.jsonl is reopened; the watchdog's thread may log)
+                    self.metrics_tracker.rewound(state.step)
+                self._alert_spike(spikes[0], "rewind", f"rewound to {path.name} (rewind {state.rewinds})")
                 return True
+            if self.state.rewinds >= self.config.max_rewinds:
+                self._alert_spike(spikes[0], "max_rewinds", f"training.max_rewinds={self.config.max_rewinds} used up")
+        for spike in spikes:
+            self._alert_spike(spike, "loss_spike", f"training.on_loss_spike={self.config.on_loss_spike}")
         self.state.spike_history = self.spikes.history()
         return False
+
+    def _alert_spike(self, spike, event: str, what: str) -> None:
+        self.alerts.raise_alert(
+            event,
+            f"loss spike at step {spike.step}: {spike.metric} {spike.value:.4g} above {spike.limit:.4g}; {what}",
+            spike.step,
+        )
+
+    def _alert_end(self, summary: dict) -> None:
+        """The run's end as an alert (before the summary row, which ends metrics.jsonl)."""
+        why = summary.get("stopped_early")
+        if summary.get("stopped_by_signal"):
+            event, text = (
+                "stopped",
+                f"stopped by {summary['stopped_by_signal']}; resume with resume_from_checkpoint=latest",
+            )
+        elif why:
+            event, text = "finished", f"stopped early: {why}"
+        else:
+            event, text = "finished", f"finished {summary['step']} steps in {summary['train_runtime_s']:.0f} s"
+        if summary.get("best_val_loss") is not None:
+            text += f"; best val_loss {summary['best_val_loss']:.4f}"
+        self.alerts.raise_alert(event, text, summary["step"])
 
     def _spike_counters(self) -> dict:
         if self.spikes is None:
@@ -461,6 +535,12 @@ class Trainer:
             state.patience_reference, state.evals_without_improvement = loss, 0
         else:
             state.evals_without_improvement += 1
+            self.alerts.raise_alert(
+                "eval_worse",
+                f"val_loss {loss:.4f} did not improve on {reference:.4f} ({state.evals_without_improvement} "
+                "evaluation(s) in a row)",
+                state.step,
+            )
             if cfg.early_stopping_patience and state.evals_without_improvement >= cfg.early_stopping_patience:
                 reasons.append(
                     f"early stopping: val_loss did not improve by more than {cfg.early_stopping_min_delta} for "
@@ -510,7 +590,8 @@ class Trainer:
     def _log_metrics(self, row: dict) -> None:
         """Send one row (train, eval or summary) to every backend; override to add metrics (e.g.
         `custom/...`), calling `super()._log_metrics(row)`."""
-        self.metrics_tracker.log(row)
+        with self.alerts.rows_lock:  # (the stall watchdog's thread logs its alert rows too)
+            self.metrics_tracker.log(row)
 
     def _shows_progress_bar(self) -> bool:
         """A bar on a terminal only (see `logs.shows_progress_bar`); without one, the console logger

@@ -1,0 +1,164 @@
+"""Per-layer statistics (`training.layer_stats_steps`): where in the model the gradient and the update go.
+
+Every `layer_stats_steps` steps a `kind: "layers"` row holds, for each group of parameters (one per block
+and part of a block: `blocks.3.attn`, `blocks.3.mlp_norm`; the embedding, final norm and head each
+their own), `layers/<group>/grad_norm` (this step's gradient, before clipping, over the whole step),
+`layers/<group>/param_norm` (the weights it was taken at) and `layers/<group>/update_ratio` (the norm of
+what the optimizer changed, over param_norm). TensorBoard, W&B and MLflow plot them by those names.
+Histograms of each group's gradient and weight values (`layers/<group>/grad`, `layers/<group>/weight`,
+`HISTOGRAM_BINS` bins between the group's minimum and maximum) go to TensorBoard and W&B, not to
+metrics.jsonl: `histograms()` after the row.
+
+Cost: the norms come from `torch._foreach_norm` over the local tensors; the update needs a copy of the
+local weights on those steps only. Under DDP every rank holds the whole (averaged) gradient, so nothing
+is exchanged; under FSDP2 each rank holds shards (DTensors), whose squared norms are summed over the
+ranks in one all-reduce of a (3, groups) tensor: never a gather of weights (the histograms take two more
+small ones: the ranges, then the counts). DeepSpeed keeps gradients in
+its own buffers (no `param.grad`): there the rows are not written, and the run says so once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..logs import log
+from ..parallel.distributed import all_reduce_
+
+HISTOGRAM_BINS = 64
+WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module"}  # names wrappers add
+
+
+def group_of(name: str) -> str:
+    """The group of a parameter: `blocks.3.attn.qkv.weight` -> `blocks.3.attn`; `tok_emb.weight` -> `tok_emb`."""
+    parts = [part for part in name.split(".") if part not in WRAPPERS]
+    for i, part in enumerate(parts[:-2]):
+        if part.isdigit():
+            return ".".join(parts[: i + 2])
+    return parts[0] if len(parts) > 1 else "params"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded: FSDP2's DTensor) tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class LayerStats:
+    """Collects one row of per-group norms around one optimizer step (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, every: int | None, histograms: bool = False):
+        self.every = every or 0
+        self.keep_values = histograms  # a backend draws histograms (TensorBoard, W&B): keep the step's values
+        named = [(group_of(name), p) for name, p in model.named_parameters() if p.requires_grad]
+        self.groups = list(dict.fromkeys(group for group, _ in named))
+        self.params = [p for _, p in named]
+        self.sharded = any(hasattr(p, "to_local") for p in self.params)
+        self._index = torch.tensor([self.groups.index(group) for group, _ in named], dtype=torch.long)
+        self._sums: torch.Tensor | None = None
+        self._values: dict[str, list[torch.Tensor]] = {}  # this step's local gradients and weights, for histograms
+        self._before: list[torch.Tensor] | None = None
+        self._said = False
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def _group_sums(self, tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """Squared norms of `tensors` summed per group (local parts only)."""
+        norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in tensors])
+        squares = torch.stack(norms).to(device).float().pow(2)
+        return torch.zeros(len(self.groups), device=device).index_add_(0, self._index.to(device), squares)
+
+    def before_step(self) -> None:
+        """Gradients complete, weights not yet changed: their norms, and a copy of the weights."""
+        if not self.params:
+            return
+        if all(p.grad is None for p in self.params):
+            if not self._said:
+                self._said = True
+                log("layer stats: this backend keeps the gradients outside the parameters (DeepSpeed); not written")
+            return
+        weights = [_local(p).detach() for p in self.params]
+        device = weights[0].device
+        none = torch.zeros(1, device=device)  # a parameter this step did not reach
+        grads = [_local(p.grad) if p.grad is not None else none for p in self.params]
+        self._sums = torch.stack(
+            [
+                self._group_sums(grads, device),
+                self._group_sums(weights, device),
+                torch.zeros(len(self.groups), device=device),
+            ]
+        )
+        self._before = [w.clone() for w in weights]
+        if self.keep_values:  # (the weights' copy: the update changes the parameters in place)
+            self._values = {"grad": grads, "weight": self._before}
+
+    def after_step(self, step: int) -> dict | None:
+        """The row for `step` (None when before_step collected nothing); one reduction under FSDP2, one host read."""
+        if self._sums is None or self._before is None:
+            return None
+        sums, before = self._sums, self._before
+        self._sums = self._before = None
+        with torch.no_grad():
+            deltas = [_local(p).detach().float() - old.float() for p, old in zip(self.params, before)]
+            sums[2] = self._group_sums(deltas, sums.device)
+        if self.sharded:
+            all_reduce_(sums)  # each rank's shards' squares: the sum is the whole tensor's
+        grad, param, update = sums.sqrt().tolist()
+        row: dict = {"kind": "layers", "step": int(step)}
+        for i, group in enumerate(self.groups):
+            row[f"layers/{group}/grad_norm"] = grad[i]
+            row[f"layers/{group}/param_norm"] = param[i]
+            row[f"layers/{group}/update_ratio"] = update[i] / param[i] if param[i] > 0 else 0.0
+        return row
+
+    def histograms(self, step: int) -> dict[str, dict]:
+        """Per group, the histograms of the step's gradients and weights (before the update), as TensorBoard's
+        raw histogram fields: min, max, num, sum, sum_squares, bucket_limits, bucket_counts. Called after
+        `after_step` on the same step; every rank calls it (FSDP2 reduces the shards' counts)."""
+        values, self._values = self._values, {}
+        if not values:
+            return {}
+        out: dict[str, dict] = {}
+        for what, tensors in values.items():
+            flat = [
+                torch.cat([t.detach().reshape(-1).float() for t, g in zip(tensors, self._index.tolist()) if g == i])
+                for i in range(len(self.groups))
+            ]
+            device = flat[0].device
+            inf = torch.tensor(float("inf"), device=device)
+            # per group: (max, -min, ...) reduced with MAX, then counts, sum, squares reduced with SUM
+            ranges = torch.stack(
+                [torch.stack([f.max() if f.numel() else -inf, -f.min() if f.numel() else -inf]) for f in flat]
+            )
+            if self.sharded:
+                all_reduce_(ranges, op=torch.distributed.ReduceOp.MAX)
+            stats = []
+            for f, (high, neg_low) in zip(flat, ranges):
+                low, high = -neg_low, high
+                if not torch.isfinite(low) or not torch.isfinite(high):
+                    low, high = torch.zeros((), device=device), torch.zeros((), device=device)
+                width = torch.clamp(high - low, min=1e-12)
+                index = ((f - low) / width * HISTOGRAM_BINS).long().clamp(0, HISTOGRAM_BINS - 1)
+                counts = torch.zeros(HISTOGRAM_BINS, device=device).index_add_(0, index, torch.ones_like(f))
+                stats.append(
+                    torch.cat(
+                        [counts, torch.stack([f.sum(), f.pow(2).sum(), torch.tensor(float(f.numel()), device=device)])]
+                    )
+                )
+            table = torch.stack(stats)
+            if self.sharded:
+                all_reduce_(table)
+            for i, group in enumerate(self.groups):
+                low, high = float(-ranges[i, 1]), float(ranges[i, 0])
+                row = table[i].tolist()
+                edges = torch.linspace(low, max(high, low + 1e-12), HISTOGRAM_BINS + 1)[1:].tolist()
+                out[f"layers/{group}/{what}"] = {
+                    "min": low,
+                    "max": high,
+                    "num": row[-1],
+                    "sum": row[-3],
+                    "sum_squares": row[-2],
+                    "bucket_limits": edges,
+                    "bucket_counts": row[:HISTOGRAM_BINS],
+                }
+        return out

@@ -1,0 +1,426 @@
+"""Alerts (training.alerts): delivered to a real webhook server (http.server on 127.0.0.1) and a real SMTP
+server (aiosmtpd on 127.0.0.1), retried when refused, rate-limited per kind, never blocking the loop; and
+raised by real tiny training runs (a planted loss spike, a stalled step, a crash, the run's end), each
+also a `kind: "alert"` row in metrics.jsonl, the webhook's URL in no file the run writes."""
+
+import http.server
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, tiny_loaders, tiny_model
+from llm_trainer.config import AlertsConfig, TrainingConfig
+from llm_trainer.tools.status import format_status, run_status
+from llm_trainer.train.alerts import Alerter
+from llm_trainer.train.callbacks import Callback
+from llm_trainer.train.trainer import Trainer
+
+SECRET = "T000/B000/s3cr3t-hook-token"  # the part of a Slack hook URL that must never be written anywhere
+HOOK_ENV = "LLMT_TEST_WEBHOOK_URL"
+
+
+class Hook:
+    """A webhook endpoint on 127.0.0.1: records each POST's path and JSON body; answers `codes` in order
+    (then 200)."""
+
+    def __init__(self, codes=()):
+        self.posts: list[tuple[str, dict]] = []
+        self.codes = list(codes)
+        hook = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                hook.posts.append((self.path, json.loads(body)))
+                self.send_response(hook.codes.pop(0) if hook.codes else 200)
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/services/{SECRET}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def bodies(self) -> list[dict]:
+        return [body for _, body in self.posts]
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def hook(monkeypatch):
+    server = Hook()
+    monkeypatch.setenv(HOOK_ENV, server.url)
+    yield server
+    server.close()
+
+
+def alerter(rows: list, **config) -> Alerter:
+    values = {"webhook_env": HOOK_ENV, "backoff_s": 0.01, "timeout_s": 2.0, **config}
+    return Alerter(AlertsConfig(**values), enabled=True, run_name="run-a", write_row=rows.append)
+
+
+def test_the_webhook_gets_one_json_post_retried_while_refused(hook):
+    hook.codes = [500, 503]  # refused twice, then taken
+    rows: list = []
+    a = alerter(rows)
+    started = time.perf_counter()
+    assert a.raise_alert("stall", "no step for 900 s", 12)
+    assert time.perf_counter() - started < 0.1  # sending happens in the background
+    a.close()
+    assert [path for path, _ in hook.posts] == [f"/services/{SECRET}"] * 3
+    body = hook.bodies()[-1]
+    assert body["text"] == "[llm-trainer] run-a: stall at step 12: no step for 900 s" == body["content"]
+    assert (body["event"], body["step"], body["run"]) == ("stall", 12, "run-a")
+    assert rows == [
+        {"kind": "alert", "step": 12, "event": "stall", "message": "no step for 900 s", "time": rows[0]["time"]}
+    ]
+
+
+def test_each_kind_is_rate_limited_and_the_next_alert_counts_the_dropped(hook):
+    rows: list = []
+    a = alerter(rows, min_interval_s=0.5)
+    assert a.raise_alert("throughput", "slow", 1)
+    assert not a.raise_alert("throughput", "slow", 2)  # within the interval: dropped
+    assert not a.raise_alert("throughput", "slow", 3)
+    assert a.raise_alert("data_wait", "waiting", 3)  # another kind goes
+    assert a.raise_alert("rewind", "r1", 4) and a.raise_alert("rewind", "r2", 5)  # one per rewind, always
+    time.sleep(0.6)
+    assert a.raise_alert("throughput", "slow", 9)
+    a.close()
+    assert [r["event"] for r in rows] == ["throughput", "data_wait", "rewind", "rewind", "throughput"]
+    assert rows[-1]["message"] == "slow (2 more of this kind since the last alert)"
+    assert [b["event"] for b in hook.bodies()] == [r["event"] for r in rows]
+
+
+def test_a_destination_that_never_answers_is_logged_once_and_never_blocks(monkeypatch, capfd):
+    dead = f"http://127.0.0.1:{free_port()}/services/{SECRET}"
+    monkeypatch.setenv(HOOK_ENV, dead)
+    rows: list = []
+    a = alerter(rows, retries=3)
+    started = time.perf_counter()
+    for i, event in enumerate(["stall", "throughput", "crashed"]):
+        assert a.raise_alert(event, "x", i)
+    assert time.perf_counter() - started < 0.1
+    a.close()
+    err = capfd.readouterr()
+    failures = [line for line in (err.out + err.err).splitlines() if "failed" in line]
+    assert len(failures) == 1 and f"${HOOK_ENV}" in failures[0] and "training goes on" in failures[0]
+    assert SECRET not in err.out + err.err
+    assert len(rows) == 3  # recorded all the same
+
+
+def test_a_hook_that_refuses_the_request_is_not_retried(hook):
+    hook.codes = [404]
+    a = alerter([], retries=4)
+    a.raise_alert("stall", "x", 1)
+    a.close()
+    assert len(hook.posts) == 1
+
+
+def test_email_goes_through_a_real_smtp_server(monkeypatch):
+    pytest.importorskip("aiosmtpd")
+    from aiosmtpd.controller import Controller
+    from aiosmtpd.handlers import Message
+
+    received = []
+
+    class Keep(Message):
+        def handle_message(self, message):
+            received.append(message)
+
+    port = free_port()
+    controller = Controller(Keep(), hostname="127.0.0.1", port=port)
+    controller.start()
+    try:
+        monkeypatch.setenv("LLMT_SMTP_HOST", "127.0.0.1")
+        monkeypatch.setenv("LLMT_SMTP_PORT", str(port))
+        monkeypatch.setenv("LLMT_SMTP_FROM", "trainer@example.org")
+        a = Alerter(
+            AlertsConfig(email_to=["oncall@example.org", "me@example.org"], backoff_s=0.01),
+            enabled=True,
+            run_name="run-b",
+            write_row=lambda row: None,
+        )
+        a.raise_alert("crashed", "CUDA error: an illegal memory access", 77)
+        a.close()
+    finally:
+        controller.stop()
+    assert len(received) == 1
+    mail = received[0]
+    assert mail["Subject"] == "[llm-trainer] run-b: crashed at step 77"
+    assert mail["To"] == "oncall@example.org, me@example.org" and mail["From"] == "trainer@example.org"
+    assert "CUDA error: an illegal memory access" in mail.get_payload()
+
+
+def test_only_the_main_process_raises_alerts(hook):
+    rows: list = []
+    a = Alerter(AlertsConfig(webhook_env=HOOK_ENV), enabled=False, run_name="r", write_row=rows.append)
+    assert not a.raise_alert("crashed", "x", 1)
+    a.close()
+    assert rows == [] and hook.posts == []
+
+
+def test_the_config_names_the_variable_never_the_url():
+    with pytest.raises(ValueError) as info:
+        TrainingConfig(alerts={"webhook_env": f"https://hooks.slack.com/services/{SECRET}"})
+    assert "environment variable" in str(info.value) and SECRET not in str(info.value)
+    with pytest.raises(ValueError, match="did you mean TrainingConfig.alerts.min_interval_s"):
+        TrainingConfig(alerts={"min_interval": 5})
+    with pytest.raises(ValueError, match="throughput_fraction must be within"):
+        TrainingConfig(alerts={"throughput_fraction": 2})
+    assert TrainingConfig(alerts={"webhook_env": HOOK_ENV}).alerts.webhook_env == HOOK_ENV
+
+
+# -- raised by real training runs ----------------------------------------------------------------
+
+
+def _rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def _no_secret_in(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+
+
+def test_a_planted_spike_raises_one_alert_per_rewind_and_the_end_is_told(hook, tmp_path):
+    from test_spikes import trainer
+
+    run = tmp_path / "run"
+    t = trainer(run, "rewind", True, max_rewinds=1, max_steps=40, save_steps=4, alerts={"webhook_env": HOOK_ENV})
+    summary = t.train()
+    rows = _rows(run)
+    alerts = [r for r in rows if r["kind"] == "alert"]
+    rewinds = [r for r in alerts if r["event"] == "rewind"]
+    assert summary["rewinds"] == 1 and len(rewinds) == 1 and rewinds[0]["step"] == 31
+    assert "rewound to checkpoint-00000028" in rewinds[0]["message"]
+    assert [r["event"] for r in alerts if r["event"] == "max_rewinds"] == ["max_rewinds"]  # the later spikes
+    assert alerts[-1]["event"] == "finished" and rows[-1]["kind"] == "summary"  # the summary still ends the file
+    assert [b["event"] for b in hook.bodies()] == [r["event"] for r in alerts]  # every row was also sent
+    status = run_status(str(run))
+    assert status["state"] == "finished" and status["alerts"] == len(alerts)
+    assert "rewound to checkpoint-00000028" in format_status(status)
+    _no_secret_in(tmp_path)
+
+
+class SleepAt(Callback):
+    """Holds the loop for `seconds` after step `step` (a stalled step)."""
+
+    def __init__(self, step: int, seconds: float):
+        self.step, self.seconds = step, seconds
+
+    def on_step_end(self, trainer, row):
+        if row["step"] == self.step:
+            time.sleep(self.seconds)
+
+
+class FailAt(Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, trainer, row):
+        if row["step"] == self.step:
+            raise RuntimeError("the data source went away\nsecond line")
+
+
+def _tiny(tmp_path, callbacks=(), training=None, **alerts) -> Trainer:
+    train, val = tiny_loaders()
+    values = dict(
+        max_steps=12,
+        logging_steps=1,
+        eval_steps=0,
+        save_steps=0,
+        output_dir=str(tmp_path / "run"),
+        device="cpu",
+        progress_bar=False,
+        report_to=["jsonl"],
+        alerts={"webhook_env": HOOK_ENV, **alerts},
+    )
+    config = TrainingConfig(**{**values, **(training or {})})
+    return Trainer(tiny_model(), config, train_dataloader=train, callbacks=callbacks)
+
+
+def test_a_stalled_step_raises_the_stall_alert_within_its_window(hook, tmp_path):
+    t = _tiny(tmp_path, [SleepAt(6, 2.5)], stall_min_s=0.5, stall_factor=3.0)
+    t.train()
+    stalls = [r for r in _rows(tmp_path / "run") if r["kind"] == "alert" and r["event"] == "stall"]
+    assert len(stalls) == 1 and stalls[0]["step"] == 6  # once per stall, naming the last step that finished
+    raised = stalls[0]["time"]
+    assert "no step has finished for" in stalls[0]["message"]
+    assert [b["event"] for b in hook.bodies()][:1] == ["stall"]
+    ends = [r for r in _rows(tmp_path / "run") if r["kind"] == "alert" and r["event"] == "finished"]
+    assert len(ends) == 1 and ends[0]["time"] - raised > 1.0  # raised while the step was stalled, not after
+
+
+def test_a_crash_raises_one_alert_with_its_one_line_reason(hook, tmp_path):
+    t = _tiny(tmp_path, [FailAt(3)])
+    with pytest.raises(RuntimeError, match="went away"):
+        t.train()
+    alerts = [r for r in _rows(tmp_path / "run") if r["kind"] == "alert"]
+    assert [(r["event"], r["step"], r["message"]) for r in alerts] == [("crashed", 3, "the data source went away")]
+    assert run_status(str(tmp_path / "run"))["state"] == "crashed: the data source went away"
+    assert hook.bodies()[-1]["event"] == "crashed"
+
+
+def test_alert_rows_survive_a_resume_that_replays_their_steps(tmp_path):
+    from llm_trainer.train.metrics import JsonlLogger
+
+    folder = tmp_path / "run"
+    logger = JsonlLogger(folder)
+    for row in (
+        {"kind": "train", "step": 5, "loss": 1.0},
+        {"kind": "alert", "step": 7, "event": "stall", "message": "x", "time": 1.0},
+        {"kind": "train", "step": 10, "loss": 1.0},
+    ):
+        logger.log(row)
+    logger.close()
+    JsonlLogger(folder, resumed_at=5).close()
+    assert [(r["kind"], r["step"]) for r in _rows(folder)] == [("train", 5), ("alert", 7)]
+
+
+def _children(pid: int) -> list[int]:
+    """The PIDs whose parent is `pid` (this test's own processes only, never another job's)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.slow
+def test_a_stopped_ddp_rank_raises_the_stall_alert_and_the_run_stays_intact(hook, tmp_path):
+    """SIGSTOP of rank 1 hangs rank 0 in its next collective: rank 0's watchdog raises `stall` within
+    its window; the lock stays held and the last checkpoint stays complete."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    from llm_trainer.checkpoint.find import latest_checkpoint
+    from llm_trainer.tools.status import run_status
+    from test_distributed import EXPERIMENT, _env, _free_port, _is_rank
+
+    work = tmp_path
+    lines = [f"the {w} sat on the mat number {i % 7}.\n" for i, w in enumerate(["cat", "dog", "bird", "fox"] * 120)]
+    (work / "corpus.txt").write_text("".join(lines))
+    (work / "exp.yaml").write_text(yaml.safe_dump(EXPERIMENT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}"]
+    cmd += ["-m", "llm_trainer", "train", "--config", "exp.yaml", "training.output_dir=run"]
+    cmd += ["training.batch_size=4", "training.max_steps=100000", "training.save_steps=10", "training.eval_steps=0"]
+    cmd += ["training.distributed_timeout_s=120", f"training.alerts={{webhook_env: {HOOK_ENV}, stall_min_s: 3}}"]
+    job = subprocess.Popen(
+        cmd, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**_env(), HOOK_ENV: hook.url}
+    )
+    run, stopped = work / "run", None
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "checkpoints" / "latest").is_file():
+            assert job.poll() is None and time.monotonic() < deadline, "the run never saved a checkpoint"
+            time.sleep(0.3)
+        ranks = {r: [p for p in _children(job.pid) if _is_rank(str(p), r)] for r in ("0", "1")}
+        assert len(ranks["0"]) == len(ranks["1"]) == 1
+        stopped = ranks["1"][0]
+        os.kill(stopped, signal.SIGSTOP)
+        started = time.monotonic()
+        while "stall" not in [b["event"] for b in hook.bodies()]:
+            assert time.monotonic() - started < 30, "no stall alert within 30 s"
+            time.sleep(0.2)
+        waited = time.monotonic() - started
+        assert waited < 3 + 10  # stall_min_s (the median step is milliseconds), the watchdog's poll and slack
+        status = run_status(str(run))
+        assert status["state"] == "running" and status["lock"]["pid"] == ranks["0"][0]
+        assert status["checkpoint"]["name"] is not None and "skipped" not in status["checkpoint"]
+        assert latest_checkpoint(run / "checkpoints") is not None  # verified: complete, checksums match
+        assert any(r["event"] == "stall" for r in status["last_alerts"])
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        job.send_signal(signal.SIGTERM)
+        try:
+            job.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            job.wait()
+    assert latest_checkpoint(run / "checkpoints") is not None
+    _no_secret_in(run)
+
+
+class FailOnSave(Callback):
+    def on_save(self, trainer, path):
+        raise OSError(28, "No space left on device")
+
+
+def test_a_failed_save_and_a_nearly_full_disk_raise_their_alerts(hook, tmp_path):
+    t = _tiny(tmp_path, [FailOnSave()], {"save_steps": 4}, disk_free_fraction=1.0)  # every disk is below 100% free
+    with pytest.raises(OSError):
+        t.train()
+    alerts = [(r["event"], r["step"]) for r in _rows(tmp_path / "run") if r["kind"] == "alert"]
+    assert [event for event, _ in alerts] == ["disk_full", "checkpoint_failed", "crashed"]
+    assert alerts[0][1] == 4 and 4 <= alerts[1][1] == alerts[2][1] <= 8  # a background save's error: at a later poll
+    message = next(r["message"] for r in _rows(tmp_path / "run") if r.get("event") == "checkpoint_failed")
+    assert message == "a checkpoint save failed: [Errno 28] No space left on device"
+
+
+def test_a_nearly_full_disk_is_told_once_per_interval(hook, tmp_path):
+    t = _tiny(tmp_path, training={"save_steps": 4}, disk_free_fraction=1.0)
+    t.train()
+    disk = [r for r in _rows(tmp_path / "run") if r["kind"] == "alert" and r["event"] == "disk_full"]
+    assert [r["step"] for r in disk] == [4] and "% free" in disk[0]["message"]
+
+
+class PoisonAt(Callback):
+    """Makes a weight NaN after step `step`: every later step is non-finite."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, trainer, row):
+        if row["step"] == self.step:
+            import torch
+
+            with torch.no_grad():
+                next(trainer.model.parameters()).fill_(float("nan"))
+
+
+def test_non_finite_steps_raise_an_alert_and_the_stop_is_the_crash_reason(hook, tmp_path):
+    t = _tiny(tmp_path, [PoisonAt(3)], {"max_consecutive_bad_steps": 3})
+    with pytest.raises(Exception, match="non-finite"):
+        t.train()
+    alerts = [r for r in _rows(tmp_path / "run") if r["kind"] == "alert"]
+    assert [r["event"] for r in alerts] == ["non_finite", "crashed"]  # rate-limited: one non_finite
+    assert alerts[0]["step"] == 4 and "steps in a row had a non-finite loss" in alerts[1]["message"]
+
+
+def test_throughput_below_the_runs_median_and_data_wait_are_raised():
+    from llm_trainer.train.alerts import ThroughputWatch
+
+    rows: list = []
+    a = Alerter(
+        AlertsConfig(throughput_windows=2, throughput_fraction=0.5, data_wait_fraction=0.3),
+        enabled=True,
+        run_name="r",
+        write_row=rows.append,
+    )
+    watch = ThroughputWatch(a)
+    speeds = [50.0, 1000.0, 1010.0, 990.0, 400.0, 1000.0, 400.0, 390.0]  # the first window (warm-up) is not judged
+    for step, speed in enumerate(speeds, 1):
+        watch.check({"step": step, "tokens_per_s": speed, "data_wait_fraction": 0.6 if step == 2 else 0.01})
+    assert [(r["event"], r["step"]) for r in rows] == [("data_wait", 2), ("throughput", 8)]
+    assert "below 50% of this run's median" in rows[1]["message"]

@@ -1,0 +1,142 @@
+"""`llm-trainer status RUN`: a run's state read from its folder (local, or a URL output_dir in a local S3
+server), against the files a real tiny training run wrote, and a live run that holds the lock."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import src_env, write_tiny_experiment
+from llm_trainer import cli
+from llm_trainer.tools.status import format_status, run_status
+from test_object_storage import s3_server  # noqa: F401  (the local S3 server fixture)
+
+pytestmark = pytest.mark.slow  # each test trains a tiny run
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A tiny run trained to its end (6 steps, checkpoints at 3 and 6), as `train` leaves it."""
+    root = tmp_path_factory.mktemp("status")
+    config = write_tiny_experiment(root, save_steps=3)
+    assert cli.main(["train", "--config", str(config)]) == 0
+    return root / "run"
+
+
+def _rows(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_status_of_a_finished_run_matches_its_files(finished_run, capsys):
+    rows = _rows(finished_run)
+    train = [r for r in rows if r["kind"] == "train"]
+    status = run_status(str(finished_run))
+    assert status["state"] == "finished" and status["lock"] == {"held": False, "pid": None, "where": "the run folder"}
+    assert (status["step"], status["total_steps"], status["tokens_seen"]) == (6, 6, rows[-1]["tokens_seen"])
+    assert status["last_losses"] == [[r["step"], r["loss"]] for r in train]
+    assert status["tokens_per_s"] == train[-1]["tokens_per_s"] and status["eta_s"] is None
+    assert status["last_eval"] == {"step": 6, "val_loss": rows[-1]["val_loss"]}
+    assert status["checkpoint"]["name"] == "checkpoint-00000006" and status["checkpoint"]["step"] == 6
+    assert status["alerts"] == 0
+    capsys.readouterr()
+    assert cli.main(["status", str(finished_run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 6
+    assert cli.main(["status", str(finished_run)]) == 0
+    text = capsys.readouterr().out
+    assert "finished" in text and "checkpoint-00000006 (step 6)" in text and "6 / 6 (100.0%)" in text
+    assert max(len(line) for line in text.splitlines()) <= 100  # one screen, no wrapping over ssh
+
+
+def test_status_skips_a_line_being_written_and_an_incomplete_checkpoint(finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns(".lock"))
+    resumed = {**[r for r in _rows(run) if r["kind"] == "train"][-1], "step": 8}  # a resume that then crashed
+    with open(run / "metrics.jsonl", "a") as handle:
+        handle.write(json.dumps(resumed) + '\n{"kind": "train", "step": 10, "lo')  # its last row cut short
+    newest = run / "checkpoints" / "checkpoint-00000006" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated after its meta.json was written
+    status = run_status(str(run))
+    assert status["state"].startswith("not running (interrupted")  # the last whole row is no summary
+    assert status["step"] == 8
+    assert status["checkpoint"]["name"] == "checkpoint-00000003"
+    assert "checkpoint-00000006: model.safetensors is 100 bytes" in status["checkpoint"]["skipped"][0]
+    assert "skipped checkpoint-00000006" in format_status(status)
+
+
+def test_status_of_a_folder_without_a_run_is_one_line_exit_2(tmp_path, capsys):
+    assert cli.main(["status", str(tmp_path / "nowhere")]) == 2
+    assert cli.main(["status", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "not found" in err[0] and "holds no run" in err[1]
+    assert list(tmp_path.iterdir()) == []  # nothing created
+
+
+def test_status_of_a_live_run_names_the_process_holding_the_lock(tmp_path):
+    config = write_tiny_experiment(tmp_path, max_steps=100_000, save_steps=20, eval_steps=0, logging_steps=5)
+    env = {**src_env(), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llm_trainer", "train", "--config", str(config)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    run = tmp_path / "run"
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run / "checkpoints" / "latest").exists() and (run / "metrics.jsonl").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never saved a checkpoint"
+            time.sleep(0.2)
+        status = run_status(str(run))
+        assert status["state"] == "running" and status["lock"]["held"] and status["lock"]["pid"] == proc.pid
+        assert status["total_steps"] == 100_000 and status["eta_s"] > 0
+        assert status["checkpoint"]["name"].startswith("checkpoint-")
+        shown = subprocess.run(
+            [sys.executable, "-m", "llm_trainer", "status", str(run)], env=env, capture_output=True, text=True
+        )
+        assert shown.returncode == 0 and f"held by PID {proc.pid}" in shown.stdout
+        assert proc.poll() is None  # the probe did not disturb the run
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    status = run_status(str(run))
+    assert status["state"] == "stopped by SIGTERM" and not status["lock"]["held"]
+
+
+@pytest.fixture
+def bucket_run(finished_run, s3_server):  # noqa: F811
+    """The finished run's files in a bucket of the local S3 server, as a URL output_dir holds them."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server})
+    bucket = "t-status-url"
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+    s3fs.S3FileSystem.clear_instance_cache()
+    for path in sorted(finished_run.rglob("*")):
+        if path.is_file() and path.name != ".lock" and "plots" not in path.parts:
+            fs.put_file(str(path), f"{bucket}/runs/x/{path.relative_to(finished_run).as_posix()}")
+    return f"s3://{bucket}/runs/x"
+
+
+def test_status_of_a_url_run_reads_the_store(bucket_run, finished_run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the staging folder whose lock is probed: run_staging/ here, none
+    status, local = run_status(bucket_run), run_status(str(finished_run))
+    for key in ("state", "step", "total_steps", "tokens_seen", "last_losses", "last_eval", "alerts"):
+        assert status[key] == local[key], key
+    assert status["checkpoint"]["name"] == "checkpoint-00000006" and status["checkpoint"]["total_steps"] == 6
+    assert status["lock"] == {"held": False, "pid": None, "where": "this machine's staging folder"}
+    assert list(tmp_path.iterdir()) == []  # read only: no staging folder made
+
+
+def test_status_of_a_missing_bucket_is_one_line_exit_2(s3_server, capsys):  # noqa: F811
+    assert cli.main(["status", "s3://no-such-bucket-for-status/runs/x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no-such-bucket-for-status" in err[0] and "does not exist" in err[0]
