@@ -202,7 +202,7 @@ class BatchLoader:
                 return self._order
             first, last = (bound // tokens.chunk_tokens for bound in self.rows.token_bounds())
             self._order = block_order(first, tokens.n_chunks, self.seed, self.epoch) if self.shuffle else np.arange(n)
-            self._plan = schedule(self._order, first, last) if tokens.whole is None else None
+            self._plan = schedule(self._order, first, last, tokens.n_chunks) if tokens.whole is None else None
         return self._order
 
     def state_dict(self) -> dict:

@@ -18,12 +18,12 @@ from ..filesystem import disk_full, lock_exclusive
 from ..logs import log
 from ..storage import is_url
 from ..tokenizer import Tokenizer
-from .build import FORMAT_VERSION, MANIFEST, PreparedData, _Build, _fingerprint
+from .build import FORMAT_VERSION, MANIFEST, PreparedData, _Build, _fingerprint, manifest_problem
 from .clean import clean_text
 from .executors import prepare_with_executor
 from .filters import FILTERS
 from .shards import SHARDS
-from .stream import CHUNK_FOLDER, CHUNKS, StreamedData, write_chunk_record
+from .stream import CHUNK_FOLDER, CHUNKS, StreamedData, chunk_record_problem, write_chunk_record
 
 
 @contextlib.contextmanager
@@ -38,8 +38,15 @@ def _locked(work: Path):
         handle.close()
 
 
-def _load(directory: Path) -> PreparedData:
-    manifest = json.loads((directory / MANIFEST).read_text())
+def _load(directory: Path, origin: str | None = None) -> PreparedData:
+    """The finished folder `directory` (downloaded from `origin`, when it names a URL), its manifest checked."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        manifest = None
+    problem = "is not JSON" if manifest is None else manifest_problem(manifest)
+    if problem is not None:
+        raise UsageError(f"{_damaged(directory, origin, MANIFEST)}: it {problem}; {_refetch(directory, origin)}")
     shutil.rmtree(directory / SHARDS, ignore_errors=True)  # left if the last run stopped right after its rename
     log(f"data: reusing {directory} ({manifest['splits']['train']['tokens']:,} training tokens)")
     return PreparedData(directory, Tokenizer.load(directory), manifest)
@@ -59,7 +66,7 @@ def find_prepared(cache_dir: str | Path, fingerprint: str) -> PreparedData | Non
         val = manifest["splits"]["val"]["tokens"]
         if (
             manifest["fingerprint"] != fingerprint
-            or manifest["dtype"] not in ("uint16", "uint32")
+            or manifest_problem(manifest) is not None
             or not isinstance(val, int)
             or any((directory / name).is_symlink() for name in (MANIFEST, "val.bin", "val.idx.npy", "tokenizer.json"))
         ):
@@ -113,12 +120,34 @@ def _prepare_in_store(config: DataConfig) -> PreparedData:
     return _open(directory, remote, cache, limit)
 
 
+def _damaged(directory: Path, origin: str | None, name: str) -> str:
+    where = f"{storage.join(origin, name)} (copied to {directory})" if origin else str(directory / name)
+    return f"the prepared data's {where}"
+
+
+def _refetch(directory: Path, origin: str | None) -> str:
+    """The fix for a damaged prepared folder; a local copy of a bucket's folder is removed (it is this
+    cache's own download), so the next run fetches the folder again."""
+    if origin is None:
+        return f"remove {directory} and prepare again"
+    shutil.rmtree(directory, ignore_errors=True)
+    return f"the folder in the store is damaged or not ours: remove {origin} (or use another data.cache_dir) and prepare again"
+
+
 def _open(directory: Path, remote: str, cache: Path, limit: int) -> PreparedData:
     """The local prepared folder; with a chunk record, its training tokens read by chunks (streamed from
-    `remote` when train.bin is not here) within what `limit` leaves of the cache."""
-    prepared = _load(directory)
+    `remote` when train.bin is not here) within what `limit` leaves of the cache. The manifest and the
+    chunk record came from the store: both are checked before anything reads them."""
+    prepared = _load(directory, remote)
     if not (directory / CHUNKS).is_file():
         return prepared
+    try:
+        record = json.loads((directory / CHUNKS).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        record = None
+    problem = "is not JSON" if record is None else chunk_record_problem(record, prepared.manifest)
+    if problem is not None:
+        raise UsageError(f"{_damaged(directory, remote, CHUNKS)}: it {problem}; {_refetch(directory, remote)}")
     chunks = directory / CHUNK_FOLDER
     others = storage.folder_size(cache) - (storage.folder_size(chunks) if chunks.is_dir() else 0)
     return StreamedData(prepared.directory, prepared.tokenizer, prepared.manifest, remote=remote, budget=limit - others)
