@@ -264,3 +264,55 @@ def test_bad_bucket_contents_are_one_line(uploaded, case):
     assert "\n" not in text and f"{remote.rsplit('/', 1)[-1]}/{name}" in text and "prepare again" in text
     # The local copy of the damaged folder is not kept: a repaired bucket is fetched again.
     assert not any(local_root(config).glob("*/manifest.json"))
+
+
+STREAMER = """
+import sys
+from llm_trainer.config import DataConfig
+from llm_trainer.data.prepare import prepare_data
+corpus, cache_dir, stream_dir = sys.argv[1:]
+config = DataConfig(data_files=[corpus], tokenizer="char", validation_split=0.2, cache_dir=cache_dir,
+                    stream_cache_dir=stream_dir)
+tokens = prepare_data(config).tokens("train")
+tokens.chunk(0)
+print("streaming", flush=True)
+sys.stdin.readline()  # another process makes room in the shared cache meanwhile
+print("read", int(tokens[: len(tokens)].astype("int64").sum()), flush=True)
+"""
+
+
+def test_the_shared_cache_never_evicts_a_folder_a_live_process_streams_from(uploaded, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import src_env
+    from llm_trainer import storage
+    from llm_trainer.data.prepare import local_root
+
+    fs, remote, config = uploaded
+    args = [str(tmp_path / "corpus"), config.cache_dir, config.stream_cache_dir]
+    child = subprocess.Popen(
+        [sys.executable, "-c", STREAMER, *args],
+        env={**src_env(), "OMP_NUM_THREADS": "1"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "streaming", child.stderr.read()
+        (folder,) = local_root(config).glob("*/manifest.json")
+        # Another process sharing the cache needs all its room: every folder not in use goes, this one stays.
+        other = local_root(config).parent / "other" / "0123456789abcdef"
+        other.mkdir(parents=True)
+        (other / "tokens.bin").write_bytes(b"x" * 100)
+        storage.make_room(tmp_path / "elsewhere", 0, 1)
+        assert folder.is_file() and not other.exists()
+        out, err = child.communicate("go\n", timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 0, err
+    assert out.startswith("read ")  # every chunk read (fetched into the folder) after the eviction
+    # Its process gone, the folder is the least recently used like any other.
+    storage.make_room(tmp_path / "elsewhere", 0, 1)
+    assert not folder.parent.exists()

@@ -102,7 +102,7 @@ def _prepare_in_store(config: DataConfig) -> PreparedData:
     fingerprint = _fingerprint(config)
     remote = storage.join(config.cache_dir, fingerprint)
     directory = local_root(config) / fingerprint
-    if (directory / MANIFEST).is_file():
+    if (directory / MANIFEST).is_file() and storage.mark_in_use(directory) and (directory / MANIFEST).is_file():
         storage.touch(directory)
         return _open(directory, remote, cache, limit)
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -110,12 +110,14 @@ def _prepare_in_store(config: DataConfig) -> PreparedData:
     streamed = storage.exists(storage.join(remote, CHUNKS))
     if storage.get_folder(remote, directory, last=[MANIFEST], room=room, skip=["train.bin"] if streamed else []):
         log(f"data: downloaded {remote} into {directory}" + (", its training tokens stream" if streamed else ""))
+        storage.mark_in_use(directory)
         return _open(directory, remote, cache, limit)
     storage.check_writable(config.cache_dir, "data.cache_dir")
     _prepare_here(config, directory.parent)
     write_chunk_record(directory)
     storage.put_folder(directory, remote, last=[MANIFEST])
     log(f"data: uploaded {directory} to {remote}")
+    storage.mark_in_use(directory)  # after the upload: the mark is no file of the folder's
     storage.make_room(cache, 0, limit, keep=[directory])
     return _open(directory, remote, cache, limit)
 
