@@ -76,6 +76,29 @@ def find_prepared(cache_dir: str | Path, fingerprint: str) -> PreparedData | Non
         return None
 
 
+EVAL_SPLIT_FILES = ("manifest.json", "tokenizer.json", "val.bin", "val.idx.npy", "val.sources.npy", "val.scores.npy")
+
+
+def fetch_validation(url: str, fingerprint: str, root: Path) -> PreparedData | None:
+    """The validation split of the finished folder `{url}/{fingerprint}/` (a run's `data.cache_dir` in a
+    store), as a read-only copy `{root}/{fingerprint}/` of its manifest, tokenizer and val files (each
+    checked against the folder's `files.json`; the training tokens stay in the store), or None when the
+    store holds no finished folder there. `root` is kept apart from the prepared folders training uses: a
+    folder without its training tokens must never be taken for one."""
+    if not isinstance(fingerprint, str) or not re.fullmatch(r"[0-9a-f]{16}", fingerprint):
+        return None
+    found = find_prepared(root, fingerprint)
+    if found is not None:
+        return found
+    remote = storage.join(url, fingerprint)
+    skip = [name for name in storage.children(remote) if name not in EVAL_SPLIT_FILES]
+    root.mkdir(parents=True, exist_ok=True)
+    if not storage.get_folder(remote, root / fingerprint, last=[MANIFEST], skip=skip):
+        return None
+    log(f"data: downloaded the validation split of {remote} into {root / fingerprint}")
+    return find_prepared(root, fingerprint)
+
+
 def local_root(config: DataConfig) -> Path:
     """Where this machine keeps the prepared folders of `config`: `data.cache_dir`, or for a URL its local
     mirror under `data.stream_cache_dir`."""
