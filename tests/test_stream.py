@@ -10,7 +10,14 @@ import pytest
 import yaml
 
 from llm_trainer.data.loader import BatchLoader, WindowRows
-from llm_trainer.data.stream import WINDOW, ChunkedTokens, block_order, min_cached, write_chunk_record
+from llm_trainer.data.stream import (
+    WINDOW,
+    ChunkedTokens,
+    block_order,
+    min_cached,
+    schedule,
+    write_chunk_record,
+)
 from llm_trainer.errors import UsageError
 from test_object_storage import _cli, _experiment, s3, s3_server  # noqa: F401  (fixtures)
 
@@ -74,6 +81,26 @@ def test_block_order_is_seeded_windowed_and_the_same_on_any_world_size(tmp_path,
     other = BatchLoader(WindowRows(plain, 31, seed=3), 4, shuffle=True, seed=3, accumulation=2)
     other.load_state_dict(one.state_dict())
     assert "data order was by chunks" in capsys.readouterr().err
+
+
+def test_the_read_ahead_plan_names_each_chunk_again_when_its_rows_return(tmp_path):
+    """A chunk whose keys wrap around the end of the epoch is read at its start and again at its end: the
+    plan fetches it ahead both times, so no use of a chunk is far from the plan entry before it."""
+    record = _token_file(tmp_path)
+    tokens = ChunkedTokens(
+        record, "uint16", url="unused", folder=tmp_path / "c", budget=0, whole=tmp_path / "train.bin"
+    )
+    first = WindowRows(tokens, 31, seed=3).token_bounds()[0] // tokens.chunk_tokens
+    order = block_order(first, tokens.n_chunks, seed=3, epoch=0)
+    samples, chunks = schedule(order, first, first, tokens.n_chunks)
+    assert np.all(np.diff(samples) >= 0) and set(chunks.tolist()) == set(range(tokens.n_chunks))
+    life = WINDOW * len(order) // tokens.n_chunks
+    assert WINDOW // 2 <= len(chunks) - tokens.n_chunks <= 2 * WINDOW  # the wrapped ones, twice
+    for c in range(tokens.n_chunks):
+        entries = samples[chunks == c]
+        uses = np.flatnonzero(first[order] == c)
+        since = uses - entries[np.searchsorted(entries, uses, side="right") - 1]
+        assert since.max() <= 2 * life
 
 
 def _bucket_tokens(store, tmp_path, budget, n=100_000):
