@@ -102,6 +102,7 @@ def main() -> int:
             for name, (make, runner_env) in runners.items():
                 out = work / f"run-{name}-{seed}"
                 results[name].append(_train(make(), runner_env, out, args.steps, args.eval_every, seed))
+                print(json.dumps({"runner": name, "seed": seed, "val_loss": results[name][-1]}), flush=True)
     finally:
         proc.terminate()
         proc.wait()

@@ -81,6 +81,10 @@ def test_block_order_is_seeded_windowed_and_the_same_on_any_world_size(tmp_path,
     other = BatchLoader(WindowRows(plain, 31, seed=3), 4, shuffle=True, seed=3, accumulation=2)
     other.load_state_dict(one.state_dict())
     assert "data order was by chunks" in capsys.readouterr().err
+    # A position saved in an earlier version's order (groups of 4 chunks): said too.
+    again = BatchLoader(WindowRows(tokens, 31, seed=3), 4, shuffle=True, seed=3, accumulation=2)
+    again.load_state_dict({**one.state_dict(), "order": "chunks"})
+    assert "was by chunks in groups of 4, this run's is by chunks (an earlier version" in capsys.readouterr().err
 
 
 def test_the_read_ahead_plan_names_each_chunk_again_when_its_rows_return(tmp_path):
