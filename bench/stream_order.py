@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 nice python bench/stream_order.py                            # 3 seeds, 300 steps
     OMP_NUM_THREADS=1 nice python bench/stream_order.py --baseline-src ../main/src  # also another checkout
+    OMP_NUM_THREADS=1 nice python bench/stream_order.py --tokenizer bpe                # 8192 BPE tokens
 
 The baby-GPT Tiny Shakespeare setting (bench/configs/baby_gpt_shakespeare.yaml), each seed trained twice:
 
@@ -65,6 +66,7 @@ def main() -> int:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--baseline-src", help="another checkout's src/: its streamed order as well")
+    parser.add_argument("--tokenizer", default="char", help="data.tokenizer: char (the setting's) or bpe")
     parser.add_argument("--corpus", default=os.environ.get(DATA_ENV_VAR, str(CORPUS)), help="Tiny Shakespeare")
     parser.add_argument("--out", default=str(BENCH_DIR / "out" / "stream_order.json"))
     args = parser.parse_args()
@@ -79,13 +81,18 @@ def main() -> int:
         fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, key="bench", secret="bench")
         fs.mkdir("bench")
         fs.put_file(str(corpus), "bench/corpus/input.txt")
-        local = [f"data.data_files={corpus}", f"data.cache_dir={work / 'disk-cache'}"]
+        local = [
+            f"data.data_files={corpus}",
+            f"data.cache_dir={work / 'disk-cache'}",
+            f"data.tokenizer={args.tokenizer}",
+        ]
 
         def streamed(bucket_folder: str) -> list[str]:  # each run: an empty local cache, as on a fresh machine
             return [
                 f"data.stream_cache_limit={STREAM_CACHE_LIMIT}",
                 "data.data_files=s3://bench/corpus/input.txt",
                 f"data.cache_dir=s3://bench/{bucket_folder}",
+                f"data.tokenizer={args.tokenizer}",
                 f"data.stream_cache_dir={work / f'stream-{time.monotonic_ns()}'}",
             ]
 
@@ -119,6 +126,7 @@ def main() -> int:
         "config": CONFIG,
         "steps": args.steps,
         "seeds": args.seeds,
+        "tokenizer": args.tokenizer,
         "val_loss": summary,
         "minus_local": gaps,
         "runs": {name: [{str(k): v for k, v in r.items()} for r in runs] for name, runs in results.items()},
