@@ -66,6 +66,7 @@ def main() -> int:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--baseline-src", help="another checkout's src/: its streamed order as well")
+    parser.add_argument("--runners", default="local,streamed", help="of local, streamed (+ streamed_baseline)")
     parser.add_argument("--tokenizer", default="char", help="data.tokenizer: char (the setting's) or bpe")
     parser.add_argument("--corpus", default=os.environ.get(DATA_ENV_VAR, str(CORPUS)), help="Tiny Shakespeare")
     parser.add_argument("--out", default=str(BENCH_DIR / "out" / "stream_order.json"))
@@ -97,6 +98,7 @@ def main() -> int:
             ]
 
         runners = {"local": (lambda: local, env), "streamed": (lambda: streamed("prepared"), env)}
+        runners = {name: runners[name] for name in args.runners.split(",")}
         if args.baseline_src:
             before = {**env, "PYTHONPATH": str(Path(args.baseline_src).resolve())}
             runners["streamed_baseline"] = (lambda: streamed("prepared-baseline"), before)
@@ -119,7 +121,7 @@ def main() -> int:
     gaps = {
         name: {s: summary[name][s]["mean"] - summary["local"][s]["mean"] for s in summary[name]}
         for name in summary
-        if name != "local"
+        if name != "local" and "local" in summary
     }
     report = {
         "benchmark": "stream_order",

@@ -56,7 +56,7 @@ def test_block_order_is_seeded_windowed_and_the_same_on_any_world_size(tmp_path,
     per_chunk = len(rows) // tokens.n_chunks
     for start in range(0, len(homes) - 64, 64):
         stretch = set(homes[start : start + 64].tolist())
-        # A batch-sized stretch mixes many chunks (about WINDOW: 64 draws of 32 give ~28 distinct) ...
+        # A batch-sized stretch mixes many chunks (64 draws of WINDOW = 64 give ~40 distinct) ...
         assert len(stretch) >= 20
         # ... and a window's worth of training touches about WINDOW chunks, never the whole file.
         span = set(homes[start : start + WINDOW * per_chunk].tolist())

@@ -51,7 +51,7 @@ CHUNK_FOLDER = "train.chunks"  # the chunks that have arrived, in the local prep
 TARGET_CHUNKS = 256  # a file is cut into about this many chunks, within the bounds below
 MIN_CHUNK_BYTES = 1 << 10
 MAX_CHUNK_BYTES = 8 << 20  # one range read: long enough to amortise the store's latency
-WINDOW = 32  # chunks whose rows are mixed at any point of an epoch (part of the order: never from settings)
+WINDOW = 64  # chunks whose rows are mixed at any point of an epoch (part of the order: never from settings)
 READ_AHEAD = 8  # chunks fetched ahead of the loop, in the order it first needs them
 THREADS = 4  # concurrent range reads
 
