@@ -146,6 +146,7 @@ def _prepare_in_store(config: DataConfig) -> PreparedData:
 
 
 def _damaged(directory: Path, origin: str | None, name: str) -> str:
+    """The damaged file named as the user knows it: in the store when it came from one, else locally."""
     where = f"{storage.join(origin, name)} (copied to {directory})" if origin else str(directory / name)
     return f"the prepared data's {where}"
 
