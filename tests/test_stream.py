@@ -165,6 +165,7 @@ def _losses(run) -> list[float]:
     return [row["loss"] for row in rows if row["kind"] == "train"]
 
 
+@pytest.mark.slow
 def test_training_streams_from_a_bucket_with_the_losses_of_the_local_copy(store, tmp_path):
     fs, bucket = store
     words = ["cat", "dog", "bird", "fox", "owl", "eel"]
@@ -312,6 +313,7 @@ print("read", int(tokens[: len(tokens)].astype("int64").sum()), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_the_shared_cache_never_evicts_a_folder_a_live_process_streams_from(uploaded, tmp_path):
     import subprocess
     import sys
