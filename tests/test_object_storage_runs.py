@@ -102,9 +102,23 @@ def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replace
     own = _cli(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], endpoint, tmp_path)
     assert own.returncode == 0, own.stderr
     assert json.loads(own.stdout.strip().splitlines()[-1])["loss"] > 0
-    shutil.rmtree(tmp_path / "stream" / "prepared")  # as on a machine that never prepared it: nothing fetched
+    # On a machine that never prepared it: the validation split the run names, fetched from the bucket.
+    shutil.rmtree(tmp_path / "stream" / "prepared")
     elsewhere = _cli(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], endpoint, tmp_path)
-    _one_line_exit_2(elsewhere, "is not prepared here from s3://", "llm-trainer prepare", "--data FILE")
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert json.loads(elsewhere.stdout.strip().splitlines()[-1]) == json.loads(own.stdout.strip().splitlines()[-1])
+    (copy,) = (tmp_path / "stream_cache" / "validation").glob("*/*")
+    assert (copy / "val.bin").is_file() and not (copy / "train.bin").exists()  # the training tokens stay there
+    assert not (tmp_path / "stream" / "prepared").exists()  # nor is it taken for a prepared folder to train on
+    # The run's own config is in the bucket with it; --config takes a local file (a URL is said in one line).
+    assert f"cache_dir: s3://{bucket}/prepared" in fs.cat_file(f"{bucket}/run/config.yaml").decode()
+    url = _cli(["train", "--config", f"s3://{bucket}/run/config.yaml"], endpoint, tmp_path)
+    _one_line_exit_2(url, "is a URL", "local")
+    # Its prepared folder gone from the bucket too: one line.
+    shutil.rmtree(tmp_path / "stream_cache" / "validation")
+    fs.rm(f"{bucket}/prepared", recursive=True)
+    gone = _cli(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], endpoint, tmp_path)
+    _one_line_exit_2(gone, "is not prepared in s3://", "llm-trainer prepare", "--data FILE")
     sample = _cli(
         ["generate", "--checkpoint", f"s3://{bucket}/run/checkpoints/checkpoint-00000003", "--max-new-tokens", "4"],
         endpoint,

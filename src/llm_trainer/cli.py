@@ -26,7 +26,12 @@ START_OVER = (
 
 
 def resolve_config_path(name: str) -> Path:
-    """A path, or the name of a shipped preset (`tiny`, `small`, `gpt2-small`, ...)."""
+    """A path, or the name of a shipped preset (`tiny`, `small`, `gpt2-small`, ...). Never a URL: a run's
+    config.yaml in a store is copied by the user, then read as a local file."""
+    from .storage import is_url
+
+    if is_url(name):
+        raise UsageError(f"config {name} is a URL; --config takes a local file: copy it here first")
     path = Path(name)
     if path.is_file():
         return path
@@ -115,6 +120,19 @@ def _file_tokens(path: Path, tokenizer, text_column: str) -> list[int]:
     return tokens
 
 
+def _same_store(url: str, checkpoint: str) -> bool:
+    """Whether the URL a checkpoint's config names lies in the bucket of the checkpoint URL the user gave:
+    a checkpoint may lead `eval` to read its run's data there, and nowhere else."""
+    from urllib.parse import urlsplit
+
+    from .storage import is_url
+
+    if not (is_url(url) and is_url(str(checkpoint))):
+        return False
+    mine, named = urlsplit(str(checkpoint)), urlsplit(url)
+    return (mine.scheme, mine.netloc) == (named.scheme, named.netloc)
+
+
 def _eval_loader(model, tokenizer, experiment: dict, args, batch_size: int):
     """Validation batches: the windows of the file --data names, or the run's own validation split."""
     from .api import build_rows
@@ -136,8 +154,8 @@ def _eval_loader(model, tokenizer, experiment: dict, args, batch_size: int):
         rows = WindowRows(tokens, length, keep_partial=True)
     else:  # the run's validation split, prepared earlier; the checkpoint's config cannot name files or folders to write
         from .config import DataConfig
-        from .data.prepare import find_prepared
-        from .storage import is_url
+        from .data.prepare import fetch_validation, find_prepared
+        from .storage import mirror_name
 
         data, fingerprint = experiment.get("data"), experiment.get("data_fingerprint")
         if not isinstance(data, dict) or fingerprint is None:
@@ -146,11 +164,16 @@ def _eval_loader(model, tokenizer, experiment: dict, args, batch_size: int):
             settings = DataConfig.from_dict(data, section="data")
         except (TypeError, ValueError) as exc:
             raise UsageError(f"the checkpoint's saved data settings are invalid ({exc}); pass --data FILE") from None
-        prepared = find_prepared(settings.local_cache_dir, fingerprint)  # read only: nothing fetched for a saved config
+        prepared = find_prepared(
+            settings.local_cache_dir, fingerprint
+        )  # read only: nothing prepared for a saved config
+        if prepared is None and _same_store(settings.cache_dir, args.checkpoint):
+            # the validation split, from the store the user named with --checkpoint (never another one)
+            root = Path(DataConfig.stream_cache_dir) / "validation" / mirror_name(settings.cache_dir)
+            prepared = fetch_validation(settings.cache_dir, fingerprint, root)
         if prepared is None:
-            where = f"in {settings.cache_dir}" if not is_url(settings.cache_dir) else f"here from {settings.cache_dir}"
             raise UsageError(
-                f"the run's validation data ({fingerprint}) is not prepared {where}; "
+                f"the run's validation data ({fingerprint}) is not prepared in {settings.cache_dir}; "
                 "run `llm-trainer prepare` with the run's config, or pass --data FILE"
             )
         if prepared.manifest["splits"]["val"]["tokens"] < 2:

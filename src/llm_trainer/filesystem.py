@@ -61,6 +61,17 @@ def lock_exclusive(file: int | IO, *, wait: bool) -> bool:
     return True
 
 
+def lock_shared(file: int | IO) -> None:
+    """Take a shared `flock` on an open file, waiting while another process holds it exclusively: many
+    processes may hold it at once, and none can take it exclusively (`lock_exclusive`) meanwhile. Released
+    like `lock_exclusive`'s, when the file is closed or the process ends; nothing where flock does not exist."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no flock
+        return
+    fcntl.flock(file, fcntl.LOCK_SH)
+
+
 def writable_folder(folder: Path, what: str) -> Path:
     """`folder`, created when missing and proven writable (a new file made and removed there); a
     one-line `UsageError` naming `what` (the flag or setting that chose it) otherwise."""

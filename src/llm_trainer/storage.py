@@ -493,9 +493,50 @@ def folder_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
 
 
+IN_USE = ".in-use"  # in a cache folder: every process using the folder holds a shared lock on it
+_in_use: dict[Path, object] = {}  # this process's marks (their locks end with the process)
+
+
+def mark_in_use(folder: Path) -> bool:
+    """Mark the cache folder `folder` as used by this process until it ends, so that no process evicts
+    it meanwhile (`make_room`); False when the folder is gone (evicted before the mark was taken)."""
+    from .filesystem import lock_shared
+
+    folder = Path(folder).resolve()
+    if folder in _in_use:
+        return True
+    try:
+        handle = open(folder / IN_USE, "a")
+    except FileNotFoundError:
+        return False
+    lock_shared(handle)
+    _in_use[folder] = handle
+    return True
+
+
+def _evict(entry: Path) -> bool:
+    """Remove the cache entry `entry` unless a live process marked it in use (`mark_in_use`): its mark is
+    taken exclusively while the entry is removed, so no process can mark it half-removed."""
+    from .filesystem import lock_exclusive
+
+    if not entry.is_dir():
+        entry.unlink(missing_ok=True)
+        return True
+    try:
+        handle = open(entry / IN_USE, "a")
+    except FileNotFoundError:  # removed by another process meanwhile
+        return True
+    with handle:
+        if not lock_exclusive(handle, wait=False):
+            return False
+        shutil.rmtree(entry, ignore_errors=True)
+    return True
+
+
 def make_room(cache: Path, needed: int, limit: int, keep: Iterable[Path] = ()) -> None:
     """Evict the least recently used folders of `cache` (each of its subfolders' entries) until `needed`
-    more bytes fit within `limit`; `keep` is never evicted. A `UsageError` when they cannot fit."""
+    more bytes fit within `limit`; `keep` and the folders a live process uses are never evicted. A
+    `UsageError` when they cannot fit."""
     keep = {Path(k).resolve() for k in keep}
     entries = [e for e in (cache / "sources").glob("*")] + [e for e in (cache / "prepared").glob("*/*")]
     entries = [e for e in entries if not e.name.startswith(".") and e.resolve() not in keep]
@@ -509,8 +550,9 @@ def make_room(cache: Path, needed: int, limit: int, keep: Iterable[Path] = ()) -
     for entry in sorted(entries, key=lambda e: e.stat().st_mtime):  # oldest use first
         if used + kept + needed <= limit:
             break
-        used -= folder_size(entry) if entry.is_dir() else entry.stat().st_size
-        shutil.rmtree(entry, ignore_errors=True)
+        size = folder_size(entry) if entry.is_dir() else entry.stat().st_size
+        if _evict(entry):
+            used -= size
 
 
 def touch(path: Path) -> None:

@@ -10,7 +10,7 @@ process     the per-batch work that can run in worker processes (clean, filter, 
 shards      shard files with commit records: resumable output, concatenated at the end
 report      counters, progress bar, data_report.json, printed summary, padding fractions
 prepare     the pipeline that runs all of the above (`prepare_data`) and `PreparedData`
-stream      training tokens in object storage read in checksummed chunks (bounded cache, read-ahead, block order)
+stream      training tokens in object storage read in checksummed chunks (bounded cache, read-ahead, window order)
 packing     piece and first-fit-decreasing arithmetic (no torch)
 loader      rows (greedy windows, first-fit bins, unpacked; optional document ids) and the batch loader
 curriculum  easy rows first, in stages, seeded and seekable

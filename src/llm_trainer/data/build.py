@@ -81,6 +81,25 @@ _NOT_FINGERPRINTED = (
 )
 
 
+TOKEN_DTYPES = ("uint16", "uint32")  # what a prepared folder's token files may hold
+
+
+def manifest_problem(manifest: object) -> str | None:
+    """What makes `manifest` (a prepared folder's, which may come from a bucket) unusable, or None: the
+    fields every reader of the folder relies on, checked once where the folder is opened."""
+    if not isinstance(manifest, dict):
+        return "is not a JSON object"
+    splits = manifest.get("splits")
+    if not isinstance(splits, dict) or not all(
+        isinstance(splits.get(name), dict) and type(splits[name].get("tokens")) is int and splits[name]["tokens"] >= 0
+        for name in ("train", "val")
+    ):
+        return "has no `splits` with the token counts of train and val"
+    if manifest.get("dtype") not in TOKEN_DTYPES:
+        return f"has dtype {manifest.get('dtype')!r}, not one of {', '.join(TOKEN_DTYPES)}"
+    return None
+
+
 @dataclass
 class PreparedData:
     directory: Path

@@ -141,6 +141,10 @@ class DocumentRows:
         return 1.0 - used / max(1, len(self.rows) * (self.length + 1))
 
 
+CHUNK_ORDER = "chunk-window"  # a saved position's order over chunked tokens: `stream.block_order`'s
+ORDER_NAMES = {None: "a global permutation", CHUNK_ORDER: "by chunks", "chunks": "by chunks in groups of 4"}
+
+
 class BatchLoader:
     """Batches of rows in a seeded order per epoch, with a position that checkpoints can save and seek to.
 
@@ -207,7 +211,7 @@ class BatchLoader:
                 return self._order
             first, last = (bound // tokens.chunk_tokens for bound in self.rows.token_bounds())
             self._order = block_order(first, tokens.n_chunks, self.seed, self.epoch) if self.shuffle else np.arange(n)
-            self._plan = schedule(self._order, first, last) if tokens.whole is None else None
+            self._plan = schedule(self._order, first, last, tokens.n_chunks) if tokens.whole is None else None
         return self._order
 
     def state_dict(self) -> dict:
@@ -220,7 +224,7 @@ class BatchLoader:
             "global_batch": self.global_batch,
             "samples": self.samples,
             "skip": [list(r) for r in self.skip],
-            **({"order": "chunks"} if self._chunked() else {}),
+            **({"order": CHUNK_ORDER} if self._chunked() else {}),
         }
 
     def _chunked(self) -> bool:
@@ -255,11 +259,16 @@ class BatchLoader:
         if not _is_count(samples) or not ranges:
             raise TypeError(f"samples {samples!r}, skip {skip!r}")
         check_skip(skip, samples, self.batch_size * self.world_size)
-        if self.shuffle and (state.get("order") == "chunks") != self._chunked():
+        saved_order, order = state.get("order"), CHUNK_ORDER if self._chunked() else None
+        if self.shuffle and saved_order != order:
+            cause = (
+                "an earlier version's order"
+                if saved_order is not None and order is not None
+                else "data.cache_dir changed between a URL and a folder"
+            )
             warn(
-                f"the checkpoint's data order was {'by chunks' if state.get('order') else 'a global permutation'}, "
-                f"this run's is {'by chunks' if self._chunked() else 'a global permutation'} (data.cache_dir changed "
-                "between a URL and a folder): the rest of the epoch follows this run's order"
+                f"the checkpoint's data order was {ORDER_NAMES.get(saved_order, repr(saved_order))}, this run's is "
+                f"{ORDER_NAMES[order]} ({cause}): the rest of the epoch follows this run's order"
             )
         self.epoch, self.position, self.seed, self._order = state["epoch"], position, state["seed"], None
         self.samples, self.skip = samples, merged_ranges([(a, b) for a, b in skip])

@@ -18,12 +18,12 @@ from ..filesystem import disk_full, lock_exclusive
 from ..logs import log
 from ..storage import is_url
 from ..tokenizer import Tokenizer
-from .build import FORMAT_VERSION, MANIFEST, PreparedData, _Build, _fingerprint
+from .build import FORMAT_VERSION, MANIFEST, PreparedData, _Build, _fingerprint, manifest_problem
 from .clean import clean_text
 from .executors import prepare_with_executor
 from .filters import FILTERS
 from .shards import SHARDS
-from .stream import CHUNK_FOLDER, CHUNKS, StreamedData, write_chunk_record
+from .stream import CHUNK_FOLDER, CHUNKS, StreamedData, chunk_record_problem, write_chunk_record
 
 
 @contextlib.contextmanager
@@ -38,8 +38,15 @@ def _locked(work: Path):
         handle.close()
 
 
-def _load(directory: Path) -> PreparedData:
-    manifest = json.loads((directory / MANIFEST).read_text())
+def _load(directory: Path, origin: str | None = None) -> PreparedData:
+    """The finished folder `directory` (downloaded from `origin`, when it names a URL), its manifest checked."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        manifest = None
+    problem = "is not JSON" if manifest is None else manifest_problem(manifest)
+    if problem is not None:
+        raise UsageError(f"{_damaged(directory, origin, MANIFEST)}: it {problem}; {_refetch(directory, origin)}")
     shutil.rmtree(directory / SHARDS, ignore_errors=True)  # left if the last run stopped right after its rename
     log(f"data: reusing {directory} ({manifest['splits']['train']['tokens']:,} training tokens)")
     return PreparedData(directory, Tokenizer.load(directory), manifest)
@@ -59,7 +66,7 @@ def find_prepared(cache_dir: str | Path, fingerprint: str) -> PreparedData | Non
         val = manifest["splits"]["val"]["tokens"]
         if (
             manifest["fingerprint"] != fingerprint
-            or manifest["dtype"] not in ("uint16", "uint32")
+            or manifest_problem(manifest) is not None
             or not isinstance(val, int)
             or any((directory / name).is_symlink() for name in (MANIFEST, "val.bin", "val.idx.npy", "tokenizer.json"))
         ):
@@ -67,6 +74,29 @@ def find_prepared(cache_dir: str | Path, fingerprint: str) -> PreparedData | Non
         return PreparedData(directory, Tokenizer.load(directory), manifest)
     except (OSError, ValueError, TypeError, KeyError):  # missing, not JSON, not our layout, no tokenizer
         return None
+
+
+EVAL_SPLIT_FILES = ("manifest.json", "tokenizer.json", "val.bin", "val.idx.npy", "val.sources.npy", "val.scores.npy")
+
+
+def fetch_validation(url: str, fingerprint: str, root: Path) -> PreparedData | None:
+    """The validation split of the finished folder `{url}/{fingerprint}/` (a run's `data.cache_dir` in a
+    store), as a read-only copy `{root}/{fingerprint}/` of its manifest, tokenizer and val files (each
+    checked against the folder's `files.json`; the training tokens stay in the store), or None when the
+    store holds no finished folder there. `root` is kept apart from the prepared folders training uses: a
+    folder without its training tokens must never be taken for one."""
+    if not isinstance(fingerprint, str) or not re.fullmatch(r"[0-9a-f]{16}", fingerprint):
+        return None
+    found = find_prepared(root, fingerprint)
+    if found is not None:
+        return found
+    remote = storage.join(url, fingerprint)
+    skip = [name for name in storage.children(remote) if name not in EVAL_SPLIT_FILES]
+    root.mkdir(parents=True, exist_ok=True)
+    if not storage.get_folder(remote, root / fingerprint, last=[MANIFEST], skip=skip):
+        return None
+    log(f"data: downloaded the validation split of {remote} into {root / fingerprint}")
+    return find_prepared(root, fingerprint)
 
 
 def prepare_data(config: DataConfig) -> PreparedData:
@@ -87,7 +117,7 @@ def _prepare_in_store(config: DataConfig) -> PreparedData:
     fingerprint = _fingerprint(config)
     remote = storage.join(config.cache_dir, fingerprint)
     directory = config.local_cache_dir / fingerprint
-    if (directory / MANIFEST).is_file():
+    if (directory / MANIFEST).is_file() and storage.mark_in_use(directory) and (directory / MANIFEST).is_file():
         storage.touch(directory)
         return _open(directory, remote, cache, limit)
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -95,22 +125,47 @@ def _prepare_in_store(config: DataConfig) -> PreparedData:
     streamed = storage.exists(storage.join(remote, CHUNKS))
     if storage.get_folder(remote, directory, last=[MANIFEST], room=room, skip=["train.bin"] if streamed else []):
         log(f"data: downloaded {remote} into {directory}" + (", its training tokens stream" if streamed else ""))
+        storage.mark_in_use(directory)
         return _open(directory, remote, cache, limit)
     storage.check_writable(config.cache_dir, "data.cache_dir")
     _prepare_here(config, directory.parent)
     write_chunk_record(directory)
     storage.put_folder(directory, remote, last=[MANIFEST])
     log(f"data: uploaded {directory} to {remote}")
+    storage.mark_in_use(directory)  # after the upload: the mark is no file of the folder's
     storage.make_room(cache, 0, limit, keep=[directory])
     return _open(directory, remote, cache, limit)
 
 
+def _damaged(directory: Path, origin: str | None, name: str) -> str:
+    """The damaged file named as the user knows it: in the store when it came from one, else locally."""
+    where = f"{storage.join(origin, name)} (copied to {directory})" if origin else str(directory / name)
+    return f"the prepared data's {where}"
+
+
+def _refetch(directory: Path, origin: str | None) -> str:
+    """The fix for a damaged prepared folder; a local copy of a bucket's folder is removed (it is this
+    cache's own download), so the next run fetches the folder again."""
+    if origin is None:
+        return f"remove {directory} and prepare again"
+    shutil.rmtree(directory, ignore_errors=True)
+    return f"the folder in the store is damaged or not ours: remove {origin} (or use another data.cache_dir) and prepare again"
+
+
 def _open(directory: Path, remote: str, cache: Path, limit: int) -> PreparedData:
     """The local prepared folder; with a chunk record, its training tokens read by chunks (streamed from
-    `remote` when train.bin is not here) within what `limit` leaves of the cache."""
-    prepared = _load(directory)
+    `remote` when train.bin is not here) within what `limit` leaves of the cache. The manifest and the
+    chunk record came from the store: both are checked before anything reads them."""
+    prepared = _load(directory, remote)
     if not (directory / CHUNKS).is_file():
         return prepared
+    try:
+        record = json.loads((directory / CHUNKS).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        record = None
+    problem = "is not JSON" if record is None else chunk_record_problem(record, prepared.manifest)
+    if problem is not None:
+        raise UsageError(f"{_damaged(directory, remote, CHUNKS)}: it {problem}; {_refetch(directory, remote)}")
     chunks = directory / CHUNK_FOLDER
     others = storage.folder_size(cache) - (storage.folder_size(chunks) if chunks.is_dir() else 0)
     return StreamedData(prepared.directory, prepared.tokenizer, prepared.manifest, remote=remote, budget=limit - others)

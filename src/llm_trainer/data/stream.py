@@ -13,14 +13,18 @@ the validation split) are downloaded whole, but `train.bin` is read by byte rang
 A background pool reads ahead the chunks the loader will need next (it knows its future samples), so
 the training loop waits only for a chunk that has not arrived yet (counted in `data_wait_fraction`).
 
-The training order of such a folder is a block shuffle (`block_order`), so that a stretch of training
-touches only a few chunks: per epoch, a seeded permutation of the chunks, cut into groups of `WINDOW`
-chunks, and the rows of each group shuffled together. It is a function of the seed, the epoch and the
-folder's chunk layout only (never of the world size or the cache size), and it applies to every run
-whose prepared folder has a chunk record, whether its tokens stream or are on local disk (the run that
-prepared and uploaded them), so resuming elsewhere continues the same order. A local `data.cache_dir`
-has no chunk record: its tokens are a memory map and its order the global permutation, as before.
-A remote folder prepared by a version without chunk records is downloaded whole, as before.
+The training order of such a folder is a sliding-window shuffle (`block_order`), so that a stretch of
+training touches a bounded set of chunks while every batch mixes many of them: per epoch, a seeded
+permutation of the chunks, and each row given a key, its chunk's place in that permutation plus a
+uniform offset of up to WINDOW chunks (wrapping around the end); the rows are trained in key order. At
+any point of the epoch the rows come evenly from about WINDOW chunks, and that set slides along by one
+chunk at a time (each chunk is fetched as it enters, a few ahead, and becomes the cache's oldest as it
+leaves). It is a function of the seed, the epoch and the folder's chunk layout only (never of the world
+size or the cache size), and it applies to every run whose prepared folder has a chunk record, whether
+its tokens stream or are on local disk (the run that prepared and uploaded them), so resuming elsewhere
+continues the same order. A local `data.cache_dir` has no chunk record: its tokens are a memory map and
+its order the global permutation, as before. A remote folder prepared by a version without chunk
+records is downloaded whole, as before.
 """
 
 from __future__ import annotations
@@ -44,14 +48,27 @@ from .build import PreparedData
 
 CHUNKS = "train.chunks.json"  # the chunk record of train.bin, uploaded with the prepared folder
 CHUNK_FOLDER = "train.chunks"  # the chunks that have arrived, in the local prepared folder
-TARGET_CHUNKS = 64  # a file is cut into about this many chunks, within the bounds below
+TARGET_CHUNKS = 256  # a file is cut into about this many chunks, within the bounds below
 MIN_CHUNK_BYTES = 1 << 10
 MAX_CHUNK_BYTES = 8 << 20  # one range read: long enough to amortise the store's latency
-WINDOW = 4  # chunks whose rows one shuffle group mixes (part of the order: never derived from settings)
-READ_AHEAD = 2 * WINDOW  # chunks fetched ahead of the loop: the next group, while this one trains
+WINDOW = 64  # chunks whose rows are mixed at any point of an epoch (part of the order: never from settings)
+READ_AHEAD = 8  # chunks fetched ahead of the loop, in the order it first needs them
 THREADS = 4  # concurrent range reads
-IN_MEMORY = 2 * WINDOW + 2  # chunks kept in memory: a group's, and the neighbours its rows straddle into
-MIN_CACHED = READ_AHEAD + THREADS + 1  # chunks the cache folder must hold: the read-ahead and the reads in flight
+
+
+def window(n_chunks: int) -> int:
+    """Chunks live at once in the order of a file of `n_chunks` (all of them for a small file)."""
+    return max(1, min(WINDOW, n_chunks))
+
+
+def min_cached(n_chunks: int) -> int:
+    """Chunks the cache folder must hold: the live window, the read-ahead and the reads in flight."""
+    return min(n_chunks, window(n_chunks) + READ_AHEAD + THREADS + 1)
+
+
+def in_memory(n_chunks: int) -> int:
+    """Chunks kept mapped in memory: the live window, the read-ahead, and neighbours rows straddle into."""
+    return window(n_chunks) + READ_AHEAD + 2
 
 
 def chunk_bytes_for(size: int) -> int:
@@ -75,27 +92,57 @@ def write_chunk_record(directory: Path) -> None:
     os.replace(tmp, directory / CHUNKS)
 
 
+def chunk_record_problem(record: object, manifest: dict) -> str | None:
+    """What makes a chunk record (from a bucket) unusable with its folder's `manifest` (already checked),
+    or None: a positive chunk size of whole tokens, the size of the training tokens, one checksum per
+    chunk (no fewer, no more) and a checksum kind this version computes."""
+    if not isinstance(record, dict):
+        return "is not a JSON object"
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    chunk, size, sums = record.get("chunk_bytes"), record.get("size"), record.get("chunks")
+    if type(chunk) is not int or chunk <= 0 or chunk % itemsize:
+        return f"has chunk_bytes {chunk!r}, not a positive multiple of the token size ({itemsize})"
+    expected = manifest["splits"]["train"]["tokens"] * itemsize
+    if size != expected:
+        return f"has size {size!r}, but the manifest's training tokens take {expected:,} bytes"
+    if not isinstance(sums, list) or not all(isinstance(s, str) for s in sums):
+        return "has no list of chunk checksums"
+    if len(sums) != -(-size // chunk):
+        return f"lists {len(sums)} chunk checksums for {-(-size // chunk)} chunks of {chunk:,} bytes"
+    try:
+        data_checksum(b"", record.get("checksum"))
+    except (ValueError, TypeError):
+        return f"has checksum kind {record.get('checksum')!r}, which this version cannot compute"
+    return None
+
+
 def block_order(first: np.ndarray, n_chunks: int, seed: int, epoch: int) -> np.ndarray:
-    """The rows' order for an epoch, given each row's first chunk (`first`): the chunks in a seeded order,
-    in groups of WINDOW, the rows of a group shuffled together. A function of (seed, epoch, layout) only."""
-    rng = np.random.default_rng([seed, epoch, 1])
+    """The rows' order for an epoch, given each row's first chunk (`first`): each row keyed by its chunk's
+    place in a seeded permutation of the chunks plus a uniform offset of up to `window` chunks, modulo the
+    chunk count, and sorted by key. Every stretch of the order draws evenly from the ~`window` chunks whose
+    keys span it, so batches mix many chunks (all of them, as a global shuffle, when the file has no more
+    chunks than WINDOW) while the cache holds only those. A function of (seed, epoch, layout) only."""
+    rng = np.random.default_rng([seed, epoch, 2])
     rank = np.empty(n_chunks, dtype=np.int64)
     rank[rng.permutation(n_chunks)] = np.arange(n_chunks)
-    group = rank[first] // WINDOW
-    return np.lexsort((rng.random(len(first)), group))
+    keys = np.mod(rank[first] + rng.random(len(first)) * window(n_chunks), n_chunks)
+    return np.argsort(keys, kind="stable")
 
 
-def schedule(order: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sample index, chunk) of each chunk's first use in the epoch `order`, by sample index: the read-ahead
-    plan. A row needs its first and last chunks (a row straddles at most one boundary unless it is longer
-    than a chunk; chunks between are fetched when read)."""
+def schedule(order: np.ndarray, first: np.ndarray, last: np.ndarray, n_chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sample index, chunk) of each chunk's first use in the epoch `order`, by sample index, and of each
+    use after a gap longer than a chunk's time in the window (a chunk whose keys wrapped around the end,
+    read at the epoch's start and again at its end): the read-ahead plan. A row needs its first and last
+    chunks (a row straddles at most one boundary unless it is longer than a chunk; chunks between are
+    fetched when read)."""
     n = len(order)
     chunks = np.concatenate([first[order], last[order]])
     samples = np.concatenate([np.arange(n), np.arange(n)])
     by = np.lexsort((samples, chunks))
     chunks, samples = chunks[by], samples[by]
+    life = max(1, window(n_chunks) * n // max(1, n_chunks))  # samples a chunk stays in the window
     head = np.ones(len(chunks), dtype=bool)
-    head[1:] = chunks[1:] != chunks[:-1]
+    head[1:] = (chunks[1:] != chunks[:-1]) | (samples[1:] - samples[:-1] > life)
     chunks, samples = chunks[head], samples[head]
     by = np.argsort(samples, kind="stable")
     return samples[by], chunks[by]
@@ -113,7 +160,6 @@ class ChunkedTokens:
         self.chunk_tokens = self.chunk_bytes // self.dtype.itemsize
         self.n = self.size // self.dtype.itemsize
         self.n_chunks = len(record["chunks"])
-        assert self.n_chunks == -(-self.size // self.chunk_bytes), "chunk record inconsistent"
         self.whole = np.memmap(whole, dtype=self.dtype, mode="r") if whole is not None else None
         self.budget = budget
         self.evicted: list[int] = []  # chunks evicted from the cache folder, in order (for tests and logs)
@@ -126,10 +172,11 @@ class ChunkedTokens:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         if self.whole is None:
-            if budget < MIN_CACHED * self.chunk_bytes:
+            needed = min_cached(self.n_chunks)
+            if budget < needed * self.chunk_bytes:
                 raise UsageError(
                     f"data.stream_cache_limit leaves {max(0, budget):,} bytes for streaming {url}, which needs "
-                    f"{MIN_CACHED * self.chunk_bytes:,} ({MIN_CACHED} chunks of {self.chunk_bytes:,}); "
+                    f"{needed * self.chunk_bytes:,} ({needed} chunks of {self.chunk_bytes:,}); "
                     "raise data.stream_cache_limit"
                 )
             folder.mkdir(parents=True, exist_ok=True)
@@ -192,7 +239,7 @@ class ChunkedTokens:
         else:
             data = job.result()
         self._memory[c] = data
-        while len(self._memory) > IN_MEMORY:
+        while len(self._memory) > in_memory(self.n_chunks):
             self._memory.popitem(last=False)
         return data
 
@@ -216,7 +263,7 @@ class ChunkedTokens:
     def _from_disk(self, c: int) -> np.ndarray | None:
         """Chunk c from the cache folder (checked when it arrived), or None when it is not there whole."""
         try:
-            data = np.fromfile(self._path(c), dtype=self.dtype)
+            data = _mapped(self._path(c), self.dtype)
         except (FileNotFoundError, ValueError):
             return None
         if data.nbytes != min(self.chunk_bytes, self.size - c * self.chunk_bytes):
@@ -242,7 +289,10 @@ class ChunkedTokens:
                         "(damaged in the store or in transit); prepare the data again"
                     )
             self._store(c, data)
-            return np.frombuffer(data, dtype=self.dtype)
+            try:  # mapped, so the live window costs page cache, not this process's memory
+                return _mapped(self._path(c), self.dtype)
+            except (FileNotFoundError, ValueError):  # evicted at once by another process
+                return np.frombuffer(data, dtype=self.dtype)
         finally:
             with self._lock:
                 self._pending.pop(c, None)
@@ -264,6 +314,8 @@ class ChunkedTokens:
         first those this process never read (another's, by age), then by this process's last read."""
         files = []
         for path, stat in self._files("*.bin"):
+            if not (path.stem.isdigit() and len(path.stem) == 8):  # not a chunk this code wrote: left alone
+                continue
             files.append((self._last_use.get(int(path.stem), -1), stat.st_mtime_ns, path, stat.st_size))
         used = sum(size for *_, size in files) + self._reserved
         for *_, path, size in sorted(files):
@@ -286,6 +338,11 @@ class ChunkedTokens:
     def used_bytes(self) -> int:
         """Bytes in the cache folder now, partial writes included."""
         return sum(stat.st_size for _, stat in self._files("*")) if self.folder.is_dir() else 0
+
+
+def _mapped(path: Path, dtype: np.dtype) -> np.ndarray:
+    """A chunk file mapped read-only (the mapping outlives the file's eviction)."""
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
 def _alive(pid: str) -> bool:
