@@ -48,9 +48,9 @@ def test_a_run_folder_in_a_bucket_is_written_resumed_elsewhere_and_refused_twice
     assert {"checkpoint-00000006", "best_model"} <= _names(fs, f"{run}/checkpoints")
     stored = fs.cat_file(f"{run}/metrics.jsonl").decode()
     assert _train_steps(stored) == [2, 4, 6] and '"summary"' in stored  # uploaded at the end, summary included
-    # A new run into the same URL would mix with this one: refused in one line, as on disk.
+    # A new run into the same URL would mix with this one: refused in one line, as on disk (a finished one).
     again = _cli(["train", "--config", str(config)], endpoint, tmp_path)
-    _one_line_exit_2(again, "already holds a run", "resume_from_checkpoint=latest", "--overwrite")
+    _one_line_exit_2(again, "holds a finished run", "raise training.max_steps", "--overwrite")
     # Another machine (empty staging folder and local cache): the run continues from the bucket alone.
     more = _cli(
         [

@@ -285,7 +285,7 @@ BAD_CONTENTS = {  # a manifest without splits or with a bad dtype; chunk records
 @pytest.mark.parametrize("case", list(BAD_CONTENTS))
 def test_bad_bucket_contents_are_one_line(uploaded, case):
     """Each is one line naming the file in the bucket and the fix."""
-    from llm_trainer.data.prepare import local_root, prepare_data
+    from llm_trainer.data.prepare import prepare_data
 
     fs, remote, config = uploaded
     name, change, message = BAD_CONTENTS[case]
@@ -295,7 +295,7 @@ def test_bad_bucket_contents_are_one_line(uploaded, case):
     text = str(caught.value)
     assert "\n" not in text and f"{remote.rsplit('/', 1)[-1]}/{name}" in text and "prepare again" in text
     # The local copy of the damaged folder is not kept: a repaired bucket is fetched again.
-    assert not any(local_root(config).glob("*/manifest.json"))
+    assert not any(config.local_cache_dir.glob("*/manifest.json"))
 
 
 STREAMER = """
@@ -320,7 +320,6 @@ def test_the_shared_cache_never_evicts_a_folder_a_live_process_streams_from(uplo
 
     from conftest import src_env
     from llm_trainer import storage
-    from llm_trainer.data.prepare import local_root
 
     fs, remote, config = uploaded
     args = [str(tmp_path / "corpus"), config.cache_dir, config.stream_cache_dir]
@@ -334,9 +333,9 @@ def test_the_shared_cache_never_evicts_a_folder_a_live_process_streams_from(uplo
     )
     try:
         assert child.stdout.readline().strip() == "streaming", child.stderr.read()
-        (folder,) = local_root(config).glob("*/manifest.json")
+        (folder,) = config.local_cache_dir.glob("*/manifest.json")
         # Another process sharing the cache needs all its room: every folder not in use goes, this one stays.
-        other = local_root(config).parent / "other" / "0123456789abcdef"
+        other = config.local_cache_dir.parent / "other" / "0123456789abcdef"
         other.mkdir(parents=True)
         (other / "tokens.bin").write_bytes(b"x" * 100)
         storage.make_room(tmp_path / "elsewhere", 0, 1)
