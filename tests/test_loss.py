@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from conftest import tiny_model_config
 from llm_trainer.config import TrainingConfig
@@ -166,3 +167,44 @@ def test_the_whole_compiled_model_trains_as_eager_and_never_recompiles(tmp_path)
     compiled.train()
     assert counters["stats"]["unique_graphs"] == graphs, dict(counters["recompiles"])
     np.testing.assert_allclose(_losses(tmp_path / "compiled"), _losses(tmp_path / "eager"), rtol=1e-4)
+
+
+class _HostReads(TorchFunctionMode):
+    """Records each read of a tensor's value by the host (what waits for a GPU: `.item()`, `bool()`,
+    `float()`, `.tolist()`...) with the training step it happened in."""
+
+    READS = {"item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy", "__format__", "cpu"}
+
+    def __init__(self, trainer=None):
+        super().__init__()
+        self.trainer, self.seen = trainer, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in self.READS:
+            self.seen.append((self.trainer.state.step if self.trainer else None, func.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_training_step_reads_no_value_from_the_device(tmp_path):
+    """train_step (the Trainer's and the LR finder's step: forward with the chunked loss, backward, clip,
+    the finite-or-skip update) hands back device tensors and reads none of them."""
+    from llm_trainer.train.step import train_step
+
+    trainer = Trainer(Transformer(tiny_model_config()), _training(tmp_path, "step", use_amp=True))
+    x = torch.randint(0, 61, (4, 16))
+    batches = [(x, x.roll(-1, 1)), (x, x.roll(-1, 1))]
+    with _HostReads() as reads:
+        out = train_step(trainer.parallel, batches, autocast=trainer.autocast, max_grad_norm=1.0)
+    assert reads.seen == [] and out.loss.device.type == "cpu"
+
+
+def test_the_loop_reads_device_values_only_on_logging_steps(tmp_path):
+    """With the per-step reads a CPU affords turned off (as on a GPU), 7 steps logged every 3rd read
+    values only at steps 3, 6 and the last, 7; evaluation and checkpoints are off."""
+    loader = BatchLoader(WindowRows(_tokens(), 16), 4, shuffle=True, seed=0)
+    config = _training(tmp_path, "loop", max_steps=7, logging_steps=3, eval_steps=0, use_amp=True)
+    trainer = Trainer(Transformer(tiny_model_config()), config, train_dataloader=loader)
+    trainer.reads_every_step = False
+    with _HostReads(trainer) as reads:
+        trainer.train()
+    assert {step for step, _ in reads.seen if step is not None and 0 < step < 7} == {3, 6}, reads.seen
