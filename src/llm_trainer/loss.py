@@ -72,10 +72,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             safe = t.clamp(min=0)[:, None]
             lse = logits.logsumexp(-1)
             total = total + ((lse - logits.gather(1, safe).squeeze(1)) * valid).sum()
-            grad = torch.exp(logits - lse[:, None])  # softmax, minus one at the target: d nll / d logits
-            grad = grad.scatter_add(1, safe, -torch.ones_like(safe, dtype=grad.dtype)) * valid[:, None]
+            # d nll / d logits: the softmax, minus one at the target; in place, one chunk-sized buffer
+            grad = logits.sub_(lse[:, None]).exp_()
+            grad.scatter_add_(1, safe, -torch.ones_like(safe, dtype=grad.dtype)).mul_(valid[:, None])
             if tanh is not None:
-                grad = grad * (1 - tanh * tanh)
+                grad.mul_(1 - tanh * tanh)
             grad = grad.to(raw.dtype)  # the matmuls in the forward's precision, as autograd would run them
             grad_hidden[start : start + rows] = (grad @ weight.to(raw.dtype)).to(hidden.dtype)
             grad_weight += (grad.t() @ h.to(raw.dtype)).float()
