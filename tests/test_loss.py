@@ -12,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 from conftest import tiny_model_config
 from llm_trainer.config import TrainingConfig
 from llm_trainer.data.loader import BatchLoader, WindowRows
+from llm_trainer import loss
 from llm_trainer.loss import IGNORE_INDEX, chunk_rows, linear_cross_entropy
 from llm_trainer.model import Transformer
 from llm_trainer.train.evaluate import batch_nll, summed_nll
@@ -27,10 +28,14 @@ def _reference(hidden, weight, targets, softcap, reduction="sum"):
 
 @pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "softcap"])
-def test_chunked_loss_equals_cross_entropy_in_value_and_gradient(amp, softcap):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "small"])
+def test_chunked_loss_equals_cross_entropy_in_value_and_gradient(amp, softcap, fused, monkeypatch):
     """Chunks of 8 of 37 positions (the last one short), a fifth of the targets ignored: the summed loss
     and the gradients of hidden states and head weight equal F.cross_entropy over the whole logits (to
-    bf16's rounding under bf16 autocast, where both run the head's matmuls in bf16)."""
+    bf16's rounding under bf16 autocast, where both run the head's matmuls in bf16), by the chunked
+    gradient and by the plain autograd that logits below `SMALL_LOGITS` take."""
+    if fused:
+        monkeypatch.setattr(loss, "SMALL_LOGITS", 0)
     torch.manual_seed(0)
     hidden = torch.randn(37, 16, requires_grad=True)
     weight = torch.randn(50, 16, requires_grad=True)
@@ -62,10 +67,13 @@ def test_chunks_are_even_and_bounded():
     assert chunk_rows(64, 65) == 64  # a character vocabulary: one chunk
 
 
-def test_the_model_computes_the_loss_it_would_give_from_its_logits_with_document_masks():
+def test_the_model_computes_the_loss_it_would_give_from_its_logits_with_document_masks(monkeypatch):
     """model(idx, targets=, doc_ids=) is the summed cross-entropy of model(idx, doc_ids=)'s logits, in
-    value and in every parameter's gradient, with ignored targets and packed documents; per position
-    with reduction="none"; and `batch_nll`, which training and evaluation call, takes that path."""
+    value and in every parameter's gradient (the chunked gradient, which this tiny head would otherwise
+    skip), with ignored targets and packed documents; per position with reduction="none"; and
+    `batch_nll`, which training and evaluation call, takes that path."""
+    monkeypatch.setattr(loss, "SMALL_LOGITS", 0)
+    monkeypatch.setattr(loss, "CHUNK_LOGITS", 61 * 10)  # 36 positions in 4 chunks of 9
     torch.manual_seed(0)
     model = Transformer(tiny_model_config(logit_softcap=8.0))
     inputs = torch.randint(0, 61, (3, 12))

@@ -26,11 +26,16 @@ IGNORE_INDEX = -100  # a target with this id leaves the loss (padding); torch's 
 # Float32 logits one chunk may hold (128 MiB): large enough that each chunk's matmul keeps the device
 # busy, small enough that the chunk, its softmax and its gradient stay a small share of the step's memory.
 CHUNK_LOGITS = 1 << 25
+# Below this many logits in all (4 MiB in float32, e.g. a character vocabulary) they are smaller than
+# the step's activations, and autograd through F.cross_entropy's fused kernels is faster than the
+# chunked gradient's extra elementwise passes, so they are computed whole.
+SMALL_LOGITS = 1 << 20
 
 
-def chunk_rows(rows: int, vocab: int, budget: int = CHUNK_LOGITS) -> int:
-    """Positions per chunk: as many as fit `budget` logits, spread evenly so the last chunk is not a
-    sliver (equal chunks compile to one kernel shape)."""
+def chunk_rows(rows: int, vocab: int, budget: int | None = None) -> int:
+    """Positions per chunk: as many as fit `budget` logits (`CHUNK_LOGITS`), spread evenly so the last
+    chunk is not a sliver (equal chunks compile to one kernel shape)."""
+    budget = budget or CHUNK_LOGITS
     per_chunk = max(1, budget // max(vocab, 1))
     chunks = max(1, math.ceil(rows / per_chunk))
     return max(1, math.ceil(rows / chunks))
@@ -46,13 +51,11 @@ def _capped(logits: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, 
 
 
 def _chunk_nll(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None, reduction: str
 ) -> torch.Tensor:
-    """-log p(target) (n,) in float32 for one chunk of positions, 0 where the target is ignored."""
+    """-log p(target) in float32 for one chunk of positions, summed or (n,) with 0 where ignored."""
     logits, _ = _capped(F.linear(hidden, weight), softcap)
-    valid = targets != IGNORE_INDEX
-    picked = logits.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
-    return (logits.logsumexp(-1) - picked) * valid
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -67,19 +70,21 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], rows):
             h, t = hidden[start : start + rows], targets[start : start + rows]
             raw = F.linear(h, weight)  # (n, V), in autocast's dtype where autocast is on
+            dtype = raw.dtype
             logits, tanh = _capped(raw, softcap)
-            valid = t != IGNORE_INDEX
+            valid = (t != IGNORE_INDEX)[:, None]
             safe = t.clamp(min=0)[:, None]
-            lse = logits.logsumexp(-1)
-            total = total + ((lse - logits.gather(1, safe).squeeze(1)) * valid).sum()
+            logprobs = torch.log_softmax(logits, -1)
+            del raw, logits  # the chunk's one remaining V-wide buffer is the log-softmax, turned gradient
+            total = total - (logprobs.gather(1, safe) * valid).sum()
             # d nll / d logits: the softmax, minus one at the target; in place, one chunk-sized buffer
-            grad = logits.sub_(lse[:, None]).exp_()
-            grad.scatter_add_(1, safe, -torch.ones_like(safe, dtype=grad.dtype)).mul_(valid[:, None])
+            grad = logprobs.exp_()
+            grad.scatter_add_(1, safe, -torch.ones_like(safe, dtype=grad.dtype)).mul_(valid)
             if tanh is not None:
-                grad.mul_(1 - tanh * tanh)
-            grad = grad.to(raw.dtype)  # the matmuls in the forward's precision, as autograd would run them
-            grad_hidden[start : start + rows] = (grad @ weight.to(raw.dtype)).to(hidden.dtype)
-            grad_weight += (grad.t() @ h.to(raw.dtype)).float()
+                grad.mul_(tanh.square_().neg_().add_(1))  # d (c tanh(z / c)) / dz = 1 - tanh^2
+            grad = grad.to(dtype)  # the matmuls in the forward's precision, as autograd would run them
+            grad_hidden[start : start + rows] = (grad @ weight.to(dtype)).to(hidden.dtype)
+            grad_weight += (grad.t() @ h.to(dtype)).float()
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total
 
@@ -112,14 +117,13 @@ def linear_cross_entropy(
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     rows = rows or chunk_rows(hidden.shape[0], weight.shape[0])
     wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    if reduction == "sum" and wants_grad:
+    if reduction == "sum" and wants_grad and hidden.shape[0] * weight.shape[0] > SMALL_LOGITS:
         return _FusedLinearCrossEntropy.apply(hidden, weight, targets, softcap, rows)
-    per_token = [
-        _chunk_nll(hidden[start : start + rows], weight, targets[start : start + rows], softcap)
+    parts = [
+        _chunk_nll(hidden[start : start + rows], weight, targets[start : start + rows], softcap, reduction)
         for start in range(0, hidden.shape[0], rows)
     ]
-    nll = torch.cat(per_token)
-    return nll.sum() if reduction == "sum" else nll.reshape(shape)
+    return sum(parts[1:], parts[0]) if reduction == "sum" else torch.cat(parts).reshape(shape)
 
 
 def token_logprobs(

@@ -23,9 +23,11 @@ Everything here follows how *this* trainer runs a model, so the numbers can be c
   over the keys, see model._explicit_attention), the MLP hidden
   (GELU/SiLU: input and output; SwiGLU: the gate/up pair, SiLU output and product; ReLU: the output
   only) and dropout masks when dropout > 0 (one byte on CUDA, the activation's size on CPU). The
-  output head keeps the fp32 log-softmax (4 V bytes a token); its backward briefly holds three
-  V-sized fp32 tensors (12 V bytes a token), which for small models with large vocabularies is the
-  largest single item.
+  output head and the loss run in chunks (`loss.linear_cross_entropy`): they keep the gradient of the
+  head's input (fp32, 4 d bytes a token) and an fp32 gradient of the head's weight (4 V d bytes),
+  and while the forward runs, one chunk's logits, log-softmax and gradient (at most `CHUNK_LOGITS`
+  logits). Logits below `SMALL_LOGITS` in all are computed whole instead: the fp32 log-softmax is kept
+  (4 V bytes a token) and the backward briefly holds two more V-sized fp32 tensors.
   With gradient checkpointing a block keeps only its fp32 input, and one block's activations are
   rebuilt at a time during backward, once the head's backward is over: the head's peak and a rebuilt
   block never coexist, but the rebuilt block of the lowest layer coexists with (nearly) all gradients.
@@ -192,9 +194,9 @@ def estimate_memory(
     per_token = activation_bytes_per_token(c, training, device_type, seq_len)
     block_input = c.d_model * 4  # what a checkpointed block keeps (fp32)
     layers = c.n_layers * (block_input if checkpointing else per_token["per_layer"])
-    activations = tokens * (layers + per_token["embedding"] + per_token["head"])
-    head_peak = tokens * 2 * per_token["head"]  # log-softmax's grad_out and grad_in beside the saved output
     head_grad = 4.0 * counts.head / (w if sharding in ("zero2", "fsdp") else 1)
+    head_saved, head_peak = _head_bytes(c, training, tokens, head_grad)
+    activations = tokens * (layers + per_token["embedding"]) + head_saved
     if training.optimizer == "muon":
         optimizer_temp = 15.0 * muon_group  # updates + their stack + orthogonalize (see the docstring)
     elif training.optimizer == "sgd" and states:
@@ -235,6 +237,23 @@ def estimate_memory(
             "optimizer_states_per_param": states,
         },
     )
+
+
+def _head_bytes(c: ModelConfig, training: TrainingConfig, tokens: int, head_grad: float) -> tuple[float, float]:
+    """(bytes the head + loss keep for backward, bytes they hold beside that and the head's gradient at
+    their peak), as `loss.linear_cross_entropy` computes them for `tokens` positions."""
+    from ..loss import SMALL_LOGITS, chunk_rows
+
+    vocab, d, a = c.vocab_size, c.d_model, _act_bytes(training)
+    if tokens * vocab <= SMALL_LOGITS:  # whole logits: log-softmax's grad_out and grad_in beside the saved output
+        return tokens * 4.0 * vocab, tokens * 2 * 4.0 * vocab
+    saved = tokens * (4.0 - a) * d  # the input's fp32 gradient instead of its (16-bit under amp) copy
+    accumulator = 4.0 * vocab * d  # the weight's fp32 gradient, summed over the chunks
+    # one chunk: its logits (and their fp32 copy under amp), log-softmax turned gradient, its 16-bit copy
+    chunk = chunk_rows(tokens, vocab) * vocab * (2 * a + 8 if training.use_amp else 8)
+    product = (a + 4.0) * vocab * d if training.use_amp else 4.0 * vocab * d  # the chunk's weight gradient
+    # forward: accumulator + chunk + product; backward's start: accumulator + the head's gradient
+    return saved, accumulator + max(chunk + product - head_grad, 0.0)
 
 
 def _muon_matrices(c: ModelConfig, training: TrainingConfig) -> tuple[int, int]:
