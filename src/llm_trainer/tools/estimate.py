@@ -46,6 +46,8 @@ and without gradient checkpointing, AdamW and Muon; on CUDA the same check reads
   `fsdp` (= ZeRO-3) also parameters (plus two gathered blocks in flight, fp32, the way our trainer
   keeps weights). Activations are per device: `training.batch_size` is the per-device micro-batch.
 
+* **bf16 kernels on a CPU**: the first bf16 matmul (autocast, or Muon's orthogonalization) leaves
+  about 16 MB resident for the rest of the process, at any width; counted where a step runs one.
 * **cuBLAS workspaces** (CUDA only): PyTorch gives each cuBLAS handle a workspace from its caching
   allocator, so `max_memory_allocated` counts it. Training uses two handles, the forward's thread and
   autograd's backward thread, each with the Hopper default of 32 MiB (earlier GPUs take less, so this
@@ -76,6 +78,9 @@ GiB = 1024**3
 SHARDING = ("none", "zero1", "zero2", "fsdp")
 
 CUBLAS_WORKSPACES_BYTES = 2 * 32 * 2**20  # two handles (forward, backward thread) x the Hopper default
+# A CPU's first bf16 matmul (autocast, or Muon's orthogonalization) leaves about this much resident for
+# the rest of the process, whatever the shapes (measured at widths 128-512: 16.1-16.3 MB)
+CPU_BF16_KERNELS_BYTES = 16 * 10**6
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,7 +144,7 @@ class MemoryEstimate:
     tokens_per_micro_batch: int
     world_size: int = 1
     sharding: str = "none"
-    workspace_bytes: float = 0.0  # cuBLAS workspaces (CUDA)
+    workspace_bytes: float = 0.0  # cuBLAS workspaces (CUDA), bf16 kernels (CPU)
     details: dict = field(default_factory=dict)
 
     @property
@@ -205,6 +210,10 @@ def estimate_memory(
         optimizer_temp = 0.0  # fused AdamW/Adam
 
     workspace = CUBLAS_WORKSPACES_BYTES if device_type == "cuda" else 0.0
+    if device_type == "cpu" and (
+        (training.use_amp and training.amp_dtype == "bfloat16") or training.optimizer == "muon"
+    ):
+        workspace = CPU_BF16_KERNELS_BYTES
     steady = params + optimizer + workspace
     phases = {
         "forward_backward": steady + amp_copies + activations + head_peak + head_grad,
@@ -249,8 +258,8 @@ def _head_bytes(c: ModelConfig, training: TrainingConfig, tokens: int, head_grad
         return tokens * 4.0 * vocab, tokens * 2 * 4.0 * vocab
     saved = tokens * (4.0 - a) * d  # the input's fp32 gradient instead of its (16-bit under amp) copy
     accumulator = 4.0 * vocab * d  # the weight's fp32 gradient, summed over the chunks
-    # one chunk: its logits (and their fp32 copy under amp), log-softmax turned gradient, its 16-bit copy
-    chunk = chunk_rows(tokens, vocab) * vocab * (2 * a + 8 if training.use_amp else 8)
+    # one chunk at its widest: its logits (and their fp32 copy under amp) beside their log-softmax
+    chunk = chunk_rows(tokens, vocab) * vocab * (a + 8 if training.use_amp else 8)
     product = (a + 4.0) * vocab * d if training.use_amp else 4.0 * vocab * d  # the chunk's weight gradient
     # forward: accumulator + chunk + product; backward's start: accumulator + the head's gradient
     return saved, accumulator + max(chunk + product - head_grad, 0.0)
@@ -463,7 +472,11 @@ def format_report(report: dict) -> str:
         f"  activations     {m['activations_gb']:9.3f}",
         f"  head backward   {m['output_head_peak_gb']:9.3f}",
         f"  optimizer step  {m['optimizer_step_temp_gb']:9.3f}  (temporaries)",
-        *([f"  cuBLAS          {m['cublas_workspace_gb']:9.3f}  (workspaces)"] if m["cublas_workspace_gb"] else []),
+        *(
+            [f"  workspaces      {m['cublas_workspace_gb']:9.3f}  (cuBLAS on CUDA; bf16 kernels on a CPU)"]
+            if m["cublas_workspace_gb"]
+            else []
+        ),
         f"  peak            {m['peak_gb']:9.3f}  ({m['peak_phase'].replace('_', ' ')})",
     ]
     if "fits" in report:
