@@ -60,6 +60,31 @@ def test_chunked_loss_equals_cross_entropy_in_value_and_gradient(amp, softcap, f
     assert (per_token[::5] == 0).all()
 
 
+@pytest.mark.slow
+def test_the_chunked_gradient_compiles_into_one_graph_and_keeps_its_values(monkeypatch):
+    """Under torch.compile the chunked loss (soft cap, 5 chunks) is one graph without breaks, and its
+    value and gradients are F.cross_entropy's."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(loss, "SMALL_LOGITS", 0)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    targets[::4] = IGNORE_INDEX
+    compiled = torch.compile(lambda h, w, t: linear_cross_entropy(h, w, t, softcap=5.0, rows=8))
+    got = compiled(hidden, weight, targets)
+    have = torch.autograd.grad(got, [hidden, weight])
+    expected = _reference(hidden, weight, targets, 5.0)
+    want = torch.autograd.grad(expected, [hidden, weight])
+    torch.testing.assert_close(got, expected)
+    for g, w in zip(have, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
 def test_chunks_are_even_and_bounded():
     """At GPT-2's vocabulary, 16 x 1024 positions are cut into equal chunks of at most 2**25 logits."""
     rows = chunk_rows(16 * 1024, 50257)
