@@ -241,3 +241,36 @@ def test_the_loop_reads_device_values_only_on_logging_steps(tmp_path):
     with _HostReads(trainer) as reads:
         trainer.train()
     assert {step for step, _ in reads.seen if step is not None and 0 < step < 7} == {3, 6}, reads.seen
+
+
+@pytest.mark.slow
+def test_ddp_over_the_whole_compiled_model_steps_as_eager(tmp_path):
+    """DDP wraps the whole compiled model (compile first, in place): the loss and every gradient are the
+    eager model's over three steps, from one graph without breaks."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from llm_trainer.parallel.parallelize import apply_compile
+
+    torch._dynamo.reset()
+    counters.clear()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        eager = Transformer(tiny_model_config())
+        torch.manual_seed(0)
+        compiled = Transformer(tiny_model_config())
+        apply_compile(compiled)
+        ddp = torch.nn.parallel.DistributedDataParallel(compiled)
+        x = torch.randint(0, 61, (4, 16))
+        for _ in range(3):
+            want = batch_nll(eager, x, x.roll(-1, 1))
+            want.backward()
+            got = batch_nll(ddp, x, x.roll(-1, 1))
+            got.backward()
+            torch.testing.assert_close(got, want)
+        for p, q in zip(eager.parameters(), compiled.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
