@@ -399,8 +399,9 @@ def test_save_checkpoint_before_data_says_what_is_missing(tmp_path):
 
 
 def test_blocks_are_checkpointed_then_compiled_in_place_before_any_wrapper(tmp_path):
-    """parallelize's order: activation checkpointing, then torch.compile of each block (in place: the
-    parameter names stay), then data parallelism; the Trainer's model is the user's own object."""
+    """parallelize's order: activation checkpointing, then torch.compile (in place: the parameter names
+    stay; without sharding the whole model, head and loss included), then data parallelism; the
+    Trainer's model is the user's own object."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     model = Transformer(tiny_model_config())
@@ -408,9 +409,19 @@ def test_blocks_are_checkpointed_then_compiled_in_place_before_any_wrapper(tmp_p
     trainer = Trainer(model, _training(tmp_path, compile=True, gradient_checkpointing=True))
     assert trainer.model is model and trainer.parallel.module is model and trainer.parallel.wrapped is model
     for block in model.blocks:
-        assert isinstance(block, CheckpointWrapper) and block._compiled_call_impl is not None
-    assert model._compiled_call_impl is None  # the embedding and the head stay eager
+        assert isinstance(block, CheckpointWrapper) and block._compiled_call_impl is None
+    assert model._compiled_call_impl is not None  # one graph: embeddings, blocks, head and loss
     assert list(model.state_dict()) == names
+
+
+def test_under_fsdp_each_block_is_compiled_between_the_shards_hooks():
+    """With sharding, FSDP2's hooks run between the blocks, so each block is compiled on its own."""
+    from llm_trainer.parallel.parallelize import apply_compile
+
+    model = Transformer(tiny_model_config())
+    apply_compile(model, per_block=True)
+    assert all(block._compiled_call_impl is not None for block in model.blocks)
+    assert model._compiled_call_impl is None
 
 
 def test_a_signal_stops_the_run_and_the_summary_names_it(tmp_path):

@@ -17,8 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
-
-IGNORE_INDEX = -100  # a target with this id leaves the loss (padding); torch's and transformers' convention
+from .loss import IGNORE_INDEX, linear_cross_entropy, token_logprobs
 
 
 def _norm(config: ModelConfig) -> nn.Module:
@@ -362,8 +361,15 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        reduction: str = "sum",
     ) -> torch.Tensor | CausalLMOutput:
         """Token ids (B, T) -> logits (B, T, V), called the nanoGPT way: `model(idx)`.
+
+        With `targets` (B, T) (the next token at each position, `IGNORE_INDEX` where none counts) it
+        returns their float32 negative log-likelihood instead, summed (a scalar) or with
+        reduction="none" per position (B, T): the head and the loss run together in chunks
+        (`loss.linear_cross_entropy`), so the logits never exist whole. Training and evaluation call this.
 
         Called the transformers way (`input_ids=`, `attention_mask=` or `labels=` given), it returns a
         `CausalLMOutput` whose loss is `causal_lm_loss` (labels are the inputs, unshifted; padding,
@@ -377,6 +383,18 @@ class Transformer(nn.Module):
         ids = idx if input_ids is None else input_ids
         if attention_mask is not None:
             _check_right_padded(attention_mask)
+        if targets is not None:
+            if shaped:
+                raise ValueError(
+                    "targets= is the nanoGPT-style call model(idx, targets=...); with input_ids use labels="
+                )
+            return linear_cross_entropy(
+                self._hidden(ids, cache, doc_ids),
+                self.lm_head.weight,
+                targets,
+                softcap=self.config.logit_softcap,
+                reduction=reduction,
+            )
         logits = self._logits(ids, cache, doc_ids)
         if not shaped:
             return logits
@@ -390,16 +408,22 @@ class Transformer(nn.Module):
         positions: torch.Tensor,
         mask: torch.Tensor,
         select: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        targets: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (B, T, V) of `input_ids` with each token's position (B, T) and the keys it may see,
         (B, 1, T, S) bool, given by the caller: after `cache` (S = cache.length + T), whose rows hold
         contexts of different lengths padded to cache.length, or alone (S = T). Many continuations of
         many contexts in one batch, none seeing another (evaluation, batched decoding). `select`
         (rows, columns): the logits (N, V) of those positions only (the output head, a large share of
-        a small model's work, runs on nothing else)."""
+        a small model's work, runs on nothing else). With `targets` (N,), one token per selected position:
+        (log p(target) (N,), whether it is the most likely token (N,)) from `loss.token_logprobs`, in
+        chunks instead of the (N, V) logits."""
         if int(positions.max()) >= self.config.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is beyond max_seq_len={self.config.max_seq_len}")
-        return self._logits(input_ids, cache, given=(mask, positions), select=select)
+        if targets is None:
+            return self._logits(input_ids, cache, given=(mask, positions), select=select)
+        hidden = self._hidden(input_ids, cache, given=(mask, positions), select=select)
+        return token_logprobs(hidden, self.lm_head.weight, targets, softcap=self.config.logit_softcap)
 
     def _logits(
         self,
@@ -409,6 +433,22 @@ class Transformer(nn.Module):
         given: tuple[torch.Tensor, torch.Tensor] | None = None,
         select: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """The head's logits (B, T, V), or (N, V) of `select`, soft-capped where the config says so."""
+        logits = self.lm_head(self._hidden(input_ids, cache, doc_ids, given, select))
+        if self.config.logit_softcap is not None:
+            cap = self.config.logit_softcap
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+    def _hidden(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        doc_ids: torch.Tensor | None = None,
+        given: tuple[torch.Tensor, torch.Tensor] | None = None,
+        select: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The final norm's output (B, T, C), or (N, C) of `select`: what the head reads."""
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
         if given is None and start + T > self.config.max_seq_len:
@@ -452,8 +492,4 @@ class Transformer(nn.Module):
             cache.length = start + T
         if select is not None:
             x = x[select]  # (N, C): only the positions asked for
-        logits = self.lm_head(self.norm(x))  # (B, T, V), or (N, V) of `select`
-        if self.config.logit_softcap is not None:
-            cap = self.config.logit_softcap
-            logits = cap * torch.tanh(logits / cap)
-        return logits
+        return self.norm(x)

@@ -1,8 +1,10 @@
 """Everything applied to the model from outside, in one place and one fixed order:
 
     1. activation checkpointing, per transformer block
-    2. torch.compile, per transformer block (the blocks repeat, so one compiled graph serves them
-       all; a model without `.blocks` is compiled whole, in place)
+    2. torch.compile, in place: the whole model with its loss (embeddings, blocks, final norm, the
+       chunked head + cross-entropy: one graph, nothing left eager), or per transformer block under
+       FSDP2 (the blocks repeat, so one compiled graph serves them all, and FSDP's per-block hooks
+       stay outside the graphs)
     3. data parallelism: DDP, or FSDP2 (`fully_shard` per block, then the root; the model's `extend`
        registered as a forward, so it gathers the weights as `forward` does)
     4. the optimizer, over the (sharded) parameters
@@ -44,11 +46,12 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         blocks[i] = checkpoint_wrapper(block, preserve_rng_state=True)
 
 
-def apply_compile(model: nn.Module) -> None:
-    """torch.compile each transformer block, or the whole model when it has no `.blocks`. In place
-    (`nn.Module.compile`): the modules and their parameter names stay as they are, so state dicts and
-    resumes see the same model; FSDP's hooks, added afterwards, run outside the compiled graphs."""
-    blocks = getattr(model, "blocks", None)
+def apply_compile(model: nn.Module, *, per_block: bool = False) -> None:
+    """torch.compile the whole model (forward and, through its `targets=` forward, the loss), or with
+    `per_block` each transformer block (for FSDP2, whose hooks, added afterwards, must run between the
+    blocks' graphs; a model without `.blocks` is still compiled whole). In place (`nn.Module.compile`):
+    the modules and their parameter names stay as they are, so state dicts and resumes see the same model."""
+    blocks = getattr(model, "blocks", None) if per_block else None
     for module in blocks if blocks is not None else [model]:
         module.compile()
 
@@ -141,7 +144,7 @@ def parallelize(
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if config.compile and dist.strategy != "deepspeed":
-        apply_compile(model)
+        apply_compile(model, per_block=dist.strategy == "fsdp")
     on_meta = any(p.is_meta for p in model.parameters())
     common = dict(dist=dist, device=device, amp_dtype=amp_dtype)
     if dist.strategy == "fsdp":

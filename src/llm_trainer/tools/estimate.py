@@ -23,9 +23,11 @@ Everything here follows how *this* trainer runs a model, so the numbers can be c
   over the keys, see model._explicit_attention), the MLP hidden
   (GELU/SiLU: input and output; SwiGLU: the gate/up pair, SiLU output and product; ReLU: the output
   only) and dropout masks when dropout > 0 (one byte on CUDA, the activation's size on CPU). The
-  output head keeps the fp32 log-softmax (4 V bytes a token); its backward briefly holds three
-  V-sized fp32 tensors (12 V bytes a token), which for small models with large vocabularies is the
-  largest single item.
+  output head and the loss run in chunks (`loss.linear_cross_entropy`): they keep the gradient of the
+  head's input (fp32, 4 d bytes a token) and an fp32 gradient of the head's weight (4 V d bytes),
+  and while the forward runs, one chunk's logits, log-softmax and gradient (at most `CHUNK_LOGITS`
+  logits). Logits below `SMALL_LOGITS` in all are computed whole instead: the fp32 log-softmax is kept
+  (4 V bytes a token) and the backward briefly holds two more V-sized fp32 tensors.
   With gradient checkpointing a block keeps only its fp32 input, and one block's activations are
   rebuilt at a time during backward, once the head's backward is over: the head's peak and a rebuilt
   block never coexist, but the rebuilt block of the lowest layer coexists with (nearly) all gradients.
@@ -44,6 +46,8 @@ and without gradient checkpointing, AdamW and Muon; on CUDA the same check reads
   `fsdp` (= ZeRO-3) also parameters (plus two gathered blocks in flight, fp32, the way our trainer
   keeps weights). Activations are per device: `training.batch_size` is the per-device micro-batch.
 
+* **bf16 kernels on a CPU**: the first bf16 matmul (autocast, or Muon's orthogonalization) leaves
+  about 16 MB resident for the rest of the process, at any width; counted where a step runs one.
 * **cuBLAS workspaces** (CUDA only): PyTorch gives each cuBLAS handle a workspace from its caching
   allocator, so `max_memory_allocated` counts it. Training uses two handles, the forward's thread and
   autograd's backward thread, each with the Hopper default of 32 MiB (earlier GPUs take less, so this
@@ -74,6 +78,9 @@ GiB = 1024**3
 SHARDING = ("none", "zero1", "zero2", "fsdp")
 
 CUBLAS_WORKSPACES_BYTES = 2 * 32 * 2**20  # two handles (forward, backward thread) x the Hopper default
+# A CPU's first bf16 matmul (autocast, or Muon's orthogonalization) leaves about this much resident for
+# the rest of the process, whatever the shapes (measured at widths 128-512: 16.1-16.3 MB)
+CPU_BF16_KERNELS_BYTES = 16 * 10**6
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,7 +144,7 @@ class MemoryEstimate:
     tokens_per_micro_batch: int
     world_size: int = 1
     sharding: str = "none"
-    workspace_bytes: float = 0.0  # cuBLAS workspaces (CUDA)
+    workspace_bytes: float = 0.0  # cuBLAS workspaces (CUDA), bf16 kernels (CPU)
     details: dict = field(default_factory=dict)
 
     @property
@@ -192,9 +199,9 @@ def estimate_memory(
     per_token = activation_bytes_per_token(c, training, device_type, seq_len)
     block_input = c.d_model * 4  # what a checkpointed block keeps (fp32)
     layers = c.n_layers * (block_input if checkpointing else per_token["per_layer"])
-    activations = tokens * (layers + per_token["embedding"] + per_token["head"])
-    head_peak = tokens * 2 * per_token["head"]  # log-softmax's grad_out and grad_in beside the saved output
     head_grad = 4.0 * counts.head / (w if sharding in ("zero2", "fsdp") else 1)
+    head_saved, head_peak = _head_bytes(c, training, tokens, head_grad)
+    activations = tokens * (layers + per_token["embedding"]) + head_saved
     if training.optimizer == "muon":
         optimizer_temp = 15.0 * muon_group  # updates + their stack + orthogonalize (see the docstring)
     elif training.optimizer == "sgd" and states:
@@ -203,6 +210,10 @@ def estimate_memory(
         optimizer_temp = 0.0  # fused AdamW/Adam
 
     workspace = CUBLAS_WORKSPACES_BYTES if device_type == "cuda" else 0.0
+    if device_type == "cpu" and (
+        (training.use_amp and training.amp_dtype == "bfloat16") or training.optimizer == "muon"
+    ):
+        workspace = CPU_BF16_KERNELS_BYTES
     steady = params + optimizer + workspace
     phases = {
         "forward_backward": steady + amp_copies + activations + head_peak + head_grad,
@@ -235,6 +246,23 @@ def estimate_memory(
             "optimizer_states_per_param": states,
         },
     )
+
+
+def _head_bytes(c: ModelConfig, training: TrainingConfig, tokens: int, head_grad: float) -> tuple[float, float]:
+    """(bytes the head + loss keep for backward, bytes they hold beside that and the head's gradient at
+    their peak), as `loss.linear_cross_entropy` computes them for `tokens` positions."""
+    from ..loss import SMALL_LOGITS, chunk_rows
+
+    vocab, d, a = c.vocab_size, c.d_model, _act_bytes(training)
+    if tokens * vocab <= SMALL_LOGITS:  # whole logits: log-softmax's grad_out and grad_in beside the saved output
+        return tokens * 4.0 * vocab, tokens * 2 * 4.0 * vocab
+    saved = tokens * (4.0 - a) * d  # the input's fp32 gradient instead of its (16-bit under amp) copy
+    accumulator = 4.0 * vocab * d  # the weight's fp32 gradient, summed over the chunks
+    # one chunk at its widest: its logits (and their fp32 copy under amp) beside their log-softmax
+    chunk = chunk_rows(tokens, vocab) * vocab * (a + 8 if training.use_amp else 8)
+    product = (a + 4.0) * vocab * d if training.use_amp else 4.0 * vocab * d  # the chunk's weight gradient
+    # forward: accumulator + chunk + product; backward's start: accumulator + the head's gradient
+    return saved, accumulator + max(chunk + product - head_grad, 0.0)
 
 
 def _muon_matrices(c: ModelConfig, training: TrainingConfig) -> tuple[int, int]:
@@ -444,7 +472,11 @@ def format_report(report: dict) -> str:
         f"  activations     {m['activations_gb']:9.3f}",
         f"  head backward   {m['output_head_peak_gb']:9.3f}",
         f"  optimizer step  {m['optimizer_step_temp_gb']:9.3f}  (temporaries)",
-        *([f"  cuBLAS          {m['cublas_workspace_gb']:9.3f}  (workspaces)"] if m["cublas_workspace_gb"] else []),
+        *(
+            [f"  workspaces      {m['cublas_workspace_gb']:9.3f}  (cuBLAS on CUDA; bf16 kernels on a CPU)"]
+            if m["cublas_workspace_gb"]
+            else []
+        ),
         f"  peak            {m['peak_gb']:9.3f}  ({m['peak_phase'].replace('_', ' ')})",
     ]
     if "fits" in report:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ..data.loader import IGNORE_INDEX
 from ..logs import Progress
+from ..model import Transformer
 
 
 def logits_of(output) -> torch.Tensor:
@@ -17,17 +18,49 @@ def logits_of(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
-def batch_nll(
-    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Summed negative log-likelihood of one batch; `doc_ids` (B, T) restricts attention to each document.
+def computes_loss(model: torch.nn.Module) -> bool:
+    """Whether `model`, under any wrapper (DDP, DeepSpeed, `torch.compile`), is our Transformer, whose
+    `targets=` forward computes head and loss together in chunks (`loss.linear_cross_entropy`)."""
+    seen = 0
+    while not isinstance(model, Transformer) and seen < 8:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return False
+        model, seen = inner, seen + 1
+    return isinstance(model, Transformer)
 
-    Works for models returning logits, objects with `.logits`, or objects with only a mean `.loss`.
+
+def batch_nll(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    doc_ids: torch.Tensor | None = None,
+    reduction: str = "sum",
+) -> torch.Tensor:
+    """Summed negative log-likelihood of one batch (reduction="none": per position, 0 where ignored);
+    `doc_ids` (B, T) restricts attention to each document.
+
+    Our Transformer computes it inside its forward (so a compiled model compiles the loss too, and the
+    logits never exist whole); other models may return logits, objects with `.logits`, or objects with
+    only a mean `.loss` (summed reduction only).
     """
-    output = model(inputs) if doc_ids is None else model(inputs, doc_ids=doc_ids)
+    documents = {} if doc_ids is None else {"doc_ids": doc_ids}
+    if computes_loss(model):
+        return model(inputs, targets=targets, reduction=reduction, **documents)
+    output = model(inputs, **documents)
+    if reduction == "none":
+        return _per_token_nll(logits_of(output), targets)
     if isinstance(output, torch.Tensor) or getattr(output, "logits", None) is not None:
         return summed_nll(logits_of(output), targets)
     return output.loss * (targets != IGNORE_INDEX).sum()
+
+
+def _per_token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log p(target) (B, T) in float32 from logits (B, T, V), 0 where the target is ignored."""
+    per_token = F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    return per_token.reshape(targets.shape)
 
 
 def summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -98,11 +131,7 @@ def evaluate(
 def _nll_by_source(model, inputs, targets, doc_ids, labels, by_source: torch.Tensor) -> torch.Tensor:
     """`batch_nll`, adding each target token's loss and count to its source's row of `by_source` (one
     cross-entropy: the summed loss is the sum of the per-token ones)."""
-    output = model(inputs) if not doc_ids else model(inputs, doc_ids=doc_ids[0])
-    logits = logits_of(output)
-    per_token = F.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-    )
+    per_token = batch_nll(model, inputs, targets, *doc_ids, reduction="none").flatten()
     source = torch.from_numpy(labels).to(targets.device).flatten()
     keep = (targets.flatten() != IGNORE_INDEX) & (source >= 0)
     by_source[:, 0].index_add_(0, source[keep], per_token[keep].double())

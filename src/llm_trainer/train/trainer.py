@@ -119,6 +119,10 @@ class Trainer:
         self.time_to_target_s: float | None = None  # seconds into train() when target_val_loss was reached
         self._part_to_whole: float | None = None  # whole-split / screened-part validation loss, last measured
         self.stop = StopControl(self.dist.world_size)
+        # Whether the loop reads its device counters (non-finite steps, spikes, a stop signal's flag)
+        # after every step: on a CPU a read costs nothing; elsewhere it waits for the device, so only
+        # logging steps read (values leave the device nowhere else).
+        self.reads_every_step = self.device.type == "cpu"
         self.metrics_tracker = MetricsTracker()  # the run's metric backends (opened by train())
         self.alerts = Alerter(  # training.alerts: rank 0 tells people of anomalies and the run's end
             config.alerts,
@@ -288,9 +292,9 @@ class Trainer:
                     if progress is not None:
                         progress.update(1)
 
-                    # Log: the only place values leave the device (on CPU, where reads are free, check every step).
+                    # Log: the only place values leave the device (see `reads_every_step`).
                     log_now = state.step % cfg.logging_steps == 0 or state.step == self.total_steps
-                    if log_now or self.device.type == "cpu":
+                    if log_now or self.reads_every_step:
                         self._read_bad_steps()
                         self.stop.poll(out.shared)
                         if self._act_on_spikes():  # rewound: the loop goes on from the checkpoint's step
