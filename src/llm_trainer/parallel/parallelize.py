@@ -31,6 +31,7 @@ from ..errors import UsageError
 from ..logs import log
 from . import launcher
 from .distributed import DistInfo
+from .mesh import resolve_layout
 from .strategies import DDP, FSDP, DeepSpeed, Parallelism
 
 
@@ -62,8 +63,10 @@ def apply_fsdp(model: nn.Module, config: TrainingConfig, device: torch.device, a
 
     world = launcher.world_size()
     if config.fsdp_sharding == "hybrid_shard":
-        per_node = launcher.local_world_size()
-        mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+        layout = resolve_layout(config, world)
+        mesh = init_device_mesh(
+            device.type, (layout.dp_replicate, layout.dp_shard), mesh_dim_names=("replicate", "shard")
+        )
     else:
         mesh = init_device_mesh(device.type, (world,))
     options = dict(mesh=mesh, reshard_after_forward=config.fsdp_sharding != "shard_grad_op")
