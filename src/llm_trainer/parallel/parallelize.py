@@ -141,6 +141,8 @@ def parallelize(
                 "model.attention_backend flex needs a head size of at least 16, got d_model/n_heads = "
                 f"{model_config.head_dim}; use fewer heads, a wider d_model, or attention_backend: sdpa"
             )
+    if dist.world_size > 1 and dist.strategy != "deepspeed":
+        log(f"mesh: {resolve_layout(config, dist.world_size).describe()}")
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if config.compile and dist.strategy != "deepspeed":
