@@ -119,6 +119,16 @@ def test_every_layout_that_cannot_train_is_one_line(world, training, seq_len, me
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+def test_a_bring_your_own_model_is_checked_before_the_process_group_opens(monkeypatch):
+    from llm_trainer.model import Transformer
+    from llm_trainer.resolve import resolve_for_model
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = Transformer.on_meta(ModelConfig(**{**MODEL.to_dict(), "vocab_size": 64, "n_kv_heads": 1}))
+    with pytest.raises(UsageError, match="does not divide model.n_kv_heads"):
+        resolve_for_model(model, TrainingConfig(device="cpu", tensor_parallel_degree=2))
+
+
 def test_context_parallelism_needs_the_sdpa_kernel():
     flex = ModelConfig(architecture="llama", d_model=48, n_heads=4, n_layers=4, attention_backend="flex")
     with pytest.raises(UsageError, match="needs model.attention_backend: sdpa"):
@@ -154,6 +164,14 @@ def _train(tmp_path, monkeypatch, capsys, world: int, *overrides: str) -> tuple[
         (2, ["parallelism.context_parallel_degree=2"], "needs CUDA"),
         (2, ["parallelism.pipeline_parallel_degree=2"], "pipeline parallelism is not available yet"),
         (2, ["parallelism.tensor_parallel_degree=2"], "tensor parallelism is not available yet"),
+        (
+            2,
+            [
+                "training.distributed_strategy=deepspeed",
+                "training.deepspeed_config={tensor_parallel: {autotp_size: 2}}",
+            ],
+            "tensor_parallel_degree=2 cannot run under distributed_strategy deepspeed",
+        ),
     ],
 )
 def test_bad_layouts_exit_2_in_one_line_before_the_process_group_or_data(
