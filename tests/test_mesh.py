@@ -129,6 +129,27 @@ def test_a_bring_your_own_model_is_checked_before_the_process_group_opens(monkey
         resolve_for_model(model, TrainingConfig(device="cpu", tensor_parallel_degree=2))
 
 
+def test_estimate_refuses_layouts_it_cannot_account_for():
+    """Its per-device figures assume whole weights on each data-parallel rank: a bad or not yet
+    trained layout is refused in one line instead of being estimated as if it were data parallel."""
+    from llm_trainer.config import DataConfig, ExperimentConfig
+    from llm_trainer.tools.estimate import estimate_report
+
+    def report(world: int, **training):
+        experiment = ExperimentConfig(
+            model=ModelConfig(**{**MODEL.to_dict(), "vocab_size": 64}),
+            training=TrainingConfig(**training),
+            data=DataConfig(dataset_name="python-stdlib", max_length=32),
+        )
+        return estimate_report(experiment, world_size=world)
+
+    assert report(2, distributed_strategy="fsdp")["world_size"] == 2
+    with pytest.raises(UsageError, match="does not divide model.n_heads"):
+        report(6, tensor_parallel_degree=3)
+    with pytest.raises(UsageError, match="tensor parallelism is not available yet"):
+        report(2, tensor_parallel_degree=2)
+
+
 def test_context_parallelism_needs_the_sdpa_kernel():
     flex = ModelConfig(architecture="llama", d_model=48, n_heads=4, n_layers=4, attention_backend="flex")
     with pytest.raises(UsageError, match="needs model.attention_backend: sdpa"):

@@ -66,6 +66,7 @@ import torch
 from .. import resolve
 from ..config import ExperimentConfig, ModelConfig, TrainingConfig
 from ..errors import UsageError
+from ..parallel.mesh import refuse_unavailable, resolve_layout
 from ..resolve import activation_checkpointing, sequence_length
 from ..train.flops import count_parameters, flops_per_token
 
@@ -326,6 +327,9 @@ def estimate_report(
     device_type = "cpu" if experiment.training.device == "cpu" else "cuda"
     training = _precision(experiment.training, device_type)
     seq_len = sequence_length(experiment)
+    # the figures below assume whole weights on every data-parallel rank: other layouts are refused, not misreported
+    resolve_layout(experiment.training, world_size, model=model_config, seq_len=seq_len)
+    refuse_unavailable(experiment.training)
     counts = count_parameters(model_config)
     fpt = flops_per_token(model_config, seq_len)
     micro = batch_size or training.batch_size
