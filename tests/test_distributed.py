@@ -593,21 +593,22 @@ def test_deepspeed_checkpoint_needs_deepspeed_to_resume(workdir):
 
 
 def test_hsdp_degrees_given_in_a_parallelism_section_set_the_mesh(workdir):
-    """torchtitan's `data_parallel_replicate_degree` on one node: the mesh is 2 replicas x 1 shard, not
-    hybrid_shard's one node x 2 shards, and the run equals one process's."""
+    """torchtitan's degrees on one node: a shard degree makes distributed_strategy auto fsdp, the mesh
+    is 2 replicas x 1 shard (not hybrid_shard's one node x 2 shards), and the run equals one process's."""
     init = _initial_weights(workdir)
     _single(workdir, "training.output_dir=single", f"model.init_from={init}")
     result = _torchrun(
         workdir,
         "training.output_dir=hsdp",
         "training.batch_size=4",
-        "training.distributed_strategy=fsdp",
         "training.fsdp_sharding=hybrid_shard",
         "--parallelism.data_parallel_replicate_degree",
         "2",
+        "--parallelism.data_parallel_shard_degree=-1",
         f"model.init_from={init}",
     )
     assert "mesh: dp_replicate=2 x dp_shard=1 x pp=1 x cp=1 x tp=1" in result.stderr
+    assert "x 2 process(es) (fsdp)" in result.stderr
     _assert_same_run(workdir / "single", workdir / "hsdp")
 
 

@@ -62,6 +62,7 @@ def test_misspelled_and_conflicting_parallelism_keys_are_one_message(tmp_path):
     [
         (4, {}, Layout(dp_replicate=4)),  # ddp (auto): every process a replica
         (4, {"distributed_strategy": "fsdp"}, Layout(dp_shard=4)),
+        (4, {"data_parallel_shard_degree": -1}, Layout(dp_shard=4)),  # torchtitan's default: auto shards
         (4, {"distributed_strategy": "fsdp", "tensor_parallel_degree": 2}, Layout(dp_shard=2, tp=2)),
         (2, {"tensor_parallel_degree": 2}, Layout(tp=2)),
         (
@@ -104,7 +105,7 @@ def test_the_degrees_left_go_to_data_parallelism_as_the_strategy_says(world, tra
         (2, {"pipeline_parallel_degree": 2, "pipeline_parallel_microbatches": 1}, 32, "fewer than the 2 pipeline"),
         (2, {"context_parallel_degree": 2}, 30, "divisible by 2 x 2"),
         (2, {"context_parallel_degree": 2}, 32, "needs CUDA"),
-        (2, {"data_parallel_shard_degree": 2}, 32, "needs distributed_strategy: fsdp"),
+        (2, {"data_parallel_shard_degree": 2, "distributed_strategy": "ddp"}, 32, "needs distributed_strategy: fsdp"),
         (
             4,
             {"distributed_strategy": "fsdp", "data_parallel_replicate_degree": 2},
@@ -144,6 +145,9 @@ def test_estimate_refuses_layouts_it_cannot_account_for():
         return estimate_report(experiment, world_size=world)
 
     assert report(2, distributed_strategy="fsdp")["world_size"] == 2
+    # torchtitan's shard degree makes `auto` FSDP: the estimate shards as the run will
+    assert report(2, data_parallel_shard_degree=-1)["sharding"] == report(2, distributed_strategy="fsdp")["sharding"]
+    assert report(2, data_parallel_shard_degree=-1)["sharding"] != report(2)["sharding"]
     with pytest.raises(UsageError, match="does not divide model.n_heads"):
         report(6, tensor_parallel_degree=3)
     with pytest.raises(UsageError, match="tensor parallelism is not available yet"):

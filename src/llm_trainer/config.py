@@ -405,7 +405,9 @@ class TrainingConfig(_Validated):
     resume_from_checkpoint: str | None = None  # a checkpoint folder, or "latest"
     overwrite_output_dir: bool = False  # start over in an output_dir that holds a run (see train/output_folder.py)
     # Multi-process (under torchrun): rank and world size come from the launcher's environment.
-    distributed_strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = "auto"  # auto: ddp when world size > 1
+    distributed_strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = (
+        "auto"  # auto: ddp when world size > 1 (fsdp when data_parallel_shard_degree is given)
+    )
     world_size: int | None = None  # when set, must equal the launcher's WORLD_SIZE
     distributed_backend: Literal["nccl", "gloo"] | None = None  # None: nccl on CUDA, gloo on CPU
     distributed_timeout_s: int = 1800  # a rank that stops answering fails the job after this long

@@ -85,6 +85,14 @@ def resolve_layout(
     return layout
 
 
+def strategy_of(training: TrainingConfig) -> str:
+    """distributed_strategy with `auto` decided for several processes: fsdp when a data-parallel shard
+    degree is given (torchtitan's `data_parallel_shard_degree: -1` included), else ddp."""
+    if training.distributed_strategy != "auto":
+        return training.distributed_strategy
+    return "fsdp" if training.data_parallel_shard_degree not in (None, 1) else "ddp"
+
+
 def refuse_unavailable(training: TrainingConfig) -> None:
     """Degrees this version validates but cannot train yet: one line each, never silently ignored."""
     for name, what in NOT_AVAILABLE.items():
@@ -125,7 +133,7 @@ def _check_strategy(training: TrainingConfig, tp: int, pp: int, cp: int) -> None
 def _data_parallel(training: TrainingConfig, rest: int, world: int) -> tuple[int, int]:
     """(replicate, shard) over the `rest` processes the model-parallel degrees leave."""
     replicate, shard = training.data_parallel_replicate_degree, training.data_parallel_shard_degree
-    strategy = training.distributed_strategy
+    strategy = strategy_of(training)
     if replicate is None and shard is None and strategy == "fsdp" and training.fsdp_sharding == "hybrid_shard":
         per_node = launcher.local_world_size()  # HSDP by default: replicate across nodes, shard within one
         replicate, shard = (rest // per_node, per_node) if rest % per_node == 0 else (1, rest)
