@@ -592,6 +592,26 @@ def test_deepspeed_checkpoint_needs_deepspeed_to_resume(workdir):
 # -- several "nodes" and elastic restarts --------------------------------------------------------------
 
 
+def test_hsdp_degrees_given_in_a_parallelism_section_set_the_mesh(workdir):
+    """torchtitan's degrees on one node: a shard degree makes distributed_strategy auto fsdp, the mesh
+    is 2 replicas x 1 shard (not hybrid_shard's one node x 2 shards), and the run equals one process's."""
+    init = _initial_weights(workdir)
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}")
+    result = _torchrun(
+        workdir,
+        "training.output_dir=hsdp",
+        "training.batch_size=4",
+        "training.fsdp_sharding=hybrid_shard",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree=-1",
+        f"model.init_from={init}",
+    )
+    assert "mesh: dp_replicate=2 x dp_shard=1 x pp=1 x cp=1 x tp=1" in result.stderr
+    assert "x 2 process(es) (fsdp)" in result.stderr
+    _assert_same_run(workdir / "single", workdir / "hsdp")
+
+
 def test_hybrid_shard_on_two_nodes_equals_one_process(workdir):
     """The README's multi-node recipe on one machine: two torchrun agents (2 "nodes" x 2 processes)
     meet through the c10d rendezvous; FSDP2 hybrid_shard replicates across the nodes and shards within."""

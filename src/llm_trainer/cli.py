@@ -826,7 +826,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_SECTIONS = ("model", "training", "data", "distributed")
+_SECTIONS = ("model", "training", "data", "distributed", "parallelism")
 
 
 def _dotted_options(argv: list[str]) -> list[str]:

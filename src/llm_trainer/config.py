@@ -405,13 +405,27 @@ class TrainingConfig(_Validated):
     resume_from_checkpoint: str | None = None  # a checkpoint folder, or "latest"
     overwrite_output_dir: bool = False  # start over in an output_dir that holds a run (see train/output_folder.py)
     # Multi-process (under torchrun): rank and world size come from the launcher's environment.
-    distributed_strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = "auto"  # auto: ddp when world size > 1
+    distributed_strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = (
+        "auto"  # auto: ddp when world size > 1 (fsdp when data_parallel_shard_degree is given)
+    )
     world_size: int | None = None  # when set, must equal the launcher's WORLD_SIZE
     distributed_backend: Literal["nccl", "gloo"] | None = None  # None: nccl on CUDA, gloo on CPU
     distributed_timeout_s: int = 1800  # a rank that stops answering fails the job after this long
     ddp_find_unused_parameters: bool = False
     fsdp_sharding: Literal["full_shard", "shard_grad_op", "hybrid_shard"] = "full_shard"
     deepspeed_config: str | dict | None = None  # a DeepSpeed JSON path or inline dict ("auto" values filled from here)
+    # The device mesh (parallel/mesh.py): the degrees multiply to the world size. None (or -1, torchtitan's
+    # spelling) for a data-parallel degree: the processes the others leave, replicated or sharded as
+    # distributed_strategy says. A torchtitan `parallelism:` section and Megatron's names are read as these.
+    data_parallel_replicate_degree: int | None = None  # >1 with sharding: fsdp_sharding hybrid_shard (HSDP)
+    data_parallel_shard_degree: int | None = None  # >1: distributed_strategy fsdp
+    tensor_parallel_degree: int = 1  # DTensor tensor parallelism, with sequence parallelism on norms and dropout
+    pipeline_parallel_degree: int = 1  # stages, split by layer
+    pipeline_parallel_schedule: Literal[
+        "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+    ] = "1F1B"  # a torch.distributed.pipelining schedule
+    pipeline_parallel_microbatches: int | None = None  # micro-batches per batch_size rows; None: one per stage
+    context_parallel_degree: int = 1  # sequence split across ranks in attention (ring attention, CUDA SDPA)
     early_stopping_patience: int | None = None  # evaluations without improvement before stopping
     early_stopping_min_delta: float = 0.0
     max_consecutive_bad_steps: int = 5  # non-finite loss/grad steps in a row before the run stops
@@ -508,6 +522,19 @@ class TrainingConfig(_Validated):
         _require(self.peak_flops is None or self.peak_flops > 0, "TrainingConfig.peak_flops must be positive")
         _require(self.world_size is None or self.world_size > 0, "TrainingConfig.world_size must be positive")
         _require(self.distributed_timeout_s > 0, "TrainingConfig.distributed_timeout_s must be positive")
+        for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
+            _require(getattr(self, name) >= 1, f"TrainingConfig.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("data_parallel_replicate_degree", "data_parallel_shard_degree"):
+            value = getattr(self, name)
+            _require(
+                value is None or value == -1 or value >= 1,
+                f"TrainingConfig.{name} must be at least 1, or -1/null for the processes the other degrees leave, "
+                f"got {value}",
+            )
+        _require(
+            self.pipeline_parallel_microbatches is None or self.pipeline_parallel_microbatches >= 1,
+            "TrainingConfig.pipeline_parallel_microbatches must be positive or null",
+        )
         for name in ("eval_tasks_steps", "eval_tasks_limit"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"TrainingConfig.{name} must be positive or null, got {value}")

@@ -97,6 +97,10 @@ TRAINING: dict[str, str | Expand] = {
     "beta2": "adam_beta2",
     # a DeepSpeed switch, as trainers without a distributed_strategy spell it
     "use_deepspeed": _turns_on("distributed_strategy", "deepspeed"),
+    # Megatron-LM's model-parallel sizes
+    "tensor_model_parallel_size": "tensor_parallel_degree",
+    "pipeline_model_parallel_size": "pipeline_parallel_degree",
+    "context_parallel_size": "context_parallel_degree",
 }
 
 # Keys that stand in one section but set the field of the same name in another:
@@ -177,8 +181,23 @@ DISTRIBUTED_FIELDS = (
     "deepspeed_config",
 )
 
+# -- a torchtitan `parallelism:` section, folded into training ---------------------------------------------
+
+# The mesh degrees: torchtitan's `parallelism` keys are our field names (Megatron's sizes are in TRAINING).
+PARALLELISM_FIELDS = (
+    "data_parallel_replicate_degree",
+    "data_parallel_shard_degree",
+    "tensor_parallel_degree",
+    "pipeline_parallel_degree",
+    "pipeline_parallel_schedule",
+    "pipeline_parallel_microbatches",
+    "context_parallel_degree",
+)
+DISTRIBUTED_FIELDS += PARALLELISM_FIELDS
+
 ALIASES: dict[str, Mapping[str, str | Expand]] = {"model": MODEL, "training": TRAINING}
 SECTIONS = ("model", "training", "data")
+FOLDED = ("distributed", "parallelism")  # sections read into training
 
 
 class _Fields:
@@ -308,6 +327,23 @@ def _read_distributed(fields: _Fields, values: Any, known: list[str]) -> None:
             fields.problems.append(f"unknown key {where}{hint}")
 
 
+def _read_parallelism(fields: _Fields, values: Any) -> None:
+    """`parallelism: {tensor_parallel_degree: 2, ...}` (torchtitan's section): the mesh fields of training."""
+    if not isinstance(values, dict):
+        fields.problems.append("section 'parallelism' must be a mapping (tensor_parallel_degree, ...)")
+        return
+    for key, value in values.items():
+        where = f"parallelism.{key}"
+        if key in PARALLELISM_FIELDS:
+            fields.set(key, value, where, "training")
+        elif key in TRAINING and TRAINING[key] in PARALLELISM_FIELDS:
+            _put(fields, "training", where, TRAINING[key], value)
+        else:
+            close = difflib.get_close_matches(str(key), list(PARALLELISM_FIELDS), n=1, cutoff=0.6)
+            hint = f"; did you mean parallelism.{close[0]}?" if close else "; known: " + ", ".join(PARALLELISM_FIELDS)
+            fields.problems.append(f"unknown key {where}{hint}")
+
+
 def _apply_size(fields: _Fields) -> None:
     """`size: 7B` fills the shape fields the section left unset."""
     if "size" not in fields.values:
@@ -369,9 +405,13 @@ def canonical_experiment(
     problems: list[str] = []
     out: dict[str, dict] = {}
     for key in values:
-        if key not in SECTIONS and key != "distributed":
-            close = difflib.get_close_matches(str(key), [*SECTIONS, "distributed"], n=1, cutoff=0.5)
-            hint = f"; did you mean {close[0]}?" if close else "; sections are model, training, data (and distributed)"
+        if key not in SECTIONS and key not in FOLDED:
+            close = difflib.get_close_matches(str(key), [*SECTIONS, *FOLDED], n=1, cutoff=0.5)
+            hint = (
+                f"; did you mean {close[0]}?"
+                if close
+                else "; sections are model, training, data (and distributed, parallelism)"
+            )
             problems.append(f"unknown section {key!r}{hint}")
     own: dict[str, dict] = {}
     across: dict[str, list[tuple[str, Expand, Any]]] = {section: [] for section in SECTIONS}
@@ -391,6 +431,8 @@ def canonical_experiment(
         fields = _section(section, own[section], known[section], strict=True, unused=[], others=known)
         if section == "training" and values.get("distributed") is not None:
             _read_distributed(fields, values["distributed"], known["training"])
+        if section == "training" and values.get("parallelism") is not None:
+            _read_parallelism(fields, values["parallelism"])
         for where, spelling, value in across[section]:
             _put(fields, section, where, spelling, value)
         problems += fields.problems
@@ -416,6 +458,8 @@ def spellings_of(section: str, key: str) -> tuple[str, str]:
     (training, gradient_checkpointing); anything else as given."""
     if section == "distributed":
         return "training", DISTRIBUTED.get(key, key)
+    if section == "parallelism":
+        return spellings_of("training", key)
     if (section, key) in ACROSS:
         return ACROSS[section, key][0], key
     target = ALIASES.get(section, {}).get(key, key)

@@ -28,6 +28,7 @@ from .config import ExperimentConfig, ModelConfig, TrainingConfig
 from .errors import UsageError
 from .parallel import distributed, launcher
 from .parallel.distributed import DistInfo
+from .parallel.mesh import refuse_unavailable, resolve_layout
 
 
 def resolve_device(name: str) -> torch.device:
@@ -243,8 +244,17 @@ def resolve_experiment(experiment: ExperimentConfig) -> ExperimentConfig:
     """The experiment with its training config as the run uses it (`resolve_training`); a sequence length
     longer than the model's context fails here, before any data is prepared."""
     experiment = dataclasses.replace(experiment, training=resolve_training(experiment.training))
-    sequence_length(experiment)
+    seq_len = sequence_length(experiment)
+    check_layout(experiment.training, experiment.model, seq_len)
     return experiment
+
+
+def check_layout(training: TrainingConfig, model: ModelConfig | None, seq_len: int | None) -> None:
+    """The device mesh's degrees against the launcher's world size, the model and the rows, before the
+    process group opens or anything is allocated (`mesh.resolve_layout`); degrees not trained yet refused."""
+    device_type = resolve_device(training.device).type
+    resolve_layout(training, launcher.world_size(), model=model, seq_len=seq_len, device_type=device_type)
+    refuse_unavailable(training)
 
 
 def resolve_run(
@@ -281,8 +291,10 @@ def resolve_for_model(model, training: TrainingConfig, *, train_dataloader=None)
     device and process group, and run lengths in tokens turned into steps from the rows' length
     (which llm_trainer's loaders know; a user's loader without it cannot use token anchors)."""
     training = resolve_training(training)
-    runtime = setup_runtime(training)
     seq_len = getattr(getattr(train_dataloader, "rows", None), "length", None)
+    model_config = getattr(model, "config", None)
+    check_layout(training, model_config if isinstance(model_config, ModelConfig) else None, seq_len)
+    runtime = setup_runtime(training)
     training = token_anchors(training, seq_len, runtime.dist.world_size)
     return ResolvedRun(
         training=training,

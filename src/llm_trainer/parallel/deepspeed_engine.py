@@ -186,6 +186,9 @@ def file_settings(cfg: dict, training: TrainingConfig) -> tuple[list[Setting], l
     ):
         if _given(cfg.get(key)):
             settings.append((key, field, cfg[key]))
+    tensor_parallel = cfg.get("tensor_parallel")  # AutoTP: read as ours, so the mesh check refuses it in one line
+    if isinstance(tensor_parallel, dict) and _given(tensor_parallel.get("autotp_size")):
+        settings.append(("tensor_parallel.autotp_size", "tensor_parallel_degree", tensor_parallel["autotp_size"]))
     precision, problems = _precision_settings(cfg)
     settings += precision
     notes: list[str] = []

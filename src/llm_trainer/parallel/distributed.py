@@ -19,6 +19,7 @@ from ..config import TrainingConfig
 from ..errors import UsageError
 from ..logs import warn
 from . import launcher
+from .mesh import strategy_of
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def setup(config: TrainingConfig, device: torch.device) -> tuple[DistInfo, torch
             )
         return DistInfo(), device
     if strategy == "auto":
-        strategy = "ddp"
+        strategy = strategy_of(config)
     rank, local_rank = launcher.rank(), launcher.local_rank()
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)

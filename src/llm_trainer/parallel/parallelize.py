@@ -33,6 +33,7 @@ from ..errors import UsageError
 from ..logs import log
 from . import launcher
 from .distributed import DistInfo
+from .mesh import resolve_layout
 from .strategies import DDP, FSDP, DeepSpeed, Parallelism
 
 
@@ -65,8 +66,10 @@ def apply_fsdp(model: nn.Module, config: TrainingConfig, device: torch.device, a
 
     world = launcher.world_size()
     if config.fsdp_sharding == "hybrid_shard":
-        per_node = launcher.local_world_size()
-        mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+        layout = resolve_layout(config, world)
+        mesh = init_device_mesh(
+            device.type, (layout.dp_replicate, layout.dp_shard), mesh_dim_names=("replicate", "shard")
+        )
     else:
         mesh = init_device_mesh(device.type, (world,))
     options = dict(mesh=mesh, reshard_after_forward=config.fsdp_sharding != "shard_grad_op")
@@ -141,6 +144,8 @@ def parallelize(
                 "model.attention_backend flex needs a head size of at least 16, got d_model/n_heads = "
                 f"{model_config.head_dim}; use fewer heads, a wider d_model, or attention_backend: sdpa"
             )
+    if dist.world_size > 1 and dist.strategy != "deepspeed":
+        log(f"mesh: {resolve_layout(config, dist.world_size).describe()}")
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if config.compile and dist.strategy != "deepspeed":

@@ -70,6 +70,7 @@ import torch
 from .. import resolve
 from ..config import ExperimentConfig, ModelConfig, TrainingConfig
 from ..errors import UsageError
+from ..parallel.mesh import refuse_unavailable, resolve_layout, strategy_of
 from ..resolve import activation_checkpointing, sequence_length
 from ..train.flops import count_parameters, flops_per_token
 
@@ -316,7 +317,7 @@ def configured_sharding(training: TrainingConfig) -> str:
     """What the run's distributed strategy shards, as one of `SHARDING`: FSDP's full (and hybrid) shard
     is ZeRO-3 (`fsdp`), its shard_grad_op keeps whole parameters through the step (`zero2`); DeepSpeed
     shards as its ZeRO stage says; DDP and one process shard nothing."""
-    if training.distributed_strategy == "fsdp":
+    if strategy_of(training) == "fsdp":
         return "zero2" if training.fsdp_sharding == "shard_grad_op" else "fsdp"
     if training.distributed_strategy == "deepspeed":
         from ..parallel.deepspeed_engine import load_user_config
@@ -354,6 +355,9 @@ def estimate_report(
     device_type = "cpu" if experiment.training.device == "cpu" else "cuda"
     training = _precision(experiment.training, device_type)
     seq_len = sequence_length(experiment)
+    # the figures below assume whole weights on every data-parallel rank: other layouts are refused, not misreported
+    resolve_layout(experiment.training, world_size, model=model_config, seq_len=seq_len)
+    refuse_unavailable(experiment.training)
     counts = count_parameters(model_config)
     fpt = flops_per_token(model_config, seq_len)
     micro = batch_size or training.batch_size

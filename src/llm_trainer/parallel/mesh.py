@@ -1,0 +1,244 @@
+"""The device mesh's degrees, decided once from the training config, the model and the world size.
+
+A run is `data_parallel_replicate x data_parallel_shard x pipeline x context x tensor` processes
+(torchtitan's order, outermost first). Every combination that cannot train is refused here, in one
+line, before the process group opens or any memory is allocated (`resolve.resolve_experiment` calls
+`resolve_layout` with the model; `parallelize` reads the same `Layout` back). No torch import: the
+checks are arithmetic on the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig, TrainingConfig
+from ..errors import UsageError
+from . import launcher
+
+# Schedules that place several (virtual) stages on each pipeline rank: the layers split into 2 x degree stages.
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+# Degrees that are validated but not trained yet: each name with what to do instead.
+NOT_AVAILABLE = {
+    "tensor_parallel_degree": "tensor parallelism",
+    "pipeline_parallel_degree": "pipeline parallelism",
+    "context_parallel_degree": "context parallelism",
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How many processes each mesh dimension spans; their product is the world size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.pp * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas of the model: the ranks that read different batches."""
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        """The mesh as the run header prints it."""
+        names = ("dp_replicate", "dp_shard", "pp", "cp", "tp")
+        return " x ".join(f"{name}={getattr(self, name)}" for name in names)
+
+
+def resolve_layout(
+    training: TrainingConfig,
+    world: int,
+    *,
+    model: ModelConfig | None = None,
+    seq_len: int | None = None,
+    device_type: str | None = None,
+) -> Layout:
+    """The layout of `world` processes, or a UsageError naming the first setting that cannot work.
+
+    `model`, `seq_len`, `device_type`: checked when given (the model's heads and layers, the rows'
+    length, the attention kernel's device); the world product and the strategy are always checked."""
+    tp, pp, cp = training.tensor_parallel_degree, training.pipeline_parallel_degree, training.context_parallel_degree
+    _check_strategy(training, tp, pp, cp)
+    model_parallel = tp * pp * cp
+    if world % model_parallel:
+        raise UsageError(
+            f"training: tensor_parallel_degree x pipeline_parallel_degree x context_parallel_degree = {tp} x {pp} x "
+            f"{cp} = {model_parallel} does not divide the {world} process(es) the launcher started; change a degree "
+            "or the process count"
+        )
+    replicate, shard = _data_parallel(training, world // model_parallel, world)
+    layout = Layout(dp_replicate=replicate, dp_shard=shard, pp=pp, cp=cp, tp=tp)
+    if model is not None:
+        _check_model(training, layout, model.resolved())
+    if seq_len is not None:
+        _check_sequence(layout, seq_len)
+    if cp > 1 and model is not None:
+        _check_context_kernel(model, device_type)
+    if pp > 1:
+        _check_microbatches(training, layout)
+    return layout
+
+
+def strategy_of(training: TrainingConfig) -> str:
+    """distributed_strategy with `auto` decided for several processes: fsdp when a data-parallel shard
+    degree is given (torchtitan's `data_parallel_shard_degree: -1` included), else ddp."""
+    if training.distributed_strategy != "auto":
+        return training.distributed_strategy
+    return "fsdp" if training.data_parallel_shard_degree not in (None, 1) else "ddp"
+
+
+def refuse_unavailable(training: TrainingConfig) -> None:
+    """Degrees this version validates but cannot train yet: one line each, never silently ignored."""
+    for name, what in NOT_AVAILABLE.items():
+        if getattr(training, name) > 1:
+            raise UsageError(
+                f"training.{name}={getattr(training, name)}: {what} is not available yet in llm-trainer; "
+                f"set {name}: 1 (use distributed_strategy: fsdp to shard a model that does not fit one device)"
+            )
+
+
+def _check_strategy(training: TrainingConfig, tp: int, pp: int, cp: int) -> None:
+    strategy = training.distributed_strategy
+    if strategy == "deepspeed":
+        for name, degree in (("tensor_parallel_degree", tp), ("pipeline_parallel_degree", pp)):
+            if degree > 1:
+                raise UsageError(
+                    f"training.{name}={degree} cannot run under distributed_strategy deepspeed (its engine owns the "
+                    f"model); use distributed_strategy: fsdp with {name}, or {name}: 1"
+                )
+        if cp > 1:
+            raise UsageError(
+                f"training.context_parallel_degree={cp} cannot run under distributed_strategy deepspeed; "
+                "use distributed_strategy: fsdp, or context_parallel_degree: 1"
+            )
+        for name in ("data_parallel_replicate_degree", "data_parallel_shard_degree"):
+            if getattr(training, name) not in (None, -1):
+                raise UsageError(
+                    f"training.{name} does not apply to distributed_strategy deepspeed (its zero_optimization stage "
+                    "decides what is sharded); remove it"
+                )
+    if (tp > 1 or pp > 1 or cp > 1) and training.optimizer == "muon":
+        raise UsageError(
+            "optimizer muon needs each weight whole, and tensor, pipeline or context parallelism splits them; "
+            "use optimizer adamw, or set those degrees to 1"
+        )
+
+
+def _data_parallel(training: TrainingConfig, rest: int, world: int) -> tuple[int, int]:
+    """(replicate, shard) over the `rest` processes the model-parallel degrees leave."""
+    replicate, shard = training.data_parallel_replicate_degree, training.data_parallel_shard_degree
+    strategy = strategy_of(training)
+    if replicate is None and shard is None and strategy == "fsdp" and training.fsdp_sharding == "hybrid_shard":
+        per_node = launcher.local_world_size()  # HSDP by default: replicate across nodes, shard within one
+        replicate, shard = (rest // per_node, per_node) if rest % per_node == 0 else (1, rest)
+    elif replicate in (None, -1) and shard in (None, -1):
+        if replicate == -1 and shard == -1:
+            raise UsageError(
+                "training.data_parallel_replicate_degree and data_parallel_shard_degree are both -1 (the rest); "
+                "set one of them"
+            )
+        if shard == -1 or (shard is None and replicate is None and strategy == "fsdp"):
+            replicate, shard = 1, rest
+        else:
+            replicate, shard = rest, 1
+    elif replicate in (None, -1):
+        replicate = rest // shard if rest % shard == 0 else 0
+    elif shard in (None, -1):
+        shard = rest // replicate if rest % replicate == 0 else 0
+    if replicate * shard != rest or replicate == 0:
+        raise UsageError(
+            f"training: the degrees multiply to data_parallel_replicate {_shown(training.data_parallel_replicate_degree)}"
+            f" x data_parallel_shard {_shown(training.data_parallel_shard_degree)} x tensor {training.tensor_parallel_degree} x "
+            f"pipeline {training.pipeline_parallel_degree} x context {training.context_parallel_degree}, not the {world} "
+            "process(es) the launcher started; make their product the world size (-1 on one data-parallel degree: "
+            "the rest)"
+        )
+    if shard > 1 and strategy != "fsdp":
+        raise UsageError(
+            f"training.data_parallel_shard_degree={shard} shards the model, which needs distributed_strategy: fsdp "
+            f"(it is {strategy}); set it, or data_parallel_shard_degree: 1"
+        )
+    if replicate > 1 and strategy == "fsdp" and training.fsdp_sharding != "hybrid_shard":
+        raise UsageError(
+            f"training: data_parallel_replicate_degree={replicate} under distributed_strategy fsdp is HSDP; "
+            "set fsdp_sharding: hybrid_shard, or data_parallel_replicate_degree: 1"
+        )
+    return replicate, shard
+
+
+def _shown(degree: int | None) -> str:
+    """A data-parallel degree as given: unset and -1 both take the rest."""
+    return "(the rest)" if degree in (None, -1) else str(degree)
+
+
+def _check_model(training: TrainingConfig, layout: Layout, model: ModelConfig) -> None:
+    """Tensor parallelism splits heads, kv heads, d_model and d_ff; pipeline parallelism splits layers."""
+    tp = layout.tp
+    for name, size in (
+        ("n_heads", model.n_heads),
+        ("n_kv_heads", model.n_kv_heads),
+        ("d_model", model.d_model),
+        ("d_ff", model.d_ff),
+    ):
+        if size % tp:
+            raise UsageError(
+                f"training.tensor_parallel_degree={tp} does not divide model.{name} ({size}); "
+                f"use a degree that divides it"
+            )
+    stages = layout.pp * (2 if training.pipeline_parallel_schedule in MULTI_STAGE_SCHEDULES else 1)
+    if model.n_layers % stages:
+        each = "" if stages == layout.pp else f" ({training.pipeline_parallel_schedule}: 2 stages per rank)"
+        raise UsageError(
+            f"training.pipeline_parallel_degree={layout.pp} splits model.n_layers ({model.n_layers}) into {stages} "
+            f"stages{each}, which does not divide it; use a degree that divides the layers"
+        )
+
+
+def _check_sequence(layout: Layout, seq_len: int) -> None:
+    """Sequence parallelism shards each row's tokens over TP ranks; context parallelism's load-balanced
+    ring gives each CP rank two chunks."""
+    if seq_len % layout.tp:
+        raise UsageError(
+            f"training.tensor_parallel_degree={layout.tp} does not divide the sequence length ({seq_len}) that "
+            "sequence parallelism splits; change data.max_length or the degree"
+        )
+    if seq_len % (2 * layout.cp):
+        raise UsageError(
+            f"training.context_parallel_degree={layout.cp} needs a sequence length divisible by 2 x {layout.cp}, "
+            f"got {seq_len}; change data.max_length or the degree"
+        )
+
+
+def _check_context_kernel(model: ModelConfig, device_type: str | None) -> None:
+    """Context parallelism's ring attention exists for CUDA's SDPA kernels only."""
+    if model.attention_backend != "sdpa":
+        raise UsageError(
+            f"training.context_parallel_degree needs model.attention_backend: sdpa (ring attention has no "
+            f"{model.attention_backend} kernel); use sdpa, or context_parallel_degree: 1"
+        )
+    if device_type is not None and device_type != "cuda":
+        raise UsageError(
+            f"training.context_parallel_degree needs CUDA (its ring attention runs on CUDA SDPA kernels), and this run "
+            f"is on {device_type}; use context_parallel_degree: 1"
+        )
+
+
+def _check_microbatches(training: TrainingConfig, layout: Layout) -> None:
+    """Each pipeline stage needs micro-batches to overlap; they split batch_size rows evenly."""
+    count = training.pipeline_parallel_microbatches or layout.pp
+    if count < layout.pp:
+        raise UsageError(
+            f"training.pipeline_parallel_microbatches={count} is fewer than the {layout.pp} pipeline stages; "
+            f"use at least {layout.pp}"
+        )
+    if training.batch_size % count:
+        raise UsageError(
+            f"training.batch_size ({training.batch_size}) must split into pipeline_parallel_microbatches ({count}) "
+            "equal micro-batches; change one of them"
+        )
