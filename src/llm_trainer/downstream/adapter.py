@@ -167,11 +167,10 @@ class LLMTrainerLM(TemplateLM):
         sees = (group[:, None, :] == group[:, :, None]) | (group[:, None, :] == 0)  # (B, T query, T key)
         mask = (sees & causal)[:, None].to(self._device)  # (B, 1, T, T)
         row_i, step_i, target, owner = (torch.tensor(column, device=self._device) for column in zip(*picks))
-        # log p(target) and whether it is the most likely token (N,), from the loss's own chunked head
-        token_logprob, greedy = self.model.extend(
-            ids.to(self._device), None, where.to(self._device), mask, select=(row_i, step_i), targets=target
-        )
-        missed = (~greedy).float()  # (N,)
+        logits = self.model.extend(ids.to(self._device), None, where.to(self._device), mask, select=(row_i, step_i))
+        logprobs = logits.float().log_softmax(-1)  # (N, V): only the positions scored
+        token_logprob = logprobs.gather(1, target[:, None]).squeeze(1)  # (N,)
+        missed = (logprobs.argmax(-1) != target).float()  # (N,)
         requests = sorted(set(owner.tolist()))
         slot = {index: k for k, index in enumerate(requests)}
         local = torch.tensor([slot[i] for i in owner.tolist()], device=self._device)
