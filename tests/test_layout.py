@@ -58,10 +58,13 @@ def test_the_loop_has_no_backend_branches():
 
 
 def test_model_is_only_the_architecture():
-    """model.py imports its config and nothing else of ours (model folders: checkpoint.model_folder)."""
+    """model.py imports its config and the loss's tensor functions (loss.py, which imports nothing of ours)
+    and nothing else of ours (model folders: checkpoint.model_folder)."""
     imports = _imports(PACKAGE / "model.py")
-    ours = {name for name in imports if name.startswith("llm_trainer")}
-    assert ours <= {"llm_trainer.config", "llm_trainer.config.ModelConfig"}, ours
+    ours = {name.rsplit(".", 1)[0] if name.startswith("llm_trainer.loss.") else name for name in imports}
+    ours = {name for name in ours if name.startswith("llm_trainer")}
+    assert ours <= {"llm_trainer.config", "llm_trainer.config.ModelConfig", "llm_trainer.loss"}, ours
+    assert not any(name.startswith("llm_trainer") for name in _imports(PACKAGE / "loss.py"))
     assert not any(name.startswith(("torch.distributed", "deepspeed")) for name in imports)
 
 
