@@ -334,7 +334,7 @@ def test_a_stopped_ddp_rank_raises_the_stall_alert_and_the_run_stays_intact(hook
         while not (run / "checkpoints" / "latest").is_file():
             assert job.poll() is None and time.monotonic() < deadline, "the run never saved a checkpoint"
             time.sleep(0.3)
-        ranks = {r: [p for p in _children(job.pid) if _is_rank(str(p), r)] for r in ("0", "1")}
+        ranks = {r: [p for p in _children(job.pid) if _is_rank(str(p), r, launcher=job.pid)] for r in ("0", "1")}
         assert len(ranks["0"]) == len(ranks["1"]) == 1
         stopped = ranks["1"][0]
         os.kill(stopped, signal.SIGSTOP)

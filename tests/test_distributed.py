@@ -355,7 +355,7 @@ def test_a_dead_rank_fails_the_job_instead_of_hanging(workdir):
         while not (metrics.is_file() and metrics.read_text()) and time.time() < deadline:
             time.sleep(0.5)
         assert metrics.is_file(), "training never started"
-        rank1 = [pid for pid in os.listdir("/proc") if pid.isdigit() and _is_rank(pid, "1")]
+        rank1 = [pid for pid in os.listdir("/proc") if pid.isdigit() and _is_rank(pid, "1", launcher=job.pid)]
         assert rank1
         os.kill(int(rank1[0]), signal.SIGKILL)
         assert job.wait(timeout=120) != 0
@@ -364,13 +364,21 @@ def test_a_dead_rank_fails_the_job_instead_of_hanging(workdir):
             job.kill()
 
 
-def _is_rank(pid: str, rank: str) -> bool:
+def _is_rank(pid: str, rank: str, launcher: int) -> bool:
+    """Whether process `pid` is rank `rank` started by the torchrun process `launcher` (not another test's,
+    which may run beside this one)."""
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
         return False
-    return f"RANK={rank}".encode() in environ and b"llm_trainer" in cmdline and b"torch.distributed.run" not in cmdline
+    return (
+        parent == launcher
+        and f"RANK={rank}".encode() in environ
+        and b"llm_trainer" in cmdline
+        and b"torch.distributed.run" not in cmdline
+    )
 
 
 # -- DeepSpeed ZeRO, through DeepSpeed's own engine ---------------------------------------------------
