@@ -380,6 +380,8 @@ class TrainingConfig(_Validated):
     amp_dtype: Literal["bfloat16", "float16"] = "bfloat16"
     compile: bool = False
     gradient_checkpointing: bool = False  # recompute each block's activations in backward
+    # The SDPA kernel the run is held to (parallel/attention_kernel.py); auto: by device, named in the run header
+    sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     device: str = "auto"  # auto: CUDA, then MPS, then CPU
     seed: int = 42
     output_dir: str = "output"  # a folder, or a URL (s3://, gs://, ...): written in staging_dir, then uploaded

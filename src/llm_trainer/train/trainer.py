@@ -31,6 +31,7 @@ from ..config import TrainingConfig
 from ..downstream import during_training as downstream
 from ..errors import TrainingStopped, UsageError
 from ..logs import Progress, log, shows_progress_bar, warnings_once
+from ..parallel import attention_kernel
 from ..parallel.distributed import all_reduce_
 from ..parallel.parallelize import parallelize
 from ..pipeline import build_trainer  # the pipeline takes the Trainer class as an argument, never imports it
@@ -100,6 +101,8 @@ class Trainer:
         self.checkpoint_dir = config.resolved_checkpoint_dir
         self._run_files_uploaded: dict | None = None  # a URL output_dir: the record of the last upload
 
+        # the SDPA kernel the run is held to: checked before anything is sharded or compiled
+        self.attention = attention_kernel.choose(config.sdpa_backend, model, self.device, self.amp_dtype)
         self.parallel = parallelize(
             model,
             config=config,
@@ -224,7 +227,11 @@ class Trainer:
             self.config = dataclasses.replace(self.config, num_epochs=num_epochs)
         if train_dataloader is not None or val_dataloader is not None or num_epochs is not None:
             self._attach_data(train_source, val_dataloader if val_dataloader is not None else self._sources[1])
-        with lock_run_folders(self.output_dir, self.checkpoint_dir, self.dist.is_main), warnings_once():
+        with (
+            lock_run_folders(self.output_dir, self.checkpoint_dir, self.dist.is_main),
+            warnings_once(),
+            self.attention.hold(),
+        ):
             return self._loop()  # (a library's per-step warning prints once, not every step)
 
     def _loop(self) -> dict[str, Any]:
@@ -615,7 +622,8 @@ class Trainer:
             f"train: {n_params:,} parameters on {self.device}, {self.total_steps} steps, effective batch {effective} "
             f"= {rows} x {cfg.gradient_accumulation_steps} accumulation x {world} process(es)"
             f"{' (' + self.dist.strategy + ')' if world > 1 else ''}, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}), "
-            f"{'amp ' + cfg.amp_dtype if cfg.use_amp else 'float32'}{', compiled' if cfg.compile else ''}"
+            f"{'amp ' + cfg.amp_dtype if cfg.use_amp else 'float32'}{', compiled' if cfg.compile else ''}, "
+            f"{self.attention.describe()}"
         )
         if not cfg.use_amp and native_bf16(self.device):
             log(
