@@ -352,7 +352,7 @@ MAX_LEARNING_RATE = 1e3  # far above any rate a range test (lr-find) suggests
 class TrainingConfig(_Validated):
     """The optimisation run: batch, optimiser, schedule, precision, evaluation, checkpoints, logging."""
 
-    batch_size: int = 8
+    batch_size: int | Literal["auto"] = 8  # auto: the largest micro-batch that fits, total_batch_tokens kept
     gradient_accumulation_steps: int = 1
     num_epochs: int = 1
     max_steps: int | None = None  # optimizer steps; overrides num_epochs when set
@@ -383,6 +383,7 @@ class TrainingConfig(_Validated):
     # The SDPA kernel the run is held to (parallel/attention_kernel.py); auto: by device, named in the run header
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     device: str = "auto"  # auto: CUDA, then MPS, then CPU
+    device_memory: float | None = None  # GiB one process may use, for batch_size auto; None: the free memory
     seed: int = 42
     output_dir: str = "output"  # a folder, or a URL (s3://, gs://, ...): written in staging_dir, then uploaded
     checkpoint_dir: str | None = None  # default: {output_dir}/checkpoints; a URL: uploaded there after each save
@@ -463,8 +464,20 @@ class TrainingConfig(_Validated):
             self.alerts = AlertsConfig.from_dict(self.alerts, section="TrainingConfig.alerts")
 
     def _check(self) -> None:
+        _require(
+            self.batch_size == "auto" or self.batch_size > 0,
+            f"TrainingConfig.batch_size must be positive or auto, got {self.batch_size}",
+        )
+        _require(
+            self.batch_size != "auto" or self.total_batch_tokens is not None,
+            "TrainingConfig: batch_size auto keeps the global batch, which total_batch_tokens sets; "
+            "set total_batch_tokens, or a number for batch_size",
+        )
+        _require(
+            self.device_memory is None or (math.isfinite(self.device_memory) and self.device_memory > 0),
+            f"TrainingConfig.device_memory must be a positive number of GiB, got {self.device_memory}",
+        )
         for name in (
-            "batch_size",
             "gradient_accumulation_steps",
             "num_epochs",
             "logging_steps",

@@ -181,6 +181,19 @@ def machine_memory() -> int | None:
         return None
 
 
+def available_memory() -> int | None:
+    """Memory a new allocation can have on this machine now, in bytes (Linux's MemAvailable: free memory
+    plus the page cache it can drop); the physical memory where that cannot be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return machine_memory()
+
+
 def check_model_memory(values: dict[str, int], where: str) -> None:
     """Refuse, before building it, a model whose fp32 weights (and the objects of its layers) would not
     fit in this machine's memory; `where` names the file or setting the dimensions come from."""

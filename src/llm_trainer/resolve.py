@@ -274,7 +274,12 @@ def resolve_run(
     if model_config is not None:
         source = f"model.init_from ({experiment.model.init_from})"
     model = dataclasses.replace(model.resolved(), vocab_size=size)
-    training = token_anchors(experiment.training, seq_len, runtime.dist.world_size)
+    training = experiment.training
+    if training.batch_size == "auto":  # before the loaders and the accumulation are made from it
+        from .tools.estimate import auto_batch_size
+
+        training = auto_batch_size(model, training, seq_len, runtime.dist.world_size, runtime.device)
+    training = token_anchors(training, seq_len, runtime.dist.world_size)
     experiment = dataclasses.replace(experiment, model=model, training=training)
     return ResolvedRun(
         training=training,
@@ -291,6 +296,11 @@ def resolve_for_model(model, training: TrainingConfig, *, train_dataloader=None)
     device and process group, and run lengths in tokens turned into steps from the rows' length
     (which llm_trainer's loaders know; a user's loader without it cannot use token anchors)."""
     training = resolve_training(training)
+    if training.batch_size == "auto":
+        raise UsageError(
+            "training.batch_size auto sizes llm_trainer's own loaders (llm_trainer.train or Trainer.from_config); "
+            "with a model and loaders of your own, give batch_size as a number"
+        )
     seq_len = getattr(getattr(train_dataloader, "rows", None), "length", None)
     model_config = getattr(model, "config", None)
     check_layout(training, model_config if isinstance(model_config, ModelConfig) else None, seq_len)

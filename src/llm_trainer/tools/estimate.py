@@ -70,6 +70,7 @@ import torch
 from .. import resolve
 from ..config import ExperimentConfig, ModelConfig, TrainingConfig
 from ..errors import UsageError
+from ..logs import log
 from ..parallel.mesh import refuse_unavailable, resolve_layout, strategy_of
 from ..resolve import activation_checkpointing, sequence_length
 from ..train.flops import count_parameters, flops_per_token
@@ -298,6 +299,54 @@ def max_batch_size(model_config: ModelConfig, training: TrainingConfig, device_m
     return lo
 
 
+def device_budget_gb(training: TrainingConfig, device: torch.device) -> tuple[float, str]:
+    """The memory `batch_size: auto` fills, in GiB, and where the figure comes from: training.device_memory,
+    else what the device has free now (a GPU's free memory; on a CPU, the machine's available memory)."""
+    if training.device_memory is not None:
+        return training.device_memory, "training.device_memory"
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free / GiB, f"free on {device}"
+    from ..limits import available_memory
+
+    available = available_memory()
+    if available is None:
+        raise UsageError("training.batch_size auto cannot read this machine's free memory; set training.device_memory")
+    return available / GiB, "available on this machine"
+
+
+def auto_batch_size(
+    model_config: ModelConfig, training: TrainingConfig, seq_len: int, world_size: int, device: torch.device
+) -> TrainingConfig:
+    """`batch_size: auto` made a number: the largest micro-batch whose estimated peak fits the device's
+    budget and that divides the global batch (`total_batch_tokens` = micro-batch x sequence length x
+    accumulation x processes), so accumulation makes up the rest and the global batch stays what was asked.
+    The estimate decides without a trial step, so no run is started twice."""
+    if training.batch_size != "auto":
+        return training
+    budget, source = device_budget_gb(training, device)
+    options = dict(seq_len=seq_len, world_size=world_size, sharding=configured_sharding(training))
+    options["device_type"] = device.type
+    largest = max_batch_size(model_config, dataclasses.replace(training, batch_size=1), budget, **options)
+    rows, rest = divmod(training.total_batch_tokens, seq_len * world_size)
+    fitting = [b for b in range(min(largest, rows), 0, -1) if not rest and rows % b == 0]
+    if not fitting:
+        raise UsageError(
+            f"training.batch_size auto: no micro-batch fits {budget:.2f} GiB ({source}) and divides "
+            f"total_batch_tokens {training.total_batch_tokens:,} into rows of {seq_len} x {world_size} process(es) "
+            f"(largest that fits: {largest}); use a smaller model or sequence, gradient_checkpointing, more "
+            "memory (training.device_memory), or a total_batch_tokens that is a multiple of the sequence length"
+        )
+    batch = fitting[0]
+    peak = estimate_memory(model_config, training, batch_size=batch, **options).peak_bytes / GiB
+    log(
+        f"batch_size auto: {batch} rows a micro-batch (estimated peak {peak:.2f} of {budget:.2f} GiB {source}), "
+        f"x {rows // batch} accumulation x {world_size} process(es) keeps total_batch_tokens "
+        f"{training.total_batch_tokens:,}"
+    )
+    return dataclasses.replace(training, batch_size=batch)
+
+
 # ----------------------------------------------------------------------------------------------
 # The report behind `llm-trainer estimate`
 
@@ -361,7 +410,16 @@ def estimate_report(
     counts = count_parameters(model_config)
     fpt = flops_per_token(model_config, seq_len)
     micro = batch_size or training.batch_size
-    tokens_per_step = micro * seq_len * training.gradient_accumulation_steps * world_size
+    tokens_per_step = micro * seq_len * training.gradient_accumulation_steps * world_size if micro != "auto" else 0
+    if micro == "auto":  # the micro-batch the run would pick, in the memory given here
+        training = dataclasses.replace(training, device_memory=device_memory_gb or training.device_memory)
+        if training.device_memory is None and device_type != "cpu":
+            raise UsageError(
+                "estimate: training.batch_size auto fills the device's memory; give it with --device-memory "
+                "(or training.device_memory), or pass --batch-size"
+            )
+        training = auto_batch_size(model_config, training, seq_len, world_size, torch.device(device_type))
+        micro, tokens_per_step = training.batch_size, training.total_batch_tokens
     mem = estimate_memory(
         model_config,
         training,

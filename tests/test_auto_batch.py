@@ -1,0 +1,60 @@
+"""training.batch_size: auto: the largest micro-batch whose estimated peak fits the memory budget, with
+gradient accumulation making up total_batch_tokens (the global batch stays what the config asked for)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from conftest import write_tiny_experiment
+from llm_trainer import cli
+from llm_trainer.config import ModelConfig, TrainingConfig
+from llm_trainer.tools.estimate import auto_batch_size, estimate_memory
+
+GiB = 1024**3
+MODEL = ModelConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=256)
+
+
+def _peak(training: TrainingConfig, batch: int) -> float:
+    return estimate_memory(MODEL, training, seq_len=128, batch_size=batch, device_type="cpu").peak_bytes / GiB
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_auto_picks_the_largest_fitting_divisor_and_keeps_the_global_batch(world):
+    training = TrainingConfig(batch_size="auto", total_batch_tokens=128 * 48 * world, use_amp=False, device="cpu")
+    budget = (_peak(training, 10) + _peak(training, 11)) / 2  # 10 rows fit, 11 do not
+    chosen = auto_batch_size(
+        MODEL, dataclasses.replace(training, device_memory=budget), 128, world, torch.device("cpu")
+    )
+    assert chosen.batch_size == 8  # the largest of 48's divisors (1, 2, 3, 4, 6, 8, 12, ...) up to 10
+    assert _peak(training, 8) <= budget < _peak(training, 11)
+    assert chosen.total_batch_tokens == 128 * 48 * world  # accumulation is made from it next (resolve.token_anchors)
+
+
+def test_auto_without_a_global_batch_is_a_config_error():
+    with pytest.raises(ValueError, match="batch_size auto keeps the global batch, which total_batch_tokens sets"):
+        TrainingConfig(batch_size="auto")
+
+
+def test_auto_in_a_run_keeps_batch_x_accumulation_x_world(tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = write_tiny_experiment(tmp_path, batch_size="auto", total_batch_tokens=24 * 12, max_steps=1, use_amp=False)
+    assert cli.main(["train", "--config", str(path), "training.device_memory=4"]) == 0
+    err = capfd.readouterr().err
+    start = re.search(r"effective batch (\d+) = (\d+) x (\d+) accumulation x 1 process", err)
+    assert start, err
+    assert int(start[1]) == 12 and int(start[2]) * int(start[3]) == 12
+    assert f"batch_size auto: {start[2]} rows a micro-batch" in err
+
+
+def test_nothing_fits_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = write_tiny_experiment(tmp_path, batch_size="auto", total_batch_tokens=24 * 12)
+    code = cli.main(["train", "--config", str(path), "training.device_memory=0.0000001"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "Traceback" not in "\n".join(lines), lines
+    assert lines[-1].startswith("error: training.batch_size auto: no micro-batch fits"), lines[-1]
+    assert not (tmp_path / "run").exists()
