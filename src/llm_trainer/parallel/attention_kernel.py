@@ -2,9 +2,11 @@
 
 PyTorch picks an SDPA kernel per call from what the inputs allow, silently; a run that falls back to the
 math kernel on a GPU is several times slower and nothing says so. Here the backend is chosen once at
-setup, checked on the run's device with the model's head size and compute dtype (a backend this device
-or shape cannot run is one line, exit 2), and the run is held to that one kernel through
-`torch.nn.attention.sdpa_kernel`, so the run header can say which kernel ran. `model.py` stays the
+setup, checked on the run's device with the training step's own attention call (head size, compute
+dtype, grouped-query heads, attention dropout, a document mask): a backend that cannot run that call is
+one line, exit 2. The run is then held to it through `torch.nn.attention.sdpa_kernel`, with math as the
+only other kernel, for calls outside the step the chosen one cannot take (e.g. a KV-cache chunk's mask
+in downstream scoring), so the run header can say which kernel the step runs. `model.py` stays the
 plain architecture: nothing here changes it.
 
 `auto` picks by device: cuDNN, then flash, on Hopper and later GPUs; flash, then memory-efficient, on
@@ -14,6 +16,7 @@ other CUDA GPUs; the CPU's flash kernel on a CPU; the first of these the device 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -33,6 +36,36 @@ BACKENDS: dict[str, SDPBackend] = {
 
 
 @dataclass(frozen=True)
+class AttentionCall:
+    """What the training step asks of SDPA: the kernels differ in which of these they take."""
+
+    head_dim: int = 64
+    dtype: torch.dtype = torch.float32
+    gqa: bool = False  # fewer key/value heads than query heads
+    dropout: float = 0.0  # attention dropout while training
+    masked: bool = False  # a (B, 1, T, T) document mask instead of is_causal
+
+    @classmethod
+    def of(cls, model: nn.Module, amp_dtype: torch.dtype | None, document_mask: bool) -> AttentionCall:
+        """The call `model` (one of ours; another module: the defaults) makes in a training step."""
+        config = getattr(model, "config", None)
+        n_heads = getattr(config, "n_heads", None)
+        return cls(
+            head_dim=getattr(config, "head_dim", 64),
+            dtype=amp_dtype or torch.float32,
+            gqa=getattr(config, "n_kv_heads", None) not in (None, n_heads),
+            dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+            masked=document_mask and getattr(config, "attention_backend", "sdpa") == "sdpa",
+        )
+
+    def describe(self) -> str:
+        """The call in words, for the error that names a kernel unable to run it."""
+        parts = [f"head size {self.head_dim}", str(self.dtype).removeprefix("torch.")]
+        parts += ["grouped-query heads"] * self.gqa + ["attention dropout"] * bool(self.dropout)
+        return ", ".join(parts + ["a document mask"] * self.masked)
+
+
+@dataclass(frozen=True)
 class AttentionKernel:
     """The chosen kernel: `name` (a key of BACKENDS), how it was chosen, and what the model runs instead
     of SDPA where it does not call it."""
@@ -41,15 +74,12 @@ class AttentionKernel:
     requested: str
     instead: str | None = None  # e.g. FlexAttention for document masks
 
-    @property
-    def held(self) -> SDPBackend:
-        """The one SDPA backend the run is held to."""
-        return BACKENDS[self.name]
-
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
-        """Every SDPA call inside (the compiled graphs are traced inside too) uses the chosen backend only."""
-        with sdpa_kernel([self.held]):
+        """Inside, SDPA calls (the compiled graphs' too: they are traced inside) use the chosen backend, or
+        math for a call it cannot take; the step's own call was checked to run on the chosen one."""
+        backends = [BACKENDS[self.name]] + ([SDPBackend.MATH] if self.name != "math" else [])
+        with sdpa_kernel(backends, set_priority=True):
             yield
 
     def describe(self) -> str:
@@ -70,40 +100,49 @@ def candidates(device: torch.device) -> list[str]:
     return ["math"]
 
 
-def runs_here(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int, gqa: bool) -> bool:
-    """Whether `backend` runs a causal SDPA forward and backward on `device` at this head size and dtype:
-    a tiny call under `sdpa_kernel`, so the answer is PyTorch's own (its checks differ by version and GPU)."""
-    shape = (1, 2, 16, head_dim)
-    q = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
-    kv = torch.randn((1, 1 if gqa else 2, 16, head_dim), device=device, dtype=dtype, requires_grad=True)
-    try:
-        with sdpa_kernel([BACKENDS[backend]]):
-            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=gqa).sum().backward()
+def runs_here(backend: str, device: torch.device, call: AttentionCall) -> bool:
+    """Whether `backend` runs the step's attention call, forward and backward, on `device`: a tiny call
+    under `sdpa_kernel`, so the answer is PyTorch's own (its checks differ by version and GPU)."""
+    q = torch.randn((1, 2, 16, call.head_dim), device=device, dtype=call.dtype, requires_grad=True)
+    kv = torch.randn((1, 1 if call.gqa else 2, 16, call.head_dim), device=device, dtype=call.dtype, requires_grad=True)
+    mask = torch.ones(1, 1, 16, 16, dtype=torch.bool, device=device).tril() if call.masked else None
+    try:  # PyTorch warns why a kernel refuses a call: the answer is all that is asked here
+        with sdpa_kernel([BACKENDS[backend]]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            F.scaled_dot_product_attention(
+                q, kv, kv, attn_mask=mask, is_causal=not call.masked, dropout_p=call.dropout, enable_gqa=call.gqa
+            ).sum().backward()
     except RuntimeError:
         return False
     return True
 
 
-def choose(requested: str, model: nn.Module, device: torch.device, amp_dtype: torch.dtype | None) -> AttentionKernel:
+def choose(
+    requested: str,
+    model: nn.Module,
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+    *,
+    document_mask: bool = False,
+) -> AttentionKernel:
     """The kernel for `requested` (training.sdpa_backend) on `device`; raises UsageError for a backend that
-    cannot run here. A model that does not call SDPA (FlexAttention; bfloat16 on a CPU, where the model
-    writes the math out as the faster path) is reported as what it runs, and the setting is checked all the same."""
-    config = getattr(model, "config", None)
-    head_dim = getattr(config, "head_dim", 64)
-    gqa = getattr(config, "n_kv_heads", None) not in (None, getattr(config, "n_heads", None))
-    dtype = amp_dtype or torch.float32
+    cannot run the step's attention call here. A model that does not call SDPA (FlexAttention for document
+    masks; bfloat16 on a CPU, where the model writes the math out as the faster path) is reported as what
+    it runs, and the setting is checked all the same."""
+    call = AttentionCall.of(model, amp_dtype, document_mask)
     if requested == "auto":
-        name = next(b for b in candidates(device) if b == "math" or runs_here(b, device, dtype, head_dim, gqa))
-    else:
-        if not runs_here(requested, device, dtype, head_dim, gqa):
-            available = [b for b in BACKENDS if runs_here(b, device, dtype, head_dim, gqa)]
-            raise UsageError(
-                f"training.sdpa_backend {requested} does not run on {device} with head size {head_dim} in "
-                f"{str(dtype).removeprefix('torch.')}; use auto, or one this device runs: {', '.join(available)}"
-            )
+        name = next(b for b in candidates(device) if b == "math" or runs_here(b, device, call))
+    elif runs_here(requested, device, call):
         name = requested
-    if getattr(config, "attention_backend", "sdpa") == "flex":
+    else:
+        available = [b for b in BACKENDS if runs_here(b, device, call)]
+        raise UsageError(
+            f"training.sdpa_backend {requested} does not run this model's attention on {device} ({call.describe()}); "
+            f"use auto, or one that does: {', '.join(available)}"
+        )
+    config = getattr(model, "config", None)
+    if document_mask and getattr(config, "attention_backend", "sdpa") == "flex":
         return AttentionKernel(name, requested, instead="FlexAttention for document masks")
-    if device.type == "cpu" and dtype == torch.bfloat16:
+    if device.type == "cpu" and call.dtype == torch.bfloat16:
         return AttentionKernel(name, requested, instead="written out (bfloat16 on a CPU)")
     return AttentionKernel(name, requested)

@@ -102,7 +102,10 @@ class Trainer:
         self._run_files_uploaded: dict | None = None  # a URL output_dir: the record of the last upload
 
         # the SDPA kernel the run is held to: checked before anything is sharded or compiled
-        self.attention = attention_kernel.choose(config.sdpa_backend, model, self.device, self.amp_dtype)
+        document_mask = run.experiment is not None and run.experiment.data.document_mask
+        self.attention = attention_kernel.choose(
+            config.sdpa_backend, model, self.device, self.amp_dtype, document_mask=document_mask
+        )
         self.parallel = parallelize(
             model,
             config=config,
