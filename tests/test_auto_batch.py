@@ -26,9 +26,8 @@ def _peak(training: TrainingConfig, batch: int) -> float:
 def test_auto_picks_the_largest_fitting_divisor_and_keeps_the_global_batch(world):
     training = TrainingConfig(batch_size="auto", total_batch_tokens=128 * 48 * world, use_amp=False, device="cpu")
     budget = (_peak(training, 10) + _peak(training, 11)) / 2  # 10 rows fit, 11 do not
-    chosen = auto_batch_size(
-        MODEL, dataclasses.replace(training, device_memory=budget), 128, world, torch.device("cpu")
-    )
+    training = dataclasses.replace(training, device_memory=budget)
+    chosen = auto_batch_size(MODEL, training, 128, world, torch.device("cpu"), probe=False)
     assert chosen.batch_size == 8  # the largest of 48's divisors (1, 2, 3, 4, 6, 8, 12, ...) up to 10
     assert _peak(training, 8) <= budget < _peak(training, 11)
     assert chosen.total_batch_tokens == 128 * 48 * world  # accumulation is made from it next (resolve.token_anchors)
@@ -39,6 +38,22 @@ def test_auto_without_a_global_batch_is_a_config_error():
         TrainingConfig(batch_size="auto")
 
 
+@pytest.mark.slow
+def test_the_probe_step_measures_the_pick_and_what_it_keeps_fits():
+    """One real step at the estimate's pick, in a fresh process: the pick, scaled by what it measured, fits."""
+    from llm_trainer.tools.memory_probe import measure_peak
+
+    training = TrainingConfig(batch_size="auto", total_batch_tokens=128 * 16, use_amp=False, device="cpu")
+    budget = (_peak(training, 8) + _peak(training, 9)) / 2
+    training = dataclasses.replace(training, device_memory=budget)
+    chosen = auto_batch_size(MODEL, training, 128, 1, torch.device("cpu"))
+    assert chosen.batch_size in (8, 4, 2, 1)  # 16's divisors up to the estimate's 8
+    model = {f.name: getattr(MODEL, f.name) for f in dataclasses.fields(MODEL) if f.name != "init_from"}
+    run = {"batch_size": chosen.batch_size, "max_steps": 1, "use_amp": False, "device": "cpu"}
+    assert measure_peak(model, run, 128)["peak_bytes"] / GiB <= budget * 1.05  # within the probe's own noise
+
+
+@pytest.mark.slow
 def test_auto_in_a_run_keeps_batch_x_accumulation_x_world(tmp_path, capfd, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = write_tiny_experiment(tmp_path, batch_size="auto", total_batch_tokens=24 * 12, max_steps=1, use_amp=False)
