@@ -73,3 +73,12 @@ def test_nothing_fits_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     assert code == 2 and "Traceback" not in "\n".join(lines), lines
     assert lines[-1].startswith("error: training.batch_size auto: no micro-batch fits"), lines[-1]
     assert not (tmp_path / "run").exists()
+
+
+def test_several_processes_need_one_budget():
+    """Each rank's free memory differs; without training.device_memory they could pick different sizes."""
+    from llm_trainer.errors import UsageError
+
+    training = TrainingConfig(batch_size="auto", total_batch_tokens=128 * 16, device="cpu")
+    with pytest.raises(UsageError, match="over several processes needs training.device_memory"):
+        auto_batch_size(MODEL, training, 128, 2, torch.device("cpu"))
