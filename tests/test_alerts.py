@@ -250,6 +250,29 @@ def _tiny(tmp_path, callbacks=(), training=None, **alerts) -> Trainer:
     return Trainer(tiny_model(), config, train_dataloader=train, callbacks=callbacks)
 
 
+def test_an_evaluation_that_got_worse_and_early_stopping_are_their_own_alerts(hook, tmp_path):
+    train, val = tiny_loaders()
+    config = TrainingConfig(
+        max_steps=12,
+        logging_steps=1,
+        eval_steps=2,
+        save_steps=0,
+        early_stopping_patience=2,
+        early_stopping_min_delta=100.0,  # no evaluation improves by that much: the 2nd and 3rd got worse
+        output_dir=str(tmp_path / "run"),
+        device="cpu",
+        progress_bar=False,
+        report_to=["jsonl"],
+        alerts={"webhook_env": HOOK_ENV, "min_interval_s": 0},
+    )
+    Trainer(tiny_model(), config, train_dataloader=train, val_dataloader=val).train()
+    alerts = [(r["event"], r["step"]) for r in _rows(tmp_path / "run") if r["kind"] == "alert"]
+    assert alerts == [("eval_worse", 4), ("eval_worse", 6), ("early_stop", 6), ("finished", 6)]
+    early = next(r["message"] for r in _rows(tmp_path / "run") if r.get("event") == "early_stop")
+    assert early.startswith("early stopping: val_loss did not improve by more than 100.0 for 2 evaluations")
+    assert [b["event"] for b in hook.bodies()] == [event for event, _ in alerts]
+
+
 def test_a_stalled_step_raises_the_stall_alert_within_its_window(hook, tmp_path):
     t = _tiny(tmp_path, [SleepAt(6, 2.5)], stall_min_s=0.5, stall_factor=3.0)
     t.train()
