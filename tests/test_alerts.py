@@ -161,6 +161,137 @@ def test_email_goes_through_a_real_smtp_server(monkeypatch):
     assert "CUDA error: an illegal memory access" in mail.get_payload()
 
 
+def _self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 signed by its own key (cert.pem, key.pem)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_file, key_file
+
+
+class SmtpServer:
+    """aiosmtpd on 127.0.0.1 offering STARTTLS (when given a certificate) and AUTH LOGIN/PLAIN for one
+    user; records the logins it saw and the messages it received."""
+
+    def __init__(self, tls: tuple[Path, Path] | None, password: str = "hunter2-smtp"):
+        import ssl
+
+        from aiosmtpd.controller import Controller
+        from aiosmtpd.handlers import Message
+        from aiosmtpd.smtp import AuthResult
+
+        self.received: list = []
+        self.logins: list[tuple[str, bool]] = []
+        server = self
+
+        class Keep(Message):
+            def handle_message(self, message):
+                server.received.append(message)
+
+        def authenticator(smtp, session, envelope, mechanism, data):
+            ok = data.login == b"alerts@example.org" and data.password == password.encode()
+            server.logins.append((data.login.decode(), ok))
+            return AuthResult(success=ok, handled=False)  # (a refusal: the server answers 535)
+
+        context = None
+        if tls is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(*map(str, tls))
+        self.port = free_port()
+        self.controller = Controller(
+            Keep(),
+            hostname="127.0.0.1",
+            port=self.port,
+            tls_context=context,
+            authenticator=authenticator,
+            auth_required=True,  # no mail without a login
+            auth_require_tls=True,  # and no login before STARTTLS
+        )
+        self.controller.start()
+
+    def close(self):
+        self.controller.stop()
+
+
+def _email_alerter(monkeypatch, port: int, password: str) -> Alerter:
+    monkeypatch.setenv("LLMT_SMTP_HOST", "127.0.0.1")
+    monkeypatch.setenv("LLMT_SMTP_PORT", str(port))
+    monkeypatch.setenv("LLMT_SMTP_USER", "alerts@example.org")
+    monkeypatch.setenv("LLMT_SMTP_PASSWORD", password)
+    config = AlertsConfig(email_to=["oncall@example.org"], backoff_s=0.01, retries=3, timeout_s=5.0)
+    return Alerter(config, enabled=True, run_name="run-tls", write_row=lambda row: None)
+
+
+def test_email_logs_in_after_starttls_with_a_verified_certificate(monkeypatch, tmp_path, capfd):
+    pytest.importorskip("aiosmtpd")
+    pytest.importorskip("cryptography")
+    cert, key = _self_signed(tmp_path)
+    server = SmtpServer((cert, key))
+    try:
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # the test's CA, trusted as a deployment's would be
+        a = _email_alerter(monkeypatch, server.port, "hunter2-smtp")
+        a.raise_alert("stall", "no step has finished for 900 s", 12)
+        a.close()
+        assert server.logins == [("alerts@example.org", True)] and len(server.received) == 1
+        assert server.received[0]["Subject"] == "[llm-trainer] run-tls: stall at step 12"
+
+        wrong = _email_alerter(monkeypatch, server.port, "wrong-password")
+        wrong.raise_alert("crashed", "x", 13)
+        wrong.close()
+        # one try (smtplib offers PLAIN, then LOGIN), not retried: another try would be refused the same
+        assert server.logins[1:] == [("alerts@example.org", False)] * 2
+        assert len(server.received) == 1
+        assert "the server refused LLMT_SMTP_USER's login (SMTP 535)" in capfd.readouterr().err
+
+        monkeypatch.delenv("SSL_CERT_FILE")  # the same server, its certificate now signed by no trusted CA
+        untrusted = _email_alerter(monkeypatch, server.port, "hunter2-smtp")
+        untrusted.raise_alert("crashed", "x", 14)
+        untrusted.close()
+        assert len(server.logins) == 3 and len(server.received) == 1  # no password went to it
+        err = capfd.readouterr().err
+        assert "certificate is not trusted" in err and "hunter2" not in err
+    finally:
+        server.close()
+
+
+def test_email_never_sends_the_password_without_tls(monkeypatch, capfd):
+    pytest.importorskip("aiosmtpd")
+    server = SmtpServer(None)  # no certificate: no STARTTLS offered
+    try:
+        a = _email_alerter(monkeypatch, server.port, "hunter2-smtp")
+        a.raise_alert("crashed", "x", 3)
+        a.close()
+    finally:
+        server.close()
+    assert server.logins == [] and server.received == []
+    assert "offers no STARTTLS: LLMT_SMTP_USER's password is not sent in clear" in capfd.readouterr().err
+
+
 def test_only_the_main_process_raises_alerts(hook):
     rows: list = []
     a = Alerter(AlertsConfig(webhook_env=HOOK_ENV), enabled=False, run_name="r", write_row=rows.append)
