@@ -13,10 +13,12 @@ import pytest
 
 from conftest import free_port, tiny_loaders, tiny_model
 from llm_trainer.config import AlertsConfig, TrainingConfig
+from llm_trainer.errors import StoreFull
 from llm_trainer.tools.status import format_status, run_status
 from llm_trainer.train.alerts import Alerter
 from llm_trainer.train.callbacks import Callback
 from llm_trainer.train.trainer import Trainer
+from test_object_storage import s3_server  # noqa: F401  (the local S3 server fixture)
 
 SECRET = "T000/B000/s3cr3t-hook-token"  # the part of a Slack hook URL that must never be written anywhere
 HOOK_ENV = "LLMT_TEST_WEBHOOK_URL"
@@ -578,3 +580,89 @@ def test_throughput_below_the_runs_median_and_data_wait_are_raised():
         watch.check({"step": step, "tokens_per_s": speed, "data_wait_fraction": 0.6 if step == 2 else 0.01})
     assert [(r["event"], r["step"]) for r in rows] == [("data_wait", 2), ("throughput", 8)]
     assert "below 50% of this run's median" in rows[1]["message"]
+
+
+class FullBucketProxy:
+    """An S3 endpoint on 127.0.0.1 in front of the local S3 server: passes every request on, except a
+    write under `full_prefix` (a checkpoint's files; a probe beside them goes through), which it refuses as a Ceph RGW bucket over its quota does (403 QuotaExceeded)."""
+
+    def __init__(self, upstream: str, full_prefix: str):
+        import http.client
+        import urllib.parse
+
+        target = urllib.parse.urlsplit(upstream)
+        proxy = self
+        self.refused: list[str] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _forward(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if self.command in ("PUT", "POST") and self.path.lstrip("/").startswith(full_prefix):
+                    proxy.refused.append(self.path)
+                    error = (
+                        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>QuotaExceeded</Code>'
+                        b"<Message>The bucket quota is exceeded</Message><RequestId>tx1</RequestId></Error>"
+                    )
+                    self.send_response(403)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(error)
+                    return
+                connection = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers["Host"] = target.netloc
+                connection.request(self.command, self.path, body=body, headers=headers)
+                response = connection.getresponse()
+                data = response.read()
+                self.send_response(response.status)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("transfer-encoding", "content-length", "connection"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                connection.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward  # noqa: N815 (http.server's names)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.slow
+def test_an_upload_the_store_refuses_for_quota_raises_bucket_full(hook, tmp_path, monkeypatch, s3_server):  # noqa: F811
+    import s3fs
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server})
+    bucket = "t-alerts-bucket-full"
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+    proxy = FullBucketProxy(s3_server, f"{bucket}/ckpt/checkpoint-")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        t = _tiny(tmp_path, training={"save_steps": 4, "checkpoint_dir": f"s3://{bucket}/ckpt"})
+        with pytest.raises(StoreFull, match="for lack of space or quota"):
+            t.train()
+    finally:
+        proxy.close()
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert proxy.refused  # the store was asked, and said no
+    alerts = [r for r in _rows(tmp_path / "run") if r["kind"] == "alert"]
+    assert [r["event"] for r in alerts] == ["bucket_full", "checkpoint_failed", "crashed"]
+    assert "QuotaExceeded" in alerts[0]["message"] and f"s3://{bucket}/ckpt/checkpoint-00000004" in alerts[0]["message"]
+    assert [b["event"] for b in hook.bodies()] == ["bucket_full", "checkpoint_failed", "crashed"]
+    assert (tmp_path / "run" / "checkpoints" / "checkpoint-00000004" / "meta.json").is_file()  # the local copy stays

@@ -22,7 +22,8 @@ median step time (and at least `stall_min_s`): a hung collective, a stopped rank
 `throughput_fraction` of the run's own median tokens/s, and `data_wait` when the share of a step spent
 waiting for data exceeds `data_wait_fraction`. After each checkpoint, `disk_full` when the checkpoint
 disk's free share is below `disk_free_fraction`; a save that fails raises `checkpoint_failed` (and the
-run's end, `crashed`).
+run's end, `crashed`). Object stores (S3, GCS) publish no free space or quota to ask: an upload the store
+refused for lack of space or quota (`StoreFull`, its own error) raises `bucket_full` first.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from email.message import EmailMessage
 from pathlib import Path
 
 from ..config import AlertsConfig
+from ..errors import StoreFull
 from ..logs import log, warn
 from .rows import AlertRow
 
@@ -113,7 +115,10 @@ class Alerter:
             yield
         except Exception as exc:
             text = str(exc).strip()
-            self.raise_alert(event, f"{what}: {text.splitlines()[0][:300] if text else type(exc).__name__}", step())
+            text = text.splitlines()[0][:300] if text else type(exc).__name__
+            if isinstance(exc, StoreFull):  # the only sign of a full bucket: stores publish no quota
+                self.raise_alert("bucket_full", text, step())
+            self.raise_alert(event, f"{what}: {text}", step())
             raise
 
     def check_disk(self, folder: Path, step: int) -> None:
