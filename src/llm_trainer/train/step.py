@@ -78,7 +78,7 @@ def train_step(
 
     # Clip, then step only if loss and gradients are finite (a bad step never reaches the weights).
     if inspect is not None:
-        inspect()
+        parallel.at_gradients(inspect)
     with torch.profiler.record_function("optimizer"):
         grad_norm = parallel.clip(max_grad_norm)  # None where the backend clips inside its step
         finite = torch.isfinite(loss_sum)
