@@ -179,3 +179,24 @@ def test_histograms_of_gradients_and_weights_reach_tensorboard(tmp_path):
     (entry,) = events.Histograms("layers/tok_emb/weight")
     assert sum(entry.histogram_value.bucket) == weights["tok_emb.weight"].numel()
     assert "layers/tok_emb/weight" not in (tmp_path / "run" / "metrics.jsonl").read_text()  # scalars only there
+
+
+def test_a_loss_scale_the_gradients_still_carry_is_divided_out():
+    """fp16's loss scale (GradScaler's, DeepSpeed's) is still on the gradients where they are read."""
+    from llm_trainer.train.layer_stats import LayerStats
+
+    model = tiny_model(n_layers=1)
+    inputs, targets = tiny_loaders()[0].next_batch()[:2]
+    batch_nll(model, inputs, targets).backward()
+    plain = LayerStats(model, 1)
+    plain.before_step()
+    expected = plain.after_step(1)
+    model.zero_grad()
+    (batch_nll(model, inputs, targets) * 1024.0).backward()
+    scaled = LayerStats(model, 1)
+    scaled.before_step(1024.0)
+    row = scaled.after_step(1)
+    assert row.keys() == expected.keys() and row["kind"] == "layers"
+    for key, value in expected.items():
+        if key.startswith("layers/"):
+            assert row[key] == pytest.approx(value, rel=1e-5), key

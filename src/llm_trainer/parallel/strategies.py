@@ -81,10 +81,11 @@ class Parallelism:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
-    def at_gradients(self, fn: Callable[[], None]) -> None:
-        """Call `fn` where this step's gradients are complete, before clipping and the update (the
-        loop calls this after the last backward): here, now."""
-        fn()
+    def at_gradients(self, fn: Callable[[float], None]) -> None:
+        """Call `fn(scale)` where this step's gradients are complete, before clipping and the update
+        (the loop calls this after the last backward): here, now. `scale` is the loss scale the
+        gradients still carry (fp16's scaler; 1 otherwise)."""
+        fn(float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0)
 
     def clip(self, max_norm: float | None) -> torch.Tensor | None:
         self.scaler.unscale_(self.optimizer)
@@ -221,7 +222,7 @@ class DeepSpeed(Parallelism):
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)  # the loss is scaled for accumulation already
 
-    def at_gradients(self, fn: Callable[[], None]) -> None:
+    def at_gradients(self, fn: Callable[[float], None]) -> None:
         """DeepSpeed reduces the gradients into its partitions inside `engine.step()` (the loop owns the
         accumulation), before its optimizer's step clips and applies them: `fn` runs at the start of that
         optimizer step, on every rank, for the next step only."""
@@ -230,7 +231,7 @@ class DeepSpeed(Parallelism):
 
         def step(*args, **kwargs):
             zero.__dict__.pop("step", None)
-            fn()
+            fn(float(getattr(zero, "loss_scale", None) or 1.0))  # fp16: unscaled inside this step, after fn
             return original(*args, **kwargs)
 
         zero.step = step

@@ -90,11 +90,14 @@ class LayerStats:
             return [safe_get_full_grad(p) for p in self.params]  # every rank: a collective each
         return [_local(p.grad) if p.grad is not None else None for p in self.params]
 
-    def before_step(self) -> None:
-        """Gradients complete, weights not yet changed: their norms, and a copy of the weights."""
+    def before_step(self, scale: float = 1.0) -> None:
+        """Gradients complete, weights not yet changed: their norms, and a copy of the weights. `scale`:
+        the loss scale the gradients still carry (fp16), divided out."""
         if not self.params:
             return
         grads = self._grads()
+        if scale != 1.0:
+            grads = [g / scale if g is not None else None for g in grads]
         if all(g is None for g in grads):
             if not self._said:
                 self._said = True
