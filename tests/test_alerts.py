@@ -13,10 +13,12 @@ import pytest
 
 from conftest import free_port, tiny_loaders, tiny_model
 from llm_trainer.config import AlertsConfig, TrainingConfig
+from llm_trainer.errors import StoreFull
 from llm_trainer.tools.status import format_status, run_status
 from llm_trainer.train.alerts import Alerter
 from llm_trainer.train.callbacks import Callback
 from llm_trainer.train.trainer import Trainer
+from test_object_storage import s3_server  # noqa: F401  (the local S3 server fixture)
 
 SECRET = "T000/B000/s3cr3t-hook-token"  # the part of a Slack hook URL that must never be written anywhere
 HOOK_ENV = "LLMT_TEST_WEBHOOK_URL"
@@ -161,6 +163,137 @@ def test_email_goes_through_a_real_smtp_server(monkeypatch):
     assert "CUDA error: an illegal memory access" in mail.get_payload()
 
 
+def _self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 signed by its own key (cert.pem, key.pem)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_file, key_file
+
+
+class SmtpServer:
+    """aiosmtpd on 127.0.0.1 offering STARTTLS (when given a certificate) and AUTH LOGIN/PLAIN for one
+    user; records the logins it saw and the messages it received."""
+
+    def __init__(self, tls: tuple[Path, Path] | None, password: str = "hunter2-smtp"):
+        import ssl
+
+        from aiosmtpd.controller import Controller
+        from aiosmtpd.handlers import Message
+        from aiosmtpd.smtp import AuthResult
+
+        self.received: list = []
+        self.logins: list[tuple[str, bool]] = []
+        server = self
+
+        class Keep(Message):
+            def handle_message(self, message):
+                server.received.append(message)
+
+        def authenticator(smtp, session, envelope, mechanism, data):
+            ok = data.login == b"alerts@example.org" and data.password == password.encode()
+            server.logins.append((data.login.decode(), ok))
+            return AuthResult(success=ok, handled=False)  # (a refusal: the server answers 535)
+
+        context = None
+        if tls is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(*map(str, tls))
+        self.port = free_port()
+        self.controller = Controller(
+            Keep(),
+            hostname="127.0.0.1",
+            port=self.port,
+            tls_context=context,
+            authenticator=authenticator,
+            auth_required=True,  # no mail without a login
+            auth_require_tls=True,  # and no login before STARTTLS
+        )
+        self.controller.start()
+
+    def close(self):
+        self.controller.stop()
+
+
+def _email_alerter(monkeypatch, port: int, password: str) -> Alerter:
+    monkeypatch.setenv("LLMT_SMTP_HOST", "127.0.0.1")
+    monkeypatch.setenv("LLMT_SMTP_PORT", str(port))
+    monkeypatch.setenv("LLMT_SMTP_USER", "alerts@example.org")
+    monkeypatch.setenv("LLMT_SMTP_PASSWORD", password)
+    config = AlertsConfig(email_to=["oncall@example.org"], backoff_s=0.01, retries=3, timeout_s=5.0)
+    return Alerter(config, enabled=True, run_name="run-tls", write_row=lambda row: None)
+
+
+def test_email_logs_in_after_starttls_with_a_verified_certificate(monkeypatch, tmp_path, capfd):
+    pytest.importorskip("aiosmtpd")
+    pytest.importorskip("cryptography")
+    cert, key = _self_signed(tmp_path)
+    server = SmtpServer((cert, key))
+    try:
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # the test's CA, trusted as a deployment's would be
+        a = _email_alerter(monkeypatch, server.port, "hunter2-smtp")
+        a.raise_alert("stall", "no step has finished for 900 s", 12)
+        a.close()
+        assert server.logins == [("alerts@example.org", True)] and len(server.received) == 1
+        assert server.received[0]["Subject"] == "[llm-trainer] run-tls: stall at step 12"
+
+        wrong = _email_alerter(monkeypatch, server.port, "wrong-password")
+        wrong.raise_alert("crashed", "x", 13)
+        wrong.close()
+        # one try (smtplib offers PLAIN, then LOGIN), not retried: another try would be refused the same
+        assert server.logins[1:] == [("alerts@example.org", False)] * 2
+        assert len(server.received) == 1
+        assert "the server refused LLMT_SMTP_USER's login (SMTP 535)" in capfd.readouterr().err
+
+        monkeypatch.delenv("SSL_CERT_FILE")  # the same server, its certificate now signed by no trusted CA
+        untrusted = _email_alerter(monkeypatch, server.port, "hunter2-smtp")
+        untrusted.raise_alert("crashed", "x", 14)
+        untrusted.close()
+        assert len(server.logins) == 3 and len(server.received) == 1  # no password went to it
+        err = capfd.readouterr().err
+        assert "certificate is not trusted" in err and "hunter2" not in err
+    finally:
+        server.close()
+
+
+def test_email_never_sends_the_password_without_tls(monkeypatch, capfd):
+    pytest.importorskip("aiosmtpd")
+    server = SmtpServer(None)  # no certificate: no STARTTLS offered
+    try:
+        a = _email_alerter(monkeypatch, server.port, "hunter2-smtp")
+        a.raise_alert("crashed", "x", 3)
+        a.close()
+    finally:
+        server.close()
+    assert server.logins == [] and server.received == []
+    assert "offers no STARTTLS: LLMT_SMTP_USER's password is not sent in clear" in capfd.readouterr().err
+
+
 def test_only_the_main_process_raises_alerts(hook):
     rows: list = []
     a = Alerter(AlertsConfig(webhook_env=HOOK_ENV), enabled=False, run_name="r", write_row=rows.append)
@@ -248,6 +381,29 @@ def _tiny(tmp_path, callbacks=(), training=None, **alerts) -> Trainer:
     )
     config = TrainingConfig(**{**values, **(training or {})})
     return Trainer(tiny_model(), config, train_dataloader=train, callbacks=callbacks)
+
+
+def test_an_evaluation_that_got_worse_and_early_stopping_are_their_own_alerts(hook, tmp_path):
+    train, val = tiny_loaders()
+    config = TrainingConfig(
+        max_steps=12,
+        logging_steps=1,
+        eval_steps=2,
+        save_steps=0,
+        early_stopping_patience=2,
+        early_stopping_min_delta=100.0,  # no evaluation improves by that much: the 2nd and 3rd got worse
+        output_dir=str(tmp_path / "run"),
+        device="cpu",
+        progress_bar=False,
+        report_to=["jsonl"],
+        alerts={"webhook_env": HOOK_ENV, "min_interval_s": 0},
+    )
+    Trainer(tiny_model(), config, train_dataloader=train, val_dataloader=val).train()
+    alerts = [(r["event"], r["step"]) for r in _rows(tmp_path / "run") if r["kind"] == "alert"]
+    assert alerts == [("eval_worse", 4), ("eval_worse", 6), ("early_stop", 6), ("finished", 6)]
+    early = next(r["message"] for r in _rows(tmp_path / "run") if r.get("event") == "early_stop")
+    assert early.startswith("early stopping: val_loss did not improve by more than 100.0 for 2 evaluations")
+    assert [b["event"] for b in hook.bodies()] == [event for event, _ in alerts]
 
 
 def test_a_stalled_step_raises_the_stall_alert_within_its_window(hook, tmp_path):
@@ -424,3 +580,89 @@ def test_throughput_below_the_runs_median_and_data_wait_are_raised():
         watch.check({"step": step, "tokens_per_s": speed, "data_wait_fraction": 0.6 if step == 2 else 0.01})
     assert [(r["event"], r["step"]) for r in rows] == [("data_wait", 2), ("throughput", 8)]
     assert "below 50% of this run's median" in rows[1]["message"]
+
+
+class FullBucketProxy:
+    """An S3 endpoint on 127.0.0.1 in front of the local S3 server: passes every request on, except a
+    write under `full_prefix` (a checkpoint's files; a probe beside them goes through), which it refuses as a Ceph RGW bucket over its quota does (403 QuotaExceeded)."""
+
+    def __init__(self, upstream: str, full_prefix: str):
+        import http.client
+        import urllib.parse
+
+        target = urllib.parse.urlsplit(upstream)
+        proxy = self
+        self.refused: list[str] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _forward(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if self.command in ("PUT", "POST") and self.path.lstrip("/").startswith(full_prefix):
+                    proxy.refused.append(self.path)
+                    error = (
+                        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>QuotaExceeded</Code>'
+                        b"<Message>The bucket quota is exceeded</Message><RequestId>tx1</RequestId></Error>"
+                    )
+                    self.send_response(403)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(error)
+                    return
+                connection = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers["Host"] = target.netloc
+                connection.request(self.command, self.path, body=body, headers=headers)
+                response = connection.getresponse()
+                data = response.read()
+                self.send_response(response.status)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("transfer-encoding", "content-length", "connection"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                connection.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward  # noqa: N815 (http.server's names)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.slow
+def test_an_upload_the_store_refuses_for_quota_raises_bucket_full(hook, tmp_path, monkeypatch, s3_server):  # noqa: F811
+    import s3fs
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server})
+    bucket = "t-alerts-bucket-full"
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+    proxy = FullBucketProxy(s3_server, f"{bucket}/ckpt/checkpoint-")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        t = _tiny(tmp_path, training={"save_steps": 4, "checkpoint_dir": f"s3://{bucket}/ckpt"})
+        with pytest.raises(StoreFull, match="for lack of space or quota"):
+            t.train()
+    finally:
+        proxy.close()
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert proxy.refused  # the store was asked, and said no
+    alerts = [r for r in _rows(tmp_path / "run") if r["kind"] == "alert"]
+    assert [r["event"] for r in alerts] == ["bucket_full", "checkpoint_failed", "crashed"]
+    assert "QuotaExceeded" in alerts[0]["message"] and f"s3://{bucket}/ckpt/checkpoint-00000004" in alerts[0]["message"]
+    assert [b["event"] for b in hook.bodies()] == ["bucket_full", "checkpoint_failed", "crashed"]
+    assert (tmp_path / "run" / "checkpoints" / "checkpoint-00000004" / "meta.json").is_file()  # the local copy stays

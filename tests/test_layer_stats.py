@@ -1,5 +1,6 @@
 """Per-layer statistics (training.layer_stats_steps): the logged norms equal a direct computation in one
-process, and a 2-process DDP and FSDP2 run log what one process of twice the batch logs."""
+process, and a 2-process DDP, FSDP2 and DeepSpeed (ZeRO 1, 2, 3) run log what one process of twice the
+batch logs."""
 
 import json
 from pathlib import Path
@@ -40,7 +41,7 @@ def test_one_process_equals_a_direct_computation(tmp_path):
         device="cpu",
         use_amp=False,
         progress_bar=False,
-        report_to=["jsonl"],
+        report_to=["jsonl", "tensorboard"],
         layer_stats_steps=1,
     )
     trainer = Trainer(tiny_model(n_layers=2), config, train_dataloader=train)
@@ -58,6 +59,7 @@ def test_one_process_equals_a_direct_computation(tmp_path):
         groups.setdefault(group_of(name), []).append(name)
     assert len(groups) == 11  # tok_emb, pos_emb, 2 blocks x (attn_norm, attn, mlp_norm, mlp), norm (tied head)
     params = dict(model.named_parameters())
+    histograms = _histograms(tmp_path / "run")
     for group, names in groups.items():
         grad = torch.sqrt(sum(params[n].grad.pow(2).sum() for n in names))
         param = torch.sqrt(sum(before[n].pow(2).sum() for n in names))
@@ -65,6 +67,11 @@ def test_one_process_equals_a_direct_computation(tmp_path):
         assert row[f"layers/{group}/grad_norm"] == pytest.approx(float(grad), rel=1e-5), group
         assert row[f"layers/{group}/param_norm"] == pytest.approx(float(param), rel=1e-6), group
         assert row[f"layers/{group}/update_ratio"] == pytest.approx(float(update / param), rel=1e-4), group
+        num, total, low, high = histograms[f"layers/{group}/grad"]  # the gradient before clipping, too
+        values = torch.cat([params[n].grad.reshape(-1) for n in names])
+        assert (num, total, low, high) == pytest.approx(
+            (values.numel(), float(values.sum()), float(values.min()), float(values.max())), rel=1e-4, abs=1e-6
+        ), group
     total = torch.sqrt(sum(p.grad.pow(2).sum() for p in params.values()))
     logged = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())]
     assert next(r for r in logged if r["kind"] == "train")["grad_norm"] == pytest.approx(float(total), rel=1e-5)
@@ -75,12 +82,25 @@ def test_layer_stats_steps_must_be_positive():
         TrainingConfig(layer_stats_steps=0)
 
 
+ZERO = {  # DeepSpeed's stages, each as the run's deepspeed_config
+    "zero1": {"zero_optimization": {"stage": 1}},
+    "zero2": {"zero_optimization": {"stage": 2}},
+    "zero3": {"zero_optimization": {"stage": 3}},
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
 def test_two_processes_log_what_one_process_of_twice_the_batch_logs(tmp_path, strategy):
     import yaml
 
-    from test_distributed import EXPERIMENT, _initial_weights, _single, _torchrun
+    from test_distributed import EXPERIMENT, _deepspeed, _initial_weights, _single, _torchrun
+
+    if strategy in ZERO:
+        pytest.importorskip("deepspeed")
+        backend = ["training.distributed_strategy=deepspeed", _deepspeed(ZERO[strategy])]
+    else:
+        backend = [f"training.distributed_strategy={strategy}"]
 
     lines = [f"the {w} sat on the mat number {i % 7}.\n" for i, w in enumerate(["cat", "dog", "bird", "fox"] * 120)]
     (tmp_path / "corpus.txt").write_text("".join(lines))
@@ -98,7 +118,7 @@ def test_two_processes_log_what_one_process_of_twice_the_batch_logs(tmp_path, st
         tmp_path,
         "training.output_dir=two",
         "training.batch_size=4",
-        f"training.distributed_strategy={strategy}",
+        *backend,
         *common,
     )
     one, two = _layer_rows(tmp_path / "single"), _layer_rows(tmp_path / "two")
@@ -159,3 +179,24 @@ def test_histograms_of_gradients_and_weights_reach_tensorboard(tmp_path):
     (entry,) = events.Histograms("layers/tok_emb/weight")
     assert sum(entry.histogram_value.bucket) == weights["tok_emb.weight"].numel()
     assert "layers/tok_emb/weight" not in (tmp_path / "run" / "metrics.jsonl").read_text()  # scalars only there
+
+
+def test_a_loss_scale_the_gradients_still_carry_is_divided_out():
+    """fp16's loss scale (GradScaler's, DeepSpeed's) is still on the gradients where they are read."""
+    from llm_trainer.train.layer_stats import LayerStats
+
+    model = tiny_model(n_layers=1)
+    inputs, targets = tiny_loaders()[0].next_batch()[:2]
+    batch_nll(model, inputs, targets).backward()
+    plain = LayerStats(model, 1)
+    plain.before_step()
+    expected = plain.after_step(1)
+    model.zero_grad()
+    (batch_nll(model, inputs, targets) * 1024.0).backward()
+    scaled = LayerStats(model, 1)
+    scaled.before_step(1024.0)
+    row = scaled.after_step(1)
+    assert row.keys() == expected.keys() and row["kind"] == "layers"
+    for key, value in expected.items():
+        if key.startswith("layers/"):
+            assert row[key] == pytest.approx(value, rel=1e-5), key

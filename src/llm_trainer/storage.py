@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .errors import UsageError
+from .errors import StoreFull, UsageError
 from .logs import warn
 
 T = TypeVar("T")
@@ -123,9 +123,42 @@ def _no_bucket(exc: FileNotFoundError) -> bool:
     return "nosuchbucket" in text or "bucket does not exist" in text or "container does not exist" in text
 
 
+# how stores say a write found no space or quota left: S3-compatible stores' error codes (Ceph RGW,
+# MinIO), HTTP 507's reason and a filesystem's ENOSPC (S3 and GCS buckets themselves have no quota; a
+# "quota exceeded" of GCS is a rate limit, not space)
+_STORE_FULL = ("quotaexceeded", "xminiostoragefull", "insufficient storage", "no space left")
+
+
+def _store_full(exc: BaseException) -> bool:
+    """Whether the store refused a write for lack of space or quota."""
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(marker in text for marker in _STORE_FULL)
+
+
+def _full_is_said(what: str, url: str, fn: Callable[[], T]) -> Callable[[], T]:
+    """`fn`, its store's refusal for lack of space or quota raised as `StoreFull` (never retried)."""
+
+    def run() -> T:
+        try:
+            return fn()
+        except UsageError:
+            raise
+        except Exception as exc:
+            if not _store_full(exc):
+                raise
+            raise StoreFull(
+                f"{what}: the store refused {url} for lack of space or quota ({_first_line(exc)}); free space "
+                "in the bucket or raise its quota (a run goes on from its last checkpoint with resume_from_checkpoint=latest)"
+            ) from None
+
+    return run
+
+
 def call(what: str, url: str, fn: Callable[[], T]) -> T:
     """`fn()` (one operation on the store at `url`), retried while the store cannot be reached; its
-    failures as one-line `UsageError`s that say `what` was being done."""
+    failures as one-line `UsageError`s that say `what` was being done (`StoreFull` when it found no
+    space or quota left)."""
+    fn = _full_is_said(what, url, fn)
     wait = BACKOFF_S
     tries = 1 if url.split("://", 1)[0] in OWN_RETRIES else RETRIES
     for attempt in range(1, tries + 1):

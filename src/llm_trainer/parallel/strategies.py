@@ -31,6 +31,7 @@ The model, under two names:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,12 @@ class Parallelism:
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
+
+    def at_gradients(self, fn: Callable[[float], None]) -> None:
+        """Call `fn(scale)` where this step's gradients are complete, before clipping and the update
+        (the loop calls this after the last backward): here, now. `scale` is the loss scale the
+        gradients still carry (fp16's scaler; 1 otherwise)."""
+        fn(float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0)
 
     def clip(self, max_norm: float | None) -> torch.Tensor | None:
         self.scaler.unscale_(self.optimizer)
@@ -215,11 +222,28 @@ class DeepSpeed(Parallelism):
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)  # the loss is scaled for accumulation already
 
+    def at_gradients(self, fn: Callable[[float], None]) -> None:
+        """DeepSpeed reduces the gradients into its partitions inside `engine.step()` (the loop owns the
+        accumulation), before its optimizer's step clips and applies them: `fn` runs at the start of that
+        optimizer step, on every rank, for the next step only."""
+        zero = self.engine.optimizer
+        original = zero.step
+
+        def step(*args, **kwargs):
+            zero.__dict__.pop("step", None)
+            fn(float(getattr(zero, "loss_scale", None) or 1.0))  # fp16: unscaled inside this step, after fn
+            return original(*args, **kwargs)
+
+        zero.step = step
+
     def clip(self, max_norm: float | None) -> None:
         return None  # inside engine.step(), from the config's gradient_clipping
 
     def step(self, finite: torch.Tensor) -> torch.Tensor:
-        _fused_step_where(self.optimizer, finite, self.engine.step)  # also clears the gradients
+        try:
+            _fused_step_where(self.optimizer, finite, self.engine.step)  # also clears the gradients
+        finally:
+            self.engine.optimizer.__dict__.pop("step", None)  # an `at_gradients` a skipped step never ran
         norm = self.engine.get_global_grad_norm()
         return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32)
 

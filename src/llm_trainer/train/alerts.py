@@ -8,7 +8,8 @@ it), and hands it to a background thread that sends it to every destination:
     webhook   a JSON POST to the URL in the environment variable `webhook_env` names, with `text`
               (Slack, Teams) and `content` (Discord); the URL is read when sending, never stored
     email     over SMTP to `email_to`; server, port, user, password, sender from LLMT_SMTP_HOST,
-              LLMT_SMTP_PORT (25), LLMT_SMTP_USER, LLMT_SMTP_PASSWORD, LLMT_SMTP_FROM (STARTTLS when offered)
+              LLMT_SMTP_PORT (25; 465 is TLS from the start), LLMT_SMTP_USER, LLMT_SMTP_PASSWORD, LLMT_SMTP_FROM;
+              STARTTLS when offered, the certificate verified, and a password only ever sent encrypted
     W&B       `wandb.alert`, when report_to has wandb and `alerts.wandb` is on
 
 A destination that does not answer is tried `retries` times with backoff, then logged once (per
@@ -21,7 +22,8 @@ median step time (and at least `stall_min_s`): a hung collective, a stopped rank
 `throughput_fraction` of the run's own median tokens/s, and `data_wait` when the share of a step spent
 waiting for data exceeds `data_wait_fraction`. After each checkpoint, `disk_full` when the checkpoint
 disk's free share is below `disk_free_fraction`; a save that fails raises `checkpoint_failed` (and the
-run's end, `crashed`).
+run's end, `crashed`). Object stores (S3, GCS) publish no free space or quota to ask: an upload the store
+refused for lack of space or quota (`StoreFull`, its own error) raises `bucket_full` first.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import os
 import queue
 import shutil
 import smtplib
+import ssl
 import statistics
 import threading
 import time
@@ -43,6 +46,7 @@ from email.message import EmailMessage
 from pathlib import Path
 
 from ..config import AlertsConfig
+from ..errors import StoreFull
 from ..logs import log, warn
 from .rows import AlertRow
 
@@ -111,7 +115,10 @@ class Alerter:
             yield
         except Exception as exc:
             text = str(exc).strip()
-            self.raise_alert(event, f"{what}: {text.splitlines()[0][:300] if text else type(exc).__name__}", step())
+            text = text.splitlines()[0][:300] if text else type(exc).__name__
+            if isinstance(exc, StoreFull):  # the only sign of a full bucket: stores publish no quota
+                self.raise_alert("bucket_full", text, step())
+            self.raise_alert(event, f"{what}: {text}", step())
             raise
 
     def check_disk(self, folder: Path, step: int) -> None:
@@ -224,15 +231,35 @@ class Alerter:
         message["From"] = os.environ.get("LLMT_SMTP_FROM") or "llm-trainer@localhost"
         message["To"] = ", ".join(config.email_to)
         message.set_content(self.text(row) + "\n")
-        with smtplib.SMTP(host, port, timeout=config.timeout_s) as smtp:
-            smtp.ehlo()
-            if smtp.has_extn("starttls"):
-                smtp.starttls()
+        user = os.environ.get("LLMT_SMTP_USER")
+        context = ssl.create_default_context()  # the server's certificate verified (SSL_CERT_FILE adds a CA)
+        try:
+            if port == 465:  # SMTPS: TLS from the first byte
+                smtp: smtplib.SMTP = smtplib.SMTP_SSL(host, port, timeout=config.timeout_s, context=context)
+            else:
+                smtp = smtplib.SMTP(host, port, timeout=config.timeout_s)
+            with smtp:
                 smtp.ehlo()
-            user = os.environ.get("LLMT_SMTP_USER")
-            if user:
-                smtp.login(user, os.environ.get("LLMT_SMTP_PASSWORD", ""))
-            smtp.send_message(message)
+                encrypted = port == 465
+                if not encrypted and smtp.has_extn("starttls"):
+                    smtp.starttls(context=context)
+                    smtp.ehlo()
+                    encrypted = True
+                if user:
+                    if not encrypted:
+                        raise _Permanent(
+                            f"{host}:{port} offers no STARTTLS: LLMT_SMTP_USER's password is not sent in clear "
+                            "(use the server's submission port, 587, or 465)"
+                        )
+                    smtp.login(user, os.environ.get("LLMT_SMTP_PASSWORD", ""))
+                smtp.send_message(message)
+        except smtplib.SMTPAuthenticationError as exc:
+            raise _Permanent(f"the server refused LLMT_SMTP_USER's login (SMTP {exc.smtp_code})") from None
+        except ssl.SSLCertVerificationError as exc:
+            raise _Permanent(
+                f"{host}'s certificate is not trusted ({exc.verify_message}); nothing was sent. "
+                "SSL_CERT_FILE can name the CA that signed it"
+            ) from None
 
     def _wandb_alert(self, row: dict) -> None:
         import wandb

@@ -13,8 +13,11 @@ Cost: the norms come from `torch._foreach_norm` over the local tensors; the upda
 local weights on those steps only. Under DDP every rank holds the whole (averaged) gradient, so nothing
 is exchanged; under FSDP2 each rank holds shards (DTensors), whose squared norms are summed over the
 ranks in one all-reduce of a (3, groups) tensor: never a gather of weights (the histograms take two more
-small ones: the ranges, then the counts). DeepSpeed keeps gradients in
-its own buffers (no `param.grad`): there the rows are not written, and the run says so once.
+small ones: the ranges, then the counts). DeepSpeed keeps gradients and fp32 weights in its own
+partitioned buffers (no `param.grad`; under ZeRO-3 not even the weights): there they are read through
+DeepSpeed's own accessors, `safe_get_full_grad` and `safe_get_full_fp32_param`, which every rank calls
+for every parameter (one all-reduce, ZeRO-3 a gather, per parameter and value, on those steps only), so
+every rank holds whole tensors as under DDP.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class LayerStats:
         self.groups = list(dict.fromkeys(group for group, _ in named))
         self.params = [p for _, p in named]
         self.sharded = any(hasattr(p, "to_local") for p in self.params)
+        # DeepSpeed's engine marks the parameters it partitions (ZeRO-3: ds_id; ZeRO-1/2: _hp_mapping)
+        self.deepspeed = any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in self.params)
         self._index = torch.tensor([self.groups.index(group) for group, _ in named], dtype=torch.long)
         self._sums: torch.Tensor | None = None
         self._values: dict[str, list[torch.Tensor]] = {}  # this step's local gradients and weights, for histograms
@@ -68,19 +73,40 @@ class LayerStats:
         squares = torch.stack(norms).to(device).float().pow(2)
         return torch.zeros(len(self.groups), device=device).index_add_(0, self._index.to(device), squares)
 
-    def before_step(self) -> None:
-        """Gradients complete, weights not yet changed: their norms, and a copy of the weights."""
+    def _weights(self) -> list[torch.Tensor]:
+        """The weights now: this rank's parts, or under DeepSpeed the whole fp32 weights it keeps."""
+        if self.deepspeed:
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            full = [safe_get_full_fp32_param(p) for p in self.params]  # every rank: a collective each
+            return [w.detach() if w is not None else p.detach() for w, p in zip(full, self.params)]
+        return [_local(p).detach() for p in self.params]
+
+    def _grads(self) -> list[torch.Tensor | None]:
+        """This step's gradients: this rank's parts, or under DeepSpeed the whole averaged gradients."""
+        if self.deepspeed:
+            from deepspeed.utils import safe_get_full_grad
+
+            return [safe_get_full_grad(p) for p in self.params]  # every rank: a collective each
+        return [_local(p.grad) if p.grad is not None else None for p in self.params]
+
+    def before_step(self, scale: float = 1.0) -> None:
+        """Gradients complete, weights not yet changed: their norms, and a copy of the weights. `scale`:
+        the loss scale the gradients still carry (fp16), divided out."""
         if not self.params:
             return
-        if all(p.grad is None for p in self.params):
+        grads = self._grads()
+        if scale != 1.0:
+            grads = [g / scale if g is not None else None for g in grads]
+        if all(g is None for g in grads):
             if not self._said:
                 self._said = True
-                log("layer stats: this backend keeps the gradients outside the parameters (DeepSpeed); not written")
+                log("layer stats: no parameter has a gradient this step; not written")
             return
-        weights = [_local(p).detach() for p in self.params]
+        weights = self._weights()
         device = weights[0].device
         none = torch.zeros(1, device=device)  # a parameter this step did not reach
-        grads = [_local(p.grad) if p.grad is not None else none for p in self.params]
+        grads = [g.to(device) if g is not None else none for g in grads]
         self._sums = torch.stack(
             [
                 self._group_sums(grads, device),
@@ -89,8 +115,8 @@ class LayerStats:
             ]
         )
         self._before = [w.clone() for w in weights]
-        if self.keep_values:  # (the weights' copy: the update changes the parameters in place)
-            self._values = {"grad": grads, "weight": self._before}
+        if self.keep_values:  # copies: clipping scales the gradients and the update changes the weights in place
+            self._values = {"grad": [g.clone() for g in grads], "weight": self._before}
 
     def after_step(self, step: int) -> dict | None:
         """The row for `step` (None when before_step collected nothing); one reduction under FSDP2, one host read."""
@@ -99,7 +125,7 @@ class LayerStats:
         sums, before = self._sums, self._before
         self._sums = self._before = None
         with torch.no_grad():
-            deltas = [_local(p).detach().float() - old.float() for p, old in zip(self.params, before)]
+            deltas = [now.float() - old.float() for now, old in zip(self._weights(), before)]
             sums[2] = self._group_sums(deltas, sums.device)
         if self.sharded:
             all_reduce_(sums)  # each rank's shards' squares: the sum is the whole tensor's

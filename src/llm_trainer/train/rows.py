@@ -101,7 +101,7 @@ class AlertRow(_Row):
     kind: ClassVar[str] = "alert"
     step: int
     event: str  # loss_spike, rewind, max_rewinds, non_finite, stall, throughput, data_wait, eval_worse,
-    # checkpoint_failed, disk_full, finished, stopped, crashed
+    # early_stop, checkpoint_failed, bucket_full, disk_full, finished, stopped, crashed
     message: str  # one line, for people
     time: float  # Unix time it was raised
 

@@ -42,7 +42,7 @@ def train_step(
     max_grad_norm: float | None,
     share: torch.Tensor | None = None,
     reject: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
-    inspect: Callable[[], None] | None = None,
+    inspect: Callable[[float], None] | None = None,
 ) -> StepResult:
     """Forward/backward each micro-batch, clip, step where finite. No host sync.
 
@@ -50,7 +50,8 @@ def train_step(
     k micro-batches of b rows equal one batch of k*b, and DDP's average over ranks is exact. `share`
     (small float values, e.g. "this rank got a signal") rides along in the one collective of the loss.
     `reject(loss, grad_norm)`: a device bool that withholds a finite step too (a loss spike).
-    `inspect()`: called with the step's gradients complete, before clipping and the update (layer stats).
+    `inspect(scale)`: called with the step's gradients complete, before clipping and the update (layer
+    stats); `scale` is the loss scale they still carry.
     """
     world = parallel.dist.world_size
     device = parallel.device
@@ -78,7 +79,7 @@ def train_step(
 
     # Clip, then step only if loss and gradients are finite (a bad step never reaches the weights).
     if inspect is not None:
-        inspect()
+        parallel.at_gradients(inspect)
     with torch.profiler.record_function("optimizer"):
         grad_norm = parallel.clip(max_grad_norm)  # None where the backend clips inside its step
         finite = torch.isfinite(loss_sum)

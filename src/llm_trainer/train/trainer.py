@@ -560,6 +560,7 @@ class Trainer:
                     f"early stopping: val_loss did not improve by more than {cfg.early_stopping_min_delta} for "
                     f"{state.evals_without_improvement} evaluations (best {state.best_val_loss:.4f} at step {state.best_step})"
                 )
+                self.alerts.raise_alert("early_stop", reasons[-1], state.step)  # its own kind, before "finished"
         if target is not None and whole and metrics["val_loss"] <= target:
             self.time_to_target_s = time.perf_counter() - self._started
             reasons.append(
