@@ -2,6 +2,7 @@
 and the step's host reads."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -243,34 +244,55 @@ def test_the_loop_reads_device_values_only_on_logging_steps(tmp_path):
     assert {step for step, _ in reads.seen if step is not None and 0 < step < 7} == {3, 6}, reads.seen
 
 
+DDP_OVER_COMPILE = """
+import sys
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+sys.path.insert(0, sys.argv[2])  # the tests folder: conftest's tiny model
+from conftest import tiny_model_config
+from llm_trainer.model import Transformer
+from llm_trainer.parallel.parallelize import apply_compile
+from llm_trainer.train.evaluate import batch_nll
+
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+torch.manual_seed(0)
+eager = Transformer(tiny_model_config())
+torch.manual_seed(0)
+compiled = Transformer(tiny_model_config())
+apply_compile(compiled)
+ddp = torch.nn.parallel.DistributedDataParallel(compiled)
+x = torch.randint(0, 61, (4, 16))
+for _ in range(3):
+    want = batch_nll(eager, x, x.roll(-1, 1))
+    want.backward()
+    got = batch_nll(ddp, x, x.roll(-1, 1))
+    got.backward()
+    torch.testing.assert_close(got, want)
+for p, q in zip(eager.parameters(), compiled.parameters()):
+    torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5)
+assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
+print("ok", flush=True)
+"""
+
+
 @pytest.mark.slow
 def test_ddp_over_the_whole_compiled_model_steps_as_eager(tmp_path):
     """DDP wraps the whole compiled model (compile first, in place): the loss and every gradient are the
-    eager model's over three steps, from one graph without breaks."""
-    import torch.distributed as dist
-    from torch._dynamo.utils import counters
+    eager model's over three steps, from one graph without breaks. In a process of its own: a gloo process
+    group torn down inside a pytest worker can hang in its destructor."""
+    import subprocess
+    import sys
 
-    from llm_trainer.parallel.parallelize import apply_compile
+    from conftest import src_env
 
-    torch._dynamo.reset()
-    counters.clear()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        eager = Transformer(tiny_model_config())
-        torch.manual_seed(0)
-        compiled = Transformer(tiny_model_config())
-        apply_compile(compiled)
-        ddp = torch.nn.parallel.DistributedDataParallel(compiled)
-        x = torch.randint(0, 61, (4, 16))
-        for _ in range(3):
-            want = batch_nll(eager, x, x.roll(-1, 1))
-            want.backward()
-            got = batch_nll(ddp, x, x.roll(-1, 1))
-            got.backward()
-            torch.testing.assert_close(got, want)
-        for p, q in zip(eager.parameters(), compiled.parameters()):
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5)
-    finally:
-        dist.destroy_process_group()
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    tests = str(Path(__file__).resolve().parent)
+    done = subprocess.run(
+        [sys.executable, "-c", DDP_OVER_COMPILE, str(tmp_path / "store"), tests],
+        env={**src_env(), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
