@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from llm_trainer.tools.memory_probe import compare  # noqa: E402
+from llm_trainer.tools.estimate import compare  # noqa: E402
 
 MiB = 2**20
 

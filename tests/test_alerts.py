@@ -407,7 +407,7 @@ def test_an_evaluation_that_got_worse_and_early_stopping_are_their_own_alerts(ho
 
 
 def test_a_stalled_step_raises_the_stall_alert_within_its_window(hook, tmp_path):
-    t = _tiny(tmp_path, [SleepAt(6, 2.5)], stall_min_s=0.5, stall_factor=3.0)
+    t = _tiny(tmp_path, [SleepAt(6, 4.0)], stall_min_s=1.5, stall_factor=3.0)
     t.train()
     stalls = [r for r in _rows(tmp_path / "run") if r["kind"] == "alert" and r["event"] == "stall"]
     assert len(stalls) == 1 and stalls[0]["step"] == 6  # once per stall, naming the last step that finished

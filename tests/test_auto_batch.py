@@ -41,7 +41,7 @@ def test_auto_without_a_global_batch_is_a_config_error():
 @pytest.mark.slow
 def test_the_probe_step_measures_the_pick_and_what_it_keeps_fits():
     """One real step at the estimate's pick, in a fresh process: the pick, scaled by what it measured, fits."""
-    from llm_trainer.tools.memory_probe import measure_peak
+    from llm_trainer.tools.estimate import measure_peak
 
     training = TrainingConfig(batch_size="auto", total_batch_tokens=128 * 16, use_amp=False, device="cpu")
     budget = (_peak(training, 8) + _peak(training, 9)) / 2

@@ -25,7 +25,7 @@ SUBSET = {
     ],
 )
 def test_the_estimated_peak_is_within_10_percent_of_the_measured_one(device):
-    from llm_trainer.tools.memory_probe import compare
+    from llm_trainer.tools.estimate import compare
 
     rows = compare(device, SUBSET)
     assert len(rows) == len(SUBSET)

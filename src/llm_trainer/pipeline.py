@@ -207,7 +207,15 @@ def prepare_run(experiment: ExperimentConfig, *, local: bool = False, meta: bool
     loaded = load_init_model(experiment.model.init_from) if experiment.model.init_from else None
     if loaded is not None:
         _check_init_vocabulary(experiment.model.init_from, prepared.tokenizer)
-    run = resolve_run(experiment, prepared.tokenizer, runtime, model_config=loaded.config if loaded else None)
+    from .tools.estimate import auto_batch_size
+
+    run = resolve_run(
+        experiment,
+        prepared.tokenizer,
+        runtime,
+        model_config=loaded.config if loaded else None,
+        pick_batch_size=auto_batch_size,
+    )
     if loaded is not None:
         model = loaded
     else:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -258,11 +259,16 @@ def check_layout(training: TrainingConfig, model: ModelConfig | None, seq_len: i
 
 
 def resolve_run(
-    experiment: ExperimentConfig, tokenizer, runtime: Runtime, model_config: ModelConfig | None = None
+    experiment: ExperimentConfig,
+    tokenizer,
+    runtime: Runtime,
+    model_config: ModelConfig | None = None,
+    pick_batch_size: Callable[..., TrainingConfig] | None = None,
 ) -> ResolvedRun:
     """Fix everything that depends on the tokenizer and the machine (`experiment` from
     `resolve_experiment`). `model_config`: the architecture of the model loaded with model.init_from,
-    which replaces the experiment's model section."""
+    which replaces the experiment's model section. `pick_batch_size`: `tools.estimate.auto_batch_size`,
+    given by the caller (the estimator sits above this module), for `training.batch_size: auto`."""
     model = (
         experiment.model
         if model_config is None
@@ -276,9 +282,8 @@ def resolve_run(
     model = dataclasses.replace(model.resolved(), vocab_size=size)
     training = experiment.training
     if training.batch_size == "auto":  # before the loaders and the accumulation are made from it
-        from .tools.estimate import auto_batch_size
-
-        training = auto_batch_size(model, training, seq_len, runtime.dist.world_size, runtime.device)
+        assert pick_batch_size is not None, "batch_size auto: the caller passes the estimator's picker"
+        training = pick_batch_size(model, training, seq_len, runtime.dist.world_size, runtime.device)
     training = token_anchors(training, seq_len, runtime.dist.world_size)
     experiment = dataclasses.replace(experiment, model=model, training=training)
     return ResolvedRun(

@@ -62,8 +62,13 @@ attention dropout, or a document mask for packed rows), communication buffers.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -379,7 +384,6 @@ def auto_batch_size(
 
 def _probe_peak(model_config: ModelConfig, training: TrainingConfig, batch: int, seq_len: int, device) -> float:
     """The measured peak (GiB) of one training step at `batch` rows, in a fresh process on `device`."""
-    from .memory_probe import measure_peak
 
     model = {f.name: getattr(model_config, f.name) for f in dataclasses.fields(model_config) if f.name != "init_from"}
     keep = ("use_amp", "amp_dtype", "optimizer", "gradient_checkpointing", "sgd_momentum", "sdpa_backend")
@@ -598,3 +602,75 @@ def format_report(report: dict) -> str:
         if report.get("advice"):
             lines.append(f"to fit: {report['advice']}")
     return "\n".join(lines)
+
+
+# The configs the estimate is checked on (tests/test_estimate_measured.py, bench/estimate_check.py): two
+# widths, with and without gradient checkpointing, AdamW and Muon, in float32 (GPT-2 style); then the
+# LLaMA style under bf16 autocast. 4 layers, 4,096 tokens of vocabulary, 8 rows of 128 tokens.
+SEQ_LEN = 128
+CHECKED = [
+    (
+        f"d{width} {'ckpt' if checkpointing else 'full'} {optimizer} {arch} {'bf16' if amp else 'fp32'}",
+        dict(vocab_size=4096, d_model=width, n_heads=4, n_layers=4, max_seq_len=SEQ_LEN, architecture=arch),
+        dict(use_amp=amp, batch_size=8, optimizer=optimizer, gradient_checkpointing=checkpointing),
+    )
+    for width, arch, amp in ((256, "gpt2", False), (512, "gpt2", False), (512, "llama", True))
+    for checkpointing in (False, True)
+    for optimizer in ("adamw", "muon")
+]
+
+
+def compare(device: str = "cpu", names: set[str] | None = None) -> list[dict]:
+    """Estimated and measured peak of each CHECKED config (those in `names`, when given) on `device`
+    ("cpu" or "cuda"), in bytes."""
+
+    rows = []
+    for name, model, training in CHECKED:
+        if names is not None and name not in names:
+            continue
+        training = {**training, "device": device}
+        measured = measure_peak(model, training, SEQ_LEN)["peak_bytes"]
+        estimate = estimate_memory(
+            ModelConfig(**model), TrainingConfig(**training), seq_len=SEQ_LEN, device_type=device
+        )
+        rows.append(
+            {
+                "config": name,
+                "device": device,
+                "estimated": estimate.peak_bytes,
+                "measured": measured,
+                "error": estimate.peak_bytes / measured - 1,
+                "peak_phase": estimate.details["peak_phase"],
+                "params": estimate.params_bytes,
+                "grads": estimate.grads_bytes,
+                "optimizer": estimate.optimizer_bytes,
+                "activations": estimate.activations_bytes,
+                "optimizer_temp": estimate.optimizer_temp_bytes,
+            }
+        )
+    return rows
+
+
+MMAP_THRESHOLD = 65536
+
+
+def measure_peak(model: dict, training: dict, seq_len: int, timeout: float = 600) -> dict:
+    """Run `tools/memory_probe.py` in a fresh process; returns its JSON result. Each allocation of
+    MMAP_THRESHOLD bytes or more gets its own mmap there, so a freed tensor leaves the peak it made."""
+    env = {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    payload = json.dumps({"model": model, "training": training, "seq_len": seq_len})
+    done = subprocess.run(
+        [sys.executable, "-m", "llm_trainer.tools.memory_probe", payload],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"memory probe failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -2,7 +2,7 @@
 
     python -m llm_trainer.tools.memory_probe '{"model": {...}, "training": {...}, "seq_len": 128}'
 
-prints one JSON line: {"peak_bytes", "device", "baseline_bytes"}. `measure_peak` runs it in a fresh
+prints one JSON line: {"peak_bytes", "device", "baseline_bytes"}. `tools.estimate.measure_peak` runs it in a fresh
 process, so nothing an earlier measurement allocated (or a test before it) is counted.
 
 What is measured: the Trainer's own loop (`Trainer.train`, `max_steps` steps on random tokens),
@@ -21,82 +21,8 @@ from before the model is built to the end of the last step (before the final che
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
-
-MMAP_THRESHOLD = 65536
-
-
-# The configs the estimate is checked on (tests/test_estimate_measured.py, bench/estimate_check.py): two
-# widths, with and without gradient checkpointing, AdamW and Muon, in float32 (GPT-2 style); then the
-# LLaMA style under bf16 autocast. 4 layers, 4,096 tokens of vocabulary, 8 rows of 128 tokens.
-SEQ_LEN = 128
-CHECKED = [
-    (
-        f"d{width} {'ckpt' if checkpointing else 'full'} {optimizer} {arch} {'bf16' if amp else 'fp32'}",
-        dict(vocab_size=4096, d_model=width, n_heads=4, n_layers=4, max_seq_len=SEQ_LEN, architecture=arch),
-        dict(use_amp=amp, batch_size=8, optimizer=optimizer, gradient_checkpointing=checkpointing),
-    )
-    for width, arch, amp in ((256, "gpt2", False), (512, "gpt2", False), (512, "llama", True))
-    for checkpointing in (False, True)
-    for optimizer in ("adamw", "muon")
-]
-
-
-def compare(device: str = "cpu", names: set[str] | None = None) -> list[dict]:
-    """Estimated and measured peak of each CHECKED config (those in `names`, when given) on `device`
-    ("cpu" or "cuda"), in bytes."""
-    from ..config import ModelConfig, TrainingConfig
-    from .estimate import estimate_memory
-
-    rows = []
-    for name, model, training in CHECKED:
-        if names is not None and name not in names:
-            continue
-        training = {**training, "device": device}
-        measured = measure_peak(model, training, SEQ_LEN)["peak_bytes"]
-        estimate = estimate_memory(
-            ModelConfig(**model), TrainingConfig(**training), seq_len=SEQ_LEN, device_type=device
-        )
-        rows.append(
-            {
-                "config": name,
-                "device": device,
-                "estimated": estimate.peak_bytes,
-                "measured": measured,
-                "error": estimate.peak_bytes / measured - 1,
-                "peak_phase": estimate.details["peak_phase"],
-                "params": estimate.params_bytes,
-                "grads": estimate.grads_bytes,
-                "optimizer": estimate.optimizer_bytes,
-                "activations": estimate.activations_bytes,
-                "optimizer_temp": estimate.optimizer_temp_bytes,
-            }
-        )
-    return rows
-
-
-def measure_peak(model: dict, training: dict, seq_len: int, timeout: float = 600) -> dict:
-    """Run the probe in a fresh process; returns its JSON result."""
-    env = {
-        **os.environ,
-        "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-    payload = json.dumps({"model": model, "training": training, "seq_len": seq_len})
-    done = subprocess.run(
-        [sys.executable, "-m", "llm_trainer.tools.memory_probe", payload],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"memory probe failed ({done.returncode}): {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _status_kib(field: str) -> int:

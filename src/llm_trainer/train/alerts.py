@@ -275,8 +275,10 @@ class _Permanent(Exception):
 
 class StallWatchdog:
     """A thread that raises `stall` when no step has finished for `stall_factor` x the median step time
-    (at least `stall_min_s`); once per stall. Starts timing at the first finished step (compilation and
-    the first batch are not steps)."""
+    (at least `stall_min_s`); once per stall. Judges only once `MIN_INTERVALS` step times are known
+    (compilation, the first batch and the optimizer's first state are not a stall)."""
+
+    MIN_INTERVALS = 3
 
     def __init__(self, alerter: Alerter, poll_s: float = 0.25):
         self.alerter = alerter
@@ -308,7 +310,7 @@ class StallWatchdog:
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             last = self._last
-            if last is None or self._alerted_at == last:
+            if last is None or self._alerted_at == last or len(self._intervals) < self.MIN_INTERVALS:
                 continue
             waited, limit = time.monotonic() - last, self.limit_s()
             if waited > limit:
