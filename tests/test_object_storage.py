@@ -361,9 +361,14 @@ class _Relay:
         while True:
             try:
                 client, _ = self.listener.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.target))
-            except OSError:
+            except OSError:  # the listener is closed: cut
                 return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target), timeout=30)
+                upstream.settimeout(None)
+            except OSError:  # the server did not take this one (a loaded machine): refuse it, keep relaying
+                self._reset([client])
+                continue
             with self.lock:
                 if self.is_cut:
                     self._reset([client, upstream])
