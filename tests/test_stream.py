@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import yaml
 
-from llm_trainer.data.loader import BatchLoader, WindowRows
-from llm_trainer.data.stream import (
+from llm_trainer.data.batches.loader import BatchLoader, WindowRows
+from llm_trainer.data.batches.stream import (
     WINDOW,
     ChunkedTokens,
     block_order,

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from ..data.loader import IGNORE_INDEX
+from ..data.batches.loader import IGNORE_INDEX
 from ..logs import Progress
 from ..model import Transformer
 
