@@ -1,4 +1,4 @@
-"""Training tokens streamed from object storage in chunks (data/stream.py): the block order, the bounded
+"""Training tokens streamed from object storage in chunks (data/batches/stream.py): the block order, the bounded
 cache, checksums on arrival, and a training run that streams, against a real S3 endpoint (moto's server,
 the fixtures of test_object_storage)."""
 

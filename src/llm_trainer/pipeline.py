@@ -138,7 +138,7 @@ def build_loaders(
             f"data: {experiment.data.packing_strategy if experiment.data.pack_sequences else 'unpacked'} rows: "
             f"{len(train_rows):,} of {length} tokens, {train_rows.padding_fraction():.1%} padding"
         )
-    if experiment.data.curriculum:  # easy rows first, in stages (see data/curriculum.py)
+    if experiment.data.curriculum:  # easy rows first, in stages (see data/batches/curriculum.py)
         from .data.batches.curriculum import CurriculumLoader, document_difficulty, row_difficulty
 
         offsets = prepared.offsets("train")

@@ -1,4 +1,4 @@
-"""Run the two datatrove stages of `data.cluster` on `data.executor` (local, Slurm or Ray): the
+"""Run the two datatrove stages of `data.prepare.cluster` on `data.executor` (local, Slurm or Ray): the
 driver that `prepare_data` calls, which plans the tasks, submits or runs them, waits, and reports a
 failed task with its file and the command that resumes."""
 

@@ -110,7 +110,7 @@ def prepare_data(config: DataConfig) -> PreparedData:
 def _prepare_in_store(config: DataConfig) -> PreparedData:
     """`data.cache_dir` is a URL: the prepared folder `{cache_dir}/{fingerprint}/` is downloaded (every file
     checksummed on arrival) into `{stream_cache_dir}/prepared/{the URL's name}/`, except its training tokens,
-    which stream in chunks (`data.stream`); or it is prepared there and uploaded, with a chunk record, its
+    which stream in chunks (`data.batches.stream`); or it is prepared there and uploaded, with a chunk record, its
     manifest last. The local copies are bounded by `stream_cache_limit`, least recently used evicted.
     A folder uploaded without a chunk record (an earlier version) is downloaded whole."""
     cache, limit = Path(config.stream_cache_dir), config.stream_cache_limit
