@@ -259,7 +259,7 @@ class Build:
 
     def run(self) -> PreparedData:
         self.started = time.perf_counter()
-        tokenizer = self._tokenizer()
+        tokenizer = self.tokenizer()
         dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
         writer = ShardWriter(
             self.work, dtype, self.fingerprint, with_signatures=self.near, with_scores=self.with_scores
@@ -326,7 +326,7 @@ class Build:
         """Seconds of work on this folder, earlier interrupted runs included."""
         return self.earlier_seconds + time.perf_counter() - self.started
 
-    def _tokenizer(self) -> Tokenizer:
+    def tokenizer(self) -> Tokenizer:
         """Built once per fingerprint and kept in the work folder, so a resumed run uses the same one."""
         saved = self.work / "tokenizer.json"
         if saved.is_file():

@@ -240,7 +240,7 @@ def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, dire
     only_files(config)
     tasks_dir = _task_folder(config, fingerprint)
     _check_ray_address(config)
-    tokenizer = Build(config, fingerprint, work, directory)._tokenizer()  # once, before any task, in `work`
+    tokenizer = Build(config, fingerprint, work, directory).tokenizer()  # once, before any task, in `work`
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     plan_file = _plan(config, fingerprint, work, directory, tasks_dir, dtype)
     log(
