@@ -11,7 +11,7 @@ import torch
 from llm_trainer import limits
 from llm_trainer.cli import resolve_config_path
 from llm_trainer.config import DataConfig, ModelConfig, load_experiment
-from llm_trainer.data import sources
+from llm_trainer.data.text import sources
 from llm_trainer.errors import UsageError
 
 # -- compressed archives ----------------------------------------------------------------------------------

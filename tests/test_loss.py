@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 from conftest import tiny_model_config
 from llm_trainer import loss
 from llm_trainer.config import TrainingConfig
-from llm_trainer.data.loader import BatchLoader, WindowRows
+from llm_trainer.data.batches.loader import BatchLoader, WindowRows
 from llm_trainer.loss import IGNORE_INDEX, chunk_rows, linear_cross_entropy
 from llm_trainer.model import Transformer
 from llm_trainer.train.evaluate import batch_nll, summed_nll

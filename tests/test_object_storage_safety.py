@@ -177,7 +177,7 @@ def test_a_planted_checkpoint_name_of_5000_digits_is_not_a_checkpoint(s3, tmp_pa
 
 
 def test_data_file_keys_dot_and_dot_dot_are_refused(s3, tmp_path):
-    from llm_trainer.data.sources import resolve_files
+    from llm_trainer.data.text.sources import resolve_files
     from llm_trainer.errors import UsageError
 
     fs, bucket = s3

@@ -148,8 +148,8 @@ def test_the_early_stopping_line_follows_the_evaluation_that_decided_it(tmp_path
 
 def test_a_curriculum_says_when_each_stage_starts(capsys):
     from llm_trainer.config import CurriculumStage
-    from llm_trainer.data.curriculum import CurriculumLoader
-    from llm_trainer.data.loader import WindowRows
+    from llm_trainer.data.batches.curriculum import CurriculumLoader
+    from llm_trainer.data.batches.loader import WindowRows
 
     rows = WindowRows(np.arange(800, dtype=np.uint16) % 61, 16)
     stages = [CurriculumStage(until_step=2, max_difficulty=9), CurriculumStage(until_step=3, max_difficulty=29)]

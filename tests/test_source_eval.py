@@ -78,8 +78,8 @@ def test_a_mixed_run_reports_each_sources_validation_loss(tmp_path):
 def test_each_sources_loss_is_the_loss_over_its_own_documents(packed):
     """Unpacked rows (one document each): a source's loss equals evaluating that source's documents
     alone. Packed (first-fit) rows mix sources in a row: the per-source losses still make up the mixed one."""
-    from llm_trainer.data.loader import BatchLoader, DocumentRows
-    from llm_trainer.data.source_labels import SourceLabels
+    from llm_trainer.data.batches.loader import BatchLoader, DocumentRows
+    from llm_trainer.data.batches.source_labels import SourceLabels
     from llm_trainer.train.evaluate import evaluate
 
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""Training tokens streamed from object storage in chunks (data/stream.py): the block order, the bounded
+"""Training tokens streamed from object storage in chunks (data/batches/stream.py): the block order, the bounded
 cache, checksums on arrival, and a training run that streams, against a real S3 endpoint (moto's server,
 the fixtures of test_object_storage)."""
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import yaml
 
-from llm_trainer.data.loader import BatchLoader, WindowRows
-from llm_trainer.data.stream import (
+from llm_trainer.data.batches.loader import BatchLoader, WindowRows
+from llm_trainer.data.batches.stream import (
     WINDOW,
     ChunkedTokens,
     block_order,

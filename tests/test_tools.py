@@ -319,7 +319,7 @@ def test_without_matplotlib_a_finished_run_says_so_once_and_leaves_no_plots_fold
 
 
 def test_lr_finder_suggests_a_sane_rate_and_leaves_the_model_untouched():
-    from llm_trainer.data.loader import BatchLoader, WindowRows
+    from llm_trainer.data.batches.loader import BatchLoader, WindowRows
     from llm_trainer.tools.lr_finder import find_lr
 
     rng = np.random.default_rng(0)

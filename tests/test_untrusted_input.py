@@ -772,7 +772,7 @@ def test_a_cache_folder_that_is_a_file_or_on_a_full_disk(trained, tmp_path, caps
     )
     assert "data.cache_dir" in error and "is a file" in error and not (tmp_path / "run").exists()
 
-    from llm_trainer.data import shards
+    from llm_trainer.data.prepare import shards
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -59,7 +59,7 @@ def cmd_prepare(args) -> int:
     try:
         prepared = prepare_data(data)
     except RuntimeError as exc:
-        from .data.cluster import TaskFailed
+        from .data.prepare.cluster import TaskFailed
 
         if not isinstance(exc, TaskFailed):
             raise
@@ -103,12 +103,12 @@ def _file_tokens(path: Path, tokenizer, text_column: str) -> list[int]:
     """The tokens `eval --data` reads: JSONL and Parquet record by record (the text in `text_column`,
     each document followed by the end-of-text token, as `prepare` lays documents out); any other file
     as one text."""
-    from .data.sources import JSONL_SUFFIXES, SourceStats, read_text_file
+    from .data.text.sources import JSONL_SUFFIXES, SourceStats, read_text_file
 
     if not path.name.lower().endswith((*JSONL_SUFFIXES, ".parquet")):
         return tokenizer.encode(read_text_file(path, True, SourceStats()))
     from .config import DataConfig, SourceConfig
-    from .data.sources import iter_source
+    from .data.text.sources import iter_source
 
     source = SourceConfig(name="eval", data_files=str(path), text_column=text_column)
     tokens: list[int] = []
@@ -136,8 +136,8 @@ def _same_store(url: str, checkpoint: str) -> bool:
 def _eval_loader(model, tokenizer, experiment: dict, args, batch_size: int):
     """Validation batches: the windows of the file --data names, or the run's own validation split."""
     from .api import build_rows
-    from .data.loader import BatchLoader, WindowRows
-    from .data.source_labels import of_split as source_labels_of
+    from .data.batches.loader import BatchLoader, WindowRows
+    from .data.batches.source_labels import of_split as source_labels_of
 
     length = model.config.max_seq_len
     data_file, labels = args.data, None

@@ -832,7 +832,7 @@ class DataConfig(_Validated):
     )
     curriculum_key: str = "length"  # "length" (tokens of a document) or a numeric column of the sources
 
-    # -- where prepare runs (llm_trainer.data.cluster): null in this process; local, slurm or ray as a
+    # -- where prepare runs (llm_trainer.data.prepare.cluster): null in this process; local, slurm or ray as a
     # datatrove pipeline of executor_tasks tasks over the input files (pip install -e ".[cluster]")
     executor: Literal["local", "slurm", "ray"] | None = None
     executor_tasks: int = 1  # tasks of the per-file stage; the result is the same for any number

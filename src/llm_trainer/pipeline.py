@@ -26,9 +26,10 @@ from .checkpoint.durable import write_text_atomically
 from .checkpoint.folder_files import refuse_unreadable
 from .checkpoint.model_folder import CONFIG_NAME, is_transformers_folder, load_model_folder
 from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
-from .data.loader import BatchLoader, DocumentRows, WindowRows
-from .data.prepare import PreparedData, prepare_data
-from .data.source_labels import of_split as source_labels_of
+from .data.batches.loader import BatchLoader, DocumentRows, WindowRows
+from .data.batches.source_labels import of_split as source_labels_of
+from .data.format import PreparedData
+from .data.prepare import prepare_data
 from .errors import UsageError
 from .logs import log, warn
 from .model import Transformer
@@ -137,8 +138,8 @@ def build_loaders(
             f"data: {experiment.data.packing_strategy if experiment.data.pack_sequences else 'unpacked'} rows: "
             f"{len(train_rows):,} of {length} tokens, {train_rows.padding_fraction():.1%} padding"
         )
-    if experiment.data.curriculum:  # easy rows first, in stages (see data/curriculum.py)
-        from .data.curriculum import CurriculumLoader, document_difficulty, row_difficulty
+    if experiment.data.curriculum:  # easy rows first, in stages (see data/batches/curriculum.py)
+        from .data.batches.curriculum import CurriculumLoader, document_difficulty, row_difficulty
 
         offsets = prepared.offsets("train")
         difficulty = row_difficulty(

@@ -1,4 +1,4 @@
-"""Run the two datatrove stages of `data.cluster` on `data.executor` (local, Slurm or Ray): the
+"""Run the two datatrove stages of `data.prepare.cluster` on `data.executor` (local, Slurm or Ray): the
 driver that `prepare_data` calls, which plans the tasks, submits or runs them, waits, and reports a
 failed task with its file and the command that resumes."""
 
@@ -17,13 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DataConfig
-from ..errors import UsageError
-from ..logs import log
-from ..tokenizer import Tokenizer
-from .build import MANIFEST, PreparedData, _Build
+from ...config import DataConfig
+from ...errors import UsageError
+from ...logs import log
+from ...tokenizer import Tokenizer
+from ..format import MANIFEST, PreparedData
+from ..text.sources import SourceStats, file_units, only_files
+from .build import Build
 from .cluster import PARTS, PLAN, STAGES, Plan, PlanFile, TaskFailed, tasks_folder
-from .sources import SourceStats, file_units, only_files
 
 
 def _plan(config: DataConfig, fingerprint: str, work: Path, directory: Path, tasks_dir: Path, dtype) -> PlanFile:
@@ -239,7 +240,7 @@ def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, dire
     only_files(config)
     tasks_dir = _task_folder(config, fingerprint)
     _check_ray_address(config)
-    tokenizer = _Build(config, fingerprint, work, directory)._tokenizer()  # once, before any task, in `work`
+    tokenizer = Build(config, fingerprint, work, directory).tokenizer()  # once, before any task, in `work`
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     plan_file = _plan(config, fingerprint, work, directory, tasks_dir, dtype)
     log(
@@ -358,7 +359,7 @@ def _task_progress(stage: str, completions: Path, tasks: int, enabled: bool) -> 
         return
     import threading
 
-    from ..logs import Progress
+    from ...logs import Progress
 
     stop = threading.Event()
     bar = Progress(tasks, f"data: {stage} stage", "tasks", enabled=enabled)

@@ -41,10 +41,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import storage
-from ..checkpoint.checksums import CHECKSUM, data_checksum
-from ..errors import UsageError
-from .build import PreparedData
+from ... import storage
+from ...checkpoint.checksums import CHECKSUM, data_checksum
+from ...errors import UsageError
+from ..format import PreparedData
 
 CHUNKS = "train.chunks.json"  # the chunk record of train.bin, uploaded with the prepared folder
 CHUNK_FOLDER = "train.chunks"  # the chunks that have arrived, in the local prepared folder
