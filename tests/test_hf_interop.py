@@ -172,8 +172,11 @@ def test_export_import_round_trip(tmp_path, overrides):
     assert back.config.to_dict() == model.config.to_dict()
     ours, theirs = model.state_dict(), back.state_dict()
     assert ours.keys() == theirs.keys()
-    for name in ours:
-        assert torch.equal(ours[name], theirs[name]), name
+    for name in ours:  # the padding rows of the embedding and head are not exported: they come back zero
+        rows = VOCAB if name in ("tok_emb.weight", "lm_head.weight") else None
+        assert torch.equal(ours[name][:rows], theirs[name][:rows]), name
+        if rows is not None:
+            assert not theirs[name][rows:].any(), name
     ids = tokens()
     with torch.no_grad():
         assert torch.equal(model(ids), back.eval()(ids))

@@ -37,7 +37,9 @@ def trained_run(tmp_path_factory):
 
 
 def test_parameter_count_and_flops_per_token_match_gpt2_small_and_llama_7b():
-    gpt2 = ModelConfig(vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024)
+    gpt2 = ModelConfig(
+        vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024, vocab_pad_multiple=1
+    )
     counts = count_parameters(gpt2)
     assert counts.total == 124_439_808  # Hugging Face gpt2
     assert counts.matmul == 124_439_808 - 1024 * 768 == 123_653_376  # nanoGPT's get_num_params()

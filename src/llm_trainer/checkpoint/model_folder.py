@@ -80,7 +80,19 @@ def _shape_problems(target: nn.Module, shapes: dict[str, tuple[int, ...]]) -> li
         elif name in shapes and tuple(shapes[name]) != shape:
             problems.append(f"{name}: file has {tuple(shapes[name])}, model has {shape}")
     problems += [f"unexpected {name}" for name in shapes if name not in expected]
-    return problems
+    return problems + _unpadded_vocabulary(target, shapes)
+
+
+def _unpadded_vocabulary(target: nn.Module, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The way out when the file holds exactly the real vocabulary's rows and the model is padded: weights
+    written before the vocabulary was padded (a checkpoint resumed with today's default)."""
+    config = getattr(target, "config", None)
+    if not isinstance(config, ModelConfig) or config.padded_vocab_size == config.vocab_size:
+        return []
+    rows = shapes.get("tok_emb.weight", (None,))[0]
+    if rows != config.vocab_size:
+        return []
+    return [f"its embedding has {rows} rows, unpadded: set model.vocab_pad_multiple: 1 to load it"]
 
 
 def _refuse_misfit(problems: list[str], source: str) -> None:
