@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 
+from conftest import write_tiny_experiment
+from llm_trainer import cli
 from llm_trainer.checkpoint.model_folder import CONFIG_NAME, load_model_folder, save_model_folder
 from llm_trainer.config import ModelConfig, TrainingConfig
 from llm_trainer.config_aliases import MODEL
@@ -166,3 +168,18 @@ def test_the_transformers_export_writes_the_real_rows_with_our_logits_and_import
     assert imported.tok_emb.weight.shape[0] == 128 and not imported.tok_emb.weight[VOCAB:].any()
     with torch.no_grad():
         assert (imported.eval()(x) - logits[1]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_resuming_an_unpadded_checkpoint_names_the_setting_that_loads_it(tmp_path, capsys):
+    """A checkpoint of unpadded rows (as every one written before the padding) under today's default:
+    refused in one line naming model.vocab_pad_multiple: 1, with which it resumes."""
+    config = str(write_tiny_experiment(tmp_path, max_steps=3, save_steps=3, eval_steps=0))
+    assert cli.main(["train", "--config", config, "model.vocab_pad_multiple=1"]) == 0
+    resume = ["train", "--config", config, "training.max_steps=5", "training.resume_from_checkpoint=latest"]
+    capsys.readouterr()
+    assert cli.main(resume) == 2
+    err = capsys.readouterr().err
+    assert "set model.vocab_pad_multiple: 1 to load it" in err and "Traceback" not in err
+    assert cli.main([*resume, "model.vocab_pad_multiple=1"]) == 0
+    assert "continuing from" in capsys.readouterr().err
