@@ -505,7 +505,7 @@ def export_model(
         for weights in tmp.glob("*.safetensors"):
             with_default_mode(weights)
         card = _model_card(
-            output_dir.name, config, model_class.__name__, model.num_parameters(), metrics, tokenizer is not None
+            output_dir.name, config, model_class.__name__, hf_model.num_parameters(), metrics, tokenizer is not None
         )
         (tmp / "README.md").write_text(card)
 
