@@ -183,3 +183,12 @@ def test_resuming_an_unpadded_checkpoint_names_the_setting_that_loads_it(tmp_pat
     assert "set model.vocab_pad_multiple: 1 to load it" in err and "Traceback" not in err
     assert cli.main([*resume, "model.vocab_pad_multiple=1"]) == 0
     assert "continuing from" in capsys.readouterr().err
+
+
+def test_estimate_counts_and_names_the_padding_rows_of_the_gpt2_preset(capsys):
+    assert cli.main(["estimate", "--config", "gpt2-small", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["vocab_size"] == 50257 and report["vocab_rows"] == 50304  # the preset's vocabulary, padded
+    assert report["parameters"] == 124_475_904 and report["non_embedding_parameters"] == 123_689_472  # nanoGPT's
+    assert cli.main(["estimate", "--config", "gpt2-small"]) == 0
+    assert "50,257 (data.tokenizer_vocab_size), 50,304 rows (model.vocab_pad_multiple)" in capsys.readouterr().out
