@@ -18,7 +18,7 @@ from llm_trainer.model import Transformer
 from llm_trainer.tools.estimate import estimate_memory
 from llm_trainer.tools.generate import generate
 from llm_trainer.train.evaluate import evaluate
-from llm_trainer.train.flops import count_parameters
+from llm_trainer.train.flops import count_parameters, flops_per_token
 
 VOCAB = 61  # pads to 128
 
@@ -136,6 +136,10 @@ def test_the_parameter_count_and_memory_estimate_count_the_padding_rows():
     padded, plain = count_parameters(ModelConfig(**gpt2)), count_parameters(ModelConfig(**gpt2, vocab_pad_multiple=1))
     assert padded.total - plain.total == 47 * 768  # nanoGPT's 50304-row GPT-2: 124,475,904 parameters
     assert padded.total == 124_475_904
+    # FLOPs count the work done: the head multiplies the real rows only
+    assert flops_per_token(ModelConfig(**gpt2), 1024) == flops_per_token(
+        ModelConfig(**gpt2, vocab_pad_multiple=1), 1024
+    )
     memory = [
         estimate_memory(ModelConfig(**gpt2, vocab_pad_multiple=m), TrainingConfig(), seq_len=1024, batch_size=1)
         for m in (128, 1)
