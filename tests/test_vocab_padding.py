@@ -46,8 +46,9 @@ def test_the_default_pads_gpt2s_vocabulary_to_nanogpts_50304():
     model = Transformer.on_meta(ModelConfig(vocab_size=50257, d_model=64, n_heads=2, n_layers=1))
     assert model.tok_emb.weight.shape == model.lm_head.weight.shape == (50304, 64)
     assert MODEL["pad_vocab_size_multiple"] == "vocab_pad_multiple"
-    with pytest.raises(ValueError, match="vocab_pad_multiple must be at least 1"):
-        ModelConfig(vocab_size=50257, vocab_pad_multiple=0)
+    for wrong in (0, 10**9):
+        with pytest.raises(ValueError, match="vocab_pad_multiple must be 1 \\(no padding\\) to 65,536"):
+            ModelConfig(vocab_size=50257, vocab_pad_multiple=wrong)
 
 
 def test_a_seed_draws_the_same_real_rows_and_zero_padding_rows():

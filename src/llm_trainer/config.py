@@ -221,6 +221,9 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+MAX_VOCAB_PAD_MULTIPLE = 65536  # alignment wants 64 to 256; more only adds rows nothing reads
+
+
 @_names_read_back
 @_keywords_as_in_files
 @dataclass(kw_only=True)
@@ -305,8 +308,9 @@ class ModelConfig(_Validated):
             f"ModelConfig.vocab_size must be positive, got {self.vocab_size}",
         )
         _require(
-            self.vocab_pad_multiple >= 1,
-            f"ModelConfig.vocab_pad_multiple must be at least 1 (1: no padding), got {self.vocab_pad_multiple}",
+            1 <= self.vocab_pad_multiple <= MAX_VOCAB_PAD_MULTIPLE,
+            f"ModelConfig.vocab_pad_multiple must be 1 (no padding) to {MAX_VOCAB_PAD_MULTIPLE:,}, "
+            f"got {self.vocab_pad_multiple}",
         )
         _require(
             self.d_model % self.n_heads == 0,
