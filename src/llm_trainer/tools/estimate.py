@@ -487,6 +487,7 @@ def estimate_report(
         "non_embedding_parameters": counts.matmul,
         "vocab_size": vocab,
         "vocab_source": source,
+        "vocab_rows": model_config.padded_vocab_size,
         "seq_len": seq_len,
         "micro_batch_size": micro,
         "world_size": world_size,
@@ -567,11 +568,17 @@ def _advice(
     return "does not fit even when sharded over 512 devices; use a smaller model"
 
 
+def _padding(report: dict) -> str:
+    """How many embedding and head rows the model holds, where padding makes them more than the vocabulary."""
+    rows = report["vocab_rows"]
+    return f", {rows:,} rows (model.vocab_pad_multiple)" if rows != report["vocab_size"] else ""
+
+
 def format_report(report: dict) -> str:
     m = report["memory"]
     lines = [
         f"parameters        {report['parameters']:,} ({report['non_embedding_parameters']:,} without embedding lookups)",
-        f"vocab_size        {report['vocab_size']:,} ({report['vocab_source']})",
+        f"vocab_size        {report['vocab_size']:,} ({report['vocab_source']}){_padding(report)}",
         f"sequence          {report['seq_len']} tokens, micro-batch {report['micro_batch_size']}, "
         f"world size {report['world_size']}, sharding {report['sharding']}",
         f"precision         {report['precision']}, optimizer {report['optimizer']}, "
