@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import write_tiny_experiment
-from llm_trainer import cli
+from llm_trainer import cli, loss
 from llm_trainer.checkpoint.model_folder import CONFIG_NAME, load_model_folder, save_model_folder
 from llm_trainer.config import ModelConfig, TrainingConfig
 from llm_trainer.config_aliases import MODEL
@@ -61,20 +61,24 @@ def test_a_seed_draws_the_same_real_rows_and_zero_padding_rows():
         assert not padded.tok_emb.weight[VOCAB:].any() and not padded.lm_head.weight[VOCAB:].any()
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["chunked-gradient", "autograd"])
 @pytest.mark.parametrize("architecture", ["gpt2", "llama"])
-def test_padded_and_unpadded_train_alike_step_by_step(architecture):
-    """Identical losses through training; the padding rows get no gradient and stay zero."""
+def test_padded_and_unpadded_train_alike_step_by_step(architecture, fused, monkeypatch):
+    """Identical losses through training, by the loss's chunked gradient and by autograd: the head
+    multiplies its padding rows, whose logits leave the softmax, so they get no gradient and stay zero."""
+    if fused:
+        monkeypatch.setattr(loss, "SMALL_LOGITS", 0)
     plain, padded = pair(architecture=architecture, tie_embeddings=architecture == "gpt2")
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (plain, padded)]
     for step in range(4):
         x, y = batch(step)
         losses = []
         for model, opt in zip((plain, padded), optimizers, strict=True):
-            loss = model(x, targets=y) / y.numel()
-            loss.backward()
+            mean = model(x, targets=y) / y.numel()
+            mean.backward()
             opt.step()
             opt.zero_grad(set_to_none=False)
-            losses.append(loss.item())
+            losses.append(mean.item())
         assert losses[0] == losses[1]
         assert not padded.lm_head.weight.grad[VOCAB:].any()
     assert not padded.tok_emb.weight[VOCAB:].any() and not padded.lm_head.weight[VOCAB:].any()
@@ -137,9 +141,10 @@ def test_the_parameter_count_and_memory_estimate_count_the_padding_rows():
     padded, plain = count_parameters(ModelConfig(**gpt2)), count_parameters(ModelConfig(**gpt2, vocab_pad_multiple=1))
     assert padded.total - plain.total == 47 * 768  # nanoGPT's 50304-row GPT-2: 124,475,904 parameters
     assert padded.total == 124_475_904
-    # FLOPs count the work done: the head multiplies the real rows only
-    assert flops_per_token(ModelConfig(**gpt2), 1024) == flops_per_token(
-        ModelConfig(**gpt2, vocab_pad_multiple=1), 1024
+    # FLOPs count the work done: the head multiplies its padding rows too (nanoGPT's count)
+    assert (
+        flops_per_token(ModelConfig(**gpt2), 1024) - flops_per_token(ModelConfig(**gpt2, vocab_pad_multiple=1), 1024)
+        == 6 * 47 * 768
     )
     memory = [
         estimate_memory(ModelConfig(**gpt2, vocab_pad_multiple=m), TrainingConfig(), seq_len=1024, batch_size=1)

@@ -237,8 +237,9 @@ class ModelConfig(_Validated):
 
     architecture: Literal["gpt2", "llama"] = "gpt2"
     vocab_size: int | None = None  # set from the tokenizer when None
-    # Embedding and head rows rounded up to a multiple of this (aligned matmuls); the extra rows are
-    # never read, scored, sampled or exported. 1: exactly vocab_size rows.
+    # Embedding and head rows rounded up to a multiple of this (aligned matmuls); the head multiplies the
+    # extra rows but their logits are masked out of every softmax, so they are never scored, sampled
+    # or exported and get no gradient. 1: exactly vocab_size rows.
     vocab_pad_multiple: int = 128
     d_model: int = 256
     n_heads: int = 4

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .loss import IGNORE_INDEX, linear_cross_entropy, token_logprobs
+from .loss import IGNORE_INDEX, linear_cross_entropy, real_columns, token_logprobs
 
 
 def _norm(config: ModelConfig) -> nn.Module:
@@ -365,16 +365,11 @@ class Transformer(nn.Module):
 
     def _init_vocab_rows(self, tensor: torch.Tensor, std: float) -> None:
         """N(0, std) for the real vocabulary's rows, zeros for the padding rows: the real rows draw the
-        same numbers as an unpadded model's, and the padding rows, never read, stay zero."""
+        same numbers as an unpadded model's, and the padding rows, whose logits every softmax leaves out
+        (so they get no gradient), stay zero."""
         vocab = self.config.vocab_size
         nn.init.normal_(tensor[:vocab], mean=0.0, std=std)
         nn.init.zeros_(tensor[vocab:])
-
-    def head_weight(self) -> torch.Tensor:
-        """The head's rows of the real vocabulary (V, C): logits and losses never see the padding rows,
-        so they get no gradient and no padded id is ever scored or sampled."""
-        weight = self.lm_head.weight
-        return weight if weight.shape[0] == self.config.vocab_size else weight[: self.config.vocab_size]
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -420,10 +415,11 @@ class Transformer(nn.Module):
                 )
             return linear_cross_entropy(
                 self._hidden(ids, cache, doc_ids),
-                self.head_weight(),
+                self.lm_head.weight,
                 targets,
                 softcap=self.config.logit_softcap,
                 reduction=reduction,
+                vocab=self.config.vocab_size,
             )
         logits = self._logits(ids, cache, doc_ids)
         if not shaped:
@@ -453,7 +449,9 @@ class Transformer(nn.Module):
         if targets is None:
             return self._logits(input_ids, cache, given=(mask, positions), select=select)
         hidden = self._hidden(input_ids, cache, given=(mask, positions), select=select)
-        return token_logprobs(hidden, self.head_weight(), targets, softcap=self.config.logit_softcap)
+        return token_logprobs(
+            hidden, self.lm_head.weight, targets, softcap=self.config.logit_softcap, vocab=self.config.vocab_size
+        )
 
     def _logits(
         self,
@@ -463,8 +461,13 @@ class Transformer(nn.Module):
         given: tuple[torch.Tensor, torch.Tensor] | None = None,
         select: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The head's logits (B, T, V), or (N, V) of `select`, soft-capped where the config says so."""
-        logits = F.linear(self._hidden(input_ids, cache, doc_ids, given, select), self.head_weight())
+        """The head's logits (B, T, V), or (N, V) of `select`, soft-capped where the config says so: the
+        real vocabulary's columns only. The head multiplies its padding rows too (an aligned matmul)
+        and their columns are cut from the result, so no padded id is ever sampled or scored."""
+        logits = real_columns(
+            self.lm_head(self._hidden(input_ids, cache, doc_ids, given, select)), self.config.vocab_size
+        )
+        logits = logits.contiguous()  # a plain (.., V) tensor for callers that reshape it with .view
         if self.config.logit_softcap is not None:
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits / cap)

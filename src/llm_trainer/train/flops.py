@@ -69,9 +69,9 @@ def flops_per_token(model_config: ModelConfig, seq_len: int | None = None) -> fl
 
     * `N` = every parameter except embedding *lookups*: the token embedding is left out when it is
       untied, learned position embeddings always; the output head (d_model x vocab) stays in, since it
-      is a real matmul (its rows of the real vocabulary: the padding rows, `model.vocab_pad_multiple`,
-      are never multiplied). For tied GPT-2 this equals nanoGPT's `get_num_params()` at GPT-2's own
-      50,257 tokens (124M model: 123.65M; nanoGPT's padded 50,304 rows count 123.69M).
+      is a real matmul, padding rows included (`model.vocab_pad_multiple`: the head multiplies them,
+      its logits masked afterwards). For tied GPT-2 this equals nanoGPT's `get_num_params()` (its
+      50,304 padded rows, our default: 123.69M; unpadded 50,257 rows: 123.65M).
       Norm weights and biases are included (negligible).
     * 6 = 2 FLOPs per multiply-add x (1 forward + 2 backward).
     * The attention term counts QK^T and AV (2 matmuls of d_model x seq_len per token per layer, x 6
@@ -87,8 +87,7 @@ def flops_per_token(model_config: ModelConfig, seq_len: int | None = None) -> fl
     config = getattr(model_config, "config", model_config)
     if isinstance(config, ModelConfig):
         seq_len = config.max_seq_len if seq_len is None else int(seq_len)
-        padding = (config.padded_vocab_size - config.vocab_size) * config.d_model  # head rows never multiplied
-        n = count_parameters(config).matmul - padding
+        n = count_parameters(config).matmul
         return float(6 * n + 12 * config.n_layers * config.d_model * seq_len)
     if isinstance(model_config, torch.nn.Module):
         return _module_flops_per_token(model_config, seq_len)
