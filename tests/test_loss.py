@@ -98,9 +98,10 @@ def test_a_padded_head_is_multiplied_whole_and_its_padding_columns_leave_the_sof
 
 
 @pytest.mark.slow
-def test_the_chunked_gradient_compiles_into_one_graph_and_keeps_its_values(monkeypatch):
-    """Under torch.compile the chunked loss (soft cap, 5 chunks) is one graph without breaks, and its
-    value and gradients are F.cross_entropy's."""
+@pytest.mark.parametrize("padding", [0, 14], ids=["unpadded", "padded"])
+def test_the_chunked_gradient_compiles_into_one_graph_and_keeps_its_values(padding, monkeypatch):
+    """Under torch.compile the chunked loss (soft cap, 5 chunks; a head of 50 real rows, padded or not)
+    is one graph without breaks, and its value and gradients are F.cross_entropy's over the real rows."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(loss, "SMALL_LOGITS", 0)
@@ -108,17 +109,18 @@ def test_the_chunked_gradient_compiles_into_one_graph_and_keeps_its_values(monke
     counters.clear()
     torch.manual_seed(0)
     hidden = torch.randn(37, 16, requires_grad=True)
-    weight = torch.randn(50, 16, requires_grad=True)
+    weight = torch.cat([torch.randn(50, 16), torch.full((padding, 16), 3.0)]).requires_grad_()
     targets = torch.randint(0, 50, (37,))
     targets[::4] = IGNORE_INDEX
-    compiled = torch.compile(lambda h, w, t: linear_cross_entropy(h, w, t, softcap=5.0, rows=8))
+    compiled = torch.compile(lambda h, w, t: linear_cross_entropy(h, w, t, softcap=5.0, rows=8, vocab=50))
     got = compiled(hidden, weight, targets)
     have = torch.autograd.grad(got, [hidden, weight])
-    expected = _reference(hidden, weight, targets, 5.0)
+    expected = _reference(hidden, weight[:50], targets, 5.0)
     want = torch.autograd.grad(expected, [hidden, weight])
     torch.testing.assert_close(got, expected)
     for g, w in zip(have, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    assert not have[1][50:].any()
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
