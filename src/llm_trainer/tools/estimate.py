@@ -260,9 +260,10 @@ def _head_bytes(c: ModelConfig, training: TrainingConfig, tokens: int, head_grad
     their peak), as `loss.linear_cross_entropy` computes them for `tokens` positions."""
     from ..loss import SMALL_LOGITS, chunk_rows
 
-    vocab, d, a = c.vocab_size, c.d_model, _act_bytes(training)
+    vocab, d, a = c.padded_vocab_size, c.d_model, _act_bytes(training)  # the head multiplies every row
     if tokens * vocab <= SMALL_LOGITS:  # whole logits: log-softmax's grad_out and grad_in beside the saved output
-        return tokens * 4.0 * vocab, tokens * 2 * 4.0 * vocab
+        real = c.vocab_size  # the softmax runs on the real vocabulary's columns only
+        return tokens * 4.0 * real, tokens * 2 * 4.0 * real
     saved = tokens * (4.0 - a) * d  # the input's fp32 gradient instead of its (16-bit under amp) copy
     accumulator = 4.0 * vocab * d  # the weight's fp32 gradient, summed over the chunks
     # one chunk at its widest: its logits (and their fp32 copy under amp) beside their log-softmax
