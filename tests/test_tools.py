@@ -37,16 +37,18 @@ def trained_run(tmp_path_factory):
 
 
 def test_parameter_count_and_flops_per_token_match_gpt2_small_and_llama_7b():
-    gpt2 = ModelConfig(vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024)
+    gpt2 = ModelConfig(
+        vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024, vocab_pad_multiple=1
+    )
     counts = count_parameters(gpt2)
     assert counts.total == 124_439_808  # Hugging Face gpt2
     assert counts.matmul == 124_439_808 - 1024 * 768 == 123_653_376  # nanoGPT's get_num_params()
     assert flops_per_token(gpt2, 1024) == 6 * 123_653_376 + 12 * 12 * 768 * 1024
     assert flops_per_token(Transformer(tiny_model_config()), 24) == flops_per_token(tiny_model_config(), 24)
-    ours = Transformer(tiny_model_config())
+    ours = Transformer(tiny_model_config(vocab_pad_multiple=1))
     plain = torch.nn.Sequential(*ours.children())  # any other module: counted from its own parameters
     plain.config = type("Cfg", (), {"n_layer": 2, "n_embd": 16, "n_positions": 24})()
-    assert flops_per_token(plain) == flops_per_token(tiny_model_config(), 24)
+    assert flops_per_token(plain) == flops_per_token(tiny_model_config(vocab_pad_multiple=1), 24)
     with pytest.raises(ValueError):
         flops_per_token(object())
     llama = ModelConfig(

@@ -297,6 +297,13 @@ def _doubled_shape(metadata, fqn: str) -> None:
     record.chunks[0].sizes = record.size
 
 
+def _fewer_rows(metadata, fqn: str) -> None:
+    """As an embedding saved before the vocabulary was padded: fewer rows than the model's."""
+    record = metadata.state_dict_metadata[fqn]
+    record.size = torch.Size([record.size[0] - 3, *record.size[1:]])
+    record.chunks[0].sizes = record.size
+
+
 def _negative_offset(metadata, fqn: str) -> None:
     chunk = metadata.state_dict_metadata[fqn].chunks[0]
     chunk.offsets = torch.Size([-1] + list(chunk.offsets)[1:])
@@ -320,6 +327,10 @@ def _size_as_text(metadata, fqn: str) -> None:
         (_weight_as_bytes, "records model.tok_emb.weight as bytes"),
         (_doubled_chunk, "outside its shape"),
         (_doubled_shape, "this model's is"),
+        (
+            _fewer_rows,
+            "this model's is (128, 16); written with unpadded vocabulary rows? set model.vocab_pad_multiple: 1",
+        ),
         (_negative_offset, "outside its shape"),
         (_data_of_no_record, "names no data for"),
         (_size_as_text, "records model.tok_emb.weight with a malformed shape"),

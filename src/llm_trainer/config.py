@@ -221,6 +221,9 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+MAX_VOCAB_PAD_MULTIPLE = 65536  # alignment wants 64 to 256; more only adds rows nothing reads
+
+
 @_names_read_back
 @_keywords_as_in_files
 @dataclass(kw_only=True)
@@ -234,6 +237,10 @@ class ModelConfig(_Validated):
 
     architecture: Literal["gpt2", "llama"] = "gpt2"
     vocab_size: int | None = None  # set from the tokenizer when None
+    # Embedding and head rows rounded up to a multiple of this (aligned matmuls); the head multiplies the
+    # extra rows but their logits are masked out of every softmax, so they are never scored, sampled
+    # or exported and get no gradient. 1: exactly vocab_size rows.
+    vocab_pad_multiple: int = 128
     d_model: int = 256
     n_heads: int = 4
     n_kv_heads: int | None = None  # grouped-query attention; None = n_heads
@@ -302,6 +309,11 @@ class ModelConfig(_Validated):
             f"ModelConfig.vocab_size must be positive, got {self.vocab_size}",
         )
         _require(
+            1 <= self.vocab_pad_multiple <= MAX_VOCAB_PAD_MULTIPLE,
+            f"ModelConfig.vocab_pad_multiple must be 1 (no padding) to {MAX_VOCAB_PAD_MULTIPLE:,}, "
+            f"got {self.vocab_pad_multiple}",
+        )
+        _require(
             self.d_model % self.n_heads == 0,
             f"ModelConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})",
         )
@@ -323,10 +335,10 @@ class ModelConfig(_Validated):
         check_model_dimensions(self.dimensions())  # before anything is built: a limit no real model reaches
 
     def dimensions(self) -> dict[str, int]:
-        """The sizes that decide how large the model is (vocab_size 0 while unset)."""
+        """The sizes that decide how large the model is (vocab_size 0 while unset; padded rows counted)."""
         filled = self._filled()
         return {
-            "vocab_size": self.vocab_size or 0,
+            "vocab_size": self.padded_vocab_size,
             "d_model": self.d_model,
             "n_layers": self.n_layers,
             "d_ff": filled["d_ff"],
@@ -338,6 +350,12 @@ class ModelConfig(_Validated):
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and head: vocab_size rounded up to vocab_pad_multiple (0 while unset)."""
+        multiple = self.vocab_pad_multiple
+        return -(-(self.vocab_size or 0) // multiple) * multiple
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,6 +398,8 @@ class TrainingConfig(_Validated):
     amp_dtype: Literal["bfloat16", "float16"] = "bfloat16"
     compile: bool = False
     gradient_checkpointing: bool = False  # recompute each block's activations in backward
+    # The blocks' linear layers in float8 through torchao (parallel/float8.py): CUDA compute capability 8.9+
+    float8: bool = False
     # The SDPA kernel the run is held to (parallel/attention_kernel.py); auto: by device, named in the run header
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     device: str = "auto"  # auto: CUDA, then MPS, then CPU

@@ -34,6 +34,7 @@ from .errors import UsageError
 from .logs import log, warn
 from .model import Transformer
 from .parallel import distributed
+from .parallel.float8 import check_float8
 from .resolve import (
     ResolvedRun,
     local_runtime,
@@ -195,6 +196,8 @@ def prepare_run(experiment: ExperimentConfig, *, local: bool = False, meta: bool
     experiment.data.check_source()  # on every rank, before any process waits for rank 0 to prepare
     experiment = resolve_experiment(experiment)
     runtime = local_runtime(experiment.training) if local else setup_runtime(experiment.training)
+    if experiment.training.float8:  # before the data is prepared: minutes, for a run that cannot start
+        check_float8(runtime.device)
     if not runtime.dist.is_main:  # rank 0 prepares the data; the others then reuse its cache
         distributed.barrier()
     if runtime.dist.is_main and (remote := experiment.training.remote_checkpoint_dir):  # before the data is prepared

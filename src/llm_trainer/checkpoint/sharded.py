@@ -360,6 +360,15 @@ def _check_records(metadata: Metadata, state: dict, source: str) -> None:
         _check_tensor_record(metadata, fqn, record, tuple(value.size()), source)
 
 
+def _fewer_vocab_rows(fqn: str, size, shape: tuple[int, ...]) -> str:
+    """The way out when an embedding or head has fewer rows than this model's padded vocabulary: a
+    checkpoint written before the vocabulary was padded."""
+    vocab_rows = fqn.endswith(("tok_emb.weight", "lm_head.weight"))
+    if vocab_rows and len(size) == len(shape) == 2 and size[1] == shape[1] and size[0] < shape[0]:
+        return "; written with unpadded vocabulary rows? set model.vocab_pad_multiple: 1 to load it"
+    return ""
+
+
 def _check_tensor_record(
     metadata: Metadata, fqn: str, record: TensorStorageMetadata, shape: tuple[int, ...], source: str
 ) -> None:
@@ -367,7 +376,9 @@ def _check_tensor_record(
     if not isinstance(size, (tuple, list)) or not all(map(_is_count, size)):
         raise CheckpointError(f"{source} records {fqn} with a malformed shape ({size!r})")
     if tuple(size) != shape:
-        raise CheckpointError(f"{source} records {fqn} of shape {tuple(size)}, this model's is {shape}")
+        raise CheckpointError(
+            f"{source} records {fqn} of shape {tuple(size)}, this model's is {shape}{_fewer_vocab_rows(fqn, size, shape)}"
+        )
     if not isinstance(getattr(getattr(record, "properties", None), "dtype", None), torch.dtype):
         raise CheckpointError(f"{source} records {fqn} without a tensor type")
     if not isinstance(chunks, list):

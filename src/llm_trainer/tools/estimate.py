@@ -260,9 +260,10 @@ def _head_bytes(c: ModelConfig, training: TrainingConfig, tokens: int, head_grad
     their peak), as `loss.linear_cross_entropy` computes them for `tokens` positions."""
     from ..loss import SMALL_LOGITS, chunk_rows
 
-    vocab, d, a = c.vocab_size, c.d_model, _act_bytes(training)
+    vocab, d, a = c.padded_vocab_size, c.d_model, _act_bytes(training)  # the head multiplies every row
     if tokens * vocab <= SMALL_LOGITS:  # whole logits: log-softmax's grad_out and grad_in beside the saved output
-        return tokens * 4.0 * vocab, tokens * 2 * 4.0 * vocab
+        real = c.vocab_size  # the softmax runs on the real vocabulary's columns only
+        return tokens * 4.0 * real, tokens * 2 * 4.0 * real
     saved = tokens * (4.0 - a) * d  # the input's fp32 gradient instead of its (16-bit under amp) copy
     accumulator = 4.0 * vocab * d  # the weight's fp32 gradient, summed over the chunks
     # one chunk at its widest: its logits (and their fp32 copy under amp) beside their log-softmax
@@ -487,6 +488,7 @@ def estimate_report(
         "non_embedding_parameters": counts.matmul,
         "vocab_size": vocab,
         "vocab_source": source,
+        "vocab_rows": model_config.padded_vocab_size,
         "seq_len": seq_len,
         "micro_batch_size": micro,
         "world_size": world_size,
@@ -567,11 +569,17 @@ def _advice(
     return "does not fit even when sharded over 512 devices; use a smaller model"
 
 
+def _padding(report: dict) -> str:
+    """How many embedding and head rows the model holds, where padding makes them more than the vocabulary."""
+    rows = report["vocab_rows"]
+    return f", {rows:,} rows (model.vocab_pad_multiple)" if rows != report["vocab_size"] else ""
+
+
 def format_report(report: dict) -> str:
     m = report["memory"]
     lines = [
         f"parameters        {report['parameters']:,} ({report['non_embedding_parameters']:,} without embedding lookups)",
-        f"vocab_size        {report['vocab_size']:,} ({report['vocab_source']})",
+        f"vocab_size        {report['vocab_size']:,} ({report['vocab_source']}){_padding(report)}",
         f"sequence          {report['seq_len']} tokens, micro-batch {report['micro_batch_size']}, "
         f"world size {report['world_size']}, sharding {report['sharding']}",
         f"precision         {report['precision']}, optimizer {report['optimizer']}, "
