@@ -266,7 +266,8 @@ def test_unused_embedding_rows_jsonl_eval_data_and_the_latest_pointer(tmp_path, 
 
 
 def test_estimate_takes_the_sharding_of_the_config_and_advises_the_fewest_devices(tmp_path, capsys):
-    from llm_trainer.tools.estimate import GiB, estimate_memory, estimate_report
+    from llm_trainer.tools.estimate import estimate_report
+    from llm_trainer.train.memory_estimate import GiB, estimate_memory
 
     path = tmp_path / "c.yaml"
     path.write_text(

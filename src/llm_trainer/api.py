@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import pipeline, storage
+from . import storage
 from .checkpoint import remote as remote_checkpoints
 from .checkpoint.find import find_checkpoint
 from .checkpoint.folder_files import refuse_unreadable
@@ -48,8 +48,8 @@ def build_trainer(
     trainer_class: type[Trainer] = Trainer,
 ) -> Trainer:
     """prepare -> resolve -> build model -> `trainer_class(...)`, ready to `.train()`; writes config.yaml and
-    the tokenizer into the output folder, and plots at the end of training (`Trainer.from_config` is this)."""
-    return pipeline.build_trainer(config, training, data, trainer_class=trainer_class, callbacks=callbacks)
+    the tokenizer into the output folder, and plots at the end of training (`trainer_class.from_config`)."""
+    return trainer_class.from_config(config, training, data, callbacks=callbacks)
 
 
 def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Trainer] = Trainer) -> dict:

@@ -284,7 +284,7 @@ def _eval_tasks(args) -> int:
 
 def cmd_generate(args) -> int:
     from .api import load_for_inference
-    from .tools.generate import check_sampling, generate
+    from .generate import check_sampling, generate
 
     check_sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     model, tokenizer, _ = load_for_inference(args.checkpoint)
@@ -455,7 +455,7 @@ def _quickstart_scores(folder: Path) -> None:
 
 
 def cmd_plot(args) -> int:
-    from .tools.plots import plot_runs
+    from .train.plots import plot_runs
 
     output = (
         Path(args.output) if args.output else (Path(args.runs[0]) / "plots" if len(args.runs) == 1 else Path("plots"))
