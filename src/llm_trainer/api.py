@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import storage
+from . import launcher, storage
 from .checkpoint import remote as remote_checkpoints
 from .checkpoint.find import find_checkpoint
 from .checkpoint.folder_files import refuse_unreadable
@@ -22,7 +22,7 @@ from .config import DataConfig, ExperimentConfig, TrainingConfig
 from .data.prepare import prepare_data
 from .errors import UsageError
 from .model import Transformer
-from .parallel import distributed, launcher
+from .parallel import distributed
 from .pipeline import build_loaders, build_model, build_rows
 from .tokenizer import Tokenizer
 from .train.output_folder import check_output_folder

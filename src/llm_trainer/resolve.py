@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import launcher
 from .config import ExperimentConfig, ModelConfig, TrainingConfig
 from .errors import UsageError
-from .parallel import distributed, launcher
+from .parallel import distributed
 from .parallel.distributed import DistInfo
 from .parallel.mesh import refuse_unavailable, resolve_layout
 

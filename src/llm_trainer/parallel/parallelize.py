@@ -28,10 +28,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from .. import launcher
 from ..config import TrainingConfig
 from ..errors import UsageError
 from ..logs import log
-from . import launcher
 from .distributed import DistInfo
 from .mesh import resolve_layout
 from .strategies import DDP, FSDP, DeepSpeed, Parallelism

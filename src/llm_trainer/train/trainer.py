@@ -27,12 +27,13 @@ import torch.nn as nn
 
 from .. import config_aliases
 from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.train_state import TrainState
 from ..config import TrainingConfig
 from ..downstream import during_training as downstream
 from ..errors import TrainingStopped, UsageError
 from ..logs import Progress, log, shows_progress_bar, warnings_once
 from ..parallel import attention_kernel
-from ..parallel.distributed import all_reduce_
+from ..parallel.distributed import all_reduce_, barrier
 from ..parallel.parallelize import parallelize
 from ..pipeline import experiment_from, prepare_run
 from ..resolve import ResolvedRun, native_bf16, resolve_for_model, seed_everything
@@ -53,7 +54,6 @@ from .rows import EvalRow, SummaryRow, TrainRow, downstream_row
 from .run_lock import lock_run_folders
 from .speed import PhaseTimer, SpeedMonitor
 from .spikes import SpikeMonitor, check_rewindable, rewind
-from .state import TrainState
 from .step import NonFiniteSteps, autocast, train_step
 from .stop import StopControl
 
@@ -152,6 +152,7 @@ class Trainer:
             periodic=bool(config.save_steps),
             on_saved=self._on_saved,
             remote=config.remote_checkpoint_dir,
+            barrier=barrier,
         )
         self.total_steps: int | None = config.max_steps  # with the data: from the epochs when max_steps is unset
         self.train_loader = self.val_loader = None
