@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from conftest import tiny_model, write_corpus
 from llm_trainer.cli import main
-from llm_trainer.config import DataConfig, load_experiment
+from llm_trainer.config import DataConfig
+from llm_trainer.config_loader import load_experiment
 from llm_trainer.data.prepare import prepare_data
 from llm_trainer.errors import UsageError
 from llm_trainer.model import IGNORE_INDEX, CausalLMOutput

@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_model_config, write_tiny_experiment
 from llm_trainer import resolve
-from llm_trainer.config import load_experiment
+from llm_trainer.config_loader import load_experiment
 
 # -- RUN engineer: one resolved run for the pipeline, the LR finder, the Trainer and the estimate -------
 

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import tiny_loaders, tiny_model, write_tiny_experiment
 from llm_trainer.cli import build_parser, main
-from llm_trainer.config import TrainingConfig, load_experiment
+from llm_trainer.config import TrainingConfig
+from llm_trainer.config_loader import load_experiment
 from llm_trainer.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ from llm_trainer.train.memory_estimate import estimate_memory
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     from llm_trainer.api import train
-    from llm_trainer.config import load_experiment
+    from llm_trainer.config_loader import load_experiment
 
     root = tmp_path_factory.mktemp("tools")
     summary = train(load_experiment(write_tiny_experiment(root)))

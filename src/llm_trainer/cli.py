@@ -43,7 +43,7 @@ def resolve_config_path(name: str) -> Path:
 
 
 def _experiment(args):
-    from .config import load_experiment
+    from .config_loader import load_experiment
 
     return load_experiment(resolve_config_path(args.config), args.overrides)
 
@@ -101,7 +101,7 @@ def cmd_train(args) -> int:
 
 def cmd_eval(args) -> int:
     from .api import eval_loader, load_for_inference
-    from .config import saved_batch_size
+    from .config_loader import saved_batch_size
     from .resolve import recorded_amp_dtype
     from .train.evaluate import evaluate
     from .train.metrics import coverage
@@ -314,7 +314,7 @@ def cmd_consolidate(args) -> int:
 def cmd_quickstart(args) -> int:
     """Prepare the built-in corpus, train the quickstart preset on CPU, evaluate, print a sample."""
     from .api import train
-    from .config import load_experiment
+    from .config_loader import load_experiment
 
     experiment = _run_options(load_experiment(PRESETS / "quickstart.yaml", args.overrides), args)
     summary = train(experiment)

@@ -25,7 +25,8 @@ from . import storage
 from .checkpoint import remote as remote_checkpoints
 from .checkpoint.folder_files import refuse_unreadable
 from .checkpoint.model_folder import CONFIG_NAME, is_transformers_folder, load_model_folder
-from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
+from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig
+from .config_loader import load_experiment
 from .data.loader import BatchLoader, DocumentRows, WindowRows
 from .data.prepare import PreparedData, prepare_data
 from .data.source_labels import of_split as source_labels_of
