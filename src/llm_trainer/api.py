@@ -2,7 +2,8 @@
 
 `prepare_data`, `build_model`, `build_loaders` and `train` are the Python API behind the CLI; each
 step can be replaced by the user's own piece (see `Trainer` for bringing your own model or data).
-The pieces live in `pipeline`; this module adds the default Trainer class and the run lock.
+The pieces live in `pipeline`; `build_trainer` and `train` build through `Trainer.from_config` (the
+one builder), and `train` adds the run lock.
 `load_for_inference` opens any checkpoint, best_model or run folder for eval/generate/export;
 `eval_loader` gives `llm-trainer eval` its batches (a file's windows, or the run's validation split).
 """
