@@ -17,7 +17,7 @@
     alerts          webhook/SMTP/W&B alerts, the stall watchdog, throughput and data-wait checks
     rows            the metric rows, one type per kind
     metrics         metric backends (console, jsonl, TensorBoard, W&B, MLflow)
-    output_folder   the run folder: refuse to land on an old run, start over, URL output_dir, RunFiles
+    output_folder   the run folder: refuse to land on an old run, start over, URL output_dir, RunFilesAtStart
     run_lock        one run per output folder
     plots           PNG plots of runs' metrics (PlotsAtEnd: the run's own, when it ends)
     callbacks       hooks into the loop (below the Trainer: they name it in words only)

@@ -1,7 +1,7 @@
 """Hooks into the training loop: subclass `Callback` and override what you need.
 
 This module sits below the Trainer (which calls the hooks) and below the callbacks the pipeline adds
-(`output_folder.RunFiles`, `plots.PlotsAtEnd`), so it names the Trainer in words only: each hook's
+(`output_folder.RunFilesAtStart`, `plots.PlotsAtEnd`), so it names the Trainer in words only: each hook's
 `trainer` is the `train.trainer.Trainer` running the loop.
 """
 

@@ -280,7 +280,7 @@ def _keep_aside(url: str, why: str) -> None:
     )
 
 
-class RunFiles(Callback):
+class RunFilesAtStart(Callback):
     """The run's config.yaml and tokenizer.json, written when the loop starts: after a resume has been
     accepted, so a refused one (another model shape, another tokenizer) leaves the folder as it was."""
 

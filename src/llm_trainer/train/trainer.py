@@ -47,7 +47,7 @@ from .flops import flops_per_token, peak_flops
 from .layer_stats import LayerStats
 from .metrics import MetricsTracker, tensorboard_dir
 from .optim import build_optimizer, learning_rate_at, set_learning_rate
-from .output_folder import RunFiles, fetch_run_files, upload_run_files
+from .output_folder import RunFilesAtStart, fetch_run_files, upload_run_files
 from .plots import PlotsAtEnd
 from .profiling import StepProfiler, out_of_memory
 from .rows import EvalRow, SummaryRow, TrainRow, downstream_row
@@ -179,7 +179,7 @@ class Trainer:
             train_dataloader=train_loader,
             val_dataloader=val_loader,
             tokenizer=tokenizer,
-            callbacks=[RunFiles(output, run.experiment, tokenizer), *callbacks, PlotsAtEnd(output)],
+            callbacks=[RunFilesAtStart(output, run.experiment, tokenizer), *callbacks, PlotsAtEnd(output)],
             run=run,
             experiment_config={**run.config_dict(), "data_fingerprint": ready.prepared.manifest["fingerprint"]},
         )
