@@ -39,11 +39,11 @@ from llm_trainer.checkpoint.model_folder import (
     model_state_dict,
     save_model_folder,
 )
+from llm_trainer.checkpoint.train_state import TrainState, train_state_problem
 from llm_trainer.checkpoint.verify import verify
 from llm_trainer.config import ModelConfig, TrainingConfig
 from llm_trainer.errors import CheckpointError, TrainingStopped, UsageError
 from llm_trainer.model import Transformer
-from llm_trainer.train.state import TrainState, train_state_problem
 from llm_trainer.train.trainer import Callback, Trainer
 
 MAX_STEPS = 12

@@ -326,7 +326,7 @@ def test_unsupported_imports_are_refused(tmp_path):
 
 @pytest.mark.parametrize("architecture", ["gpt2", "llama"])
 def test_greedy_generation_matches_transformers(tmp_path, architecture):
-    from llm_trainer.tools.generate import generate
+    from llm_trainer.generate import generate
 
     overrides = {"n_kv_heads": 2} if architecture == "llama" else {}
     model = our_model(architecture=architecture, **overrides)

@@ -28,6 +28,18 @@ def test_train_never_imports_tools():
         assert not any(name.startswith("llm_trainer.tools") for name in _imports(path)), path.name
 
 
+def test_nothing_below_the_api_imports_tools_and_the_pipeline_imports_no_train():
+    """tools/ sits above the API; the pipeline sits below the Trainer, which calls it (Trainer.from_config)."""
+    above_the_api = ("tools", "api.py", "cli.py", "__init__.py", "__main__.py")
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] in above_the_api:
+            continue
+        assert not any(name.startswith("llm_trainer.tools") for name in _imports(path)), path
+    assert not any(
+        name.startswith(("llm_trainer.train", "llm_trainer.api")) for name in _imports(PACKAGE / "pipeline.py")
+    )
+
+
 def _code_words(path: Path) -> set[str]:
     """Names, attributes and string constants of a file's code (comments and docstrings left out)."""
     tree = ast.parse(path.read_text())
@@ -79,13 +91,13 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _runtime_imports(path: Path) -> list[ast.Import | ast.ImportFrom]:
+def _runtime_imports(path: Path, typing: bool = False) -> list[ast.Import | ast.ImportFrom]:
     """Every import statement of a file, at any depth (inside functions too), except those under
-    `if TYPE_CHECKING:`, which never run."""
+    `if TYPE_CHECKING:`, which never run (with `typing`, those too)."""
     found = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not typing:
             for child in node.orelse:
                 visit(child)
             return
@@ -98,16 +110,17 @@ def _runtime_imports(path: Path) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def _import_graph() -> dict[str, set[str]]:
+def _import_graph(typing: bool = False) -> dict[str, set[str]]:
     """Module -> the modules of the package it imports. `from package import name` is an edge to the
     submodule `name` when there is one, else to the package's `__init__` (which then counts as a
-    module); the `__init__` files Python runs on the way to a submodule are not edges."""
+    module); the `__init__` files Python runs on the way to a submodule are not edges. `typing`: the
+    imports under `if TYPE_CHECKING:` are edges too."""
     modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
     graph = {}
     for module, path in modules.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         edges = set()
-        for node in _runtime_imports(path):
+        for node in _runtime_imports(path, typing):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             else:
@@ -152,6 +165,12 @@ def test_the_import_graph_has_no_cycle():
     graph = _import_graph()
     assert "llm_trainer.checkpoint.store" in graph["llm_trainer.checkpoint.checkpointer"]  # the graph is real
     cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_cycle_closes_through_type_checking_imports():
+    """An import made for type hints alone still says which module needs which: no cycle through them."""
+    cycle = _find_cycle(_import_graph(typing=True))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 

@@ -10,7 +10,8 @@ import torch
 
 from llm_trainer import limits
 from llm_trainer.cli import resolve_config_path
-from llm_trainer.config import DataConfig, ModelConfig, load_experiment
+from llm_trainer.config import DataConfig, ModelConfig
+from llm_trainer.config_loader import load_experiment
 from llm_trainer.data.text import sources
 from llm_trainer.errors import UsageError
 

@@ -53,7 +53,7 @@ def mixed_experiment(root, **training) -> str:
 
 def test_a_mixed_run_reports_each_sources_validation_loss(tmp_path):
     from llm_trainer.api import train
-    from llm_trainer.config import load_experiment
+    from llm_trainer.config_loader import load_experiment
 
     path = mixed_experiment(tmp_path, max_steps=60, learning_rate=1e-2, eval_steps=30, logging_steps=30)
     summary = train(load_experiment(path))
@@ -159,7 +159,7 @@ def test_llm_trainer_eval_reports_each_source_too(tmp_path, capsys):
 
 def test_best_model_can_follow_one_sources_loss(tmp_path):
     from llm_trainer.api import train
-    from llm_trainer.config import load_experiment
+    from llm_trainer.config_loader import load_experiment
     from llm_trainer.errors import UsageError
 
     path = mixed_experiment(

@@ -18,14 +18,14 @@ from llm_trainer.cli import main
 from llm_trainer.config import ModelConfig, TrainingConfig
 from llm_trainer.errors import UsageError
 from llm_trainer.model import Transformer
-from llm_trainer.tools.estimate import estimate_memory
 from llm_trainer.train.flops import count_parameters, flops_per_token, peak_flops
+from llm_trainer.train.memory_estimate import estimate_memory
 
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     from llm_trainer.api import train
-    from llm_trainer.config import load_experiment
+    from llm_trainer.config_loader import load_experiment
 
     root = tmp_path_factory.mktemp("tools")
     summary = train(load_experiment(write_tiny_experiment(root)))
@@ -267,7 +267,7 @@ def _fake_run(folder, steps=20, scale=1.0, resumed=False):
 
 def test_plots_overlay_runs_with_the_expected_lines(tmp_path):
     pytest.importorskip("matplotlib")
-    from llm_trainer.tools.plots import make_figures, plot_runs, read_run
+    from llm_trainer.train.plots import make_figures, plot_runs, read_run
 
     a = _fake_run(tmp_path / "a")
     b = _fake_run(tmp_path / "b", steps=30, scale=1.2, resumed=True)
@@ -294,7 +294,7 @@ def test_plots_overlay_runs_with_the_expected_lines(tmp_path):
 
 def test_plots_never_raise_by_default_and_the_cli_reports(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from llm_trainer.tools.plots import plot_runs
+    from llm_trainer.train.plots import plot_runs
 
     assert plot_runs([tmp_path / "missing"], tmp_path / "out") == {}  # a warning, no exception
     with pytest.raises(UsageError, match="metrics.jsonl"):
@@ -306,7 +306,7 @@ def test_plots_never_raise_by_default_and_the_cli_reports(tmp_path, capsys):
 
 
 def test_without_matplotlib_a_finished_run_says_so_once_and_leaves_no_plots_folder(tmp_path, capsys, monkeypatch):
-    from llm_trainer.tools.plots import plot_runs
+    from llm_trainer.train.plots import plot_runs
 
     run = _fake_run(tmp_path / "run")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where the [tracking] extra is not installed

@@ -1084,7 +1084,7 @@ def test_deepspeed_refusing_fp16_on_cpu(trained, tmp_path):
 
 def test_generate_past_the_context_slides_the_window(trained, capsys):
     from llm_trainer.checkpoint.model_folder import load_model_folder
-    from llm_trainer.tools.generate import generate
+    from llm_trainer.generate import generate
 
     model = load_model_folder(trained / "run" / "checkpoints" / layout.BEST)
     context = model.config.max_seq_len
@@ -1142,8 +1142,8 @@ def test_a_model_config_is_only_an_architecture_and_must_match_the_weights(train
 
 
 def test_metrics_and_run_folders_of_any_shape_are_read_without_tracebacks(trained, tmp_path):
-    from llm_trainer.tools.plots import read_run
     from llm_trainer.tools.registry import collect_run_info
+    from llm_trainer.train.plots import read_run
 
     run = run_copy(trained, tmp_path)
     with open(run / "metrics.jsonl", "a") as handle:

@@ -14,9 +14,9 @@ from llm_trainer.checkpoint.model_folder import CONFIG_NAME, load_model_folder, 
 from llm_trainer.config import ModelConfig, TrainingConfig
 from llm_trainer.config_aliases import MODEL
 from llm_trainer.errors import UsageError
+from llm_trainer.generate import generate
 from llm_trainer.model import Transformer
 from llm_trainer.tools.estimate import estimate_memory
-from llm_trainer.tools.generate import generate
 from llm_trainer.train.evaluate import evaluate
 from llm_trainer.train.flops import count_parameters, flops_per_token
 

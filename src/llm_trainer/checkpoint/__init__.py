@@ -14,5 +14,6 @@ read back without running anyone's code.
     safe_pickle   pickles from folders someone else may have made: torch's weights-only unpickler, allow-lists
     publish       a model folder written into a path the user names, never deleting what is there
     background    host snapshots and the writer thread of background saves
+    train_state   TrainState: the run's counters a checkpoint saves and a resume restores, train_state.json's schema
     checkpointer  the Checkpointer the training loop talks to: save, load, best model
 """

@@ -9,7 +9,7 @@
                                                     plain data only; loaded with weights_only=True
             rng.pt                                  torch CPU/CUDA generator states (tensors)
             train_state.json                        TrainState's counters, epoch, data position, schedule,
-                                                    Python/NumPy RNG (the schema: `train.state`)
+                                                    Python/NumPy RNG (the schema: `train_state`)
             sharded/                                per-rank files: RNG states, DCP shards, DeepSpeed's files
             meta.json                               format, kind, step, save sequence number, experiment
                                                     config, size and checksum of every file, checksum of itself

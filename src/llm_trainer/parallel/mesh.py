@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import launcher
 from ..config import ModelConfig, TrainingConfig
 from ..errors import UsageError
-from . import launcher
 
 # Schedules that place several (virtual) stages on each pipeline rank: the layers split into 2 x degree stages.
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")

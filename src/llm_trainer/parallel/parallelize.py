@@ -30,10 +30,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from .. import launcher
 from ..config import TrainingConfig
 from ..errors import UsageError
 from ..logs import log
-from . import launcher
 from .distributed import DistInfo
 from .float8 import apply_float8, check_float8
 from .mesh import resolve_layout

@@ -28,7 +28,8 @@ import yaml
 
 from .. import storage
 from ..checkpoint.layout import CHECKPOINTS_DIR, LATEST, META, TRAIN_STATE, list_checkpoints
-from ..config import TrainingConfig, _yaml_load
+from ..config import TrainingConfig
+from ..config_loader import yaml_load
 from ..errors import UsageError
 from ..limits import parse_json
 from ..train.output_folder import METRICS_FILE
@@ -147,7 +148,7 @@ def _training_config(files: RunFiles) -> dict:
     if text is None:
         return {}
     try:
-        config = _yaml_load(text, "config.yaml")
+        config = yaml_load(text, "config.yaml")
     except (ValueError, yaml.YAMLError):  # a malformed config.yaml: the plan is unknown, the rest is shown
         return {}
     training = config.get("training") if isinstance(config, dict) else None

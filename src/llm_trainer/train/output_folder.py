@@ -25,12 +25,17 @@ import shutil
 import time
 from pathlib import Path
 
+import yaml
+
 from .. import storage
 from ..checkpoint import remote as remote_checkpoints
+from ..checkpoint.durable import write_text_atomically
 from ..checkpoint.layout import BEST, CHECKPOINTS_DIR, LATEST, list_checkpoints
-from ..config import TrainingConfig
+from ..config import ExperimentConfig, TrainingConfig
 from ..errors import UsageError
 from ..logs import log, warn
+from ..tokenizer import TOKENIZER_FILE, Tokenizer
+from .callbacks import Callback
 from .metrics import tensorboard_dir
 from .profiling import PROFILE_DIR
 
@@ -273,3 +278,18 @@ def _keep_aside(url: str, why: str) -> None:
         + (f"kept {' and '.join(kept)} aside in {aside}; " if kept else "")
         + "this run's metrics.jsonl replaces it in the store"
     )
+
+
+class RunFilesAtStart(Callback):
+    """The run's config.yaml and tokenizer.json, written when the loop starts: after a resume has been
+    accepted, so a refused one (another model shape, another tokenizer) leaves the folder as it was."""
+
+    def __init__(self, output: Path, experiment: ExperimentConfig, tokenizer: Tokenizer):
+        self.output, self.experiment, self.tokenizer = output, experiment, tokenizer
+
+    def on_train_begin(self, trainer) -> None:
+        if trainer.dist.is_main:
+            write_text_atomically(
+                self.output / "config.yaml", yaml.safe_dump(self.experiment.to_dict(), sort_keys=False)
+            )
+            write_text_atomically(self.output / TOKENIZER_FILE, self.tokenizer.to_json())

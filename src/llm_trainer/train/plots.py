@@ -24,7 +24,8 @@ from ..checkpoint.durable import write_bytes_atomically
 from ..errors import UsageError
 from ..filesystem import writable_folder
 from ..logs import log, warn
-from ..train.rows import row_kind
+from .callbacks import Callback
+from .rows import row_kind
 
 FIGURES = ("loss", "perplexity", "lr")
 AXES = {"steps": ("step", "optimizer step"), "tokens": ("tokens_seen", "tokens seen")}
@@ -188,6 +189,18 @@ def plot_runs(run_dirs, output_dir, *, labels: list[str] | None = None, strict: 
             raise
         warn(f"plots not written: {exc}")
         return {}
+
+
+class PlotsAtEnd(Callback):
+    """PNG plots of the run's metrics.jsonl into `{output_dir}/plots` when training ends (rank 0); a
+    plot never fails a finished run (`plot_runs` warns instead of raising)."""
+
+    def __init__(self, output: Path):
+        self.output = output
+
+    def on_train_end(self, trainer, metrics: dict) -> None:
+        if trainer.dist.is_main:
+            plot_runs([self.output], self.output / "plots")
 
 
 def plot_lr_finder(lrs, losses, smoothed, suggested: float | None, path) -> Path:
