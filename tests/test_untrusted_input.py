@@ -31,10 +31,11 @@ from safetensors.torch import load_file
 
 from conftest import src_env, write_tiny_experiment
 from llm_trainer import cli
-from llm_trainer.checkpoint import checksums, durable, layout, safe_pickle, store
+from llm_trainer.checkpoint import durable, layout, local
 from llm_trainer.checkpoint.find import resolve_checkpoint
 from llm_trainer.checkpoint.verify import verify
 from llm_trainer.errors import CheckpointError
+from llm_trainer.files import checksums, safe_pickle
 
 MAX_STEPS = 6
 OPEN = f"{open.__module__}.open"  # how a pickle names the payload's callable
@@ -387,7 +388,7 @@ def import_deepspeed(monkeypatch):
 def test_a_pickle_in_sharded_pt_files_never_reaches_deepspeed(trained, tmp_path, monkeypatch):
     """DeepSpeed reads its files only through FolderLoads: torch's weights-only unpickler, from the
     bytes whose checksum was checked."""
-    from llm_trainer.checkpoint.folder_files import FolderFiles
+    from llm_trainer.files.folder_files import FolderFiles
     from llm_trainer.parallel.deepspeed_engine import FolderLoads
 
     import_deepspeed(monkeypatch)
@@ -637,7 +638,7 @@ def test_best_model_is_swapped_in_one_atomic_step(trained, tmp_path, monkeypatch
     real_rename, real_exchange = Path.rename, durable.exchange
     monkeypatch.setattr(Path, "rename", lambda self, target: renames.append(self.name) or real_rename(self, target))
     monkeypatch.setattr(durable, "exchange", lambda a, b: exchanges.append(b.name) or real_exchange(a, b))
-    store.save_best_model(root, model, tokenizer_json=None, config={}, metrics={"val_loss": 1.0})
+    local.save_best_model(root, model, tokenizer_json=None, config={}, metrics={"val_loss": 1.0})
     assert exchanges == [layout.BEST] and layout.BEST not in renames  # never moved aside
     assert torch.equal(load_file(root / layout.BEST / "model.safetensors")["tok_emb.weight"], model.tok_emb.weight)
     assert sorted(p.name for p in root.iterdir()) == [layout.BEST]
@@ -673,7 +674,7 @@ def test_a_kill_between_the_two_renames_loses_no_best_model(trained, tmp_path):
     script = f"""
 import os, signal
 from pathlib import Path
-from llm_trainer.checkpoint import durable, store
+from llm_trainer.checkpoint import durable, local
 from llm_trainer.checkpoint.model_folder import load_model_folder
 durable._renameat2 = None  # a system without the atomic exchange
 real = Path.rename
@@ -684,7 +685,7 @@ def rename(self, target):
     return result
 Path.rename = rename
 root = Path({str(root)!r})
-store.save_best_model(root, load_model_folder(root / "best_model"), tokenizer_json=None, config={{}}, metrics={{"val_loss": 0.5}})
+local.save_best_model(root, load_model_folder(root / "best_model"), tokenizer_json=None, config={{}}, metrics={{"val_loss": 0.5}})
 """
     proc = subprocess.run([sys.executable, "-c", script], env=src_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
@@ -1199,7 +1200,7 @@ def test_the_crafted_pickles_are_live_and_torch_refuses_them(tmp_path):
 
 
 def test_a_file_changed_after_verification_is_refused_on_the_bytes_read(trained, tmp_path):
-    from llm_trainer.checkpoint.folder_files import FolderFiles
+    from llm_trainer.files.folder_files import FolderFiles
 
     run = run_copy(trained, tmp_path)
     folder = checkpoint(run, MAX_STEPS)
@@ -1210,7 +1211,7 @@ def test_a_file_changed_after_verification_is_refused_on_the_bytes_read(trained,
     with pytest.raises(CheckpointError, match="rng.pt does not match its checksum"):
         files.read(layout.RNG)
     with pytest.raises(CheckpointError, match="rng.pt does not match its checksum"):
-        store.load_checkpoint(folder, verify_files=False)
+        local.load_checkpoint(folder, verify_files=False)
 
 
 def test_a_dcp_metadata_build_on_a_class_is_refused_and_changes_nothing(trained, tmp_path, capsys):
@@ -1237,7 +1238,7 @@ def test_a_dcp_metadata_build_on_a_class_is_refused_and_changes_nothing(trained,
 
 
 def test_files_in_sharded_that_meta_json_does_not_list_are_never_read(trained, tmp_path):
-    from llm_trainer.checkpoint.folder_files import FolderFiles
+    from llm_trainer.files.folder_files import FolderFiles
     from llm_trainer.parallel.deepspeed_engine import FolderLoads
 
     run = run_copy(trained, tmp_path)

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import pipeline, storage
+from . import pipeline
 from .checkpoint import remote as remote_checkpoints
 from .checkpoint.find import find_checkpoint
-from .checkpoint.folder_files import refuse_unreadable
 from .checkpoint.layout import holds_dcp_shards, read_meta
 from .checkpoint.model_folder import is_transformers_folder, load_model_folder, load_model_state, read_model_config
 from .checkpoint.verify import verify
 from .config import DataConfig, ExperimentConfig, TrainingConfig
 from .data.prepare import prepare_data
 from .errors import UsageError
+from .files import buckets
+from .files.folder_files import refuse_unreadable
 from .model import Transformer
 from .parallel import distributed, launcher
 from .pipeline import build_loaders, build_model, build_rows
@@ -72,7 +73,7 @@ def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Traine
 def local_checkpoint(path: str | Path) -> str | Path:
     """`path` itself, or for a URL (a checkpoint, best_model, checkpoints or run folder in a store) the
     local copy of the checkpoint it names, downloaded into {data.stream_cache_dir's default}/checkpoints."""
-    if not storage.is_url(str(path)):
+    if not buckets.is_url(str(path)):
         return path
     return remote_checkpoints.fetch_for_reading(str(path), Path(DataConfig.stream_cache_dir) / "checkpoints")
 

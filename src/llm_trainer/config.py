@@ -23,6 +23,7 @@ import yaml
 
 from . import config_aliases
 from .errors import UsageError
+from .files.buckets import is_url, join, mirror_name
 from .limits import (
     MAX_EXECUTOR_TASKS,
     MAX_NESTING,
@@ -31,7 +32,6 @@ from .limits import (
     check_structure,
     parse_json,
 )
-from .storage import is_url, join, mirror_name
 
 # ----------------------------------------------------------------------------------------------
 # Generic validation: the declared type of each field is the schema.

@@ -20,16 +20,16 @@ import torch
 import torch.nn as nn
 import yaml
 
-from . import storage
 from .checkpoint import remote as remote_checkpoints
 from .checkpoint.durable import write_text_atomically
-from .checkpoint.folder_files import refuse_unreadable
 from .checkpoint.model_folder import CONFIG_NAME, is_transformers_folder, load_model_folder
 from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
 from .data.loader import BatchLoader, DocumentRows, WindowRows
 from .data.prepare import PreparedData, prepare_data
 from .data.source_labels import of_split as source_labels_of
 from .errors import UsageError
+from .files import buckets
+from .files.folder_files import refuse_unreadable
 from .logs import log, warn
 from .model import Transformer
 from .parallel import distributed
@@ -182,8 +182,8 @@ def prepare_run(experiment: ExperimentConfig, *, local: bool = False, meta: bool
     module docstring). `local`: this process alone, no process group (the LR finder). `meta`: a fresh
     model is built on the meta device and initialised on the target device by the Trainer (after
     sharding under FSDP): every strategy and world size starts from the same weights for a seed."""
-    if storage.is_url(experiment.model.init_from):  # read from a local copy, checked as any folder
-        copy = storage.fetch_tree(experiment.model.init_from, Path(experiment.data.stream_cache_dir) / "models")
+    if buckets.is_url(experiment.model.init_from):  # read from a local copy, checked as any folder
+        copy = buckets.fetch_tree(experiment.model.init_from, Path(experiment.data.stream_cache_dir) / "models")
         experiment = _replace_section(experiment, "model", init_from=str(copy))
     if experiment.model.init_from:  # a folder we may not have written: its tokenizer is read below
         refuse_unreadable(Path(experiment.model.init_from), (TOKENIZER_FILE,))

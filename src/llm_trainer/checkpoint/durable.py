@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from ..filesystem import disk_full
+from ..files.checksums import CHECKSUM, XXH3_TREE, LazyPool, checksum_jobs, combine, meta_checksum
+from ..files.disk import disk_full
 from ..logs import log
-from .checksums import CHECKSUM, XXH3_TREE, LazyPool, checksum_jobs, combine, meta_checksum
 from .layout import FORMAT_VERSION, META
 from .verify import verify
 

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..filesystem import with_default_mode
+from ..files.disk import with_default_mode
+from ..files.folder_files import FolderFiles
+from ..files.safe_pickle import load_pickle
 from ..logs import log
 from ..tokenizer import TOKENIZER_FILE
 from .durable import (
@@ -35,7 +37,6 @@ from .durable import (
     write_text_atomically,
 )
 from .find import named_latest, newest_first, next_sequence
-from .folder_files import FolderFiles
 from .layout import (
     BEST,
     BEST_KIND,
@@ -51,7 +52,6 @@ from .layout import (
     checkpoint_name,
 )
 from .model_folder import WEIGHTS_NAME, save_model_folder, write_model_config
-from .safe_pickle import load_pickle
 from .tensors import join_tensors, split_tensors
 from .verify import verify_once
 

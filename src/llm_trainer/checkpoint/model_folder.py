@@ -19,10 +19,10 @@ from safetensors.torch import load_file, save_file
 
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..filesystem import with_default_mode
+from ..files.disk import with_default_mode
+from ..files.folder_files import refuse_unreadable
 from ..limits import check_model_memory, parse_json
 from ..model import Transformer
-from .folder_files import refuse_unreadable
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "model_config.json"

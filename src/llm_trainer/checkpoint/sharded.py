@@ -53,14 +53,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .. import storage
 from ..errors import CheckpointError
+from ..files import buckets
+from ..files.checksums import StreamChecksum, data_checksum
+from ..files.folder_files import SHARDED_DIR, FolderFiles
+from ..files.safe_pickle import DCP_METADATA, load_pickle
 from ..limits import check_dcp_items
-from .checksums import StreamChecksum, data_checksum
 from .durable import first_line
-from .folder_files import SHARDED_DIR, FolderFiles
 from .model_folder import check_fits, clean_name
-from .safe_pickle import DCP_METADATA, load_pickle
 
 METADATA = ".metadata"  # DCP's index of the shards, inside `sharded/`
 
@@ -184,12 +184,12 @@ class _HashedWrites:
 
     def rm_file(self, path: Any) -> None:
         """Delete by name: fsspec's `rm` would expand `[`, `*` and `?` in the URL into other folders' files."""
-        storage.remove(os.fspath(path))
+        buckets.remove(os.fspath(path))
 
     def rename(self, path: Any, new_path: Any) -> None:
         """Copy, then delete, by name (fsspec's `mv` expands patterns as `rm` does; a store cannot rename)."""
-        storage.copy(os.fspath(path), os.fspath(new_path))
-        storage.remove(os.fspath(path))
+        buckets.copy(os.fspath(path), os.fspath(new_path))
+        buckets.remove(os.fspath(path))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -208,7 +208,7 @@ class StoreWriter(FsspecWriter):
     def finish(self, metadata: Metadata, results: list) -> None:
         super().finish(metadata, results)  # fills in metadata.storage_data (DCP's own .metadata, replaced now)
         data = _metadata_bytes(metadata)
-        storage.write_bytes(storage.join(self.url, METADATA), data)
+        buckets.write_bytes(buckets.join(self.url, METADATA), data)
         self.written.pop(f"{METADATA}.tmp", None)
         self.written[METADATA] = {"size": len(data), "checksum": data_checksum(data)}
 
@@ -221,8 +221,8 @@ class _CheckedReads:
         self._inner, self.url, self.files = inner, url, files
 
     def read(self, name: str) -> bytes:
-        url = storage.join(self.url, name)
-        data = storage.read_bytes(url)
+        url = buckets.join(self.url, name)
+        data = buckets.read_bytes(url)
         self.files.check(f"{SHARDED_DIR}/{name}", data, url)
         return data
 
@@ -257,7 +257,7 @@ class StoreReader(FsspecReader):
 
     @property
     def source(self) -> str:
-        return storage.join(self.url, METADATA)
+        return buckets.join(self.url, METADATA)
 
     def _listed_size(self, data_file: str) -> int:
         """The size meta.json records for `data_file` (its bytes are checked against it as they are read)."""

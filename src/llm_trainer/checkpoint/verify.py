@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .checksums import CRC32_TREE, XXH3_TREE, checksum_jobs, combine, meta_checksum, sha256_file, xxhash
-from .folder_files import path_problem, plain_name
+from ..files.checksums import CRC32_TREE, XXH3_TREE, checksum_jobs, combine, meta_checksum, sha256_file, xxhash
+from ..files.folder_files import path_problem, plain_name
 from .layout import FORMAT_VERSION, KINDS, META, OPTIMIZER_TENSORS, SHARDED_DIR, read_meta
 
 _verified: dict[str, tuple] = {}  # folder -> file signatures when it last verified, so resume hashes once

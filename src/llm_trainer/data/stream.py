@@ -41,9 +41,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import storage
-from ..checkpoint.checksums import CHECKSUM, data_checksum
 from ..errors import UsageError
+from ..files import buckets
+from ..files.checksums import CHECKSUM, data_checksum
 from .build import PreparedData
 
 CHUNKS = "train.chunks.json"  # the chunk record of train.bin, uploaded with the prepared folder
@@ -268,7 +268,7 @@ class ChunkedTokens:
             return None
         if data.nbytes != min(self.chunk_bytes, self.size - c * self.chunk_bytes):
             return None
-        storage.touch(self._path(c))
+        buckets.touch(self._path(c))
         return data
 
     def _fetch(self, c: int) -> np.ndarray:
@@ -280,7 +280,7 @@ class ChunkedTokens:
             expected = self.record["chunks"][c]
             what = f"streaming chunk {c} (bytes {start}-{end})"
             for attempt in range(2):
-                data = storage.read_bytes(self.url, start, end, what=what)
+                data = buckets.read_bytes(self.url, start, end, what=what)
                 if len(data) == end - start and data_checksum(data, self.record["checksum"]) == expected:
                     break
                 if attempt == 1:
@@ -372,7 +372,7 @@ class StreamedData(PreparedData):
         return ChunkedTokens(
             record,
             self.manifest["dtype"],
-            url=storage.join(self.remote, "train.bin"),
+            url=buckets.join(self.remote, "train.bin"),
             folder=self.directory / CHUNK_FOLDER,
             budget=self.budget,
             whole=whole if whole.is_file() else None,

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
-from ..filesystem import writable_folder
+from ..files.disk import writable_folder
 from ..logs import warn
 from .tasks import load_tasks, quiet_lm_eval, require_lm_eval, sandboxed_templates, split_tasks, task_manager
 

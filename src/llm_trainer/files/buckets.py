@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .errors import StoreFull, UsageError
-from .logs import warn
+from ..errors import StoreFull, UsageError
+from ..logs import warn
 
 T = TypeVar("T")
 
@@ -388,7 +388,7 @@ def put_folder(
     The last file is the commit marker: a reader that finds it finds every other file complete. A
     crash part-way leaves no marker, and the folder is not taken as complete.
     """
-    from .checkpoint.checksums import file_checksum
+    from .files.checksums import file_checksum
 
     last = list(last)
     files = sorted(p for p in local.rglob("*") if p.is_file() and not p.is_symlink())
@@ -414,8 +414,8 @@ def read_record(url: str) -> dict[str, tuple[int, str]] | None:
     """The `files.json` of the folder `url` as {path inside it: (size, checksum)}; None when there is
     none. An `UnverifiedFolder` error when it is not a record we could have written: not JSON, a size
     that is not a whole number of bytes, a path outside the folder, or a path both a file and a folder."""
-    from .checkpoint.folder_files import plain_name
-    from .limits import parse_json
+    from ..limits import parse_json
+    from .files.folder_files import plain_name
 
     where = join(url, FILES_RECORD)
     text = read_text(where)
@@ -459,7 +459,7 @@ def get_folder(
     the folder is not complete in the store (no record or no commit marker); an `UnverifiedFolder`
     error when its record is damaged or a file does not match it. `room(bytes)` is called before the
     download starts, to make room for it. Files named in `skip` stay in the store (read from there later)."""
-    from .checkpoint.checksums import file_checksum
+    from .files.checksums import file_checksum
 
     entries = read_record(url)
     if entries is None:
@@ -493,7 +493,7 @@ def get_folder(
 def fetch_tree(url: str, cache: Path) -> Path:
     """The folder `url` (a model folder) as a local copy under `cache`: checked against its `files.json`
     when it has one (we uploaded it), else every file below it, each a plain name (no path outside)."""
-    from .checkpoint.folder_files import plain_name
+    from .files.folder_files import plain_name
 
     local = cache / mirror_name(url)
     local.parent.mkdir(parents=True, exist_ok=True)
@@ -533,7 +533,7 @@ _in_use: dict[Path, object] = {}  # this process's marks (their locks end with t
 def mark_in_use(folder: Path) -> bool:
     """Mark the cache folder `folder` as used by this process until it ends, so that no process evicts
     it meanwhile (`make_room`); False when the folder is gone (evicted before the mark was taken)."""
-    from .filesystem import lock_shared
+    from .disk import lock_shared
 
     folder = Path(folder).resolve()
     if folder in _in_use:
@@ -550,7 +550,7 @@ def mark_in_use(folder: Path) -> bool:
 def _evict(entry: Path) -> bool:
     """Remove the cache entry `entry` unless a live process marked it in use (`mark_in_use`): its mark is
     taken exclusively while the entry is removed, so no process can mark it half-removed."""
-    from .filesystem import lock_exclusive
+    from .disk import lock_exclusive
 
     if not entry.is_dir():
         entry.unlink(missing_ok=True)

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import IO
 
-from .errors import UsageError
+from ..errors import UsageError
 
 # Errors of a write that found no room: the disk is full, or the user's quota is spent.
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})

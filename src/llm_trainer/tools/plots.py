@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..checkpoint.durable import write_bytes_atomically
 from ..errors import UsageError
-from ..filesystem import writable_folder
+from ..files.disk import writable_folder
 from ..logs import log, warn
 from ..train.rows import row_kind
 
