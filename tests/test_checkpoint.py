@@ -29,7 +29,7 @@ import yaml
 from safetensors.torch import load_file
 
 from llm_trainer import cli
-from llm_trainer.checkpoint import durable, layout, local
+from llm_trainer.checkpoint import layout, local
 from llm_trainer.checkpoint.find import find_checkpoint, resolve_checkpoint
 from llm_trainer.checkpoint.layout import kind_of
 from llm_trainer.checkpoint.model_folder import (
@@ -42,7 +42,7 @@ from llm_trainer.checkpoint.model_folder import (
 from llm_trainer.checkpoint.verify import verify
 from llm_trainer.config import ModelConfig, TrainingConfig
 from llm_trainer.errors import CheckpointError, TrainingStopped, UsageError
-from llm_trainer.files import checksums
+from llm_trainer.files import atomic, checksums
 from llm_trainer.model import Transformer
 from llm_trainer.train.state import TrainState, train_state_problem
 from llm_trainer.train.trainer import Callback, Trainer
@@ -682,7 +682,7 @@ def test_leftovers_of_dead_writers_are_removed(tmp_path):
     root = tmp_path / "checkpoints"
     model, optimizer = tiny_parts()
     save(root, 1, model, optimizer)
-    host = durable.owner().rsplit("-", 1)[0]
+    host = atomic.owner().rsplit("-", 1)[0]
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = root / f".tmp-{layout.PREFIX}{2:08d}-{host}-{dead.pid}"

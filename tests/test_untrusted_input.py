@@ -35,7 +35,7 @@ from llm_trainer.checkpoint import durable, layout, local
 from llm_trainer.checkpoint.find import resolve_checkpoint
 from llm_trainer.checkpoint.verify import verify
 from llm_trainer.errors import CheckpointError
-from llm_trainer.files import checksums, safe_pickle
+from llm_trainer.files import atomic, checksums, safe_pickle
 
 MAX_STEPS = 6
 OPEN = f"{open.__module__}.open"  # how a pickle names the payload's callable
@@ -635,9 +635,9 @@ def test_best_model_is_swapped_in_one_atomic_step(trained, tmp_path, monkeypatch
     model = load_model_folder(root / layout.BEST)
     torch.nn.init.zeros_(model.tok_emb.weight)
     renames, exchanges = [], []
-    real_rename, real_exchange = Path.rename, durable.exchange
+    real_rename, real_exchange = Path.rename, atomic.exchange
     monkeypatch.setattr(Path, "rename", lambda self, target: renames.append(self.name) or real_rename(self, target))
-    monkeypatch.setattr(durable, "exchange", lambda a, b: exchanges.append(b.name) or real_exchange(a, b))
+    monkeypatch.setattr(atomic, "exchange", lambda a, b: exchanges.append(b.name) or real_exchange(a, b))
     local.save_best_model(root, model, tokenizer_json=None, config={}, metrics={"val_loss": 1.0})
     assert exchanges == [layout.BEST] and layout.BEST not in renames  # never moved aside
     assert torch.equal(load_file(root / layout.BEST / "model.safetensors")["tok_emb.weight"], model.tok_emb.weight)
@@ -650,7 +650,7 @@ def test_a_best_model_moved_aside_by_a_killed_save_is_recovered(trained, tmp_pat
     .old-*: the next start puts back the new version if it is complete, else the previous one."""
     root = tmp_path / "checkpoints"
     root.mkdir()
-    writer = f"{durable.owner().rsplit('-', 1)[0]}-{dead_pid()}"
+    writer = f"{atomic.owner().rsplit('-', 1)[0]}-{dead_pid()}"
     previous, new = root / f".old-{layout.BEST}-{writer}", root / f".tmp-{layout.BEST}-{writer}"
     shutil.copytree(trained / "run" / "checkpoints" / layout.BEST, previous)
     shutil.copytree(trained / "run" / "checkpoints" / layout.BEST, new)
@@ -674,9 +674,10 @@ def test_a_kill_between_the_two_renames_loses_no_best_model(trained, tmp_path):
     script = f"""
 import os, signal
 from pathlib import Path
-from llm_trainer.checkpoint import durable, local
+from llm_trainer.checkpoint import local
 from llm_trainer.checkpoint.model_folder import load_model_folder
-durable._renameat2 = None  # a system without the atomic exchange
+from llm_trainer.files import atomic
+atomic._renameat2 = None  # a system without the atomic exchange
 real = Path.rename
 def rename(self, target):
     result = real(self, target)

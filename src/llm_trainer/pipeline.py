@@ -21,7 +21,6 @@ import torch.nn as nn
 import yaml
 
 from .checkpoint import remote as remote_checkpoints
-from .checkpoint.durable import write_text_atomically
 from .checkpoint.model_folder import CONFIG_NAME, is_transformers_folder, load_model_folder
 from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
 from .data.loader import BatchLoader, DocumentRows, WindowRows
@@ -29,6 +28,7 @@ from .data.prepare import PreparedData, prepare_data
 from .data.source_labels import of_split as source_labels_of
 from .errors import UsageError
 from .files import buckets
+from .files.atomic import write_text
 from .files.folder_files import refuse_unreadable
 from .logs import log, warn
 from .model import Transformer
@@ -279,10 +279,8 @@ class _RunFiles(Callback):
 
     def on_train_begin(self, trainer) -> None:
         if trainer.dist.is_main:
-            write_text_atomically(
-                self.output / "config.yaml", yaml.safe_dump(self.experiment.to_dict(), sort_keys=False)
-            )
-            write_text_atomically(self.output / TOKENIZER_FILE, self.tokenizer.to_json())
+            write_text(self.output / "config.yaml", yaml.safe_dump(self.experiment.to_dict(), sort_keys=False))
+            write_text(self.output / TOKENIZER_FILE, self.tokenizer.to_json())
 
 
 class _PlotsAtEnd(Callback):

@@ -21,21 +21,14 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UsageError, first_line
+from ..files.atomic import remove_folder, write_text
 from ..files.disk import with_default_mode
 from ..files.folder_files import FolderFiles
 from ..files.safe_pickle import load_pickle
 from ..logs import log
 from ..tokenizer import TOKENIZER_FILE
-from .durable import (
-    Writer,
-    first_line,
-    owner,
-    remove_stale,
-    text_writer,
-    write_folder_atomically,
-    write_text_atomically,
-)
+from .durable import Writer, remove_stale, text_writer, write_folder_atomically
 from .find import named_latest, newest_first, next_sequence
 from .layout import (
     BEST,
@@ -115,7 +108,10 @@ def save_checkpoint(
         **(extra_meta or {}),
     }
     path = write_folder_atomically(root / checkpoint_name(step), writers, meta, in_store)
-    write_text_atomically(root / LATEST, path.name)
+    try:
+        write_text(root / LATEST, path.name)
+    except UsageError as exc:  # the new checkpoint is complete, and found by `latest` as the newest
+        raise CheckpointError(f"{exc}, and the checkpoints are intact") from None
     return path
 
 
@@ -206,8 +202,8 @@ def load_checkpoint(
 def rotate(root: Path, keep_last: int | None, protect: set[str]) -> None:
     """Delete all but the newest `keep_last` checkpoints, never one named in `protect` (the best, the new one).
 
-    A folder is renamed to a hidden name before it is deleted, so a crash mid-delete never leaves a
-    half-deleted folder that looks like a checkpoint.
+    A folder is renamed to a hidden name before it is deleted (`atomic.remove_folder`), so a crash
+    mid-delete never leaves a half-deleted folder that looks like a checkpoint.
     """
     if keep_last is None:
         return
@@ -215,10 +211,5 @@ def rotate(root: Path, keep_last: int | None, protect: set[str]) -> None:
     for path in newest_first(root, named_latest(root))[keep_last:]:
         if path.name in protect:
             continue
-        doomed = root / f".del-{path.name}-{owner()}"
-        try:
-            path.rename(doomed)
-        except OSError:
-            continue
-        shutil.rmtree(doomed, ignore_errors=True)
-        log(f"checkpoint: removed {path.name} (save_total_limit={keep_last})")
+        if remove_folder(path):
+            log(f"checkpoint: removed {path.name} (save_total_limit={keep_last})")

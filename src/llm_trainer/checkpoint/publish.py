@@ -1,12 +1,12 @@
 """Writing a model folder into a path the user names (`export --output`, `consolidate --output`)
 without losing what is already there.
 
-Everything is built first in a temporary folder next to the target (`durable.temporary_folder`), so
+Everything is built first in a temporary folder next to the target (`files.atomic.temporary_folder`), so
 a failure (a full disk, a refused model) leaves the target as it was. An existing target is refused
 unless it is empty or `overwrite` is given; with `overwrite`, the files of the old folder that the
 new one does not write are carried into it (its other files are the user's: a README, a second
 tokenizer), except the weight files of another layout (a loader would read them instead of the new
-ones). Then the new folder takes the target's place as `best_model/` does (`durable.move_into_place`):
+ones). Then the new folder takes the target's place as `best_model/` does (`files.atomic.move_into_place`):
 one atomic exchange, so a kill at any instant leaves the old folder or the new one, whole. Leftovers
 of a killed run are cleaned (or the old folder put back) at the next one, and only those.
 
@@ -25,11 +25,12 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import UsageError, first_line
 from ..files import buckets
+from ..files.atomic import move_into_place, temporary_folder
 from ..files.checksums import file_checksum
 from ..files.disk import disk_full, writable_folder
-from .durable import first_line, move_into_place, remove_stale, temporary_folder
+from .durable import remove_stale
 
 # Weight files of a model folder's other layouts: left beside new weights, a loader could read them instead.
 WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")

@@ -53,13 +53,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, first_line
 from ..files import buckets
+from ..files.atomic import write_file
 from ..files.checksums import StreamChecksum, data_checksum
 from ..files.folder_files import SHARDED_DIR, FolderFiles
 from ..files.safe_pickle import DCP_METADATA, load_pickle
 from ..limits import check_dcp_items
-from .durable import first_line
 from .model_folder import check_fits, clean_name
 
 METADATA = ".metadata"  # DCP's index of the shards, inside `sharded/`
@@ -71,13 +71,7 @@ class SafeWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list) -> None:
         super().finish(metadata, results)  # fills in metadata.storage_data and storage_meta
-        target = Path(self.path) / METADATA
-        temporary = target.with_name(f"{METADATA}.tmp")
-        with open(temporary, "wb") as handle:
-            handle.write(_metadata_bytes(metadata))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, target)
+        write_file(Path(self.path) / METADATA, _metadata_bytes(metadata))
 
 
 def _metadata_bytes(metadata: Metadata) -> bytes:

@@ -47,6 +47,7 @@ import numpy as np
 
 from ..config import DataConfig
 from ..errors import UsageError
+from ..files.atomic import write_file
 from .dedup import MinHasher
 from .filters import FILTERS, Removal
 from .mixture import interleave
@@ -125,9 +126,7 @@ class Plan:
 
     def save(self, path: Path) -> PlanFile:
         raw = json.dumps(self.record()).encode()
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(raw)
-        os.replace(tmp, path)
+        write_file(path, raw)
         return PlanFile(str(path), hashlib.sha256(raw).hexdigest())
 
     def ranges(self) -> list[tuple[int, int]]:
@@ -244,9 +243,7 @@ class PartWriter:
                 os.fsync(handle.fileno())
                 handle.close()
         done = {"sources": {str(s): info for s, info in self.sources.items()}}
-        tmp = self.folder / "done.json.tmp"
-        tmp.write_text(json.dumps(done))
-        os.replace(tmp, self.folder / "done.json")
+        write_file(self.folder / "done.json", json.dumps(done).encode())
 
 
 def tokenized_rows(result: Processed, deduplication: str, seen: set[int] | None) -> list[int]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
-import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,6 +42,7 @@ import numpy as np
 
 from ..errors import UsageError
 from ..files import buckets
+from ..files.atomic import dead_writer, write_cache_file, write_file
 from ..files.checksums import CHECKSUM, data_checksum
 from .build import PreparedData
 
@@ -87,9 +87,7 @@ def write_chunk_record(directory: Path) -> None:
         for _ in range(0, size, chunk):
             sums.append(data_checksum(handle.read(chunk)))
     record = {"file": "train.bin", "size": size, "chunk_bytes": chunk, "checksum": CHECKSUM, "chunks": sums}
-    tmp = directory / f".{CHUNKS}.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, directory / CHUNKS)
+    write_file(directory / CHUNKS, json.dumps(record).encode())
 
 
 def chunk_record_problem(record: object, manifest: dict) -> str | None:
@@ -180,8 +178,8 @@ class ChunkedTokens:
                     "raise data.stream_cache_limit"
                 )
             folder.mkdir(parents=True, exist_ok=True)
-            for partial in folder.glob(".*.tmp"):  # a partial write of a process that died
-                if not _alive(partial.name.split(".")[2]):
+            for partial in folder.glob(".*.tmp-*"):  # a partial write of a process that died
+                if dead_writer(partial.name):
                     partial.unlink(missing_ok=True)
 
     @property
@@ -302,9 +300,7 @@ class ChunkedTokens:
             self._make_room(len(data))
             self._reserved += len(data)
         try:
-            tmp = self.folder / f".{c:08d}.{os.getpid()}.{threading.get_ident()}.tmp"
-            tmp.write_bytes(data)
-            os.replace(tmp, self._path(c))
+            write_cache_file(self._path(c), data)
         finally:
             with self._lock:
                 self._reserved -= len(data)
@@ -343,17 +339,6 @@ class ChunkedTokens:
 def _mapped(path: Path, dtype: np.dtype) -> np.ndarray:
     """A chunk file mapped read-only (the mapping outlives the file's eviction)."""
     return np.memmap(path, dtype=dtype, mode="r")
-
-
-def _alive(pid: str) -> bool:
-    """Whether the process `pid` (a partial chunk's writer, which may share the cache folder) still runs."""
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass

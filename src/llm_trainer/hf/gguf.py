@@ -34,12 +34,12 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from ..checkpoint.durable import no_follow
 from ..checkpoint.model_folder import load_model_folder
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..files import buckets
-from ..files.disk import disk_full, new_file_mode, writable_folder
+from ..files.atomic import put_in_place
+from ..files.disk import disk_full, new_file_mode, no_follow, writable_folder
 from ..logs import log
 from ..tokenizer import EOT, pre_split_of
 from .interop import check_exportable, to_hf_state
@@ -334,7 +334,7 @@ def export_to_gguf(model_dir, output, *, tokenizer_file=None, dtype: str = "f32"
             if remote:
                 buckets.upload(tmp, remote)
             else:
-                os.replace(tmp, final)
+                put_in_place(tmp, final)
         except OSError as exc:
             reason = "disk full" if disk_full(exc, tmp.parent) else exc.strerror or str(exc)
             raise UsageError(f"could not write {output} ({reason}); nothing was replaced") from None

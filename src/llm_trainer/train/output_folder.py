@@ -30,6 +30,7 @@ from ..checkpoint.layout import BEST, CHECKPOINTS_DIR, LATEST, list_checkpoints
 from ..config import TrainingConfig
 from ..errors import UsageError
 from ..files import buckets
+from ..files.atomic import put_in_place
 from ..logs import log, warn
 from .metrics import tensorboard_dir
 from .profiling import PROFILE_DIR
@@ -240,7 +241,7 @@ def fetch_run_files(training: TrainingConfig) -> None:
             target = output / path.relative_to(copy)
             if path.is_file() and (not target.exists() or target == output / METRICS_FILE):
                 target.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(path, target)  # this run's own files (its config.yaml) stay
+                put_in_place(path, target)  # this run's own files (its config.yaml) stay
         log(f"resume: downloaded the run's files from {url} into {output}")
     finally:
         shutil.rmtree(copy, ignore_errors=True)
