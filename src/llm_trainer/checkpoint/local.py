@@ -1,13 +1,14 @@
-"""Saving, loading and rotating checkpoint folders (their files: `layout`).
+"""Saving, loading and rotating checkpoint folders on this machine's disk (their files: `layout`; the same
+checkpoints in a store: `remote`).
 
 Writing (`durable.write_folder_atomically`): every part goes into a hidden temporary folder, meta.json
-(with each file's size and checksum, see `checksums`) last, then the folder is renamed into place
+(with each file's size and checksum, see `files.checksums`) last, then the folder is renamed into place
 and `latest` replaced. A crash, a kill -9 or a full disk at any point leaves every earlier checkpoint
 untouched.
 
-Reading: a folder is verified first (`verify`); every file is read under `folder_files`' rule, each
+Reading: a folder is verified first (`verify`); every file is read under `files.folder_files`' rule, each
 pickle once into memory, checked against meta.json on those bytes and parsed by torch's weights-only
-unpickler (`safe_pickle`), so no pickled code runs; DeepSpeed's own files are read the same way
+unpickler (`files.safe_pickle`), so no pickled code runs; DeepSpeed's own files are read the same way
 (`parallel.deepspeed_engine`). Format 1 checkpoints (the whole optimizer state in optimizer.pt) still load.
 """
 
@@ -139,8 +140,8 @@ def load_checkpoint(
     """Every part of a checkpoint, verified first; tensors through safetensors or torch.load(weights_only=True).
 
     Each pickle and JSON file is read once into memory, checked against meta.json's size and checksum
-    on those bytes and parsed from them (`folder_files`); pickles only by torch's weights-only
-    unpickler (`safe_pickle`). The safetensors files (tensors only) are memory-mapped. Model tensors
+    on those bytes and parsed from them (`files.folder_files`); pickles only by torch's weights-only
+    unpickler (`files.safe_pickle`). The safetensors files (tensors only) are memory-mapped. Model tensors
     are read on the CPU and optimizer tensors are mapped to `map_location`, so a checkpoint written on
     a GPU loads on a CPU-only machine. `rank`: this process's rank, whose own RNG file in `sharded/`
     stands in for rng.pt. The parts read are those its kind holds; a folder of no known kind is read

@@ -3,7 +3,7 @@
 A model folder holds `model.safetensors` and `model_config.json`; checkpoints, `best_model/` and
 `save_model_folder` all write it, so `eval`, `generate` and `export` take any of them, and
 `load_model_folder` reads it back (into `Transformer` or a subclass of it). The folder may be anyone's
-(`model.init_from`, a downloaded model): its files are read under `folder_files`' rule.
+(`model.init_from`, a downloaded model): its files are read under `files.folder_files`' rule.
 """
 
 from __future__ import annotations

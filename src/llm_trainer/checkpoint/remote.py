@@ -1,7 +1,7 @@
 """Checkpoints in object storage (training.checkpoint_dir a URL), with the promises they keep on disk.
 
 A store has no atomic rename, so a checkpoint is first written on local disk as always (atomically,
-checksummed: `store.save_checkpoint`), then uploaded file by file: the data files, `files.json` (size
+checksummed: `local.save_checkpoint`), then uploaded file by file: the data files, `files.json` (size
 and checksum of each), `meta.json`, and `latest` last, naming it. A crash at any point of an upload
 leaves `latest` naming the previous checkpoint, complete. Rotation in the store deletes only folders
 named like our checkpoints, never the one `latest` names nor the best one. best_model/ is replaced with

@@ -9,8 +9,8 @@ DCP's own reader unpickles `.metadata` with plain `pickle` and its planner `torc
 items without `weights_only`: a crafted folder would run code. So `SafeWriter` writes `.metadata`
 with `torch.save` (protocol 2, which torch's weights-only unpickler reads; the folder as a string,
 not a path object), and every load goes through `SafeReader` (`.metadata` read once, checked against
-meta.json, and unpickled by `safe_pickle` with exactly DCP's metadata records allowed; every data
-file under `folder_files`' rule) and `SafePlanner` (non-tensor items with `weights_only=True`).
+meta.json, and unpickled by `files.safe_pickle` with exactly DCP's metadata records allowed; every data
+file under `files.folder_files`' rule) and `SafePlanner` (non-tensor items with `weights_only=True`).
 A `.metadata` in DCP's own format (an FSDP checkpoint written before) is refused, not unpickled.
 
 Into a store (training.checkpoint_dir a URL), every rank writes its DCP files straight to the
@@ -91,7 +91,7 @@ def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 class SafeReader(FileSystemReader):
     """FileSystemReader whose `.metadata` is read once, checked against the checkpoint's meta.json and
     unpickled by torch's weights-only unpickler; every data file it names must be one the folder may
-    be read for (`folder_files`)."""
+    be read for (`files.folder_files`)."""
 
     def __init__(self, path: str, files: FolderFiles | None = None):
         super().__init__(path)
