@@ -278,7 +278,7 @@ def write_error(tasks_dir: Path, stage: str, rank: int, tasks: int, file: str | 
         "type": type(exc).__name__,
         "usage": isinstance(exc, UsageError),
     }
-    (folder / f"{rank:05d}.json").write_text(json.dumps(record))
+    write_file(folder / f"{rank:05d}.json", json.dumps(record).encode())
 
 
 def clear_error(tasks_dir: Path, stage: str, rank: int) -> None:
