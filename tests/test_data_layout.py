@@ -20,7 +20,7 @@ MAY_IMPORT = {
 ABOVE = ("pipeline", "api", "cli", "__main__", "train", "tools", "parallel", "downstream", "hf", "checkpoint")
 # Imports of a layer above that another change decides about: data.text.sources asks hf.hub whether the
 # Hugging Face Hub is reachable (offline mode), and data.batches.stream checksums chunks as checkpoints do.
-KNOWN_UPWARD = {"llm_trainer.hf.hub", "llm_trainer.checkpoint.checksums"}
+KNOWN_UPWARD = {"llm_trainer.hf.hub"}
 
 
 def _module_name(path: Path) -> str:

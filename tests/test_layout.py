@@ -163,7 +163,7 @@ def test_the_import_graph_has_no_cycle():
     """Each module depends only on modules below it, lazy imports inside functions included: a cycle
     is two modules that each need the other, and one of them should own what they share."""
     graph = _import_graph()
-    assert "llm_trainer.checkpoint.store" in graph["llm_trainer.checkpoint.checkpointer"]  # the graph is real
+    assert "llm_trainer.checkpoint.local" in graph["llm_trainer.checkpoint.checkpointer"]  # the graph is real
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -184,3 +184,51 @@ def test_only_the_launcher_module_reads_the_rank_from_the_environment():
         text = path.read_text()
         if path.name != "launcher.py":
             assert 'environ.get("RANK"' not in text and 'environ["RANK"]' not in text, path
+
+
+# The modules beside files/ at the bottom, which it may import (none of them imports files/: the
+# cycle test says so).
+FILES_MAY_IMPORT = {"llm_trainer.errors", "llm_trainer.logs", "llm_trainer.limits"}
+
+
+def test_files_imports_nothing_above_it():
+    """files/ is the ground floor: any module may use it, so it uses nothing of ours but errors, logs and
+    limits."""
+    graph = _import_graph()
+    for module, edges in graph.items():
+        if module == "llm_trainer.files" or module.startswith("llm_trainer.files."):
+            above = {e for e in edges if not e.startswith("llm_trainer.files") and e not in FILES_MAY_IMPORT}
+            assert not above, f"{module} imports {sorted(above)}"
+
+
+def _renames(path: Path) -> list[int]:
+    """Lines of a file that rename a file or folder: os.replace / os.rename, and a path's `.rename(x)` or
+    `.replace(x)` (one argument: `str.replace` takes two, `dataclasses.replace` keywords)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        name, owner = node.func.attr, node.func.value
+        if isinstance(owner, ast.Name) and owner.id == "os" and name in ("replace", "rename", "renames"):
+            found.append(node.lineno)
+        elif name == "rename" or (name == "replace" and len(node.args) == 1 and not node.keywords):
+            found.append(node.lineno)
+    return found
+
+
+def test_only_files_renames_into_place():
+    """A rename is how a file or folder is committed; `files.atomic` says how (fsync, a fresh temporary
+    name, an exchange for folders), so every module commits through it."""
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] == "files":
+            continue
+        assert not _renames(path), f"{path.relative_to(PACKAGE)} renames at lines {_renames(path)}: use files.atomic"
+
+
+def test_the_rename_finder_finds_them(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import os, dataclasses\nos.replace(a, b)\np.rename(q)\ntmp.replace(path)\n"
+        "s.replace('a', 'b')\ndataclasses.replace(c, x=1)\nd.replace(microsecond=0)\n"
+    )
+    assert _renames(source) == [2, 3, 4]

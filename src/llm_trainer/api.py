@@ -12,16 +12,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import launcher, storage
+from . import launcher
 from .checkpoint import remote as remote_checkpoints
 from .checkpoint.find import find_checkpoint
-from .checkpoint.folder_files import refuse_unreadable
 from .checkpoint.layout import holds_dcp_shards, read_meta
 from .checkpoint.model_folder import is_transformers_folder, load_model_folder, load_model_state, read_model_config
 from .checkpoint.verify import verify
 from .config import DataConfig, ExperimentConfig, TrainingConfig
 from .data.prepare import prepare_data
 from .errors import UsageError
+from .files import buckets
+from .files.folder_files import refuse_unreadable
 from .model import Transformer
 from .parallel import distributed
 from .pipeline import build_loaders, build_model, build_rows
@@ -75,7 +76,7 @@ def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Traine
 def local_checkpoint(path: str | Path) -> str | Path:
     """`path` itself, or for a URL (a checkpoint, best_model, checkpoints or run folder in a store) the
     local copy of the checkpoint it names, downloaded into {data.stream_cache_dir's default}/checkpoints."""
-    if not storage.is_url(str(path)):
+    if not buckets.is_url(str(path)):
         return path
     return remote_checkpoints.fetch_for_reading(str(path), Path(DataConfig.stream_cache_dir) / "checkpoints")
 
@@ -150,7 +151,7 @@ def in_same_store(url: str, checkpoint: str | Path | None) -> bool:
     a checkpoint may lead `eval` to read its run's data there, and nowhere else."""
     from urllib.parse import urlsplit
 
-    if checkpoint is None or not (storage.is_url(url) and storage.is_url(str(checkpoint))):
+    if checkpoint is None or not (buckets.is_url(url) and buckets.is_url(str(checkpoint))):
         return False
     mine, named = urlsplit(str(checkpoint)), urlsplit(url)
     return (mine.scheme, mine.netloc) == (named.scheme, named.netloc)
@@ -204,7 +205,7 @@ def eval_loader(
         )  # read only: nothing prepared for a saved config
         if prepared is None and in_same_store(settings.cache_dir, checkpoint):
             # the validation split, from the store the user named with --checkpoint (never another one)
-            root = Path(DataConfig.stream_cache_dir) / "validation" / storage.mirror_name(settings.cache_dir)
+            root = Path(DataConfig.stream_cache_dir) / "validation" / buckets.mirror_name(settings.cache_dir)
             prepared = fetch_validation(settings.cache_dir, fingerprint, root)
         if prepared is None:
             raise UsageError(

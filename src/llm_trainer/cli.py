@@ -28,7 +28,7 @@ START_OVER = (
 def resolve_config_path(name: str) -> Path:
     """A path, or the name of a shipped preset (`tiny`, `small`, `gpt2-small`, ...). Never a URL: a run's
     config.yaml in a store is copied by the user, then read as a local file."""
-    from .storage import is_url
+    from .files.buckets import is_url
 
     if is_url(name):
         raise UsageError(f"config {name} is a URL; --config takes a local file: copy it here first")
@@ -243,11 +243,11 @@ def cmd_export(args) -> int:
     model, _, _ = load_for_inference(path)
     import tempfile
 
-    from . import storage
     from .checkpoint.model_folder import save_model_folder
     from .checkpoint.publish import check_remote_target, check_target, publish_remote
+    from .files import buckets
 
-    remote = args.output if storage.is_url(args.output) else None
+    remote = args.output if buckets.is_url(args.output) else None
     if remote:  # written locally, then uploaded, config.json last
         check_remote_target(remote, args.overwrite)
     else:
@@ -779,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a full disk wherever a library met it (safetensors, torch wrap the OS error)
-        from .filesystem import disk_full
+        from .files.disk import disk_full
 
         if not disk_full(exc):
             raise

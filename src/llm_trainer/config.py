@@ -22,8 +22,9 @@ import yaml
 
 from . import config_aliases
 from .errors import UsageError
+from .files.atomic import write_text
+from .files.buckets import is_url, join, mirror_name
 from .limits import MAX_EXECUTOR_TASKS, MAX_SPIKE_WINDOW, check_model_dimensions
-from .storage import is_url, join, mirror_name
 
 # ----------------------------------------------------------------------------------------------
 # Generic validation: the declared type of each field is the schema.
@@ -1007,7 +1008,7 @@ class ExperimentConfig:
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        write_text(Path(path), yaml.safe_dump(self.to_dict(), sort_keys=False))
 
     @staticmethod
     def known_fields() -> dict[str, list[str]]:

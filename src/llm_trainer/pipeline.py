@@ -21,9 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from . import storage
 from .checkpoint import remote as remote_checkpoints
-from .checkpoint.folder_files import refuse_unreadable
 from .checkpoint.model_folder import CONFIG_NAME, is_transformers_folder, load_model_folder
 from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig
 from .config_loader import load_experiment
@@ -32,6 +30,8 @@ from .data.batches.source_labels import of_split as source_labels_of
 from .data.format import PreparedData
 from .data.prepare import prepare_data
 from .errors import UsageError
+from .files import buckets
+from .files.folder_files import refuse_unreadable
 from .logs import log, warn
 from .model import Transformer
 from .parallel import distributed
@@ -192,8 +192,8 @@ def prepare_run(
     `meta`: a fresh model is built on the meta device and initialised on the target device by the
     Trainer (after sharding under FSDP): every strategy and world size starts from the same weights
     for a seed."""
-    if storage.is_url(experiment.model.init_from):  # read from a local copy, checked as any folder
-        copy = storage.fetch_tree(experiment.model.init_from, Path(experiment.data.stream_cache_dir) / "models")
+    if buckets.is_url(experiment.model.init_from):  # read from a local copy, checked as any folder
+        copy = buckets.fetch_tree(experiment.model.init_from, Path(experiment.data.stream_cache_dir) / "models")
         experiment = _replace_section(experiment, "model", init_from=str(copy))
     if experiment.model.init_from:  # a folder we may not have written: its tokenizer is read below
         refuse_unreadable(Path(experiment.model.init_from), (TOKENIZER_FILE,))

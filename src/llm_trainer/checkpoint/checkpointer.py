@@ -37,17 +37,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import storage
 from ..errors import CheckpointError, UsageError
+from ..files import buckets
+from ..files.folder_files import SHARDED_DIR
 from ..logs import log
 from ..tokenizer import vocabulary_mismatch
 from .background import BackgroundWriter, HostSnapshot
 from .durable import remove_stale
 from .find import resolve_checkpoint
-from .folder_files import SHARDED_DIR
 from .layout import BEST, checkpoint_name
+from .local import load_checkpoint, rotate, save_best_model, save_checkpoint
 from .remote import ensure_uploaded, fetch_named, local_copy, store_shards, upload_best, upload_checkpoint
-from .store import load_checkpoint, rotate, save_best_model, save_checkpoint
 from .train_state import train_state_problem
 
 
@@ -91,7 +91,7 @@ class Checkpointer:
             self._remove_staging()  # no rank writes there before the first save's barrier
             remove_stale(self.root)  # a best_model an interrupted save moved aside is put back now
             if self.remote:
-                storage.check_writable(self.remote, "training.checkpoint_dir")
+                buckets.check_writable(self.remote, "training.checkpoint_dir")
         if self.use_background:
             self._writer, self._buffers_reserved = BackgroundWriter(), False
         return self
@@ -159,7 +159,7 @@ class Checkpointer:
             self.barrier()
             torch.save(rng_tensors, staging / f"rng-rank{self.dist.rank}.pt")
             if self.remote:  # FSDP: every rank's shards straight into the store (all ranks done on return)
-                in_store = self.parallel.save_shards_to_store(storage.join(self.remote, path.name, SHARDED_DIR))
+                in_store = self.parallel.save_shards_to_store(buckets.join(self.remote, path.name, SHARDED_DIR))
             if in_store is None:
                 self.parallel.save_shards(staging)
             if not self.parallel.checkpoint_kind.weights_in_shards:  # the checkpoint's model folder needs them whole
@@ -253,7 +253,7 @@ class Checkpointer:
         """Restore every part from a checkpoint folder or "latest" (a fresh start when there is none
         yet). Returns the restored TrainState, or None."""
         url = None
-        if (self.remote and spec == "latest") or storage.is_url(spec):  # from the store: one download per machine
+        if (self.remote and spec == "latest") or buckets.is_url(spec):  # from the store: one download per machine
             url = self.remote if spec == "latest" else spec
             if self.dist.local_rank == 0:
                 fetch_named(url, self.root)
@@ -317,7 +317,7 @@ class Checkpointer:
                 f"{path} keeps its shards in the store ({missing[0]} is not on disk); resume with "
                 "training.checkpoint_dir set to that store's checkpoints folder, or from the checkpoint's URL"
             )
-        folder = url if local_copy(url, self.root) != self.root else storage.join(url, path.name)
+        folder = url if local_copy(url, self.root) != self.root else buckets.join(url, path.name)
         return store_shards(folder, meta)
 
     def _check_tokenizer(self, path: Path) -> None:

@@ -3,7 +3,7 @@
 A model folder holds `model.safetensors` and `model_config.json`; checkpoints, `best_model/` and
 `save_model_folder` all write it, so `eval`, `generate` and `export` take any of them, and
 `load_model_folder` reads it back (into `Transformer` or a subclass of it). The folder may be anyone's
-(`model.init_from`, a downloaded model): its files are read under `folder_files`' rule.
+(`model.init_from`, a downloaded model): its files are read under `files.folder_files`' rule.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from safetensors.torch import load_file, save_file
 
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..filesystem import with_default_mode
+from ..files.disk import with_default_mode
+from ..files.folder_files import refuse_unreadable
 from ..limits import check_model_memory, parse_json
 from ..model import Transformer
-from .folder_files import refuse_unreadable
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "model_config.json"

@@ -28,9 +28,9 @@ from ..checkpoint.model_folder import clean_name, load_model_folder, load_model_
 from ..checkpoint.publish import check_target, publish
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..filesystem import with_default_mode
+from ..files.buckets import is_url
+from ..files.disk import with_default_mode
 from ..model import Transformer
-from ..storage import is_url
 from ..tokenizer import EOT as EOT_TOKEN
 from ..tokenizer import backend_from_json, load_backend, tokenizer_json
 from .fast_tokenizer import require_transformers as _transformers

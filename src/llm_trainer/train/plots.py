@@ -20,9 +20,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.durable import write_bytes_atomically
 from ..errors import UsageError
-from ..filesystem import writable_folder
+from ..files.atomic import write_bytes
+from ..files.disk import writable_folder
 from ..logs import log, warn
 from .callbacks import Callback
 from .rows import row_kind
@@ -251,7 +251,7 @@ def _save_png(fig, path: Path) -> None:
     """The figure as a PNG file, replaced atomically (a symlink planted at `path` is replaced, not followed)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
-    write_bytes_atomically(path, buffer.getvalue())
+    write_bytes(path, buffer.getvalue())
 
 
 def _disambiguate(runs: list[RunSeries], dirs: list[Path]) -> None:

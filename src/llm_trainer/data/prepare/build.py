@@ -34,6 +34,7 @@ import numpy as np
 
 from ...config import DataConfig
 from ...errors import UsageError
+from ...files.atomic import move_into_place
 from ...logs import log
 from ...tokenizer import Tokenizer
 from ..format import FORMAT_VERSION, MANIFEST, PreparedData
@@ -315,8 +316,7 @@ class Build:
             "validation_split_by": split_by,
         }
         (self.work / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        shutil.rmtree(self.directory, ignore_errors=True)  # a folder without a manifest is an old partial one
-        self.work.rename(self.directory)
+        move_into_place(self.work, self.directory)  # one there without a manifest is an old partial one: replaced
         shutil.rmtree(self.directory / SHARDS, ignore_errors=True)
         (self.directory / ".lock").unlink(missing_ok=True)
         print_summary(report)

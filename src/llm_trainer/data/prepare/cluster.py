@@ -47,6 +47,7 @@ import numpy as np
 
 from ...config import DataConfig
 from ...errors import UsageError
+from ...files.atomic import write_file
 from ..text.dedup import MinHasher
 from ..text.filters import FILTERS, Removal
 from ..text.mixture import interleave
@@ -123,9 +124,7 @@ class Plan:
 
     def save(self, path: Path) -> PlanFile:
         raw = json.dumps(self.record()).encode()
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(raw)
-        os.replace(tmp, path)
+        write_file(path, raw)
         return PlanFile(str(path), hashlib.sha256(raw).hexdigest())
 
     def ranges(self) -> list[tuple[int, int]]:
@@ -242,9 +241,7 @@ class PartWriter:
                 os.fsync(handle.fileno())
                 handle.close()
         done = {"sources": {str(s): info for s, info in self.sources.items()}}
-        tmp = self.folder / "done.json.tmp"
-        tmp.write_text(json.dumps(done))
-        os.replace(tmp, self.folder / "done.json")
+        write_file(self.folder / "done.json", json.dumps(done).encode())
 
 
 def tokenized_rows(result: Processed, deduplication: str, seen: set[int] | None) -> list[int]:
@@ -279,7 +276,7 @@ def write_error(tasks_dir: Path, stage: str, rank: int, tasks: int, file: str | 
         "type": type(exc).__name__,
         "usage": isinstance(exc, UsageError),
     }
-    (folder / f"{rank:05d}.json").write_text(json.dumps(record))
+    write_file(folder / f"{rank:05d}.json", json.dumps(record).encode())
 
 
 def clear_error(tasks_dir: Path, stage: str, rank: int) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from ...config import DataConfig
 from ...errors import UsageError
+from ...files.atomic import write_file
 from ...logs import log
 from ...tokenizer import Tokenizer
 from ..format import MANIFEST, PreparedData
@@ -274,7 +275,7 @@ def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, dire
     seconds["total"] = time.perf_counter() - started
     if "prepare" in seconds:
         seconds["merge"] = seconds["total"] - seconds["prepare"]
-    (tasks_dir / "seconds.json").write_text(json.dumps({k: round(v, 3) for k, v in seconds.items()}))
+    write_file(tasks_dir / "seconds.json", json.dumps({k: round(v, 3) for k, v in seconds.items()}).encode())
     for stage in STAGES:
         shutil.rmtree(tasks_dir / stage / "completions", ignore_errors=True)
     shutil.rmtree(tasks_dir / PARTS, ignore_errors=True)
@@ -443,13 +444,13 @@ def _run_slurm(per_file, merging, tasks_dir: Path, manifest: Path, poll: float =
             merging.run()  # submits the per-file array job first (its dependency), then the merge job
     except subprocess.CalledProcessError as exc:
         jobs = [str(j) for j in (per_file.job_id, merging.job_id) if j not in (None, -1)]
-        submitted.write_text(json.dumps(jobs))  # the next command waits for these before submitting
+        write_file(submitted, json.dumps(jobs).encode())  # the next command waits for these before submitting
         raise TaskFailed(
             f"executor slurm: sbatch failed (exit status {exc.returncode}, its message above); the jobs "
             f"submitted before it: {', '.join(jobs) or 'none'}; run {_resume_command()} again once it is fixed"
         ) from None
     jobs = [str(j) for j in (per_file.job_id, merging.job_id) if j not in (None, -1)]
-    submitted.write_text(json.dumps(jobs))
+    write_file(submitted, json.dumps(jobs).encode())
     log(f"data: submitted Slurm job(s) {', '.join(jobs) or '(none: all tasks were complete)'}")
     while not manifest.is_file():
         queued = _queued(jobs)
