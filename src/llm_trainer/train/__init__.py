@@ -5,7 +5,7 @@
     stop            StopControl: signals, early stopping and the reason the loop ends
     batches         any iterable of batches as the loader interface the loop reads
     batch_size      `batch_size: auto`: the largest micro-batch that fits, estimated then measured once
-    memory_estimate the memory one training step takes, counted from the config
+    memory_estimate  the memory one training step takes, counted from the config
     memory_probe    the measured peak of a few real steps, in a fresh process (checks the estimate)
     optim muon      the optimizer (AdamW, Muon) and the learning-rate schedule
     evaluate        validation loss and perplexity
