@@ -411,14 +411,16 @@ def test_connection_lost_mid_run_is_retried_then_one_error_and_latest_stays_comp
     _upload_corpus(fs, bucket, tmp_path)
     config = _experiment(tmp_path, bucket, max_steps=400, save_steps=3, eval_steps=400)
     relay = _Relay(os.environ["AWS_ENDPOINT_URL"])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llm_trainer", "train", "--config", str(config)],
-        env=_env(relay.endpoint),
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as stderr_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llm_trainer", "train", "--config", str(config)],
+            env=_env(relay.endpoint),
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr_file,
+            text=True,
+        )
     try:
         deadline = time.monotonic() + 240
         while not fs.exists(f"{bucket}/checkpoints/latest"):
@@ -426,11 +428,15 @@ def test_connection_lost_mid_run_is_retried_then_one_error_and_latest_stays_comp
             time.sleep(0.1)
             fs.invalidate_cache()
         relay.cut()
-        _, stderr = proc.communicate(timeout=300)
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the run did not end after the cut; its stderr:\n{log.read_text()[-4000:]}") from None
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    stderr = log.read_text()
     assert "trying again" in stderr  # retried first
     done = subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
     _one_line_exit_2(done, "cannot reach", "AWS_ENDPOINT_URL")
