@@ -5,12 +5,11 @@ places: the config's validation and properties (`config.py`) for a setting, and 
 a command or function is given (a checkpoint to read, an `--output` to write, a run to look at). When it
 is one, the work happens in a local folder and this module moves files between that folder and the store:
 
-  `Location(path).local(download)` the local copy a reader reads (`download` is the folder's own kind)
-  `Location(path).staged(name)`    the local file or folder a writer fills, then `put_file` or an upload
-
-  `fetch_files(spec, ...)`        data_files (a file, a folder or a glob) downloaded into a local mirror
-  `put_folder(local, url, ...)`   every file of a folder uploaded, the commit marker last
-  `get_folder(url, local, ...)`   the files a commit record lists downloaded, each checksummed on arrival
+  `Location(path).local(download)`  the local copy a reader reads (`download` is the folder's own kind)
+  `Location(path).staged(name)`     the local file or folder a writer fills, then `put_file` or an upload
+  `list_files`, `fetch_file`        data_files (a file, a folder or a glob) downloaded into a local mirror
+  `put_folder(local, url, ...)`     every file of a folder uploaded, the commit marker last
+  `get_folder(url, local, ...)`     the files a commit record lists downloaded, each checksummed on arrival
 
 Everything goes through fsspec (s3fs, gcsfs, adlfs, huggingface_hub are the stores' own packages);
 credentials come from each store's usual environment variables and config files and are never logged.
