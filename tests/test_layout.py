@@ -278,3 +278,41 @@ def test_the_rename_finder_finds_them(tmp_path):
         "s.replace('a', 'b')\ndataclasses.replace(c, x=1)\nd.replace(microsecond=0)\n"
     )
     assert _renames(source) == [2, 3, 4]
+
+
+# Where a path is told apart from a URL: a setting in config.py (its validation and properties:
+# `remote_output_dir`, `resume_url`, ...), any other path in files/buckets.py (`Location`, which
+# readers and writers are given). Every other module works on what they decided.
+MAY_ASK_IS_URL = {"config.py", "files/buckets.py"}
+
+
+def _asks_is_url(path: Path) -> list[int]:
+    """Lines of a file that call `is_url` (`is_url(x)`, `buckets.is_url(x)`) or import it (under any name)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            if name == "is_url":
+                found.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and any(alias.name == "is_url" for alias in node.names):
+            found.append(node.lineno)
+    return found
+
+
+def test_only_config_and_buckets_ask_whether_a_path_is_a_url():
+    """A module that branches on "is this a URL" again decides it its own way; it takes the decision
+    from the config (a setting) or from `files.buckets.Location` (any other path) instead."""
+    for path in PACKAGE.rglob("*.py"):
+        where = path.relative_to(PACKAGE).as_posix()
+        if where not in MAY_ASK_IS_URL:
+            assert not _asks_is_url(path), f"{where} asks is_url at lines {_asks_is_url(path)}: use buckets.Location"
+
+
+def test_the_is_url_finder_finds_them(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from x.buckets import is_url as u\nfrom x import buckets\nbuckets.is_url(a)\nis_url(b)\n"
+        "self.is_url\nbuckets.Location(c).url\n"
+    )
+    assert _asks_is_url(source) == [1, 3, 4]

@@ -6,13 +6,40 @@ import os
 import pytest
 
 from llm_trainer.errors import UsageError
-from llm_trainer.files.buckets import is_url, make_room, mirror_name
+from llm_trainer.files.buckets import Location, is_url, make_room, mirror_name
 
 
 def test_which_paths_are_urls():
     assert is_url("s3://bucket/data/") and is_url("gs://b/x") and is_url("hf://datasets/x") and is_url("az://c/p")
     assert not is_url("data/corpus") and not is_url("/abs/path") and not is_url("file:///tmp/x") and not is_url(None)
     assert mirror_name("s3://b/a") != mirror_name("s3://b/b") and "/" not in mirror_name("s3://b/a/c")
+
+
+def test_a_location_reads_a_local_path_as_given_and_a_url_through_its_download(tmp_path):
+    downloaded = []
+
+    def download(url):
+        downloaded.append(url)
+        return tmp_path / "copy"
+
+    assert Location("runs/x/").local(download) == "runs/x/" and Location(tmp_path).local(download) == tmp_path
+    assert Location("file:///tmp/x").url is None and not downloaded
+    assert Location("s3://b/runs/x").local(download) == tmp_path / "copy" and downloaded == ["s3://b/runs/x"]
+    Location("runs/x").refuse_url("never said")
+    with pytest.raises(UsageError, match="^local only$"):
+        Location("gs://b/x").refuse_url("local only")
+
+
+def test_a_location_writes_a_local_path_in_place_and_a_url_in_a_temporary_folder(tmp_path):
+    with Location(tmp_path / "out.gguf").staged("out.gguf") as path:
+        assert path == tmp_path / "out.gguf"
+    written = tmp_path / ".out.gguf.tmp"
+    written.write_text("whole")
+    Location(tmp_path / "out.gguf").put_file(written, path)
+    assert path.read_text() == "whole" and not written.exists()
+    with Location("s3://b/models/out.gguf").staged("out.gguf") as staged:
+        assert staged.name == "out.gguf" and staged.parent.is_dir() and tmp_path not in staged.parents
+    assert not staged.parent.exists()
 
 
 def _entry(folder, size: int, age: int):

@@ -76,9 +76,8 @@ def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Traine
 def local_checkpoint(path: str | Path) -> str | Path:
     """`path` itself, or for a URL (a checkpoint, best_model, checkpoints or run folder in a store) the
     local copy of the checkpoint it names, downloaded into {data.stream_cache_dir's default}/checkpoints."""
-    if not buckets.is_url(str(path)):
-        return path
-    return remote_checkpoints.fetch_for_reading(str(path), Path(DataConfig.stream_cache_dir) / "checkpoints")
+    cache = Path(DataConfig.stream_cache_dir) / "checkpoints"
+    return buckets.Location(path).local(lambda url: remote_checkpoints.fetch_for_reading(url, cache))
 
 
 def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transformer, Tokenizer, dict]:
@@ -146,17 +145,6 @@ def _file_tokens(path: Path, tokenizer, text_column: str) -> list[int]:
     return tokens
 
 
-def in_same_store(url: str, checkpoint: str | Path | None) -> bool:
-    """Whether the URL a checkpoint's config names lies in the bucket of the checkpoint URL the user gave:
-    a checkpoint may lead `eval` to read its run's data there, and nowhere else."""
-    from urllib.parse import urlsplit
-
-    if checkpoint is None or not (buckets.is_url(url) and buckets.is_url(str(checkpoint))):
-        return False
-    mine, named = urlsplit(str(checkpoint)), urlsplit(url)
-    return (mine.scheme, mine.netloc) == (named.scheme, named.netloc)
-
-
 def eval_loader(
     model: Transformer,
     tokenizer: Tokenizer,
@@ -203,8 +191,9 @@ def eval_loader(
         prepared = find_prepared(
             settings.local_cache_dir, fingerprint
         )  # read only: nothing prepared for a saved config
-        if prepared is None and in_same_store(settings.cache_dir, checkpoint):
-            # the validation split, from the store the user named with --checkpoint (never another one)
+        if prepared is None and buckets.same_bucket(settings.cache_dir, checkpoint):
+            # the validation split, from the store the user named with --checkpoint (never another one: a
+            # checkpoint's config may lead eval to read its run's data in that bucket, and nowhere else)
             root = Path(DataConfig.stream_cache_dir) / "validation" / buckets.mirror_name(settings.cache_dir)
             prepared = fetch_validation(settings.cache_dir, fingerprint, root)
         if prepared is None:

@@ -28,10 +28,9 @@ START_OVER = (
 def resolve_config_path(name: str) -> Path:
     """A path, or the name of a shipped preset (`tiny`, `small`, `gpt2-small`, ...). Never a URL: a run's
     config.yaml in a store is copied by the user, then read as a local file."""
-    from .files.buckets import is_url
+    from .files.buckets import Location
 
-    if is_url(name):
-        raise UsageError(f"config {name} is a URL; --config takes a local file: copy it here first")
+    Location(name).refuse_url(f"config {name} is a URL; --config takes a local file: copy it here first")
     path = Path(name)
     if path.is_file():
         return path
@@ -247,18 +246,17 @@ def cmd_export(args) -> int:
     from .checkpoint.publish import check_remote_target, check_target, publish_remote
     from .files import buckets
 
-    remote = args.output if buckets.is_url(args.output) else None
-    if remote:  # written locally, then uploaded, config.json last
-        check_remote_target(remote, args.overwrite)
+    target = buckets.Location(args.output)
+    if target.url:  # written locally, then uploaded, config.json last
+        check_remote_target(target.url, args.overwrite)
     else:
         check_target(Path(args.output), path, args.overwrite)  # against the checkpoint, not the temporary folder
-    with tempfile.TemporaryDirectory(prefix="export-") as folder, tempfile.TemporaryDirectory() as upload:
+    with tempfile.TemporaryDirectory(prefix="export-") as folder, target.staged("export") as written:
         save_model_folder(model, folder)
-        target = Path(upload) / "export" if remote else args.output
-        out = export_to_hf(Path(folder), target, tokenizer_file=path / "tokenizer.json", overwrite=args.overwrite)
-        if remote:
-            publish_remote(Path(out), remote, marker="config.json")
-            out = remote
+        out = export_to_hf(Path(folder), written, tokenizer_file=path / "tokenizer.json", overwrite=args.overwrite)
+        if target.url:
+            publish_remote(Path(out), target.url, marker="config.json")
+            out = target.url
     print(f"exported to {out}")
     return 0
 

@@ -644,6 +644,14 @@ class TrainingConfig(_Validated):
             return join(self.output_dir, "checkpoints")
         return None
 
+    @property
+    def resume_url(self) -> str | None:
+        """The URL a resume reads its checkpoint from: resume_from_checkpoint when it is one, or for
+        `latest` the remote_checkpoint_dir; None when it resumes from local folders alone."""
+        if self.resume_from_checkpoint == "latest":
+            return self.remote_checkpoint_dir
+        return self.resume_from_checkpoint if is_url(self.resume_from_checkpoint) else None
+
 
 @dataclass(kw_only=True)
 class AlertsConfig(_Validated):
@@ -859,10 +867,15 @@ class DataConfig(_Validated):
     executor_address: str | None = None  # ray: the cluster to join (null: RAY_ADDRESS, else a local one)
 
     @property
+    def remote_cache_dir(self) -> str | None:
+        """The URL the prepared folders are kept in (each downloaded, or prepared and uploaded), or None."""
+        return self.cache_dir if is_url(self.cache_dir) else None
+
+    @property
     def local_cache_dir(self) -> Path:
         """Where this machine keeps the prepared folders: cache_dir, or for a URL cache_dir its local
         mirror under stream_cache_dir."""
-        if is_url(self.cache_dir):
+        if self.remote_cache_dir:
             return Path(self.stream_cache_dir) / "prepared" / mirror_name(self.cache_dir)
         return Path(self.cache_dir)
 

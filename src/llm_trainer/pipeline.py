@@ -192,9 +192,10 @@ def prepare_run(
     `meta`: a fresh model is built on the meta device and initialised on the target device by the
     Trainer (after sharding under FSDP): every strategy and world size starts from the same weights
     for a seed."""
-    if buckets.is_url(experiment.model.init_from):  # read from a local copy, checked as any folder
-        copy = buckets.fetch_tree(experiment.model.init_from, Path(experiment.data.stream_cache_dir) / "models")
-        experiment = _replace_section(experiment, "model", init_from=str(copy))
+    if experiment.model.init_from:  # a URL: read from a local copy, checked as any folder
+        models = Path(experiment.data.stream_cache_dir) / "models"
+        init_from = buckets.Location(experiment.model.init_from).local(lambda url: buckets.fetch_tree(url, models))
+        experiment = _replace_section(experiment, "model", init_from=str(init_from))
     if experiment.model.init_from:  # a folder we may not have written: its tokenizer is read below
         refuse_unreadable(Path(experiment.model.init_from), (TOKENIZER_FILE,))
     if experiment.model.init_from and experiment.data.tokenizer == "bpe":

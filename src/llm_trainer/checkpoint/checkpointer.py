@@ -249,12 +249,11 @@ class Checkpointer:
 
     # -- loading ----------------------------------------------------------------------------------
 
-    def load(self, spec: str):
+    def load(self, spec: str, url: str | None = None):
         """Restore every part from a checkpoint folder or "latest" (a fresh start when there is none
-        yet). Returns the restored TrainState, or None."""
-        url = None
-        if (self.remote and spec == "latest") or buckets.is_url(spec):  # from the store: one download per machine
-            url = self.remote if spec == "latest" else spec
+        yet). Returns the restored TrainState, or None. `url`: where in a store the checkpoint is read
+        from (`TrainingConfig.resume_url`; `spec` is then that URL, or "latest" of the store's checkpoints)."""
+        if url is not None:  # from the store: one download per machine
             if self.dist.local_rank == 0:
                 fetch_named(url, self.root)
             self.barrier()

@@ -1,11 +1,15 @@
 """Paths that are URLs (s3://, gs://, az://, hf://, ...): the one place that reads and writes them.
 
-Every other module keeps working on local paths. A setting that may be a URL asks `is_url`; when it is,
-the work happens in a local folder and this module moves files between that folder and the store:
+Every other module keeps working on local paths. Whether a path is a URL is decided in one of two
+places: the config's validation and properties (`config.py`) for a setting, and `Location` for a path
+a command or function is given (a checkpoint to read, an `--output` to write, a run to look at). When it
+is one, the work happens in a local folder and this module moves files between that folder and the store:
 
-  `fetch_files(spec, ...)`        data_files (a file, a folder or a glob) downloaded into a local mirror
-  `put_folder(local, url, ...)`   every file of a folder uploaded, the commit marker last
-  `get_folder(url, local, ...)`   the files a commit record lists downloaded, each checksummed on arrival
+  `Location(path).local(download)`  the local copy a reader reads (`download` is the folder's own kind)
+  `Location(path).staged(name)`     the local file or folder a writer fills, then `put_file` or an upload
+  `list_files`, `fetch_file`        data_files (a file, a folder or a glob) downloaded into a local mirror
+  `put_folder(local, url, ...)`     every file of a folder uploaded, the commit marker last
+  `get_folder(url, local, ...)`     the files a commit record lists downloaded, each checksummed on arrival
 
 Everything goes through fsspec (s3fs, gcsfs, adlfs, huggingface_hub are the stores' own packages);
 credentials come from each store's usual environment variables and config files and are never logged.
@@ -26,10 +30,14 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from ..errors import StoreFull, UsageError, first_line
 from ..limits import parse_json
@@ -52,6 +60,55 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 def is_url(path: Any) -> bool:
     """Whether `path` names a location in a store (scheme://...) rather than a local path (file:// is local)."""
     return isinstance(path, str) and bool(_URL.match(path)) and not path.startswith("file://")
+
+
+def same_bucket(url: str, other: str | Path | None) -> bool:
+    """Whether `url` and `other` are both URLs of one bucket (the same scheme and bucket name)."""
+    if other is None or not (is_url(url) and is_url(str(other))):
+        return False
+    mine, named = urlsplit(str(other)), urlsplit(url)
+    return (mine.scheme, mine.netloc) == (named.scheme, named.netloc)
+
+
+@dataclass(frozen=True)
+class Location:
+    """A path a command or function is given that may be a URL: whether it is one is decided here, once,
+    and what is read or written on this machine follows from it. `url` is the URL, or None for a local
+    path (then `where` itself is read and written, unchanged)."""
+
+    where: str | Path
+
+    @property
+    def url(self) -> str | None:
+        return str(self.where) if is_url(str(self.where)) else None
+
+    def refuse_url(self, message: str) -> None:
+        """A `UsageError(message)` when this is a URL: for an argument that takes a local path only."""
+        if self.url is not None:
+            raise UsageError(message)
+
+    def local(self, download: Callable[[str], Path]) -> str | Path:
+        """What a reader opens: `where` itself, or for a URL the local copy `download(url)` makes (each
+        kind of folder has its own: `fetch_tree` for a model folder, `checkpoint.remote` for a checkpoint)."""
+        return download(self.url) if self.url is not None else self.where
+
+    @contextmanager
+    def staged(self, name: str) -> Iterator[Path]:
+        """What a writer fills: `where` itself, or for a URL the path `name` in a temporary local folder,
+        removed when the block ends (the writer uploads it before that: `put_file`, `put_folder`)."""
+        if self.url is None:
+            yield Path(self.where)
+            return
+        with tempfile.TemporaryDirectory(prefix="upload-") as folder:
+            yield Path(folder) / name
+
+    def put_file(self, written: Path, final: Path) -> None:
+        """A file written whole takes its place: renamed onto `final` (`atomic.put_in_place`), or
+        uploaded to the URL."""
+        if self.url is not None:
+            upload(written, self.url)
+        else:
+            put_in_place(written, final)
 
 
 def join(url: str, *names: str) -> str:

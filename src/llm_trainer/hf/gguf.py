@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,6 @@ from ..checkpoint.model_folder import load_model_folder
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..files import buckets
-from ..files.atomic import put_in_place
 from ..files.disk import disk_full, new_file_mode, no_follow, writable_folder
 from ..logs import log
 from ..tokenizer import EOT, pre_split_of
@@ -286,8 +284,9 @@ def _write(path: Path, name: str, config: ModelConfig, state: dict[str, torch.Te
 def check_output(output, overwrite: bool) -> None:
     """Refuse, before any work, a target that is a folder, that exists (without `overwrite`), or whose
     folder cannot be written (a URL: that exists without `overwrite`)."""
-    if buckets.is_url(output):
-        if buckets.exists(str(output)) and not overwrite:
+    url = buckets.Location(output).url
+    if url is not None:
+        if buckets.exists(url) and not overwrite:
             raise UsageError(f"{output} exists; choose another name or pass --overwrite to replace it")
         return
     output = Path(output)
@@ -309,7 +308,7 @@ def export_to_gguf(model_dir, output, *, tokenizer_file=None, dtype: str = "f32"
     if dtype not in DTYPES:
         raise UsageError(f"unknown GGUF dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     model_dir = Path(model_dir)
-    remote = str(output) if buckets.is_url(output) else None
+    target = buckets.Location(output)
     check_output(output, overwrite)
     backend, tokenizer_json = read_tokenizer_json(
         model_dir / "tokenizer.json" if tokenizer_file is None else tokenizer_file
@@ -321,8 +320,7 @@ def export_to_gguf(model_dir, output, *, tokenizer_file=None, dtype: str = "f32"
     vocab = gguf_vocab(backend, tokenizer_json, config.vocab_size)
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
 
-    with tempfile.TemporaryDirectory(prefix="gguf-") as upload:
-        final = Path(upload) / Path(remote).name if remote else Path(output)
+    with target.staged(Path(str(output)).name) as final:
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         try:
             tmp.unlink(missing_ok=True)  # a symlink planted there goes, its target untouched
@@ -331,10 +329,7 @@ def export_to_gguf(model_dir, output, *, tokenizer_file=None, dtype: str = "f32"
             os.chmod(tmp, new_file_mode())
             with open(tmp, "rb+") as written:
                 os.fsync(written.fileno())  # on disk before the rename makes it the target
-            if remote:
-                buckets.upload(tmp, remote)
-            else:
-                put_in_place(tmp, final)
+            target.put_file(tmp, final)  # renamed onto the target, or uploaded to its URL
         except OSError as exc:
             reason = "disk full" if disk_full(exc, tmp.parent) else exc.strerror or str(exc)
             raise UsageError(f"could not write {output} ({reason}); nothing was replaced") from None

@@ -28,7 +28,7 @@ from ..checkpoint.model_folder import clean_name, load_model_folder, load_model_
 from ..checkpoint.publish import check_target, publish
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..files.buckets import is_url
+from ..files.buckets import Location
 from ..files.disk import with_default_mode
 from ..model import Transformer
 from ..tokenizer import EOT as EOT_TOKEN
@@ -517,11 +517,10 @@ def save_pretrained(model: Transformer, save_directory, tokenizer: Any = None, *
     """`model.save_pretrained(dir)`: `export_model` for a model in memory, with `tokenizer` given as ours,
     a `tokenizers.Tokenizer` or a transformers fast tokenizer (anything else is refused in one line)."""
 
-    if is_url(str(save_directory)):
-        raise UsageError(
-            f"save_pretrained writes a local folder, not {save_directory}; save it locally, or save a checkpoint "
-            f"and run llm-trainer export --checkpoint DIR --output {save_directory}"
-        )
+    Location(save_directory).refuse_url(
+        f"save_pretrained writes a local folder, not {save_directory}; save it locally, or save a checkpoint "
+        f"and run llm-trainer export --checkpoint DIR --output {save_directory}"
+    )
     backend = None
     if tokenizer is not None:
         text = tokenizer_json(tokenizer)

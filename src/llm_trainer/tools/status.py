@@ -39,19 +39,22 @@ LAST_LOSSES = 5  # training losses shown
 LAST_ALERTS = 5  # alert rows shown (all are counted)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunFiles:
-    """Reads one run folder's files by name: a local folder, or a URL through `files.buckets`."""
+    """Reads one run folder's files by name: a local folder, or a URL through `files.buckets`
+    (`in_store`: which one, decided once by `of`)."""
 
     where: str
+    in_store: bool
 
-    @property
-    def is_url(self) -> bool:
-        return buckets.is_url(self.where)
+    @classmethod
+    def of(cls, run: str) -> RunFiles:
+        url = buckets.Location(run).url
+        return cls(url.rstrip("/"), True) if url else cls(run, False)
 
     def text(self, *names: str) -> str | None:
         """The text of the file `names` joins to, or None when there is none (or it is unreadable)."""
-        if self.is_url:
+        if self.in_store:
             return buckets.read_text(buckets.join(self.where, *names))
         path = Path(self.where).joinpath(*names)
         try:
@@ -97,7 +100,7 @@ def _complete(files: RunFiles, name: str) -> tuple[dict | None, str | None]:
     meta = files.json(CHECKPOINTS_DIR, name, META)
     if meta is None or not isinstance(meta.get("files"), dict):
         return None, "no readable meta.json (a save cut short)"
-    if files.is_url:
+    if files.in_store:
         return meta, None  # the store's `latest` is written after every file it names (checkpoint.remote)
     folder = Path(files.where) / CHECKPOINTS_DIR / name
     for listed, entry in meta["files"].items():
@@ -114,7 +117,7 @@ def _checkpoint(files: RunFiles) -> dict | None:
     """The newest complete checkpoint: the one `latest` names, else (a local folder) the newest whole one."""
     named = (files.text(CHECKPOINTS_DIR, LATEST) or "").strip()
     candidates = [named] if named and "/" not in named and named not in (".", "..") else []
-    if not files.is_url:
+    if not files.in_store:
         candidates += [p.name for p in reversed(list_checkpoints(Path(files.where) / CHECKPOINTS_DIR))]
     skipped = []
     for name in dict.fromkeys(candidates):
@@ -133,7 +136,7 @@ def _checkpoint(files: RunFiles) -> dict | None:
 
 def _lock(files: RunFiles, config: dict) -> dict:
     """Whether a live process holds the run's lock: the folder's own, or a URL run's staging folder here."""
-    if files.is_url:
+    if files.in_store:
         staging = config.get("staging_dir") if isinstance(config.get("staging_dir"), str) else None
         training = TrainingConfig(output_dir=files.where, **({"staging_dir": staging} if staging else {}))
         folder, where = training.local_output_dir, "this machine's staging folder"
@@ -172,8 +175,8 @@ def _state(lock: dict, summary: dict | None, ended: dict | None) -> str:
 
 def run_status(run: str) -> dict:
     """Everything `llm-trainer status` shows, as plain data (what `--json` prints)."""
-    files = RunFiles(run.rstrip("/") if buckets.is_url(run) else run)
-    if not files.is_url and not Path(run).is_dir():
+    files = RunFiles.of(run)
+    if not files.in_store and not Path(run).is_dir():
         raise UsageError(f"run folder {run} not found; pass a run's training.output_dir (a folder or a URL)")
     text = files.text(METRICS_FILE)
     rows = _rows(text)
@@ -219,7 +222,7 @@ def run_status(run: str) -> dict:
 
 def _age(files: RunFiles) -> float | None:
     """Seconds since metrics.jsonl last changed (a local folder; None for a URL)."""
-    if files.is_url:
+    if files.in_store:
         return None
     try:
         return max(0.0, time.time() - (Path(files.where) / METRICS_FILE).stat().st_mtime)

@@ -264,7 +264,7 @@ class Trainer:
         if cfg.resume_from_checkpoint and cfg.remote_output_dir and self.dist.is_main:
             fetch_run_files(cfg)  # metrics.jsonl as the store holds it, on a machine without a copy
         if cfg.resume_from_checkpoint:
-            self.checkpointer.load(cfg.resume_from_checkpoint)
+            self.checkpointer.load(cfg.resume_from_checkpoint, url=cfg.resume_url)
         self.bad_steps = NonFiniteSteps(self.device, state.skipped_steps, state.consecutive_bad_steps)
         self.spikes = self._spike_monitor()
         self.profiler = StepProfiler(cfg, self.output_dir, self.device, self.dist.rank, self.total_steps)

@@ -15,7 +15,6 @@ from pathlib import Path
 from ...config import DataConfig
 from ...errors import UsageError
 from ...files import buckets
-from ...files.buckets import is_url
 from ...files.disk import disk_full, lock_exclusive
 from ...logs import log
 from ...tokenizer import Tokenizer
@@ -102,7 +101,7 @@ def fetch_validation(url: str, fingerprint: str, root: Path) -> PreparedData | N
 def prepare_data(config: DataConfig) -> PreparedData:
     """Build (or reuse, or resume) the token files for `config` (the folder's files: `data.format`)."""
     config.check_source()
-    if is_url(config.cache_dir):
+    if config.remote_cache_dir:
         return _prepare_in_store(config)
     return _prepare_here(config, Path(config.cache_dir))
 

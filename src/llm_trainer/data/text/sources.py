@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 from ...config import DataConfig, SourceConfig
 from ...errors import UsageError
-from ...files.buckets import fetch_file, identity, is_url, list_files
+from ...files.buckets import Location, fetch_file, identity, list_files
 from ...hf.hub import hub_unreachable, offline_mode_set
 from ...limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
 from .filters import QualityFilter
@@ -200,7 +200,7 @@ def resolve_files(
         specs = [specs]
     out: list[tuple[Path, bool]] = []
     for spec in specs:
-        if is_url(spec):
+        if Location(spec).url:
             if cache is None:
                 raise UsageError(f"data file {spec} is a URL; set data.stream_cache_dir to a local folder for its copy")
             out += [
@@ -723,7 +723,7 @@ def source_fingerprint(config: DataConfig) -> list:
         if spec.data_files is not None:
             specs = [spec.data_files] if isinstance(spec.data_files, str) else spec.data_files
             for one in specs:
-                if is_url(one):  # a store's file is identified by its URL, size and ETag (or time)
+                if Location(one).url:  # a store's file is identified by its URL, size and ETag (or time)
                     items += [
                         [url, *identity(info)] for url, info, _ in _remote_files(one, spec.include, spec.exclude, quiet)
                     ]
