@@ -39,7 +39,9 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint import layout
+from ..checkpoint.fused_projections import refuse_resume
 from ..checkpoint.model_folder import load_model_state, model_tensors
+from ..config import ModelConfig
 from ..errors import UsageError
 from .distributed import DistInfo
 
@@ -138,11 +140,20 @@ class Parallelism:
             from ..checkpoint.sharded import load_sharded
 
             return load_sharded(self.module, self.optimizer, parts["sharded"], parts.get("store"))
+        refuse_old_layout(self.module, parts["model"], path)
         load_model_state(self.module, parts["model"], str(path))
         try:
             self.optimizer.load_state_dict(parts["optimizer"])
         except (ValueError, KeyError) as exc:
             raise UsageError(f"optimizer state in {path} does not match this model/optimizer: {exc}") from None
+
+
+def refuse_old_layout(module: nn.Module, weights: dict, path: Path) -> None:
+    """A whole training checkpoint written before the projections were split does not resume (see
+    `fused_projections.refuse_resume`)."""
+    config = getattr(module, "config", None)
+    if isinstance(config, ModelConfig):
+        refuse_resume(weights, config, str(path))
 
 
 class DDP(Parallelism):
@@ -199,6 +210,7 @@ class FSDP(Parallelism):
 
         if parts["model"] is None:
             return load_sharded(self.module, self.optimizer, parts["sharded"], parts.get("store"))
+        refuse_old_layout(self.module, parts["model"], path)
         try:  # a whole checkpoint (one process, DDP): each rank takes its shards of every tensor
             load_whole(self.module, self.optimizer, parts["model"], parts["optimizer"], str(path))
         except (ValueError, KeyError, IndexError) as exc:

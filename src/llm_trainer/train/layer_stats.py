@@ -33,7 +33,7 @@ WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "
 
 
 def group_of(name: str) -> str:
-    """The group of a parameter: `blocks.3.attn.qkv.weight` -> `blocks.3.attn`; `tok_emb.weight` -> `tok_emb`."""
+    """The group of a parameter: `blocks.3.attn.q.weight` -> `blocks.3.attn`; `tok_emb.weight` -> `tok_emb`."""
     parts = [part for part in name.split(".") if part not in WRAPPERS]
     for i, part in enumerate(parts[:-2]):
         if part.isdigit():
