@@ -150,7 +150,7 @@ def test_estimate_refuses_layouts_it_cannot_account_for():
     assert report(2, data_parallel_shard_degree=-1)["sharding"] != report(2)["sharding"]
     with pytest.raises(UsageError, match="does not divide model.n_heads"):
         report(6, tensor_parallel_degree=3)
-    with pytest.raises(UsageError, match="tensor parallelism is not available yet"):
+    with pytest.raises(UsageError, match="which its figures do not count yet"):
         report(2, tensor_parallel_degree=2)
 
 
@@ -188,7 +188,8 @@ def _train(tmp_path, monkeypatch, capsys, world: int, *overrides: str) -> tuple[
         (2, ["training.tensor_model_parallel_size=2", "model.n_kv_heads=1"], "does not divide model.n_kv_heads (1)"),
         (2, ["parallelism.context_parallel_degree=2"], "needs CUDA"),
         (2, ["parallelism.pipeline_parallel_degree=2"], "pipeline parallelism is not available yet"),
-        (2, ["parallelism.tensor_parallel_degree=2"], "tensor parallelism is not available yet"),
+        (2, ["parallelism.tensor_parallel_degree=2", "training.distributed_strategy=ddp"], "composes with FSDP2 only"),
+        (2, ["parallelism.tensor_parallel_degree=2", "model.dropout=0.1"], "needs model.dropout and"),
         (
             2,
             [

@@ -91,6 +91,10 @@ class Parallelism:
 
     def clip(self, max_norm: float | None) -> torch.Tensor | None:
         self.scaler.unscale_(self.optimizer)
+        if len({id(getattr(p, "device_mesh", None)) for p in self.params}) > 1:  # tensor parallel: several meshes
+            from .grad_norm import clip_grad_norm
+
+            return clip_grad_norm(self.params, max_norm)
         if max_norm:
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
         else:
@@ -182,7 +186,8 @@ class FSDP(Parallelism):
     def no_sync(self, last: bool):
         # FSDP2 reads the flag in backward, which the step runs after this block: set it for this
         # micro-batch and leave it (each micro-batch sets its own; the last one turns sync back on)
-        self.module.set_requires_gradient_sync(last)
+        if hasattr(self.module, "set_requires_gradient_sync"):  # not sharded (tensor parallel alone): nothing to sync
+            self.module.set_requires_gradient_sync(last)
         yield
 
     def live_tensors(self):

@@ -1,0 +1,68 @@
+"""Tensor parallelism with sequence parallelism (DTensor), alone and under FSDP2: 2 or 4 CPU processes
+with gloo. The ranks of one replica read the same batch, so TP=2 must equal one process over several
+steps, with gradient accumulation and clipping; its DCP checkpoints resume at another layout."""
+
+import pytest
+import torch
+
+from test_distributed import _assert_same_run, _env, _single, _torchrun
+from test_distributed import workdir as workdir  # the experiment's corpus and config
+
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available"),
+    pytest.mark.slow,  # several processes per test: the full tier only
+]
+
+GPT2 = (
+    "model.architecture=gpt2",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+)
+STEPS = ("training.gradient_accumulation_steps=2", "training.batch_size=4", "training.max_grad_norm=0.05")
+
+
+@pytest.mark.parametrize("arch", [(), GPT2], ids=["llama", "gpt2"])
+def test_tensor_parallel_equals_one_process(workdir, arch):
+    """LLaMA (SwiGLU, RoPE, RMSNorm) and GPT-2 (learned positions, biases, LayerNorm, tied head): the same
+    losses as one process, with accumulation and a clip that bites."""
+    arch = arch or ("model.n_kv_heads=2", "model.d_ff=96")  # each split in two
+    init = _initial_weights_of(workdir, arch)
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    result = _torchrun(
+        workdir, "training.output_dir=tp", "parallelism.tensor_parallel_degree=2", f"model.init_from={init}", *STEPS
+    )
+    assert "mesh: dp_replicate=1 x dp_shard=1 x pp=1 x cp=1 x tp=2" in result.stderr
+    _assert_same_run(workdir / "single", workdir / "tp")
+
+
+def _initial_weights_of(workdir, overrides) -> str:
+    """A model folder both runs start from, for the experiment with `overrides` on its model section
+    (written into exp.yaml, so the runs build the same architecture)."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from llm_trainer.checkpoint.model_folder import save_model_folder
+    from llm_trainer.config import ModelConfig
+    from llm_trainer.model import Transformer
+
+    path = workdir / "exp.yaml"
+    experiment = yaml.safe_load(path.read_text())
+    for override in overrides:
+        key, value = override.split("=")
+        experiment["model"][key.split(".")[1]] = yaml.safe_load(value)
+    path.write_text(yaml.safe_dump(experiment))
+    subprocess.run(
+        [sys.executable, "-m", "llm_trainer", "prepare", "--config", "exp.yaml"],
+        cwd=workdir,
+        check=True,
+        capture_output=True,
+        env=_env(),
+    )
+    (manifest,) = (workdir / "data_cache").glob("*/manifest.json")
+    vocab = json.loads(manifest.read_text())["vocab_size"]
+    torch.manual_seed(0)
+    save_model_folder(Transformer(ModelConfig(**{**experiment["model"], "vocab_size": vocab})), workdir / "init")
+    return str(workdir / "init")
