@@ -5,7 +5,7 @@ steps, with gradient accumulation and clipping; its DCP checkpoints resume at an
 import pytest
 import torch
 
-from test_distributed import _assert_same_run, _env, _single, _torchrun
+from test_distributed import _assert_same_run, _env, _interrupted_at, _losses, _single, _torchrun
 from test_distributed import workdir as workdir  # the experiment's corpus and config
 
 pytestmark = [
@@ -66,3 +66,28 @@ def _initial_weights_of(workdir, overrides) -> str:
     torch.manual_seed(0)
     save_model_folder(Transformer(ModelConfig(**{**experiment["model"], "vocab_size": vocab})), workdir / "init")
     return str(workdir / "init")
+
+
+def test_tensor_parallel_checkpoints_resume_at_another_layout(workdir):
+    """TP=2's DCP checkpoint of step 3 resumes in one process, and one process's whole checkpoint of
+    step 3 resumes at TP=2 (each rank taking its shards of model and optimizer): steps 4-6 equal the
+    uninterrupted run."""
+    init = _initial_weights_of(workdir, ("model.n_kv_heads=2", "model.d_ff=96"))
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    tp = ("parallelism.tensor_parallel_degree=2", f"model.init_from={init}", *STEPS)
+    _torchrun(workdir, "training.output_dir=tp", *tp)
+    _interrupted_at(workdir, "tp", 3, "two_to_one")
+    _single(
+        workdir,
+        "training.output_dir=two_to_one",
+        f"model.init_from={init}",
+        *STEPS,
+        "training.resume_from_checkpoint=latest",
+    )
+    _interrupted_at(workdir, "single", 3, "one_to_two")
+    _torchrun(workdir, "training.output_dir=one_to_two", *tp, "training.resume_from_checkpoint=latest")
+    train, val = _losses(workdir / "single")
+    for run in ("two_to_one", "one_to_two"):
+        resumed_train, resumed_val = _losses(workdir / run)
+        assert resumed_train == pytest.approx(train[3:], rel=1e-5)
+        assert resumed_val == pytest.approx(val[1:], rel=1e-5)

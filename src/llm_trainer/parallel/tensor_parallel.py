@@ -88,16 +88,27 @@ def _gather_sequence(mesh: DeviceMesh):
 
 
 def split_groups_by_mesh(optimizer) -> None:
-    """Give each parameter group's tensors of one device mesh a group of their own (same settings).
+    """During each step, give each parameter group's tensors of one device mesh a group of their own.
 
     Fused and foreach optimizer kernels take one group's tensors together, and cannot mix the blocks'
-    DTensors with the whole embeddings and head (plain tensors, or on another mesh under FSDP2). Done
-    before the first step, so there is no state to move; the groups are recorded by parameter name in
-    sharded checkpoints, so a layout without the split reloads them."""
-    groups = []
-    for group in optimizer.param_groups:
-        by_mesh: dict[int, list] = {}
-        for p in group["params"]:
-            by_mesh.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
-        groups += [{**group, "params": params} for params in by_mesh.values()]
-    optimizer.param_groups = groups
+    DTensors with the whole embeddings and head (plain tensors, or on another mesh under FSDP2). The
+    split groups live only for the step (copies of the groups' current settings; the state is per
+    parameter): outside it, and so in checkpoints, the groups are those of every other layout, which
+    is what lets a checkpoint resume at another one."""
+    whole: list = []
+
+    def split(opt, args, kwargs):
+        whole[:] = opt.param_groups
+        groups = []
+        for group in whole:
+            by_mesh: dict[int, list] = {}
+            for p in group["params"]:
+                by_mesh.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
+            groups += [{**group, "params": params} for params in by_mesh.values()]
+        opt.param_groups = groups
+
+    def join(opt, args, kwargs):
+        opt.param_groups = list(whole)
+
+    optimizer.register_step_pre_hook(split)
+    optimizer.register_step_post_hook(join)
