@@ -91,3 +91,36 @@ def test_tensor_parallel_checkpoints_resume_at_another_layout(workdir):
         resumed_train, resumed_val = _losses(workdir / run)
         assert resumed_train == pytest.approx(train[3:], rel=1e-5)
         assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+
+
+def test_fsdp_by_tensor_parallel_equals_one_process_and_resumes_as_fsdp(workdir):
+    """A 2 x 2 mesh (FSDP2 over dp_shard, TP over tp) equals one process; its step-3 checkpoint resumes
+    under FSDP alone on 4 processes with the uninterrupted run's losses."""
+    init = _initial_weights_of(workdir, ("model.n_kv_heads=2", "model.d_ff=96"))
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    accumulation = ("training.gradient_accumulation_steps=2", "training.max_grad_norm=0.05", f"model.init_from={init}")
+    result = _torchrun(
+        workdir,
+        "training.output_dir=mesh",
+        "parallelism.tensor_parallel_degree=2",
+        "training.batch_size=2",
+        *accumulation,
+        nproc=4,
+    )
+    assert "mesh: dp_replicate=1 x dp_shard=2 x pp=1 x cp=1 x tp=2" in result.stderr
+    assert "effective batch 8 = 2 x 2 accumulation x 2 replica(s) of 4 processes (fsdp)" in result.stderr
+    _assert_same_run(workdir / "single", workdir / "mesh")
+    _interrupted_at(workdir, "mesh", 3, "as_fsdp")
+    _torchrun(
+        workdir,
+        "training.output_dir=as_fsdp",
+        "training.distributed_strategy=fsdp",
+        "training.batch_size=1",
+        *accumulation,
+        "training.resume_from_checkpoint=latest",
+        nproc=4,
+    )
+    train, val = _losses(workdir / "single")
+    resumed_train, resumed_val = _losses(workdir / "as_fsdp")
+    assert resumed_train == pytest.approx(train[3:], rel=1e-5)
+    assert resumed_val == pytest.approx(val[1:], rel=1e-5)

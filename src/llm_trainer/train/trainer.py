@@ -496,11 +496,18 @@ class Trainer:
             self.model,
             self.val_loader,
             autocast=self.autocast,
-            reduce=all_reduce_,
+            reduce=self._sum_over_replicas,
             max_batches=None if full else self.config.eval_max_batches,
             progress=self.config.progress_bar,
             sources=getattr(self.val_loader, "source_labels", None),  # per-source losses of a mixture
         )
+
+    def _sum_over_replicas(self, totals: torch.Tensor) -> torch.Tensor:
+        """Sums over the data-parallel replicas: the ranks of one replica (tensor parallel) read the same
+        rows, so each is counted once."""
+        all_reduce_(totals)
+        per_replica = self.dist.world_size // self.dist.dp_size
+        return totals.div_(per_replica) if per_replica > 1 else totals
 
     def _towards_target(self, metrics: dict, target: float) -> tuple[dict, bool]:
         """(the evaluation to report, whether it covers the whole validation split: only that one decides
