@@ -171,3 +171,14 @@ def test_a_folder_with_fused_projections_loads_with_the_same_logits(tmp_path, ar
     save_tensors(state, tmp_path / "model.safetensors")
     x = torch.randint(0, 61, (2, 9))
     assert torch.equal(load_model_folder(tmp_path).eval()(x), model(x))
+
+
+def test_a_training_checkpoint_with_fused_projections_does_not_resume():
+    """Its optimizer state is per fused matrix: refused in one line that names the way on (init_from)."""
+    from llm_trainer.checkpoint.fused_projections import refuse_resume
+    from llm_trainer.errors import UsageError
+
+    config = tiny_model_config(architecture="llama")
+    with pytest.raises(UsageError, match="start a new run from its weights with model.init_from=ckpt$"):
+        refuse_resume({"blocks.0.attn.qkv.weight": None}, config, "ckpt")
+    refuse_resume({"blocks.0.attn.q.weight": None, "blocks.0.mlp.fc.weight": None}, tiny_model_config(), "ckpt")

@@ -154,23 +154,21 @@ def parallelize(
                 "model.attention_backend flex needs a head size of at least 16, got d_model/n_heads = "
                 f"{model_config.head_dim}; use fewer heads, a wider d_model, or attention_backend: sdpa"
             )
-    mesh = None
     if dist.world_size > 1 and dist.strategy != "deepspeed":
-        layout = resolve_layout(config, dist.world_size)
-        log(f"mesh: {layout.describe()}")
-        if dist.strategy == "fsdp":
-            mesh = device_mesh(config, device)
-        if layout.tp > 1:
-            from .tensor_parallel import apply_tensor_parallel
+        log(f"mesh: {resolve_layout(config, dist.world_size).describe()}")
+    mesh = device_mesh(config, device) if dist.strategy == "fsdp" else None
+    tp = mesh["tp"].size() if mesh is not None else 1
+    if tp > 1:
+        from .tensor_parallel import apply_tensor_parallel
 
-            apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"])
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if config.compile and dist.strategy != "deepspeed":
         apply_compile(model, per_block=dist.strategy == "fsdp")
     on_meta = any(p.is_meta for p in model.parameters())
     common = dict(dist=dist, device=device, amp_dtype=amp_dtype)
-    if dist.strategy == "fsdp" and (mesh["dp_replicate"].size() > 1 or mesh["dp_shard"].size() > 1):
+    if dist.strategy == "fsdp" and (tp == 1 or mesh["dp_replicate", "dp_shard"].size() > 1):  # not TP alone
         apply_fsdp(model, config, device, amp_dtype, mesh)
     if on_meta:  # built without storage (see pipeline.build_model): allocate and initialise here, after sharding
         materialize(model, device)
@@ -179,7 +177,7 @@ def parallelize(
     if dist.world_size > 1:  # same initial weights everywhere (drawn above), different dropout per rank
         torch.manual_seed(config.seed + dist.rank)
     optimizer = build_optimizer(model)
-    if mesh is not None and mesh["tp"].size() > 1:
+    if tp > 1:
         from .tensor_parallel import split_groups_by_mesh
 
         split_groups_by_mesh(optimizer)
