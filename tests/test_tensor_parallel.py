@@ -5,7 +5,7 @@ steps, with gradient accumulation and clipping; its DCP checkpoints resume at an
 import pytest
 import torch
 
-from test_distributed import _assert_same_run, _env, _interrupted_at, _losses, _single, _torchrun
+from test_distributed import _assert_same_run, _env, _interrupted_at, _losses, _single, _torchrun, _train_rows
 from test_distributed import workdir as workdir  # the experiment's corpus and config
 
 pytestmark = [
@@ -18,7 +18,12 @@ GPT2 = (
     "model.n_heads=2",
     "model.n_kv_heads=2",
 )
-STEPS = ("training.gradient_accumulation_steps=2", "training.batch_size=4", "training.max_grad_norm=0.05")
+STEPS = (
+    "training.gradient_accumulation_steps=2",
+    "training.batch_size=4",
+    "training.max_grad_norm=0.05",
+    "training.layer_stats_steps=2",
+)
 
 
 @pytest.mark.parametrize("arch", [(), GPT2], ids=["llama", "gpt2"])
@@ -33,6 +38,20 @@ def test_tensor_parallel_equals_one_process(workdir, arch):
     )
     assert "mesh: dp_replicate=1 x dp_shard=1 x pp=1 x cp=1 x tp=2" in result.stderr
     _assert_same_run(workdir / "single", workdir / "tp")
+    assert _train_rows(workdir / "tp", "grad_norm") == pytest.approx(
+        _train_rows(workdir / "single", "grad_norm"), rel=1e-5
+    )
+    single, tp = _layer_rows(workdir / "single"), _layer_rows(workdir / "tp")
+    assert len(single) == 3 and single.keys() == tp.keys()  # steps 2, 4, 6
+    for step, row in single.items():  # each rank's shards and the whole tensors counted once
+        assert tp[step] == pytest.approx(row, rel=1e-4)
+
+
+def _layer_rows(run_dir) -> dict:
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("layers/")} for r in rows if r["kind"] == "layers"}
 
 
 def _initial_weights_of(workdir, overrides) -> str:

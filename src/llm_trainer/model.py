@@ -161,7 +161,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         kv_dim = config.n_kv_heads * config.head_dim
         bias = bool(config.bias)
-        # separate projections: tensor parallelism shards each by heads (a fused matrix's rows would not split so)
+        # q, k, v as separate matrices (as LLaMA): each splits by heads alike, for tensor parallelism
         self.q = nn.Linear(config.d_model, config.n_heads * config.head_dim, bias=bias)
         self.k = nn.Linear(config.d_model, kv_dim, bias=bias)
         self.v = nn.Linear(config.d_model, kv_dim, bias=bias)

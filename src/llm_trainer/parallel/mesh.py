@@ -128,6 +128,11 @@ def _check_strategy(training: TrainingConfig, tp: int, pp: int, cp: int) -> None
             f"training.tensor_parallel_degree={tp} composes with FSDP2 only (DDP would sum the ranks' different "
             f"shards); set distributed_strategy: fsdp (or auto), or tensor_parallel_degree: 1"
         )
+    if tp > 1 and training.eval_tasks:
+        raise UsageError(
+            f"training.eval_tasks (downstream evaluation during training) does not run under "
+            f"tensor_parallel_degree={tp} yet; remove it and evaluate the checkpoints with `llm-trainer eval`"
+        )
     if (tp > 1 or pp > 1 or cp > 1) and training.optimizer == "muon":
         raise UsageError(
             "optimizer muon needs each weight whole, and tensor, pipeline or context parallelism splits them; "

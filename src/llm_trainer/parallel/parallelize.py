@@ -168,11 +168,12 @@ def parallelize(
         apply_compile(model, per_block=dist.strategy == "fsdp")
     on_meta = any(p.is_meta for p in model.parameters())
     common = dict(dist=dist, device=device, amp_dtype=amp_dtype)
-    if dist.strategy == "fsdp" and (tp == 1 or mesh["dp_replicate", "dp_shard"].size() > 1):  # not TP alone
+    fsdp = dist.strategy == "fsdp" and (tp == 1 or mesh["dp_replicate", "dp_shard"].size() > 1)  # not TP alone
+    if fsdp:
         apply_fsdp(model, config, device, amp_dtype, mesh)
     if on_meta:  # built without storage (see pipeline.build_model): allocate and initialise here, after sharding
         materialize(model, device)
-    if dist.strategy != "fsdp":
+    if not fsdp:  # (FSDP2 placed its shards on the device)
         model.to(device)
     if dist.world_size > 1:  # same initial weights everywhere (drawn above), different dropout per rank
         torch.manual_seed(config.seed + dist.rank)
