@@ -1193,9 +1193,7 @@ def test_train_state_json_is_checked_against_train_state_itself():
 def test_wrapper_parts_leave_parameter_names_and_nothing_else_does():
     from llm_trainer.checkpoint.model_folder import clean_name
 
-    assert (
-        clean_name("module._orig_mod.blocks.0._checkpoint_wrapped_module.attn.qkv.weight") == "blocks.0.attn.qkv.weight"
-    )
-    assert clean_name("blocks.0._fsdp_wrapped_module.mlp.fc.weight") == "blocks.0.mlp.fc.weight"
+    assert clean_name("module._orig_mod.blocks.0._checkpoint_wrapped_module.attn.q.weight") == "blocks.0.attn.q.weight"
+    assert clean_name("blocks.0._fsdp_wrapped_module.mlp.up.weight") == "blocks.0.mlp.up.weight"
     assert clean_name("encoder.submodule.weight") == "encoder.submodule.weight"  # a model's own names stay
     assert clean_name("encoder.module.weight") == "encoder.module.weight"

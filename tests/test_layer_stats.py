@@ -22,9 +22,9 @@ def _layer_rows(folder: Path) -> list[dict]:
 
 
 def test_parameters_are_grouped_per_block_and_part():
-    assert group_of("blocks.3.attn.qkv.weight") == "blocks.3.attn"
+    assert group_of("blocks.3.attn.q.weight") == "blocks.3.attn"
     assert group_of("blocks.3.mlp_norm.weight") == "blocks.3.mlp_norm"
-    assert group_of("_orig_mod.blocks.0._checkpoint_wrapped_module.mlp.fc.bias") == "blocks.0.mlp"
+    assert group_of("_orig_mod.blocks.0._checkpoint_wrapped_module.mlp.up.bias") == "blocks.0.mlp"
     assert group_of("tok_emb.weight") == "tok_emb" and group_of("lm_head.weight") == "lm_head"
 
 

@@ -100,6 +100,7 @@ def test_the_degrees_left_go_to_data_parallelism_as_the_strategy_says(world, tra
             "under distributed_strategy deepspeed",
         ),
         (2, {"tensor_parallel_degree": 2, "optimizer": "muon"}, 32, "optimizer muon needs each weight whole"),
+        (2, {"tensor_parallel_degree": 2, "eval_tasks": ["llmt_choice"]}, 32, "does not run under tensor_parallel"),
         (8, {"pipeline_parallel_degree": 8}, 32, "splits model.n_layers (4) into 8 stages"),
         (4, {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "ZBVZeroBubble"}, 32, "2 stages per rank"),
         (2, {"pipeline_parallel_degree": 2, "batch_size": 3}, 32, "equal micro-batches"),
@@ -151,7 +152,7 @@ def test_estimate_refuses_layouts_it_cannot_account_for():
     assert report(2, data_parallel_shard_degree=-1)["sharding"] != report(2)["sharding"]
     with pytest.raises(UsageError, match="does not divide model.n_heads"):
         report(6, tensor_parallel_degree=3)
-    with pytest.raises(UsageError, match="tensor parallelism is not available yet"):
+    with pytest.raises(UsageError, match="which its figures do not count yet"):
         report(2, tensor_parallel_degree=2)
 
 
@@ -189,7 +190,8 @@ def _train(tmp_path, monkeypatch, capsys, world: int, *overrides: str) -> tuple[
         (2, ["training.tensor_model_parallel_size=2", "model.n_kv_heads=1"], "does not divide model.n_kv_heads (1)"),
         (2, ["parallelism.context_parallel_degree=2"], "needs CUDA"),
         (2, ["parallelism.pipeline_parallel_degree=2"], "pipeline parallelism is not available yet"),
-        (2, ["parallelism.tensor_parallel_degree=2"], "tensor parallelism is not available yet"),
+        (2, ["parallelism.tensor_parallel_degree=2", "training.distributed_strategy=ddp"], "composes with FSDP2 only"),
+        (2, ["parallelism.tensor_parallel_degree=2", "model.dropout=0.1"], "needs model.dropout and"),
         (
             2,
             [

@@ -29,14 +29,15 @@ def test_logits_shape_and_causality(arch):
 def test_gpt2_and_llama_modules_match_their_presets():
     gpt2 = Transformer(tiny_model_config(architecture="gpt2"))
     assert isinstance(gpt2.blocks[0].attn_norm, torch.nn.LayerNorm) and gpt2.pos_emb is not None
-    assert gpt2.blocks[0].attn.qkv.bias is not None and gpt2.lm_head.weight is gpt2.tok_emb.weight
+    assert gpt2.blocks[0].attn.q.bias is not None and gpt2.lm_head.weight is gpt2.tok_emb.weight
     assert isinstance(gpt2.blocks[0].mlp.act, torch.nn.GELU)
     llama = Transformer(tiny_model_config(architecture="llama", n_kv_heads=1))
     assert isinstance(llama.blocks[0].attn_norm, torch.nn.RMSNorm) and llama.pos_emb is None
-    assert llama.blocks[0].attn.qkv.bias is None and llama.lm_head.weight is not llama.tok_emb.weight
-    assert llama.blocks[0].mlp.gated and llama.blocks[0].mlp.fc.out_features == 2 * llama.config.d_ff
-    # GQA: one key/value head -> q (16) + k (8) + v (8)
-    assert llama.blocks[0].attn.qkv.out_features == 16 + 8 + 8
+    assert llama.blocks[0].attn.q.bias is None and llama.lm_head.weight is not llama.tok_emb.weight
+    assert llama.blocks[0].mlp.gated and llama.blocks[0].mlp.gate.out_features == llama.config.d_ff
+    # GQA: one key/value head -> q (16), k (8), v (8)
+    attn = llama.blocks[0].attn
+    assert (attn.q.out_features, attn.k.out_features, attn.v.out_features) == (16, 8, 8)
 
 
 def test_activation_choices_reach_the_mlp():
@@ -54,8 +55,7 @@ def test_activation_choices_reach_the_mlp():
         mlp = Transformer(tiny_model_config(activation=name)).blocks[0].mlp.eval()
         torch.testing.assert_close(mlp(x), mlp.proj(fn(mlp.fc(x))))
     mlp = Transformer(tiny_model_config(architecture="llama")).blocks[0].mlp.eval()
-    gate, up = mlp.fc(x).chunk(2, dim=-1)
-    torch.testing.assert_close(mlp(x), mlp.proj(F.silu(gate) * up))
+    torch.testing.assert_close(mlp(x), mlp.proj(F.silu(mlp.gate(x)) * mlp.up(x)))
 
 
 def test_gpt2_initialisation_scales_residual_projections():
@@ -63,11 +63,12 @@ def test_gpt2_initialisation_scales_residual_projections():
     config = tiny_model_config(d_model=256, n_heads=4, n_layers=8, vocab_size=2000)
     model = Transformer(config)
     assert abs(model.tok_emb.weight.std().item() - 0.02) < 0.001
-    assert abs(model.blocks[0].attn.qkv.weight.std().item() - 0.02) < 0.001
+    for part in ("q", "k", "v"):
+        assert abs(getattr(model.blocks[0].attn, part).weight.std().item() - 0.02) < 0.001
     expected = 0.02 / math.sqrt(2 * 8)
     assert abs(model.blocks[0].attn.proj.weight.std().item() - expected) < 0.0005
     assert abs(model.blocks[3].mlp.proj.weight.std().item() - expected) < 0.0005
-    assert torch.all(model.blocks[0].attn.qkv.bias == 0)
+    assert torch.all(model.blocks[0].attn.q.bias == 0)
 
 
 def _rotate_half_reference(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
@@ -88,7 +89,7 @@ def test_attention_matches_a_hand_written_reference(qk_norm):
     model = Transformer(config).eval()
     attn = model.blocks[0].attn
     x = torch.randn(2, 7, 16)
-    q, k, v = attn.qkv(x).split([16, 8, 8], dim=-1)
+    q, k, v = attn.q(x), attn.k(x), attn.v(x)
     q, k = q.view(2, 7, 4, 4).transpose(1, 2), k.view(2, 7, 2, 4).transpose(1, 2)
     if qk_norm:  # each head's query and key scaled to unit RMS
         q = q / q.pow(2).mean(-1, keepdim=True).sqrt()
@@ -149,3 +150,35 @@ def test_save_and_load_pretrained(tmp_path):
     x = torch.randint(0, 61, (1, 9))
     assert torch.equal(model(x), again(x))
     assert again.config == model.config
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_folder_with_fused_projections_loads_with_the_same_logits(tmp_path, arch):
+    """Files written when q, k, v (and SwiGLU's gate, up) were one matrix load into the split model."""
+    from llm_trainer.checkpoint.model_folder import model_state_dict, save_tensors
+
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config(architecture=arch, n_heads=4, n_kv_heads=2 if arch == "llama" else 4)).eval()
+    save_model_folder(model, tmp_path)
+    state = model_state_dict(model)
+    for i in range(model.config.n_layers):
+        for kind in ("weight", "bias") if model.config.bias else ("weight",):
+            parts = [state.pop(f"blocks.{i}.attn.{p}.{kind}") for p in ("q", "k", "v")]
+            state[f"blocks.{i}.attn.qkv.{kind}"] = torch.cat(parts)
+            if model.blocks[i].mlp.gated:
+                parts = [state.pop(f"blocks.{i}.mlp.{p}.{kind}") for p in ("gate", "up")]
+                state[f"blocks.{i}.mlp.fc.{kind}"] = torch.cat(parts)
+    save_tensors(state, tmp_path / "model.safetensors")
+    x = torch.randint(0, 61, (2, 9))
+    assert torch.equal(load_model_folder(tmp_path).eval()(x), model(x))
+
+
+def test_a_training_checkpoint_with_fused_projections_does_not_resume():
+    """Its optimizer state is per fused matrix: refused in one line that names the way on (init_from)."""
+    from llm_trainer.checkpoint.fused_projections import refuse_resume
+    from llm_trainer.errors import UsageError
+
+    config = tiny_model_config(architecture="llama")
+    with pytest.raises(UsageError, match="start a new run from its weights with model.init_from=ckpt$"):
+        refuse_resume({"blocks.0.attn.qkv.weight": None}, config, "ckpt")
+    refuse_resume({"blocks.0.attn.q.weight": None, "blocks.0.mlp.fc.weight": None}, tiny_model_config(), "ckpt")

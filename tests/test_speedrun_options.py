@@ -154,7 +154,7 @@ def test_zero_initialised_projections_make_each_block_the_identity():
     x = torch.randn(2, 5, 16)
     for block in model.blocks:
         assert torch.equal(block(x), x)
-        assert block.attn.qkv.weight.abs().sum() > 0  # only the output projections start at zero
+        assert block.attn.q.weight.abs().sum() > 0  # only the output projections start at zero
 
 
 def test_logit_softcap_bounds_the_logits():

@@ -57,13 +57,13 @@ def test_parameter_groups_skip_decay_on_norms_biases_and_embeddings():
     decay, no_decay = parameter_groups(model, 0.1)
     decay_ids = {id(p) for p in decay["params"]}
     named = dict(model.named_parameters())
-    assert id(named["blocks.0.attn.qkv.weight"]) in decay_ids
+    assert id(named["blocks.0.attn.q.weight"]) in decay_ids
     assert id(named["blocks.1.mlp.proj.weight"]) in decay_ids
     for name in [
         "tok_emb.weight",
         "pos_emb.weight",
         "blocks.0.attn_norm.weight",
-        "blocks.0.attn.qkv.bias",
+        "blocks.0.attn.v.bias",
         "norm.bias",
     ]:
         assert id(named[name]) not in decay_ids

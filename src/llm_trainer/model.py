@@ -160,7 +160,11 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         kv_dim = config.n_kv_heads * config.head_dim
-        self.qkv = nn.Linear(config.d_model, config.d_model + 2 * kv_dim, bias=bool(config.bias))
+        bias = bool(config.bias)
+        # q, k, v as separate matrices (as LLaMA): each splits by heads alike, for tensor parallelism
+        self.q = nn.Linear(config.d_model, config.n_heads * config.head_dim, bias=bias)
+        self.k = nn.Linear(config.d_model, kv_dim, bias=bias)
+        self.v = nn.Linear(config.d_model, kv_dim, bias=bias)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=bool(config.bias))
         self.attention_dropout = config.attention_dropout
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -169,19 +173,16 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, cache: KVCache | None, layer: int, doc_mask: torch.Tensor | None = None):
         """doc_mask: None (causal), or (B, 1, T, T) bool block-diagonal causal mask from `document_attention`."""
-        B, T, C = x.shape
-        H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.qkv(x)  # (B, T, (H + 2K) D)
-        # split, not slicing: the backward of a split is one concatenation, a slice's is zeros plus a copy
-        qk, v = qkv.split([(H + K) * D, K * D], dim=-1)
-        qk = qk.view(B, T, H + K, D)  # queries and keys: normalised and rotated together
+        B, T = x.shape[:2]
+        H, K, D = self.n_heads, self.n_kv_heads, self.head_dim  # this process's heads (all, unless tensor parallel)
+        q = self.q(x).view(B, T, H, D)
+        k = self.k(x).view(B, T, K, D)
         if self.qk_norm:
-            qk = F.rms_norm(qk, (D,))
+            q, k = F.rms_norm(q, (D,)), F.rms_norm(k, (D,))
         if self.use_rope:
-            qk = apply_rope(qk, *rope)
-        q, k = qk.split([H, K], dim=2)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
-        v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
+        v = self.v(x).view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
 
         start = 0
         if cache is not None:
@@ -193,7 +194,7 @@ class Attention(nn.Module):
 
         if doc_mask is not None and not isinstance(doc_mask, torch.Tensor):  # a FlexAttention BlockMask
             y = _flex_attention(q, k, v, doc_mask, enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, D)
-            return self.resid_dropout(self.proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+            return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(B, T, H * D)))
         if doc_mask is not None:  # packed documents: attention stays within each one
             mask, causal = doc_mask, False
         elif start == 0:
@@ -213,7 +214,7 @@ class Attention(nn.Module):
             dropout_p=self.attention_dropout if self.training else 0.0,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )  # (B, H, T, D)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, H * D)
         return self.resid_dropout(self.proj(y))
 
 
@@ -228,8 +229,12 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.gated = config.activation == "swiglu"
-        # SwiGLU keeps gate and up projections in one matrix: one matmul instead of two.
-        self.fc = nn.Linear(config.d_model, config.d_ff * (2 if self.gated else 1), bias=bool(config.bias))
+        bias = bool(config.bias)
+        if self.gated:  # SwiGLU: act(gate(x)) * up(x), two matrices (each sharded alike by tensor parallelism)
+            self.gate = nn.Linear(config.d_model, config.d_ff, bias=bias)
+            self.up = nn.Linear(config.d_model, config.d_ff, bias=bias)
+        else:
+            self.fc = nn.Linear(config.d_model, config.d_ff, bias=bias)
         self.proj = nn.Linear(config.d_ff, config.d_model, bias=bool(config.bias))
         self.act = {
             "gelu": nn.GELU(),
@@ -242,12 +247,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        h = self.fc(x)  # (B, T, d_ff) or (B, T, 2*d_ff)
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = self.act(gate) * up
-        else:
-            h = self.act(h)
+        h = self.act(self.gate(x)) * self.up(x) if self.gated else self.act(self.fc(x))  # (B, T, d_ff)
         return self.dropout(self.proj(h))  # (B, T, C)
 
 

@@ -176,7 +176,7 @@ class PreparedRun:
     def loaders(self):
         """(train, validation) loaders of this run, each rank reading its own part."""
         run = self.run
-        return build_loaders(run.experiment, self.prepared, run.device, run.dist.rank, run.dist.world_size)
+        return build_loaders(run.experiment, self.prepared, run.device, run.dist.dp_rank, run.dist.dp_size)
 
 
 def prepare_run(

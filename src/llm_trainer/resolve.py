@@ -285,8 +285,8 @@ def resolve_run(
     training = experiment.training
     if training.batch_size == "auto":  # before the loaders and the accumulation are made from it
         assert pick_batch_size is not None, "batch_size auto: the caller passes the estimator's picker"
-        training = pick_batch_size(model, training, seq_len, runtime.dist.world_size, runtime.device)
-    training = token_anchors(training, seq_len, runtime.dist.world_size)
+        training = pick_batch_size(model, training, seq_len, runtime.dist.dp_size, runtime.device)
+    training = token_anchors(training, seq_len, runtime.dist.dp_size)
     experiment = dataclasses.replace(experiment, model=model, training=training)
     return ResolvedRun(
         training=training,

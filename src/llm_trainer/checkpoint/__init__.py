@@ -6,6 +6,7 @@ read back without running anyone's code (the file rules themselves: `llm_trainer
     durable       a checkpoint folder written atomically (files.atomic): checksums, fsync, meta.json last;
                   the leftovers of an interrupted save recovered or removed
     model_folder  a model on disk: model.safetensors + model_config.json
+    fused_projections  files of the older layout (one q|k|v matrix, one gate|up matrix) cut into today's parts
     tensors       optimizer state split into safetensors and a plain structure, and joined back
     find          which checkpoint a path or "latest" means (the newest usable one)
     local         save, load and rotate checkpoint folders on this machine's disk

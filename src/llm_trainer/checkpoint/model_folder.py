@@ -23,6 +23,7 @@ from ..files.disk import with_default_mode
 from ..files.folder_files import refuse_unreadable
 from ..limits import check_model_memory, parse_json
 from ..model import Transformer
+from .fused_projections import split_fused, split_fused_shapes
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "model_config.json"
@@ -101,16 +102,25 @@ def _refuse_misfit(problems: list[str], source: str) -> None:
         raise UsageError(f"{source} does not fit this model ({shown}); check that model settings match the checkpoint")
 
 
+def current_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` in our model's present layout: fused projections of files written before they were
+    separate are cut into their parts (`fused_projections`); any other model's state as it is."""
+    config = getattr(unwrap(model), "config", None)
+    return split_fused(state, config) if isinstance(config, ModelConfig) else dict(state)
+
+
 def check_fits(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Refuse weights with a list of every missing, unexpected or mis-shaped tensor (sharded ones by their
-    whole shape)."""
+    whole shape). `state` in the model's present layout (`current_names`)."""
     _refuse_misfit(_shape_problems(unwrap(model), {k: tuple(v.shape) for k, v in state.items()}), source)
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Load weights, refusing with a list of every missing, unexpected or mis-shaped tensor."""
+    """Load weights (an older file's fused projections cut into parts), refusing with a list of every
+    missing, unexpected or mis-shaped tensor."""
+    state = current_names(model, state)
     check_fits(model, state, source)
-    unwrap(model).load_state_dict({k: v for k, v in state.items()}, strict=False)
+    unwrap(model).load_state_dict(state, strict=False)
 
 
 def _is_tied(model: nn.Module, name: str) -> bool:
@@ -212,6 +222,7 @@ def load_model_folder(
     try:
         with safe_open(str(weights), framework="pt") as handle:  # the header only: names and shapes
             shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+        shapes = split_fused_shapes(shapes, config)
         with torch.device("meta"):  # a config that does not match the file allocates nothing
             _refuse_misfit(_shape_problems(cls(config), shapes), str(weights))
         state = load_file(str(weights), device=str(device) if str(device) != "cpu" else "cpu")

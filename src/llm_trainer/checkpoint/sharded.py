@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..config import ModelConfig
 from ..errors import CheckpointError, first_line
 from ..files import buckets
 from ..files.atomic import write_file
@@ -60,7 +61,8 @@ from ..files.checksums import StreamChecksum, data_checksum
 from ..files.folder_files import SHARDED_DIR, FolderFiles
 from ..files.safe_pickle import DCP_METADATA, load_pickle
 from ..limits import check_dcp_items
-from .model_folder import check_fits, clean_name
+from .fused_projections import is_fused, split_fused, split_fused_shapes
+from .model_folder import check_fits, clean_name, current_names
 
 METADATA = ".metadata"  # DCP's index of the shards, inside `sharded/`
 
@@ -457,6 +459,7 @@ def load_sharded(
     model that is not sharded (one process, DDP), the whole of each tensor. `store`: the URL of the
     `sharded/` folder whose DCP files the local `directory` does not hold."""
     state = {"model": get_model_state_dict(model)}
+    _refuse_fused(model, directory, store)
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     _load(state, directory, no_dist=not torch.distributed.is_initialized(), store=store)
@@ -470,6 +473,7 @@ def load_whole(
 ) -> None:
     """A whole checkpoint's weights and optimizer state (`optimizer.state_dict()` of the same model and
     parameter groups, in one process or DDP) into a sharded model: each rank keeps its own shards."""
+    weights = current_names(model, weights)
     check_fits(model, weights, source)
     options = StateDictOptions(full_state_dict=True, strict=False)  # a tied output head is saved once
     set_model_state_dict(model, weights, options=options)
@@ -485,8 +489,40 @@ def load_whole(
     set_optimizer_state_dict(model, optimizer, state, options=options)
 
 
+def _fused_records(model: nn.Module, directory: Path, store: str | None = None) -> dict[str, tuple[int, ...]]:
+    """The model tensors a sharded checkpoint records under the old fused names (`fused_projections`),
+    with their shapes; empty for a checkpoint of the present layout."""
+    config = getattr(model, "config", None)
+    if not isinstance(config, ModelConfig):
+        return {}
+    reader = SafeReader(str(directory)) if store is None else StoreReader(store, FolderFiles.of(Path(directory).parent))
+    records = reader.read_metadata().state_dict_metadata
+    names = {fqn[len("model.") :]: record for fqn, record in records.items() if fqn.startswith("model.")}
+    fused = [name for name in names if is_fused([name], config)]
+    return {name: tuple(getattr(names[name], "size", ())) for name in fused}
+
+
+def _refuse_fused(model: nn.Module, directory: Path, store: str | None) -> None:
+    """Resuming needs the optimizer state per matrix, which an old sharded checkpoint keeps per fused one."""
+    if _fused_records(model, directory, store):
+        checkpoint = Path(directory).parent
+        raise CheckpointError(
+            f"{checkpoint} was saved when attention's q, k, v (and SwiGLU's gate, up) were one matrix and cannot "
+            f"resume; run `llm-trainer consolidate --checkpoint {checkpoint} --output DIR` and start a new run with "
+            "model.init_from=DIR"
+        )
+
+
 def consolidate(checkpoint: Path, model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full model weights of a sharded checkpoint, read in one process into `model`'s layout."""
-    state = {"model": {k: v for k, v in model.state_dict().items()}}
-    _load(state, Path(checkpoint) / SHARDED_DIR, no_dist=True)
-    return state["model"]
+    """The full model weights of a sharded checkpoint, read in one process into `model`'s layout (an old
+    checkpoint's fused projections read whole, then cut into their parts)."""
+    directory = Path(checkpoint) / SHARDED_DIR
+    fused = _fused_records(model, directory)
+    present = {k: v for k, v in model.state_dict().items()}
+    if fused:
+        present = {k: v for k, v in present.items() if k not in split_fused_shapes(fused, model.config)}
+        dtype = next(iter(present.values())).dtype
+        present.update({name: torch.empty(shape, dtype=dtype) for name, shape in fused.items()})
+    state = {"model": present}
+    _load(state, directory, no_dist=True)
+    return split_fused(state["model"], model.config) if fused else state["model"]

@@ -7,9 +7,8 @@ or LLaMA folder (or hub name) into our `Transformer`. The weights map one to one
 float32 rounding. Only the layouts differ:
 
 * GPT-2 stores its linear layers as `Conv1D`, i.e. transposed: (in, out) instead of (out, in).
-* Our attention keeps q, k, v in one fused `qkv` matrix, rows [q (d_model) | k (K*D) | v (K*D)];
-  LLaMA has three matrices, GPT-2 one fused `c_attn` with the same row order.
-* Our SwiGLU MLP keeps gate and up in one `fc` matrix, rows [gate (d_ff) | up (d_ff)]; LLaMA has two.
+* Our attention has three matrices q, k, v, as LLaMA; GPT-2 one fused `c_attn`, rows [q | k | v].
+* Our SwiGLU MLP has gate and up matrices, as LLaMA.
 * RoPE uses the rotate-half layout on both sides, so q and k need no permutation.
 
 transformers is an optional dependency (`pip install 'llm-trainer[hf]'`); it is imported lazily.
@@ -242,7 +241,6 @@ def _gpt2_pairs(config: ModelConfig):
         ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
         for a, b, conv in (
             ("attn_norm", "ln_1", False),
-            ("attn.qkv", "attn.c_attn", True),  # same [q | k | v] row order as ours
             ("attn.proj", "attn.c_proj", True),
             ("mlp_norm", "ln_2", False),
             ("mlp.fc", "mlp.c_fc", True),
@@ -254,6 +252,15 @@ def _gpt2_pairs(config: ModelConfig):
     yield "norm.bias", "transformer.ln_f.bias", False
 
 
+def _gpt2_qkv(config: ModelConfig):
+    """(our q, k, v names, GPT-2's fused c_attn name, rows of each part) per layer and tensor kind."""
+    kv = config.n_kv_heads * config.head_dim
+    rows = [config.n_heads * config.head_dim, kv, kv]
+    for i in range(config.n_layers):
+        for s in (".weight", ".bias"):
+            yield [f"blocks.{i}.attn.{p}{s}" for p in ("q", "k", "v")], f"transformer.h.{i}.attn.c_attn{s}", rows
+
+
 def _llama_pairs(config: ModelConfig):
     """(our name, transformers name) for every LLaMA tensor that maps one to one, except the head."""
     suffixes = (".weight", ".bias") if config.bias else (".weight",)
@@ -263,8 +270,10 @@ def _llama_pairs(config: ModelConfig):
         yield ours + "attn_norm.weight", theirs + "input_layernorm.weight"
         yield ours + "mlp_norm.weight", theirs + "post_attention_layernorm.weight"
         for s in suffixes:
-            yield ours + "attn.proj" + s, theirs + "self_attn.o_proj" + s
-            yield ours + "mlp.proj" + s, theirs + "mlp.down_proj" + s
+            for a, b in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("proj", "o_proj")):
+                yield ours + "attn." + a + s, theirs + "self_attn." + b + s
+            for a, b in (("gate", "gate_proj"), ("up", "up_proj"), ("proj", "down_proj")):
+                yield ours + "mlp." + a + s, theirs + "mlp." + b + s
     yield "norm.weight", "model.norm.weight"
 
 
@@ -295,21 +304,10 @@ def to_hf_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str
     if config.architecture == "gpt2":
         for ours, theirs, conv in _gpt2_pairs(config):
             out[theirs] = state[ours].t().contiguous() if conv else state[ours]  # (out, in) -> Conv1D (in, out)
+        for parts, theirs, _ in _gpt2_qkv(config):  # q (H*D, ...), k, v (K*D, ...) -> c_attn (..., (H + 2K) D)
+            out[theirs] = torch.cat([state[p] for p in parts]).t().contiguous()
     else:
         out.update({theirs: state[ours] for ours, theirs in _llama_pairs(config)})
-        kv = config.n_kv_heads * config.head_dim
-        for i in range(config.n_layers):
-            ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
-            for s in (".weight", ".bias") if config.bias else (".weight",):
-                # qkv: (d_model + 2*kv, ...) -> q (d_model, ...), k (kv, ...), v (kv, ...)
-                q, k, v = state[ours + "attn.qkv" + s].split([config.d_model, kv, kv], dim=0)
-                out[theirs + "self_attn.q_proj" + s] = q.contiguous()
-                out[theirs + "self_attn.k_proj" + s] = k.contiguous()
-                out[theirs + "self_attn.v_proj" + s] = v.contiguous()
-                # fc: (2*d_ff, ...) -> gate (d_ff, ...), up (d_ff, ...)
-                gate, up = state[ours + "mlp.fc" + s].chunk(2, dim=0)
-                out[theirs + "mlp.gate_proj" + s] = gate.contiguous()
-                out[theirs + "mlp.up_proj" + s] = up.contiguous()
     out["lm_head.weight"] = state["lm_head.weight"]
     return out
 
@@ -322,16 +320,11 @@ def from_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dic
     if config.architecture == "gpt2":
         for ours, theirs, conv in _gpt2_pairs(config):
             out[ours] = hf_state[theirs].t().contiguous() if conv else hf_state[theirs]  # Conv1D (in, out) -> (out, in)
+        for parts, theirs, rows in _gpt2_qkv(config):  # c_attn (..., (H + 2K) D) -> q, k, v (rows, ...)
+            pieces = hf_state[theirs].t().split(rows, dim=0)
+            out.update({p: piece.contiguous() for p, piece in zip(parts, pieces, strict=True)})
     else:
         out.update({ours: hf_state[theirs] for ours, theirs in _llama_pairs(config)})
-        for i in range(config.n_layers):
-            ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
-            for s in (".weight", ".bias") if config.bias else (".weight",):
-                attn, mlp = theirs + "self_attn.", theirs + "mlp."
-                # q (d_model, ...), k (kv, ...), v (kv, ...) -> qkv (d_model + 2*kv, ...)
-                out[ours + "attn.qkv" + s] = torch.cat([hf_state[attn + p + s] for p in ("q_proj", "k_proj", "v_proj")])
-                # gate (d_ff, ...), up (d_ff, ...) -> fc (2*d_ff, ...)
-                out[ours + "mlp.fc" + s] = torch.cat([hf_state[mlp + "gate_proj" + s], hf_state[mlp + "up_proj" + s]])
     if not config.tie_embeddings:
         out["lm_head.weight"] = hf_state["lm_head.weight"]
     return padded_vocab_rows(config, out)

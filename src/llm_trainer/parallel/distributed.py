@@ -19,7 +19,7 @@ from .. import launcher
 from ..config import TrainingConfig
 from ..errors import UsageError
 from ..logs import warn
-from .mesh import strategy_of
+from .mesh import resolve_layout, strategy_of
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,10 @@ class DistInfo:
     local_rank: int = 0
     world_size: int = 1
     strategy: str = "single"  # single, ddp, fsdp, deepspeed
+    # the data-parallel coordinate and degree: which batch this rank reads, of how many (tensor-parallel
+    # ranks of one replica read the same one)
+    dp_rank: int = 0
+    dp_size: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -75,7 +79,19 @@ def setup(config: TrainingConfig, device: torch.device) -> tuple[DistInfo, torch
             device_id=device if device.type == "cuda" else None,
             **_restart_safe_store(rank, world, timeout),
         )
-    return DistInfo(rank=rank, local_rank=local_rank, world_size=world, strategy=strategy), device
+    layout = resolve_layout(config, world)
+    per_replica = world // layout.dp  # mesh order (dp_replicate, dp_shard, pp, cp, tp): a replica's ranks adjacent
+    return (
+        DistInfo(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world,
+            strategy=strategy,
+            dp_rank=rank // per_replica,
+            dp_size=layout.dp,
+        ),
+        device,
+    )
 
 
 def _restart_safe_store(rank: int, world: int, timeout: timedelta) -> dict:

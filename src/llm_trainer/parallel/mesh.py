@@ -20,7 +20,6 @@ MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"
 
 # Degrees that are validated but not trained yet: each name with what to do instead.
 NOT_AVAILABLE = {
-    "tensor_parallel_degree": "tensor parallelism",
     "pipeline_parallel_degree": "pipeline parallelism",
     "context_parallel_degree": "context parallelism",
 }
@@ -90,7 +89,8 @@ def strategy_of(training: TrainingConfig) -> str:
     degree is given (torchtitan's `data_parallel_shard_degree: -1` included), else ddp."""
     if training.distributed_strategy != "auto":
         return training.distributed_strategy
-    return "fsdp" if training.data_parallel_shard_degree not in (None, 1) else "ddp"
+    sharded = training.data_parallel_shard_degree not in (None, 1) or training.tensor_parallel_degree > 1
+    return "fsdp" if sharded else "ddp"
 
 
 def refuse_unavailable(training: TrainingConfig) -> None:
@@ -123,6 +123,21 @@ def _check_strategy(training: TrainingConfig, tp: int, pp: int, cp: int) -> None
                     f"training.{name} does not apply to distributed_strategy deepspeed (its zero_optimization stage "
                     "decides what is sharded); remove it"
                 )
+    if tp > 1 and strategy_of(training) != "fsdp" and strategy != "deepspeed":
+        raise UsageError(
+            f"training.tensor_parallel_degree={tp} composes with FSDP2 only (DDP would sum the ranks' different "
+            f"shards); set distributed_strategy: fsdp (or auto), or tensor_parallel_degree: 1"
+        )
+    if tp > 1 and training.float8:
+        raise UsageError(
+            f"training.float8 with tensor_parallel_degree={tp} is not available yet (its float8 layers need their "
+            "own tensor-parallel plan); use one of them"
+        )
+    if tp > 1 and training.eval_tasks:
+        raise UsageError(
+            f"training.eval_tasks (downstream evaluation during training) does not run under "
+            f"tensor_parallel_degree={tp} yet; remove it and evaluate the checkpoints with `llm-trainer eval`"
+        )
     if (tp > 1 or pp > 1 or cp > 1) and training.optimizer == "muon":
         raise UsageError(
             "optimizer muon needs each weight whole, and tensor, pipeline or context parallelism splits them; "
@@ -191,6 +206,11 @@ def _check_model(training: TrainingConfig, layout: Layout, model: ModelConfig) -
                 f"training.tensor_parallel_degree={tp} does not divide model.{name} ({size}); "
                 f"use a degree that divides it"
             )
+    if tp > 1 and (model.dropout or model.attention_dropout):
+        raise UsageError(
+            f"training.tensor_parallel_degree={tp} needs model.dropout and model.attention_dropout 0 (the ranks of "
+            "one replica would draw different masks for the same activations); set them to 0, or the degree to 1"
+        )
     stages = layout.pp * (2 if training.pipeline_parallel_schedule in MULTI_STAGE_SCHEDULES else 1)
     if model.n_layers % stages:
         each = "" if stages == layout.pp else f" ({training.pipeline_parallel_schedule}: 2 stages per rank)"

@@ -1,14 +1,17 @@
-"""Everything applied to the model from outside, in one place and one fixed order:
+"""Everything applied to the model from outside, in one place and one fixed order (torchtitan's):
 
     0. float8 training (`training.float8`): the blocks' linear layers swapped for torchao's float8
-       ones (`float8`), before compile (which fuses their casts) and FSDP2 (which shards them)
+       ones (`float8`), before compile (which fuses their casts) and FSDP2 (which shards them); then
+       tensor parallelism with sequence parallelism (`tensor_parallel`), over the mesh's `tp` dimension
+       (the two are not combined: mesh.py refuses float8 with a tensor degree)
     1. activation checkpointing, per transformer block
     2. torch.compile, in place: the whole model with its loss (embeddings, blocks, final norm, the
        chunked head + cross-entropy: one graph, nothing left eager), or per transformer block under
        FSDP2 (the blocks repeat, so one compiled graph serves them all, and FSDP's per-block hooks
        stay outside the graphs)
-    3. data parallelism: DDP, or FSDP2 (`fully_shard` per block, then the root; the model's `extend`
-       registered as a forward, so it gathers the weights as `forward` does)
+    3. data parallelism: DDP, or FSDP2 (`fully_shard` per block, then the root, over the mesh's
+       data-parallel dimensions; the model's `extend` registered as a forward, so it gathers the
+       weights as `forward` does)
     4. the optimizer, over the (sharded) parameters
 
 Each step wraps what the one before made: a block is checkpointed inside its compiled graph, and FSDP
@@ -60,21 +63,28 @@ def apply_compile(model: nn.Module, *, per_block: bool = False) -> None:
         module.compile()
 
 
-def apply_fsdp(model: nn.Module, config: TrainingConfig, device: torch.device, amp_dtype: torch.dtype | None) -> None:
-    """FSDP2: shard each block, then the root. Strategies map onto FSDP2 options and meshes:
-    full_shard (reshard after forward), shard_grad_op (keep params gathered until backward),
-    hybrid_shard (2-D mesh: replicate across nodes, shard within a node)."""
+def device_mesh(config: TrainingConfig, device: torch.device):
+    """The run's `DeviceMesh` with named dimensions (dp_replicate, dp_shard, tp), torchtitan's order
+    (tensor-parallel ranks adjacent: a replica's ranks share a node's fast links)."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    layout = resolve_layout(config, launcher.world_size())
+    return init_device_mesh(
+        device.type,
+        (layout.dp_replicate, layout.dp_shard, layout.tp),
+        mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+    )
+
+
+def apply_fsdp(
+    model: nn.Module, config: TrainingConfig, device: torch.device, amp_dtype: torch.dtype | None, mesh
+) -> None:
+    """FSDP2: shard each block, then the root, over the mesh's data-parallel dimensions. Strategies map
+    onto FSDP2 options and meshes: full_shard (reshard after forward), shard_grad_op (keep params
+    gathered until backward), hybrid_shard (2-D: replicate across nodes, shard within a node)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    world = launcher.world_size()
-    if config.fsdp_sharding == "hybrid_shard":
-        layout = resolve_layout(config, world)
-        mesh = init_device_mesh(
-            device.type, (layout.dp_replicate, layout.dp_shard), mesh_dim_names=("replicate", "shard")
-        )
-    else:
-        mesh = init_device_mesh(device.type, (world,))
+    mesh = mesh["dp_replicate", "dp_shard"] if config.fsdp_sharding == "hybrid_shard" else mesh["dp_shard"]
     options = dict(mesh=mesh, reshard_after_forward=config.fsdp_sharding != "shard_grad_op")
     if amp_dtype is not None:  # compute in the autocast dtype, reduce gradients in float32
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
@@ -92,9 +102,10 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     the weights equal a single-process initialisation at any world size (sharded random ops would
     not: on CPU meshes every rank would draw the same shard). One parameter at a time bounds memory.
     """
-    sharded = any(_is_dtensor(p) for p in model.parameters())
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    fsdp_sharded = head is not None and _is_dtensor(head)  # tensor parallelism leaves the head whole
     model.to_empty(device=device)
-    if hasattr(model, "tie_weights") and not sharded:  # FSDP2 keeps shared parameters shared itself
+    if hasattr(model, "tie_weights") and not fsdp_sharded:  # FSDP2 keeps shared parameters shared itself
         model.tie_weights()
     if not hasattr(model, "init_weight"):
         model.reset_parameters()
@@ -158,21 +169,32 @@ def parallelize(
     if config.float8:
         swapped = apply_float8(model)
         log(f"float8: {len(swapped)} linear layers train in float8 (torchao); the head and embeddings do not")
+    mesh = device_mesh(config, device) if dist.strategy == "fsdp" else None
+    tp = mesh["tp"].size() if mesh is not None else 1
+    if tp > 1:
+        from .tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"])
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if config.compile and dist.strategy != "deepspeed":
         apply_compile(model, per_block=dist.strategy == "fsdp")
     on_meta = any(p.is_meta for p in model.parameters())
     common = dict(dist=dist, device=device, amp_dtype=amp_dtype)
-    if dist.strategy == "fsdp":
-        apply_fsdp(model, config, device, amp_dtype)
+    fsdp = dist.strategy == "fsdp" and (tp == 1 or mesh["dp_replicate", "dp_shard"].size() > 1)  # not TP alone
+    if fsdp:
+        apply_fsdp(model, config, device, amp_dtype, mesh)
     if on_meta:  # built without storage (see pipeline.build_model): allocate and initialise here, after sharding
         materialize(model, device)
-    if dist.strategy != "fsdp":
+    if not fsdp:  # (FSDP2 placed its shards on the device)
         model.to(device)
     if dist.world_size > 1:  # same initial weights everywhere (drawn above), different dropout per rank
         torch.manual_seed(config.seed + dist.rank)
     optimizer = build_optimizer(model)
+    if tp > 1:
+        from .tensor_parallel import split_groups_by_mesh
+
+        split_groups_by_mesh(optimizer)
     if dist.strategy == "deepspeed":
         from . import deepspeed_engine
 

@@ -39,7 +39,9 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint import layout
+from ..checkpoint.fused_projections import refuse_resume
 from ..checkpoint.model_folder import load_model_state, model_tensors
+from ..config import ModelConfig
 from ..errors import UsageError
 from .distributed import DistInfo
 
@@ -89,6 +91,10 @@ class Parallelism:
 
     def clip(self, max_norm: float | None) -> torch.Tensor | None:
         self.scaler.unscale_(self.optimizer)
+        if len({id(getattr(p, "device_mesh", None)) for p in self.params}) > 1:  # tensor parallel: several meshes
+            from .grad_norm import clip_grad_norm
+
+            return clip_grad_norm(self.params, max_norm)
         if max_norm:
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
         else:
@@ -138,11 +144,20 @@ class Parallelism:
             from ..checkpoint.sharded import load_sharded
 
             return load_sharded(self.module, self.optimizer, parts["sharded"], parts.get("store"))
+        refuse_old_layout(self.module, parts["model"], path)
         load_model_state(self.module, parts["model"], str(path))
         try:
             self.optimizer.load_state_dict(parts["optimizer"])
         except (ValueError, KeyError) as exc:
             raise UsageError(f"optimizer state in {path} does not match this model/optimizer: {exc}") from None
+
+
+def refuse_old_layout(module: nn.Module, weights: dict, path: Path) -> None:
+    """A whole training checkpoint written before the projections were split does not resume (see
+    `fused_projections.refuse_resume`)."""
+    config = getattr(module, "config", None)
+    if isinstance(config, ModelConfig):
+        refuse_resume(weights, config, str(path))
 
 
 class DDP(Parallelism):
@@ -171,7 +186,8 @@ class FSDP(Parallelism):
     def no_sync(self, last: bool):
         # FSDP2 reads the flag in backward, which the step runs after this block: set it for this
         # micro-batch and leave it (each micro-batch sets its own; the last one turns sync back on)
-        self.module.set_requires_gradient_sync(last)
+        if hasattr(self.module, "set_requires_gradient_sync"):  # not sharded (tensor parallel alone): nothing to sync
+            self.module.set_requires_gradient_sync(last)
         yield
 
     def live_tensors(self):
@@ -199,6 +215,7 @@ class FSDP(Parallelism):
 
         if parts["model"] is None:
             return load_sharded(self.module, self.optimizer, parts["sharded"], parts.get("store"))
+        refuse_old_layout(self.module, parts["model"], path)
         try:  # a whole checkpoint (one process, DDP): each rank takes its shards of every tensor
             load_whole(self.module, self.optimizer, parts["model"], parts["optimizer"], str(path))
         except (ValueError, KeyError, IndexError) as exc:

@@ -22,6 +22,8 @@ every rank holds whole tensors as under DDP.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -33,12 +35,33 @@ WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "
 
 
 def group_of(name: str) -> str:
-    """The group of a parameter: `blocks.3.attn.qkv.weight` -> `blocks.3.attn`; `tok_emb.weight` -> `tok_emb`."""
+    """The group of a parameter: `blocks.3.attn.q.weight` -> `blocks.3.attn`; `tok_emb.weight` -> `tok_emb`."""
     parts = [part for part in name.split(".") if part not in WRAPPERS]
     for i, part in enumerate(parts[:-2]):
         if part.isdigit():
             return ".".join(parts[: i + 2])
     return parts[0] if len(parts) > 1 else "params"
+
+
+def _copies(tensor: torch.Tensor, world: int) -> int:
+    """On how many of the `world` ranks this rank's part of `tensor` lives: 1 for FSDP2's shards; the
+    tensor-parallel ranks' count for a tensor they all hold (a Replicate placement, or a plain tensor)."""
+    mesh = getattr(tensor, "device_mesh", None)
+    if mesh is None:
+        return world
+    replicated = [mesh.size(i) for i, placement in enumerate(tensor.placements) if placement.is_replicate()]
+    return world // mesh.size() * math.prod(replicated)
+
+
+def _reduced(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient whole on its mesh: a sequence-parallel norm's is a partial sum on each rank (the
+    optimizer's update sums it as it reads it), summed here (a collective)."""
+    placements = getattr(grad, "placements", ())
+    if not any(placement.is_partial() for placement in placements):
+        return grad
+    from torch.distributed.tensor import Replicate
+
+    return grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in placements])
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -59,6 +82,9 @@ class LayerStats:
         # DeepSpeed's engine marks the parameters it partitions (ZeRO-3: ds_id; ZeRO-1/2: _hp_mapping)
         self.deepspeed = any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in self.params)
         self._index = torch.tensor([self.groups.index(group) for group, _ in named], dtype=torch.long)
+        # each part's squares count once in the sum over ranks (tensor parallelism leaves some parts on several)
+        world = torch.distributed.get_world_size() if self.sharded and torch.distributed.is_initialized() else 1
+        self._share = torch.tensor([1.0 / _copies(p, world) for p in self.params]) if world > 1 else None
         self._sums: torch.Tensor | None = None
         self._values: dict[str, list[torch.Tensor]] = {}  # this step's local gradients and weights, for histograms
         self._before: list[torch.Tensor] | None = None
@@ -71,6 +97,8 @@ class LayerStats:
         """Squared norms of `tensors` summed per group (local parts only)."""
         norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in tensors])
         squares = torch.stack(norms).to(device).float().pow(2)
+        if self._share is not None:
+            squares = squares * self._share.to(device)
         return torch.zeros(len(self.groups), device=device).index_add_(0, self._index.to(device), squares)
 
     def _weights(self) -> list[torch.Tensor]:
@@ -88,7 +116,7 @@ class LayerStats:
             from deepspeed.utils import safe_get_full_grad
 
             return [safe_get_full_grad(p) for p in self.params]  # every rank: a collective each
-        return [_local(p.grad) if p.grad is not None else None for p in self.params]
+        return [_local(_reduced(p.grad)) if p.grad is not None else None for p in self.params]
 
     def before_step(self, scale: float = 1.0) -> None:
         """Gradients complete, weights not yet changed: their norms, and a copy of the weights. `scale`:

@@ -19,7 +19,7 @@ Everything here follows how *this* trainer runs a model, so the numbers can be c
   iterates, the Gram matrices and the fp32 result: 6.7 S bytes measured on a CPU, 7 S counted here.
 * **Activations**, per token and layer, are the tensors autograd saves for our blocks (pre-norm):
   the block input and the mid-block residual (fp32, for the norms; RMSNorm also keeps its normalised
-  fp32 input), the inputs of the qkv and fc projections, the qkv output, the rotary q/k (LLaMA), the
+  fp32 input), the inputs of the attention and MLP projections, the q/k/v outputs, the rotary q/k (LLaMA), the
   attention output (flash / memory-efficient attention: no T x T matrix is kept; bf16 on a CPU: the softmax
   over the keys, see model._explicit_attention), the MLP hidden
   (GELU/SiLU: input and output; SwiGLU: the gate/up pair, SiLU output and product; ReLU: the output
@@ -105,8 +105,8 @@ def activation_bytes_per_token(
     norm_extra = d * 4 if c.norm == "rmsnorm" else 0  # RMSNorm also keeps its normalised fp32 input
     layer = 0.0
     layer += 2 * (d * r + stats + norm_extra)  # the two norms (block input, mid-block residual)
-    layer += 2 * d * a  # inputs of the qkv and fc projections (the norms' outputs, 16-bit under amp)
-    layer += (d + 2 * kv) * a  # qkv output (v is a view of it, saved by attention)
+    layer += 2 * d * a  # inputs of the attention and MLP projections (the norms' outputs, 16-bit under amp)
+    layer += (d + 2 * kv) * a  # q, k, v outputs (saved by attention)
     if c.position_embedding == "rope":
         layer += (d + kv) * a  # rotated q and k
     if device_type == "cpu" and training.use_amp and training.amp_dtype == "bfloat16":

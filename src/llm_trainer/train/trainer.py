@@ -207,12 +207,13 @@ class Trainer:
         checkpoints record."""
         config = self.config
         self._sources = (train_dataloader, val_dataloader)
-        self.train_loader = as_loader(train_dataloader, self.device, self.dist.world_size)
+        self.train_loader = as_loader(train_dataloader, self.device, self.dist.dp_size)
         self.val_loader = as_loader(val_dataloader, self.device) if val_dataloader is not None else None
-        loader_world = getattr(self.train_loader, "world_size", self.dist.world_size)
-        if loader_world != self.dist.world_size:
+        loader_world = getattr(self.train_loader, "world_size", self.dist.dp_size)
+        if loader_world != self.dist.dp_size:
             raise UsageError(
-                f"the training loader is split for {loader_world} process(es) but {self.dist.world_size} are running; "
+                f"the training loader is split for {loader_world} process(es) but {self.dist.dp_size} data-parallel "
+                "ranks are running; "
                 "build it with rank and world_size from the environment (llm_trainer.build_loaders does)"
             )
         per_epoch = self.train_loader.batches_per_epoch() // config.gradient_accumulation_steps
@@ -228,13 +229,16 @@ class Trainer:
         self.checkpointer.schedule = {"name": config.lr_scheduler, "total_steps": self.total_steps}
 
     def _speed_monitor(self) -> SpeedMonitor:
-        """Throughput and MFU of this train() call; FLOPs per token from the rows' length."""
+        """Throughput and MFU of this train() call, per model replica (a replica's tensor-parallel ranks
+        share its tokens: their peak is the devices' together); FLOPs per token from the rows' length."""
         seq_len = self.run.seq_len or getattr(getattr(self.train_loader, "rows", None), "length", None)
         config = self.config
+        peak = config.peak_flops or _peak_flops(self.device, self.amp_dtype)
+        per_replica = self.dist.world_size // self.dist.dp_size
         return SpeedMonitor(
             config.speed_window_size,
             _flops_per_token(self.model, seq_len),
-            config.peak_flops or _peak_flops(self.device, self.amp_dtype),
+            peak * per_replica if peak else peak,
             self.device,
         )
 
@@ -311,7 +315,7 @@ class Trainer:
                     )
                     self.bad_steps.add(out.finite)
                     state.step += 1
-                    state.tokens_seen += out.tokens * self.dist.world_size  # all ranks': the same at any world size
+                    state.tokens_seen += out.tokens * self.dist.dp_size  # all replicas': the same at any world size
                     self.speed.end_step(out.tokens, out.samples)
                     watchdog.beat(state.step)
                     if layers_due and (layer_row := layers.after_step(state.step)) is not None:
@@ -384,7 +388,7 @@ class Trainer:
             summary = SummaryRow(
                 step=state.step,
                 train_runtime_s=elapsed,
-                tokens_per_s=(state.tokens_seen - tokens_at_start) / self.dist.world_size / max(elapsed, 1e-9),
+                tokens_per_s=(state.tokens_seen - tokens_at_start) / self.dist.dp_size / max(elapsed, 1e-9),
                 tokens_seen=state.tokens_seen,
                 skipped_steps=state.skipped_steps,
                 stopped_early=self.stop.reason,
@@ -513,11 +517,18 @@ class Trainer:
             self.model,
             self.val_loader,
             autocast=self.autocast,
-            reduce=all_reduce_,
+            reduce=self._sum_over_replicas,
             max_batches=None if full else self.config.eval_max_batches,
             progress=self.config.progress_bar,
             sources=getattr(self.val_loader, "source_labels", None),  # per-source losses of a mixture
         )
+
+    def _sum_over_replicas(self, totals: torch.Tensor) -> torch.Tensor:
+        """Sums over the data-parallel replicas: the ranks of one replica (tensor parallel) read the same
+        rows, so each is counted once."""
+        all_reduce_(totals)
+        per_replica = self.dist.world_size // self.dist.dp_size
+        return totals.div_(per_replica) if per_replica > 1 else totals
 
     def _towards_target(self, metrics: dict, target: float) -> tuple[dict, bool]:
         """(the evaluation to report, whether it covers the whole validation split: only that one decides
@@ -642,10 +653,15 @@ class Trainer:
         cfg = self.config
         world = self.dist.world_size
         rows = getattr(self.train_loader, "batch_size", None) or cfg.batch_size  # a user's DataLoader decides
-        effective = rows * cfg.gradient_accumulation_steps * world
+        effective = rows * cfg.gradient_accumulation_steps * self.dist.dp_size
+        replicas = (  # tensor-parallel ranks of one replica read the same rows
+            f"{world} process(es)"
+            if self.dist.dp_size == world
+            else f"{self.dist.dp_size} replica(s) of {world} processes"
+        )
         log(
             f"train: {n_params:,} parameters on {self.device}, {self.total_steps} steps, effective batch {effective} "
-            f"= {rows} x {cfg.gradient_accumulation_steps} accumulation x {world} process(es)"
+            f"= {rows} x {cfg.gradient_accumulation_steps} accumulation x {replicas}"
             f"{' (' + self.dist.strategy + ')' if world > 1 else ''}, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}), "
             f"{'amp ' + cfg.amp_dtype if cfg.use_amp else 'float32'}{', compiled' if cfg.compile else ''}, "
             f"{self.attention.describe()}"

@@ -1,0 +1,145 @@
+"""Tensor parallelism with sequence parallelism (DTensor), alone and under FSDP2: 2 or 4 CPU processes
+with gloo. The ranks of one replica read the same batch, so TP=2 must equal one process over several
+steps, with gradient accumulation and clipping; its DCP checkpoints resume at another layout."""
+
+import pytest
+import torch
+
+from test_distributed import _assert_same_run, _env, _interrupted_at, _losses, _single, _torchrun, _train_rows
+from test_distributed import workdir as workdir  # the experiment's corpus and config
+
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available"),
+    pytest.mark.slow,  # several processes per test: the full tier only
+]
+
+GPT2 = (
+    "model.architecture=gpt2",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+)
+STEPS = (
+    "training.gradient_accumulation_steps=2",
+    "training.batch_size=4",
+    "training.max_grad_norm=0.05",
+    "training.layer_stats_steps=2",
+)
+
+
+@pytest.mark.parametrize("arch", [(), GPT2], ids=["llama", "gpt2"])
+def test_tensor_parallel_equals_one_process(workdir, arch):
+    """LLaMA (SwiGLU, RoPE, RMSNorm) and GPT-2 (learned positions, biases, LayerNorm, tied head): the same
+    losses as one process, with accumulation and a clip that bites."""
+    arch = arch or ("model.n_kv_heads=2", "model.d_ff=96")  # each split in two
+    init = _initial_weights_of(workdir, arch)
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    result = _torchrun(
+        workdir, "training.output_dir=tp", "parallelism.tensor_parallel_degree=2", f"model.init_from={init}", *STEPS
+    )
+    assert "mesh: dp_replicate=1 x dp_shard=1 x pp=1 x cp=1 x tp=2" in result.stderr
+    _assert_same_run(workdir / "single", workdir / "tp")
+    assert _train_rows(workdir / "tp", "grad_norm") == pytest.approx(
+        _train_rows(workdir / "single", "grad_norm"), rel=1e-5
+    )
+    single, tp = _layer_rows(workdir / "single"), _layer_rows(workdir / "tp")
+    assert len(single) == 3 and single.keys() == tp.keys()  # steps 2, 4, 6
+    for step, row in single.items():  # each rank's shards and the whole tensors counted once
+        assert tp[step] == pytest.approx(row, rel=1e-4)
+
+
+def _layer_rows(run_dir) -> dict:
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("layers/")} for r in rows if r["kind"] == "layers"}
+
+
+def _initial_weights_of(workdir, overrides) -> str:
+    """A model folder both runs start from, for the experiment with `overrides` on its model section
+    (written into exp.yaml, so the runs build the same architecture)."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from llm_trainer.checkpoint.model_folder import save_model_folder
+    from llm_trainer.config import ModelConfig
+    from llm_trainer.model import Transformer
+
+    path = workdir / "exp.yaml"
+    experiment = yaml.safe_load(path.read_text())
+    for override in overrides:
+        key, value = override.split("=")
+        experiment["model"][key.split(".")[1]] = yaml.safe_load(value)
+    path.write_text(yaml.safe_dump(experiment))
+    subprocess.run(
+        [sys.executable, "-m", "llm_trainer", "prepare", "--config", "exp.yaml"],
+        cwd=workdir,
+        check=True,
+        capture_output=True,
+        env=_env(),
+    )
+    (manifest,) = (workdir / "data_cache").glob("*/manifest.json")
+    vocab = json.loads(manifest.read_text())["vocab_size"]
+    torch.manual_seed(0)
+    save_model_folder(Transformer(ModelConfig(**{**experiment["model"], "vocab_size": vocab})), workdir / "init")
+    return str(workdir / "init")
+
+
+def test_tensor_parallel_checkpoints_resume_at_another_layout(workdir):
+    """TP=2's DCP checkpoint of step 3 resumes in one process, and one process's whole checkpoint of
+    step 3 resumes at TP=2 (each rank taking its shards of model and optimizer): steps 4-6 equal the
+    uninterrupted run."""
+    init = _initial_weights_of(workdir, ("model.n_kv_heads=2", "model.d_ff=96"))
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    tp = ("parallelism.tensor_parallel_degree=2", f"model.init_from={init}", *STEPS)
+    _torchrun(workdir, "training.output_dir=tp", *tp)
+    _interrupted_at(workdir, "tp", 3, "two_to_one")
+    _single(
+        workdir,
+        "training.output_dir=two_to_one",
+        f"model.init_from={init}",
+        *STEPS,
+        "training.resume_from_checkpoint=latest",
+    )
+    _interrupted_at(workdir, "single", 3, "one_to_two")
+    _torchrun(workdir, "training.output_dir=one_to_two", *tp, "training.resume_from_checkpoint=latest")
+    train, val = _losses(workdir / "single")
+    for run in ("two_to_one", "one_to_two"):
+        resumed_train, resumed_val = _losses(workdir / run)
+        assert resumed_train == pytest.approx(train[3:], rel=1e-5)
+        assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+
+
+def test_fsdp_by_tensor_parallel_equals_one_process_and_resumes_as_fsdp(workdir):
+    """A 2 x 2 mesh (FSDP2 over dp_shard, TP over tp) equals one process; its step-3 checkpoint resumes
+    under FSDP alone on 4 processes with the uninterrupted run's losses."""
+    init = _initial_weights_of(workdir, ("model.n_kv_heads=2", "model.d_ff=96"))
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    accumulation = ("training.gradient_accumulation_steps=2", "training.max_grad_norm=0.05", f"model.init_from={init}")
+    result = _torchrun(
+        workdir,
+        "training.output_dir=mesh",
+        "parallelism.tensor_parallel_degree=2",
+        "training.batch_size=2",
+        *accumulation,
+        nproc=4,
+    )
+    assert "mesh: dp_replicate=1 x dp_shard=2 x pp=1 x cp=1 x tp=2" in result.stderr
+    assert "effective batch 8 = 2 x 2 accumulation x 2 replica(s) of 4 processes (fsdp)" in result.stderr
+    _assert_same_run(workdir / "single", workdir / "mesh")
+    _interrupted_at(workdir, "mesh", 3, "as_fsdp")
+    _torchrun(
+        workdir,
+        "training.output_dir=as_fsdp",
+        "training.distributed_strategy=fsdp",
+        "training.batch_size=1",
+        *accumulation,
+        "training.resume_from_checkpoint=latest",
+        nproc=4,
+    )
+    train, val = _losses(workdir / "single")
+    resumed_train, resumed_val = _losses(workdir / "as_fsdp")
+    assert resumed_train == pytest.approx(train[3:], rel=1e-5)
+    assert resumed_val == pytest.approx(val[1:], rel=1e-5)
