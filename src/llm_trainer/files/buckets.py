@@ -131,6 +131,38 @@ def _quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL + 1)
 
 
+def _store_options(url: str) -> dict:
+    """fsspec options for the store of `url`. For S3: a botocore session whose requests carry no
+    `Expect: 100-continue` header. With it, aiohttp waits for the server's interim answer before it sends
+    an upload's body, and no timeout covers that wait: a store that accepts the connection and then falls
+    silent would hold the upload (and the run waiting for it) forever. Without it, the read timeout
+    ends the wait and the upload is retried, then reported (`call`). The header is not signed."""
+    if url.split("://", 1)[0] not in ("s3", "s3a"):
+        return {}
+    return {"session": _s3_session()}
+
+
+_S3_SESSION = None
+
+
+def _s3_session():
+    """One aiobotocore session for every S3 filesystem of the process (fsspec caches filesystems by
+    their options, so it must be the same object each time)."""
+    global _S3_SESSION
+    if _S3_SESSION is None:
+        from aiobotocore.session import AioSession
+
+        session = AioSession()
+        session.register("before-sign.s3", _without_expect_header)
+        _S3_SESSION = session
+    return _S3_SESSION
+
+
+def _without_expect_header(request, **_) -> None:
+    if "Expect" in request.headers:
+        del request.headers["Expect"]
+
+
 def _filesystem(url: str):
     _quiet_libraries()
     try:
@@ -138,7 +170,7 @@ def _filesystem(url: str):
     except ImportError:  # pragma: no cover - fsspec comes with torch's and datasets' dependencies
         raise UsageError(f"{url} is a URL and fsspec is not installed: pip install 'llm-trainer[s3]'") from None
     try:
-        fs, path = fsspec.core.url_to_fs(url)
+        fs, path = fsspec.core.url_to_fs(url, **_store_options(url))
     except (ImportError, ValueError) as exc:
         scheme = url.split("://", 1)[0]
         extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}.get(scheme)
