@@ -91,6 +91,14 @@ class BackgroundWriter:
         assert self._pending is None, "wait() for the write in flight before submitting another"
         self._pending = self._pool.submit(write)
 
+    def submitted(self) -> bool:
+        """Whether a write was submitted whose result (or error) has not been taken yet."""
+        return self._pending is not None
+
+    def done(self) -> bool:
+        """Whether the write submitted has completed (its result or error not taken yet)."""
+        return self._pending is not None and self._pending.done()
+
     def finished(self) -> Path | None:
         """The folder of a write that has completed (its error raised here), else None. Never blocks."""
         if self._pending is None or not self._pending.done():
