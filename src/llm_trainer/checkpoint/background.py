@@ -9,6 +9,9 @@ that checkpoint: `latest` and every earlier checkpoint are untouched, as with a 
 
 The price is host memory for one copy of the model and optimizer state, kept for the whole run so
 later saves reuse it (`training.async_checkpoint=false` writes in the training thread instead).
+
+Sharded checkpoints are copied and their shards written by `dcp.async_save` (`sharded.BackgroundShards`);
+each rank's worker waits for that write, then rank 0's writes the rest of the folder as above.
 """
 
 from __future__ import annotations

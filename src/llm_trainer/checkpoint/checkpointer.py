@@ -55,7 +55,7 @@ from .background import BackgroundWriter, HostSnapshot
 from .durable import remove_stale
 from .find import resolve_checkpoint
 from .folder_files import SHARDED_DIR
-from .layout import BEST, checkpoint_name
+from .layout import BEST, STAGING, checkpoint_name
 from .remote import ensure_uploaded, fetch_named, local_copy, store_shards, upload_best, upload_checkpoint
 from .store import load_checkpoint, rotate, save_best_model, save_checkpoint
 
@@ -128,7 +128,7 @@ class Checkpointer:
         """Delete the per-rank staging folders (`.staging-*`) a multi-process save killed mid-way left."""
         if not self.root.is_dir():
             return
-        for path in self.root.glob(".staging-*"):
+        for path in self.root.glob(f"{STAGING}*"):
             shutil.rmtree(path, ignore_errors=True)
             log(f"checkpoint: removed {path.name}, left by an interrupted save")
 
@@ -173,7 +173,7 @@ class Checkpointer:
         background = background and self._writer is not None
         staging, weights, shards = None, None, None
         if self.dist.world_size > 1 or self.dist.strategy == "deepspeed":  # each rank's own files first
-            staging = self.root / f".staging-{path.name}"
+            staging = self.root / f"{STAGING}{path.name}"
             if self.dist.is_main:
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir(parents=True)

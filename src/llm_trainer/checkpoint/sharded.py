@@ -61,6 +61,7 @@ from .checksums import StreamChecksum, data_checksum
 from .durable import first_line, save_failure
 from .folder_files import SHARDED_DIR, FolderFiles
 from .fused_projections import is_fused, split_fused, split_fused_shapes
+from .layout import STAGING
 from .model_folder import check_fits, clean_name, current_names
 from .safe_pickle import DCP_METADATA, load_pickle
 
@@ -481,7 +482,7 @@ def save_sharded(
 ) -> Callable[[], None]:
     """Every rank writes its shards of model and optimizer into `directory` (a collective), now or with
     `background` in DCP's thread (see `_save`). Returns the wait for the write."""
-    checkpoint = Path(directory).name.removeprefix(".staging-")  # the checkpoint folder the shards are for
+    checkpoint = Path(directory).name.removeprefix(STAGING)  # the checkpoint folder the shards are for
 
     def failed(error: Exception) -> Exception:
         return save_failure(error, Path(directory).parent / checkpoint) or CheckpointError(
