@@ -52,7 +52,7 @@ import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
-from llm_trainer.checkpoint import layout, store
+from llm_trainer.checkpoint import layout, local
 from llm_trainer.checkpoint.find import resolve_checkpoint
 from llm_trainer.config import ModelConfig
 from llm_trainer.model import Transformer
@@ -160,7 +160,7 @@ def main() -> int:
     checkpointer = background_checkpointer(copy.deepcopy(model), base / "background")
 
     def ours_save():
-        store.save_checkpoint(
+        local.save_checkpoint(
             root,
             1,
             model=model,
@@ -173,7 +173,7 @@ def main() -> int:
 
     def ours_load():
         path = resolve_checkpoint("latest", root)
-        parts = store.load_checkpoint(path)
+        parts = local.load_checkpoint(path)
         assert len(parts["model"]) > 0 and len(parts["optimizer"]["state"]) > 0
 
     def raw_save():
@@ -253,7 +253,7 @@ def main() -> int:
         "directory": str(base),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
-        "checkpoint_module": store.__file__,
+        "checkpoint_module": local.__file__,
     }
     print(json.dumps(report, indent=2))
     if not args.dir:

@@ -2,7 +2,7 @@
 
     python bench/estimate_check.py [--device cpu|cuda] [--json]
 
-Each config trains 3 steps in a fresh process (`llm_trainer.tools.memory_probe`: resident memory on
+Each config trains 3 steps in a fresh process (`llm_trainer.train.memory_probe`: resident memory on
 a CPU, `torch.cuda.max_memory_allocated` on a GPU); the table gives both peaks in MiB and the error.
 tests/test_estimate_measured.py holds every config within 10%.
 """

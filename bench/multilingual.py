@@ -34,11 +34,11 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from llm_trainer.config import DataConfig  # noqa: E402
-from llm_trainer.data.clean import Cleaner  # noqa: E402
-from llm_trainer.data.filters import FILTERS  # noqa: E402
 from llm_trainer.data.prepare import prepare_data  # noqa: E402
-from llm_trainer.data.report import REPORT  # noqa: E402
-from llm_trainer.data.sources import stdlib_files  # noqa: E402
+from llm_trainer.data.prepare.report import REPORT  # noqa: E402
+from llm_trainer.data.text.clean import Cleaner  # noqa: E402
+from llm_trainer.data.text.filters import FILTERS  # noqa: E402
+from llm_trainer.data.text.sources import stdlib_files  # noqa: E402
 from llm_trainer.tokenizer import PRE_SPLITS, Tokenizer  # noqa: E402
 from multilingual_data import CACHE, LANGUAGES, build  # noqa: E402
 

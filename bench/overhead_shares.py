@@ -106,7 +106,7 @@ def ours_run(work: Path, steps: int) -> dict:
 
 PLOTS = r"""
 import sys, time
-from llm_trainer.tools.plots import plot_runs
+from llm_trainer.train.plots import plot_runs
 start = time.perf_counter()
 plot_runs(sys.argv[1], sys.argv[2], strict=True)  # as at the end of a run: matplotlib's import included
 print(time.perf_counter() - start)

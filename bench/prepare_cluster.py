@@ -37,7 +37,7 @@ _CHILD = """
 import json, resource, sys, time
 from llm_trainer.config import DataConfig
 from llm_trainer.data.prepare import prepare_data
-from llm_trainer.data.cluster import tasks_folder
+from llm_trainer.data.prepare.cluster import tasks_folder
 
 if __name__ == "__main__":
     config = DataConfig(**json.loads(sys.argv[1]))
@@ -86,9 +86,9 @@ def stages(files, tokenizer_file: Path) -> dict:
     """MB/s of each stage on one thread, through the functions prepare calls."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from llm_trainer.config import DataConfig
-    from llm_trainer.data.dedup import MinHasher
-    from llm_trainer.data.process import DocumentProcessor, encode
-    from llm_trainer.data.sources import FileUnit, SourceStats, iter_unit
+    from llm_trainer.data.prepare.workers import DocumentProcessor, encode
+    from llm_trainer.data.text.dedup import MinHasher
+    from llm_trainer.data.text.sources import FileUnit, SourceStats, iter_unit
     from llm_trainer.tokenizer import Tokenizer
 
     config = DataConfig(data_files=[str(f) for f in files])

@@ -216,7 +216,7 @@ def pipeline(files: list[Path], tokenizer_file: Path, cache: Path, workers: int,
 def minhash_comparison(texts: list[str]) -> dict:
     """NumPy MinHash (ours) vs datasketch on the same documents: MB/s including shingling."""
     sys.path.insert(0, str(REPO / "src"))
-    from llm_trainer.data.dedup import MinHasher
+    from llm_trainer.data.text.dedup import MinHasher
 
     sample = texts[:1000]
     nbytes = sum(len(t.encode()) for t in sample)

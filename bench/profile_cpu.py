@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shakespeare  # noqa: E402
 from llm_trainer.config import ModelConfig, TrainingConfig  # noqa: E402
-from llm_trainer.data.loader import BatchLoader, WindowRows  # noqa: E402
+from llm_trainer.data.batches.loader import BatchLoader, WindowRows  # noqa: E402
 from llm_trainer.model import Transformer  # noqa: E402
 from llm_trainer.train import optim  # noqa: E402
 from llm_trainer.train.trainer import Trainer  # noqa: E402

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from llm_trainer.config import ModelConfig, TrainingConfig
-from llm_trainer.data.loader import BatchLoader, WindowRows
+from llm_trainer.data.batches.loader import BatchLoader, WindowRows
 from llm_trainer.model import Transformer
 from llm_trainer.train.trainer import Trainer
 

@@ -9,7 +9,7 @@ The baby-GPT Tiny Shakespeare setting (bench/configs/baby_gpt_shakespeare.yaml),
   local     data.cache_dir on local disk: no chunk record, the global permutation of the rows
   streamed  data.cache_dir s3://bench/prepared on a local S3 server (moto, 127.0.0.1, fake credentials):
             the training tokens stream through a cache smaller than them (data.stream_cache_limit 1.5 MB),
-            in the chunked order of `data/stream.py`
+            in the chunked order of `data/batches/stream.py`
 
 The seed (`training.seed`) sets the model's initialisation and the data order alike. Validation loss (the
 whole validation split) is read at every `--eval-every` steps from each run's metrics.jsonl. With

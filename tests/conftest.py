@@ -37,7 +37,7 @@ def tiny_loaders(n_tokens: int = 3000, length: int = 16):
     """(train, validation) loaders of `length`-token windows over a learnable token sequence (vocab 61)."""
     import numpy as np
 
-    from llm_trainer.data.loader import BatchLoader, WindowRows
+    from llm_trainer.data.batches.loader import BatchLoader, WindowRows
 
     t = (np.cumsum(np.random.default_rng(0).integers(1, 3, size=n_tokens)) % 61).astype(np.uint16)
     train = BatchLoader(WindowRows(t, length), 4, shuffle=True, seed=0)

@@ -12,7 +12,8 @@ import torch
 from conftest import write_tiny_experiment
 from llm_trainer import cli
 from llm_trainer.config import ModelConfig, TrainingConfig
-from llm_trainer.tools.estimate import auto_batch_size, estimate_memory
+from llm_trainer.train.batch_size import auto_batch_size
+from llm_trainer.train.memory_estimate import estimate_memory
 
 GiB = 1024**3
 MODEL = ModelConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=256)
@@ -41,7 +42,7 @@ def test_auto_without_a_global_batch_is_a_config_error():
 @pytest.mark.slow
 def test_the_probe_step_measures_the_pick_and_what_it_keeps_fits():
     """One real step at the estimate's pick, in a fresh process: the pick, scaled by what it measured, fits."""
-    from llm_trainer.tools.estimate import measure_peak
+    from llm_trainer.train.batch_size import measure_peak
 
     training = TrainingConfig(batch_size="auto", total_batch_tokens=128 * 16, use_amp=False, device="cpu")
     budget = (_peak(training, 8) + _peak(training, 9)) / 2

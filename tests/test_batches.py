@@ -8,7 +8,7 @@ import torch
 
 from conftest import tiny_model
 from llm_trainer.config import TrainingConfig
-from llm_trainer.data.loader import IGNORE_INDEX
+from llm_trainer.data.batches.loader import IGNORE_INDEX
 from llm_trainer.train.trainer import Trainer
 
 

@@ -29,7 +29,7 @@ import yaml
 from safetensors.torch import load_file
 
 from llm_trainer import cli
-from llm_trainer.checkpoint import checksums, durable, layout, store
+from llm_trainer.checkpoint import layout, local
 from llm_trainer.checkpoint.find import find_checkpoint, resolve_checkpoint
 from llm_trainer.checkpoint.layout import kind_of
 from llm_trainer.checkpoint.model_folder import (
@@ -39,11 +39,12 @@ from llm_trainer.checkpoint.model_folder import (
     model_state_dict,
     save_model_folder,
 )
+from llm_trainer.checkpoint.train_state import TrainState, train_state_problem
 from llm_trainer.checkpoint.verify import verify
 from llm_trainer.config import ModelConfig, TrainingConfig
 from llm_trainer.errors import CheckpointError, TrainingStopped, UsageError
+from llm_trainer.files import atomic, checksums
 from llm_trainer.model import Transformer
-from llm_trainer.train.state import TrainState, train_state_problem
 from llm_trainer.train.trainer import Callback, Trainer
 
 MAX_STEPS = 12
@@ -71,14 +72,14 @@ def pause(trainer, where):
 
 
 if "pause_in_save_at" in plan:  # inside the save (in the writer thread if it is a background save),
-    import llm_trainer.checkpoint.store as store  # the temporary folder made and the weights written into it
-    write_weights = store.save_model_folder
+    import llm_trainer.checkpoint.local as local  # the temporary folder made and the weights written into it
+    write_weights = local.save_model_folder
 
     def paused_write(model, folder, *args, **kwargs):
         write_weights(model, folder, *args, **kwargs)
         if f"checkpoint-{plan['pause_in_save_at']:08d}-" in str(folder):
             pause(None, "in-save")
-    store.save_model_folder = paused_write
+    local.save_model_folder = paused_write
 
 
 class Plan(Callback):
@@ -570,7 +571,7 @@ def tiny_parts(seed: int = 0):
 
 
 def save(root: Path, step: int, model, optimizer) -> Path:
-    return store.save_checkpoint(
+    return local.save_checkpoint(
         root,
         step,
         model=model,
@@ -621,7 +622,7 @@ def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, 
     assert (root / layout.LATEST).read_text() == first.name
     assert {p.name: p.read_bytes() for p in first.iterdir()} == before
     assert resolve_checkpoint("latest", root) == first
-    parts = store.load_checkpoint(first)
+    parts = local.load_checkpoint(first)
     assert torch.equal(parts["model"]["tok_emb.weight"], load_file(str(first / WEIGHTS_NAME))["tok_emb.weight"])
 
 
@@ -681,7 +682,7 @@ def test_leftovers_of_dead_writers_are_removed(tmp_path):
     root = tmp_path / "checkpoints"
     model, optimizer = tiny_parts()
     save(root, 1, model, optimizer)
-    host = durable.owner().rsplit("-", 1)[0]
+    host = atomic.owner().rsplit("-", 1)[0]
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = root / f".tmp-{layout.PREFIX}{2:08d}-{host}-{dead.pid}"
@@ -754,7 +755,7 @@ def test_malicious_pickle_is_refused_and_never_runs(reference, tmp_path, capsys,
     target.unlink()
 
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
-        store.load_checkpoint(folder)
+        local.load_checkpoint(folder)
     assert not target.exists()
     assert cli_train(run, "training.max_steps=14", "training.resume_from_checkpoint=latest") == 2
     line = the_error(capsys.readouterr().err)
@@ -861,7 +862,7 @@ def test_too_many_nonfinite_steps_stop_and_leave_last_checkpoint_untouched(tmp_p
     assert [p.name for p in layout.list_checkpoints(root)] == [f"{layout.PREFIX}{4:08d}"]
     assert (root / layout.LATEST).read_text() == f"{layout.PREFIX}{4:08d}"
     assert verify(root / f"{layout.PREFIX}{4:08d}") is None
-    saved = store.load_checkpoint(root / f"{layout.PREFIX}{4:08d}")["model"]
+    saved = local.load_checkpoint(root / f"{layout.PREFIX}{4:08d}")["model"]
     assert all(torch.equal(saved[k], snapshots.weights[4][k]) for k in saved)
     assert trainer.state.skipped_steps == 3 and max(snapshots.weights) == 7  # stopped at step 8, before logging it
 
@@ -923,7 +924,7 @@ def test_rotate_never_deletes_protected_and_deletes_oldest_first(tmp_path):
     model, optimizer = tiny_parts()
     for step in (1, 2, 3, 4, 5):
         save(root, step, model, optimizer)
-    store.rotate(root, 2, protect={f"{layout.PREFIX}{2:08d}", f"{layout.PREFIX}{5:08d}"})
+    local.rotate(root, 2, protect={f"{layout.PREFIX}{2:08d}", f"{layout.PREFIX}{5:08d}"})
     assert [p.name for p in layout.list_checkpoints(root)] == [f"{layout.PREFIX}{s:08d}" for s in (5, 4, 2)]
     assert not [p for p in root.iterdir() if p.name.startswith(".")]
 
@@ -954,7 +955,7 @@ def test_wrapped_models_save_clean_names(tmp_path, wrap):
 
     fresh, _ = tiny_parts(seed=1)
     rewrapped = wrap(fresh)
-    load_model_state(rewrapped, store.load_checkpoint(folder)["model"], str(folder))
+    load_model_state(rewrapped, local.load_checkpoint(folder)["model"], str(folder))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
 
 
@@ -969,7 +970,7 @@ def test_checkpoint_from_another_device_loads_on_cpu(tmp_path, monkeypatch):
     import torch.serialization as serialization
 
     monkeypatch.setattr(serialization, "location_tag", lambda storage: "cuda:0")
-    folder = store.save_checkpoint(
+    folder = local.save_checkpoint(
         tmp_path / "checkpoints",
         1,
         model=model,
@@ -996,7 +997,7 @@ def test_checkpoint_from_another_device_loads_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(
         torch, "load", lambda f, **kw: calls["torch.load"].append(kw.get("map_location")) or real_torch_load(f, **kw)
     )
-    parts = store.load_checkpoint(folder, map_location="cpu")
+    parts = local.load_checkpoint(folder, map_location="cpu")
     assert calls["load_file"] and set(calls["load_file"]) == {"cpu"}
     assert calls["torch.load"] and None not in calls["torch.load"]
     tensors = [parts["model"]["tok_emb.weight"], parts["rng"]["torch"], parts["rng"]["cuda"][0]]
@@ -1020,7 +1021,7 @@ def test_optimizer_state_round_trips_exactly(tmp_path):
     model, optimizer = tiny_parts()
     state = optimizer.state_dict()
     folder = save(tmp_path / "checkpoints", 1, model, optimizer)
-    loaded = store.load_checkpoint(folder)["optimizer"]
+    loaded = local.load_checkpoint(folder)["optimizer"]
     assert loaded["param_groups"] == state["param_groups"]
     assert loaded["state"].keys() == state["state"].keys()
     for index, values in state["state"].items():
@@ -1040,7 +1041,7 @@ def test_optimizer_state_with_views_of_one_buffer_round_trips(tmp_path):
         "param_groups": [{"params": [0], "betas": (0.9, 0.95), "lr": 0.1, "foreach": None}],
     }
     model, _ = tiny_parts()
-    folder = store.save_checkpoint(
+    folder = local.save_checkpoint(
         tmp_path / "checkpoints",
         1,
         model=model,
@@ -1050,7 +1051,7 @@ def test_optimizer_state_with_views_of_one_buffer_round_trips(tmp_path):
         config={},
         tokenizer_json=None,
     )
-    loaded = store.load_checkpoint(folder)["optimizer"]
+    loaded = local.load_checkpoint(folder)["optimizer"]
     assert loaded["param_groups"] == state["param_groups"] and isinstance(loaded["param_groups"][0]["betas"], tuple)
     for key, value in state["state"][0].items():
         assert torch.equal(loaded["state"][0][key], value)
@@ -1069,7 +1070,7 @@ def test_format_1_checkpoints_still_load(tmp_path):
     meta = {k: v for k, v in meta.items() if k not in ("meta_sha256", "checksum", "sequence")}
     (folder / layout.META).write_text(json.dumps({**meta, "format_version": 1, "files": files}))
     assert verify(folder) is None
-    loaded = store.load_checkpoint(folder)["optimizer"]
+    loaded = local.load_checkpoint(folder)["optimizer"]
     assert torch.equal(loaded["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
     flip_byte(folder / WEIGHTS_NAME)
     assert "does not match its checksum" in verify(folder)
@@ -1087,7 +1088,7 @@ def test_format_2_crc32_checkpoints_still_load(tmp_path):
     meta["meta_sha256"] = checksums.meta_checksum(meta)
     (folder / layout.META).write_text(json.dumps(meta))
     assert verify(folder) is None
-    loaded = store.load_checkpoint(folder)["optimizer"]
+    loaded = local.load_checkpoint(folder)["optimizer"]
     assert torch.equal(loaded["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
     flip_byte(folder / WEIGHTS_NAME)
     assert "does not match its checksum" in verify(folder)
@@ -1142,7 +1143,7 @@ def test_find_checkpoint_takes_every_way_of_naming_one(tmp_path, capsys):
     run = tmp_path / "run"
     root = run / layout.CHECKPOINTS_DIR
     first, newest = save(root, 3, model, optimizer), save(root, 10, model, optimizer)
-    store.save_best_model(root, model, tokenizer_json=None, config={}, metrics={"val_loss": 1.0})
+    local.save_best_model(root, model, tokenizer_json=None, config={}, metrics={"val_loss": 1.0})
     assert find_checkpoint(first) == first
     assert find_checkpoint(root / layout.BEST) == root / layout.BEST
     assert find_checkpoint(root) == newest and find_checkpoint(run) == newest
@@ -1159,7 +1160,7 @@ def test_meta_json_records_the_kind_and_a_resume_reads_what_it_names(tmp_path):
     model, optimizer = tiny_parts(0)
     folder = save(tmp_path, 1, model, optimizer)
     assert kind_of(folder) is layout.WHOLE and layout.read_meta(folder)["kind"] == layout.WHOLE.name
-    parts = store.load_checkpoint(folder)
+    parts = local.load_checkpoint(folder)
     assert parts["model"] is not None and parts["optimizer"] is not None
     assert kind_of(tmp_path / "nowhere") is None
     for kind in layout.KINDS.values():  # every kind says where model and optimizer are, and requires their files

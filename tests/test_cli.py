@@ -11,7 +11,8 @@ import torch
 
 from conftest import tiny_loaders, tiny_model, write_tiny_experiment
 from llm_trainer.cli import main
-from llm_trainer.config import TrainingConfig, load_experiment
+from llm_trainer.config import TrainingConfig
+from llm_trainer.config_loader import load_experiment
 from llm_trainer.train.trainer import Trainer
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from llm_trainer.cli import PRESETS
-from llm_trainer.config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
+from llm_trainer.config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig
+from llm_trainer.config_loader import load_experiment
 from llm_trainer.errors import UsageError
 from llm_trainer.model import Transformer
 

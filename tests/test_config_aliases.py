@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_trainer.config import ModelConfig, TrainingConfig, load_experiment
+from llm_trainer.config import ModelConfig, TrainingConfig
+from llm_trainer.config_loader import load_experiment
 from llm_trainer.errors import UsageError
 
 

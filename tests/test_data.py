@@ -20,9 +20,12 @@ import torch
 
 from conftest import kill9_when, src_env
 from llm_trainer.config import DataConfig
-from llm_trainer.data.loader import IGNORE_INDEX, BatchLoader, DocumentRows, WindowRows, first_fit_decreasing
-from llm_trainer.data.prepare import MANIFEST, clean_text, prepare_data
-from llm_trainer.data.sources import stdlib_files
+from llm_trainer.data.batches.loader import IGNORE_INDEX, BatchLoader, DocumentRows, WindowRows
+from llm_trainer.data.batches.packing import first_fit_decreasing
+from llm_trainer.data.format import MANIFEST
+from llm_trainer.data.prepare import prepare_data
+from llm_trainer.data.text.clean import clean_text
+from llm_trainer.data.text.sources import stdlib_files
 from llm_trainer.errors import UsageError
 from llm_trainer.tokenizer import EOT, UNK, Tokenizer
 

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from llm_trainer.config import DataConfig
-from llm_trainer.data.clean import Cleaner, clean_text
-from llm_trainer.data.dedup import Deduplicator, MinHasher, exact_key
-from llm_trainer.data.filters import QualityFilter, char_entropy
 from llm_trainer.data.prepare import prepare_data
-from llm_trainer.data.report import REPORT
-from llm_trainer.data.sources import stdlib_files
+from llm_trainer.data.prepare.report import REPORT
+from llm_trainer.data.text.clean import Cleaner, clean_text
+from llm_trainer.data.text.dedup import Deduplicator, MinHasher, exact_key
+from llm_trainer.data.text.filters import QualityFilter, char_entropy
+from llm_trainer.data.text.sources import stdlib_files
 from llm_trainer.errors import UsageError
 from llm_trainer.tokenizer import EOT
 

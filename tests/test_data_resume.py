@@ -12,9 +12,10 @@ import pytest
 
 from conftest import kill9_when
 from llm_trainer.config import DataConfig
-from llm_trainer.data.prepare import MANIFEST, prepare_data
-from llm_trainer.data.report import REPORT
-from llm_trainer.data.shards import ShardWriter
+from llm_trainer.data.format import MANIFEST
+from llm_trainer.data.prepare import prepare_data
+from llm_trainer.data.prepare.report import REPORT
+from llm_trainer.data.prepare.shards import ShardWriter
 
 OUTPUTS = ("train.bin", "val.bin", "train.idx.npy", "val.idx.npy", "tokenizer.json")
 

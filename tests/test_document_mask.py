@@ -12,10 +12,10 @@ import torch
 
 from llm_trainer.api import build_loaders
 from llm_trainer.config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig
-from llm_trainer.data.curriculum import CurriculumLoader, document_difficulty, row_difficulty
-from llm_trainer.data.loader import IGNORE_INDEX, DocumentRows, WindowRows, document_ids
+from llm_trainer.data.batches.curriculum import CurriculumLoader, document_difficulty, row_difficulty
+from llm_trainer.data.batches.loader import IGNORE_INDEX, DocumentRows, WindowRows, document_ids
 from llm_trainer.data.prepare import prepare_data
-from llm_trainer.data.report import REPORT, padding_fractions
+from llm_trainer.data.prepare.report import REPORT, padding_fractions
 from llm_trainer.errors import UsageError
 from llm_trainer.model import Transformer, document_attention
 

@@ -354,6 +354,7 @@ if torch.distributed.get_rank() == 0:
     open(sys.argv[1], "w").write(json.dumps(scores(results)))
 else:
     assert results is None
+torch.distributed.barrier()  # both ranks done with the group before either tears it down
 torch.distributed.destroy_process_group()
 """
 

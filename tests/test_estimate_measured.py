@@ -1,4 +1,4 @@
-"""The memory estimate against the measured peak of real training steps (`tools/memory_probe.py`):
+"""The memory estimate against the measured peak of real training steps (`train/memory_probe.py`):
 two widths, with and without gradient checkpointing, AdamW and Muon, fp32 and bf16 autocast, each
 within 10%. Six of the probe's twelve configs cover every one of those choices (each is a fresh
 process of real steps); `bench/estimate_check.py` runs all twelve."""
@@ -37,7 +37,7 @@ def test_the_estimated_peak_is_within_10_percent_of_the_measured_one(device):
 def test_muon_state_is_one_buffer_for_the_hidden_matrices_and_two_for_the_rest():
     from llm_trainer.config import ModelConfig, TrainingConfig
     from llm_trainer.model import Transformer
-    from llm_trainer.tools.estimate import estimate_memory
+    from llm_trainer.train.memory_estimate import estimate_memory
     from llm_trainer.train.optim import build_optimizer
 
     config = ModelConfig(vocab_size=300, d_model=32, n_heads=4, n_layers=2, max_seq_len=16)

@@ -457,3 +457,19 @@ def test_without_the_gguf_package_the_export_says_how_to_install_it(tmp_path, ca
     folder, _ = model_folder(tmp_path, bpe("gpt2"), architecture="llama")
     monkeypatch.setitem(__import__("sys").modules, "gguf", None)  # `import gguf` raises ImportError
     assert "pip install 'llm-trainer[gguf]'" in refused(tmp_path, folder, capsys)
+
+
+def test_the_padding_rows_are_not_exported_as_tokens(tmp_path):
+    """A model of 360 tokens padded to 384 rows: the file holds 360 rows and names 360 tokens."""
+    tokenizer = bpe("gpt2")
+    folder, ours = model_folder(tmp_path, tokenizer, vocab_size=tokenizer.vocab_size, architecture="llama")
+    assert ours.tok_emb.weight.shape[0] > tokenizer.vocab_size == ours.config.vocab_size
+    out = tmp_path / "model.gguf"
+    export_to_gguf(folder, out)
+    fields = read_fields(out)
+    assert fields["llama.vocab_size"] == len(fields["tokenizer.ggml.tokens"]) == tokenizer.vocab_size
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in gguf.GGUFReader(str(out)).tensors}
+    assert shapes["token_embd.weight"] == shapes["output.weight"] == (16, tokenizer.vocab_size)  # gguf: (cols, rows)
+    ids = torch.randint(0, tokenizer.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(ids)[0] - llama_cpp_llama_logits(out, ids)).abs().max().item() <= 1e-4

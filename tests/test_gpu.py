@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from conftest import tiny_model_config, write_tiny_experiment
 from llm_trainer import cli
-from llm_trainer.config import load_experiment
+from llm_trainer.config_loader import load_experiment
 from llm_trainer.model import KVCache, Transformer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

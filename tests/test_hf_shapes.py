@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from conftest import tiny_model, write_corpus
 from llm_trainer.cli import main
-from llm_trainer.config import DataConfig, load_experiment
+from llm_trainer.config import DataConfig
+from llm_trainer.config_loader import load_experiment
 from llm_trainer.data.prepare import prepare_data
 from llm_trainer.errors import UsageError
 from llm_trainer.model import IGNORE_INDEX, CausalLMOutput
@@ -329,6 +330,7 @@ def test_the_tokenizer_of_a_prepared_run_truncates_at_the_models_max_seq_len(tmp
     pytest.importorskip("transformers")
     from llm_trainer.config import ExperimentConfig, ModelConfig, TrainingConfig
     from llm_trainer.pipeline import prepare_run
+    from llm_trainer.train.batch_size import auto_batch_size
 
     experiment = ExperimentConfig(
         model=ModelConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=1, max_position_embeddings=20),
@@ -340,7 +342,7 @@ def test_the_tokenizer_of_a_prepared_run_truncates_at_the_models_max_seq_len(tmp
             progress_bar=False,
         ),
     )
-    ready = prepare_run(experiment, local=True)
+    ready = prepare_run(experiment, pick_batch_size=auto_batch_size, local=True)
     assert ready.model.config.max_position_embeddings == 20
     assert ready.prepared.tokenizer.as_transformers().model_max_length == 20
 

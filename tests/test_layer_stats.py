@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_loaders, tiny_model
 from llm_trainer.config import TrainingConfig
-from llm_trainer.data.loader import IGNORE_INDEX
+from llm_trainer.data.batches.loader import IGNORE_INDEX
 from llm_trainer.train.evaluate import batch_nll
 from llm_trainer.train.layer_stats import group_of
 from llm_trainer.train.trainer import Trainer

@@ -28,6 +28,18 @@ def test_train_never_imports_tools():
         assert not any(name.startswith("llm_trainer.tools") for name in _imports(path)), path.name
 
 
+def test_nothing_below_the_api_imports_tools_and_the_pipeline_imports_no_train():
+    """tools/ sits above the API; the pipeline sits below the Trainer, which calls it (Trainer.from_config)."""
+    above_the_api = ("tools", "api.py", "cli.py", "__init__.py", "__main__.py")
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] in above_the_api:
+            continue
+        assert not any(name.startswith("llm_trainer.tools") for name in _imports(path)), path
+    assert not any(
+        name.startswith(("llm_trainer.train", "llm_trainer.api")) for name in _imports(PACKAGE / "pipeline.py")
+    )
+
+
 def _code_words(path: Path) -> set[str]:
     """Names, attributes and string constants of a file's code (comments and docstrings left out)."""
     tree = ast.parse(path.read_text())
@@ -79,13 +91,13 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _runtime_imports(path: Path) -> list[ast.Import | ast.ImportFrom]:
+def _runtime_imports(path: Path, typing: bool = False) -> list[ast.Import | ast.ImportFrom]:
     """Every import statement of a file, at any depth (inside functions too), except those under
-    `if TYPE_CHECKING:`, which never run."""
+    `if TYPE_CHECKING:`, which never run (with `typing`, those too)."""
     found = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not typing:
             for child in node.orelse:
                 visit(child)
             return
@@ -98,16 +110,17 @@ def _runtime_imports(path: Path) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def _import_graph() -> dict[str, set[str]]:
+def _import_graph(typing: bool = False) -> dict[str, set[str]]:
     """Module -> the modules of the package it imports. `from package import name` is an edge to the
     submodule `name` when there is one, else to the package's `__init__` (which then counts as a
-    module); the `__init__` files Python runs on the way to a submodule are not edges."""
+    module); the `__init__` files Python runs on the way to a submodule are not edges. `typing`: the
+    imports under `if TYPE_CHECKING:` are edges too."""
     modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
     graph = {}
     for module, path in modules.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         edges = set()
-        for node in _runtime_imports(path):
+        for node in _runtime_imports(path, typing):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             else:
@@ -150,9 +163,61 @@ def test_the_import_graph_has_no_cycle():
     """Each module depends only on modules below it, lazy imports inside functions included: a cycle
     is two modules that each need the other, and one of them should own what they share."""
     graph = _import_graph()
-    assert "llm_trainer.checkpoint.store" in graph["llm_trainer.checkpoint.checkpointer"]  # the graph is real
+    assert "llm_trainer.checkpoint.local" in graph["llm_trainer.checkpoint.checkpointer"]  # the graph is real
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_cycle_closes_through_type_checking_imports():
+    """An import made for type hints alone still says which module needs which: no cycle through them."""
+    cycle = _find_cycle(_import_graph(typing=True))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# The floors of the package, bottom first, as the README's "How the code is laid out" states them: a module
+# imports modules of its own floor or of floors below (type-only imports included).
+FLOORS = [
+    ("errors", "logs", "launcher"),
+    ("limits",),
+    ("files",),
+    ("tokenizer",),
+    ("config", "config_aliases", "config_loader"),
+    ("loss",),
+    ("model", "generate"),
+    ("checkpoint",),
+    ("data", "parallel", "hf", "downstream"),
+    ("resolve",),
+    ("pipeline",),
+    ("train",),
+    ("api",),
+    ("tools",),
+    ("cli", "__main__"),
+]
+# The README's named exception: these two hf/ modules import nothing of ours but errors, and the tokenizer
+# (and the data sources) use them although the rest of hf/ sits above.
+SEAMS = {("llm_trainer.tokenizer", "llm_trainer.hf.fast_tokenizer")}
+
+
+def _floor(module: str) -> int:
+    """The floor of a module of the package (the package's own __init__ is the top: it exports the API)."""
+    if module == "llm_trainer":
+        return len(FLOORS)
+    top = module.split(".")[1]
+    return next(i for i, names in enumerate(FLOORS) if top in names)
+
+
+def test_no_import_runs_back_up_the_floors():
+    graph = _import_graph(typing=True)
+    unplaced = [m for m in graph if m != "llm_trainer" and m.split(".")[1] not in {n for f in FLOORS for n in f}]
+    assert not unplaced, f"modules on no floor (add them to FLOORS and the README): {unplaced}"
+    upward = [
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if _floor(target) > _floor(module) and (module, target) not in SEAMS
+    ]
+    assert not upward, "imports that climb: " + ", ".join(sorted(upward))
+    assert _floor("llm_trainer.train.trainer") > _floor("llm_trainer.pipeline") > _floor("llm_trainer.files.atomic")
 
 
 def test_the_cycle_finder_finds_one():
@@ -165,3 +230,51 @@ def test_only_the_launcher_module_reads_the_rank_from_the_environment():
         text = path.read_text()
         if path.name != "launcher.py":
             assert 'environ.get("RANK"' not in text and 'environ["RANK"]' not in text, path
+
+
+# The modules beside files/ at the bottom, which it may import (none of them imports files/: the
+# cycle test says so).
+FILES_MAY_IMPORT = {"llm_trainer.errors", "llm_trainer.logs", "llm_trainer.limits"}
+
+
+def test_files_imports_nothing_above_it():
+    """files/ is the ground floor: any module may use it, so it uses nothing of ours but errors, logs and
+    limits."""
+    graph = _import_graph()
+    for module, edges in graph.items():
+        if module == "llm_trainer.files" or module.startswith("llm_trainer.files."):
+            above = {e for e in edges if not e.startswith("llm_trainer.files") and e not in FILES_MAY_IMPORT}
+            assert not above, f"{module} imports {sorted(above)}"
+
+
+def _renames(path: Path) -> list[int]:
+    """Lines of a file that rename a file or folder: os.replace / os.rename, and a path's `.rename(x)` or
+    `.replace(x)` (one argument: `str.replace` takes two, `dataclasses.replace` keywords)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        name, owner = node.func.attr, node.func.value
+        if isinstance(owner, ast.Name) and owner.id == "os" and name in ("replace", "rename", "renames"):
+            found.append(node.lineno)
+        elif name == "rename" or (name == "replace" and len(node.args) == 1 and not node.keywords):
+            found.append(node.lineno)
+    return found
+
+
+def test_only_files_renames_into_place():
+    """A rename is how a file or folder is committed; `files.atomic` says how (fsync, a fresh temporary
+    name, an exchange for folders), so every module commits through it."""
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] == "files":
+            continue
+        assert not _renames(path), f"{path.relative_to(PACKAGE)} renames at lines {_renames(path)}: use files.atomic"
+
+
+def test_the_rename_finder_finds_them(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import os, dataclasses\nos.replace(a, b)\np.rename(q)\ntmp.replace(path)\n"
+        "s.replace('a', 'b')\ndataclasses.replace(c, x=1)\nd.replace(microsecond=0)\n"
+    )
+    assert _renames(source) == [2, 3, 4]

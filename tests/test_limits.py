@@ -10,8 +10,9 @@ import torch
 
 from llm_trainer import limits
 from llm_trainer.cli import resolve_config_path
-from llm_trainer.config import DataConfig, ModelConfig, load_experiment
-from llm_trainer.data import sources
+from llm_trainer.config import DataConfig, ModelConfig
+from llm_trainer.config_loader import load_experiment
+from llm_trainer.data.text import sources
 from llm_trainer.errors import UsageError
 
 # -- compressed archives ----------------------------------------------------------------------------------
@@ -175,7 +176,8 @@ def test_a_dcp_item_stored_through_a_transform_is_refused():
 def test_a_resume_from_a_checkpoint_whose_rng_file_is_a_deflate_bomb_is_one_line(tmp_path, capsys):
     from conftest import write_tiny_experiment
     from llm_trainer import cli
-    from llm_trainer.checkpoint import checksums, layout
+    from llm_trainer.checkpoint import layout
+    from llm_trainer.files import checksums
 
     config = write_tiny_experiment(tmp_path, max_steps=2, save_steps=2, eval_steps=0)
     assert cli.main(["train", "--config", str(config)]) == 0

@@ -37,7 +37,7 @@ def test_eval_lines_are_never_glued_to_a_progress_bar_in_a_file(tmp_path):
     script = (
         "import numpy as np\n"
         "from llm_trainer import ModelConfig, Trainer, TrainingConfig, Transformer\n"
-        "from llm_trainer.data.loader import BatchLoader, WindowRows\n"
+        "from llm_trainer.data.batches.loader import BatchLoader, WindowRows\n"
         "t = (np.arange(3000) % 61).astype(np.uint16)\n"
         "train, val = BatchLoader(WindowRows(t, 16), 4, shuffle=True), BatchLoader(WindowRows(t[:300], 16), 4, shuffle=False)\n"
         "model = Transformer(ModelConfig(vocab_size=61, d_model=16, n_heads=2, n_layers=1, max_seq_len=16))\n"

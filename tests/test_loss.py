@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 from conftest import tiny_model_config
 from llm_trainer import loss
 from llm_trainer.config import TrainingConfig
-from llm_trainer.data.loader import BatchLoader, WindowRows
+from llm_trainer.data.batches.loader import BatchLoader, WindowRows
 from llm_trainer.loss import IGNORE_INDEX, chunk_rows, linear_cross_entropy
 from llm_trainer.model import Transformer
 from llm_trainer.train.evaluate import batch_nll, summed_nll
@@ -61,10 +61,47 @@ def test_chunked_loss_equals_cross_entropy_in_value_and_gradient(amp, softcap, f
     assert (per_token[::5] == 0).all()
 
 
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "small"])
+def test_a_padded_head_is_multiplied_whole_and_its_padding_columns_leave_the_softmax(amp, softcap, fused, monkeypatch):
+    """A head of 64 rows whose first 50 are the vocabulary (`vocab=50`), the padding rows large enough to
+    win every softmax were they counted: the loss, per position and summed, and the gradients equal
+    those of the 50-row head exactly; the padding rows' gradient is exactly zero."""
+    if fused:
+        monkeypatch.setattr(loss, "SMALL_LOGITS", 0)
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    real = torch.randn(50, 16)
+    padded = torch.cat([real, torch.full((14, 16), 3.0)]).requires_grad_()
+    real.requires_grad_()
+    targets = torch.randint(0, 50, (37,))
+    targets[::5] = IGNORE_INDEX
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp is not None):
+        expected = linear_cross_entropy(hidden, real, targets, softcap=softcap, rows=8)
+        got = linear_cross_entropy(hidden, padded, targets, softcap=softcap, rows=8, vocab=50)
+    want = torch.autograd.grad(expected * 0.3, [hidden, real])
+    have = torch.autograd.grad(got * 0.3, [hidden, padded])
+    assert torch.equal(got, expected)
+    torch.testing.assert_close(got, _reference(hidden, real, targets, softcap), rtol=1e-3, atol=1e-3)
+    assert torch.equal(have[1][:50], want[1]) and not have[1][50:].any()
+    torch.testing.assert_close(have[0], want[0], rtol=0, atol=1e-6)  # the sum runs over 64 rows, not 50
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp is not None):
+        per_token = linear_cross_entropy(hidden, padded, targets, softcap=softcap, reduction="none", rows=8, vocab=50)
+        assert torch.equal(per_token, linear_cross_entropy(hidden, real, targets, softcap=softcap, reduction="none"))
+        scored = loss.token_logprobs(hidden, padded, targets.clamp(min=0), softcap=softcap, vocab=50)
+        plain = loss.token_logprobs(hidden, real, targets.clamp(min=0), softcap=softcap)
+    assert all(torch.equal(a, b) for a, b in zip(scored, plain, strict=True))
+    for wrong in (0, 65):
+        with pytest.raises(ValueError, match="vocab must be 1 to the head's 64 rows"):
+            linear_cross_entropy(hidden, padded, targets, vocab=wrong)
+
+
 @pytest.mark.slow
-def test_the_chunked_gradient_compiles_into_one_graph_and_keeps_its_values(monkeypatch):
-    """Under torch.compile the chunked loss (soft cap, 5 chunks) is one graph without breaks, and its
-    value and gradients are F.cross_entropy's."""
+@pytest.mark.parametrize("padding", [0, 14], ids=["unpadded", "padded"])
+def test_the_chunked_gradient_compiles_into_one_graph_and_keeps_its_values(padding, monkeypatch):
+    """Under torch.compile the chunked loss (soft cap, 5 chunks; a head of 50 real rows, padded or not)
+    is one graph without breaks, and its value and gradients are F.cross_entropy's over the real rows."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(loss, "SMALL_LOGITS", 0)
@@ -72,17 +109,18 @@ def test_the_chunked_gradient_compiles_into_one_graph_and_keeps_its_values(monke
     counters.clear()
     torch.manual_seed(0)
     hidden = torch.randn(37, 16, requires_grad=True)
-    weight = torch.randn(50, 16, requires_grad=True)
+    weight = torch.cat([torch.randn(50, 16), torch.full((padding, 16), 3.0)]).requires_grad_()
     targets = torch.randint(0, 50, (37,))
     targets[::4] = IGNORE_INDEX
-    compiled = torch.compile(lambda h, w, t: linear_cross_entropy(h, w, t, softcap=5.0, rows=8))
+    compiled = torch.compile(lambda h, w, t: linear_cross_entropy(h, w, t, softcap=5.0, rows=8, vocab=50))
     got = compiled(hidden, weight, targets)
     have = torch.autograd.grad(got, [hidden, weight])
-    expected = _reference(hidden, weight, targets, 5.0)
+    expected = _reference(hidden, weight[:50], targets, 5.0)
     want = torch.autograd.grad(expected, [hidden, weight])
     torch.testing.assert_close(got, expected)
     for g, w in zip(have, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    assert not have[1][50:].any()
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 

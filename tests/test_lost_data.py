@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from llm_trainer.checkpoint.durable import owner, remove_stale
+from llm_trainer.checkpoint.durable import remove_stale
 from llm_trainer.checkpoint.publish import publish
 from llm_trainer.errors import UsageError
+from llm_trainer.files.atomic import owner
 from llm_trainer.train.run_lock import lock_run_folders, run_lock
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -181,10 +182,10 @@ KILLED_BETWEEN_RENAMES = textwrap.dedent(
     """
     import os, signal, sys
     from pathlib import Path
-    from llm_trainer.checkpoint import durable
+    from llm_trainer.files import atomic
     from llm_trainer.checkpoint.publish import publish
 
-    durable._renameat2 = None  # a system without the atomic exchange
+    atomic._renameat2 = None  # a system without the atomic exchange
     real = Path.rename
 
     def rename(self, target):

@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from llm_trainer.cli import _dotted_options, main
-from llm_trainer.config import ModelConfig, TrainingConfig, load_experiment
+from llm_trainer.config import ModelConfig, TrainingConfig
+from llm_trainer.config_loader import load_experiment
 from llm_trainer.errors import UsageError
 from llm_trainer.parallel.mesh import Layout, resolve_layout
 

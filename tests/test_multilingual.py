@@ -13,12 +13,12 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from llm_trainer.config import DataConfig
-from llm_trainer.data import report as report_module
-from llm_trainer.data.filters import QualityFilter
 from llm_trainer.data.prepare import prepare_data
-from llm_trainer.data.report import REPORT
-from llm_trainer.data.sources import split_long_text, stdlib_files
-from llm_trainer.data.unicode_text import letter_count, mean_word_length, words
+from llm_trainer.data.prepare import report as report_module
+from llm_trainer.data.prepare.report import REPORT
+from llm_trainer.data.text.filters import QualityFilter
+from llm_trainer.data.text.sources import split_long_text, stdlib_files
+from llm_trainer.data.text.unicode_text import letter_count, mean_word_length, words
 from llm_trainer.errors import UsageError
 from llm_trainer.tokenizer import Tokenizer, byte_level_pre_tokenizer
 

@@ -271,14 +271,14 @@ def test_sigkill_mid_upload_keeps_the_previous_checkpoint_as_latest(s3, tmp_path
     # The run is killed after the first file of step 6's checkpoint reached the bucket, before the rest.
     script = f"""
 import pathlib, sys, time
-from llm_trainer import storage
-real = storage.upload
+from llm_trainer.files import buckets
+real = buckets.upload
 def upload(local, url):
     real(local, url)
     if "checkpoint-00000006" in url:
         pathlib.Path({str(mark)!r}).touch()
         time.sleep(600)
-storage.upload = upload
+buckets.upload = upload
 from llm_trainer.cli import main
 sys.exit(main(["train", "--config", {str(config)!r}]))
 """
@@ -361,9 +361,14 @@ class _Relay:
         while True:
             try:
                 client, _ = self.listener.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.target))
-            except OSError:
+            except OSError:  # the listener is closed: cut
                 return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target), timeout=30)
+                upstream.settimeout(None)
+            except OSError:  # the server did not take this one (a loaded machine): refuse it, keep relaying
+                self._reset([client])
+                continue
             with self.lock:
                 if self.is_cut:
                     self._reset([client, upstream])

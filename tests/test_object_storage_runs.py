@@ -266,10 +266,10 @@ def test_fsdp_shards_go_straight_to_the_store_and_resume_at_two_and_one_processe
 def test_eval_follows_a_checkpoints_data_url_only_within_the_checkpoints_bucket():
     """A checkpoint's saved config may lead `eval` to its run's validation split in the bucket the user named
     with --checkpoint, and to no other store (nor from a local checkpoint to any store)."""
-    from llm_trainer.cli import _same_store
+    from llm_trainer.api import in_same_store
 
-    assert _same_store("s3://b/prepared", "s3://b/runs/x")
-    assert not _same_store("s3://other/prepared", "s3://b/runs/x")
-    assert not _same_store("gs://b/prepared", "s3://b/runs/x")
-    assert not _same_store("s3://b/prepared", "runs/x")
-    assert not _same_store("data_cache", "s3://b/runs/x")
+    assert in_same_store("s3://b/prepared", "s3://b/runs/x")
+    assert not in_same_store("s3://other/prepared", "s3://b/runs/x")
+    assert not in_same_store("gs://b/prepared", "s3://b/runs/x")
+    assert not in_same_store("s3://b/prepared", "runs/x")
+    assert not in_same_store("data_cache", "s3://b/runs/x")

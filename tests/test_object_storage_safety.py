@@ -41,9 +41,9 @@ def _one_line(exc: pytest.ExceptionInfo, *words: str) -> str:
 
 
 def test_glob_characters_in_a_url_delete_only_that_folder(s3, tmp_path):
-    from llm_trainer import storage
     from llm_trainer.checkpoint import remote
     from llm_trainer.config import TrainingConfig
+    from llm_trainer.files import buckets
     from llm_trainer.train.output_folder import clear_run_files
 
     fs, bucket = s3
@@ -69,12 +69,12 @@ def test_glob_characters_in_a_url_delete_only_that_folder(s3, tmp_path):
     assert "runs/exp[1]/checkpoints/checkpoint-00000001/meta.json" not in _keys(fs, bucket)
     assert {k[len(bucket) + 1 :] for k in other} <= _keys(fs, bucket)
     # The best model's replacement and `--overwrite`.
-    storage.remove(f"s3://{bucket}/runs/ex?1/metrics.jsonl")  # matches nothing by name: nothing goes
-    storage.remove(f"s3://{bucket}/runs/*")
+    buckets.remove(f"s3://{bucket}/runs/ex?1/metrics.jsonl")  # matches nothing by name: nothing goes
+    buckets.remove(f"s3://{bucket}/runs/*")
     clear_run_files(TrainingConfig(output_dir=url, staging_dir=str(tmp_path / "stage")))
     left = _keys(fs, bucket)
     assert left == {k[len(bucket) + 1 :] for k in other}, left
-    assert storage.files_under(f"s3://{bucket}/runs/exp[1]x") == ["metrics.jsonl"]
+    assert buckets.files_under(f"s3://{bucket}/runs/exp[1]x") == ["metrics.jsonl"]
 
 
 def test_sharded_writes_into_a_url_with_brackets_rename_and_delete_by_name(s3):
@@ -136,14 +136,14 @@ BAD_RECORDS = [
 
 
 def test_a_damaged_files_record_is_one_line(s3, tmp_path):
-    from llm_trainer import storage
     from llm_trainer.errors import UsageError
+    from llm_trainer.files import buckets
 
     fs, bucket = s3
     for i, (record, words) in enumerate(BAD_RECORDS):
         _put(fs, {f"{bucket}/f{i}/files.json": record, f"{bucket}/f{i}/a.bin": "x"})
         with pytest.raises(UsageError) as exc:
-            storage.get_folder(f"s3://{bucket}/f{i}", tmp_path / "copy")
+            buckets.get_folder(f"s3://{bucket}/f{i}", tmp_path / "copy")
         _one_line(exc, *words)
         assert not (tmp_path / "copy").exists()
 
@@ -177,7 +177,7 @@ def test_a_planted_checkpoint_name_of_5000_digits_is_not_a_checkpoint(s3, tmp_pa
 
 
 def test_data_file_keys_dot_and_dot_dot_are_refused(s3, tmp_path):
-    from llm_trainer.data.sources import resolve_files
+    from llm_trainer.data.text.sources import resolve_files
     from llm_trainer.errors import UsageError
 
     fs, bucket = s3
@@ -191,13 +191,13 @@ def test_data_file_keys_dot_and_dot_dot_are_refused(s3, tmp_path):
 
 
 def test_a_model_folder_whose_object_is_also_a_folder_is_one_line(s3, tmp_path):
-    from llm_trainer import storage
     from llm_trainer.errors import UsageError
+    from llm_trainer.files import buckets
 
     fs, bucket = s3
     _put(fs, {f"{bucket}/m[1]/config.json": "{}", f"{bucket}/m[1]/a": "x", f"{bucket}/m[1]/a/b": "y"})
     with pytest.raises(UsageError) as exc:
-        storage.fetch_tree(f"s3://{bucket}/m[1]", tmp_path / "models")
+        buckets.fetch_tree(f"s3://{bucket}/m[1]", tmp_path / "models")
     _one_line(exc, "both an object and a folder", "m[1]/a")
     assert not any((tmp_path / "models").iterdir())
 
@@ -301,7 +301,7 @@ class _Crash(BaseException):
 def _best_folder(root, seed: int):
     import torch
 
-    from llm_trainer.checkpoint.store import save_best_model
+    from llm_trainer.checkpoint.local import save_best_model
 
     model = tiny_model()
     with torch.no_grad():
@@ -318,15 +318,15 @@ def _seed_of(folder) -> int:
 
 
 def test_best_model_in_the_store_survives_a_kill_at_any_point_of_its_replacement(s3, tmp_path, monkeypatch):
-    from llm_trainer import storage
     from llm_trainer.checkpoint import remote
+    from llm_trainer.files import buckets
 
     fs, bucket = s3
     checkpoints = f"s3://{bucket}/checkpoints"
     remote.upload_best(_best_folder(tmp_path / "old", 1), checkpoints)
     new = _best_folder(tmp_path / "new", 2)
     writes = {"left": 0}
-    real = {name: getattr(storage, name) for name in ("upload", "write_text", "remove")}
+    real = {name: getattr(buckets, name) for name in ("upload", "write_text", "remove")}
 
     def crashing(name):
         def write(*args):
@@ -338,7 +338,7 @@ def test_best_model_in_the_store_survives_a_kill_at_any_point_of_its_replacement
         return write
 
     for name in real:
-        monkeypatch.setattr(storage, name, crashing(name))
+        monkeypatch.setattr(buckets, name, crashing(name))
     seen = set()
     for k in range(100):
         writes["left"] = k

@@ -20,8 +20,8 @@ import yaml
 
 from conftest import free_port, src_env
 from llm_trainer.config import DataConfig
-from llm_trainer.data.cluster import task_ranges, tasks_folder
 from llm_trainer.data.prepare import prepare_data
+from llm_trainer.data.prepare.cluster import task_ranges, tasks_folder
 from llm_trainer.errors import UsageError
 
 pytest.importorskip("datatrove")
@@ -540,7 +540,7 @@ def test_a_ray_task_whose_worker_is_killed_runs_again_and_the_result_is_the_same
 def test_a_folder_an_executor_wrote_from_raw_text_is_not_reused(tmp_path, monkeypatch):
     """Executors of data format 5 tokenized the raw text; their folders carry format 5's fingerprint, which
     this version never looks up, so a prepare writes a new folder beside the old one (left as it was)."""
-    from llm_trainer.data import build
+    from llm_trainer.data.prepare import build
 
     sources = write_mixed_corpus(tmp_path / "corpus", documents=12, files=1)
     config = DataConfig(**settings(sources, tmp_path / "cache", deduplication="exact"))
@@ -558,8 +558,8 @@ def test_a_planted_plan_neither_removes_a_folder_nor_adds_an_input(tmp_path):
     fingerprint, task count and work folder, naming a user's folder as the result and a file outside
     data_files as input: the command builds its plan from the config, so the folder is untouched and
     the prepared tokens are the in-process prepare's."""
-    from llm_trainer.data.build import _fingerprint
-    from llm_trainer.data.sources import FileUnit
+    from llm_trainer.data.prepare.build import data_fingerprint
+    from llm_trainer.data.text.sources import FileUnit
 
     sources = write_mixed_corpus(tmp_path / "corpus", documents=12, files=2)
     reference = prepared_files(prepare_data(DataConfig(**settings(sources, tmp_path / "in-process"))).directory)
@@ -569,7 +569,7 @@ def test_a_planted_plan_neither_removes_a_folder_nor_adds_an_input(tmp_path):
     outside = tmp_path / "outside.txt"
     outside.write_text("planted words that were never in data_files " * 20)
     config = DataConfig(**settings(sources, tmp_path / "cache", executor="local", executor_tasks=1))
-    fingerprint = _fingerprint(config)
+    fingerprint = data_fingerprint(config)
     tasks_dir = tasks_folder(config, fingerprint)
     tasks_dir.mkdir(parents=True)
     planted = {
@@ -723,8 +723,8 @@ def test_a_url_cache_dir_keeps_the_task_folder_in_its_local_copy(tmp_path, monke
 
 
 def test_a_task_refuses_a_plan_changed_after_the_command_wrote_it(tmp_path):
-    from llm_trainer.data.cluster import Plan
-    from llm_trainer.data.sources import FileUnit
+    from llm_trainer.data.prepare.cluster import Plan
+    from llm_trainer.data.text.sources import FileUnit
 
     unit = FileUnit(0, str(tmp_path / "a.txt"), True, False, 10)
     plan = Plan("0" * 16, 1, [unit], {}, "uint16", str(tmp_path / "w"), str(tmp_path / "d"), 0.0, str(tmp_path))

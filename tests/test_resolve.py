@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_model_config, write_tiny_experiment
 from llm_trainer import resolve
-from llm_trainer.config import load_experiment
+from llm_trainer.config_loader import load_experiment
 
 # -- RUN engineer: one resolved run for the pipeline, the LR finder, the Trainer and the estimate -------
 
@@ -13,7 +13,8 @@ from llm_trainer.config import load_experiment
 @pytest.mark.parametrize("native", [False, True], ids=["no-native-bf16", "native-bf16"])
 def test_estimate_counts_use_amp_auto_as_the_run_resolves_it(tmp_path, monkeypatch, native):
     """use_amp: auto is bf16 only where the device computes it natively; the estimate says what the run does."""
-    from llm_trainer.tools.estimate import estimate_memory, estimate_report
+    from llm_trainer.tools.estimate import estimate_report
+    from llm_trainer.train.memory_estimate import estimate_memory
 
     monkeypatch.setattr(resolve, "cpu_computes_bf16", lambda: native)
     experiment = load_experiment(write_tiny_experiment(tmp_path, use_amp="auto"))
@@ -33,6 +34,7 @@ def test_pipeline_lr_finder_and_trainer_get_the_same_resolved_run(tmp_path, monk
     from llm_trainer.api import build_trainer
     from llm_trainer.pipeline import prepare_run
     from llm_trainer.tools import lr_finder
+    from llm_trainer.train.batch_size import auto_batch_size
     from llm_trainer.train.trainer import Trainer
 
     monkeypatch.setattr(resolve, "cpu_computes_bf16", lambda: False)
@@ -57,7 +59,7 @@ def test_pipeline_lr_finder_and_trainer_get_the_same_resolved_run(tmp_path, monk
     lr_finder.run_lr_finder(experiment, start_lr=1e-4, end_lr=1e-1, num_steps=3)
     assert found["training"] == run.training and found["device"] == run.device and found["length"] == run.seq_len
 
-    ready = prepare_run(experiment, local=True)
+    ready = prepare_run(experiment, pick_batch_size=auto_batch_size, local=True)
     loader, _ = ready.loaders()
     own = Trainer(ready.model, experiment.training, train_dataloader=loader)  # a user's own model and loader
     assert own.run.training == run.training and own.run.seq_len == run.seq_len

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import tiny_loaders, tiny_model, write_tiny_experiment
 from llm_trainer.cli import build_parser, main
-from llm_trainer.config import TrainingConfig, load_experiment
+from llm_trainer.config import TrainingConfig
+from llm_trainer.config_loader import load_experiment
 from llm_trainer.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,8 +149,8 @@ def test_the_early_stopping_line_follows_the_evaluation_that_decided_it(tmp_path
 
 def test_a_curriculum_says_when_each_stage_starts(capsys):
     from llm_trainer.config import CurriculumStage
-    from llm_trainer.data.curriculum import CurriculumLoader
-    from llm_trainer.data.loader import WindowRows
+    from llm_trainer.data.batches.curriculum import CurriculumLoader
+    from llm_trainer.data.batches.loader import WindowRows
 
     rows = WindowRows(np.arange(800, dtype=np.uint16) % 61, 16)
     stages = [CurriculumStage(until_step=2, max_difficulty=9), CurriculumStage(until_step=3, max_difficulty=29)]
@@ -266,7 +267,8 @@ def test_unused_embedding_rows_jsonl_eval_data_and_the_latest_pointer(tmp_path, 
 
 
 def test_estimate_takes_the_sharding_of_the_config_and_advises_the_fewest_devices(tmp_path, capsys):
-    from llm_trainer.tools.estimate import GiB, estimate_memory, estimate_report
+    from llm_trainer.tools.estimate import estimate_report
+    from llm_trainer.train.memory_estimate import GiB, estimate_memory
 
     path = tmp_path / "c.yaml"
     path.write_text(

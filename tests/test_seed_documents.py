@@ -26,7 +26,8 @@ import yaml
 
 from conftest import REPO_SRC, free_port, src_env, tiny_loaders, tiny_model, write_corpus
 from llm_trainer.cli import main
-from llm_trainer.config import ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
+from llm_trainer.config import ExperimentConfig, ModelConfig, TrainingConfig
+from llm_trainer.config_loader import load_experiment
 from llm_trainer.errors import UsageError
 from llm_trainer.model import Transformer
 from llm_trainer.train.trainer import Trainer

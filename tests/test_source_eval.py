@@ -53,7 +53,7 @@ def mixed_experiment(root, **training) -> str:
 
 def test_a_mixed_run_reports_each_sources_validation_loss(tmp_path):
     from llm_trainer.api import train
-    from llm_trainer.config import load_experiment
+    from llm_trainer.config_loader import load_experiment
 
     path = mixed_experiment(tmp_path, max_steps=60, learning_rate=1e-2, eval_steps=30, logging_steps=30)
     summary = train(load_experiment(path))
@@ -78,8 +78,8 @@ def test_a_mixed_run_reports_each_sources_validation_loss(tmp_path):
 def test_each_sources_loss_is_the_loss_over_its_own_documents(packed):
     """Unpacked rows (one document each): a source's loss equals evaluating that source's documents
     alone. Packed (first-fit) rows mix sources in a row: the per-source losses still make up the mixed one."""
-    from llm_trainer.data.loader import BatchLoader, DocumentRows
-    from llm_trainer.data.source_labels import SourceLabels
+    from llm_trainer.data.batches.loader import BatchLoader, DocumentRows
+    from llm_trainer.data.batches.source_labels import SourceLabels
     from llm_trainer.train.evaluate import evaluate
 
     rng = np.random.default_rng(0)
@@ -159,7 +159,7 @@ def test_llm_trainer_eval_reports_each_source_too(tmp_path, capsys):
 
 def test_best_model_can_follow_one_sources_loss(tmp_path):
     from llm_trainer.api import train
-    from llm_trainer.config import load_experiment
+    from llm_trainer.config_loader import load_experiment
     from llm_trainer.errors import UsageError
 
     path = mixed_experiment(

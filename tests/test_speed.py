@@ -12,7 +12,7 @@ import torch
 
 from conftest import tiny_loaders, tiny_model
 from llm_trainer.config import TrainingConfig
-from llm_trainer.data.loader import BatchLoader
+from llm_trainer.data.batches.loader import BatchLoader
 from llm_trainer.train import speed
 from llm_trainer.train.flops import flops_per_token
 from llm_trainer.train.trainer import Trainer

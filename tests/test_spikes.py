@@ -55,7 +55,7 @@ def config(output_dir: Path, policy: str, **overrides):
 
 
 def trainer(output_dir: Path, policy: str, planted: bool, callbacks=(), **overrides):
-    from llm_trainer.data.loader import BatchLoader, WindowRows
+    from llm_trainer.data.batches.loader import BatchLoader, WindowRows
     from llm_trainer.train.trainer import Trainer
 
     loader = BatchLoader(WindowRows(tokens(planted), LENGTH), BATCH, shuffle=False)
@@ -152,8 +152,8 @@ def test_a_skipped_range_is_passed_over_and_survives_the_saved_position(curricul
     """Batches starting inside a skipped global sample range are never returned, across epochs and
     curriculum stages; a loader restored from the saved position skips the same ones."""
     from llm_trainer.config import CurriculumStage
-    from llm_trainer.data.curriculum import CurriculumLoader
-    from llm_trainer.data.loader import BatchLoader, WindowRows
+    from llm_trainer.data.batches.curriculum import CurriculumLoader
+    from llm_trainer.data.batches.loader import BatchLoader, WindowRows
 
     rows = WindowRows(tokens(False)[: 40 * LENGTH + 1], LENGTH)  # 40 rows: 10 batches an epoch
 

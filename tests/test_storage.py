@@ -1,4 +1,4 @@
-"""The local side of object storage (llm_trainer.storage): which paths are URLs, and the bounded cache of
+"""The local side of object storage (llm_trainer.files.buckets): which paths are URLs, and the bounded cache of
 local copies. The store itself is exercised against a real S3 server in test_object_storage.py."""
 
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 
 from llm_trainer.errors import UsageError
-from llm_trainer.storage import is_url, make_room, mirror_name
+from llm_trainer.files.buckets import is_url, make_room, mirror_name
 
 
 def test_which_paths_are_urls():

@@ -1,4 +1,4 @@
-"""Training tokens streamed from object storage in chunks (data/stream.py): the block order, the bounded
+"""Training tokens streamed from object storage in chunks (data/batches/stream.py): the block order, the bounded
 cache, checksums on arrival, and a training run that streams, against a real S3 endpoint (moto's server,
 the fixtures of test_object_storage)."""
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import yaml
 
-from llm_trainer.data.loader import BatchLoader, WindowRows
-from llm_trainer.data.stream import (
+from llm_trainer.data.batches.loader import BatchLoader, WindowRows
+from llm_trainer.data.batches.stream import (
     WINDOW,
     ChunkedTokens,
     block_order,
@@ -251,7 +251,7 @@ def uploaded(s3_server, tmp_path, request):  # noqa: F811
 def _plant(fs, remote: str, name: str, change) -> None:
     """Rewrite the JSON file `name` of the bucket's folder with `change` applied, and its files.json entry to
     match (a consistent record: the damage is in the content, not in transit)."""
-    from llm_trainer.checkpoint.checksums import data_checksum
+    from llm_trainer.files.checksums import data_checksum
 
     data = json.loads(fs.cat_file(f"{remote}/{name}"))
     change(data)
@@ -319,7 +319,7 @@ def test_the_shared_cache_never_evicts_a_folder_a_live_process_streams_from(uplo
     import sys
 
     from conftest import src_env
-    from llm_trainer import storage
+    from llm_trainer.files import buckets
 
     fs, remote, config = uploaded
     args = [str(tmp_path / "corpus"), config.cache_dir, config.stream_cache_dir]
@@ -338,7 +338,7 @@ def test_the_shared_cache_never_evicts_a_folder_a_live_process_streams_from(uplo
         other = config.local_cache_dir.parent / "other" / "0123456789abcdef"
         other.mkdir(parents=True)
         (other / "tokens.bin").write_bytes(b"x" * 100)
-        storage.make_room(tmp_path / "elsewhere", 0, 1)
+        buckets.make_room(tmp_path / "elsewhere", 0, 1)
         assert folder.is_file() and not other.exists()
         out, err = child.communicate("go\n", timeout=120)
     finally:
@@ -346,5 +346,5 @@ def test_the_shared_cache_never_evicts_a_folder_a_live_process_streams_from(uplo
     assert child.returncode == 0, err
     assert out.startswith("read ")  # every chunk read (fetched into the folder) after the eviction
     # Its process gone, the folder is the least recently used like any other.
-    storage.make_room(tmp_path / "elsewhere", 0, 1)
+    buckets.make_room(tmp_path / "elsewhere", 0, 1)
     assert not folder.parent.exists()

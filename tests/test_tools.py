@@ -18,14 +18,14 @@ from llm_trainer.cli import main
 from llm_trainer.config import ModelConfig, TrainingConfig
 from llm_trainer.errors import UsageError
 from llm_trainer.model import Transformer
-from llm_trainer.tools.estimate import estimate_memory
 from llm_trainer.train.flops import count_parameters, flops_per_token, peak_flops
+from llm_trainer.train.memory_estimate import estimate_memory
 
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     from llm_trainer.api import train
-    from llm_trainer.config import load_experiment
+    from llm_trainer.config_loader import load_experiment
 
     root = tmp_path_factory.mktemp("tools")
     summary = train(load_experiment(write_tiny_experiment(root)))
@@ -37,16 +37,18 @@ def trained_run(tmp_path_factory):
 
 
 def test_parameter_count_and_flops_per_token_match_gpt2_small_and_llama_7b():
-    gpt2 = ModelConfig(vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024)
+    gpt2 = ModelConfig(
+        vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024, vocab_pad_multiple=1
+    )
     counts = count_parameters(gpt2)
     assert counts.total == 124_439_808  # Hugging Face gpt2
     assert counts.matmul == 124_439_808 - 1024 * 768 == 123_653_376  # nanoGPT's get_num_params()
     assert flops_per_token(gpt2, 1024) == 6 * 123_653_376 + 12 * 12 * 768 * 1024
     assert flops_per_token(Transformer(tiny_model_config()), 24) == flops_per_token(tiny_model_config(), 24)
-    ours = Transformer(tiny_model_config())
+    ours = Transformer(tiny_model_config(vocab_pad_multiple=1))
     plain = torch.nn.Sequential(*ours.children())  # any other module: counted from its own parameters
     plain.config = type("Cfg", (), {"n_layer": 2, "n_embd": 16, "n_positions": 24})()
-    assert flops_per_token(plain) == flops_per_token(tiny_model_config(), 24)
+    assert flops_per_token(plain) == flops_per_token(tiny_model_config(vocab_pad_multiple=1), 24)
     with pytest.raises(ValueError):
         flops_per_token(object())
     llama = ModelConfig(
@@ -265,7 +267,7 @@ def _fake_run(folder, steps=20, scale=1.0, resumed=False):
 
 def test_plots_overlay_runs_with_the_expected_lines(tmp_path):
     pytest.importorskip("matplotlib")
-    from llm_trainer.tools.plots import make_figures, plot_runs, read_run
+    from llm_trainer.train.plots import make_figures, plot_runs, read_run
 
     a = _fake_run(tmp_path / "a")
     b = _fake_run(tmp_path / "b", steps=30, scale=1.2, resumed=True)
@@ -292,7 +294,7 @@ def test_plots_overlay_runs_with_the_expected_lines(tmp_path):
 
 def test_plots_never_raise_by_default_and_the_cli_reports(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from llm_trainer.tools.plots import plot_runs
+    from llm_trainer.train.plots import plot_runs
 
     assert plot_runs([tmp_path / "missing"], tmp_path / "out") == {}  # a warning, no exception
     with pytest.raises(UsageError, match="metrics.jsonl"):
@@ -304,7 +306,7 @@ def test_plots_never_raise_by_default_and_the_cli_reports(tmp_path, capsys):
 
 
 def test_without_matplotlib_a_finished_run_says_so_once_and_leaves_no_plots_folder(tmp_path, capsys, monkeypatch):
-    from llm_trainer.tools.plots import plot_runs
+    from llm_trainer.train.plots import plot_runs
 
     run = _fake_run(tmp_path / "run")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where the [tracking] extra is not installed
@@ -319,7 +321,7 @@ def test_without_matplotlib_a_finished_run_says_so_once_and_leaves_no_plots_fold
 
 
 def test_lr_finder_suggests_a_sane_rate_and_leaves_the_model_untouched():
-    from llm_trainer.data.loader import BatchLoader, WindowRows
+    from llm_trainer.data.batches.loader import BatchLoader, WindowRows
     from llm_trainer.tools.lr_finder import find_lr
 
     rng = np.random.default_rng(0)

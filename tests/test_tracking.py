@@ -34,7 +34,7 @@ def tiny_experiment(root, report_to, **training):
 def tracked_run(tmp_path_factory):
     """A 6-step run logging to jsonl and every installed tracking backend; W&B offline, MLflow local."""
     from llm_trainer.api import train
-    from llm_trainer.config import load_experiment
+    from llm_trainer.config_loader import load_experiment
 
     root = tmp_path_factory.mktemp("tracked")
     report_to = ["jsonl"] + [name for name, ok in HAVE.items() if ok]

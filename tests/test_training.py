@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from conftest import tiny_model_config
 from llm_trainer.config import TrainingConfig
-from llm_trainer.data.loader import BatchLoader, DocumentRows, WindowRows
+from llm_trainer.data.batches.loader import BatchLoader, DocumentRows, WindowRows
+from llm_trainer.generate import generate
 from llm_trainer.model import Transformer
-from llm_trainer.tools.generate import generate
 from llm_trainer.train.evaluate import evaluate
 from llm_trainer.train.optim import learning_rate_at, parameter_groups
 from llm_trainer.train.trainer import Callback, Trainer

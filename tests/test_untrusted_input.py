@@ -31,10 +31,11 @@ from safetensors.torch import load_file
 
 from conftest import src_env, write_tiny_experiment
 from llm_trainer import cli
-from llm_trainer.checkpoint import checksums, durable, layout, safe_pickle, store
+from llm_trainer.checkpoint import durable, layout, local
 from llm_trainer.checkpoint.find import resolve_checkpoint
 from llm_trainer.checkpoint.verify import verify
 from llm_trainer.errors import CheckpointError
+from llm_trainer.files import atomic, checksums, safe_pickle
 
 MAX_STEPS = 6
 OPEN = f"{open.__module__}.open"  # how a pickle names the payload's callable
@@ -297,6 +298,13 @@ def _doubled_shape(metadata, fqn: str) -> None:
     record.chunks[0].sizes = record.size
 
 
+def _fewer_rows(metadata, fqn: str) -> None:
+    """As an embedding saved before the vocabulary was padded: fewer rows than the model's."""
+    record = metadata.state_dict_metadata[fqn]
+    record.size = torch.Size([record.size[0] - 3, *record.size[1:]])
+    record.chunks[0].sizes = record.size
+
+
 def _negative_offset(metadata, fqn: str) -> None:
     chunk = metadata.state_dict_metadata[fqn].chunks[0]
     chunk.offsets = torch.Size([-1] + list(chunk.offsets)[1:])
@@ -320,6 +328,10 @@ def _size_as_text(metadata, fqn: str) -> None:
         (_weight_as_bytes, "records model.tok_emb.weight as bytes"),
         (_doubled_chunk, "outside its shape"),
         (_doubled_shape, "this model's is"),
+        (
+            _fewer_rows,
+            "this model's is (128, 16); written with unpadded vocabulary rows? set model.vocab_pad_multiple: 1",
+        ),
         (_negative_offset, "outside its shape"),
         (_data_of_no_record, "names no data for"),
         (_size_as_text, "records model.tok_emb.weight with a malformed shape"),
@@ -387,7 +399,7 @@ def import_deepspeed(monkeypatch):
 def test_a_pickle_in_sharded_pt_files_never_reaches_deepspeed(trained, tmp_path, monkeypatch):
     """DeepSpeed reads its files only through FolderLoads: torch's weights-only unpickler, from the
     bytes whose checksum was checked."""
-    from llm_trainer.checkpoint.folder_files import FolderFiles
+    from llm_trainer.files.folder_files import FolderFiles
     from llm_trainer.parallel.deepspeed_engine import FolderLoads
 
     import_deepspeed(monkeypatch)
@@ -634,10 +646,10 @@ def test_best_model_is_swapped_in_one_atomic_step(trained, tmp_path, monkeypatch
     model = load_model_folder(root / layout.BEST)
     torch.nn.init.zeros_(model.tok_emb.weight)
     renames, exchanges = [], []
-    real_rename, real_exchange = Path.rename, durable.exchange
+    real_rename, real_exchange = Path.rename, atomic.exchange
     monkeypatch.setattr(Path, "rename", lambda self, target: renames.append(self.name) or real_rename(self, target))
-    monkeypatch.setattr(durable, "exchange", lambda a, b: exchanges.append(b.name) or real_exchange(a, b))
-    store.save_best_model(root, model, tokenizer_json=None, config={}, metrics={"val_loss": 1.0})
+    monkeypatch.setattr(atomic, "exchange", lambda a, b: exchanges.append(b.name) or real_exchange(a, b))
+    local.save_best_model(root, model, tokenizer_json=None, config={}, metrics={"val_loss": 1.0})
     assert exchanges == [layout.BEST] and layout.BEST not in renames  # never moved aside
     assert torch.equal(load_file(root / layout.BEST / "model.safetensors")["tok_emb.weight"], model.tok_emb.weight)
     assert sorted(p.name for p in root.iterdir()) == [layout.BEST]
@@ -649,7 +661,7 @@ def test_a_best_model_moved_aside_by_a_killed_save_is_recovered(trained, tmp_pat
     .old-*: the next start puts back the new version if it is complete, else the previous one."""
     root = tmp_path / "checkpoints"
     root.mkdir()
-    writer = f"{durable.owner().rsplit('-', 1)[0]}-{dead_pid()}"
+    writer = f"{atomic.owner().rsplit('-', 1)[0]}-{dead_pid()}"
     previous, new = root / f".old-{layout.BEST}-{writer}", root / f".tmp-{layout.BEST}-{writer}"
     shutil.copytree(trained / "run" / "checkpoints" / layout.BEST, previous)
     shutil.copytree(trained / "run" / "checkpoints" / layout.BEST, new)
@@ -673,9 +685,10 @@ def test_a_kill_between_the_two_renames_loses_no_best_model(trained, tmp_path):
     script = f"""
 import os, signal
 from pathlib import Path
-from llm_trainer.checkpoint import durable, store
+from llm_trainer.checkpoint import local
 from llm_trainer.checkpoint.model_folder import load_model_folder
-durable._renameat2 = None  # a system without the atomic exchange
+from llm_trainer.files import atomic
+atomic._renameat2 = None  # a system without the atomic exchange
 real = Path.rename
 def rename(self, target):
     result = real(self, target)
@@ -684,7 +697,7 @@ def rename(self, target):
     return result
 Path.rename = rename
 root = Path({str(root)!r})
-store.save_best_model(root, load_model_folder(root / "best_model"), tokenizer_json=None, config={{}}, metrics={{"val_loss": 0.5}})
+local.save_best_model(root, load_model_folder(root / "best_model"), tokenizer_json=None, config={{}}, metrics={{"val_loss": 0.5}})
 """
     proc = subprocess.run([sys.executable, "-c", script], env=src_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
@@ -772,7 +785,7 @@ def test_a_cache_folder_that_is_a_file_or_on_a_full_disk(trained, tmp_path, caps
     )
     assert "data.cache_dir" in error and "is a file" in error and not (tmp_path / "run").exists()
 
-    from llm_trainer.data import shards
+    from llm_trainer.data.prepare import shards
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -1073,7 +1086,7 @@ def test_deepspeed_refusing_fp16_on_cpu(trained, tmp_path):
 
 def test_generate_past_the_context_slides_the_window(trained, capsys):
     from llm_trainer.checkpoint.model_folder import load_model_folder
-    from llm_trainer.tools.generate import generate
+    from llm_trainer.generate import generate
 
     model = load_model_folder(trained / "run" / "checkpoints" / layout.BEST)
     context = model.config.max_seq_len
@@ -1131,8 +1144,8 @@ def test_a_model_config_is_only_an_architecture_and_must_match_the_weights(train
 
 
 def test_metrics_and_run_folders_of_any_shape_are_read_without_tracebacks(trained, tmp_path):
-    from llm_trainer.tools.plots import read_run
     from llm_trainer.tools.registry import collect_run_info
+    from llm_trainer.train.plots import read_run
 
     run = run_copy(trained, tmp_path)
     with open(run / "metrics.jsonl", "a") as handle:
@@ -1199,7 +1212,7 @@ def test_the_crafted_pickles_are_live_and_torch_refuses_them(tmp_path):
 
 
 def test_a_file_changed_after_verification_is_refused_on_the_bytes_read(trained, tmp_path):
-    from llm_trainer.checkpoint.folder_files import FolderFiles
+    from llm_trainer.files.folder_files import FolderFiles
 
     run = run_copy(trained, tmp_path)
     folder = checkpoint(run, MAX_STEPS)
@@ -1210,7 +1223,7 @@ def test_a_file_changed_after_verification_is_refused_on_the_bytes_read(trained,
     with pytest.raises(CheckpointError, match="rng.pt does not match its checksum"):
         files.read(layout.RNG)
     with pytest.raises(CheckpointError, match="rng.pt does not match its checksum"):
-        store.load_checkpoint(folder, verify_files=False)
+        local.load_checkpoint(folder, verify_files=False)
 
 
 def test_a_dcp_metadata_build_on_a_class_is_refused_and_changes_nothing(trained, tmp_path, capsys):
@@ -1237,7 +1250,7 @@ def test_a_dcp_metadata_build_on_a_class_is_refused_and_changes_nothing(trained,
 
 
 def test_files_in_sharded_that_meta_json_does_not_list_are_never_read(trained, tmp_path):
-    from llm_trainer.checkpoint.folder_files import FolderFiles
+    from llm_trainer.files.folder_files import FolderFiles
     from llm_trainer.parallel.deepspeed_engine import FolderLoads
 
     run = run_copy(trained, tmp_path)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from llm_trainer.config import CurriculumStage
-from llm_trainer.data.curriculum import CurriculumLoader
-from llm_trainer.data.loader import BatchLoader, WindowRows
+from llm_trainer.data.batches.curriculum import CurriculumLoader
+from llm_trainer.data.batches.loader import BatchLoader, WindowRows
 
 LENGTH = 4
 N_ROWS = 53  # not a multiple of any global batch below: epochs end on a partial step

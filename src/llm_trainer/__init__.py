@@ -1,7 +1,8 @@
 """llm-trainer: pretrain transformer language models with PyTorch, from raw text to a model others can use."""
 
 from .api import build_loaders, build_model, build_trainer, train
-from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
+from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig
+from .config_loader import load_experiment
 from .data.prepare import prepare_data
 from .hf.interop import save_pretrained
 from .model import Transformer

@@ -2,26 +2,29 @@
 
 `prepare_data`, `build_model`, `build_loaders` and `train` are the Python API behind the CLI; each
 step can be replaced by the user's own piece (see `Trainer` for bringing your own model or data).
-The pieces live in `pipeline`; this module adds the default Trainer class and the run lock.
-`load_for_inference` opens any checkpoint, best_model or run folder for eval/generate/export.
+The pieces live in `pipeline`; `build_trainer` and `train` build through `Trainer.from_config` (the
+one builder), and `train` adds the run lock.
+`load_for_inference` opens any checkpoint, best_model or run folder for eval/generate/export;
+`eval_loader` gives `llm-trainer eval` its batches (a file's windows, or the run's validation split).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from . import pipeline, storage
+from . import launcher
 from .checkpoint import remote as remote_checkpoints
 from .checkpoint.find import find_checkpoint
-from .checkpoint.folder_files import refuse_unreadable
 from .checkpoint.layout import holds_dcp_shards, read_meta
 from .checkpoint.model_folder import is_transformers_folder, load_model_folder, load_model_state, read_model_config
 from .checkpoint.verify import verify
 from .config import DataConfig, ExperimentConfig, TrainingConfig
 from .data.prepare import prepare_data
 from .errors import UsageError
+from .files import buckets
+from .files.folder_files import refuse_unreadable
 from .model import Transformer
-from .parallel import distributed, launcher
+from .parallel import distributed
 from .pipeline import build_loaders, build_model, build_rows
 from .tokenizer import Tokenizer
 from .train.output_folder import check_output_folder
@@ -36,6 +39,7 @@ __all__ = [
     "build_trainer",
     "train",
     "load_for_inference",
+    "eval_loader",
 ]
 
 
@@ -48,8 +52,8 @@ def build_trainer(
     trainer_class: type[Trainer] = Trainer,
 ) -> Trainer:
     """prepare -> resolve -> build model -> `trainer_class(...)`, ready to `.train()`; writes config.yaml and
-    the tokenizer into the output folder, and plots at the end of training (`Trainer.from_config` is this)."""
-    return pipeline.build_trainer(config, training, data, trainer_class=trainer_class, callbacks=callbacks)
+    the tokenizer into the output folder, and plots at the end of training (`trainer_class.from_config`)."""
+    return trainer_class.from_config(config, training, data, callbacks=callbacks)
 
 
 def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Trainer] = Trainer) -> dict:
@@ -72,7 +76,7 @@ def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Traine
 def local_checkpoint(path: str | Path) -> str | Path:
     """`path` itself, or for a URL (a checkpoint, best_model, checkpoints or run folder in a store) the
     local copy of the checkpoint it names, downloaded into {data.stream_cache_dir's default}/checkpoints."""
-    if not storage.is_url(str(path)):
+    if not buckets.is_url(str(path)):
         return path
     return remote_checkpoints.fetch_for_reading(str(path), Path(DataConfig.stream_cache_dir) / "checkpoints")
 
@@ -119,3 +123,117 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
     experiment = (read_meta(path) or {}).get("config")  # a folder from elsewhere: any shape at all
     experiment = experiment if isinstance(experiment, dict) else {}
     return model, tokenizer, experiment
+
+
+def _file_tokens(path: Path, tokenizer, text_column: str) -> list[int]:
+    """The tokens `eval --data` reads: JSONL and Parquet record by record (the text in `text_column`,
+    each document followed by the end-of-text token, as `prepare` lays documents out); any other file
+    as one text."""
+    from .data.text.sources import JSONL_SUFFIXES, SourceStats, read_text_file
+
+    if not path.name.lower().endswith((*JSONL_SUFFIXES, ".parquet")):
+        return tokenizer.encode(read_text_file(path, True, SourceStats()))
+    from .config import DataConfig, SourceConfig
+    from .data.text.sources import iter_source
+
+    source = SourceConfig(name="eval", data_files=str(path), text_column=text_column)
+    tokens: list[int] = []
+    try:
+        for document in iter_source(source, DataConfig(data_files=str(path), text_column=text_column), SourceStats()):
+            tokens += [*tokenizer.encode(document.text), tokenizer.eot_id]
+    except UsageError as exc:
+        raise UsageError(f"{exc} (here: --text-column NAME)") from None
+    return tokens
+
+
+def in_same_store(url: str, checkpoint: str | Path | None) -> bool:
+    """Whether the URL a checkpoint's config names lies in the bucket of the checkpoint URL the user gave:
+    a checkpoint may lead `eval` to read its run's data there, and nowhere else."""
+    from urllib.parse import urlsplit
+
+    if checkpoint is None or not (buckets.is_url(url) and buckets.is_url(str(checkpoint))):
+        return False
+    mine, named = urlsplit(str(checkpoint)), urlsplit(url)
+    return (mine.scheme, mine.netloc) == (named.scheme, named.netloc)
+
+
+def eval_loader(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    experiment: dict,
+    *,
+    batch_size: int,
+    data: str | Path | None = None,
+    text_column: str | None = None,
+    checkpoint: str | Path | None = None,
+):
+    """What `llm-trainer eval` reads, for a model from `load_for_inference` (with its tokenizer and
+    saved experiment config): the windows of the file `data` (`--data`; JSONL and Parquet read from
+    `text_column`, else the run's data.text_column), or else the run's own validation split, prepared
+    earlier: never prepared here, and fetched from a store only when it lies in the bucket of
+    `checkpoint` (the path or URL the model was loaded from). Batches in order, with each source's
+    labels for a mixture (`loader.source_labels`)."""
+    from .data.batches.loader import BatchLoader, WindowRows
+    from .data.batches.source_labels import of_split as source_labels_of
+
+    length = model.config.max_seq_len
+    data_file, labels = data, None
+    if data_file is not None:
+        path = Path(data_file)
+        if not path.is_file():
+            raise UsageError(f"--data {path} not found")
+        import numpy as np
+
+        column = text_column or (experiment.get("data") or {}).get("text_column") or "text"
+        tokens = np.asarray(_file_tokens(path, tokenizer, column), dtype=np.int64)
+        if len(tokens) < 2:
+            raise UsageError(f"--data {path} has fewer than two tokens; nothing to evaluate")
+        rows = WindowRows(tokens, length, keep_partial=True)
+    else:  # the run's validation split, prepared earlier; the checkpoint's config cannot name files or folders to write
+        from .config import DataConfig
+        from .data.prepare import fetch_validation, find_prepared
+
+        saved, fingerprint = experiment.get("data"), experiment.get("data_fingerprint")
+        if not isinstance(saved, dict) or fingerprint is None:
+            raise UsageError("this folder has no saved config to find its validation data; pass --data FILE")
+        try:
+            settings = DataConfig.from_dict(saved, section="data")
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"the checkpoint's saved data settings are invalid ({exc}); pass --data FILE") from None
+        prepared = find_prepared(
+            settings.local_cache_dir, fingerprint
+        )  # read only: nothing prepared for a saved config
+        if prepared is None and in_same_store(settings.cache_dir, checkpoint):
+            # the validation split, from the store the user named with --checkpoint (never another one)
+            root = Path(DataConfig.stream_cache_dir) / "validation" / buckets.mirror_name(settings.cache_dir)
+            prepared = fetch_validation(settings.cache_dir, fingerprint, root)
+        if prepared is None:
+            raise UsageError(
+                f"the run's validation data ({fingerprint}) is not prepared in {settings.cache_dir}; "
+                "run `llm-trainer prepare` with the run's config, or pass --data FILE"
+            )
+        if prepared.manifest["splits"]["val"]["tokens"] < 2:
+            raise UsageError("the run has no validation split; pass --data FILE")
+        if settings.max_length is not None and settings.max_length > length:
+            raise UsageError(
+                f"the saved data.max_length ({settings.max_length}) exceeds the model's context ({length}); "
+                "pass --data FILE"
+            )
+        try:  # files of a folder the checkpoint pointed at: whatever is wrong with them is one line
+            if int(prepared.tokens("val").max()) >= model.config.vocab_size:
+                raise UsageError(
+                    f"the prepared data in {prepared.directory} holds token ids beyond the model's "
+                    "vocabulary; it was prepared with another tokenizer. Pass --data FILE"
+                )
+            rows = build_rows(prepared, "val", settings, settings.max_length or length, seed=None)
+            labels = source_labels_of(rows, prepared)  # a mixture: each source's loss too
+        except (ValueError, OSError, IndexError) as exc:
+            if isinstance(exc, UsageError):
+                raise
+            raise UsageError(
+                f"the prepared data in {prepared.directory} is unreadable ({str(exc).splitlines()[0][:120]}); "
+                "pass --data FILE"
+            ) from None
+    loader = BatchLoader(rows, batch_size, shuffle=False, drop_last=False)
+    loader.source_labels = labels
+    return loader

@@ -28,7 +28,7 @@ START_OVER = (
 def resolve_config_path(name: str) -> Path:
     """A path, or the name of a shipped preset (`tiny`, `small`, `gpt2-small`, ...). Never a URL: a run's
     config.yaml in a store is copied by the user, then read as a local file."""
-    from .storage import is_url
+    from .files.buckets import is_url
 
     if is_url(name):
         raise UsageError(f"config {name} is a URL; --config takes a local file: copy it here first")
@@ -43,7 +43,7 @@ def resolve_config_path(name: str) -> Path:
 
 
 def _experiment(args):
-    from .config import load_experiment
+    from .config_loader import load_experiment
 
     return load_experiment(resolve_config_path(args.config), args.overrides)
 
@@ -59,7 +59,7 @@ def cmd_prepare(args) -> int:
     try:
         prepared = prepare_data(data)
     except RuntimeError as exc:
-        from .data.cluster import TaskFailed
+        from .data.prepare.cluster import TaskFailed
 
         if not isinstance(exc, TaskFailed):
             raise
@@ -99,113 +99,9 @@ def cmd_train(args) -> int:
     return 128 + known.value if known is not None else 1  # the shell's convention: 128 + the signal's number
 
 
-def _file_tokens(path: Path, tokenizer, text_column: str) -> list[int]:
-    """The tokens `eval --data` reads: JSONL and Parquet record by record (the text in `text_column`,
-    each document followed by the end-of-text token, as `prepare` lays documents out); any other file
-    as one text."""
-    from .data.sources import JSONL_SUFFIXES, SourceStats, read_text_file
-
-    if not path.name.lower().endswith((*JSONL_SUFFIXES, ".parquet")):
-        return tokenizer.encode(read_text_file(path, True, SourceStats()))
-    from .config import DataConfig, SourceConfig
-    from .data.sources import iter_source
-
-    source = SourceConfig(name="eval", data_files=str(path), text_column=text_column)
-    tokens: list[int] = []
-    try:
-        for document in iter_source(source, DataConfig(data_files=str(path), text_column=text_column), SourceStats()):
-            tokens += [*tokenizer.encode(document.text), tokenizer.eot_id]
-    except UsageError as exc:
-        raise UsageError(f"{exc} (here: --text-column NAME)") from None
-    return tokens
-
-
-def _same_store(url: str, checkpoint: str) -> bool:
-    """Whether the URL a checkpoint's config names lies in the bucket of the checkpoint URL the user gave:
-    a checkpoint may lead `eval` to read its run's data there, and nowhere else."""
-    from urllib.parse import urlsplit
-
-    from .storage import is_url
-
-    if not (is_url(url) and is_url(str(checkpoint))):
-        return False
-    mine, named = urlsplit(str(checkpoint)), urlsplit(url)
-    return (mine.scheme, mine.netloc) == (named.scheme, named.netloc)
-
-
-def _eval_loader(model, tokenizer, experiment: dict, args, batch_size: int):
-    """Validation batches: the windows of the file --data names, or the run's own validation split."""
-    from .api import build_rows
-    from .data.loader import BatchLoader, WindowRows
-    from .data.source_labels import of_split as source_labels_of
-
-    length = model.config.max_seq_len
-    data_file, labels = args.data, None
-    if data_file is not None:
-        path = Path(data_file)
-        if not path.is_file():
-            raise UsageError(f"--data {path} not found")
-        import numpy as np
-
-        column = args.text_column or (experiment.get("data") or {}).get("text_column") or "text"
-        tokens = np.asarray(_file_tokens(path, tokenizer, column), dtype=np.int64)
-        if len(tokens) < 2:
-            raise UsageError(f"--data {path} has fewer than two tokens; nothing to evaluate")
-        rows = WindowRows(tokens, length, keep_partial=True)
-    else:  # the run's validation split, prepared earlier; the checkpoint's config cannot name files or folders to write
-        from .config import DataConfig
-        from .data.prepare import fetch_validation, find_prepared
-        from .storage import mirror_name
-
-        data, fingerprint = experiment.get("data"), experiment.get("data_fingerprint")
-        if not isinstance(data, dict) or fingerprint is None:
-            raise UsageError("this folder has no saved config to find its validation data; pass --data FILE")
-        try:
-            settings = DataConfig.from_dict(data, section="data")
-        except (TypeError, ValueError) as exc:
-            raise UsageError(f"the checkpoint's saved data settings are invalid ({exc}); pass --data FILE") from None
-        prepared = find_prepared(
-            settings.local_cache_dir, fingerprint
-        )  # read only: nothing prepared for a saved config
-        if prepared is None and _same_store(settings.cache_dir, args.checkpoint):
-            # the validation split, from the store the user named with --checkpoint (never another one)
-            root = Path(DataConfig.stream_cache_dir) / "validation" / mirror_name(settings.cache_dir)
-            prepared = fetch_validation(settings.cache_dir, fingerprint, root)
-        if prepared is None:
-            raise UsageError(
-                f"the run's validation data ({fingerprint}) is not prepared in {settings.cache_dir}; "
-                "run `llm-trainer prepare` with the run's config, or pass --data FILE"
-            )
-        if prepared.manifest["splits"]["val"]["tokens"] < 2:
-            raise UsageError("the run has no validation split; pass --data FILE")
-        if settings.max_length is not None and settings.max_length > length:
-            raise UsageError(
-                f"the saved data.max_length ({settings.max_length}) exceeds the model's context ({length}); "
-                "pass --data FILE"
-            )
-        try:  # files of a folder the checkpoint pointed at: whatever is wrong with them is one line
-            if int(prepared.tokens("val").max()) >= model.config.vocab_size:
-                raise UsageError(
-                    f"the prepared data in {prepared.directory} holds token ids beyond the model's "
-                    "vocabulary; it was prepared with another tokenizer. Pass --data FILE"
-                )
-            rows = build_rows(prepared, "val", settings, settings.max_length or length, seed=None)
-            labels = source_labels_of(rows, prepared)  # a mixture: each source's loss too
-        except (ValueError, OSError, IndexError) as exc:
-            if isinstance(exc, UsageError):
-                raise
-            raise UsageError(
-                f"the prepared data in {prepared.directory} is unreadable ({str(exc).splitlines()[0][:120]}); "
-                "pass --data FILE"
-            ) from None
-    loader = BatchLoader(rows, batch_size, shuffle=False, drop_last=False)
-    loader.source_labels = labels
-    return loader
-
-
 def cmd_eval(args) -> int:
-    from .api import load_for_inference
-    from .config import saved_batch_size
+    from .api import eval_loader, load_for_inference
+    from .config_loader import saved_batch_size
     from .resolve import recorded_amp_dtype
     from .train.evaluate import evaluate
     from .train.metrics import coverage
@@ -218,7 +114,15 @@ def cmd_eval(args) -> int:
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
     batch_size = args.batch_size or saved_batch_size(experiment) or 8  # as in training
     precision = recorded_amp_dtype(experiment.get("training"), next(model.parameters()).device)
-    loader = _eval_loader(model, tokenizer, experiment, args, batch_size)
+    loader = eval_loader(
+        model,
+        tokenizer,
+        experiment,
+        batch_size=batch_size,
+        data=args.data,
+        text_column=args.text_column,
+        checkpoint=args.checkpoint,
+    )
     metrics = evaluate(
         model,
         loader,
@@ -284,7 +188,7 @@ def _eval_tasks(args) -> int:
 
 def cmd_generate(args) -> int:
     from .api import load_for_inference
-    from .tools.generate import check_sampling, generate
+    from .generate import check_sampling, generate
 
     check_sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     model, tokenizer, _ = load_for_inference(args.checkpoint)
@@ -339,11 +243,11 @@ def cmd_export(args) -> int:
     model, _, _ = load_for_inference(path)
     import tempfile
 
-    from . import storage
     from .checkpoint.model_folder import save_model_folder
     from .checkpoint.publish import check_remote_target, check_target, publish_remote
+    from .files import buckets
 
-    remote = args.output if storage.is_url(args.output) else None
+    remote = args.output if buckets.is_url(args.output) else None
     if remote:  # written locally, then uploaded, config.json last
         check_remote_target(remote, args.overwrite)
     else:
@@ -410,7 +314,7 @@ def cmd_consolidate(args) -> int:
 def cmd_quickstart(args) -> int:
     """Prepare the built-in corpus, train the quickstart preset on CPU, evaluate, print a sample."""
     from .api import train
-    from .config import load_experiment
+    from .config_loader import load_experiment
 
     experiment = _run_options(load_experiment(PRESETS / "quickstart.yaml", args.overrides), args)
     summary = train(experiment)
@@ -455,7 +359,7 @@ def _quickstart_scores(folder: Path) -> None:
 
 
 def cmd_plot(args) -> int:
-    from .tools.plots import plot_runs
+    from .train.plots import plot_runs
 
     output = (
         Path(args.output) if args.output else (Path(args.runs[0]) / "plots" if len(args.runs) == 1 else Path("plots"))
@@ -875,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a full disk wherever a library met it (safetensors, torch wrap the OS error)
-        from .filesystem import disk_full
+        from .files.disk import disk_full
 
         if not disk_full(exc):
             raise

@@ -2,15 +2,14 @@
 
 Every config is a keyword-only dataclass validated on construction: a wrong type or an out-of-range
 value raises `ValueError` naming the field. Experiment files (YAML or JSON) with sections `model:`,
-`training:`, `data:` are loaded by `load_experiment`, which also applies dotted command-line
-overrides (`training.learning_rate=3e-4`) and names the closest valid key for a typo.
+`training:`, `data:` are read by `config_loader.load_experiment`, which also applies dotted
+command-line overrides (`training.learning_rate=3e-4`); other frameworks' names are `config_aliases`'.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import re
 import types
@@ -23,15 +22,9 @@ import yaml
 
 from . import config_aliases
 from .errors import UsageError
-from .limits import (
-    MAX_EXECUTOR_TASKS,
-    MAX_NESTING,
-    MAX_SPIKE_WINDOW,
-    check_model_dimensions,
-    check_structure,
-    parse_json,
-)
-from .storage import is_url, join, mirror_name
+from .files.atomic import write_text
+from .files.buckets import is_url, join, mirror_name
+from .limits import MAX_EXECUTOR_TASKS, MAX_SPIKE_WINDOW, check_model_dimensions
 
 # ----------------------------------------------------------------------------------------------
 # Generic validation: the declared type of each field is the schema.
@@ -221,6 +214,9 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+MAX_VOCAB_PAD_MULTIPLE = 65536  # alignment wants 64 to 256; more only adds rows nothing reads
+
+
 @_names_read_back
 @_keywords_as_in_files
 @dataclass(kw_only=True)
@@ -234,6 +230,10 @@ class ModelConfig(_Validated):
 
     architecture: Literal["gpt2", "llama"] = "gpt2"
     vocab_size: int | None = None  # set from the tokenizer when None
+    # Embedding and head rows rounded up to a multiple of this (aligned matmuls); the head multiplies the
+    # extra rows but their logits are masked out of every softmax, so they are never scored, sampled
+    # or exported and get no gradient. 1: exactly vocab_size rows.
+    vocab_pad_multiple: int = 128
     d_model: int = 256
     n_heads: int = 4
     n_kv_heads: int | None = None  # grouped-query attention; None = n_heads
@@ -302,6 +302,11 @@ class ModelConfig(_Validated):
             f"ModelConfig.vocab_size must be positive, got {self.vocab_size}",
         )
         _require(
+            1 <= self.vocab_pad_multiple <= MAX_VOCAB_PAD_MULTIPLE,
+            f"ModelConfig.vocab_pad_multiple must be 1 (no padding) to {MAX_VOCAB_PAD_MULTIPLE:,}, "
+            f"got {self.vocab_pad_multiple}",
+        )
+        _require(
             self.d_model % self.n_heads == 0,
             f"ModelConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})",
         )
@@ -323,10 +328,10 @@ class ModelConfig(_Validated):
         check_model_dimensions(self.dimensions())  # before anything is built: a limit no real model reaches
 
     def dimensions(self) -> dict[str, int]:
-        """The sizes that decide how large the model is (vocab_size 0 while unset)."""
+        """The sizes that decide how large the model is (vocab_size 0 while unset; padded rows counted)."""
         filled = self._filled()
         return {
-            "vocab_size": self.vocab_size or 0,
+            "vocab_size": self.padded_vocab_size,
             "d_model": self.d_model,
             "n_layers": self.n_layers,
             "d_ff": filled["d_ff"],
@@ -338,6 +343,12 @@ class ModelConfig(_Validated):
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and head: vocab_size rounded up to vocab_pad_multiple (0 while unset)."""
+        multiple = self.vocab_pad_multiple
+        return -(-(self.vocab_size or 0) // multiple) * multiple
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,6 +391,8 @@ class TrainingConfig(_Validated):
     amp_dtype: Literal["bfloat16", "float16"] = "bfloat16"
     compile: bool = False
     gradient_checkpointing: bool = False  # recompute each block's activations in backward
+    # The blocks' linear layers in float8 through torchao (parallel/float8.py): CUDA compute capability 8.9+
+    float8: bool = False
     # The SDPA kernel the run is held to (parallel/attention_kernel.py); auto: by device, named in the run header
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     device: str = "auto"  # auto: CUDA, then MPS, then CPU
@@ -832,7 +845,7 @@ class DataConfig(_Validated):
     )
     curriculum_key: str = "length"  # "length" (tokens of a document) or a numeric column of the sources
 
-    # -- where prepare runs (llm_trainer.data.cluster): null in this process; local, slurm or ray as a
+    # -- where prepare runs (llm_trainer.data.prepare.cluster): null in this process; local, slurm or ray as a
     # datatrove pipeline of executor_tasks tasks over the input files (pip install -e ".[cluster]")
     executor: Literal["local", "slurm", "ray"] | None = None
     executor_tasks: int = 1  # tasks of the per-file stage; the result is the same for any number
@@ -995,7 +1008,7 @@ class ExperimentConfig:
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        write_text(Path(path), yaml.safe_dump(self.to_dict(), sort_keys=False))
 
     @staticmethod
     def known_fields() -> dict[str, list[str]]:
@@ -1004,144 +1017,3 @@ class ExperimentConfig:
             name: [f.name for f in dataclasses.fields(section)]
             for name, section in (("model", ModelConfig), ("training", TrainingConfig), ("data", DataConfig))
         }
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads `3e-4` as a string; ML configs mean a number. Accept exponents without a dot.
-
-    Merge keys (`<<: *defaults`) copy entries while the document is built, so a few lines of nested
-    merges could copy billions: a mapping that merges more than `MAX_MERGED_ENTRIES` is refused."""
-
-    MAX_MERGED_ENTRIES = 10_000
-
-    def flatten_mapping(self, node):
-        super().flatten_mapping(node)
-        if len(node.value) > self.MAX_MERGED_ENTRIES:
-            raise UsageError(
-                f"a mapping merges more than {self.MAX_MERGED_ENTRIES:,} entries through YAML merge keys "
-                f"(line {node.start_mark.line + 1}; the alias expansion limit)"
-            )
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"
-    ),
-    list("-+0123456789."),
-)
-
-
-def _yaml_load(text: str, where: str = "a YAML document"):
-    """A YAML document as plain data, its nesting and alias expansion within `limits`' bounds."""
-    try:
-        value = yaml.load(text, Loader=_Loader)
-    except RecursionError:
-        raise UsageError(f"{where} is nested more than {MAX_NESTING} levels deep (the nesting limit)") from None
-    return check_structure(value, where)
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`training.learning_rate=3e-4` -> (["training", "learning_rate"], 0.0003); values are YAML scalars."""
-    if "=" not in text:
-        raise UsageError(f"override {text!r} must look like section.key=value (e.g. training.max_steps=100)")
-    key, raw = text.split("=", 1)
-    parts = key.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise UsageError(f"override key {key!r} must be section.key (e.g. training.learning_rate)")
-    try:
-        value = _yaml_load(raw, f"override {key.strip()}") if raw.strip() else None
-    except yaml.YAMLError:
-        value = raw
-    return parts, value
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"config file {path} not found; pass --config with the path of a YAML or JSON file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UsageError(f"config file {path} is not UTF-8 text") from None
-    where = f"config file {path}"
-    try:
-        data = parse_json(text, where) if path.suffix == ".json" else _yaml_load(text, where)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        first = str(exc).splitlines()[0]
-        raise UsageError(f"config file {path} could not be parsed: {first}") from None
-    if data is None:
-        raise UsageError(f"config file {path} is empty; it needs sections model:, training:, data:")
-    if not isinstance(data, dict):
-        raise UsageError(f"config file {path} must hold a mapping with sections model:, training:, data:")
-    return data
-
-
-# The settings that name where the data comes from: a source named on the command line replaces the
-# config file's (a preset's built-in corpus must not win over `data.data_files=my.txt`).
-DATA_SOURCE_KEYS = ("data_files", "dataset_name", "sources")
-
-
-def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
-    """Read an experiment file and apply dotted overrides; every error is a one-line `UsageError`. A data
-    source named in an override (`DATA_SOURCE_KEYS`) replaces the ones the file names."""
-    data = read_config_file(path) if path is not None else {}
-    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
-    parsed = [parse_override(text) for text in overrides]
-    given: dict[str, dict[str, Any]] = {}
-    for (section, key), value in parsed:
-        given.setdefault(section, {})[key] = value
-    named_sources = {
-        config_aliases.spellings_of(section, key)[1]
-        for (section, key), _ in parsed
-        if config_aliases.spellings_of(section, key)[0] == "data"
-    } & set(DATA_SOURCE_KEYS)
-    if named_sources and isinstance(data.get("data"), dict):
-        for key in list(data["data"]):
-            if config_aliases.spellings_of("data", key)[1] in set(DATA_SOURCE_KEYS) - named_sources:
-                del data["data"][key]
-    for (section, key), value in parsed:
-        try:
-            config_aliases.set_override(data, section, key, value)
-        except ValueError:
-            raise UsageError(f"section {section!r} in {path} must be a mapping") from None
-    _, problems = config_aliases.canonical_experiment(given, ExperimentConfig.known_fields())
-    typos = [problem for problem in problems if problem.startswith("unknown")]  # keys no config knows
-    if typos:
-        raise UsageError(f"command line: {config_aliases.one_message(typos)}")
-    try:
-        return ExperimentConfig.from_dict(data)
-    except ValueError as exc:
-        where = "command line: " if _names_an_override(str(exc), given) else f"{path}: " if path is not None else ""
-        raise UsageError(f"{where}{exc}") from None
-
-
-def saved_batch_size(saved: Any) -> int | None:
-    """`training.batch_size` of an experiment config saved in a folder (meta.json's `config`), or None
-    when it records none. The folder may come from elsewhere and hold anything: a value that is not a
-    positive integer is a one-line error."""
-    training = saved.get("training") if isinstance(saved, dict) else None
-    if training is None:
-        return None
-    if not isinstance(training, dict):
-        raise UsageError("the folder's saved config.training is not a mapping; pass --batch-size")
-    value = training.get("batch_size")
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise UsageError(
-            f"the folder's saved training.batch_size is {value!r}, not a positive integer; pass --batch-size"
-        )
-    return value
-
-
-_CLASS_OF_SECTION = {"model": "ModelConfig", "training": "TrainingConfig", "data": "DataConfig"}
-
-
-def _names_an_override(message: str, given: dict[str, dict[str, Any]]) -> bool:
-    """Whether an error names a key the command line set (`data.sources`, `DataConfig.sources`)."""
-    for section, keys in given.items():
-        for key in keys:
-            target, field = config_aliases.spellings_of(section, key)
-            names = (f"{section}.{key}", f"{target}.{field}", f"{_CLASS_OF_SECTION.get(target)}.{field}")
-            if any(re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", message) for name in names):
-                return True
-    return False

@@ -40,6 +40,7 @@ MODEL: dict[str, str] = {
     "dropout_rate": "dropout",
     "attention_probs_dropout_prob": "attention_dropout",
     "attn_pdrop": "attention_dropout",
+    "pad_vocab_size_multiple": "vocab_pad_multiple",
     # nanoGPT (its `bias` and `dropout` are ours already)
     "n_embd": "d_model",
     "n_head": "n_heads",

@@ -15,8 +15,8 @@ import time
 import warnings
 from collections.abc import Iterator
 
-from .parallel import launcher
-from .parallel.launcher import is_main_process
+from . import launcher
+from .launcher import is_main_process
 
 __all__ = ["Progress", "is_main_process", "log", "shows_progress_bar", "warn", "warnings_once"]
 

@@ -12,6 +12,11 @@ Liger-Kernel and cut-cross-entropy written in plain torch ops, so it runs on eve
 One function serves training and evaluation (through the model's `targets=` forward), the LR finder
 (it trains through the same step) and any scoring that needs log-probabilities of given tokens
 (`token_logprobs`).
+
+A head padded past the real vocabulary (`model.vocab_pad_multiple`: rows rounded up so the matmuls'
+shapes are aligned) is multiplied whole, padding rows included, and `vocab` names the real columns:
+the rest are left out of every softmax, so losses, log-probabilities and argmaxes are those of the
+unpadded head and the padding rows get zero gradient.
 """
 
 from __future__ import annotations
@@ -50,11 +55,27 @@ def _capped(logits: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, 
     return softcap * tanh, tanh
 
 
+def real_columns(logits: torch.Tensor, vocab: int | None) -> torch.Tensor:
+    """The logits of the real vocabulary's `vocab` ids (all of them when None): a view, the padding
+    columns past it cut off after the aligned matmul that computed them."""
+    return logits if vocab is None or vocab == logits.shape[-1] else logits[..., :vocab]
+
+
+def _check_vocab(weight: torch.Tensor, vocab: int | None) -> None:
+    if vocab is not None and not 0 < vocab <= weight.shape[0]:
+        raise ValueError(f"vocab must be 1 to the head's {weight.shape[0]} rows, got {vocab}")
+
+
 def _chunk_nll(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None, reduction: str
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    softcap: float | None,
+    reduction: str,
+    vocab: int | None,
 ) -> torch.Tensor:
     """-log p(target) in float32 for one chunk of positions, summed or (n,) with 0 where ignored."""
-    logits, _ = _capped(F.linear(hidden, weight), softcap)
+    logits, _ = _capped(real_columns(F.linear(hidden, weight), vocab), softcap)
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
@@ -63,7 +84,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     forward (so no chunk's logits outlive it) and only scaled by the incoming gradient in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, softcap, rows):  # type: ignore[override]
+    def forward(ctx, hidden, weight, targets, softcap, rows, vocab):  # type: ignore[override]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -72,6 +93,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             raw = F.linear(h, weight)  # (n, V), in autocast's dtype where autocast is on
             dtype = raw.dtype
             logits, tanh = _capped(raw, softcap)
+            if vocab < logits.shape[1]:  # padding columns: out of the softmax, so zero in its gradient
+                logits[:, vocab:] = -math.inf
             valid = (t != IGNORE_INDEX)[:, None]
             safe = t.clamp(min=0)[:, None]
             logprobs = torch.log_softmax(logits, -1)
@@ -91,7 +114,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight * grad_output, None, None, None
+        return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight * grad_output, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -102,6 +125,7 @@ def linear_cross_entropy(
     softcap: float | None = None,
     reduction: str = "sum",
     rows: int | None = None,
+    vocab: int | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of the head `hidden @ weight.T` (optionally soft-capped) against `targets`, in
     float32, without ever holding all the logits.
@@ -109,33 +133,43 @@ def linear_cross_entropy(
     hidden (..., C), weight (V, C), targets (...) with `IGNORE_INDEX` where nothing is scored.
     reduction "sum": the summed loss (a scalar; what training divides by the step's target count);
     "none": the loss per position (...), 0 where ignored. `rows`: positions per chunk (default: as
-    many as `CHUNK_LOGITS` logits). Equals `F.cross_entropy(F.linear(hidden, weight).float(), ...)`.
+    many as `CHUNK_LOGITS` logits). `vocab`: the real vocabulary, the first `vocab` rows of a padded
+    `weight` (default: all of them); the padding rows are multiplied but never part of the softmax.
+    Equals `F.cross_entropy(F.linear(hidden, weight[:vocab]).float(), ...)`.
     """
     if reduction not in ("sum", "none"):
         raise ValueError(f"reduction must be 'sum' or 'none', got {reduction!r}")
+    _check_vocab(weight, vocab)
     shape = targets.shape
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     rows = rows or chunk_rows(hidden.shape[0], weight.shape[0])
     wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if reduction == "sum" and wants_grad and hidden.shape[0] * weight.shape[0] > SMALL_LOGITS:
-        return _FusedLinearCrossEntropy.apply(hidden, weight, targets, softcap, rows)
+        return _FusedLinearCrossEntropy.apply(hidden, weight, targets, softcap, rows, vocab or weight.shape[0])
     parts = [
-        _chunk_nll(hidden[start : start + rows], weight, targets[start : start + rows], softcap, reduction)
+        _chunk_nll(hidden[start : start + rows], weight, targets[start : start + rows], softcap, reduction, vocab)
         for start in range(0, hidden.shape[0], rows)
     ]
     return sum(parts[1:], parts[0]) if reduction == "sum" else torch.cat(parts).reshape(shape)
 
 
 def token_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, softcap: float | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    softcap: float | None = None,
+    vocab: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(target), whether the target is the most likely token) per position, float32 and bool,
     chunk by chunk: what scoring continuations needs (a log-likelihood and a greedy match) without
-    the positions' full log-softmax. hidden (N, C), weight (V, C), targets (N,), none ignored."""
+    the positions' full log-softmax. hidden (N, C), weight (V, C), targets (N,), none ignored; `vocab`
+    as in `linear_cross_entropy`."""
+    _check_vocab(weight, vocab)
     rows = chunk_rows(hidden.shape[0], weight.shape[0])
     logprobs, greedy = [], []
     for start in range(0, hidden.shape[0], rows):
-        logits, _ = _capped(F.linear(hidden[start : start + rows], weight), softcap)
+        logits, _ = _capped(real_columns(F.linear(hidden[start : start + rows], weight), vocab), softcap)
         t = targets[start : start + rows, None]
         logprobs.append((logits.gather(1, t) - logits.logsumexp(-1, keepdim=True)).squeeze(1))
         greedy.append(logits.argmax(-1) == t.squeeze(1))

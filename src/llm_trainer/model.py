@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .loss import IGNORE_INDEX, linear_cross_entropy, token_logprobs
+from .loss import IGNORE_INDEX, linear_cross_entropy, real_columns, token_logprobs
 
 
 def _norm(config: ModelConfig) -> nn.Module:
@@ -269,6 +269,21 @@ class Block(nn.Module):
         return self.mlp_norm(x + self.mlp(x))
 
 
+def _padded_rows(module: nn.Embedding | nn.Linear, rows: int) -> nn.Embedding | nn.Linear:
+    """`module` (built with the real vocabulary's rows) with `rows` rows. It is built at the real size first
+    so the random numbers its constructor draws, and so every weight drawn after it from a seed, are those
+    of an unpadded model; `init_weight` fills the new weight."""
+    weight = module.weight
+    if weight.shape[0] == rows:
+        return module
+    module.weight = nn.Parameter(weight.new_empty(rows, *weight.shape[1:]))
+    if isinstance(module, nn.Embedding):
+        module.num_embeddings = rows
+    else:
+        module.out_features = rows
+    return module
+
+
 class Transformer(nn.Module):
     """Token ids (B, T) -> next-token logits (B, T, V)."""
 
@@ -278,14 +293,14 @@ class Transformer(nn.Module):
             raise ValueError("ModelConfig.vocab_size is not set; build the model after the tokenizer, or set it")
         config = config.resolved()  # every preset value explicit: what model_config.json records
         self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.tok_emb = _padded_rows(nn.Embedding(config.vocab_size, config.d_model), config.padded_vocab_size)
         self.pos_emb = (
             nn.Embedding(config.max_seq_len, config.d_model) if config.position_embedding == "learned" else None
         )
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = _norm(config) if config.pre_norm else nn.Identity()
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = _padded_rows(nn.Linear(config.d_model, config.vocab_size, bias=False), config.padded_vocab_size)
         self.tie_weights()
         if config.position_embedding == "rope":
             self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)
@@ -334,7 +349,9 @@ class Transformer(nn.Module):
         """N(0, 0.02) for matrices and embeddings, residual projections scaled by 1/sqrt(2 * n_layers),
         zero biases, unit norm weights. By name, so a sharded model can initialise full tensors too."""
         std = self.config.init_std
-        if name.endswith("bias"):
+        if name in ("tok_emb.weight", "lm_head.weight"):
+            self._init_vocab_rows(tensor, std)
+        elif name.endswith("bias"):
             nn.init.zeros_(tensor)
         elif "norm" in name:
             nn.init.ones_(tensor)
@@ -345,6 +362,14 @@ class Transformer(nn.Module):
                 nn.init.normal_(tensor, mean=0.0, std=std / math.sqrt(2 * self.config.n_layers))
         else:
             nn.init.normal_(tensor, mean=0.0, std=std)
+
+    def _init_vocab_rows(self, tensor: torch.Tensor, std: float) -> None:
+        """N(0, std) for the real vocabulary's rows, zeros for the padding rows: the real rows draw the
+        same numbers as an unpadded model's, and the padding rows, whose logits every softmax leaves out
+        (so they get no gradient), stay zero."""
+        vocab = self.config.vocab_size
+        nn.init.normal_(tensor[:vocab], mean=0.0, std=std)
+        nn.init.zeros_(tensor[vocab:])
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -394,6 +419,7 @@ class Transformer(nn.Module):
                 targets,
                 softcap=self.config.logit_softcap,
                 reduction=reduction,
+                vocab=self.config.vocab_size,
             )
         logits = self._logits(ids, cache, doc_ids)
         if not shaped:
@@ -423,7 +449,9 @@ class Transformer(nn.Module):
         if targets is None:
             return self._logits(input_ids, cache, given=(mask, positions), select=select)
         hidden = self._hidden(input_ids, cache, given=(mask, positions), select=select)
-        return token_logprobs(hidden, self.lm_head.weight, targets, softcap=self.config.logit_softcap)
+        return token_logprobs(
+            hidden, self.lm_head.weight, targets, softcap=self.config.logit_softcap, vocab=self.config.vocab_size
+        )
 
     def _logits(
         self,
@@ -433,8 +461,13 @@ class Transformer(nn.Module):
         given: tuple[torch.Tensor, torch.Tensor] | None = None,
         select: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The head's logits (B, T, V), or (N, V) of `select`, soft-capped where the config says so."""
-        logits = self.lm_head(self._hidden(input_ids, cache, doc_ids, given, select))
+        """The head's logits (B, T, V), or (N, V) of `select`, soft-capped where the config says so: the
+        real vocabulary's columns only. The head multiplies its padding rows too (an aligned matmul)
+        and their columns are cut from the result, so no padded id is ever sampled or scored."""
+        logits = real_columns(
+            self.lm_head(self._hidden(input_ids, cache, doc_ids, given, select)), self.config.vocab_size
+        )
+        logits = logits.contiguous()  # a plain (.., V) tensor for callers that reshape it with .view
         if self.config.logit_softcap is not None:
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits / cap)

@@ -1,38 +1,41 @@
-"""llm_trainer's own pipeline, from an experiment config to a Trainer ready to `.train()`:
+"""llm_trainer's own pipeline, from an experiment config to the pieces a Trainer is built from:
 
-    prepared = prepare_run(experiment)       # resolve, open the process group, prepare the data, the model
-    trainer = build_trainer(experiment, trainer_class=Trainer)
+    prepared = prepare_run(experiment, pick_batch_size=auto_batch_size)   # resolve, process group, data, model
+    train_loader, val_loader = prepared.loaders()
 
 `prepare_run` is the one place that fixes the order: the training config as the run uses it, the
 runtime (device, process group, precision), the data (rank 0 first; the tokenizer comes from it),
-the model.init_from model, then the resolved run. The API (`api`), `Trainer.from_config` and the LR
-finder all start from it. This module sits below both `api` and `train.trainer`: it never imports
-the Trainer, which callers pass as `trainer_class`.
+the model.init_from model, then the resolved run. `Trainer.from_config` (which `api.train` and
+`api.build_trainer` call) and the LR finder both start from it. This module sits below the Trainer
+and never imports it, nor anything of `train/`: `batch_size: auto`'s picker (`train.batch_size`)
+is passed in by the caller.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-import yaml
 
-from . import storage
 from .checkpoint import remote as remote_checkpoints
-from .checkpoint.durable import write_text_atomically
-from .checkpoint.folder_files import refuse_unreadable
 from .checkpoint.model_folder import CONFIG_NAME, is_transformers_folder, load_model_folder
-from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig, load_experiment
-from .data.loader import BatchLoader, DocumentRows, WindowRows
-from .data.prepare import PreparedData, prepare_data
-from .data.source_labels import of_split as source_labels_of
+from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig
+from .config_loader import load_experiment
+from .data.batches.loader import BatchLoader, DocumentRows, WindowRows
+from .data.batches.source_labels import of_split as source_labels_of
+from .data.format import PreparedData
+from .data.prepare import prepare_data
 from .errors import UsageError
+from .files import buckets
+from .files.folder_files import refuse_unreadable
 from .logs import log, warn
 from .model import Transformer
 from .parallel import distributed
+from .parallel.float8 import check_float8
 from .resolve import (
     ResolvedRun,
     local_runtime,
@@ -43,7 +46,6 @@ from .resolve import (
     setup_runtime,
 )
 from .tokenizer import TOKENIZER_FILE, Tokenizer, vocabulary_mismatch
-from .train.callbacks import Callback
 
 
 def build_model(config: ModelConfig, *, meta: bool = False) -> Transformer:
@@ -137,8 +139,8 @@ def build_loaders(
             f"data: {experiment.data.packing_strategy if experiment.data.pack_sequences else 'unpacked'} rows: "
             f"{len(train_rows):,} of {length} tokens, {train_rows.padding_fraction():.1%} padding"
         )
-    if experiment.data.curriculum:  # easy rows first, in stages (see data/curriculum.py)
-        from .data.curriculum import CurriculumLoader, document_difficulty, row_difficulty
+    if experiment.data.curriculum:  # easy rows first, in stages (see data/batches/curriculum.py)
+        from .data.batches.curriculum import CurriculumLoader, document_difficulty, row_difficulty
 
         offsets = prepared.offsets("train")
         difficulty = row_difficulty(
@@ -177,13 +179,21 @@ class PreparedRun:
         return build_loaders(run.experiment, self.prepared, run.device, run.dist.dp_rank, run.dist.dp_size)
 
 
-def prepare_run(experiment: ExperimentConfig, *, local: bool = False, meta: bool = True) -> PreparedRun:
+def prepare_run(
+    experiment: ExperimentConfig,
+    *,
+    pick_batch_size: Callable[..., TrainingConfig],
+    local: bool = False,
+    meta: bool = True,
+) -> PreparedRun:
     """Resolve the run and build its data and model, in the one order every entry point uses (see the
-    module docstring). `local`: this process alone, no process group (the LR finder). `meta`: a fresh
-    model is built on the meta device and initialised on the target device by the Trainer (after
-    sharding under FSDP): every strategy and world size starts from the same weights for a seed."""
-    if storage.is_url(experiment.model.init_from):  # read from a local copy, checked as any folder
-        copy = storage.fetch_tree(experiment.model.init_from, Path(experiment.data.stream_cache_dir) / "models")
+    module docstring). `pick_batch_size`: `train.batch_size.auto_batch_size`, for `batch_size: auto`
+    (it sits above this module). `local`: this process alone, no process group (the LR finder).
+    `meta`: a fresh model is built on the meta device and initialised on the target device by the
+    Trainer (after sharding under FSDP): every strategy and world size starts from the same weights
+    for a seed."""
+    if buckets.is_url(experiment.model.init_from):  # read from a local copy, checked as any folder
+        copy = buckets.fetch_tree(experiment.model.init_from, Path(experiment.data.stream_cache_dir) / "models")
         experiment = _replace_section(experiment, "model", init_from=str(copy))
     if experiment.model.init_from:  # a folder we may not have written: its tokenizer is read below
         refuse_unreadable(Path(experiment.model.init_from), (TOKENIZER_FILE,))
@@ -194,6 +204,8 @@ def prepare_run(experiment: ExperimentConfig, *, local: bool = False, meta: bool
     experiment.data.check_source()  # on every rank, before any process waits for rank 0 to prepare
     experiment = resolve_experiment(experiment)
     runtime = local_runtime(experiment.training) if local else setup_runtime(experiment.training)
+    if experiment.training.float8:  # before the data is prepared: minutes, for a run that cannot start
+        check_float8(runtime.device)
     if not runtime.dist.is_main:  # rank 0 prepares the data; the others then reuse its cache
         distributed.barrier()
     if runtime.dist.is_main and (remote := experiment.training.remote_checkpoint_dir):  # before the data is prepared
@@ -207,14 +219,12 @@ def prepare_run(experiment: ExperimentConfig, *, local: bool = False, meta: bool
     loaded = load_init_model(experiment.model.init_from) if experiment.model.init_from else None
     if loaded is not None:
         _check_init_vocabulary(experiment.model.init_from, prepared.tokenizer)
-    from .tools.estimate import auto_batch_size
-
     run = resolve_run(
         experiment,
         prepared.tokenizer,
         runtime,
         model_config=loaded.config if loaded else None,
-        pick_batch_size=auto_batch_size,
+        pick_batch_size=pick_batch_size,
     )
     if loaded is not None:
         model = loaded
@@ -224,32 +234,6 @@ def prepare_run(experiment: ExperimentConfig, *, local: bool = False, meta: bool
         model = build_model(run.experiment.model, meta=meta)
     prepared.tokenizer.model_max_length = model.config.max_seq_len  # where its transformers copy truncates
     return PreparedRun(run=run, prepared=prepared, model=model)
-
-
-def build_trainer(
-    config,
-    training: TrainingConfig | None = None,
-    data: DataConfig | None = None,
-    *,
-    trainer_class,
-    callbacks=(),
-):
-    """prepare -> resolve -> build model -> `trainer_class(...)`, ready to `.train()`; writes config.yaml and
-    the tokenizer into the output folder, and plots at the end of training (`Trainer.from_config` is this)."""
-    ready = prepare_run(experiment_from(config, training, data))
-    run, prepared = ready.run, ready.prepared
-    train_loader, val_loader = ready.loaders()
-    output = run.training.local_output_dir
-    return trainer_class(
-        ready.model,
-        run.training,
-        train_dataloader=train_loader,
-        val_dataloader=val_loader,
-        tokenizer=prepared.tokenizer,
-        callbacks=[_RunFiles(output, run.experiment, prepared.tokenizer), *callbacks, _PlotsAtEnd(output)],
-        run=run,
-        experiment_config={**run.config_dict(), "data_fingerprint": prepared.manifest["fingerprint"]},
-    )
 
 
 def experiment_from(config, training: TrainingConfig | None = None, data: DataConfig | None = None) -> ExperimentConfig:
@@ -268,31 +252,3 @@ def experiment_from(config, training: TrainingConfig | None = None, data: DataCo
 
 def _replace_section(experiment: ExperimentConfig, section: str, **changes) -> ExperimentConfig:
     return dataclasses.replace(experiment, **{section: dataclasses.replace(getattr(experiment, section), **changes)})
-
-
-class _RunFiles(Callback):
-    """The run's config.yaml and tokenizer.json, written when the loop starts: after a resume has been
-    accepted, so a refused one (another model shape, another tokenizer) leaves the folder as it was."""
-
-    def __init__(self, output: Path, experiment: ExperimentConfig, tokenizer: Tokenizer):
-        self.output, self.experiment, self.tokenizer = output, experiment, tokenizer
-
-    def on_train_begin(self, trainer) -> None:
-        if trainer.dist.is_main:
-            write_text_atomically(
-                self.output / "config.yaml", yaml.safe_dump(self.experiment.to_dict(), sort_keys=False)
-            )
-            write_text_atomically(self.output / TOKENIZER_FILE, self.tokenizer.to_json())
-
-
-class _PlotsAtEnd(Callback):
-    """PNG plots of the run's metrics.jsonl into `{output_dir}/plots` when training ends (rank 0)."""
-
-    def __init__(self, output: Path):
-        self.output = output
-
-    def on_train_end(self, trainer, metrics: dict) -> None:
-        if trainer.dist.is_main:
-            from .tools.plots import plot_runs  # warns, never raises: a plot must not fail a finished run
-
-            plot_runs([self.output], self.output / "plots")

@@ -3,9 +3,10 @@ machine, is decided here and read from here, in one frozen `ResolvedRun` the Tra
 
 Two ways to get one:
 
-* `pipeline.prepare_run(experiment)`: llm_trainer's own pipeline (the CLI, `train`, `build_trainer`,
-  the LR finder). It runs `resolve_experiment` (training config as the run uses it), `setup_runtime`,
-  prepares the data for the tokenizer, then `resolve_run`.
+* `pipeline.prepare_run(experiment, pick_batch_size=...)`: llm_trainer's own pipeline
+  (`Trainer.from_config`, which the CLI, `train` and `build_trainer` call; the LR finder). It runs
+  `resolve_experiment` (training config as the run uses it), `setup_runtime`, prepares the data for
+  the tokenizer, then `resolve_run`.
 * `resolve_for_model(model, training, train_dataloader=...)`: a bring-your-own model and loaders
   (what `Trainer(model, config, ...)` does when it is given no run).
 
@@ -25,9 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import launcher
 from .config import ExperimentConfig, ModelConfig, TrainingConfig
 from .errors import UsageError
-from .parallel import distributed, launcher
+from .parallel import distributed
 from .parallel.distributed import DistInfo
 from .parallel.mesh import refuse_unavailable, resolve_layout
 
@@ -267,7 +269,7 @@ def resolve_run(
 ) -> ResolvedRun:
     """Fix everything that depends on the tokenizer and the machine (`experiment` from
     `resolve_experiment`). `model_config`: the architecture of the model loaded with model.init_from,
-    which replaces the experiment's model section. `pick_batch_size`: `tools.estimate.auto_batch_size`,
+    which replaces the experiment's model section. `pick_batch_size`: `train.batch_size.auto_batch_size`,
     given by the caller (the estimator sits above this module), for `training.batch_size: auto`."""
     model = (
         experiment.model

@@ -30,6 +30,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import UsageError
+from .files.atomic import write_file
 
 EOT = "<|endoftext|>"
 UNK = "<unk>"
@@ -162,9 +163,7 @@ class Tokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         file = directory / TOKENIZER_FILE
-        tmp = file.with_suffix(".json.tmp")
-        tmp.write_text(self.to_json(), encoding="utf-8")
-        tmp.replace(file)
+        write_file(file, self.to_json().encode("utf-8"))
         return file
 
     # -- use ------------------------------------------------------------------------------------

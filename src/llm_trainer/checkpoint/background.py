@@ -2,7 +2,7 @@
 
 The training loop copies every tensor it saves (model and optimizer) into host memory, hands the
 copy to one worker thread and goes on training. The worker writes it with the same atomic,
-checksummed, fsynced `store.save_checkpoint` a synchronous save uses. At most one write is in
+checksummed, fsynced `local.save_checkpoint` a synchronous save uses. At most one write is in
 flight: the next save, the final one and a stop wait for it first, and a write's error (a full
 disk, say) is raised there, in the training thread. A crash or a kill -9 during a write loses only
 that checkpoint: `latest` and every earlier checkpoint are untouched, as with a synchronous save.

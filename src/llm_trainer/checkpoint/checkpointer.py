@@ -45,19 +45,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import storage
 from ..errors import CheckpointError, UsageError
+from ..files import buckets
+from ..files.folder_files import SHARDED_DIR
 from ..logs import log
-from ..parallel import distributed
 from ..tokenizer import vocabulary_mismatch
-from ..train.state import train_state_problem
 from .background import BackgroundWriter, HostSnapshot
 from .durable import remove_stale
 from .find import resolve_checkpoint
-from .folder_files import SHARDED_DIR
 from .layout import BEST, STAGING, checkpoint_name
+from .local import load_checkpoint, rotate, save_best_model, save_checkpoint
 from .remote import ensure_uploaded, fetch_named, local_copy, store_shards, upload_best, upload_checkpoint
-from .store import load_checkpoint, rotate, save_best_model, save_checkpoint
+from .train_state import train_state_problem
 
 
 class Checkpointer:
@@ -76,6 +75,7 @@ class Checkpointer:
         periodic: bool,
         on_saved: Callable[[Path], None] = lambda path: None,
         remote: str | None = None,
+        barrier: Callable[[], None],
     ):
         self.root = Path(root)
         self.remote = remote  # a URL each checkpoint is uploaded to after its local write (see `remote`)
@@ -84,6 +84,7 @@ class Checkpointer:
         self.config, self.tokenizer_json, self.keep_last = config, tokenizer_json, keep_last
         self.dist = parallel.dist
         self.on_saved = on_saved
+        self.barrier = barrier  # waits for every rank (`parallel.distributed.barrier`, which sits above this package)
         # Rank 0 alone writes the folder; where every rank writes DCP shards, every rank waits for its own.
         self.shards_everywhere = parallel.checkpoint_kind.weights_in_shards and self.dist.world_size > 1
         self.use_background = background and (self.dist.is_main or self.shards_everywhere)
@@ -100,7 +101,7 @@ class Checkpointer:
             self._remove_staging()  # no rank writes there before the first save's barrier
             remove_stale(self.root)  # a best_model an interrupted save moved aside is put back now
             if self.remote:
-                storage.check_writable(self.remote, "training.checkpoint_dir")
+                buckets.check_writable(self.remote, "training.checkpoint_dir")
         if self.use_background:
             self._writer, self._buffers_reserved = BackgroundWriter(), False
             if self.shards_everywhere:
@@ -161,7 +162,7 @@ class Checkpointer:
         """`wait`, then a barrier: rank 0 writes in the background, so another rank that reads the latest
         checkpoint must first know that rank 0's write is complete. Every rank calls it at the same step."""
         self.wait()
-        distributed.barrier()
+        self.barrier()
 
     def save(self, *, background: bool = False) -> Path:
         """Save the current step. Every rank calls this at the same step; rank 0 writes the folder."""
@@ -177,19 +178,19 @@ class Checkpointer:
             if self.dist.is_main:
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir(parents=True)
-            distributed.barrier()
+            self.barrier()
             torch.save(rng_tensors, staging / f"rng-rank{self.dist.rank}.pt")
             in_background = self._shards if background else None  # DCP's copy in host memory, written later
             with self._discarded_on_failure(staging):
                 if self.remote:  # FSDP: every rank's shards straight into the store
                     shards = self.parallel.save_shards_to_store(
-                        storage.join(self.remote, path.name, SHARDED_DIR), in_background
+                        buckets.join(self.remote, path.name, SHARDED_DIR), in_background
                     )
                 if shards is None:
                     shards = self.parallel.save_shards(staging, in_background)
             if not self.parallel.checkpoint_kind.weights_in_shards:  # the checkpoint's model folder needs them whole
                 weights = self.parallel.full_state_dict()  # a collective where the weights are partitioned
-            distributed.barrier()
+            self.barrier()
         write = None
         if self.dist.is_main:
             write = self._write_job(rng_tensors, staging, copy=background, weights=weights)
@@ -204,7 +205,7 @@ class Checkpointer:
             self._writer.submit(job)
         else:
             path = job()
-        distributed.barrier()
+        self.barrier()
         if not background:
             self.on_saved(path)
         return path
@@ -294,11 +295,11 @@ class Checkpointer:
         """Restore every part from a checkpoint folder or "latest" (a fresh start when there is none
         yet). Returns the restored TrainState, or None."""
         url = None
-        if (self.remote and spec == "latest") or storage.is_url(spec):  # from the store: one download per machine
+        if (self.remote and spec == "latest") or buckets.is_url(spec):  # from the store: one download per machine
             url = self.remote if spec == "latest" else spec
             if self.dist.local_rank == 0:
                 fetch_named(url, self.root)
-            distributed.barrier()
+            self.barrier()
             spec = spec if spec == "latest" else str(local_copy(url, self.root))
         path = resolve_checkpoint(spec, self.root)
         if path is None:
@@ -358,7 +359,7 @@ class Checkpointer:
                 f"{path} keeps its shards in the store ({missing[0]} is not on disk); resume with "
                 "training.checkpoint_dir set to that store's checkpoints folder, or from the checkpoint's URL"
             )
-        folder = url if local_copy(url, self.root) != self.root else storage.join(url, path.name)
+        folder = url if local_copy(url, self.root) != self.root else buckets.join(url, path.name)
         return store_shards(folder, meta)
 
     def _check_tokenizer(self, path: Path) -> None:

@@ -9,7 +9,7 @@
                                                     plain data only; loaded with weights_only=True
             rng.pt                                  torch CPU/CUDA generator states (tensors)
             train_state.json                        TrainState's counters, epoch, data position, schedule,
-                                                    Python/NumPy RNG (the schema: `train.state`)
+                                                    Python/NumPy RNG (the schema: `train_state`)
             sharded/                                per-rank files: RNG states, DCP shards, DeepSpeed's files
             meta.json                               format, kind, step, save sequence number, experiment
                                                     config, size and checksum of every file, checksum of itself
@@ -27,9 +27,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..files.folder_files import META, SHARDED_DIR  # the names the reading rule knows, defined with it
 from ..limits import parse_json
 from ..logs import log
-from .folder_files import META, SHARDED_DIR  # the names the reading rule knows, defined with it
 from .model_folder import CONFIG_NAME, WEIGHTS_NAME
 
 FORMAT_VERSION = 3  # of meta.json: 3 = XXH3 chunk checksums, 2 = CRC-32 chunks, 1 = sha256 per file

@@ -3,7 +3,7 @@
 A model folder holds `model.safetensors` and `model_config.json`; checkpoints, `best_model/` and
 `save_model_folder` all write it, so `eval`, `generate` and `export` take any of them, and
 `load_model_folder` reads it back (into `Transformer` or a subclass of it). The folder may be anyone's
-(`model.init_from`, a downloaded model): its files are read under `folder_files`' rule.
+(`model.init_from`, a downloaded model): its files are read under `files.folder_files`' rule.
 """
 
 from __future__ import annotations
@@ -19,15 +19,16 @@ from safetensors.torch import load_file, save_file
 
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..filesystem import with_default_mode
+from ..files.disk import with_default_mode
+from ..files.folder_files import refuse_unreadable
 from ..limits import check_model_memory, parse_json
 from ..model import Transformer
-from .folder_files import refuse_unreadable
 from .fused_projections import split_fused, split_fused_shapes
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "model_config.json"
 MODEL_CLASS = "model_class"  # written instead of the architecture for a model that is not our Transformer
+UNPADDED = 1  # vocab_pad_multiple of a model_config.json that does not name one
 TRANSFORMERS_CONFIG = "config.json"  # what makes a folder a transformers one (an export); ours never hold it
 # Parts that wrappers add to parameter names; they never reach a file. DDP's `module.` is added in front
 # only (a model's own submodule may be called `module`); the others stand wherever a wrapper does.
@@ -80,7 +81,19 @@ def _shape_problems(target: nn.Module, shapes: dict[str, tuple[int, ...]]) -> li
         elif name in shapes and tuple(shapes[name]) != shape:
             problems.append(f"{name}: file has {tuple(shapes[name])}, model has {shape}")
     problems += [f"unexpected {name}" for name in shapes if name not in expected]
-    return problems
+    return problems + _unpadded_vocabulary(target, shapes)
+
+
+def _unpadded_vocabulary(target: nn.Module, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The way out when the file holds exactly the real vocabulary's rows and the model is padded: weights
+    written before the vocabulary was padded (a checkpoint resumed with today's default)."""
+    config = getattr(target, "config", None)
+    if not isinstance(config, ModelConfig) or config.padded_vocab_size == config.vocab_size:
+        return []
+    rows = shapes.get("tok_emb.weight", (None,))[0]
+    if rows != config.vocab_size:
+        return []
+    return [f"its embedding has {rows} rows, unpadded: set model.vocab_pad_multiple: 1 to load it"]
 
 
 def _refuse_misfit(problems: list[str], source: str) -> None:
@@ -184,8 +197,10 @@ def read_model_config(directory: str | Path) -> ModelConfig:
         )
     # Only the architecture: a file cannot name a folder to load (init_from) or change how training runs.
     known = {f.name for f in dataclasses.fields(ModelConfig)} - set(ModelConfig.NOT_ARCHITECTURE)
+    # Folders written before the vocabulary was padded record no vocab_pad_multiple: exactly vocab_size rows.
+    settings = {"vocab_pad_multiple": UNPADDED, **{k: v for k, v in values.items() if k in known}}
     try:
-        config = ModelConfig(**{k: v for k, v in values.items() if k in known})
+        config = ModelConfig(**settings)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"{path}: {exc}; the model folder is corrupt") from None
     if config.vocab_size is not None:  # the whole model is built in this process: weigh it first

@@ -1,12 +1,12 @@
 """Writing a model folder into a path the user names (`export --output`, `consolidate --output`)
 without losing what is already there.
 
-Everything is built first in a temporary folder next to the target (`durable.temporary_folder`), so
+Everything is built first in a temporary folder next to the target (`files.atomic.temporary_folder`), so
 a failure (a full disk, a refused model) leaves the target as it was. An existing target is refused
 unless it is empty or `overwrite` is given; with `overwrite`, the files of the old folder that the
 new one does not write are carried into it (its other files are the user's: a README, a second
 tokenizer), except the weight files of another layout (a loader would read them instead of the new
-ones). Then the new folder takes the target's place as `best_model/` does (`durable.move_into_place`):
+ones). Then the new folder takes the target's place as `best_model/` does (`files.atomic.move_into_place`):
 one atomic exchange, so a kill at any instant leaves the old folder or the new one, whole. Leftovers
 of a killed run are cleaned (or the old folder put back) at the next one, and only those.
 
@@ -25,11 +25,12 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import storage
-from ..errors import UsageError
-from ..filesystem import disk_full, writable_folder
-from .checksums import file_checksum
-from .durable import first_line, move_into_place, remove_stale, temporary_folder
+from ..errors import UsageError, first_line
+from ..files import buckets
+from ..files.atomic import move_into_place, temporary_folder
+from ..files.checksums import file_checksum
+from ..files.disk import disk_full, writable_folder
+from .durable import remove_stale
 
 # Weight files of a model folder's other layouts: left beside new weights, a loader could read them instead.
 WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
@@ -103,17 +104,17 @@ def publish(
 
 
 # ----------------------------------------------------------------------------------------------
-# a target in a store (--output s3://...): the folder is built locally, then uploaded with `storage.put_folder`
+# a target in a store (--output s3://...): the folder is built locally, then uploaded with `buckets.put_folder`
 
 
 def _remote_names(url: str) -> list[str]:
     """Every file under the folder `url`, by its path inside it."""
-    return storage.files_under(url)
+    return buckets.files_under(url)
 
 
 def _record(url: str) -> dict:
     """The `files.json` an earlier upload of ours left in `url` ({} when there is none or it is not ours)."""
-    text = storage.read_text(storage.join(url, storage.FILES_RECORD))
+    text = buckets.read_text(buckets.join(url, buckets.FILES_RECORD))
     try:
         record = json.loads(text) if text is not None else {}
     except ValueError:
@@ -125,7 +126,7 @@ def check_remote_target(url: str, overwrite: bool) -> None:
     """Refuse, before any work, a target in a store that cannot be written, that holds files (without
     `overwrite`), or that holds files an earlier upload of ours did not write (those are never replaced
     nor deleted: the user's)."""
-    storage.check_writable(url, "--output")
+    buckets.check_writable(url, "--output")
     names = _remote_names(url)
     if not names:
         return
@@ -134,7 +135,7 @@ def check_remote_target(url: str, overwrite: bool) -> None:
             f"--output {url} holds files already; choose another folder, or pass --overwrite to replace "
             "what an earlier export wrote there"
         )
-    ours = set(_record(url)) | {storage.FILES_RECORD}
+    ours = set(_record(url)) | {buckets.FILES_RECORD}
     foreign = [name for name in names if name not in ours]
     if foreign:
         raise UsageError(
@@ -156,10 +157,10 @@ def publish_remote(folder: Path, url: str, *, marker: str) -> None:
     }
     present = set(_remote_names(url))
     if old:
-        storage.write_text(storage.join(url, storage.FILES_RECORD), json.dumps({**old, **new}, sort_keys=True))
+        buckets.write_text(buckets.join(url, buckets.FILES_RECORD), json.dumps({**old, **new}, sort_keys=True))
     if marker in old and marker in present:
-        storage.remove(storage.join(url, marker))  # the folder is incomplete until the new one, uploaded last
+        buckets.remove(buckets.join(url, marker))  # the folder is incomplete until the new one, uploaded last
     for name in old:
         if name not in new and name != marker and name in present:
-            storage.remove(storage.join(url, name))
-    storage.put_folder(folder, url, last=[marker] if (folder / marker).is_file() else [])
+            buckets.remove(buckets.join(url, name))
+    buckets.put_folder(folder, url, last=[marker] if (folder / marker).is_file() else [])

@@ -9,8 +9,8 @@ DCP's own reader unpickles `.metadata` with plain `pickle` and its planner `torc
 items without `weights_only`: a crafted folder would run code. So `SafeWriter` writes `.metadata`
 with `torch.save` (protocol 2, which torch's weights-only unpickler reads; the folder as a string,
 not a path object), and every load goes through `SafeReader` (`.metadata` read once, checked against
-meta.json, and unpickled by `safe_pickle` with exactly DCP's metadata records allowed; every data
-file under `folder_files`' rule) and `SafePlanner` (non-tensor items with `weights_only=True`).
+meta.json, and unpickled by `files.safe_pickle` with exactly DCP's metadata records allowed; every data
+file under `files.folder_files`' rule) and `SafePlanner` (non-tensor items with `weights_only=True`).
 A `.metadata` in DCP's own format (an FSDP checkpoint written before) is refused, not unpickled.
 
 Into a store (training.checkpoint_dir a URL), every rank writes its DCP files straight to the
@@ -53,17 +53,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .. import storage
 from ..config import ModelConfig
-from ..errors import CheckpointError
+from ..errors import CheckpointError, first_line
+from ..files import buckets
+from ..files.atomic import write_file
+from ..files.checksums import StreamChecksum, data_checksum
+from ..files.folder_files import SHARDED_DIR, FolderFiles
+from ..files.safe_pickle import DCP_METADATA, load_pickle
 from ..limits import check_dcp_items
-from .checksums import StreamChecksum, data_checksum
-from .durable import first_line, save_failure
-from .folder_files import SHARDED_DIR, FolderFiles
+from .durable import save_failure
 from .fused_projections import is_fused, split_fused, split_fused_shapes
 from .layout import STAGING
 from .model_folder import check_fits, clean_name, current_names
-from .safe_pickle import DCP_METADATA, load_pickle
 
 METADATA = ".metadata"  # DCP's index of the shards, inside `sharded/`
 
@@ -74,13 +75,7 @@ class SafeWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list) -> None:
         super().finish(metadata, results)  # fills in metadata.storage_data and storage_meta
-        target = Path(self.path) / METADATA
-        temporary = target.with_name(f"{METADATA}.tmp")
-        with open(temporary, "wb") as handle:
-            handle.write(_metadata_bytes(metadata))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, target)
+        write_file(Path(self.path) / METADATA, _metadata_bytes(metadata))
 
 
 def _metadata_bytes(metadata: Metadata) -> bytes:
@@ -100,7 +95,7 @@ def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 class SafeReader(FileSystemReader):
     """FileSystemReader whose `.metadata` is read once, checked against the checkpoint's meta.json and
     unpickled by torch's weights-only unpickler; every data file it names must be one the folder may
-    be read for (`folder_files`)."""
+    be read for (`files.folder_files`)."""
 
     def __init__(self, path: str, files: FolderFiles | None = None):
         super().__init__(path)
@@ -187,12 +182,12 @@ class _HashedWrites:
 
     def rm_file(self, path: Any) -> None:
         """Delete by name: fsspec's `rm` would expand `[`, `*` and `?` in the URL into other folders' files."""
-        storage.remove(os.fspath(path))
+        buckets.remove(os.fspath(path))
 
     def rename(self, path: Any, new_path: Any) -> None:
         """Copy, then delete, by name (fsspec's `mv` expands patterns as `rm` does; a store cannot rename)."""
-        storage.copy(os.fspath(path), os.fspath(new_path))
-        storage.remove(os.fspath(path))
+        buckets.copy(os.fspath(path), os.fspath(new_path))
+        buckets.remove(os.fspath(path))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -211,7 +206,7 @@ class StoreWriter(FsspecWriter):
     def finish(self, metadata: Metadata, results: list) -> None:
         super().finish(metadata, results)  # fills in metadata.storage_data (DCP's own .metadata, replaced now)
         data = _metadata_bytes(metadata)
-        storage.write_bytes(storage.join(self.url, METADATA), data)
+        buckets.write_bytes(buckets.join(self.url, METADATA), data)
         self.written.pop(f"{METADATA}.tmp", None)
         self.written[METADATA] = {"size": len(data), "checksum": data_checksum(data)}
 
@@ -224,8 +219,8 @@ class _CheckedReads:
         self._inner, self.url, self.files = inner, url, files
 
     def read(self, name: str) -> bytes:
-        url = storage.join(self.url, name)
-        data = storage.read_bytes(url)
+        url = buckets.join(self.url, name)
+        data = buckets.read_bytes(url)
         self.files.check(f"{SHARDED_DIR}/{name}", data, url)
         return data
 
@@ -260,7 +255,7 @@ class StoreReader(FsspecReader):
 
     @property
     def source(self) -> str:
-        return storage.join(self.url, METADATA)
+        return buckets.join(self.url, METADATA)
 
     def _listed_size(self, data_file: str) -> int:
         """The size meta.json records for `data_file` (its bytes are checked against it as they are read)."""
@@ -363,6 +358,15 @@ def _check_records(metadata: Metadata, state: dict, source: str) -> None:
         _check_tensor_record(metadata, fqn, record, tuple(value.size()), source)
 
 
+def _fewer_vocab_rows(fqn: str, size, shape: tuple[int, ...]) -> str:
+    """The way out when an embedding or head has fewer rows than this model's padded vocabulary: a
+    checkpoint written before the vocabulary was padded."""
+    vocab_rows = fqn.endswith(("tok_emb.weight", "lm_head.weight"))
+    if vocab_rows and len(size) == len(shape) == 2 and size[1] == shape[1] and size[0] < shape[0]:
+        return "; written with unpadded vocabulary rows? set model.vocab_pad_multiple: 1 to load it"
+    return ""
+
+
 def _check_tensor_record(
     metadata: Metadata, fqn: str, record: TensorStorageMetadata, shape: tuple[int, ...], source: str
 ) -> None:
@@ -370,7 +374,9 @@ def _check_tensor_record(
     if not isinstance(size, (tuple, list)) or not all(map(_is_count, size)):
         raise CheckpointError(f"{source} records {fqn} with a malformed shape ({size!r})")
     if tuple(size) != shape:
-        raise CheckpointError(f"{source} records {fqn} of shape {tuple(size)}, this model's is {shape}")
+        raise CheckpointError(
+            f"{source} records {fqn} of shape {tuple(size)}, this model's is {shape}{_fewer_vocab_rows(fqn, size, shape)}"
+        )
     if not isinstance(getattr(getattr(record, "properties", None), "dtype", None), torch.dtype):
         raise CheckpointError(f"{source} records {fqn} without a tensor type")
     if not isinstance(chunks, list):

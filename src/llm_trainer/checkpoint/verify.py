@@ -1,9 +1,9 @@
 """Checks of a checkpoint or model folder before anything in it is read: it may not be ours.
 
 A folder is read as untrusted (checksums prove integrity, not origin): meta.json is type-checked
-(a crafted meta.json is damage like any other), every file it names must pass `folder_files`' rule
+(a crafted meta.json is damage like any other), every file it names must pass `files.folder_files`' rule
 (a plain name, inside the folder, a regular file), and every file must have the size and checksum
-meta.json records (see `checksums`). Loading reads each file again under the same rule, and checks
+meta.json records (see `files.checksums`). Loading reads each file again under the same rule, and checks
 each pickle's checksum on the bytes it parses (`folder_files.FolderFiles`). A sharded checkpoint
 whose shards were written straight into a store names them in meta.json's "in_store": those that are
 not on disk are checked as they are read from the store instead.
@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .checksums import CRC32_TREE, XXH3_TREE, checksum_jobs, combine, meta_checksum, sha256_file, xxhash
-from .folder_files import path_problem, plain_name
+from ..files.checksums import CRC32_TREE, XXH3_TREE, checksum_jobs, combine, meta_checksum, sha256_file, xxhash
+from ..files.folder_files import path_problem, plain_name
 from .layout import FORMAT_VERSION, KINDS, META, OPTIMIZER_TENSORS, SHARDED_DIR, read_meta
 
 _verified: dict[str, tuple] = {}  # folder -> file signatures when it last verified, so resume hashes once

@@ -14,7 +14,7 @@ What differs is how they are computed:
   own: the context's last logits score them.
 - rows are batched by length, longest first, each batch padded on the right to its own longest
   (padding is masked out);
-- generation is greedy (or sampled, as the request asks) through `tools.generate`, with its KV cache,
+- generation is greedy (or sampled, as the request asks) through `llm_trainer.generate`, with its KV cache,
   stopping at the request's stop strings or its `max_gen_toks`.
 
 Under several processes lm-eval is shown one process: every rank receives every request, exactly as one
@@ -35,8 +35,8 @@ from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from ..errors import UsageError
+from ..generate import generate
 from ..model import KVCache, Transformer
-from ..tools.generate import generate
 from .lockstep import Lockstep
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf backend's default

@@ -33,7 +33,7 @@ def _rank_and_size() -> tuple[int, int]:
 
 class Lockstep:
     """`model` (ours: `forward` and `extend`), called in step with the other ranks. Other attributes are
-    the model's own (`config`, `parameters`, `eval`: what `tools.generate` reads)."""
+    the model's own (`config`, `parameters`, `eval`: what `llm_trainer.generate` reads)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model

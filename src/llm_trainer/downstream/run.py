@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
-from ..filesystem import writable_folder
+from ..files.disk import writable_folder
 from ..logs import warn
 from .tasks import load_tasks, quiet_lm_eval, require_lm_eval, sandboxed_templates, split_tasks, task_manager
 
@@ -143,8 +143,8 @@ def write_results(results: dict, path: str | Path) -> Path:
     failed write leaves what was there)."""
     from lm_eval.utils import handle_non_serializable
 
-    from ..checkpoint.durable import write_text_atomically
+    from ..files.atomic import write_text
 
     path = check_output(path)
-    write_text_atomically(path, json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
+    write_text(path, json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
     return path

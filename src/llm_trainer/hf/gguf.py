@@ -34,12 +34,12 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from .. import storage
-from ..checkpoint.durable import no_follow
 from ..checkpoint.model_folder import load_model_folder
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..filesystem import disk_full, new_file_mode, writable_folder
+from ..files import buckets
+from ..files.atomic import put_in_place
+from ..files.disk import disk_full, new_file_mode, no_follow, writable_folder
 from ..logs import log
 from ..tokenizer import EOT, pre_split_of
 from .interop import check_exportable, to_hf_state
@@ -286,8 +286,8 @@ def _write(path: Path, name: str, config: ModelConfig, state: dict[str, torch.Te
 def check_output(output, overwrite: bool) -> None:
     """Refuse, before any work, a target that is a folder, that exists (without `overwrite`), or whose
     folder cannot be written (a URL: that exists without `overwrite`)."""
-    if storage.is_url(output):
-        if storage.exists(str(output)) and not overwrite:
+    if buckets.is_url(output):
+        if buckets.exists(str(output)) and not overwrite:
             raise UsageError(f"{output} exists; choose another name or pass --overwrite to replace it")
         return
     output = Path(output)
@@ -309,7 +309,7 @@ def export_to_gguf(model_dir, output, *, tokenizer_file=None, dtype: str = "f32"
     if dtype not in DTYPES:
         raise UsageError(f"unknown GGUF dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     model_dir = Path(model_dir)
-    remote = str(output) if storage.is_url(output) else None
+    remote = str(output) if buckets.is_url(output) else None
     check_output(output, overwrite)
     backend, tokenizer_json = read_tokenizer_json(
         model_dir / "tokenizer.json" if tokenizer_file is None else tokenizer_file
@@ -332,9 +332,9 @@ def export_to_gguf(model_dir, output, *, tokenizer_file=None, dtype: str = "f32"
             with open(tmp, "rb+") as written:
                 os.fsync(written.fileno())  # on disk before the rename makes it the target
             if remote:
-                storage.upload(tmp, remote)
+                buckets.upload(tmp, remote)
             else:
-                os.replace(tmp, final)
+                put_in_place(tmp, final)
         except OSError as exc:
             reason = "disk full" if disk_full(exc, tmp.parent) else exc.strerror or str(exc)
             raise UsageError(f"could not write {output} ({reason}); nothing was replaced") from None

@@ -27,9 +27,9 @@ from ..checkpoint.model_folder import clean_name, load_model_folder, load_model_
 from ..checkpoint.publish import check_target, publish
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..filesystem import with_default_mode
+from ..files.buckets import is_url
+from ..files.disk import with_default_mode
 from ..model import Transformer
-from ..storage import is_url
 from ..tokenizer import EOT as EOT_TOKEN
 from ..tokenizer import backend_from_json, load_backend, tokenizer_json
 from .fast_tokenizer import require_transformers as _transformers
@@ -277,9 +277,29 @@ def _llama_pairs(config: ModelConfig):
     yield "norm.weight", "model.norm.weight"
 
 
+VOCAB_ROWS = ("tok_emb.weight", "lm_head.weight")  # our tensors with one row per token id
+
+
+def real_vocab_rows(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with the embedding and head cut to the real vocabulary: padding rows are never exported."""
+    return {k: v[: config.vocab_size] if k in VOCAB_ROWS else v for k, v in state.items()}
+
+
+def padded_vocab_rows(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (real rows only) with zero rows appended up to the model's padded vocabulary."""
+
+    def pad(tensor: torch.Tensor) -> torch.Tensor:
+        extra = config.padded_vocab_size - tensor.shape[0]
+        return torch.cat([tensor, tensor.new_zeros(extra, *tensor.shape[1:])]) if extra > 0 else tensor
+
+    return {k: pad(v) if k in VOCAB_ROWS else v for k, v in state.items()}
+
+
 def to_hf_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our state dict (with `lm_head.weight`, tied or not) -> the transformers model's names and layouts."""
+    """Our state dict (with `lm_head.weight`, tied or not) -> the transformers model's names and layouts,
+    the real vocabulary's rows only."""
     config = config.resolved()
+    state = real_vocab_rows(config, state)
     out: dict[str, torch.Tensor] = {}
     if config.architecture == "gpt2":
         for ours, theirs, conv in _gpt2_pairs(config):
@@ -293,7 +313,8 @@ def to_hf_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str
 
 
 def from_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A transformers GPT-2/LLaMA state dict -> our names and layouts (no `lm_head.weight` when tied)."""
+    """A transformers GPT-2/LLaMA state dict -> our names and layouts (no `lm_head.weight` when tied), the
+    embedding and head padded with zero rows to `config`'s padded vocabulary."""
     config = config.resolved()
     out: dict[str, torch.Tensor] = {}
     if config.architecture == "gpt2":
@@ -306,7 +327,7 @@ def from_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dic
         out.update({ours: hf_state[theirs] for ours, theirs in _llama_pairs(config)})
     if not config.tie_embeddings:
         out["lm_head.weight"] = hf_state["lm_head.weight"]
-    return out
+    return padded_vocab_rows(config, out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -477,7 +498,7 @@ def export_model(
         for weights in tmp.glob("*.safetensors"):
             with_default_mode(weights)
         card = _model_card(
-            output_dir.name, config, model_class.__name__, model.num_parameters(), metrics, tokenizer is not None
+            output_dir.name, config, model_class.__name__, hf_model.num_parameters(), metrics, tokenizer is not None
         )
         (tmp / "README.md").write_text(card)
 

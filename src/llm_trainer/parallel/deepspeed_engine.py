@@ -36,11 +36,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..checkpoint.folder_files import SHARDED_DIR, FolderFiles
-from ..checkpoint.safe_pickle import DEEPSPEED, load_pickle
 from ..config import TrainingConfig
 from ..config_aliases import one_message
 from ..errors import CheckpointError, UsageError
+from ..files.folder_files import SHARDED_DIR, FolderFiles
+from ..files.safe_pickle import DEEPSPEED, load_pickle
 from ..logs import log
 
 TAG = "deepspeed"  # DeepSpeed's tag folder inside the staging area; its files move into `sharded/`

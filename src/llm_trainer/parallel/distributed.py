@@ -15,10 +15,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .. import launcher
 from ..config import TrainingConfig
 from ..errors import UsageError
 from ..logs import warn
-from . import launcher
 from .mesh import resolve_layout, strategy_of
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import launcher
 from ..config import ModelConfig, TrainingConfig
 from ..errors import UsageError
-from . import launcher
 
 # Schedules that place several (virtual) stages on each pipeline rank: the layers split into 2 x degree stages.
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -127,6 +127,11 @@ def _check_strategy(training: TrainingConfig, tp: int, pp: int, cp: int) -> None
         raise UsageError(
             f"training.tensor_parallel_degree={tp} composes with FSDP2 only (DDP would sum the ranks' different "
             f"shards); set distributed_strategy: fsdp (or auto), or tensor_parallel_degree: 1"
+        )
+    if tp > 1 and training.float8:
+        raise UsageError(
+            f"training.float8 with tensor_parallel_degree={tp} is not available yet (its float8 layers need their "
+            "own tensor-parallel plan); use one of them"
         )
     if tp > 1 and training.eval_tasks:
         raise UsageError(

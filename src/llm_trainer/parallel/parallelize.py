@@ -1,6 +1,9 @@
 """Everything applied to the model from outside, in one place and one fixed order (torchtitan's):
 
-    0. tensor parallelism with sequence parallelism (`tensor_parallel`), over the mesh's `tp` dimension
+    0. float8 training (`training.float8`): the blocks' linear layers swapped for torchao's float8
+       ones (`float8`), before compile (which fuses their casts) and FSDP2 (which shards them); then
+       tensor parallelism with sequence parallelism (`tensor_parallel`), over the mesh's `tp` dimension
+       (the two are not combined: mesh.py refuses float8 with a tensor degree)
     1. activation checkpointing, per transformer block
     2. torch.compile, in place: the whole model with its loss (embeddings, blocks, final norm, the
        chunked head + cross-entropy: one graph, nothing left eager), or per transformer block under
@@ -30,11 +33,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from .. import launcher
 from ..config import TrainingConfig
 from ..errors import UsageError
 from ..logs import log
-from . import launcher
 from .distributed import DistInfo
+from .float8 import apply_float8, check_float8
 from .mesh import resolve_layout
 from .strategies import DDP, FSDP, DeepSpeed, Parallelism
 
@@ -154,8 +158,17 @@ def parallelize(
                 "model.attention_backend flex needs a head size of at least 16, got d_model/n_heads = "
                 f"{model_config.head_dim}; use fewer heads, a wider d_model, or attention_backend: sdpa"
             )
+    if config.float8:
+        check_float8(device)
+        if dist.strategy == "deepspeed":
+            raise UsageError(
+                "training.float8 runs under DDP or FSDP2, not deepspeed; use distributed_strategy ddp or fsdp"
+            )
     if dist.world_size > 1 and dist.strategy != "deepspeed":
         log(f"mesh: {resolve_layout(config, dist.world_size).describe()}")
+    if config.float8:
+        swapped = apply_float8(model)
+        log(f"float8: {len(swapped)} linear layers train in float8 (torchao); the head and embeddings do not")
     mesh = device_mesh(config, device) if dist.strategy == "fsdp" else None
     tp = mesh["tp"].size() if mesh is not None else 1
     if tp > 1:

@@ -1,3 +1,10 @@
-"""Tools around training, each usable alone: generate text, estimate memory and FLOPs, plot runs,
-find a learning rate, sweep hyperparameters, keep a model registry. They may use `train/`; the
-training loop never uses them."""
+"""Tools around training, each usable alone; they may use `train/`, the training loop never uses them:
+
+    estimate    `llm-trainer estimate`: parameters, FLOPs and memory of a run, as a report
+    lr_finder   the learning-rate range test (`llm-trainer lr-find`)
+    sweep       hyperparameter sweeps (`llm-trainer sweep`)
+    registry    a model registry (`llm-trainer registry`)
+    status      `llm-trainer status`: a run folder at a glance
+
+Text generation is `llm_trainer.generate` (beside the model), plots are `train.plots`.
+"""

@@ -27,11 +27,13 @@ from ..errors import UsageError
 from ..logs import Progress
 from ..parallel.distributed import DistInfo
 from ..parallel.strategies import Parallelism
+from ..pipeline import prepare_run
 from ..resolve import amp_dtype, resolve_amp
+from ..train.batch_size import auto_batch_size
 from ..train.batches import as_loader
 from ..train.optim import build_optimizer, set_learning_rate
+from ..train.plots import check_png_path
 from ..train.step import autocast, train_step
-from .plots import check_png_path
 
 
 @dataclass
@@ -44,7 +46,7 @@ class LRFinderResult:
     best_lr: float  # lr at the lowest smoothed loss (an upper bound: prefer the suggestion)
 
     def plot(self, path) -> Path:
-        from .plots import plot_lr_finder
+        from ..train.plots import plot_lr_finder
 
         return plot_lr_finder(self.lrs, self.losses, self.smoothed, self.suggested_lr, path)
 
@@ -180,12 +182,10 @@ def find_lr(
 def run_lr_finder(experiment, *, start_lr: float, end_lr: float, num_steps: int, plot_path=None) -> LRFinderResult:
     """What `llm-trainer lr-find` does: data, tokenizer and a freshly initialised model exactly as
     `train` would build them, then `find_lr`; writes only the plot (and the shared data cache)."""
-    from ..pipeline import prepare_run
-
     check_range(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps)  # before the data is prepared
     if plot_path is not None:
         check_png_path(plot_path, "the lr-find plot (--output)")
-    ready = prepare_run(experiment, local=True, meta=False)
+    ready = prepare_run(experiment, pick_batch_size=auto_batch_size, local=True, meta=False)
     run = ready.run
     model = ready.model
     train_loader, _ = ready.loaders()

@@ -26,10 +26,11 @@ from typing import Any
 
 import yaml
 
-from .. import storage
 from ..checkpoint.layout import CHECKPOINTS_DIR, LATEST, META, TRAIN_STATE, list_checkpoints
-from ..config import TrainingConfig, _yaml_load
+from ..config import TrainingConfig
+from ..config_loader import yaml_load
 from ..errors import UsageError
+from ..files import buckets
 from ..limits import parse_json
 from ..train.output_folder import METRICS_FILE
 from ..train.run_lock import lock_holder
@@ -40,18 +41,18 @@ LAST_ALERTS = 5  # alert rows shown (all are counted)
 
 @dataclass
 class RunFiles:
-    """Reads one run folder's files by name: a local folder, or a URL through `storage`."""
+    """Reads one run folder's files by name: a local folder, or a URL through `files.buckets`."""
 
     where: str
 
     @property
     def is_url(self) -> bool:
-        return storage.is_url(self.where)
+        return buckets.is_url(self.where)
 
     def text(self, *names: str) -> str | None:
         """The text of the file `names` joins to, or None when there is none (or it is unreadable)."""
         if self.is_url:
-            return storage.read_text(storage.join(self.where, *names))
+            return buckets.read_text(buckets.join(self.where, *names))
         path = Path(self.where).joinpath(*names)
         try:
             return path.read_text(encoding="utf-8", errors="replace") if path.is_file() else None
@@ -147,7 +148,7 @@ def _training_config(files: RunFiles) -> dict:
     if text is None:
         return {}
     try:
-        config = _yaml_load(text, "config.yaml")
+        config = yaml_load(text, "config.yaml")
     except (ValueError, yaml.YAMLError):  # a malformed config.yaml: the plan is unknown, the rest is shown
         return {}
     training = config.get("training") if isinstance(config, dict) else None
@@ -171,7 +172,7 @@ def _state(lock: dict, summary: dict | None, ended: dict | None) -> str:
 
 def run_status(run: str) -> dict:
     """Everything `llm-trainer status` shows, as plain data (what `--json` prints)."""
-    files = RunFiles(run.rstrip("/") if storage.is_url(run) else run)
+    files = RunFiles(run.rstrip("/") if buckets.is_url(run) else run)
     if not files.is_url and not Path(run).is_dir():
         raise UsageError(f"run folder {run} not found; pass a run's training.output_dir (a folder or a URL)")
     text = files.text(METRICS_FILE)

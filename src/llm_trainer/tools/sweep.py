@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import _yaml_load, load_experiment
+from ..config_loader import load_experiment, yaml_load
 from ..errors import UsageError
 from ..logs import log
 from ..train.callbacks import Callback
@@ -141,7 +141,7 @@ def load_search_space(path: str | Path) -> list[SearchParam]:
     if not path.is_file():
         raise UsageError(f"search space {path} not found")
     try:
-        data = _yaml_load(path.read_text(encoding="utf-8"))
+        data = yaml_load(path.read_text(encoding="utf-8"))
     except Exception as exc:
         raise UsageError(f"search space {path} could not be parsed: {str(exc).splitlines()[0]}") from None
     return parse_search_space(data, str(path))

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..data.loader import IGNORE_INDEX
+from ..data.batches.loader import IGNORE_INDEX
 from ..limits import check_skip_forward
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from ..data.loader import IGNORE_INDEX
+from ..data.batches.loader import IGNORE_INDEX
 from ..logs import Progress
 from ..model import Transformer
 
@@ -84,7 +84,7 @@ def evaluate(
 
     `reduce` (an in-place all-reduce) sums the totals over ranks when each rank evaluated its part.
     `progress`: show how far it has come (a bar on a terminal, lines in a log; see `logs.Progress`).
-    `sources` (`data.source_labels.SourceLabels` of this loader): also "source_losses", {source: val_loss}
+    `sources` (`data.batches.source_labels.SourceLabels` of this loader): also "source_losses", {source: val_loss}
     over the target tokens of each source's documents, from the same forward passes.
     """
     was_training = model.training

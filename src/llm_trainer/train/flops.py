@@ -69,7 +69,9 @@ def flops_per_token(model_config: ModelConfig, seq_len: int | None = None) -> fl
 
     * `N` = every parameter except embedding *lookups*: the token embedding is left out when it is
       untied, learned position embeddings always; the output head (d_model x vocab) stays in, since it
-      is a real matmul. For tied GPT-2 this equals nanoGPT's `get_num_params()` (124M model: 123.65M).
+      is a real matmul, padding rows included (`model.vocab_pad_multiple`: the head multiplies them,
+      its logits masked afterwards). For tied GPT-2 this equals nanoGPT's `get_num_params()` (its
+      50,304 padded rows, our default: 123.69M; unpadded 50,257 rows: 123.65M).
       Norm weights and biases are included (negligible).
     * 6 = 2 FLOPs per multiply-add x (1 forward + 2 backward).
     * The attention term counts QK^T and AV (2 matmuls of d_model x seq_len per token per layer, x 6

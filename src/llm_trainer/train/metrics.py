@@ -32,9 +32,10 @@ from typing import Protocol
 
 import torch
 
-from ..checkpoint.durable import no_follow, write_text_atomically
 from ..config import TrainingConfig
 from ..errors import UsageError
+from ..files.atomic import write_text
+from ..files.disk import no_follow
 from ..logs import is_main_process, log, warn
 from .rows import custom_row, row_kind
 
@@ -137,7 +138,7 @@ def _clean(path: Path, resumed_at: int | None) -> None:
     kept = "".join(line for line in complete.splitlines(keepends=True) if not _replayed(line, resumed_at))
     if kept != text:
         dropped = len(text.splitlines()) - len(kept.splitlines())
-        write_text_atomically(path, kept)
+        write_text(path, kept)
         log(
             f"metrics: {path} continues from step {resumed_at}: dropped {dropped} row(s) logged after it"
             if resumed_at is not None

@@ -25,12 +25,17 @@ import shutil
 import time
 from pathlib import Path
 
-from .. import storage
+import yaml
+
 from ..checkpoint import remote as remote_checkpoints
 from ..checkpoint.layout import BEST, CHECKPOINTS_DIR, LATEST, list_checkpoints
-from ..config import TrainingConfig
+from ..config import ExperimentConfig, TrainingConfig
 from ..errors import UsageError
+from ..files import buckets
+from ..files.atomic import put_in_place, write_text
 from ..logs import log, warn
+from ..tokenizer import TOKENIZER_FILE, Tokenizer
+from .callbacks import Callback
 from .metrics import tensorboard_dir
 from .profiling import PROFILE_DIR
 
@@ -53,10 +58,10 @@ def _checkpoint_entries(folder: Path) -> list[Path]:
 def run_traces(training: TrainingConfig) -> list[str]:
     """What of an earlier run lies in the folders `training` writes to: [] for a fresh folder."""
     if url := training.remote_output_dir:  # the store is the run folder; the staging folder is a copy of it
-        found = [METRICS_FILE] if storage.exists(storage.join(url, METRICS_FILE)) else []
+        found = [METRICS_FILE] if buckets.exists(buckets.join(url, METRICS_FILE)) else []
         remote = training.remote_checkpoint_dir
         if remote and remote_checkpoints.held_checkpoints(remote):
-            found.append(f"{CHECKPOINTS_DIR}/" if remote == storage.join(url, CHECKPOINTS_DIR) else f"{remote}/")
+            found.append(f"{CHECKPOINTS_DIR}/" if remote == buckets.join(url, CHECKPOINTS_DIR) else f"{remote}/")
         elif not remote and _checkpoint_entries(training.resolved_checkpoint_dir):  # a local checkpoint_dir
             found.append(f"{training.resolved_checkpoint_dir}/")
         return found
@@ -96,7 +101,7 @@ def check_output_folder(training: TrainingConfig, *, is_main: bool) -> None:
             f"output: {url}; the run is written in {training.local_output_dir} first and uploaded there at "
             "each checkpoint and at the end"
         )
-        storage.check_writable(url, "training.output_dir")  # a missing bucket is said now, naming the setting
+        buckets.check_writable(url, "training.output_dir")  # a missing bucket is said now, naming the setting
     if training.resume_from_checkpoint:
         if training.overwrite_output_dir:
             raise UsageError(
@@ -129,10 +134,10 @@ def clear_run_files(training: TrainingConfig) -> list[Path]:
     """Remove what a run writes (RUN_FILES, the checkpoints, the TensorBoard logs) from its folders;
     every other file stays. Returns what was removed (locally)."""
     if url := training.remote_output_dir:
-        names = [n for n in (*RUN_FILES, _tensorboard_name(training), storage.FILES_RECORD) if n]
-        removed = [n for n in names if storage.exists(storage.join(url, n))]
+        names = [n for n in (*RUN_FILES, _tensorboard_name(training), buckets.FILES_RECORD) if n]
+        removed = [n for n in names if buckets.exists(buckets.join(url, n))]
         for name in removed:
-            storage.remove(storage.join(url, name))
+            buckets.remove(buckets.join(url, name))
         if remote := training.remote_checkpoint_dir:
             removed += [f"{CHECKPOINTS_DIR}/{n}" for n in remote_checkpoints.remove_checkpoints(remote)]
         if removed:
@@ -202,7 +207,7 @@ def upload_run_files(training: TrainingConfig, uploaded: dict | None = None) -> 
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, target)
         copy.mkdir(parents=True, exist_ok=True)
-        return storage.put_folder(copy, url, unchanged=uploaded)
+        return buckets.put_folder(copy, url, unchanged=uploaded)
     finally:
         shutil.rmtree(copy, ignore_errors=True)
 
@@ -218,29 +223,29 @@ def fetch_run_files(training: TrainingConfig) -> None:
     assert url is not None, "only a URL output_dir is fetched"
     output.mkdir(parents=True, exist_ok=True)
     try:
-        record = storage.read_record(url)
-    except storage.UnverifiedFolder as exc:
+        record = buckets.read_record(url)
+    except buckets.UnverifiedFolder as exc:
         _keep_aside(url, str(exc))
         return
     if record is None:
-        if storage.exists(storage.join(url, METRICS_FILE)):  # uploaded, then cut short before its record
-            _keep_aside(url, f"{storage.join(url, METRICS_FILE)} has no {storage.FILES_RECORD} record")
+        if buckets.exists(buckets.join(url, METRICS_FILE)):  # uploaded, then cut short before its record
+            _keep_aside(url, f"{buckets.join(url, METRICS_FILE)} has no {buckets.FILES_RECORD} record")
         return
     if _continues(output / METRICS_FILE, record.get(METRICS_FILE)):
         return
     copy = output.parent / f".{output.name}.download"
     try:
         try:
-            if not storage.get_folder(url, copy):
+            if not buckets.get_folder(url, copy):
                 return
-        except storage.UnverifiedFolder as exc:
+        except buckets.UnverifiedFolder as exc:
             _keep_aside(url, str(exc))
             return
         for path in sorted(copy.rglob("*")):
             target = output / path.relative_to(copy)
             if path.is_file() and (not target.exists() or target == output / METRICS_FILE):
                 target.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(path, target)  # this run's own files (its config.yaml) stay
+                put_in_place(path, target)  # this run's own files (its config.yaml) stay
         log(f"resume: downloaded the run's files from {url} into {output}")
     finally:
         shutil.rmtree(copy, ignore_errors=True)
@@ -249,7 +254,7 @@ def fetch_run_files(training: TrainingConfig) -> None:
 def _continues(local: Path, stored: tuple[int, str] | None) -> bool:
     """Whether the local metrics.jsonl holds the store's (`stored`: its size and checksum) as its start:
     the store's rows and maybe the rows this machine wrote since. False when there is no local file."""
-    from ..checkpoint.checksums import checksum_jobs, combine
+    from ..files.checksums import checksum_jobs, combine
 
     if not local.is_file():
         return False
@@ -262,14 +267,27 @@ def _continues(local: Path, stored: tuple[int, str] | None) -> bool:
 def _keep_aside(url: str, why: str) -> None:
     """Copy the store's metrics.jsonl and files.json into a new `unverified-<time>/` folder beside them,
     before this run uploads its own: a history that could not be checked is never overwritten unseen."""
-    aside = storage.join(url, f"unverified-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}")
+    aside = buckets.join(url, f"unverified-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}")
     kept = []
-    for name in (METRICS_FILE, storage.FILES_RECORD):
-        if storage.exists(storage.join(url, name)):
-            storage.copy(storage.join(url, name), storage.join(aside, name))
+    for name in (METRICS_FILE, buckets.FILES_RECORD):
+        if buckets.exists(buckets.join(url, name)):
+            buckets.copy(buckets.join(url, name), buckets.join(aside, name))
             kept.append(name)
     warn(
         f"the run's files in {url} could not be verified ({why}); "
         + (f"kept {' and '.join(kept)} aside in {aside}; " if kept else "")
         + "this run's metrics.jsonl replaces it in the store"
     )
+
+
+class RunFilesAtStart(Callback):
+    """The run's config.yaml and tokenizer.json, written when the loop starts: after a resume has been
+    accepted, so a refused one (another model shape, another tokenizer) leaves the folder as it was."""
+
+    def __init__(self, output: Path, experiment: ExperimentConfig, tokenizer: Tokenizer):
+        self.output, self.experiment, self.tokenizer = output, experiment, tokenizer
+
+    def on_train_begin(self, trainer) -> None:
+        if trainer.dist.is_main:
+            write_text(self.output / "config.yaml", yaml.safe_dump(self.experiment.to_dict(), sort_keys=False))
+            write_text(self.output / TOKENIZER_FILE, self.tokenizer.to_json())

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import UsageError
-from ..filesystem import lock_exclusive
+from ..files.disk import lock_exclusive
 
 LOCK_FILE = ".lock"
 _held: dict[str, list[int]] = {}  # resolved folder -> [descriptor, depth]

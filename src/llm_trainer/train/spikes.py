@@ -29,7 +29,7 @@ import torch
 
 from ..checkpoint.find import resolve_checkpoint
 from ..config import TrainingConfig
-from ..data.loader import merged_ranges
+from ..data.batches.loader import merged_ranges
 from ..errors import UsageError
 from ..logs import log
 

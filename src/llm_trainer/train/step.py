@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data.loader import IGNORE_INDEX
+from ..data.batches.loader import IGNORE_INDEX
 from ..parallel.distributed import all_reduce_
 from ..parallel.strategies import Parallelism
 from .evaluate import batch_nll

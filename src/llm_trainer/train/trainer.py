@@ -27,17 +27,19 @@ import torch.nn as nn
 
 from .. import config_aliases
 from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.train_state import TrainState
 from ..config import TrainingConfig
 from ..downstream import during_training as downstream
 from ..errors import TrainingStopped, UsageError
 from ..logs import Progress, log, shows_progress_bar, warnings_once
 from ..parallel import attention_kernel
-from ..parallel.distributed import all_reduce_
+from ..parallel.distributed import all_reduce_, barrier
 from ..parallel.parallelize import parallelize
-from ..pipeline import build_trainer  # the pipeline takes the Trainer class as an argument, never imports it
+from ..pipeline import experiment_from, prepare_run
 from ..resolve import ResolvedRun, native_bf16, resolve_for_model, seed_everything
 from ..tokenizer import tokenizer_json
 from .alerts import Alerter, StallWatchdog, ThroughputWatch
+from .batch_size import auto_batch_size
 from .batches import as_loader
 from .callbacks import Callback
 from .evaluate import evaluate
@@ -45,13 +47,13 @@ from .flops import flops_per_token, peak_flops
 from .layer_stats import LayerStats
 from .metrics import MetricsTracker, tensorboard_dir
 from .optim import build_optimizer, learning_rate_at, set_learning_rate
-from .output_folder import fetch_run_files, upload_run_files
+from .output_folder import RunFilesAtStart, fetch_run_files, upload_run_files
+from .plots import PlotsAtEnd
 from .profiling import StepProfiler, out_of_memory
 from .rows import EvalRow, SummaryRow, TrainRow, downstream_row
 from .run_lock import lock_run_folders
 from .speed import PhaseTimer, SpeedMonitor
 from .spikes import SpikeMonitor, check_rewindable, rewind
-from .state import TrainState
 from .step import NonFiniteSteps, autocast, train_step
 from .stop import StopControl
 
@@ -150,6 +152,7 @@ class Trainer:
             periodic=bool(config.save_steps),
             on_saved=self._on_saved,
             remote=config.remote_checkpoint_dir,
+            barrier=barrier,
         )
         self.total_steps: int | None = config.max_steps  # with the data: from the epochs when max_steps is unset
         self.train_loader = self.val_loader = None
@@ -159,9 +162,27 @@ class Trainer:
 
     @classmethod
     def from_config(cls, model_config, training_config=None, data_config=None, *, callbacks: Iterable[Callback] = ()):
-        """The whole pipeline for this (sub)class: prepare the data, size the vocabulary, build the model
-        and loaders. Takes the three configs, an `ExperimentConfig`, or a config file's path."""
-        return build_trainer(model_config, training_config, data_config, callbacks=callbacks, trainer_class=cls)
+        """The one way from a config to a Trainer (`api.train`, `api.build_trainer` and the CLI come
+        here): `pipeline.prepare_run` (resolve, data, vocabulary, model), then this (sub)class with the
+        loaders. Takes the three configs, an `ExperimentConfig`, or a config file's path. The run
+        writes its config.yaml and tokenizer into the output folder as the loop starts, and its plots
+        when it ends."""
+        ready = prepare_run(
+            experiment_from(model_config, training_config, data_config), pick_batch_size=auto_batch_size
+        )
+        run, tokenizer = ready.run, ready.prepared.tokenizer
+        train_loader, val_loader = ready.loaders()
+        output = run.training.local_output_dir
+        return cls(
+            ready.model,
+            run.training,
+            train_dataloader=train_loader,
+            val_dataloader=val_loader,
+            tokenizer=tokenizer,
+            callbacks=[RunFilesAtStart(output, run.experiment, tokenizer), *callbacks, PlotsAtEnd(output)],
+            run=run,
+            experiment_config={**run.config_dict(), "data_fingerprint": ready.prepared.manifest["fingerprint"]},
+        )
 
     @property
     def current_step(self) -> int:

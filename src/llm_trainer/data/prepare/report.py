@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..logs import log
-from .filters import Removal
-from .packing import _pieces, first_fit_decreasing
+from ...logs import log
+from ..batches.packing import document_pieces, first_fit_decreasing
+from ..text.filters import Removal
 
 if TYPE_CHECKING:
-    from .sources import SourceStats
+    from ..text.sources import SourceStats
 
 REPORT = "data_report.json"
 NAMED_REMOVALS = 20  # removed documents named per reason in data_report.json
@@ -110,7 +110,7 @@ def padding_fractions(offsets: np.ndarray, length: int) -> dict[str, float]:
     if total == 0:
         return {"greedy": 0.0, "first_fit": 0.0, "unpacked": 0.0}
     capacity = length + 1
-    pieces = _pieces(offsets, capacity)
+    pieces = document_pieces(offsets, capacity)
     first_fit_rows = len(first_fit_decreasing(pieces, capacity))
     return {
         "greedy": 0.0,

@@ -1,6 +1,6 @@
 """What the operating system's file layer tells us, decided once: whether a failed write means a
 full disk, whether a folder can be written, an exclusive lock on an open file that dies with its
-process, and the mode new files get."""
+process, the mode new files get, and an opener that follows no symlink."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import IO
 
-from .errors import UsageError
+from ..errors import UsageError
 
 # Errors of a write that found no room: the disk is full, or the user's quota is spent.
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
@@ -110,3 +110,9 @@ def with_default_mode(path: str | Path) -> None:
     other files (0644 under the usual umask) are not: copied to another user, the weights alone would
     be unreadable."""
     os.chmod(path, new_file_mode())
+
+
+def no_follow(path: str, flags: int) -> int:
+    """An `open(..., opener=no_follow)` that refuses a symlink planted at the path (files we write in
+    an output folder must not be redirected elsewhere)."""
+    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)

@@ -1,4 +1,4 @@
-"""Run the two datatrove stages of `data.cluster` on `data.executor` (local, Slurm or Ray): the
+"""Run the two datatrove stages of `data.prepare.cluster` on `data.executor` (local, Slurm or Ray): the
 driver that `prepare_data` calls, which plans the tasks, submits or runs them, waits, and reports a
 failed task with its file and the command that resumes."""
 
@@ -17,13 +17,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DataConfig
-from ..errors import UsageError
-from ..logs import log
-from ..tokenizer import Tokenizer
-from .build import MANIFEST, PreparedData, _Build
+from ...config import DataConfig
+from ...errors import UsageError
+from ...files.atomic import write_file
+from ...logs import log
+from ...tokenizer import Tokenizer
+from ..format import MANIFEST, PreparedData
+from ..text.sources import SourceStats, file_units, only_files
+from .build import Build
 from .cluster import PARTS, PLAN, STAGES, Plan, PlanFile, TaskFailed, tasks_folder
-from .sources import SourceStats, file_units, only_files
 
 
 def _plan(config: DataConfig, fingerprint: str, work: Path, directory: Path, tasks_dir: Path, dtype) -> PlanFile:
@@ -239,7 +241,7 @@ def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, dire
     only_files(config)
     tasks_dir = _task_folder(config, fingerprint)
     _check_ray_address(config)
-    tokenizer = _Build(config, fingerprint, work, directory)._tokenizer()  # once, before any task, in `work`
+    tokenizer = Build(config, fingerprint, work, directory).tokenizer()  # once, before any task, in `work`
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     plan_file = _plan(config, fingerprint, work, directory, tasks_dir, dtype)
     log(
@@ -273,7 +275,7 @@ def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, dire
     seconds["total"] = time.perf_counter() - started
     if "prepare" in seconds:
         seconds["merge"] = seconds["total"] - seconds["prepare"]
-    (tasks_dir / "seconds.json").write_text(json.dumps({k: round(v, 3) for k, v in seconds.items()}))
+    write_file(tasks_dir / "seconds.json", json.dumps({k: round(v, 3) for k, v in seconds.items()}).encode())
     for stage in STAGES:
         shutil.rmtree(tasks_dir / stage / "completions", ignore_errors=True)
     shutil.rmtree(tasks_dir / PARTS, ignore_errors=True)
@@ -358,7 +360,7 @@ def _task_progress(stage: str, completions: Path, tasks: int, enabled: bool) -> 
         return
     import threading
 
-    from ..logs import Progress
+    from ...logs import Progress
 
     stop = threading.Event()
     bar = Progress(tasks, f"data: {stage} stage", "tasks", enabled=enabled)
@@ -442,13 +444,13 @@ def _run_slurm(per_file, merging, tasks_dir: Path, manifest: Path, poll: float =
             merging.run()  # submits the per-file array job first (its dependency), then the merge job
     except subprocess.CalledProcessError as exc:
         jobs = [str(j) for j in (per_file.job_id, merging.job_id) if j not in (None, -1)]
-        submitted.write_text(json.dumps(jobs))  # the next command waits for these before submitting
+        write_file(submitted, json.dumps(jobs).encode())  # the next command waits for these before submitting
         raise TaskFailed(
             f"executor slurm: sbatch failed (exit status {exc.returncode}, its message above); the jobs "
             f"submitted before it: {', '.join(jobs) or 'none'}; run {_resume_command()} again once it is fixed"
         ) from None
     jobs = [str(j) for j in (per_file.job_id, merging.job_id) if j not in (None, -1)]
-    submitted.write_text(json.dumps(jobs))
+    write_file(submitted, json.dumps(jobs).encode())
     log(f"data: submitted Slurm job(s) {', '.join(jobs) or '(none: all tasks were complete)'}")
     while not manifest.is_file():
         queued = _queued(jobs)

@@ -25,34 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
+from ...files.atomic import write_file
+
 SPLITS = ("train", "val")
 SHARDS = "shards"
 _COPY_BUFFER = 16 * 2**20
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: Path, write, mode: str = "wb") -> None:
-    """Write through `write(handle)` into a temporary file, fsync it, then replace `path` atomically."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, mode) as handle:
-        write(handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
 def _save_npy(path: Path, array: np.ndarray) -> None:
-    _write_durably(path, lambda handle: np.save(handle, array))
+    write_file(path, lambda handle: np.save(handle, array))
 
 
 class ShardWriter:
@@ -167,8 +148,7 @@ class ShardWriter:
             "splits": self.pending,
             "state": state,
         }
-        _write_durably(self._name("json"), lambda handle: json.dump(record, handle), mode="w")
-        _fsync_dir(self.folder)
+        write_file(self._name("json"), json.dumps(record).encode())
         for split in SPLITS:
             for key in ("documents", "tokens"):
                 self.totals[split][key] += self.pending[split][key]
@@ -189,17 +169,16 @@ class ShardWriter:
 
     # -- the final layout -------------------------------------------------------------------------
 
+    def _join(self, split: str, joined) -> None:
+        """Copy the committed shards' tokens of `split` one after the other into the open file `joined`."""
+        for k in range(self.index):
+            with open(self.folder / f"{k:05d}.{split}.bin", "rb") as part:
+                shutil.copyfileobj(part, joined, _COPY_BUFFER)
+
     def finalize(self, out: Path) -> dict:
         """Concatenate the committed shards into {split}.bin, {split}.idx.npy, {split}.sources.npy in `out`."""
         for split in SPLITS:
-            target = out / f"{split}.bin"
-            with open(target.with_name(target.name + ".tmp"), "wb") as joined:
-                for k in range(self.index):
-                    with open(self.folder / f"{k:05d}.{split}.bin", "rb") as part:
-                        shutil.copyfileobj(part, joined, _COPY_BUFFER)
-                joined.flush()
-                os.fsync(joined.fileno())
-            os.replace(target.with_name(target.name + ".tmp"), target)
+            write_file(out / f"{split}.bin", lambda joined, split=split: self._join(split, joined))
             lengths = [np.load(self.folder / f"{k:05d}.{split}.len.npy") for k in range(self.index)]
             offsets = np.concatenate([[0], np.cumsum(_concat(lengths, np.int64))]).astype(np.int64)
             _save_npy(out / f"{split}.idx.npy", offsets)

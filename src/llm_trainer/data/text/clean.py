@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from ..config import DataConfig
-from ..tokenizer import EOT
+from ...config import DataConfig
+from ...tokenizer import EOT
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # C0/C1 except \t \n (and \r, unified before)
 _CONTROL_BYTES = bytes([*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F])  # the ASCII part of _CONTROL

@@ -32,7 +32,6 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
-import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,10 +40,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import storage
-from ..checkpoint.checksums import CHECKSUM, data_checksum
-from ..errors import UsageError
-from .build import PreparedData
+from ...errors import UsageError
+from ...files import buckets
+from ...files.atomic import dead_writer, write_cache_file, write_file
+from ...files.checksums import CHECKSUM, data_checksum
+from ..format import PreparedData
 
 CHUNKS = "train.chunks.json"  # the chunk record of train.bin, uploaded with the prepared folder
 CHUNK_FOLDER = "train.chunks"  # the chunks that have arrived, in the local prepared folder
@@ -87,9 +87,7 @@ def write_chunk_record(directory: Path) -> None:
         for _ in range(0, size, chunk):
             sums.append(data_checksum(handle.read(chunk)))
     record = {"file": "train.bin", "size": size, "chunk_bytes": chunk, "checksum": CHECKSUM, "chunks": sums}
-    tmp = directory / f".{CHUNKS}.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, directory / CHUNKS)
+    write_file(directory / CHUNKS, json.dumps(record).encode())
 
 
 def chunk_record_problem(record: object, manifest: dict) -> str | None:
@@ -180,8 +178,8 @@ class ChunkedTokens:
                     "raise data.stream_cache_limit"
                 )
             folder.mkdir(parents=True, exist_ok=True)
-            for partial in folder.glob(".*.tmp"):  # a partial write of a process that died
-                if not _alive(partial.name.split(".")[2]):
+            for partial in folder.glob(".*.tmp-*"):  # a partial write of a process that died
+                if dead_writer(partial.name):
                     partial.unlink(missing_ok=True)
 
     @property
@@ -268,7 +266,7 @@ class ChunkedTokens:
             return None
         if data.nbytes != min(self.chunk_bytes, self.size - c * self.chunk_bytes):
             return None
-        storage.touch(self._path(c))
+        buckets.touch(self._path(c))
         return data
 
     def _fetch(self, c: int) -> np.ndarray:
@@ -280,7 +278,7 @@ class ChunkedTokens:
             expected = self.record["chunks"][c]
             what = f"streaming chunk {c} (bytes {start}-{end})"
             for attempt in range(2):
-                data = storage.read_bytes(self.url, start, end, what=what)
+                data = buckets.read_bytes(self.url, start, end, what=what)
                 if len(data) == end - start and data_checksum(data, self.record["checksum"]) == expected:
                     break
                 if attempt == 1:
@@ -302,9 +300,7 @@ class ChunkedTokens:
             self._make_room(len(data))
             self._reserved += len(data)
         try:
-            tmp = self.folder / f".{c:08d}.{os.getpid()}.{threading.get_ident()}.tmp"
-            tmp.write_bytes(data)
-            os.replace(tmp, self._path(c))
+            write_cache_file(self._path(c), data)
         finally:
             with self._lock:
                 self._reserved -= len(data)
@@ -345,17 +341,6 @@ def _mapped(path: Path, dtype: np.dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def _alive(pid: str) -> bool:
-    """Whether the process `pid` (a partial chunk's writer, which may share the cache folder) still runs."""
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @dataclass
 class StreamedData(PreparedData):
     """A prepared folder with a chunk record: its training tokens are `ChunkedTokens` (streamed from
@@ -372,7 +357,7 @@ class StreamedData(PreparedData):
         return ChunkedTokens(
             record,
             self.manifest["dtype"],
-            url=storage.join(self.remote, "train.bin"),
+            url=buckets.join(self.remote, "train.bin"),
             folder=self.directory / CHUNK_FOLDER,
             budget=self.budget,
             whole=whole if whole.is_file() else None,

@@ -2,7 +2,7 @@
 
 Each step calls the function the in-process prepare calls for that stage: `iter_unit` (the readers),
 `DocumentProcessor` (cleaning, quality filters, exact-dedup key, MinHash signature), `encode` (the
-tokenizer) and `_Build` (dedup decisions, split, shards, report) in the merge. A document removed by a
+tokenizer) and `Build` (dedup decisions, split, shards, report) in the merge. A document removed by a
 filter is not dropped from the datatrove stream: it is carried to the part writer with its reason, so
 the merge can count and name it as the in-process report does.
 """
@@ -21,11 +21,11 @@ from datatrove.data import Document, DocumentsPipeline
 from datatrove.executor import SlurmPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 
-from ..config import DataConfig
-from ..tokenizer import Tokenizer
+from ...config import DataConfig
+from ...tokenizer import Tokenizer
+from ..text.sources import SourceStats, iter_unit
+from .build import BATCH, TOKENIZE_THREADS, ordered
 from .cluster import (
-    _BATCH,
-    _TOKENIZE_THREADS,
     PartWriter,
     PlanFile,
     clear_error,
@@ -34,8 +34,7 @@ from .cluster import (
     tokenized_rows,
     write_error,
 )
-from .process import DocumentProcessor, encode
-from .sources import SourceStats, iter_unit
+from .workers import DocumentProcessor, encode
 
 _END = "end_of_source"  # a marker document: the task read the last of its files of this source
 _current: dict = {}  # the file the reader of this process is in, named when a task fails
@@ -127,7 +126,7 @@ class ProcessDocuments(PipelineStep):
                 yield document
                 continue
             batch.append(document)
-            if len(batch) == _BATCH:
+            if len(batch) == BATCH:
                 yield from flush()
         if batch:
             yield from flush()
@@ -150,8 +149,6 @@ class WriteParts(PipelineStep):
         yield from ()
 
     def _write(self, data: DocumentsPipeline, rank: int, world_size: int) -> None:
-        from .build import _ordered
-
         tasks_dir = self.plan_file.tasks_dir
         clear_error(tasks_dir, "prepare", rank)
         _current["file"] = None
@@ -162,7 +159,7 @@ class WriteParts(PipelineStep):
             dtype = np.dtype(plan.dtype)
             writer = PartWriter(part_folder(tasks_dir, rank), dtype, self.config.deduplication == "near")
             seen: dict[int, set[int]] = {}
-            with ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize") as pool:
+            with ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize") as pool:
 
                 def submit(item):
                     if item[0] == "end":
@@ -172,7 +169,7 @@ class WriteParts(PipelineStep):
                     return pool.submit(encode, tokenizer, [cleaned[i] for i in rows], dtype)
 
                 items = self._batches(data, seen)
-                for item, encoded in _ordered(items, submit, _TOKENIZE_THREADS + 1):
+                for item, encoded in ordered(items, submit, TOKENIZE_THREADS + 1):
                     if item[0] == "end":
                         writer.end_source(item[1], item[2])
                         continue

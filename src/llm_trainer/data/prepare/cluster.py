@@ -10,8 +10,8 @@ Two stages, each a datatrove pipeline whose steps call the functions the in-proc
   merge stage (one task):  MergeParts
       Replays the documents of all parts in the order the in-process prepare reads them (each source's
       files in order, sources mixed by `interleave` with the same seed), decides duplicates, the split
-      and `max_documents` with the same `_decide`, and writes shards, token files, manifest and
-      data_report.json with the same `_Build`. So the prepared folder is the one the in-process prepare
+      and `max_documents` with the same `decide`, and writes shards, token files, manifest and
+      data_report.json with the same `Build`. So the prepared folder is the one the in-process prepare
       writes, for any number of tasks and any executor (only timings differ).
 
 The tokenizer is built once, before the tasks, by the same `_build_tokenizer` (BPE: on the first
@@ -45,13 +45,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DataConfig
-from ..errors import UsageError
-from .dedup import MinHasher
-from .filters import FILTERS, Removal
-from .mixture import interleave
-from .process import Processed
-from .sources import (
+from ...config import DataConfig
+from ...errors import UsageError
+from ...files.atomic import write_file
+from ..text.dedup import MinHasher
+from ..text.filters import FILTERS, Removal
+from ..text.mixture import interleave
+from ..text.sources import (
     BadInput,
     Document,
     FileUnit,
@@ -59,6 +59,7 @@ from .sources import (
     empty_source,
     resolved_sources,
 )
+from .workers import Processed
 
 PLAN = "plan.json"
 PARTS = "parts"
@@ -66,8 +67,6 @@ STAGES = ("prepare", "merge")
 # One record per document read, in a part: its UTF-8 size, its tokens (-1: not tokenized, it cannot be
 # kept), exact-dedup key, curriculum score (NaN: none) and the filter that removed it (-1: none).
 RECORD = np.dtype([("nbytes", "<i8"), ("tokens", "<i8"), ("key", "<u8"), ("score", "<f8"), ("reason", "<i1")])
-_BATCH = 256  # documents per batch, as in the in-process prepare
-_TOKENIZE_THREADS = 2
 
 
 class TaskFailed(RuntimeError):
@@ -125,9 +124,7 @@ class Plan:
 
     def save(self, path: Path) -> PlanFile:
         raw = json.dumps(self.record()).encode()
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(raw)
-        os.replace(tmp, path)
+        write_file(path, raw)
         return PlanFile(str(path), hashlib.sha256(raw).hexdigest())
 
     def ranges(self) -> list[tuple[int, int]]:
@@ -244,9 +241,7 @@ class PartWriter:
                 os.fsync(handle.fileno())
                 handle.close()
         done = {"sources": {str(s): info for s, info in self.sources.items()}}
-        tmp = self.folder / "done.json.tmp"
-        tmp.write_text(json.dumps(done))
-        os.replace(tmp, self.folder / "done.json")
+        write_file(self.folder / "done.json", json.dumps(done).encode())
 
 
 def tokenized_rows(result: Processed, deduplication: str, seen: set[int] | None) -> list[int]:
@@ -281,7 +276,7 @@ def write_error(tasks_dir: Path, stage: str, rank: int, tasks: int, file: str | 
         "type": type(exc).__name__,
         "usage": isinstance(exc, UsageError),
     }
-    (folder / f"{rank:05d}.json").write_text(json.dumps(record))
+    write_file(folder / f"{rank:05d}.json", json.dumps(record).encode())
 
 
 def clear_error(tasks_dir: Path, stage: str, rank: int) -> None:
@@ -344,14 +339,11 @@ def _part_records(folder: Path, source: int, name: str, count: int, dtype, num_p
 
 
 def _merge_build():
-    from .build import _BATCH as BATCH
-    from .build import _batched, _Build, _decide
+    from .build import BATCH, Build, batched, decide
     from .shards import SHARDS, SPLITS
 
-    assert BATCH == _BATCH
-
-    class MergeBuild(_Build):
-        """`_Build` whose document stream is the parts of the per-file stage instead of the readers."""
+    class MergeBuild(Build):
+        """`Build` whose document stream is the parts of the per-file stage instead of the readers."""
 
         def __init__(self, config: DataConfig, plan: Plan, tasks_dir: Path):
             super().__init__(config, plan.fingerprint, Path(plan.work), Path(plan.directory))
@@ -413,12 +405,12 @@ def _merge_build():
             batches: list[list[_Record]] = []
 
             def processed():
-                for i, batch in enumerate(_batched(records, _BATCH)):
+                for i, batch in enumerate(batched(records, BATCH)):
                     batches[:] = [batch]
-                    yield (i * _BATCH, [r.document for r in batch]), self._processed(batch)
+                    yield (i * BATCH, [r.document for r in batch]), self._processed(batch)
 
             writer.start()
-            for decided in _decide(self.config, processed(), dedup, None, 0):
+            for decided in decide(self.config, processed(), dedup, None, 0):
                 batch = batches[0]
                 order = [i for s in SPLITS for i, split in zip(decided.kept, decided.kept_splits) if split == s]
                 pieces = []

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import DataConfig
-from ..tokenizer import Tokenizer
-from .clean import Cleaner
-from .dedup import MinHasher, exact_key
-from .filters import QualityFilter, Removal
+from ...config import DataConfig
+from ...tokenizer import Tokenizer
+from ..text.clean import Cleaner
+from ..text.dedup import MinHasher, exact_key
+from ..text.filters import QualityFilter, Removal
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def _pieces(offsets: np.ndarray, capacity: int) -> np.ndarray:
+def document_pieces(offsets: np.ndarray, capacity: int) -> np.ndarray:
     """Cut documents longer than `capacity` into capacity-sized pieces; (N, 2) [start, end) pairs."""
     out = []
     for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):

@@ -20,11 +20,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.durable import write_bytes_atomically
 from ..errors import UsageError
-from ..filesystem import writable_folder
+from ..files.atomic import write_bytes
+from ..files.disk import writable_folder
 from ..logs import log, warn
-from ..train.rows import row_kind
+from .callbacks import Callback
+from .rows import row_kind
 
 FIGURES = ("loss", "perplexity", "lr")
 AXES = {"steps": ("step", "optimizer step"), "tokens": ("tokens_seen", "tokens seen")}
@@ -190,6 +191,18 @@ def plot_runs(run_dirs, output_dir, *, labels: list[str] | None = None, strict: 
         return {}
 
 
+class PlotsAtEnd(Callback):
+    """PNG plots of the run's metrics.jsonl into `{output_dir}/plots` when training ends (rank 0); a
+    plot never fails a finished run (`plot_runs` warns instead of raising)."""
+
+    def __init__(self, output: Path):
+        self.output = output
+
+    def on_train_end(self, trainer, metrics: dict) -> None:
+        if trainer.dist.is_main:
+            plot_runs([self.output], self.output / "plots")
+
+
 def plot_lr_finder(lrs, losses, smoothed, suggested: float | None, path) -> Path:
     """Loss (raw and smoothed) against the learning rate on a log axis, the suggestion marked."""
     try:
@@ -238,7 +251,7 @@ def _save_png(fig, path: Path) -> None:
     """The figure as a PNG file, replaced atomically (a symlink planted at `path` is replaced, not followed)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
-    write_bytes_atomically(path, buffer.getvalue())
+    write_bytes(path, buffer.getvalue())
 
 
 def _disambiguate(runs: list[RunSeries], dirs: list[Path]) -> None:

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..config import DataConfig
+from ...config import DataConfig
 from .unicode_text import letter_count, mean_word_length, words
 
 PRESETS: dict[str, dict[str, float | int]] = {

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import UsageError
-from ..logs import warn
-from ..model import KVCache, Transformer
+from .errors import UsageError
+from .logs import warn
+from .model import KVCache, Transformer
 
 
 def check_sampling(*, max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:

@@ -1,8 +1,8 @@
 """The real peak memory of a few training steps, to check `estimate_memory` against.
 
-    python -m llm_trainer.tools.memory_probe '{"model": {...}, "training": {...}, "seq_len": 128}'
+    python -m llm_trainer.train.memory_probe '{"model": {...}, "training": {...}, "seq_len": 128}'
 
-prints one JSON line: {"peak_bytes", "device", "baseline_bytes"}. `tools.estimate.measure_peak` runs it in a fresh
+prints one JSON line: {"peak_bytes", "device", "baseline_bytes"}. `train.batch_size.measure_peak` runs it in a fresh
 process, so nothing an earlier measurement allocated (or a test before it) is counted.
 
 What is measured: the Trainer's own loop (`Trainer.train`, `max_steps` steps on random tokens),
@@ -39,8 +39,8 @@ def _probe(spec: dict) -> dict:
 
     from ..config import ModelConfig, TrainingConfig
     from ..model import Transformer
-    from ..train.callbacks import Callback
-    from ..train.trainer import Trainer
+    from .callbacks import Callback
+    from .trainer import Trainer
 
     torch.set_num_threads(1)
     model_config = ModelConfig(**spec["model"])

@@ -40,11 +40,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from ..config import DataConfig, SourceConfig
-from ..errors import UsageError
-from ..hf.hub import hub_unreachable, offline_mode_set
-from ..limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
-from ..storage import fetch_file, identity, is_url, list_files
+from ...config import DataConfig, SourceConfig
+from ...errors import UsageError
+from ...files.buckets import fetch_file, identity, is_url, list_files
+from ...hf.hub import hub_unreachable, offline_mode_set
+from ...limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
 from .filters import QualityFilter
 
 BUILTIN_STDLIB = "python-stdlib"

@@ -28,7 +28,7 @@ import hashlib
 
 import numpy as np
 
-from ..config import DataConfig
+from ...config import DataConfig
 
 _WS = b" \t\n\r\x0b\x0c"
 _U64 = np.uint64

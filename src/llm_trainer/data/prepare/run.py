@@ -1,7 +1,8 @@
-"""`prepare_data`: the prepared folder for a DataConfig, found, downloaded or built (its layout and
-stages: `data.build`). One prepare per folder at a time; `data.executor` builds it with a datatrove
-pipeline (`data.cluster`) instead of in this process; a `data.cache_dir` URL is prepared locally and
-uploaded (`storage`), and its training tokens are streamed from there (`data.stream`)."""
+"""`prepare_data`: the prepared folder for a DataConfig, found, downloaded or built (its files:
+`data.format`; its stages: `data.prepare.build`). One prepare per folder at a time; `data.executor`
+builds it with a datatrove pipeline (`data.prepare.cluster`) instead of in this process; a
+`data.cache_dir` URL is prepared locally and uploaded (`storage`), and its training tokens are
+streamed from there (`data.batches.stream`)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,18 @@ import re
 import shutil
 from pathlib import Path
 
-from .. import storage
-from ..config import DataConfig
-from ..errors import UsageError
-from ..filesystem import disk_full, lock_exclusive
-from ..logs import log
-from ..storage import is_url
-from ..tokenizer import Tokenizer
-from .build import FORMAT_VERSION, MANIFEST, PreparedData, _Build, _fingerprint, manifest_problem
-from .clean import clean_text
+from ...config import DataConfig
+from ...errors import UsageError
+from ...files import buckets
+from ...files.buckets import is_url
+from ...files.disk import disk_full, lock_exclusive
+from ...logs import log
+from ...tokenizer import Tokenizer
+from ..batches.stream import CHUNK_FOLDER, CHUNKS, StreamedData, chunk_record_problem, write_chunk_record
+from ..format import MANIFEST, PreparedData, manifest_problem
+from .build import Build, data_fingerprint
 from .executors import prepare_with_executor
-from .filters import FILTERS
 from .shards import SHARDS
-from .stream import CHUNK_FOLDER, CHUNKS, StreamedData, chunk_record_problem, write_chunk_record
 
 
 @contextlib.contextmanager
@@ -90,17 +90,17 @@ def fetch_validation(url: str, fingerprint: str, root: Path) -> PreparedData | N
     found = find_prepared(root, fingerprint)
     if found is not None:
         return found
-    remote = storage.join(url, fingerprint)
-    skip = [name for name in storage.children(remote) if name not in EVAL_SPLIT_FILES]
+    remote = buckets.join(url, fingerprint)
+    skip = [name for name in buckets.children(remote) if name not in EVAL_SPLIT_FILES]
     root.mkdir(parents=True, exist_ok=True)
-    if not storage.get_folder(remote, root / fingerprint, last=[MANIFEST], skip=skip):
+    if not buckets.get_folder(remote, root / fingerprint, last=[MANIFEST], skip=skip):
         return None
     log(f"data: downloaded the validation split of {remote} into {root / fingerprint}")
     return find_prepared(root, fingerprint)
 
 
 def prepare_data(config: DataConfig) -> PreparedData:
-    """Build (or reuse, or resume) the token files for `config`; see the module docstring for the layout."""
+    """Build (or reuse, or resume) the token files for `config` (the folder's files: `data.format`)."""
     config.check_source()
     if is_url(config.cache_dir):
         return _prepare_in_store(config)
@@ -110,36 +110,36 @@ def prepare_data(config: DataConfig) -> PreparedData:
 def _prepare_in_store(config: DataConfig) -> PreparedData:
     """`data.cache_dir` is a URL: the prepared folder `{cache_dir}/{fingerprint}/` is downloaded (every file
     checksummed on arrival) into `{stream_cache_dir}/prepared/{the URL's name}/`, except its training tokens,
-    which stream in chunks (`data.stream`); or it is prepared there and uploaded, with a chunk record, its
+    which stream in chunks (`data.batches.stream`); or it is prepared there and uploaded, with a chunk record, its
     manifest last. The local copies are bounded by `stream_cache_limit`, least recently used evicted.
     A folder uploaded without a chunk record (an earlier version) is downloaded whole."""
     cache, limit = Path(config.stream_cache_dir), config.stream_cache_limit
-    fingerprint = _fingerprint(config)
-    remote = storage.join(config.cache_dir, fingerprint)
+    fingerprint = data_fingerprint(config)
+    remote = buckets.join(config.cache_dir, fingerprint)
     directory = config.local_cache_dir / fingerprint
-    if (directory / MANIFEST).is_file() and storage.mark_in_use(directory) and (directory / MANIFEST).is_file():
-        storage.touch(directory)
+    if (directory / MANIFEST).is_file() and buckets.mark_in_use(directory) and (directory / MANIFEST).is_file():
+        buckets.touch(directory)
         return _open(directory, remote, cache, limit)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    room = lambda size: storage.make_room(cache, size, limit)  # noqa: E731
-    streamed = storage.exists(storage.join(remote, CHUNKS))
-    if storage.get_folder(remote, directory, last=[MANIFEST], room=room, skip=["train.bin"] if streamed else []):
+    room = lambda size: buckets.make_room(cache, size, limit)  # noqa: E731
+    streamed = buckets.exists(buckets.join(remote, CHUNKS))
+    if buckets.get_folder(remote, directory, last=[MANIFEST], room=room, skip=["train.bin"] if streamed else []):
         log(f"data: downloaded {remote} into {directory}" + (", its training tokens stream" if streamed else ""))
-        storage.mark_in_use(directory)
+        buckets.mark_in_use(directory)
         return _open(directory, remote, cache, limit)
-    storage.check_writable(config.cache_dir, "data.cache_dir")
+    buckets.check_writable(config.cache_dir, "data.cache_dir")
     _prepare_here(config, directory.parent)
     write_chunk_record(directory)
-    storage.put_folder(directory, remote, last=[MANIFEST])
+    buckets.put_folder(directory, remote, last=[MANIFEST])
     log(f"data: uploaded {directory} to {remote}")
-    storage.mark_in_use(directory)  # after the upload: the mark is no file of the folder's
-    storage.make_room(cache, 0, limit, keep=[directory])
+    buckets.mark_in_use(directory)  # after the upload: the mark is no file of the folder's
+    buckets.make_room(cache, 0, limit, keep=[directory])
     return _open(directory, remote, cache, limit)
 
 
 def _damaged(directory: Path, origin: str | None, name: str) -> str:
     """The damaged file named as the user knows it: in the store when it came from one, else locally."""
-    where = f"{storage.join(origin, name)} (copied to {directory})" if origin else str(directory / name)
+    where = f"{buckets.join(origin, name)} (copied to {directory})" if origin else str(directory / name)
     return f"the prepared data's {where}"
 
 
@@ -167,14 +167,14 @@ def _open(directory: Path, remote: str, cache: Path, limit: int) -> PreparedData
     if problem is not None:
         raise UsageError(f"{_damaged(directory, remote, CHUNKS)}: it {problem}; {_refetch(directory, remote)}")
     chunks = directory / CHUNK_FOLDER
-    others = storage.folder_size(cache) - (storage.folder_size(chunks) if chunks.is_dir() else 0)
+    others = buckets.folder_size(cache) - (buckets.folder_size(chunks) if chunks.is_dir() else 0)
     return StreamedData(prepared.directory, prepared.tokenizer, prepared.manifest, remote=remote, budget=limit - others)
 
 
 def _prepare_here(config: DataConfig, cache_root: Path) -> PreparedData:
     if cache_root.exists() and not cache_root.is_dir():
         raise UsageError(f"data.cache_dir {cache_root} is a file; point data.cache_dir at a folder")
-    fingerprint = _fingerprint(config)
+    fingerprint = data_fingerprint(config)
     directory = cache_root / fingerprint
     if (directory / MANIFEST).is_file():
         return _load(directory)
@@ -203,13 +203,10 @@ def _prepare(config: DataConfig, fingerprint: str, work: Path, directory: Path) 
         if config.executor is not None:  # a datatrove pipeline; finished tasks are kept whatever happens
             return prepare_with_executor(config, fingerprint, work, directory)
         try:
-            return _Build(config, fingerprint, work, directory).run()
+            return Build(config, fingerprint, work, directory).run()
         except (KeyboardInterrupt, SystemExit):
             log(f"data: interrupted; the next prepare with this config resumes from the shards in {work}")
             raise
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
-
-
-__all__ = ["PreparedData", "prepare_data", "find_prepared", "clean_text", "MANIFEST", "FORMAT_VERSION", "FILTERS"]

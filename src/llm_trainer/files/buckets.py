@@ -31,8 +31,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .errors import StoreFull, UsageError
-from .logs import warn
+from ..errors import StoreFull, UsageError, first_line
+from ..limits import parse_json
+from ..logs import warn
+from .atomic import move_into_place, put_in_place, temporary_folder
+from .checksums import file_checksum
+from .disk import lock_exclusive, lock_shared
+from .folder_files import plain_name
 
 T = TypeVar("T")
 
@@ -81,13 +86,8 @@ def _filesystem(url: str):
         scheme = url.split("://", 1)[0]
         extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}.get(scheme)
         fix = f"pip install 'llm-trainer[{extra}]'" if extra else f"install the fsspec package for {scheme}://"
-        raise UsageError(f"cannot open {url} ({_first_line(exc)}); {fix}") from None
+        raise UsageError(f"cannot open {url} ({first_line(exc)}); {fix}") from None
     return fs, path
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:200] if text else type(exc).__name__
 
 
 def _unreachable(exc: BaseException) -> bool:
@@ -147,7 +147,7 @@ def _full_is_said(what: str, url: str, fn: Callable[[], T]) -> Callable[[], T]:
             if not _store_full(exc):
                 raise
             raise StoreFull(
-                f"{what}: the store refused {url} for lack of space or quota ({_first_line(exc)}); free space "
+                f"{what}: the store refused {url} for lack of space or quota ({first_line(exc)}); free space "
                 "in the bucket or raise its quota (a run goes on from its last checkpoint with resume_from_checkpoint=latest)"
             ) from None
 
@@ -175,18 +175,18 @@ def call(what: str, url: str, fn: Callable[[], T]) -> T:
             raise UsageError(f"{what}: {url} does not exist in its store; fix the URL") from None
         except PermissionError as exc:
             raise UsageError(
-                f"{what}: access to {url} was denied ({_first_line(exc)}); check the store's credentials "
+                f"{what}: access to {url} was denied ({first_line(exc)}); check the store's credentials "
                 "(environment variables or config file) and the bucket's permissions"
             ) from None
         except Exception as exc:
             if not _unreachable(exc):
-                raise UsageError(f"{what}: {url} failed ({type(exc).__name__}: {_first_line(exc)})") from None
+                raise UsageError(f"{what}: {url} failed ({type(exc).__name__}: {first_line(exc)})") from None
             if attempt == tries:
                 raise UsageError(
-                    f"{what}: cannot reach the store for {url} ({_first_line(exc)}); check the endpoint "
+                    f"{what}: cannot reach the store for {url} ({first_line(exc)}); check the endpoint "
                     f"({_endpoint_setting(url)}) and the network, then run again"
                 ) from None
-            warn(f"{what}: the store for {url} cannot be reached ({_first_line(exc)}); trying again in {wait:g} s")
+            warn(f"{what}: the store for {url} cannot be reached ({first_line(exc)}); trying again in {wait:g} s")
             time.sleep(wait)
             wait *= 2
     raise AssertionError("unreachable")
@@ -368,7 +368,7 @@ def fetch_file(url: str, info: dict, cache: Path) -> Path:
     partial = folder / f".{name}.partial-{os.getpid()}"
     fs, path = _filesystem(url)
     call("downloading", url, lambda: fs.get_file(path, str(partial)))
-    os.replace(partial, local)
+    put_in_place(partial, local)
     return local
 
 
@@ -388,7 +388,6 @@ def put_folder(
     The last file is the commit marker: a reader that finds it finds every other file complete. A
     crash part-way leaves no marker, and the folder is not taken as complete.
     """
-    from .checkpoint.checksums import file_checksum
 
     last = list(last)
     files = sorted(p for p in local.rglob("*") if p.is_file() and not p.is_symlink())
@@ -414,8 +413,6 @@ def read_record(url: str) -> dict[str, tuple[int, str]] | None:
     """The `files.json` of the folder `url` as {path inside it: (size, checksum)}; None when there is
     none. An `UnverifiedFolder` error when it is not a record we could have written: not JSON, a size
     that is not a whole number of bytes, a path outside the folder, or a path both a file and a folder."""
-    from .checkpoint.folder_files import plain_name
-    from .limits import parse_json
 
     where = join(url, FILES_RECORD)
     text = read_text(where)
@@ -454,12 +451,12 @@ def get_folder(
     room: Callable[[int], None] | None = None,
     skip: Iterable[str] = (),
 ) -> bool:
-    """Download the folder `url` that `put_folder` wrote into `local` (made atomically: a temporary
-    folder renamed into place), each file checked against its recorded size and checksum. False when
+    """Download the folder `url` that `put_folder` wrote into `local` (filled as a temporary
+    folder, then moved into place), each file checked against its recorded size and checksum. False when
     the folder is not complete in the store (no record or no commit marker); an `UnverifiedFolder`
     error when its record is damaged or a file does not match it. `room(bytes)` is called before the
-    download starts, to make room for it. Files named in `skip` stay in the store (read from there later)."""
-    from .checkpoint.checksums import file_checksum
+    download starts, to make room for it. Files named in `skip` stay in the store (read from there later).
+    An older copy at `local` is replaced in one atomic exchange (`atomic.move_into_place`)."""
 
     entries = read_record(url)
     if entries is None:
@@ -469,7 +466,7 @@ def get_folder(
     entries = {name: entry for name, entry in entries.items() if name not in set(skip)}
     if room is not None:
         room(sum(size for size, _ in entries.values()))
-    tmp = local.with_name(f".{local.name}.download-{os.getpid()}")
+    tmp = temporary_folder(local)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         for name, (size, checksum) in entries.items():
@@ -482,9 +479,7 @@ def get_folder(
                     f"{join(url, name)} does not match its recorded checksum (damaged in the store or in transit); "
                     "prepare or save it again"
                 )
-        if local.exists():
-            shutil.rmtree(local)
-        os.replace(tmp, local)
+        move_into_place(tmp, local)  # an older copy swapped out: never a moment without a whole one
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return True
@@ -493,7 +488,6 @@ def get_folder(
 def fetch_tree(url: str, cache: Path) -> Path:
     """The folder `url` (a model folder) as a local copy under `cache`: checked against its `files.json`
     when it has one (we uploaded it), else every file below it, each a plain name (no path outside)."""
-    from .checkpoint.folder_files import plain_name
 
     local = cache / mirror_name(url)
     local.parent.mkdir(parents=True, exist_ok=True)
@@ -504,7 +498,7 @@ def fetch_tree(url: str, cache: Path) -> Path:
         raise UsageError(f"{url} holds no files; point model.init_from at a model folder")
     if clash := _file_and_folder(name for _, name in names):
         raise UsageError(f"{join(url, clash)} is both an object and a folder in the store; refusing the folder")
-    tmp = local.with_name(f".{local.name}.download-{os.getpid()}")
+    tmp = temporary_folder(local)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         for file_url, name in names:
@@ -514,9 +508,7 @@ def fetch_tree(url: str, cache: Path) -> Path:
             target.parent.mkdir(parents=True, exist_ok=True)
             fs, path = _filesystem(file_url)
             call("downloading", file_url, lambda fs=fs, path=path, target=target: fs.get_file(path, str(target)))
-        if local.exists():
-            shutil.rmtree(local)
-        os.replace(tmp, local)
+        move_into_place(tmp, local)  # an older copy swapped out: never a moment without a whole one
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return local
@@ -533,7 +525,6 @@ _in_use: dict[Path, object] = {}  # this process's marks (their locks end with t
 def mark_in_use(folder: Path) -> bool:
     """Mark the cache folder `folder` as used by this process until it ends, so that no process evicts
     it meanwhile (`make_room`); False when the folder is gone (evicted before the mark was taken)."""
-    from .filesystem import lock_shared
 
     folder = Path(folder).resolve()
     if folder in _in_use:
@@ -550,7 +541,6 @@ def mark_in_use(folder: Path) -> bool:
 def _evict(entry: Path) -> bool:
     """Remove the cache entry `entry` unless a live process marked it in use (`mark_in_use`): its mark is
     taken exclusively while the entry is removed, so no process can mark it half-removed."""
-    from .filesystem import lock_exclusive
 
     if not entry.is_dir():
         entry.unlink(missing_ok=True)

@@ -1,8 +1,9 @@
 """What the launcher (torchrun, SLURM through torchrun, DeepSpeed's launcher) told this process.
 
 The one place that reads RANK / LOCAL_RANK / WORLD_SIZE. Logging asks it whether this process is
-rank 0, and `distributed.setup` builds its `DistInfo` from it, so both always agree. No torch import:
-data-preparation workers use the logger too.
+rank 0, and `parallel.distributed.setup` builds its `DistInfo` from it, so both always agree. It sits
+on the ground floor beside `logs` and imports nothing (no torch: data-preparation workers use the
+logger too).
 """
 
 from __future__ import annotations

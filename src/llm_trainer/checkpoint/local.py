@@ -1,13 +1,14 @@
-"""Saving, loading and rotating checkpoint folders (their files: `layout`).
+"""Saving, loading and rotating checkpoint folders on this machine's disk (their files: `layout`; the same
+checkpoints in a store: `remote`).
 
 Writing (`durable.write_folder_atomically`): every part goes into a hidden temporary folder, meta.json
-(with each file's size and checksum, see `checksums`) last, then the folder is renamed into place
+(with each file's size and checksum, see `files.checksums`) last, then the folder is renamed into place
 and `latest` replaced. A crash, a kill -9 or a full disk at any point leaves every earlier checkpoint
 untouched.
 
-Reading: a folder is verified first (`verify`); every file is read under `folder_files`' rule, each
+Reading: a folder is verified first (`verify`); every file is read under `files.folder_files`' rule, each
 pickle once into memory, checked against meta.json on those bytes and parsed by torch's weights-only
-unpickler (`safe_pickle`), so no pickled code runs; DeepSpeed's own files are read the same way
+unpickler (`files.safe_pickle`), so no pickled code runs; DeepSpeed's own files are read the same way
 (`parallel.deepspeed_engine`). Format 1 checkpoints (the whole optimizer state in optimizer.pt) still load.
 """
 
@@ -21,21 +22,15 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
-from ..filesystem import with_default_mode
+from ..errors import CheckpointError, UsageError, first_line
+from ..files.atomic import remove_folder, write_text
+from ..files.disk import with_default_mode
+from ..files.folder_files import FolderFiles
+from ..files.safe_pickle import load_pickle
 from ..logs import log
 from ..tokenizer import TOKENIZER_FILE
-from .durable import (
-    Writer,
-    first_line,
-    owner,
-    remove_stale,
-    text_writer,
-    write_folder_atomically,
-    write_text_atomically,
-)
+from .durable import Writer, remove_stale, text_writer, write_folder_atomically
 from .find import named_latest, newest_first, next_sequence
-from .folder_files import FolderFiles
 from .layout import (
     BEST,
     BEST_KIND,
@@ -51,7 +46,6 @@ from .layout import (
     checkpoint_name,
 )
 from .model_folder import WEIGHTS_NAME, save_model_folder, write_model_config
-from .safe_pickle import load_pickle
 from .tensors import join_tensors, split_tensors
 from .verify import verify_once
 
@@ -115,7 +109,10 @@ def save_checkpoint(
         **(extra_meta or {}),
     }
     path = write_folder_atomically(root / checkpoint_name(step), writers, meta, in_store)
-    write_text_atomically(root / LATEST, path.name)
+    try:
+        write_text(root / LATEST, path.name)
+    except UsageError as exc:  # the new checkpoint is complete, and found by `latest` as the newest
+        raise CheckpointError(f"{exc}, and the checkpoints are intact") from None
     return path
 
 
@@ -143,8 +140,8 @@ def load_checkpoint(
     """Every part of a checkpoint, verified first; tensors through safetensors or torch.load(weights_only=True).
 
     Each pickle and JSON file is read once into memory, checked against meta.json's size and checksum
-    on those bytes and parsed from them (`folder_files`); pickles only by torch's weights-only
-    unpickler (`safe_pickle`). The safetensors files (tensors only) are memory-mapped. Model tensors
+    on those bytes and parsed from them (`files.folder_files`); pickles only by torch's weights-only
+    unpickler (`files.safe_pickle`). The safetensors files (tensors only) are memory-mapped. Model tensors
     are read on the CPU and optimizer tensors are mapped to `map_location`, so a checkpoint written on
     a GPU loads on a CPU-only machine. `rank`: this process's rank, whose own RNG file in `sharded/`
     stands in for rng.pt. The parts read are those its kind holds; a folder of no known kind is read
@@ -206,8 +203,8 @@ def load_checkpoint(
 def rotate(root: Path, keep_last: int | None, protect: set[str]) -> None:
     """Delete all but the newest `keep_last` checkpoints, never one named in `protect` (the best, the new one).
 
-    A folder is renamed to a hidden name before it is deleted, so a crash mid-delete never leaves a
-    half-deleted folder that looks like a checkpoint.
+    A folder is renamed to a hidden name before it is deleted (`atomic.remove_folder`), so a crash
+    mid-delete never leaves a half-deleted folder that looks like a checkpoint.
     """
     if keep_last is None:
         return
@@ -215,10 +212,5 @@ def rotate(root: Path, keep_last: int | None, protect: set[str]) -> None:
     for path in newest_first(root, named_latest(root))[keep_last:]:
         if path.name in protect:
             continue
-        doomed = root / f".del-{path.name}-{owner()}"
-        try:
-            path.rename(doomed)
-        except OSError:
-            continue
-        shutil.rmtree(doomed, ignore_errors=True)
-        log(f"checkpoint: removed {path.name} (save_total_limit={keep_last})")
+        if remove_folder(path):
+            log(f"checkpoint: removed {path.name} (save_total_limit={keep_last})")

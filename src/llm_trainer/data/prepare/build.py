@@ -1,11 +1,5 @@
-"""`prepare`: sources -> cleaned, filtered, deduplicated, tokenized shards -> memory-mapped token files.
-
-Output folder `{cache_dir}/{fingerprint}/`:
-  train.bin / val.bin          every document's tokens followed by end-of-text, uint16 or uint32
-  train.idx.npy / val.idx.npy  int64 offsets: document i is tokens[idx[i]:idx[i+1]]
-  train.sources.npy / ...      int16 per document: its source, an index into manifest["source_names"]
-  train.scores.npy / ...       per-document curriculum scores (when curriculum_key names a column)
-  tokenizer.json, data_report.json, manifest.json (written last: its presence marks a complete folder)
+"""The build engine of `prepare`: sources -> cleaned, filtered, deduplicated, tokenized shards ->
+memory-mapped token files, in the prepared folder `{cache_dir}/{fingerprint}/` (its files: `data.format`).
 
 The stages stream, so memory stays flat as the corpus grows:
   read + mix (main) -> clean, filter, dedup keys (main, or worker processes) -> dedup decision and
@@ -38,24 +32,22 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DataConfig
-from ..errors import UsageError
-from ..logs import log
-from ..tokenizer import Tokenizer
-from .dedup import Deduplicator
-from .filters import QualityFilter
-from .mixture import interleave
-from .process import DocumentProcessor, Processed, encode, worker_encode, worker_init, worker_process
+from ...config import DataConfig
+from ...errors import UsageError
+from ...files.atomic import move_into_place
+from ...logs import log
+from ...tokenizer import Tokenizer
+from ..format import FORMAT_VERSION, MANIFEST, PreparedData
+from ..text.dedup import Deduplicator
+from ..text.filters import QualityFilter
+from ..text.mixture import interleave
+from ..text.sources import Document, SourceStats, iter_source, resolved_sources, source_fingerprint
 from .report import Counts, Progress, build_report, nothing_kept, padding_fractions, print_summary, write_report
 from .shards import SHARDS, SPLITS, ShardWriter
-from .sources import Document, SourceStats, iter_source, resolved_sources, source_fingerprint
+from .workers import DocumentProcessor, Processed, encode, worker_encode, worker_init, worker_process
 
-# 6: an executor's tasks tokenize the cleaned text (folders an executor wrote from raw text are not reused)
-# 5: a fraction split takes each source's own fraction of its documents
-FORMAT_VERSION = 6
-MANIFEST = "manifest.json"
-_BATCH = 256  # raw documents per pipeline batch
-_TOKENIZE_THREADS = 2
+BATCH = 256  # raw documents per pipeline batch
+TOKENIZE_THREADS = 2
 # Settings that change how the work is done or how the loader reads it, not what prepare writes.
 _NOT_FINGERPRINTED = (
     "preprocessing_num_workers",
@@ -81,55 +73,7 @@ _NOT_FINGERPRINTED = (
 )
 
 
-TOKEN_DTYPES = ("uint16", "uint32")  # what a prepared folder's token files may hold
-
-
-def manifest_problem(manifest: object) -> str | None:
-    """What makes `manifest` (a prepared folder's, which may come from a bucket) unusable, or None: the
-    fields every reader of the folder relies on, checked once where the folder is opened."""
-    if not isinstance(manifest, dict):
-        return "is not a JSON object"
-    splits = manifest.get("splits")
-    if not isinstance(splits, dict) or not all(
-        isinstance(splits.get(name), dict) and type(splits[name].get("tokens")) is int and splits[name]["tokens"] >= 0
-        for name in ("train", "val")
-    ):
-        return "has no `splits` with the token counts of train and val"
-    if manifest.get("dtype") not in TOKEN_DTYPES:
-        return f"has dtype {manifest.get('dtype')!r}, not one of {', '.join(TOKEN_DTYPES)}"
-    return None
-
-
-@dataclass
-class PreparedData:
-    directory: Path
-    tokenizer: Tokenizer
-    manifest: dict
-
-    def tokens(self, split: str) -> np.memmap:
-        if self.manifest["splits"][split]["tokens"] == 0:  # an empty file cannot be memory-mapped
-            return np.zeros(0, dtype=self.manifest["dtype"])
-        return np.memmap(self.directory / f"{split}.bin", dtype=self.manifest["dtype"], mode="r")
-
-    def offsets(self, split: str) -> np.ndarray:
-        return np.load(self.directory / f"{split}.idx.npy")
-
-    def sources(self, split: str) -> list[str]:
-        """The source name of each document of the split."""
-        names = self.manifest["source_names"]
-        return [names[i] for i in self.source_ids(split).tolist()]
-
-    def source_ids(self, split: str) -> np.ndarray:
-        """The source of each document of the split, as an index into manifest["source_names"]."""
-        return np.load(self.directory / f"{split}.sources.npy")
-
-    def scores(self, split: str) -> np.ndarray | None:
-        """Per-document curriculum scores (float64, NaN where a document had none), or None."""
-        path = self.directory / f"{split}.scores.npy"
-        return np.load(path) if path.is_file() else None
-
-
-def _fingerprint(config: DataConfig) -> str:
+def data_fingerprint(config: DataConfig) -> str:
     settings = {k: v for k, v in config.to_dict().items() if k not in _NOT_FINGERPRINTED}
     if config.tokenizer not in ("bpe", "char"):
         settings["tokenizer"] = Tokenizer.load(config.tokenizer).fingerprint()
@@ -175,20 +119,20 @@ def _kept_texts(config: DataConfig, splits: tuple[str, ...]) -> Iterator[str]:
 def _kept_documents(config: DataConfig, splits: tuple[str, ...]) -> Iterator[tuple[str, Document]]:
     """(cleaned text, the document it came from) for the kept documents of the given splits, in stream order.
 
-    The same decisions as the writing pass (`_decide`), so the tokenizer is trained on the documents written.
+    The same decisions as the writing pass (`decide`), so the tokenizer is trained on the documents written.
     """
     processor, dedup = DocumentProcessor(config), Deduplicator(config)
     for split, make in _phases(config):
-        raw = ((i * _BATCH, batch) for i, batch in enumerate(_batched(make(SourceStats()), _BATCH)))
+        raw = ((i * BATCH, batch) for i, batch in enumerate(batched(make(SourceStats()), BATCH)))
         processed = ((item, processor([d.text for d in item[1]])) for item in raw)
-        for batch in _decide(config, processed, dedup, split, kept=0):
+        for batch in decide(config, processed, dedup, split, kept=0):
             for i, doc_split in zip(batch.kept, batch.kept_splits):
                 if doc_split in splits:
                     yield batch.processed.texts[i], batch.documents[i]
 
 
 @dataclass
-class _Decided:
+class Decided:
     """One batch after the dedup decision: what to tokenize (train texts first) and what to count."""
 
     documents: list[Document]
@@ -201,14 +145,14 @@ class _Decided:
     n_train: int = 0
 
 
-def _decide(
+def decide(
     config: DataConfig,
     processed: Iterator[tuple[tuple[int, list[Document]], Processed]],
     dedup: Deduplicator,
     split: str | None,
     kept: int,
     kept_by_source: dict[str, int] | None = None,
-) -> Iterator[_Decided]:
+) -> Iterator[Decided]:
     """The rule of which documents are kept and where they go: filtered ones and duplicates are removed,
     the kept ones split (by phase, or by fraction in stream order), and the phase stops after
     max_documents kept documents. `processed`: ((stream position, raw documents), stage-one result) per
@@ -232,7 +176,7 @@ def _decide(
                 if cap is not None and kept >= cap:
                     documents = documents[: i + 1]
                     break
-        batch = _Decided(documents, result, outcomes, kept_idx, kept_splits, start + len(documents))
+        batch = Decided(documents, result, outcomes, kept_idx, kept_splits, start + len(documents))
         for wanted in SPLITS:
             batch.texts += [result.texts[i] for i, s in zip(kept_idx, kept_splits) if s == wanted]
         batch.n_train = kept_splits.count("train")
@@ -247,7 +191,7 @@ def _duplicate(dedup: Deduplicator, result: Processed, i: int) -> str | None:
     return dedup.check(int(result.keys[i]), signature, bands)
 
 
-def _batched(documents: Iterator[Document], size: int) -> Iterator[list[Document]]:
+def batched(documents: Iterator[Document], size: int) -> Iterator[list[Document]]:
     while batch := list(itertools.islice(documents, size)):
         yield batch
 
@@ -279,9 +223,7 @@ class _Done:
         return self.value
 
 
-def _ordered(
-    items: Iterator, submit: Callable[[object], Future | _Done], depth: int
-) -> Iterator[tuple[object, object]]:
+def ordered(items: Iterator, submit: Callable[[object], Future | _Done], depth: int) -> Iterator[tuple[object, object]]:
     """(item, result) in input order, with at most `depth` items submitted ahead of the one yielded."""
     pending: deque = deque()
     for item in items:
@@ -308,7 +250,7 @@ class _State:
     seconds: float = 0.0  # time spent by earlier, interrupted runs
 
 
-class _Build:
+class Build:
     def __init__(self, config: DataConfig, fingerprint: str, work: Path, directory: Path):
         self.config, self.fingerprint, self.work, self.directory = config, fingerprint, work, directory
         self.near = config.deduplication == "near"
@@ -318,7 +260,7 @@ class _Build:
 
     def run(self) -> PreparedData:
         self.started = time.perf_counter()
-        tokenizer = self._tokenizer()
+        tokenizer = self.tokenizer()
         dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
         writer = ShardWriter(
             self.work, dtype, self.fingerprint, with_signatures=self.near, with_scores=self.with_scores
@@ -374,8 +316,7 @@ class _Build:
             "validation_split_by": split_by,
         }
         (self.work / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        shutil.rmtree(self.directory, ignore_errors=True)  # a folder without a manifest is an old partial one
-        self.work.rename(self.directory)
+        move_into_place(self.work, self.directory)  # one there without a manifest is an old partial one: replaced
         shutil.rmtree(self.directory / SHARDS, ignore_errors=True)
         (self.directory / ".lock").unlink(missing_ok=True)
         print_summary(report)
@@ -385,7 +326,7 @@ class _Build:
         """Seconds of work on this folder, earlier interrupted runs included."""
         return self.earlier_seconds + time.perf_counter() - self.started
 
-    def _tokenizer(self) -> Tokenizer:
+    def tokenizer(self) -> Tokenizer:
         """Built once per fingerprint and kept in the work folder, so a resumed run uses the same one."""
         saved = self.work / "tokenizer.json"
         if saved.is_file():
@@ -404,11 +345,11 @@ class _Build:
             processor = DocumentProcessor(self.config)
             # Two threads: while one turns a finished batch's ids into arrays (under the GIL), the other
             # keeps the Rust tokenizer busy with the next batch.
-            with ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize") as pool:
+            with ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize") as pool:
                 yield (
                     (lambda texts: _Done(processor(texts))),
                     (lambda texts: pool.submit(encode, tokenizer, texts, dtype)),
-                    _TOKENIZE_THREADS + 1,
+                    TOKENIZE_THREADS + 1,
                 )
             return
         context = mp.get_context("spawn")
@@ -439,10 +380,10 @@ class _Build:
                     state.phase, state.position, state.kept, state.kept_by_source = phase, 0, 0, {}
                 start = state.position  # raw documents that committed shards already hold: replayed, skipped
                 documents = itertools.islice(make(stats), start, None)
-                raw = ((start + i * _BATCH, batch) for i, batch in enumerate(_batched(documents, _BATCH)))
-                processed = _ordered(raw, lambda item: submit_process([d.text for d in item[1]]), depth)
-                decided = _decide(self.config, processed, dedup, split, state.kept, state.kept_by_source)
-                for batch, (tokens, lengths) in _ordered(decided, lambda d: submit_encode(d.texts), depth):
+                raw = ((start + i * BATCH, batch) for i, batch in enumerate(batched(documents, BATCH)))
+                processed = ordered(raw, lambda item: submit_process([d.text for d in item[1]]), depth)
+                decided = decide(self.config, processed, dedup, split, state.kept, state.kept_by_source)
+                for batch, (tokens, lengths) in ordered(decided, lambda d: submit_encode(d.texts), depth):
                     self._write(batch, tokens, lengths, writer, counts, progress)
                     state.position, state.kept = batch.end, state.kept + len(batch.kept)
                     for i in batch.kept:
@@ -459,7 +400,7 @@ class _Build:
 
     def _write(
         self,
-        batch: _Decided,
+        batch: Decided,
         tokens: np.ndarray,
         lengths: np.ndarray,
         writer: ShardWriter,

@@ -23,11 +23,11 @@ import math
 import numpy as np
 import torch
 
-from ..errors import UsageError
-from ..limits import check_skip
-from ..logs import warn
-from ..model import IGNORE_INDEX
-from .packing import _pieces, first_fit_decreasing  # noqa: F401  (re-exported)
+from ...errors import UsageError
+from ...limits import check_skip
+from ...logs import warn
+from ...model import IGNORE_INDEX
+from .packing import document_pieces, first_fit_decreasing
 from .stream import READ_AHEAD, ChunkedTokens, block_order, schedule
 
 
@@ -108,7 +108,7 @@ class DocumentRows:
         document_ids: bool = False,
     ):
         self.tokens, self.length, self.pad_id, self.document_ids = tokens, length, pad_id, document_ids
-        pieces = _pieces(offsets, length + 1)  # (N, 2) start, end
+        pieces = document_pieces(offsets, length + 1)  # (N, 2) start, end
         self.rows = first_fit_decreasing(pieces, length + 1) if pack else [[p] for p in pieces.tolist()]
 
     def set_epoch(self, epoch: int) -> None:
@@ -250,13 +250,13 @@ class BatchLoader:
         else:
             position = state["position"]
         for name, value in (("epoch", state["epoch"]), ("seed", state["seed"]), ("position", position)):
-            if not _is_count(value):  # (a checkpoint may come from elsewhere)
+            if not is_count(value):  # (a checkpoint may come from elsewhere)
                 raise TypeError(f"{name} {value!r} is not a whole number >= 0")
         samples, skip = state.get("samples", 0), state.get("skip", [])
         ranges = isinstance(skip, list) and all(
             isinstance(r, list) and len(r) == 2 and all(type(v) is int for v in r) and 0 <= r[0] < r[1] for r in skip
         )
-        if not _is_count(samples) or not ranges:
+        if not is_count(samples) or not ranges:
             raise TypeError(f"samples {samples!r}, skip {skip!r}")
         check_skip(skip, samples, self.batch_size * self.world_size)
         saved_order, order = state.get("order"), CHUNK_ORDER if self._chunked() else None
@@ -292,7 +292,7 @@ class BatchLoader:
             samples, chunks = self._plan
             ahead = np.searchsorted(samples, global_batch * self.batch_size)
             self.rows.tokens.read_ahead(chunks[ahead : ahead + READ_AHEAD])
-        return tuple(_to_device(a, self.device) for a in self.rows.batch(indices))
+        return tuple(to_device(a, self.device) for a in self.rows.batch(indices))
 
     def skipped(self, sample: int) -> bool:
         """Whether the batch starting at this global sample index is in a skipped range."""
@@ -309,7 +309,7 @@ class BatchLoader:
             x, y, *rest = self.rows.batch(indices)
             if not real:
                 y = np.full_like(y, IGNORE_INDEX)
-            yield tuple(_to_device(a, self.device) for a in (x, y, *rest))
+            yield tuple(to_device(a, self.device) for a in (x, y, *rest))
 
     def eval_batch_indices(self):
         """(row indices, real) of each batch `__iter__` yields, in order; `real` is False for a rank's
@@ -337,7 +337,7 @@ def merged_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _is_count(value) -> bool:
+def is_count(value) -> bool:
     return type(value) is int and value >= 0
 
 
@@ -357,7 +357,7 @@ def _global_batch_changed(saved: int, loader: BatchLoader) -> str:
     )
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     tensor = torch.from_numpy(array)
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)

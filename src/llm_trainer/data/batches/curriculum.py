@@ -16,10 +16,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..config import CurriculumStage
-from ..errors import UsageError
-from ..logs import log
-from .loader import BatchLoader, DocumentRows, WindowRows, _is_count, _to_device
+from ...config import CurriculumStage
+from ...errors import UsageError
+from ...logs import log
+from .loader import BatchLoader, DocumentRows, WindowRows, is_count, to_device
 
 
 def document_difficulty(offsets: np.ndarray, scores: np.ndarray | None, key: str) -> np.ndarray:
@@ -132,7 +132,7 @@ class CurriculumLoader(BatchLoader):
             self.taken += 1
             start, self.samples = self.samples, self.samples + self.batch_size * self.world_size
             if not self.skipped(start):  # a rewind's skipped range is passed over here too
-                return tuple(_to_device(a, self.device) for a in self.rows.batch(indices))
+                return tuple(to_device(a, self.device) for a in self.rows.batch(indices))
         return super().next_batch()
 
     def state_dict(self) -> dict:
@@ -145,6 +145,6 @@ class CurriculumLoader(BatchLoader):
         samples = state.pop("curriculum_samples", None)
         super().load_state_dict(state)  # the global batch is checked there
         for name, value in (("curriculum_taken", taken), ("curriculum_samples", samples)):
-            if value is not None and not _is_count(value):  # (a checkpoint may come from elsewhere)
+            if value is not None and not is_count(value):  # (a checkpoint may come from elsewhere)
                 raise TypeError(f"{name} {value!r} is not a whole number >= 0")
         self.taken = taken if samples is None else samples // (self.batch_size * self.world_size)

@@ -1,0 +1,160 @@
+"""Experiment files and command-line overrides into an `ExperimentConfig`: YAML or JSON read within
+`limits`' bounds, dotted overrides (`training.learning_rate=3e-4`) applied, other frameworks' names
+taken through `config_aliases`, and every problem said in one line (`UsageError`) naming the file or
+the command line, with the closest valid key for a typo. The dataclasses themselves are `config`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import config_aliases
+from .config import ExperimentConfig
+from .errors import UsageError
+from .limits import MAX_NESTING, check_structure, parse_json
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `3e-4` as a string; ML configs mean a number. Accept exponents without a dot.
+
+    Merge keys (`<<: *defaults`) copy entries while the document is built, so a few lines of nested
+    merges could copy billions: a mapping that merges more than `MAX_MERGED_ENTRIES` is refused."""
+
+    MAX_MERGED_ENTRIES = 10_000
+
+    def flatten_mapping(self, node):
+        super().flatten_mapping(node)
+        if len(node.value) > self.MAX_MERGED_ENTRIES:
+            raise UsageError(
+                f"a mapping merges more than {self.MAX_MERGED_ENTRIES:,} entries through YAML merge keys "
+                f"(line {node.start_mark.line + 1}; the alias expansion limit)"
+            )
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"
+    ),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str, where: str = "a YAML document"):
+    """A YAML document as plain data, its nesting and alias expansion within `limits`' bounds."""
+    try:
+        value = yaml.load(text, Loader=_Loader)
+    except RecursionError:
+        raise UsageError(f"{where} is nested more than {MAX_NESTING} levels deep (the nesting limit)") from None
+    return check_structure(value, where)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`training.learning_rate=3e-4` -> (["training", "learning_rate"], 0.0003); values are YAML scalars."""
+    if "=" not in text:
+        raise UsageError(f"override {text!r} must look like section.key=value (e.g. training.max_steps=100)")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise UsageError(f"override key {key!r} must be section.key (e.g. training.learning_rate)")
+    try:
+        value = yaml_load(raw, f"override {key.strip()}") if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"config file {path} not found; pass --config with the path of a YAML or JSON file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"config file {path} is not UTF-8 text") from None
+    where = f"config file {path}"
+    try:
+        data = parse_json(text, where) if path.suffix == ".json" else yaml_load(text, where)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        first = str(exc).splitlines()[0]
+        raise UsageError(f"config file {path} could not be parsed: {first}") from None
+    if data is None:
+        raise UsageError(f"config file {path} is empty; it needs sections model:, training:, data:")
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {path} must hold a mapping with sections model:, training:, data:")
+    return data
+
+
+# The settings that name where the data comes from: a source named on the command line replaces the
+# config file's (a preset's built-in corpus must not win over `data.data_files=my.txt`).
+DATA_SOURCE_KEYS = ("data_files", "dataset_name", "sources")
+
+
+def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Read an experiment file and apply dotted overrides; every error is a one-line `UsageError`. A data
+    source named in an override (`DATA_SOURCE_KEYS`) replaces the ones the file names."""
+    data = read_config_file(path) if path is not None else {}
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    parsed = [parse_override(text) for text in overrides]
+    given: dict[str, dict[str, Any]] = {}
+    for (section, key), value in parsed:
+        given.setdefault(section, {})[key] = value
+    named_sources = {
+        config_aliases.spellings_of(section, key)[1]
+        for (section, key), _ in parsed
+        if config_aliases.spellings_of(section, key)[0] == "data"
+    } & set(DATA_SOURCE_KEYS)
+    if named_sources and isinstance(data.get("data"), dict):
+        for key in list(data["data"]):
+            if config_aliases.spellings_of("data", key)[1] in set(DATA_SOURCE_KEYS) - named_sources:
+                del data["data"][key]
+    for (section, key), value in parsed:
+        try:
+            config_aliases.set_override(data, section, key, value)
+        except ValueError:
+            raise UsageError(f"section {section!r} in {path} must be a mapping") from None
+    _, problems = config_aliases.canonical_experiment(given, ExperimentConfig.known_fields())
+    typos = [problem for problem in problems if problem.startswith("unknown")]  # keys no config knows
+    if typos:
+        raise UsageError(f"command line: {config_aliases.one_message(typos)}")
+    try:
+        return ExperimentConfig.from_dict(data)
+    except ValueError as exc:
+        where = "command line: " if _names_an_override(str(exc), given) else f"{path}: " if path is not None else ""
+        raise UsageError(f"{where}{exc}") from None
+
+
+def saved_batch_size(saved: Any) -> int | None:
+    """`training.batch_size` of an experiment config saved in a folder (meta.json's `config`), or None
+    when it records none. The folder may come from elsewhere and hold anything: a value that is not a
+    positive integer is a one-line error."""
+    training = saved.get("training") if isinstance(saved, dict) else None
+    if training is None:
+        return None
+    if not isinstance(training, dict):
+        raise UsageError("the folder's saved config.training is not a mapping; pass --batch-size")
+    value = training.get("batch_size")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise UsageError(
+            f"the folder's saved training.batch_size is {value!r}, not a positive integer; pass --batch-size"
+        )
+    return value
+
+
+_CLASS_OF_SECTION = {"model": "ModelConfig", "training": "TrainingConfig", "data": "DataConfig"}
+
+
+def _names_an_override(message: str, given: dict[str, dict[str, Any]]) -> bool:
+    """Whether an error names a key the command line set (`data.sources`, `DataConfig.sources`)."""
+    for section, keys in given.items():
+        for key in keys:
+            target, field = config_aliases.spellings_of(section, key)
+            names = (f"{section}.{key}", f"{target}.{field}", f"{_CLASS_OF_SECTION.get(target)}.{field}")
+            if any(re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", message) for name in names):
+                return True
+    return False

@@ -1,0 +1,70 @@
+"""The prepared-data format: what a prepared folder `{cache_dir}/{fingerprint}/` holds, as the build
+writes it and every reader (the loaders, eval, a folder downloaded from a bucket) opens it.
+
+  train.bin / val.bin          every document's tokens followed by end-of-text, uint16 or uint32
+  train.idx.npy / val.idx.npy  int64 offsets: document i is tokens[idx[i]:idx[i+1]]
+  train.sources.npy / ...      int16 per document: its source, an index into manifest["source_names"]
+  train.scores.npy / ...       per-document curriculum scores (when curriculum_key names a column)
+  tokenizer.json, data_report.json, manifest.json (written last: its presence marks a complete folder)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..tokenizer import Tokenizer
+
+# 6: an executor's tasks tokenize the cleaned text (folders an executor wrote from raw text are not reused)
+# 5: a fraction split takes each source's own fraction of its documents
+FORMAT_VERSION = 6
+MANIFEST = "manifest.json"
+
+TOKEN_DTYPES = ("uint16", "uint32")  # what a prepared folder's token files may hold
+
+
+def manifest_problem(manifest: object) -> str | None:
+    """What makes `manifest` (a prepared folder's, which may come from a bucket) unusable, or None: the
+    fields every reader of the folder relies on, checked once where the folder is opened."""
+    if not isinstance(manifest, dict):
+        return "is not a JSON object"
+    splits = manifest.get("splits")
+    if not isinstance(splits, dict) or not all(
+        isinstance(splits.get(name), dict) and type(splits[name].get("tokens")) is int and splits[name]["tokens"] >= 0
+        for name in ("train", "val")
+    ):
+        return "has no `splits` with the token counts of train and val"
+    if manifest.get("dtype") not in TOKEN_DTYPES:
+        return f"has dtype {manifest.get('dtype')!r}, not one of {', '.join(TOKEN_DTYPES)}"
+    return None
+
+
+@dataclass
+class PreparedData:
+    directory: Path
+    tokenizer: Tokenizer
+    manifest: dict
+
+    def tokens(self, split: str) -> np.memmap:
+        if self.manifest["splits"][split]["tokens"] == 0:  # an empty file cannot be memory-mapped
+            return np.zeros(0, dtype=self.manifest["dtype"])
+        return np.memmap(self.directory / f"{split}.bin", dtype=self.manifest["dtype"], mode="r")
+
+    def offsets(self, split: str) -> np.ndarray:
+        return np.load(self.directory / f"{split}.idx.npy")
+
+    def sources(self, split: str) -> list[str]:
+        """The source name of each document of the split."""
+        names = self.manifest["source_names"]
+        return [names[i] for i in self.source_ids(split).tolist()]
+
+    def source_ids(self, split: str) -> np.ndarray:
+        """The source of each document of the split, as an index into manifest["source_names"]."""
+        return np.load(self.directory / f"{split}.sources.npy")
+
+    def scores(self, split: str) -> np.ndarray | None:
+        """Per-document curriculum scores (float64, NaN where a document had none), or None."""
+        path = self.directory / f"{split}.scores.npy"
+        return np.load(path) if path.is_file() else None
