@@ -9,6 +9,9 @@ that checkpoint: `latest` and every earlier checkpoint are untouched, as with a 
 
 The price is host memory for one copy of the model and optimizer state, kept for the whole run so
 later saves reuse it (`training.async_checkpoint=false` writes in the training thread instead).
+
+Sharded checkpoints are copied and their shards written by `dcp.async_save` (`sharded.BackgroundShards`);
+each rank's worker waits for that write, then rank 0's writes the rest of the folder as above.
 """
 
 from __future__ import annotations
@@ -90,6 +93,14 @@ class BackgroundWriter:
     def submit(self, write: Callable[[], Path]) -> None:
         assert self._pending is None, "wait() for the write in flight before submitting another"
         self._pending = self._pool.submit(write)
+
+    def submitted(self) -> bool:
+        """Whether a write was submitted whose result (or error) has not been taken yet."""
+        return self._pending is not None
+
+    def done(self) -> bool:
+        """Whether the write submitted has completed (its result or error not taken yet)."""
+        return self._pending is not None and self._pending.done()
 
     def finished(self) -> Path | None:
         """The folder of a write that has completed (its error raised here), else None. Never blocks."""

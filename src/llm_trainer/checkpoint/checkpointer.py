@@ -23,14 +23,22 @@ Background saves (training.async_checkpoint): rank 0 copies the state into host 
 once, after the first step, by the writer thread) and the writer thread writes the folder while
 training goes on; the next save, the final one and a stop wait for it, and its error is raised at
 the next step boundary. `on_saved(path)` runs once a checkpoint is complete.
+
+Where every rank writes DCP shards (FSDP, tensor parallelism), each rank's shards are copied into
+host memory by `dcp.async_save` and written by DCP's thread; every rank's writer thread waits for
+that write, and rank 0's then writes the rest of the folder (meta.json with the shards' checksums,
+the rename into place, `latest` last) as for any background save. The ranks agree at each step
+boundary on whether every rank's write is complete, so `on_saved` runs, and an error is raised, at
+the same step on every rank. A synchronous save is the same steps, run at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +53,7 @@ from ..tokenizer import vocabulary_mismatch
 from .background import BackgroundWriter, HostSnapshot
 from .durable import remove_stale
 from .find import resolve_checkpoint
-from .layout import BEST, checkpoint_name
+from .layout import BEST, STAGING, checkpoint_name
 from .local import load_checkpoint, rotate, save_best_model, save_checkpoint
 from .remote import ensure_uploaded, fetch_named, local_copy, store_shards, upload_best, upload_checkpoint
 from .train_state import train_state_problem
@@ -77,10 +85,12 @@ class Checkpointer:
         self.dist = parallel.dist
         self.on_saved = on_saved
         self.barrier = barrier  # waits for every rank (`parallel.distributed.barrier`, which sits above this package)
-        # Rank 0 alone writes the folder, so its writer thread can (not under FSDP: every rank writes shards).
-        self.use_background = background and self.dist.is_main and parallel.background_saves
+        # Rank 0 alone writes the folder; where every rank writes DCP shards, every rank waits for its own.
+        self.shards_everywhere = parallel.checkpoint_kind.weights_in_shards and self.dist.world_size > 1
+        self.use_background = background and (self.dist.is_main or self.shards_everywhere)
         self.periodic = periodic  # saves every save_steps: worth host buffers kept for the whole run
         self._writer: BackgroundWriter | None = None
+        self._shards = None  # sharded.BackgroundShards: DCP's host buffers and process groups
         self._snapshot = HostSnapshot()  # host buffers for background saves, reused from one save to the next
         self._buffers_reserved = False
 
@@ -94,11 +104,16 @@ class Checkpointer:
                 buckets.check_writable(self.remote, "training.checkpoint_dir")
         if self.use_background:
             self._writer, self._buffers_reserved = BackgroundWriter(), False
+            if self.shards_everywhere:
+                from .sharded import BackgroundShards
+
+                self._shards = BackgroundShards(cuda=self.parallel.device.type == "cuda")
         return self
 
     def __exit__(self, *exc) -> None:
         """A write still in flight (only when the loop raised) is completed, never abandoned."""
         writer, self._writer = self._writer, None
+        shards, self._shards = self._shards, None
         if writer is None:
             return
         try:
@@ -107,12 +122,14 @@ class Checkpointer:
             log(f"warning: the checkpoint being written in the background failed: {error}")
         finally:
             writer.close()
+            if shards is not None:
+                shards.close()
 
     def _remove_staging(self) -> None:
         """Delete the per-rank staging folders (`.staging-*`) a multi-process save killed mid-way left."""
         if not self.root.is_dir():
             return
-        for path in self.root.glob(".staging-*"):
+        for path in self.root.glob(f"{STAGING}*"):
             shutil.rmtree(path, ignore_errors=True)
             log(f"checkpoint: removed {path.name}, left by an interrupted save")
 
@@ -123,6 +140,10 @@ class Checkpointer:
         here). After the first step, when the optimizer state exists, the writer thread first
         allocates the host buffers, so that the first save stalls no longer than later ones."""
         if self._writer is None:
+            return
+        if self._shards is not None:  # every rank's write, or none: on_saved and an error at the same step
+            if self._writer.submitted() and self._shards.all_done(self._writer.done()):
+                self.wait()
             return
         if not self._buffers_reserved:
             self._buffers_reserved = True
@@ -150,32 +171,54 @@ class Checkpointer:
         if torch.cuda.is_available():
             rng_tensors["cuda"] = torch.cuda.get_rng_state_all()
         path = self.root / checkpoint_name(self.state.step)
-        staging, weights, in_store = None, None, None
+        background = background and self._writer is not None
+        staging, weights, shards = None, None, None
         if self.dist.world_size > 1 or self.dist.strategy == "deepspeed":  # each rank's own files first
-            staging = self.root / f".staging-{path.name}"
+            staging = self.root / f"{STAGING}{path.name}"
             if self.dist.is_main:
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir(parents=True)
             self.barrier()
             torch.save(rng_tensors, staging / f"rng-rank{self.dist.rank}.pt")
-            if self.remote:  # FSDP: every rank's shards straight into the store (all ranks done on return)
-                in_store = self.parallel.save_shards_to_store(buckets.join(self.remote, path.name, SHARDED_DIR))
-            if in_store is None:
-                self.parallel.save_shards(staging)
+            in_background = self._shards if background else None  # DCP's copy in host memory, written later
+            with self._discarded_on_failure(staging):
+                if self.remote:  # FSDP: every rank's shards straight into the store
+                    shards = self.parallel.save_shards_to_store(
+                        buckets.join(self.remote, path.name, SHARDED_DIR), in_background
+                    )
+                if shards is None:
+                    shards = self.parallel.save_shards(staging, in_background)
             if not self.parallel.checkpoint_kind.weights_in_shards:  # the checkpoint's model folder needs them whole
                 weights = self.parallel.full_state_dict()  # a collective where the weights are partitioned
             self.barrier()
-        background = background and self._writer is not None
+        write = None
         if self.dist.is_main:
-            write = self._write_job(rng_tensors, staging, copy=background, weights=weights, in_store=in_store)
-            if background:
-                self._writer.submit(write)
-            else:
-                path = write()
+            write = self._write_job(rng_tensors, staging, copy=background, weights=weights)
+
+        def job() -> Path:
+            """Every rank: its shards complete (every rank's, a collective); then rank 0 writes the folder."""
+            with self._discarded_on_failure(staging):
+                in_store = shards() if shards is not None else None
+                return write(in_store) if write is not None else path
+
+        if background:
+            self._writer.submit(job)
+        else:
+            path = job()
         self.barrier()
         if not background:
             self.on_saved(path)
         return path
+
+    @contextlib.contextmanager
+    def _discarded_on_failure(self, staging: Path | None) -> Iterator[None]:
+        """Rank 0 deletes the staging folder of a save that failed (every rank sees a shard write fail)."""
+        try:
+            yield
+        except BaseException:
+            if staging is not None and self.dist.is_main:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
 
     def _write_job(
         self,
@@ -183,12 +226,11 @@ class Checkpointer:
         staging: Path | None,
         copy: bool,
         weights: dict[str, torch.Tensor] | None,
-        in_store: dict[str, dict] | None = None,
-    ) -> Callable[[], Path]:
+    ) -> Callable[[dict[str, dict] | None], Path]:
         """The write of this step's checkpoint, as a function. Everything it needs is read now; `copy`
         snapshots the tensors too, so the write may run while training changes them. `weights`: the
-        model gathered from its shards (a copy already). `in_store`: the shards every rank wrote into
-        the store, listed in meta.json (the upload then writes files.json, meta.json and `latest`)."""
+        model gathered from its shards (a copy already). The function's argument: the shards every rank
+        wrote into the store, listed in meta.json (the upload then writes files.json, meta.json and `latest`)."""
         np_state = np.random.get_state()
         train_state = self.state.to_file(
             epoch=self.loader.epoch,
@@ -209,7 +251,7 @@ class Checkpointer:
         remote = self.remote
         extra = {"world_size": self.dist.world_size, "strategy": self.dist.strategy}
 
-        def write() -> Path:
+        def write(in_store: dict[str, dict] | None) -> Path:
             path = save_checkpoint(
                 root,
                 step,

@@ -159,20 +159,30 @@ def write_folder_atomically(
         for job in pending:
             job.cancel()
         wait(pending)  # no worker may still read or fsync a file that is about to be deleted
-        full_disk = isinstance(exc, Exception) and disk_full(exc, final.parent)
+        failure = save_failure(exc, final)  # before the folder goes: a full disk is judged on it
         shutil.rmtree(tmp, ignore_errors=True)
-        if full_disk:
-            raise CheckpointError(
-                f"disk full while saving {final.name} to {final.parent} ({first_line(exc)}); the earlier "
-                f"checkpoints and `latest` are intact. Free space there or lower training.save_total_limit, "
-                f"then resume with training.resume_from_checkpoint=latest"
-            ) from None
-        if isinstance(exc, Exception) and _io_failure(exc):
-            raise CheckpointError(
-                f"could not write checkpoint {final} ({first_line(exc)}); the earlier checkpoints are intact"
-            ) from None
+        if failure is not None:
+            raise failure from None
         raise
     return final
+
+
+def save_failure(exc: BaseException, final: Path) -> CheckpointError | None:
+    """The one-line error for `exc`, raised while writing the checkpoint `final` (any of its files, a
+    rank's shards included): a full disk or an I/O failure. None for another error, raised as it is."""
+    if not isinstance(exc, Exception):
+        return None
+    if disk_full(exc, final.parent):
+        return CheckpointError(
+            f"disk full while saving {final.name} to {final.parent} ({first_line(exc)}); the earlier "
+            f"checkpoints and `latest` are intact. Free space there or lower training.save_total_limit, "
+            f"then resume with training.resume_from_checkpoint=latest"
+        )
+    if _io_failure(exc):
+        return CheckpointError(
+            f"could not write checkpoint {final} ({first_line(exc)}); the earlier checkpoints are intact"
+        )
+    return None
 
 
 def text_writer(name: str, content: str) -> Writer:

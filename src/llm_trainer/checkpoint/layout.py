@@ -36,6 +36,7 @@ FORMAT_VERSION = 3  # of meta.json: 3 = XXH3 chunk checksums, 2 = CRC-32 chunks,
 CHECKPOINTS_DIR = "checkpoints"  # inside a run's output folder
 DCP_METADATA = f"{SHARDED_DIR}/.metadata"  # the index of DCP shards
 PREFIX = "checkpoint-"
+STAGING = ".staging-"  # + a checkpoint's name: the folder every rank writes its own files into first
 LATEST = "latest"
 BEST = "best_model"
 OPTIMIZER = "optimizer.pt"

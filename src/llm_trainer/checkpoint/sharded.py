@@ -61,7 +61,9 @@ from ..files.checksums import StreamChecksum, data_checksum
 from ..files.folder_files import SHARDED_DIR, FolderFiles
 from ..files.safe_pickle import DCP_METADATA, load_pickle
 from ..limits import check_dcp_items
+from .durable import save_failure
 from .fused_projections import is_fused, split_fused, split_fused_shapes
+from .layout import STAGING
 from .model_folder import check_fits, clean_name, current_names
 
 METADATA = ".metadata"  # DCP's index of the shards, inside `sharded/`
@@ -424,32 +426,106 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {clean_name(k): v for k, v in state.items()}
 
 
-def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """Every rank writes its shards of model and optimizer into `directory` (a collective)."""
-    dcp.save(_sharded_state(model, optimizer), storage_writer=SafeWriter(str(directory)))
+class BackgroundShards:
+    """What `dcp.async_save` keeps from one sharded save to the next (as torchtitan does): the host
+    buffers each rank's shards are copied into (DCP's `DefaultStager`, which reuses them; pinned for
+    CUDA tensors) and gloo process groups of their own. DCP's writer thread runs its collectives on
+    `group` while the training thread runs its own on the default group, and checks whether every
+    rank's write is complete on `agree`: collectives on one group from two threads would interleave.
+    Every rank creates it at the same point (`new_group` is a collective)."""
+
+    def __init__(self, cuda: bool):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,  # the write runs in a thread of this process
+                use_async_staging=False,  # the copy completes before the step that changes the weights
+                use_non_blocking_copy=cuda,
+            )
+        )
+        self.group = torch.distributed.new_group(backend="gloo")
+        self.agree = torch.distributed.new_group(backend="gloo")
+
+    def all_done(self, done: bool) -> bool:
+        """Whether every rank's background write is complete (each says whether its own is)."""
+        flag = torch.tensor([int(done)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.agree)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        self.stager.close()
+        for group in (self.group, self.agree):
+            torch.distributed.destroy_process_group(group)
 
 
-def save_sharded_to_store(model: nn.Module, optimizer: torch.optim.Optimizer, url: str) -> dict[str, dict]:
-    """Every rank writes its shards straight into the store folder `url` (a collective). Returns the
-    {"sharded/NAME": {"size", "checksum"}} of the files all ranks wrote, on every rank: once it returns,
-    every rank has finished."""
+def _save(state: dict, writer: Any, background: BackgroundShards | None, failed: Callable[[Exception], Exception]):
+    """`dcp.save`, or with `background` `dcp.async_save`: the shards copied into host memory now, written by
+    DCP's thread. Returns a function that waits for the write to complete (at once for `dcp.save`), every
+    rank's (DCP gathers each rank's result before it finishes); a failure of any rank is raised there, on
+    every rank, as `failed(the first rank's error)`."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    def finish(result: Callable[[], Any]) -> None:
+        try:
+            result()
+        except CheckpointException as exc:
+            failure = next(iter(exc.failures.values()))
+            raise failed(failure[0] if isinstance(failure, tuple) else failure) from None
+
+    if background is None:
+        finish(lambda: dcp.save(state, storage_writer=writer))
+        return lambda: None
+    future = dcp.async_save(
+        state, storage_writer=writer, process_group=background.group, async_stager=background.stager
+    )
+    return lambda: finish(future.result)
+
+
+def save_sharded(
+    model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, background: BackgroundShards | None = None
+) -> Callable[[], None]:
+    """Every rank writes its shards of model and optimizer into `directory` (a collective), now or with
+    `background` in DCP's thread (see `_save`). Returns the wait for the write."""
+    checkpoint = Path(directory).name.removeprefix(STAGING)  # the checkpoint folder the shards are for
+
+    def failed(error: Exception) -> Exception:
+        return save_failure(error, Path(directory).parent / checkpoint) or CheckpointError(
+            f"writing the shards of {checkpoint} failed ({first_line(error)}); the earlier checkpoints and "
+            "`latest` are intact"
+        )
+
+    return _save(_sharded_state(model, optimizer), SafeWriter(str(directory)), background, failed)
+
+
+def save_sharded_to_store(
+    model: nn.Module, optimizer: torch.optim.Optimizer, url: str, background: BackgroundShards | None = None
+) -> Callable[[], dict[str, dict]]:
+    """Every rank writes its shards straight into the store folder `url` (a collective), now or with
+    `background` in DCP's thread. Returns the wait for the write, which returns the
+    {"sharded/NAME": {"size", "checksum"}} of the files all ranks wrote, on every rank (gathered on
+    `background.group` in the background)."""
     writer = StoreWriter(url)
-    try:
-        dcp.save(_sharded_state(model, optimizer), storage_writer=writer)
-    except CheckpointException as exc:
-        failure = next(iter(exc.failures.values()))[0]
-        raise CheckpointError(
-            f"writing the shards to {url} failed ({first_line(failure)}); "
+
+    def failed(error: Exception) -> Exception:
+        return CheckpointError(
+            f"writing the shards to {url} failed ({first_line(error)}); "
             "the earlier checkpoints and `latest` are intact. Check the store, then resume from latest"
-        ) from None
-    mine = {f"{SHARDED_DIR}/{name}": entry for name, entry in writer.written.items()}
-    if not torch.distributed.is_initialized():
-        return mine
-    everyone: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(everyone, mine)
-    return {name: entry for written in everyone for name, entry in written.items()}
+        )
+
+    wait = _save(_sharded_state(model, optimizer), writer, background, failed)
+
+    def records() -> dict[str, dict]:
+        wait()
+        mine = {f"{SHARDED_DIR}/{name}": entry for name, entry in writer.written.items()}
+        if not torch.distributed.is_initialized():
+            return mine
+        everyone: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, mine, group=None if background is None else background.group)
+        return {name: entry for written in everyone for name, entry in written.items()}
+
+    return records
 
 
 def load_sharded(

@@ -50,7 +50,6 @@ class Parallelism:
     """One process: the model as it is."""
 
     checkpoint_kind = layout.WHOLE  # where its checkpoints hold model and optimizer; meta.json records it
-    background_saves = True  # rank 0 alone writes the checkpoint, so a writer thread can do it
 
     def __init__(
         self,
@@ -127,10 +126,15 @@ class Parallelism:
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return None
 
-    def save_shards(self, folder: Path) -> None:
-        pass
+    def save_shards(self, folder: Path, background: Any = None) -> Callable[[], Any]:
+        """Write this rank's own files of the checkpoint into `folder` (a collective). Returns the wait
+        for the write: at once, or with `background` (a `sharded.BackgroundShards`, only where
+        `checkpoint_kind.weights_in_shards`) once its copy in host memory is written."""
+        return _written
 
-    def save_shards_to_store(self, url: str) -> dict[str, dict] | None:
+    def save_shards_to_store(self, url: str, background: Any = None) -> Callable[[], dict[str, dict]] | None:
+        """As `save_shards`, straight into the store folder `url`; the wait returns the records of every
+        rank's files there. None where this Parallelism writes its shards to disk only."""
         return None
 
     def load(self, parts: dict[str, Any], path: Path) -> None:
@@ -179,8 +183,7 @@ class DDP(Parallelism):
 class FSDP(Parallelism):
     """FSDP2: parameters, gradients and optimizer state sharded; each rank checkpoints its own shards."""
 
-    checkpoint_kind = layout.SHARDED
-    background_saves = False  # every rank writes its shards, in the training thread
+    checkpoint_kind = layout.SHARDED  # every rank writes its shards, with DCP's writer thread in the background
 
     @contextlib.contextmanager
     def no_sync(self, last: bool):
@@ -198,15 +201,15 @@ class FSDP(Parallelism):
 
         return full_model_state(self.module)
 
-    def save_shards(self, folder: Path) -> None:
+    def save_shards(self, folder: Path, background: Any = None) -> Callable[[], None]:
         from ..checkpoint.sharded import save_sharded
 
-        save_sharded(self.module, self.optimizer, folder)
+        return save_sharded(self.module, self.optimizer, folder, background)
 
-    def save_shards_to_store(self, url: str) -> dict[str, dict]:
+    def save_shards_to_store(self, url: str, background: Any = None) -> Callable[[], dict[str, dict]]:
         from ..checkpoint.sharded import save_sharded_to_store
 
-        return save_sharded_to_store(self.module, self.optimizer, url)
+        return save_sharded_to_store(self.module, self.optimizer, url, background)
 
     def load(self, parts: dict[str, Any], path: Path) -> None:
         if parts["meta"].get("kind") == layout.DEEPSPEED.name:
@@ -275,10 +278,11 @@ class DeepSpeed(Parallelism):
 
         return deepspeed_engine.full_model_state(self.engine)
 
-    def save_shards(self, folder: Path) -> None:
+    def save_shards(self, folder: Path, background: Any = None) -> Callable[[], None]:
         from . import deepspeed_engine
 
         deepspeed_engine.save(self.engine, folder, self.dist.is_main)
+        return _written
 
     def load(self, parts: dict[str, Any], path: Path) -> None:
         from . import deepspeed_engine
@@ -303,3 +307,7 @@ def _fused_step_where(optimizer: torch.optim.Optimizer, finite: torch.Tensor, st
         step()
     finally:
         del optimizer.grad_scale, optimizer.found_inf
+
+
+def _written() -> None:
+    """The wait for shards written already."""
