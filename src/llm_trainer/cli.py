@@ -499,6 +499,10 @@ def cmd_estimate(args) -> int:
         vocab_size=args.vocab_size,
         batch_size=args.batch_size,
         gradient_checkpointing=True if args.gradient_checkpointing else None,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        advise_layout=args.advise_layout,
+        config=args.config,
     )
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
@@ -706,7 +710,23 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: what training.distributed_strategy shards)",
     )
     p.add_argument(
-        "--device-memory", "--device_memory", type=float, metavar="GB", help="device memory in GiB: say whether it fits"
+        "--device-memory",
+        "--device_memory",
+        "--gpu-memory",
+        "--gpu_memory",
+        type=float,
+        metavar="GB",
+        help="device memory in GiB: say whether it fits",
+    )
+    p.add_argument(
+        "--nodes", type=int, help="machines to train on: the world is nodes x --gpus-per-node; advises a layout"
+    )
+    p.add_argument("--gpus-per-node", "--gpus_per_node", type=int, default=8, help="devices per machine (default 8)")
+    p.add_argument(
+        "--advise-layout",
+        "--advise_layout",
+        action="store_true",
+        help="print the data/tensor/pipeline layout of the world size that fits --gpu-memory, and its settings",
     )
     p.add_argument(
         "--vocab-size",
