@@ -209,10 +209,16 @@ def cmd_generate(args) -> int:
 def _quiet_transformers() -> None:
     """transformers, imported for a one-shot command, without what only clutters its output: the
     accelerator guess of DeepSpeed (which transformers imports when it is installed) on a machine
-    without CUDA, and the progress bar of writing one small weight file."""
+    without CUDA, the progress bar of writing one small weight file, and torchao's import (transformers'
+    quantizers import it when it is installed), which warns of each kernel library this machine cannot
+    load and of its deprecated pytree registrations; none of them is used by these commands."""
+    import logging
     import os
 
     import torch
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # said, not guessed: DeepSpeed then warns of nothing
