@@ -1,8 +1,9 @@
 """The device mesh `llm-trainer estimate` advises for a cluster: the cheapest layout whose estimated peak fits.
 
 The search follows torchtitan's advice on composing the degrees: shard with FSDP first (it only adds
-all-gathers and reduce-scatters that overlap the compute); then tensor parallelism inside a node (two
-collectives per block on the critical path, which only NVLink-class links hide; degree 1, 2, 4 or 8,
+all-gathers and reduce-scatters that overlap the compute); then tensor parallelism inside a node (four
+collectives per block on the critical path, an all-gather and a reduce-scatter around attention and
+around the MLP, which only NVLink-class links hide; degree 1, 2, 4 or 8,
 dividing the heads, kv heads and widths); pipeline parallelism across nodes last (its bubble idles a
 fraction of every device). Activation checkpointing (a third more compute) is tried at each
 (pipeline, tensor) degree before the next degree. Data-parallel sharding takes every rank the others
