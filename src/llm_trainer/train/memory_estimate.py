@@ -21,8 +21,8 @@ Everything here follows how *this* trainer runs a model, so the numbers can be c
   the block input and the mid-block residual (fp32, for the norms; RMSNorm also keeps its normalised
   fp32 input), the inputs of the attention and MLP projections (under amp one 16-bit copy per projection
   that reads them: autocast casts an activation anew for each matmul), q, k and v as attention reads them
-  (with rope: the rotated q and k, not the projections' outputs), the
-  attention output (flash / memory-efficient attention: no T x T matrix is kept; bf16 on a CPU: the softmax
+  (with rope: the rotated q and k, not the projections' outputs; with qk_norm also the norms' fp32
+  inputs), the attention output (flash / memory-efficient attention: no T x T matrix is kept; bf16 on a CPU: the softmax
   over the keys, see model._explicit_attention), the MLP hidden
   (GELU/SiLU: input and output; SwiGLU: the gate/up pair, SiLU output and product; ReLU: the output
   only) and dropout masks when dropout > 0 (one byte on CUDA, the activation's size on CPU). The
@@ -129,6 +129,8 @@ def activation_bytes_per_token(
     # autocast casts it anew for every projection that reads it (q, k, v; SwiGLU's gate and up)
     layer += _projection_inputs(c, training) * d * a
     layer += (d + 2 * kv) * a  # q, k, v as attention reads them (with rope: the rotated q and k only)
+    if c.qk_norm:  # each head's RMSNorm keeps its fp32 input and rstd (autocast runs it in fp32)
+        layer += (d + kv) * 4 + (c.n_heads + c.n_kv_heads) * 4
     if device_type == "cpu" and training.use_amp and training.amp_dtype == "bfloat16":
         # bf16 on a CPU: attention written out (model._explicit_attention) keeps each head's softmax over the
         # keys, in float32 for its backward and in bf16 for the product with v
