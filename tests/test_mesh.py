@@ -132,9 +132,9 @@ def test_a_bring_your_own_model_is_checked_before_the_process_group_opens(monkey
         resolve_for_model(model, TrainingConfig(device="cpu", tensor_parallel_degree=2))
 
 
-def test_estimate_refuses_layouts_it_cannot_account_for():
-    """Its per-device figures assume whole weights on each data-parallel rank: a bad or not yet
-    trained layout is refused in one line instead of being estimated as if it were data parallel."""
+def test_estimate_refuses_layouts_that_cannot_train():
+    """The estimate resolves the layout as a run would: a bad one is refused in one line, a good one
+    (tensor parallelism included) is counted with its degrees."""
     from llm_trainer.config import DataConfig, ExperimentConfig
     from llm_trainer.tools.estimate import estimate_report
 
@@ -152,14 +152,41 @@ def test_estimate_refuses_layouts_it_cannot_account_for():
     assert report(2, data_parallel_shard_degree=-1)["sharding"] != report(2)["sharding"]
     with pytest.raises(UsageError, match="does not divide model.n_heads"):
         report(6, tensor_parallel_degree=3)
-    with pytest.raises(UsageError, match="which its figures do not count yet"):
-        report(2, tensor_parallel_degree=2)
+    split = report(2, distributed_strategy="fsdp", tensor_parallel_degree=2)  # counted, not refused
+    assert split["layout"]["tp"] == 2 and split["memory"]["params_gb"] < report(1)["memory"]["params_gb"]
 
 
 def test_context_parallelism_needs_the_sdpa_kernel():
     flex = ModelConfig(architecture="llama", d_model=48, n_heads=4, n_layers=4, attention_backend="flex")
     with pytest.raises(UsageError, match="needs model.attention_backend: sdpa"):
         resolve_layout(TrainingConfig(context_parallel_degree=2), 2, model=flex, seq_len=32, device_type="cuda")
+    llama = ModelConfig(architecture="llama", d_model=48, n_heads=4, n_layers=4)
+    with pytest.raises(UsageError, match="needs the flash, efficient or cudnn attention kernel"):
+        resolve_layout(
+            TrainingConfig(context_parallel_degree=2, sdpa_backend="math"),
+            2,
+            model=llama,
+            seq_len=32,
+            device_type="cuda",
+        )
+    with pytest.raises(UsageError, match="cannot apply data.document_mask"):
+        resolve_layout(
+            TrainingConfig(context_parallel_degree=2),
+            2,
+            model=llama,
+            seq_len=32,
+            device_type="cuda",
+            document_mask=True,
+        )
+    for kernel in ("auto", "flash", "efficient", "cudnn"):  # what torch's ring attention replaces
+        layout = resolve_layout(
+            TrainingConfig(context_parallel_degree=2, sdpa_backend=kernel),
+            2,
+            model=llama,
+            seq_len=32,
+            device_type="cuda",
+        )
+        assert layout.cp == 2
 
 
 def _train(tmp_path, monkeypatch, capsys, world: int, *overrides: str) -> tuple[int, str]:

@@ -119,7 +119,13 @@ def test_parameters_gradients_and_optimizer_state_match_the_measured_allocation(
 
 @pytest.mark.parametrize("amp", [False, True])
 @pytest.mark.parametrize(
-    "overrides", [dict(), dict(activation="relu", dropout=0.1), dict(architecture="llama", n_kv_heads=1)]
+    "overrides",
+    [
+        dict(),
+        dict(activation="relu", dropout=0.1),
+        dict(architecture="llama", n_kv_heads=1),
+        dict(architecture="llama", n_kv_heads=1, qk_norm=True),
+    ],
 )
 def test_activation_estimate_matches_the_tensors_autograd_saves(amp, overrides):
     """Every tensor saved for backward (unique storage, parameters and buffers excluded), one forward."""

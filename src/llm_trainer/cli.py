@@ -209,10 +209,16 @@ def cmd_generate(args) -> int:
 def _quiet_transformers() -> None:
     """transformers, imported for a one-shot command, without what only clutters its output: the
     accelerator guess of DeepSpeed (which transformers imports when it is installed) on a machine
-    without CUDA, and the progress bar of writing one small weight file."""
+    without CUDA, the progress bar of writing one small weight file, and torchao's import (transformers'
+    quantizers import it when it is installed), which warns of each kernel library this machine cannot
+    load and of its deprecated pytree registrations; none of them is used by these commands."""
+    import logging
     import os
 
     import torch
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # said, not guessed: DeepSpeed then warns of nothing
@@ -499,6 +505,10 @@ def cmd_estimate(args) -> int:
         vocab_size=args.vocab_size,
         batch_size=args.batch_size,
         gradient_checkpointing=True if args.gradient_checkpointing else None,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        advise_layout=args.advise_layout,
+        config=args.config,
     )
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
@@ -706,7 +716,23 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: what training.distributed_strategy shards)",
     )
     p.add_argument(
-        "--device-memory", "--device_memory", type=float, metavar="GB", help="device memory in GiB: say whether it fits"
+        "--device-memory",
+        "--device_memory",
+        "--gpu-memory",
+        "--gpu_memory",
+        type=float,
+        metavar="GB",
+        help="device memory in GiB: say whether it fits",
+    )
+    p.add_argument(
+        "--nodes", type=int, help="machines to train on: the world is nodes x --gpus-per-node; advises a layout"
+    )
+    p.add_argument("--gpus-per-node", "--gpus_per_node", type=int, default=8, help="devices per machine (default 8)")
+    p.add_argument(
+        "--advise-layout",
+        "--advise_layout",
+        action="store_true",
+        help="print the data/tensor/pipeline layout of the world size that fits --gpu-memory, and its settings",
     )
     p.add_argument(
         "--vocab-size",

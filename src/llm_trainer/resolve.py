@@ -248,15 +248,24 @@ def resolve_experiment(experiment: ExperimentConfig) -> ExperimentConfig:
     longer than the model's context fails here, before any data is prepared."""
     experiment = dataclasses.replace(experiment, training=resolve_training(experiment.training))
     seq_len = sequence_length(experiment)
-    check_layout(experiment.training, experiment.model, seq_len)
+    check_layout(experiment.training, experiment.model, seq_len, document_mask=experiment.data.document_mask)
     return experiment
 
 
-def check_layout(training: TrainingConfig, model: ModelConfig | None, seq_len: int | None) -> None:
+def check_layout(
+    training: TrainingConfig, model: ModelConfig | None, seq_len: int | None, *, document_mask: bool = False
+) -> None:
     """The device mesh's degrees against the launcher's world size, the model and the rows, before the
     process group opens or anything is allocated (`mesh.resolve_layout`); degrees not trained yet refused."""
     device_type = resolve_device(training.device).type
-    resolve_layout(training, launcher.world_size(), model=model, seq_len=seq_len, device_type=device_type)
+    resolve_layout(
+        training,
+        launcher.world_size(),
+        model=model,
+        seq_len=seq_len,
+        device_type=device_type,
+        document_mask=document_mask,
+    )
     refuse_unavailable(training)
 
 

@@ -17,6 +17,8 @@ from ..errors import UsageError
 
 # Schedules that place several (virtual) stages on each pipeline rank: the layers split into 2 x degree stages.
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# Of those, the V-shaped ones: a rank holds stage r and stage 2 x degree - 1 - r (the first rank both ends).
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 # Degrees that are validated but not trained yet: each name with what to do instead.
 NOT_AVAILABLE = {
@@ -57,11 +59,13 @@ def resolve_layout(
     model: ModelConfig | None = None,
     seq_len: int | None = None,
     device_type: str | None = None,
+    document_mask: bool = False,
 ) -> Layout:
     """The layout of `world` processes, or a UsageError naming the first setting that cannot work.
 
     `model`, `seq_len`, `device_type`: checked when given (the model's heads and layers, the rows'
-    length, the attention kernel's device); the world product and the strategy are always checked."""
+    length, the attention kernel's device); `document_mask`: data.document_mask, which context
+    parallelism's kernels cannot apply. The world product and the strategy are always checked."""
     tp, pp, cp = training.tensor_parallel_degree, training.pipeline_parallel_degree, training.context_parallel_degree
     _check_strategy(training, tp, pp, cp)
     model_parallel = tp * pp * cp
@@ -78,7 +82,7 @@ def resolve_layout(
     if seq_len is not None:
         _check_sequence(layout, seq_len)
     if cp > 1 and model is not None:
-        _check_context_kernel(model, device_type)
+        _check_context_kernel(training, model, device_type, document_mask)
     if pp > 1:
         _check_microbatches(training, layout)
     return layout
@@ -235,17 +239,31 @@ def _check_sequence(layout: Layout, seq_len: int) -> None:
         )
 
 
-def _check_context_kernel(model: ModelConfig, device_type: str | None) -> None:
-    """Context parallelism's ring attention exists for CUDA's SDPA kernels only."""
+def _check_context_kernel(
+    training: TrainingConfig, model: ModelConfig, device_type: str | None, document_mask: bool
+) -> None:
+    """Context parallelism's ring attention (`torch.distributed.tensor.experimental.context_parallel`)
+    replaces three CUDA kernels of scaled_dot_product_attention only: flash, memory-efficient and cuDNN,
+    causal and without a mask tensor. The math kernel, FlexAttention, a CPU and document masks have none."""
     if model.attention_backend != "sdpa":
         raise UsageError(
             f"training.context_parallel_degree needs model.attention_backend: sdpa (ring attention has no "
             f"{model.attention_backend} kernel); use sdpa, or context_parallel_degree: 1"
         )
+    if training.sdpa_backend == "math":
+        raise UsageError(
+            "training.context_parallel_degree needs the flash, efficient or cudnn attention kernel (ring attention "
+            "has no math kernel); set training.sdpa_backend to one of them or auto, or context_parallel_degree: 1"
+        )
+    if document_mask:
+        raise UsageError(
+            "training.context_parallel_degree cannot apply data.document_mask (ring attention takes causal "
+            "attention without a mask tensor); set document_mask: false, or context_parallel_degree: 1"
+        )
     if device_type is not None and device_type != "cuda":
         raise UsageError(
-            f"training.context_parallel_degree needs CUDA (its ring attention runs on CUDA SDPA kernels), and this run "
-            f"is on {device_type}; use context_parallel_degree: 1"
+            f"training.context_parallel_degree needs CUDA (ring attention runs on CUDA's flash, efficient and cuDNN "
+            f"attention kernels), and this run is on {device_type}; use context_parallel_degree: 1"
         )
 
 

@@ -52,6 +52,19 @@ def _block_plan(block: nn.Module) -> dict:
     return plan
 
 
+def local_parameter_count(block: nn.Module, tp: int) -> int:
+    """Elements of `block`'s parameters one of `tp` ranks holds under the plan (the estimate's count):
+    column-wise weights and biases and row-wise weights split, row-wise biases and the norms whole."""
+    plan = _block_plan(block)
+    count = 0
+    for name, param in block.named_parameters():
+        module, _, kind = name.rpartition(".")
+        style = plan.get(module)
+        split = isinstance(style, ColwiseParallel) or (isinstance(style, RowwiseParallel) and kind == "weight")
+        count += param.numel() // tp if split else param.numel()
+    return count
+
+
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     """Split `model`'s blocks over the 1-D `mesh` (the tensor-parallel ranks of one replica), in place.
     Before activation checkpointing, compile and FSDP2, which wrap what this leaves."""

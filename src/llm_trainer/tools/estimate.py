@@ -1,7 +1,9 @@
 """`llm-trainer estimate`: parameters, FLOPs and the memory of a training run, before it starts, as a
-report. The memory model is `train.memory_estimate` (how it counts, and how it is checked against the
-measured peak); `batch_size: auto`'s pick is `train.batch_size`'s. `compare` sets the estimate beside
-the measured peak of the configs it is checked on.
+report: the run's layout resolved as a run would resolve it, its per-device memory, whether it fits,
+what to change when it does not, and the layout a cluster of a given size should use
+(`tools.layout_advice`). The memory model is `train.memory_estimate` (how it counts, and how it is
+checked against the measured peak); `batch_size: auto`'s pick is `train.batch_size`'s. `compare` sets
+the estimate beside the measured peak of the configs it is checked on.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import torch
 from .. import resolve
 from ..config import ExperimentConfig, ModelConfig, TrainingConfig
 from ..errors import UsageError
-from ..parallel.mesh import refuse_unavailable, resolve_layout
+from ..parallel.mesh import Layout, resolve_layout
 from ..resolve import activation_checkpointing, sequence_length
 from ..train.batch_size import auto_batch_size, measure_peak
 from ..train.flops import count_parameters, flops_per_token
 from ..train.memory_estimate import SHARDING, GiB, configured_sharding, estimate_memory, max_batch_size
+from .layout_advice import advise_layout as advise
+from .layout_advice import format_advice
 
 
 def check_flags(
@@ -41,10 +45,27 @@ def estimate_report(
     vocab_size: int | None = None,
     batch_size: int | None = None,
     gradient_checkpointing: bool | None = None,
+    nodes: int | None = None,
+    gpus_per_node: int = 8,
+    advise_layout: bool = False,
+    config: str = "CONFIG",
 ) -> dict:
     """Everything `llm-trainer estimate` prints, as a dict (bytes and FLOPs as numbers). `world_size` and
-    `sharding` default to what the config runs (training.world_size, its distributed strategy)."""
+    `sharding` default to what the config runs (training.world_size, its distributed strategy); `nodes`
+    makes the world `nodes` x `gpus_per_node`. With `advise_layout` (or `nodes`), the layout of that
+    world that fits `device_memory_gb` (`tools.layout_advice`), launched with `config`."""
     check_flags(world_size=world_size, vocab_size=vocab_size, batch_size=batch_size, device_memory_gb=device_memory_gb)
+    for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    if nodes is not None:
+        if world_size is not None and world_size != nodes * gpus_per_node:
+            raise UsageError(
+                f"--world-size {world_size} is not --nodes {nodes} x --gpus-per-node {gpus_per_node}; give one of them"
+            )
+        world_size, advise_layout = nodes * gpus_per_node, True
+    if advise_layout and device_memory_gb is None:
+        raise UsageError("estimate: advising a layout needs the devices' memory; give --gpu-memory GiB")
     if world_size is None:
         world_size = experiment.training.world_size or 1
     if sharding is None:
@@ -60,18 +81,22 @@ def estimate_report(
     device_type = "cpu" if experiment.training.device == "cpu" else "cuda"
     training = resolve.resolve_amp(experiment.training, torch.device(device_type))
     seq_len = sequence_length(experiment)
-    # the figures below assume whole weights on every data-parallel rank: other layouts are refused, not misreported
-    resolve_layout(experiment.training, world_size, model=model_config, seq_len=seq_len)
-    refuse_unavailable(experiment.training)
-    if experiment.training.tensor_parallel_degree > 1:
-        raise UsageError(
-            f"estimate: training.tensor_parallel_degree={experiment.training.tensor_parallel_degree} splits the "
-            "weights and activations, which its figures do not count yet; estimate with tensor_parallel_degree: 1"
-        )
+    # every degree as the run would resolve it (a layout that cannot train is refused in one line); pipeline
+    # and context parallelism are counted here although training with them is not available yet
+    layout = resolve_layout(
+        experiment.training,
+        world_size,
+        model=model_config,
+        seq_len=seq_len,
+        document_mask=experiment.data.document_mask,
+    )
+    if sharding != "none" and layout.dp_shard == 1:  # ZeRO (DeepSpeed, or --sharding given) over every replica
+        layout = dataclasses.replace(layout, dp_replicate=1, dp_shard=layout.dp_replicate)
     counts = count_parameters(model_config)
     fpt = flops_per_token(model_config, seq_len)
     micro = batch_size or training.batch_size
-    tokens_per_step = micro * seq_len * training.gradient_accumulation_steps * world_size if micro != "auto" else 0
+    # the data-parallel replicas read different rows; a replica's tensor, context and pipeline ranks share them
+    tokens_per_step = micro * seq_len * training.gradient_accumulation_steps * layout.dp if micro != "auto" else 0
     if micro == "auto":  # the micro-batch the run would pick, in the memory given here
         training = dataclasses.replace(training, device_memory=device_memory_gb or training.device_memory)
         if training.device_memory is None and device_type != "cpu":
@@ -90,6 +115,7 @@ def estimate_report(
         sharding=sharding,
         gradient_checkpointing=gradient_checkpointing,
         device_type=device_type,
+        layout=layout,
     )
     report = {
         "parameters": counts.total,
@@ -101,6 +127,10 @@ def estimate_report(
         "micro_batch_size": micro,
         "world_size": world_size,
         "sharding": sharding,
+        "layout": dataclasses.asdict(layout),
+        "pipeline_bubble": mem.pipeline_bubble,
+        "pipeline_microbatches": mem.details["microbatches"],
+        "stage_parameters": mem.details["stage_parameters"],
         "precision": f"fp32 weights + autocast {training.amp_dtype}" if training.use_amp else "fp32",
         "optimizer": training.optimizer,
         "gradient_checkpointing": mem.details["checkpointing"],
@@ -132,14 +162,31 @@ def estimate_report(
             sharding=sharding,
             gradient_checkpointing=gradient_checkpointing,
             device_type=device_type,
+            layout=layout,
         )
+        if advise_layout:
+            numeric = batch_size or (training.batch_size if training.batch_size != "auto" else 1)
+            advice = advise(
+                model_config,
+                experiment.training,
+                world_size=world_size,
+                device_memory_gb=device_memory_gb,
+                seq_len=seq_len,
+                gpus_per_node=gpus_per_node,
+                batch_size=micro if isinstance(micro, int) else numeric,
+                device_type=device_type,
+            )
+            report["layout_advice"] = advice.to_dict() if advice is not None else None
+            report["layout_advice_text"] = format_advice(
+                advice, world_size=world_size, device_memory_gb=device_memory_gb, config=config
+            )
         if not report["fits"]:
             report["advice"] = _advice(
                 model_config,
                 training,
                 device_memory_gb,
                 seq_len,
-                world_size,
+                layout,
                 sharding,
                 gradient_checkpointing,
                 device_type,
@@ -148,10 +195,10 @@ def estimate_report(
     return report
 
 
-def _advice(
-    model_config, training, device_gb, seq_len, world_size, sharding, checkpointing, device_type, max_micro
-) -> str:
-    """What to change so it fits: a smaller micro-batch, checkpointing, then sharding over more devices."""
+def _advice(model_config, training, device_gb, seq_len, layout, sharding, checkpointing, device_type, max_micro) -> str:
+    """What to change so it fits: a smaller micro-batch, checkpointing, then data-parallel sharding over
+    more devices (`--nodes` advises tensor and pipeline degrees too: tools/layout_advice.py)."""
+    world_size = layout.world_size
     tips = []
     if max_micro:
         tips.append(f"training.batch_size={max_micro} (raise gradient_accumulation_steps to keep the tokens per step)")
@@ -159,7 +206,7 @@ def _advice(
     kwargs = dict(seq_len=seq_len, batch_size=1, device_type=device_type)
     if not (checkpointing or activation_checkpointing(training)):
         if estimate_memory(
-            model_config, training, world_size=world_size, sharding=sharding, gradient_checkpointing=True, **kwargs
+            model_config, training, sharding=sharding, gradient_checkpointing=True, layout=layout, **kwargs
         ).fits(device_gb):
             return "training.gradient_checkpointing=true with a small training.batch_size"
     # The fewest devices first: the world size given with more sharding than given, then powers of two
@@ -174,7 +221,10 @@ def _advice(
                 ).fits(device_gb):
                     extra = " with gradient checkpointing" if recompute and not already else ""
                     return f"distributed: --world-size {world} --sharding {mode}{extra}"
-    return "does not fit even when sharded over 512 devices; use a smaller model"
+    return (
+        "does not fit even when sharded over 512 devices; use a smaller model, or see --nodes N for tensor and "
+        "pipeline parallel layouts"
+    )
 
 
 def _padding(report: dict) -> str:
@@ -190,6 +240,13 @@ def format_report(report: dict) -> str:
         f"vocab_size        {report['vocab_size']:,} ({report['vocab_source']}){_padding(report)}",
         f"sequence          {report['seq_len']} tokens, micro-batch {report['micro_batch_size']}, "
         f"world size {report['world_size']}, sharding {report['sharding']}",
+        f"mesh              {Layout(**report['layout']).describe()}"
+        + (
+            f"; pipeline bubble {report['pipeline_bubble']:.0%} ({report['pipeline_microbatches']} micro-batches), "
+            f"throughput x {1 - report['pipeline_bubble']:.2f}; the largest stage below"
+            if report["layout"]["pp"] > 1
+            else ""
+        ),
         f"precision         {report['precision']}, optimizer {report['optimizer']}, "
         f"gradient checkpointing {'on' if report['gradient_checkpointing'] else 'off'}",
         f"FLOPs per token   {report['flops_per_token']:.4g} (6N + attention)",
@@ -217,6 +274,8 @@ def format_report(report: dict) -> str:
         )
         if report.get("advice"):
             lines.append(f"to fit: {report['advice']}")
+    if report.get("layout_advice_text"):
+        lines.append(report["layout_advice_text"])
     return "\n".join(lines)
 
 

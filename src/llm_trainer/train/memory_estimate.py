@@ -19,8 +19,10 @@ Everything here follows how *this* trainer runs a model, so the numbers can be c
   iterates, the Gram matrices and the fp32 result: 6.7 S bytes measured on a CPU, 7 S counted here.
 * **Activations**, per token and layer, are the tensors autograd saves for our blocks (pre-norm):
   the block input and the mid-block residual (fp32, for the norms; RMSNorm also keeps its normalised
-  fp32 input), the inputs of the attention and MLP projections, the q/k/v outputs, the rotary q/k (LLaMA), the
-  attention output (flash / memory-efficient attention: no T x T matrix is kept; bf16 on a CPU: the softmax
+  fp32 input), the inputs of the attention and MLP projections (under amp one 16-bit copy per projection
+  that reads them: autocast casts an activation anew for each matmul), q, k and v as attention reads them
+  (with rope: the rotated q and k, not the projections' outputs; with qk_norm also the norms' fp32
+  inputs), the attention output (flash / memory-efficient attention: no T x T matrix is kept; bf16 on a CPU: the softmax
   over the keys, see model._explicit_attention), the MLP hidden
   (GELU/SiLU: input and output; SwiGLU: the gate/up pair, SiLU output and product; ReLU: the output
   only) and dropout masks when dropout > 0 (one byte on CUDA, the activation's size on CPU). The
@@ -43,9 +45,19 @@ Checked against measurement (tests/test_estimate_measured.py, `train/memory_prob
 real training steps on a CPU (resident memory with glibc serving tensors by mmap) for two widths, with
 and without gradient checkpointing, AdamW and Muon; on CUDA the same check reads
 `torch.cuda.max_memory_allocated` (bench/gpu.sh runs it).
-* **Sharding** over `world_size` devices: `zero1` shards optimizer state, `zero2` also gradients,
-  `fsdp` (= ZeRO-3) also parameters (plus two gathered blocks in flight, fp32, the way our trainer
-  keeps weights). Activations are per device: `training.batch_size` is the per-device micro-batch.
+* **Sharding** over the data-parallel shard x context ranks (all `world_size` devices without a
+  layout): `zero1` shards optimizer state, `zero2` also gradients, `fsdp` (= ZeRO-3) also parameters,
+  plus what FSDP2 keeps gathered: two blocks in flight and the root (embeddings, final norm, head)
+  from forward to backward, in bf16 under amp (its mixed-precision policy: then no autocast copies).
+  Activations are per device: `training.batch_size` is each data-parallel rank's micro-batch.
+* **Tensor parallelism** (parallel/tensor_parallel.py's plan) divides each block's matrices by the
+  degree, column-wise biases too, row-wise biases and norms whole; embeddings and head stay whole.
+  Sequence parallelism divides every block activation by it except the projections' inputs, which
+  attention and the MLP gather whole. **Context parallelism** divides each device's tokens by its
+  degree. **Pipeline parallelism** gives each rank n_layers / degree blocks, the embeddings to the
+  first stage and the final norm and head to the last (a tied head: a copy of its own), cuts the
+  micro-batch into `pipeline_parallel_microbatches`, and under 1F1B the first stage holds one per
+  stage in flight; the figures are the largest stage's, and `pipeline_bubble` is its idle fraction.
 
 * **bf16 kernels on a CPU**: the first bf16 matmul (autocast, or Muon's orthogonalization) leaves
   about 16 MB resident for the rest of the process, at any width; counted where a step runs one.
@@ -69,7 +81,7 @@ import torch
 
 from .. import resolve
 from ..config import ModelConfig, TrainingConfig
-from ..parallel.mesh import strategy_of
+from ..parallel.mesh import MULTI_STAGE_SCHEDULES, V_SCHEDULES, Layout, strategy_of
 from ..resolve import activation_checkpointing
 from .flops import count_parameters
 
@@ -92,6 +104,14 @@ def _act_bytes(training: TrainingConfig) -> int:
     return 2 if training.use_amp else 4
 
 
+def _projection_inputs(c: ModelConfig, training: TrainingConfig) -> int:
+    """How many copies of a block's normalised input the projections save, per block: one for attention
+    and one for the MLP, unless autocast casts it separately for each projection that reads it."""
+    if not training.use_amp:
+        return 2
+    return 3 + (2 if c.activation == "swiglu" else 1)
+
+
 def activation_bytes_per_token(
     model_config: ModelConfig, training: TrainingConfig, device_type: str = "cuda", seq_len: int | None = None
 ) -> dict[str, float]:
@@ -105,10 +125,12 @@ def activation_bytes_per_token(
     norm_extra = d * 4 if c.norm == "rmsnorm" else 0  # RMSNorm also keeps its normalised fp32 input
     layer = 0.0
     layer += 2 * (d * r + stats + norm_extra)  # the two norms (block input, mid-block residual)
-    layer += 2 * d * a  # inputs of the attention and MLP projections (the norms' outputs, 16-bit under amp)
-    layer += (d + 2 * kv) * a  # q, k, v outputs (saved by attention)
-    if c.position_embedding == "rope":
-        layer += (d + kv) * a  # rotated q and k
+    # inputs of the attention and MLP projections (the norms' outputs): one tensor each in fp32; under amp
+    # autocast casts it anew for every projection that reads it (q, k, v; SwiGLU's gate and up)
+    layer += _projection_inputs(c, training) * d * a
+    layer += (d + 2 * kv) * a  # q, k, v as attention reads them (with rope: the rotated q and k only)
+    if c.qk_norm:  # each head's RMSNorm keeps its fp32 input and rstd (autocast runs it in fp32)
+        layer += (d + kv) * 4 + (c.n_heads + c.n_kv_heads) * 4
     if device_type == "cpu" and training.use_amp and training.amp_dtype == "bfloat16":
         # bf16 on a CPU: attention written out (model._explicit_attention) keeps each head's softmax over the
         # keys, in float32 for its backward and in bf16 for the product with v
@@ -120,8 +142,18 @@ def activation_bytes_per_token(
     if c.dropout > 0:
         layer += 2 * d * mask  # the two residual dropouts
     embedding = 8 + (d * (1 if device_type == "cuda" else 4) if c.dropout > 0 else 0)  # ids (int64), mask
-    final = d * r + stats + norm_extra + d * a  # final norm and the head's input
-    return {"per_layer": layer, "embedding": embedding + final, "head": 4 * c.vocab_size}
+    final_norm = d * r + stats + norm_extra  # the final norm's input (split along the sequence under TP)
+    return {
+        "per_layer": layer,
+        # tensor parallelism gathers the projections' inputs whole (attention and the MLP read every
+        # position); every other tensor of a block is split: by heads, hidden units or positions
+        "per_layer_whole": _projection_inputs(c, training) * d * a,
+        "embedding": embedding + final_norm + d * a,  # ids, masks, final norm and the head's (whole) input
+        "inputs": embedding,
+        "final_norm": final_norm,
+        "head_input": d * a,
+        "head": 4 * c.vocab_size,
+    }
 
 
 @dataclass
@@ -140,6 +172,8 @@ class MemoryEstimate:
     tokens_per_micro_batch: int
     world_size: int = 1
     sharding: str = "none"
+    layout: Layout = field(default_factory=Layout)
+    pipeline_bubble: float = 0.0  # the schedule's idle fraction: throughput is (1 - bubble) of the devices'
     workspace_bytes: float = 0.0  # cuBLAS workspaces (CUDA), bf16 kernels (CPU)
     details: dict = field(default_factory=dict)
 
@@ -167,81 +201,196 @@ def estimate_memory(
     sharding: str = "none",
     gradient_checkpointing: bool | None = None,
     device_type: str = "cuda",
+    layout: Layout | None = None,
 ) -> MemoryEstimate:
-    """Per-device memory of one training step of our trainer (see the module docstring for the model)."""
+    """Per-device memory of one training step of our trainer (see the module docstring for the model), on
+    the device that holds the most: with pipeline parallelism, the largest stage.
+
+    `layout` gives every degree (then `world_size` is its product); without it the `world_size` devices
+    are data parallel, sharded as `sharding` says. Sharded state is split over the data-parallel shard
+    and context-parallel ranks together (torchtitan's FSDP mesh); `batch_size` is each data-parallel
+    rank's micro-batch, which a pipeline cuts into `training.pipeline_parallel_microbatches`."""
     training = _precision(training, device_type)
     if sharding not in SHARDING:
         raise ValueError(f"sharding must be one of {', '.join(SHARDING)}, got {sharding!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if layout is None:
+        layout = Layout(dp_shard=world_size) if sharding != "none" else Layout(dp_replicate=world_size)
     c = model_config.resolved()
     seq_len = int(seq_len or c.max_seq_len)
     batch_size = int(batch_size or training.batch_size)
     checkpointing = activation_checkpointing(training) if gradient_checkpointing is None else gradient_checkpointing
     counts = count_parameters(c)
     n = counts.total
-    w = world_size if sharding != "none" else 1
+    w = layout.dp_shard * layout.cp if sharding != "none" else 1
+    sharded_params = sharding == "fsdp" and w > 1
+    microbatches = (training.pipeline_parallel_microbatches or layout.pp) if layout.pp > 1 else 1
+    bubble = pipeline_bubble(layout.pp, microbatches, training.pipeline_parallel_schedule)
 
-    params = 4.0 * n / (w if sharding == "fsdp" else 1)
-    grads = 4.0 * n / (w if sharding in ("zero2", "fsdp") else 1)
     muon_n, muon_group = _muon_matrices(c, training) if training.optimizer == "muon" else (0, 0)
     states = {"adamw": 2, "adam": 2, "muon": 2, "sgd": 1 if training.sgd_momentum else 0}[training.optimizer]
-    optimizer = 4.0 * (states * n - muon_n) / w  # every sharding mode shards optimizer state; Muon: one for matrices
-    if sharding == "fsdp" and w > 1:
-        params += 2 * 4.0 * counts.per_block  # two fp32 blocks gathered at a time (current + prefetch)
-    amp_copies = 2.0 * counts.matmul_weights if training.use_amp else 0.0
-
     tokens = batch_size * seq_len
+    micro_tokens = tokens / microbatches / layout.cp  # one pipeline micro-batch's positions on this device
     per_token = activation_bytes_per_token(c, training, device_type, seq_len)
-    block_input = c.d_model * 4  # what a checkpointed block keeps (fp32)
-    layers = c.n_layers * (block_input if checkpointing else per_token["per_layer"])
-    head_grad = 4.0 * counts.head / (w if sharding in ("zero2", "fsdp") else 1)
-    head_saved, head_peak = _head_bytes(c, training, tokens, head_grad)
-    activations = tokens * (layers + per_token["embedding"]) + head_saved
-    if training.optimizer == "muon":
-        optimizer_temp = 15.0 * muon_group  # updates + their stack + orthogonalize (see the docstring)
-    elif training.optimizer == "sgd" and states:
-        optimizer_temp = 4.0 * n / w  # the foreach step's temporary
-    else:
-        optimizer_temp = 0.0  # fused AdamW/Adam
-
+    tp = layout.tp
+    block_input = c.d_model * 4 / tp  # what a checkpointed block keeps (fp32; split along the sequence under TP)
+    per_layer = per_token["per_layer_whole"] + (per_token["per_layer"] - per_token["per_layer_whole"]) / tp
     workspace = CUBLAS_WORKSPACES_BYTES if device_type == "cuda" else 0.0
     if device_type == "cpu" and (
         (training.use_amp and training.amp_dtype == "bfloat16") or training.optimizer == "muon"
     ):
         workspace = CPU_BF16_KERNELS_BYTES
-    steady = params + optimizer + workspace
-    phases = {
-        "forward_backward": steady + amp_copies + activations + head_peak + head_grad,
-        # each block's 16-bit weight copies are freed by its own backward, as its gradients appear
-        "end_of_backward": steady + grads + (2.0 * counts.block_matmul_weights if training.use_amp else 0.0),
-        "optimizer_step": steady + grads + optimizer_temp,
-    }
-    if checkpointing:  # the lowest block rebuilt, beside all gradients
-        phases["recompute"] = steady + grads + tokens * (block_input + per_token["per_layer"] + per_token["embedding"])
-    peak_phase = max(phases, key=phases.get)
+
+    results = []
+    for stage in _stages(c, layout, training.pipeline_parallel_schedule):
+        params = 4.0 * stage.params / (w if sharding == "fsdp" else 1)
+        grads = 4.0 * stage.params / (w if sharding in ("zero2", "fsdp") else 1)
+        # every sharding mode shards optimizer state; Muon: one state for the matrices
+        optimizer = 4.0 * (states * stage.params - muon_n) / w
+        if sharded_params:
+            # FSDP2 gathers two blocks at a time (current + prefetch) and keeps the root's (embeddings, final
+            # norm, head) gathered from forward to backward, in the autocast dtype under its mixed-precision
+            # policy: the forward then runs on those copies, and autocast makes no others
+            gathered_bytes = 2.0 if training.use_amp else 4.0
+            params += gathered_bytes * (2 * stage.block + stage.params - stage.layers * stage.block)
+            amp_copies = 0.0
+        else:
+            amp_copies = 2.0 * stage.matmul_weights if training.use_amp else 0.0
+        # 1F1B: the first stage holds as many micro-batches as there are stages, the last one at a time
+        in_flight = min(microbatches, layout.pp) if stage.first else 1
+        layers = stage.layers * (block_input if checkpointing else per_layer)
+        head_grad = 4.0 * stage.head / (w if sharding in ("zero2", "fsdp") else 1)
+        head_saved, head_peak = _head_bytes(c, training, int(micro_tokens), head_grad) if stage.head else (0.0, 0.0)
+        ends = (per_token["inputs"] if stage.first else 0.0) + (
+            per_token["final_norm"] / tp + per_token["head_input"] if stage.head else 0.0
+        )
+        activations = in_flight * micro_tokens * (layers + ends) + head_saved
+        if training.optimizer == "muon":
+            optimizer_temp = 15.0 * muon_group  # updates + their stack + orthogonalize (see the docstring)
+        elif training.optimizer == "sgd" and states:
+            optimizer_temp = 4.0 * stage.params / w  # the foreach step's temporary
+        else:
+            optimizer_temp = 0.0  # fused AdamW/Adam
+        steady = params + optimizer + workspace
+        phases = {
+            "forward_backward": steady + amp_copies + activations + head_peak + head_grad,
+            # each block's 16-bit weight copies are freed by its own backward, as its gradients appear
+            "end_of_backward": steady + grads + (2.0 * stage.block_matmul_weights if training.use_amp else 0.0),
+            "optimizer_step": steady + grads + optimizer_temp,
+        }
+        if checkpointing:  # the lowest block rebuilt, beside all gradients
+            rebuilt = block_input + per_layer + ends
+            phases["recompute"] = steady + grads + in_flight * micro_tokens * rebuilt
+        peak_phase = max(phases, key=phases.get)
+        results.append(
+            dict(
+                peak=phases[peak_phase],
+                stage=stage,
+                phases=phases,
+                peak_phase=peak_phase,
+                params=params,
+                grads=grads,
+                optimizer=optimizer,
+                amp_copies=amp_copies,
+                activations=activations,
+                head_peak=head_peak,
+                optimizer_temp=optimizer_temp,
+            )
+        )
+    largest = max(results, key=lambda r: r["peak"])
     return MemoryEstimate(
         parameters=n,
-        params_bytes=params,
-        grads_bytes=grads,
-        optimizer_bytes=optimizer,
-        amp_weight_copies_bytes=amp_copies,
-        activations_bytes=activations,
-        head_peak_bytes=head_peak,
-        optimizer_temp_bytes=optimizer_temp,
-        peak_bytes=phases[peak_phase],
+        params_bytes=largest["params"],
+        grads_bytes=largest["grads"],
+        optimizer_bytes=largest["optimizer"],
+        amp_weight_copies_bytes=largest["amp_copies"],
+        activations_bytes=largest["activations"],
+        head_peak_bytes=largest["head_peak"],
+        optimizer_temp_bytes=largest["optimizer_temp"],
+        peak_bytes=largest["peak"],
         tokens_per_micro_batch=tokens,
-        world_size=world_size,
+        world_size=layout.world_size,
         sharding=sharding,
+        layout=layout,
+        pipeline_bubble=bubble,
         workspace_bytes=workspace,
         details={
-            "phases": phases,
-            "peak_phase": peak_phase,
+            "phases": largest["phases"],
+            "peak_phase": largest["peak_phase"],
             "checkpointing": checkpointing,
             "per_token": per_token,
             "optimizer_states_per_param": states,
+            "stage_parameters": [r["stage"].params for r in results],  # on one device, before sharding
+            "peak_stage": results.index(largest),
+            "microbatches": microbatches,
         },
     )
+
+
+def pipeline_bubble(pp: int, microbatches: int, schedule: str) -> float:
+    """The fraction of a step each pipeline stage idles: (pp - 1) / (m + pp - 1) for 1F1B and GPipe; a
+    schedule with two stages per rank (interleaved, V-shaped) cuts each micro-batch's stage time in two,
+    (pp - 1) / (2 m + pp - 1); the zero-bubble schedules fill part of even that."""
+    if pp == 1:
+        return 0.0
+    per_rank = 2 if schedule in MULTI_STAGE_SCHEDULES else 1
+    return (pp - 1) / (per_rank * microbatches + pp - 1)
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """The parameters one pipeline rank holds (elements, after tensor parallelism, before sharding)."""
+
+    params: int
+    layers: int
+    block: int  # one block's parameters
+    block_matmul_weights: int
+    matmul_weights: int
+    head: int  # the output head's weight, on the last stage
+    first: bool  # holds the embeddings (and so the most micro-batches in flight under 1F1B)
+
+
+def _stages(c: ModelConfig, layout: Layout, schedule: str) -> list[_Stage]:
+    """The distinct pipeline ranks' shares: blocks split by layer, the embeddings on the first stage, the
+    final norm and head on the last (a tied head: its own copy there). V-shaped schedules put the first
+    and last stages on one rank. Tensor parallelism splits the blocks as its plan does; the rest whole."""
+    from .flops import meta_model
+
+    model = meta_model(c)
+    block = model.blocks[0]
+    whole_block = sum(p.numel() for p in block.parameters())
+    if layout.tp > 1:
+        from ..parallel.tensor_parallel import local_parameter_count
+
+        per_block = local_parameter_count(block, layout.tp)
+    else:
+        per_block = whole_block
+    block_matmul = sum(m.weight.numel() for m in block.modules() if isinstance(m, torch.nn.Linear)) // layout.tp
+    inputs = model.tok_emb.weight.numel() + (model.pos_emb.weight.numel() if model.pos_emb is not None else 0)
+    head = model.lm_head.weight.numel()
+    tied = model.lm_head.weight is model.tok_emb.weight
+    total = sum(p.numel() for p in model.parameters())
+    rest = total - c.n_layers * whole_block - inputs - (0 if tied else head)  # the final norm
+    layers = c.n_layers // layout.pp
+
+    def stage(first: bool, last: bool) -> _Stage:
+        ends = (inputs if first else 0) + (rest + head if last else 0) - (head if first and last and tied else 0)
+        return _Stage(
+            params=layers * per_block + ends,
+            layers=layers,
+            block=per_block,
+            block_matmul_weights=block_matmul,
+            matmul_weights=layers * block_matmul + (head if last else 0),
+            head=head if last else 0,
+            first=first,
+        )
+
+    if layout.pp == 1:
+        return [stage(True, True)]
+    if schedule in V_SCHEDULES:
+        return [stage(True, True), stage(False, False)]
+    return [stage(True, False), stage(False, True)]
 
 
 def _head_bytes(c: ModelConfig, training: TrainingConfig, tokens: int, head_grad: float) -> tuple[float, float]:
