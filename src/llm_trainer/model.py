@@ -270,7 +270,13 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token ids (B, T) -> next-token logits (B, T, V)."""
+    """Token ids (B, T) -> next-token logits (B, T, V).
+
+    A pipeline stage is this model with the parts another stage owns removed: `blocks` holds the
+    stage's layers only, and `tok_emb` (with `pos_emb`) is None after the first stage, `norm` and
+    `lm_head` None before the last. The forward then starts from the previous stage's hidden states
+    (B, T, C) where there is no embedding, and returns its blocks' output where there is no head.
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -434,7 +440,10 @@ class Transformer(nn.Module):
         select: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The head's logits (B, T, V), or (N, V) of `select`, soft-capped where the config says so."""
-        logits = self.lm_head(self._hidden(input_ids, cache, doc_ids, given, select))
+        hidden = self._hidden(input_ids, cache, doc_ids, given, select)
+        if self.lm_head is None:  # a pipeline stage before the last: its hidden states
+            return hidden
+        logits = self.lm_head(hidden)
         if self.config.logit_softcap is not None:
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits / cap)
@@ -449,7 +458,7 @@ class Transformer(nn.Module):
         select: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The final norm's output (B, T, C), or (N, C) of `select`: what the head reads."""
-        B, T = input_ids.shape
+        B, T = input_ids.shape[:2]  # a later pipeline stage: the hidden states (B, T, C)
         start = cache.length if cache is not None else 0
         if given is None and start + T > self.config.max_seq_len:
             limit = self.config.max_seq_len
@@ -467,15 +476,18 @@ class Transformer(nn.Module):
                 doc_mask, positions = document_block_mask(doc_ids), document_positions(doc_ids)
             else:
                 doc_mask, positions = document_attention(doc_ids)  # (B, 1, T, T) bool, (B, T) int64
-        x = self.tok_emb(input_ids)  # (B, T, C)
-        if self.pos_emb is not None:
-            if positions is None:
-                x = x + self.pos_emb(torch.arange(start, start + T, device=input_ids.device))  # (T, C) broadcast
-            else:
-                x = x + self.pos_emb(positions)  # (B, T, C)
-        x = self.drop(x)
+        if self.tok_emb is None:  # a later pipeline stage
+            x = input_ids
+        else:
+            x = self.tok_emb(input_ids)  # (B, T, C)
+            if self.pos_emb is not None:
+                if positions is None:
+                    x = x + self.pos_emb(torch.arange(start, start + T, device=input_ids.device))  # (T, C) broadcast
+                else:
+                    x = x + self.pos_emb(positions)  # (B, T, C)
+            x = self.drop(x)
         rope = None
-        if self.pos_emb is None:
+        if self.config.position_embedding == "rope":
             if positions is None:
                 rope = (
                     self.rope_cos[start : start + T, None],
@@ -492,4 +504,4 @@ class Transformer(nn.Module):
             cache.length = start + T
         if select is not None:
             x = x[select]  # (N, C): only the positions asked for
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)

@@ -247,6 +247,12 @@ def resolve_experiment(experiment: ExperimentConfig) -> ExperimentConfig:
     experiment = dataclasses.replace(experiment, training=resolve_training(experiment.training))
     seq_len = sequence_length(experiment)
     check_layout(experiment.training, experiment.model, seq_len)
+    pp = experiment.training.pipeline_parallel_degree
+    if pp > 1 and experiment.data.document_mask:
+        raise UsageError(
+            f"data.document_mask does not run under pipeline_parallel_degree={pp} yet (the stages pass hidden "
+            "states only); set document_mask: false, or the degree to 1"
+        )
     return experiment
 
 

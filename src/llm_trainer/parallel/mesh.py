@@ -20,7 +20,6 @@ MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"
 
 # Degrees that are validated but not trained yet: each name with what to do instead.
 NOT_AVAILABLE = {
-    "pipeline_parallel_degree": "pipeline parallelism",
     "context_parallel_degree": "context parallelism",
 }
 
@@ -89,7 +88,11 @@ def strategy_of(training: TrainingConfig) -> str:
     degree is given (torchtitan's `data_parallel_shard_degree: -1` included), else ddp."""
     if training.distributed_strategy != "auto":
         return training.distributed_strategy
-    sharded = training.data_parallel_shard_degree not in (None, 1) or training.tensor_parallel_degree > 1
+    sharded = (
+        training.data_parallel_shard_degree not in (None, 1)
+        or training.tensor_parallel_degree > 1
+        or training.pipeline_parallel_degree > 1
+    )
     return "fsdp" if sharded else "ddp"
 
 
@@ -123,15 +126,21 @@ def _check_strategy(training: TrainingConfig, tp: int, pp: int, cp: int) -> None
                     f"training.{name} does not apply to distributed_strategy deepspeed (its zero_optimization stage "
                     "decides what is sharded); remove it"
                 )
-    if tp > 1 and strategy_of(training) != "fsdp" and strategy != "deepspeed":
+    for name, degree in (("tensor_parallel_degree", tp), ("pipeline_parallel_degree", pp)):
+        if degree > 1 and strategy_of(training) != "fsdp" and strategy != "deepspeed":
+            raise UsageError(
+                f"training.{name}={degree} composes with FSDP2 only (DDP would average the ranks' different "
+                f"parts); set distributed_strategy: fsdp (or auto), or {name}: 1"
+            )
+        if degree > 1 and training.eval_tasks:
+            raise UsageError(
+                f"training.eval_tasks (downstream evaluation during training) does not run under "
+                f"{name}={degree} yet; remove it and evaluate the checkpoints with `llm-trainer eval`"
+            )
+    if pp > 1 and training.layer_stats_steps:
         raise UsageError(
-            f"training.tensor_parallel_degree={tp} composes with FSDP2 only (DDP would sum the ranks' different "
-            f"shards); set distributed_strategy: fsdp (or auto), or tensor_parallel_degree: 1"
-        )
-    if tp > 1 and training.eval_tasks:
-        raise UsageError(
-            f"training.eval_tasks (downstream evaluation during training) does not run under "
-            f"tensor_parallel_degree={tp} yet; remove it and evaluate the checkpoints with `llm-trainer eval`"
+            f"training.layer_stats_steps does not run under pipeline_parallel_degree={pp} yet (each stage holds "
+            "other layers); remove it, or set the degree to 1"
         )
     if (tp > 1 or pp > 1 or cp > 1) and training.optimizer == "muon":
         raise UsageError(
@@ -206,13 +215,23 @@ def _check_model(training: TrainingConfig, layout: Layout, model: ModelConfig) -
             f"training.tensor_parallel_degree={tp} needs model.dropout and model.attention_dropout 0 (the ranks of "
             "one replica would draw different masks for the same activations); set them to 0, or the degree to 1"
         )
-    stages = layout.pp * (2 if training.pipeline_parallel_schedule in MULTI_STAGE_SCHEDULES else 1)
+    if layout.pp > 1 and model.tie_embeddings:
+        raise UsageError(
+            f"training.pipeline_parallel_degree={layout.pp} puts the embedding on the first stage and the output "
+            "head on the last, which cannot share one weight; set model.tie_embeddings: false"
+        )
+    stages = stage_count(training, layout.pp)
     if model.n_layers % stages:
         each = "" if stages == layout.pp else f" ({training.pipeline_parallel_schedule}: 2 stages per rank)"
         raise UsageError(
             f"training.pipeline_parallel_degree={layout.pp} splits model.n_layers ({model.n_layers}) into {stages} "
             f"stages{each}, which does not divide it; use a degree that divides the layers"
         )
+
+
+def stage_count(training: TrainingConfig, pp: int) -> int:
+    """Pipeline stages the layers split into: one per pipeline rank, two with a multi-stage schedule."""
+    return pp * (2 if training.pipeline_parallel_schedule in MULTI_STAGE_SCHEDULES else 1)
 
 
 def _check_sequence(layout: Layout, seq_len: int) -> None:

@@ -1,0 +1,48 @@
+"""Pipeline parallelism (`torch.distributed.pipelining`): 2 CPU processes with gloo, one stage each (or
+two, interleaved). Every rank of the pipeline reads the same batch, so PP=2 must equal one process over
+several steps, with gradient accumulation and clipping; its DCP checkpoints resume in one process."""
+
+import pytest
+import torch
+
+from test_distributed import _assert_same_run, _single, _torchrun, _train_rows
+from test_distributed import workdir as workdir  # the experiment's corpus and config
+from test_tensor_parallel import _initial_weights_of
+
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available"),
+    pytest.mark.slow,  # several processes per test: the full tier only
+]
+
+LLAMA = ("model.n_kv_heads=2", "model.d_ff=96")
+GPT2 = ("model.architecture=gpt2", "model.n_heads=2", "model.n_kv_heads=2", "model.tie_embeddings=false")
+STEPS = (
+    "training.gradient_accumulation_steps=2",
+    "training.batch_size=4",
+    "training.max_grad_norm=0.05",
+)
+
+
+@pytest.mark.parametrize(
+    ("arch", "schedule"),
+    [(LLAMA, "1F1B"), (GPT2, "GPipe"), (LLAMA + ("model.n_layers=4",), "Interleaved1F1B")],
+    ids=["llama-1f1b", "gpt2-gpipe", "llama-interleaved"],
+)
+def test_pipeline_equals_one_process(workdir, arch, schedule):
+    """The same losses, validation losses and gradient norms as one process, with accumulation (two
+    schedule steps per optimizer step, each of two micro-batches) and a clip that bites."""
+    init = _initial_weights_of(workdir, arch)
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    result = _torchrun(
+        workdir,
+        "training.output_dir=pp",
+        "parallelism.pipeline_parallel_degree=2",
+        f"parallelism.pipeline_parallel_schedule={schedule}",
+        f"model.init_from={init}",
+        *STEPS,
+    )
+    assert "mesh: dp_replicate=1 x dp_shard=1 x pp=2 x cp=1 x tp=1" in result.stderr
+    _assert_same_run(workdir / "single", workdir / "pp")
+    assert _train_rows(workdir / "pp", "grad_norm") == pytest.approx(
+        _train_rows(workdir / "single", "grad_norm"), rel=1e-5
+    )
