@@ -5,7 +5,7 @@ several steps, with gradient accumulation and clipping; its DCP checkpoints resu
 import pytest
 import torch
 
-from test_distributed import _assert_same_run, _single, _torchrun, _train_rows
+from test_distributed import _assert_same_run, _interrupted_at, _losses, _single, _torchrun, _train_rows
 from test_distributed import workdir as workdir  # the experiment's corpus and config
 from test_tensor_parallel import _initial_weights_of
 
@@ -46,3 +46,33 @@ def test_pipeline_equals_one_process(workdir, arch, schedule):
     assert _train_rows(workdir / "pp", "grad_norm") == pytest.approx(
         _train_rows(workdir / "single", "grad_norm"), rel=1e-5
     )
+
+
+def test_pipeline_checkpoints_resume_in_one_process_and_in_the_pipeline(workdir):
+    """PP=2's DCP checkpoint of step 3 (each stage's weights and optimizer state under the whole model's
+    names) resumes in one process and at PP=2 again: steps 4-6 equal the uninterrupted run. One process's
+    whole checkpoint is refused at PP=2 in one line."""
+    init = _initial_weights_of(workdir, LLAMA)
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    pp = ("parallelism.pipeline_parallel_degree=2", f"model.init_from={init}", *STEPS)
+    _torchrun(workdir, "training.output_dir=pp", *pp)
+    _interrupted_at(workdir, "pp", 3, "two_to_one")
+    _single(
+        workdir,
+        "training.output_dir=two_to_one",
+        f"model.init_from={init}",
+        *STEPS,
+        "training.resume_from_checkpoint=latest",
+    )
+    _interrupted_at(workdir, "pp", 3, "two_to_two")
+    _torchrun(workdir, "training.output_dir=two_to_two", *pp, "training.resume_from_checkpoint=latest")
+    train, val = _losses(workdir / "single")
+    for run in ("two_to_one", "two_to_two"):
+        resumed_train, resumed_val = _losses(workdir / run)
+        assert resumed_train == pytest.approx(train[3:], rel=1e-5)
+        assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+    _interrupted_at(workdir, "single", 3, "one_to_two")
+    refused = _torchrun(
+        workdir, "training.output_dir=one_to_two", *pp, "training.resume_from_checkpoint=latest", check=False
+    )
+    assert refused.returncode != 0 and "does not resume under pipeline_parallel_degree > 1 yet" in refused.stderr
