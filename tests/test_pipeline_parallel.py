@@ -25,12 +25,17 @@ STEPS = (
 
 @pytest.mark.parametrize(
     ("arch", "schedule"),
-    [(LLAMA, "1F1B"), (GPT2, "GPipe"), (LLAMA + ("model.n_layers=4",), "Interleaved1F1B")],
-    ids=["llama-1f1b", "gpt2-gpipe", "llama-interleaved"],
+    [
+        (LLAMA, "1F1B"),
+        (GPT2, "GPipe"),
+        (LLAMA + ("model.n_layers=4",), "Interleaved1F1B"),  # stages 0, 2 on rank 0; 1, 3 on rank 1
+        (LLAMA + ("model.n_layers=4",), "ZBVZeroBubble"),  # stages 0, 3 on rank 0; 1, 2 on rank 1
+    ],
+    ids=["llama-1f1b", "gpt2-gpipe", "llama-interleaved", "llama-zbv"],
 )
 def test_pipeline_equals_one_process(workdir, arch, schedule):
     """The same losses, validation losses and gradient norms as one process, with accumulation (two
-    schedule steps per optimizer step, each of two micro-batches) and a clip that bites."""
+    schedule steps per optimizer step, each of one micro-batch per stage) and a clip that bites."""
     init = _initial_weights_of(workdir, arch)
     _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
     result = _torchrun(
@@ -76,3 +81,35 @@ def test_pipeline_checkpoints_resume_in_one_process_and_in_the_pipeline(workdir)
         workdir, "training.output_dir=one_to_two", *pp, "training.resume_from_checkpoint=latest", check=False
     )
     assert refused.returncode != 0 and "does not resume under pipeline_parallel_degree > 1 yet" in refused.stderr
+
+
+def test_pipeline_by_fsdp_equals_one_process_and_resumes_in_one(workdir):
+    """A 2 x 2 mesh (FSDP2 over dp_shard within each stage, PP over pp) equals one process; its step-3
+    checkpoint resumes in one process with the uninterrupted run's losses."""
+    init = _initial_weights_of(workdir, LLAMA)
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    result = _torchrun(
+        workdir,
+        "training.output_dir=mesh",
+        "parallelism.pipeline_parallel_degree=2",
+        f"model.init_from={init}",
+        "training.gradient_accumulation_steps=2",
+        "training.batch_size=2",
+        "training.max_grad_norm=0.05",
+        nproc=4,
+    )
+    assert "mesh: dp_replicate=1 x dp_shard=2 x pp=2 x cp=1 x tp=1" in result.stderr
+    assert "effective batch 8 = 2 x 2 accumulation x 2 replica(s) of 4 processes (fsdp)" in result.stderr
+    _assert_same_run(workdir / "single", workdir / "mesh")
+    _interrupted_at(workdir, "mesh", 3, "as_one")
+    _single(
+        workdir,
+        "training.output_dir=as_one",
+        f"model.init_from={init}",
+        *STEPS,
+        "training.resume_from_checkpoint=latest",
+    )
+    train, val = _losses(workdir / "single")
+    resumed_train, resumed_val = _losses(workdir / "as_one")
+    assert resumed_train == pytest.approx(train[3:], rel=1e-5)
+    assert resumed_val == pytest.approx(val[1:], rel=1e-5)

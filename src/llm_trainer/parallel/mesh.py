@@ -263,13 +263,18 @@ def _check_context_kernel(model: ModelConfig, device_type: str | None) -> None:
         )
 
 
+def microbatch_count(training: TrainingConfig, pp: int) -> int:
+    """The micro-batches a pipeline splits each batch into: as given, or one per stage."""
+    return training.pipeline_parallel_microbatches or stage_count(training, pp)
+
+
 def _check_microbatches(training: TrainingConfig, layout: Layout) -> None:
     """Each pipeline stage needs micro-batches to overlap; they split batch_size rows evenly."""
-    count = training.pipeline_parallel_microbatches or layout.pp
-    if count < layout.pp:
+    count, stages = microbatch_count(training, layout.pp), stage_count(training, layout.pp)
+    if count < stages:
         raise UsageError(
-            f"training.pipeline_parallel_microbatches={count} is fewer than the {layout.pp} pipeline stages; "
-            f"use at least {layout.pp}"
+            f"training.pipeline_parallel_microbatches={count} is fewer than the {stages} pipeline stages; "
+            f"use at least {stages}"
         )
     if training.batch_size % count:
         raise UsageError(

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..config import TrainingConfig
-from .mesh import MULTI_STAGE_SCHEDULES, stage_count
+from .mesh import MULTI_STAGE_SCHEDULES, microbatch_count, stage_count
 
 # Schedules whose two stages per rank go down and back up (rank r holds stages r and 2 * pp - 1 - r);
 # the other multi-stage schedules loop (rank r holds stages r and r + pp).
@@ -86,16 +86,48 @@ def split_model(
 
 def build_schedule(config: TrainingConfig, stages: list[tuple[int, nn.Module]], group, device: torch.device, loss_fn):
     """The `torch.distributed.pipelining` schedule `config.pipeline_parallel_schedule` over this rank's
-    `stages`, each batch split into `pipeline_parallel_microbatches` (default: one per pipeline rank)."""
+    `stages`, each batch split into `pipeline_parallel_microbatches` (default: one per stage)."""
     from torch.distributed import pipelining
 
     pp = group.size()
     n_stages = stage_count(config, pp)
     pipeline_stages = [pipelining.PipelineStage(module, s, n_stages, device, group=group) for s, module in stages]
     schedule_class = getattr(pipelining, f"Schedule{config.pipeline_parallel_schedule}")
-    microbatches = config.pipeline_parallel_microbatches or pp
+    microbatches = microbatch_count(config, pp)
     # the loss is scaled by the loop (per target token of the whole step), so the schedule must not
     # divide the gradients by the micro-batch count again
     if config.pipeline_parallel_schedule in MULTI_STAGE_SCHEDULES:
         return schedule_class(pipeline_stages, microbatches, loss_fn=loss_fn, scale_grads=False)
     return schedule_class(pipeline_stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def stage_owners(schedule: str, pp: int) -> dict[int, int]:
+    """{stage index: the pipeline rank that runs it}."""
+    return {s: rank for rank in range(pp) for s in stages_of_rank(schedule, pp, rank)}
+
+
+@torch.no_grad()
+def forward_only(stages: dict[int, nn.Module], owners: dict[int, int], group, inputs: torch.Tensor, width: int):
+    """The last stage's output (logits) for `inputs` (B, T), on the rank that runs the last stage (None
+    on the others): the stages one after another, the whole batch at once, each handing its hidden
+    states (B, T, `width`, sent as float32) to the next stage's rank.
+
+    Evaluation takes this path, not the schedule's: the zero-bubble schedules cannot run forward only,
+    and a schedule's buffers are sized for the training batch's shape."""
+    import torch.distributed as dist
+
+    me = group.rank()
+    x = inputs
+    shape = (*inputs.shape[:2], width)
+    for s in range(len(owners)):
+        owner = owners[s]
+        before = owners.get(s - 1, owner)
+        if owner != me:
+            if before == me:  # the previous stage ran here: hand its output over
+                dist.send(x.float().contiguous(), dist.get_global_rank(group, owner), group=group)
+            continue
+        if before != me:
+            x = torch.empty(shape, dtype=torch.float32, device=inputs.device)
+            dist.recv(x, dist.get_global_rank(group, before), group=group)
+        x = stages[s](x)
+    return x if owners[len(owners) - 1] == me else None

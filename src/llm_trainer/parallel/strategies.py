@@ -238,7 +238,7 @@ class Pipeline(FSDP):
 
     def __init__(self, module: nn.Module, optimizer, *, stages, group, config, **kwargs):
         from .mesh import stage_count
-        from .pipeline_parallel import build_schedule
+        from .pipeline_parallel import build_schedule, stage_owners
 
         super().__init__(module, module, optimizer, **kwargs)
         self.group = group
@@ -247,28 +247,35 @@ class Pipeline(FSDP):
         self.is_last = any(s == n_stages - 1 for s, _ in stages)
         self._scale: torch.Tensor | float = 1.0
         self._nll: dict[int, torch.Tensor] = {}  # each loss the schedule backpropagates: its summed nll
-        # the shape of a training batch (rows, length): the stages' buffers are sized for it on the first
-        # step, so evaluation's batches are cut and padded to it
-        self._shape = [config.batch_size, None]
+        self.stages = dict(stages)
+        self.owners = stage_owners(config.pipeline_parallel_schedule, group.size())
         self.schedule = build_schedule(config, stages, group, self.device, self._loss)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one pipeline micro-batch: its summed negative log-likelihood (kept for
         the step's loss), scaled for the backward as the loop scales it."""
-        nll = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
+        nll = _summed_nll(logits, targets)
         loss = self.scaler.scale(nll * self._scale)
         self._nll[id(loss)] = nll.detach()
         return loss
 
-    def _run(self, run, inputs: torch.Tensor, targets: torch.Tensor, **options) -> torch.Tensor:
-        """`run` (the schedule's step or eval) over one batch; its summed loss, on every pipeline rank.
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, scale, autocast) -> torch.Tensor:
+        """Forward and backward of one batch (B rows) through the pipeline, split into the schedule's
+        micro-batches; the loss each micro-batch's backward starts from is its summed nll times `scale`.
+        Returns the batch's summed nll (detached, float32), the same on every rank of the pipeline.
+
         The schedule also calls the loss function while it sets itself up (the first step): only the
         micro-batches' losses it returns in `losses` count."""
+        self._scale = scale
         self._nll.clear()
-        args, losses = ((inputs,) if self.is_first else ()), []
-        run(*args, target=targets if self.is_last else None, losses=losses, **options)
+        losses: list[torch.Tensor] = []
+        with autocast:
+            self.schedule.step(
+                *((inputs,) if self.is_first else ()),
+                target=targets if self.is_last else None,
+                losses=losses,
+                return_outputs=False,
+            )
         total = torch.zeros((), device=self.device)
         for loss in losses:
             total += self._nll[id(loss)]
@@ -276,29 +283,17 @@ class Pipeline(FSDP):
         torch.distributed.all_reduce(total, group=self.group)  # only the last stage holds it
         return total
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, scale, autocast) -> torch.Tensor:
-        """Forward and backward of one batch (B rows) through the pipeline, split into the schedule's
-        micro-batches; the loss each micro-batch's backward starts from is its summed nll times `scale`.
-        Returns the batch's summed nll (detached, float32), the same on every rank of the pipeline."""
-        self._scale = scale
-        self._shape[1] = inputs.shape[1]
-        with autocast:
-            return self._run(self.schedule.step, inputs, targets, return_outputs=False)
-
     @torch.no_grad()
     def eval_nll(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The summed nll of one batch, forward only, on every rank of the pipeline: in pieces of a
-        training batch's rows, a short piece (or row) padded with positions no target counts at."""
-        self._scale = 1.0
-        rows, length = self._shape
-        length = length or inputs.shape[1]
+        """The summed nll of one batch, forward only (`pipeline_parallel.forward_only`), on every rank of
+        the pipeline."""
+        from .pipeline_parallel import forward_only
+
+        logits = forward_only(self.stages, self.owners, self.group, inputs, self.module.config.d_model)
         total = torch.zeros((), device=self.device)
-        for start in range(0, len(inputs), rows):
-            x, y = inputs[start : start + rows], targets[start : start + rows]
-            pad = (0, length - x.shape[1], 0, rows - x.shape[0])  # after the text: causal attention never sees it
-            x = torch.nn.functional.pad(x, pad, value=0)
-            y = torch.nn.functional.pad(y, pad, value=IGNORE_INDEX)
-            total += self._run(self.schedule.eval, x, y)
+        if logits is not None:
+            total += _summed_nll(logits, targets)
+        torch.distributed.all_reduce(total, group=self.group)  # only the last stage holds it
         return total
 
     def parameter_count(self) -> int:
@@ -405,6 +400,13 @@ class DeepSpeed(Parallelism):
                 f"process(es), or start a new run from its weights with model.init_from={path}"
             )
         deepspeed_engine.load(self.engine, parts["files"])
+
+
+def _summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed -log p(target) in float32 of a pipeline's last stage's logits (B, T, V)."""
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def _fused_step_where(optimizer: torch.optim.Optimizer, finite: torch.Tensor, step) -> None:
