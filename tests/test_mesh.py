@@ -104,6 +104,22 @@ def test_the_degrees_left_go_to_data_parallelism_as_the_strategy_says(world, tra
         (4, {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "ZBVZeroBubble"}, 32, "2 stages per rank"),
         (2, {"pipeline_parallel_degree": 2, "batch_size": 3}, 32, "equal micro-batches"),
         (2, {"pipeline_parallel_degree": 2, "pipeline_parallel_microbatches": 1}, 32, "fewer than the 2 pipeline"),
+        (
+            2,
+            {"pipeline_parallel_degree": 2, "batch_size": "auto", "total_batch_tokens": 1024},
+            32,
+            "batch_size auto does not run under",
+        ),
+        (
+            2,
+            {
+                "pipeline_parallel_degree": 2,
+                "pipeline_parallel_schedule": "DualPipeV",
+                "pipeline_parallel_microbatches": 2,
+            },
+            32,
+            "fewer than the 4 pipeline stages",
+        ),
         (2, {"context_parallel_degree": 2}, 30, "divisible by 2 x 2"),
         (2, {"context_parallel_degree": 2}, 32, "needs CUDA"),
         (2, {"data_parallel_shard_degree": 2, "distributed_strategy": "ddp"}, 32, "needs distributed_strategy: fsdp"),
@@ -153,6 +169,8 @@ def test_estimate_refuses_layouts_it_cannot_account_for():
         report(6, tensor_parallel_degree=3)
     with pytest.raises(UsageError, match="which its figures do not count yet"):
         report(2, tensor_parallel_degree=2)
+    with pytest.raises(UsageError, match="pipeline_parallel_degree=2 splits the weights"):
+        report(2, pipeline_parallel_degree=2)
 
 
 def test_context_parallelism_needs_the_sdpa_kernel():

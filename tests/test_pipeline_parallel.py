@@ -113,3 +113,18 @@ def test_pipeline_by_fsdp_equals_one_process_and_resumes_in_one(workdir):
     resumed_train, resumed_val = _losses(workdir / "as_one")
     assert resumed_train == pytest.approx(train[3:], rel=1e-5)
     assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+
+
+def test_a_fresh_pipeline_starts_from_the_weights_fsdp_draws(workdir):
+    """Without model.init_from each stage draws the whole model's parameters in order and keeps its own:
+    PP=2 and FSDP on 2 processes (the same global batch) train alike from the first step."""
+    steps = ("training.max_steps=2", "training.eval_steps=2", "training.save_steps=2")
+    _torchrun(
+        workdir, "training.output_dir=pp", "parallelism.pipeline_parallel_degree=2", "training.batch_size=4", *steps
+    )
+    _torchrun(
+        workdir, "training.output_dir=fsdp", "training.distributed_strategy=fsdp", "training.batch_size=2", *steps
+    )
+    (pp_train, pp_val), (fsdp_train, fsdp_val) = _losses(workdir / "pp"), _losses(workdir / "fsdp")
+    assert len(pp_train) == 2 and pp_train == pytest.approx(fsdp_train, rel=1e-5)
+    assert pp_val == pytest.approx(fsdp_val, rel=1e-5)

@@ -9,14 +9,16 @@ The whole model is built (on the meta device, or loaded), then each rank keeps w
                 the final norm and the head on the rank of the last. Its parameter names are the whole
                 model's (`blocks.3.attn.q.weight`), so the optimizer, DCP checkpoints and resumes at
                 another layout see the names of every other layout.
-    stages      one module per stage: the same model object's parts again (shallow copies of the rank
-                view, sharing its parameters and buffers), with only that stage's layers. Each is
-                handed to a `PipelineStage`.
+    stages      one module per stage: shallow copies of the model, sharing its parameters and buffers
+                (materialising or moving the rank view fills them all), each with only that stage's
+                layers and ends. Each is handed to a `PipelineStage`.
 
 The embedding and the head live on different ranks, so they cannot be one tied weight (refused in
 `mesh`). The last stage's output is the logits; the loss (summed negative log-likelihood, scaled as the
 loop scales every backend's) is computed there by the schedule, which splits each batch into
-`pipeline_parallel_microbatches` micro-batches.
+`pipeline_parallel_microbatches` micro-batches. A micro-batch's logits exist whole on the last stage
+(the schedule hands the stage's output to the loss function), not chunk by chunk as the model's own
+`targets=` forward computes them.
 """
 
 from __future__ import annotations

@@ -459,11 +459,12 @@ def estimate_report(
     # the figures below assume whole weights on every data-parallel rank: other layouts are refused, not misreported
     resolve_layout(experiment.training, world_size, model=model_config, seq_len=seq_len)
     refuse_unavailable(experiment.training)
-    if experiment.training.tensor_parallel_degree > 1:
-        raise UsageError(
-            f"estimate: training.tensor_parallel_degree={experiment.training.tensor_parallel_degree} splits the "
-            "weights and activations, which its figures do not count yet; estimate with tensor_parallel_degree: 1"
-        )
+    for name in ("tensor_parallel_degree", "pipeline_parallel_degree"):
+        if getattr(experiment.training, name) > 1:
+            raise UsageError(
+                f"estimate: training.{name}={getattr(experiment.training, name)} splits the weights and "
+                f"activations, which its figures do not count yet; estimate with {name}: 1"
+            )
     counts = count_parameters(model_config)
     fpt = flops_per_token(model_config, seq_len)
     micro = batch_size or training.batch_size
