@@ -83,8 +83,16 @@ def test_pipeline_checkpoints_resume_in_one_process_and_in_the_pipeline(workdir)
     assert refused.returncode != 0 and "does not resume under pipeline_parallel_degree > 1 yet" in refused.stderr
 
 
-def test_pipeline_by_fsdp_equals_one_process_and_resumes_in_one(workdir):
-    """A 2 x 2 mesh (FSDP2 over dp_shard within each stage, PP over pp) equals one process; its step-3
+@pytest.mark.parametrize(
+    ("other", "batch_size", "mesh"),
+    [
+        ((), 2, "dp_replicate=1 x dp_shard=2 x pp=2 x cp=1 x tp=1"),  # FSDP2 within each stage: 2 replicas
+        (("parallelism.tensor_parallel_degree=2",), 4, "dp_replicate=1 x dp_shard=1 x pp=2 x cp=1 x tp=2"),
+    ],
+    ids=["fsdp", "tp"],
+)
+def test_pipeline_on_a_2x2_mesh_equals_one_process_and_resumes_in_one(workdir, other, batch_size, mesh):
+    """PP x FSDP2 and PP x TP on 4 processes equal one process with the same global batch; the step-3
     checkpoint resumes in one process with the uninterrupted run's losses."""
     init = _initial_weights_of(workdir, LLAMA)
     _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
@@ -92,15 +100,18 @@ def test_pipeline_by_fsdp_equals_one_process_and_resumes_in_one(workdir):
         workdir,
         "training.output_dir=mesh",
         "parallelism.pipeline_parallel_degree=2",
+        *other,
         f"model.init_from={init}",
         "training.gradient_accumulation_steps=2",
-        "training.batch_size=2",
+        f"training.batch_size={batch_size}",
         "training.max_grad_norm=0.05",
         nproc=4,
     )
-    assert "mesh: dp_replicate=1 x dp_shard=2 x pp=2 x cp=1 x tp=1" in result.stderr
-    assert "effective batch 8 = 2 x 2 accumulation x 2 replica(s) of 4 processes (fsdp)" in result.stderr
+    assert f"mesh: {mesh}" in result.stderr
     _assert_same_run(workdir / "single", workdir / "mesh")
+    assert _train_rows(workdir / "mesh", "grad_norm") == pytest.approx(
+        _train_rows(workdir / "single", "grad_norm"), rel=1e-5
+    )
     _interrupted_at(workdir, "mesh", 3, "as_one")
     _single(
         workdir,

@@ -192,6 +192,10 @@ def parallelize(
         from .pipeline_parallel import split_model
 
         model, stages = split_model(model, config, pp, mesh["pp"].get_local_rank())
+        if tp > 1:
+            from .tensor_parallel import split_at_stage_ends
+
+            split_at_stage_ends([stage for _, stage in stages], mesh["tp"])
     common = dict(dist=dist, device=device, amp_dtype=amp_dtype)
     fsdp = dist.strategy == "fsdp" and (tp * pp == 1 or mesh["dp_replicate", "dp_shard"].size() > 1)  # not TP/PP alone
     if fsdp:
