@@ -83,9 +83,9 @@ def apply_fsdp(
     roots: list[nn.Module] | None = None,
 ) -> None:
     """FSDP2: shard each block, then the root (`roots`: each pipeline stage's), over the mesh's
-    data-parallel dimensions. Strategies map
-    onto FSDP2 options and meshes: full_shard (reshard after forward), shard_grad_op (keep params
-    gathered until backward), hybrid_shard (2-D: replicate across nodes, shard within a node)."""
+    data-parallel dimensions. Strategies map onto FSDP2 options and meshes: full_shard (reshard after
+    forward), shard_grad_op (keep params gathered until backward), hybrid_shard (2-D: replicate across
+    nodes, shard within a node)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     mesh = mesh["dp_replicate", "dp_shard"] if config.fsdp_sharding == "hybrid_shard" else mesh["dp_shard"]
@@ -96,19 +96,18 @@ def apply_fsdp(
         fully_shard(block, **options)
     for root in roots or [model]:
         fully_shard(root, **options)
-    if (
-        hasattr(model, "extend") and not roots
-    ):  # evaluation's forward with given positions and mask gathers the root's weights too
+    # evaluation's forward with given positions and mask gathers the root's weights too (not a pipeline's)
+    if hasattr(model, "extend") and not roots:
         register_fsdp_forward_method(model, "extend")
 
 
-def materialize(model: nn.Module, device: torch.device, every: list[tuple[str, torch.Size]] | None = None) -> None:
+def materialize(model: nn.Module, device: torch.device, every: list[tuple[str, torch.Tensor]] | None = None) -> None:
     """Allocate a meta-device model's (sharded) storage on `device` and initialise it there.
 
     Each parameter is drawn as one full tensor from the shared seed and this rank keeps its shard:
     the weights equal a single-process initialisation at any world size (sharded random ops would
     not: on CPU meshes every rank would draw the same shard). One parameter at a time bounds memory.
-    `every`: the whole model's parameters (name, shape) in order, where `model` holds some of them (a
+    `every`: the whole model's (meta) parameters by name, in order, where `model` holds some of them (a
     pipeline stage): the others are drawn too, and dropped, so each one's values are the whole model's.
     """
     head = getattr(getattr(model, "lm_head", None), "weight", None)
@@ -121,9 +120,9 @@ def materialize(model: nn.Module, device: torch.device, every: list[tuple[str, t
         return
     with torch.no_grad():
         held = dict(model.named_parameters())
-        for name, shape in every or [(name, None) for name in held]:
+        for name, like in every or held.items():
             if name not in held:
-                model.init_weight(name, torch.empty(shape, device=device))
+                model.init_weight(name, torch.empty_like(like, device=device))
                 continue
             param = held[name]
             if _is_dtensor(param):
@@ -186,7 +185,7 @@ def parallelize(
     if config.compile and dist.strategy != "deepspeed":
         apply_compile(model, per_block=dist.strategy == "fsdp")
     on_meta = any(p.is_meta for p in model.parameters())
-    every = [(name, p.shape) for name, p in model.named_parameters()] if pp > 1 else None
+    every = list(model.named_parameters()) if pp > 1 and on_meta else None
     stages = None
     if pp > 1:
         from .pipeline_parallel import split_model
