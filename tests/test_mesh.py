@@ -77,7 +77,7 @@ def test_misspelled_and_conflicting_parallelism_keys_are_one_message(tmp_path):
             },
             Layout(dp_replicate=2, dp_shard=2, tp=2),
         ),
-        (4, {"pipeline_parallel_degree": 2, "batch_size": 4}, Layout(dp_replicate=2, pp=2)),
+        (4, {"pipeline_parallel_degree": 2, "batch_size": 4}, Layout(dp_shard=2, pp=2)),  # fsdp (auto)
     ],
 )
 def test_the_degrees_left_go_to_data_parallelism_as_the_strategy_says(world, training, expected):
@@ -105,6 +105,22 @@ def test_the_degrees_left_go_to_data_parallelism_as_the_strategy_says(world, tra
         (4, {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "ZBVZeroBubble"}, 32, "2 stages per rank"),
         (2, {"pipeline_parallel_degree": 2, "batch_size": 3}, 32, "equal micro-batches"),
         (2, {"pipeline_parallel_degree": 2, "pipeline_parallel_microbatches": 1}, 32, "fewer than the 2 pipeline"),
+        (
+            2,
+            {"pipeline_parallel_degree": 2, "batch_size": "auto", "total_batch_tokens": 1024},
+            32,
+            "batch_size auto does not run under",
+        ),
+        (
+            2,
+            {
+                "pipeline_parallel_degree": 2,
+                "pipeline_parallel_schedule": "DualPipeV",
+                "pipeline_parallel_microbatches": 2,
+            },
+            32,
+            "fewer than the 4 pipeline stages",
+        ),
         (2, {"context_parallel_degree": 2}, 30, "divisible by 2 x 2"),
         (2, {"context_parallel_degree": 2}, 32, "needs CUDA"),
         (2, {"data_parallel_shard_degree": 2, "distributed_strategy": "ddp"}, 32, "needs distributed_strategy: fsdp"),
@@ -216,7 +232,17 @@ def _train(tmp_path, monkeypatch, capsys, world: int, *overrides: str) -> tuple[
         (4, ["--parallelism.tensor_parallel_degree", "3"], "does not divide the 4 process(es)"),
         (2, ["training.tensor_model_parallel_size=2", "model.n_kv_heads=1"], "does not divide model.n_kv_heads (1)"),
         (2, ["parallelism.context_parallel_degree=2"], "needs CUDA"),
-        (2, ["parallelism.pipeline_parallel_degree=2"], "pipeline parallelism is not available yet"),
+        (2, ["parallelism.pipeline_parallel_degree=2", "model.n_layers=3"], "splits model.n_layers (3) into 2"),
+        (2, ["parallelism.pipeline_parallel_degree=2", "model.tie_embeddings=true"], "model.tie_embeddings: false"),
+        (2, ["parallelism.pipeline_parallel_degree=2", "training.distributed_strategy=ddp"], "composes with FSDP2"),
+        (2, ["parallelism.pipeline_parallel_degree=2", "parallelism.pipeline_parallel_microbatches=1"], "fewer than"),
+        (2, ["parallelism.pipeline_parallel_degree=2", "training.layer_stats_steps=2"], "layer_stats_steps does not"),
+        (2, ["parallelism.pipeline_parallel_degree=2", "data.document_mask=true"], "document_mask does not run"),
+        (
+            2,
+            ["parallelism.pipeline_parallel_degree=2", "training.distributed_strategy=deepspeed"],
+            "pipeline_parallel_degree=2 cannot run under distributed_strategy deepspeed",
+        ),
         (2, ["parallelism.tensor_parallel_degree=2", "training.distributed_strategy=ddp"], "composes with FSDP2 only"),
         (2, ["parallelism.tensor_parallel_degree=2", "model.dropout=0.1"], "needs model.dropout and"),
         (

@@ -285,7 +285,13 @@ def _padded_rows(module: nn.Embedding | nn.Linear, rows: int) -> nn.Embedding | 
 
 
 class Transformer(nn.Module):
-    """Token ids (B, T) -> next-token logits (B, T, V)."""
+    """Token ids (B, T) -> next-token logits (B, T, V).
+
+    A pipeline stage is this model with the parts another stage owns removed: `blocks` holds the
+    stage's layers only, and `tok_emb` (with `pos_emb`) is None after the first stage, `norm` and
+    `lm_head` None before the last. The forward then starts from the previous stage's hidden states
+    (B, T, C) where there is no embedding, and returns its blocks' output where there is no head.
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -463,10 +469,12 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """The head's logits (B, T, V), or (N, V) of `select`, soft-capped where the config says so: the
         real vocabulary's columns only. The head multiplies its padding rows too (an aligned matmul)
-        and their columns are cut from the result, so no padded id is ever sampled or scored."""
-        logits = real_columns(
-            self.lm_head(self._hidden(input_ids, cache, doc_ids, given, select)), self.config.vocab_size
-        )
+        and their columns are cut from the result, so no padded id is ever sampled or scored. A pipeline
+        stage before the last has no head: its hidden states (B, T, C)."""
+        hidden = self._hidden(input_ids, cache, doc_ids, given, select)
+        if self.lm_head is None:
+            return hidden
+        logits = real_columns(self.lm_head(hidden), self.config.vocab_size)
         logits = logits.contiguous()  # a plain (.., V) tensor for callers that reshape it with .view
         if self.config.logit_softcap is not None:
             cap = self.config.logit_softcap
@@ -482,7 +490,7 @@ class Transformer(nn.Module):
         select: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The final norm's output (B, T, C), or (N, C) of `select`: what the head reads."""
-        B, T = input_ids.shape
+        B, T = input_ids.shape[:2]  # a later pipeline stage: the hidden states (B, T, C)
         start = cache.length if cache is not None else 0
         if given is None and start + T > self.config.max_seq_len:
             limit = self.config.max_seq_len
@@ -500,15 +508,18 @@ class Transformer(nn.Module):
                 doc_mask, positions = document_block_mask(doc_ids), document_positions(doc_ids)
             else:
                 doc_mask, positions = document_attention(doc_ids)  # (B, 1, T, T) bool, (B, T) int64
-        x = self.tok_emb(input_ids)  # (B, T, C)
-        if self.pos_emb is not None:
-            if positions is None:
-                x = x + self.pos_emb(torch.arange(start, start + T, device=input_ids.device))  # (T, C) broadcast
-            else:
-                x = x + self.pos_emb(positions)  # (B, T, C)
-        x = self.drop(x)
+        if self.tok_emb is None:  # a later pipeline stage
+            x = input_ids
+        else:
+            x = self.tok_emb(input_ids)  # (B, T, C)
+            if self.pos_emb is not None:
+                if positions is None:
+                    x = x + self.pos_emb(torch.arange(start, start + T, device=input_ids.device))  # (T, C) broadcast
+                else:
+                    x = x + self.pos_emb(positions)  # (B, T, C)
+            x = self.drop(x)
         rope = None
-        if self.pos_emb is None:
+        if self.config.position_embedding == "rope":
             if positions is None:
                 rope = (
                     self.rope_cos[start : start + T, None],
@@ -525,4 +536,4 @@ class Transformer(nn.Module):
             cache.length = start + T
         if select is not None:
             x = x[select]  # (N, C): only the positions asked for
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)

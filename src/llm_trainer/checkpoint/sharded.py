@@ -88,8 +88,17 @@ def _metadata_bytes(metadata: Metadata) -> bytes:
     return buffer.getvalue()
 
 
+# The optimizer state as DCP saves it: each parameter's settings under its own name
+# (`optimizer.param_groups.<name>.lr`), so ranks that hold different parameters (pipeline stages) each
+# save their own, and a run at another layout reads every parameter's back.
+FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    return {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer, options=FLAT_OPTIMIZER),
+    }
 
 
 class SafeReader(FileSystemReader):
@@ -535,13 +544,16 @@ def load_sharded(
     model that is not sharded (one process, DDP), the whole of each tensor. `store`: the URL of the
     `sharded/` folder whose DCP files the local `directory` does not hold."""
     state = {"model": get_model_state_dict(model)}
-    _refuse_fused(model, directory, store)
+    records = _reader(directory, store).read_metadata().state_dict_metadata
+    _refuse_fused(model, directory, records)
+    # checkpoints written before the optimizer state was saved per parameter keep one list of groups
+    options = FLAT_OPTIMIZER if any(name.startswith("optimizer.param_groups.") for name in records) else None
     if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=options)
     _load(state, directory, no_dist=not torch.distributed.is_initialized(), store=store)
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
 
 
 def load_whole(
@@ -565,22 +577,25 @@ def load_whole(
     set_optimizer_state_dict(model, optimizer, state, options=options)
 
 
-def _fused_records(model: nn.Module, directory: Path, store: str | None = None) -> dict[str, tuple[int, ...]]:
-    """The model tensors a sharded checkpoint records under the old fused names (`fused_projections`),
-    with their shapes; empty for a checkpoint of the present layout."""
+def _reader(directory: Path, store: str | None = None):
+    """The checked reader of a sharded checkpoint's `sharded/` folder (`directory`), or of its store copy."""
+    return SafeReader(str(directory)) if store is None else StoreReader(store, FolderFiles.of(Path(directory).parent))
+
+
+def _fused_records(model: nn.Module, records: dict) -> dict[str, tuple[int, ...]]:
+    """The model tensors a sharded checkpoint's DCP `records` hold under the old fused names
+    (`fused_projections`), with their shapes; empty for a checkpoint of the present layout."""
     config = getattr(model, "config", None)
     if not isinstance(config, ModelConfig):
         return {}
-    reader = SafeReader(str(directory)) if store is None else StoreReader(store, FolderFiles.of(Path(directory).parent))
-    records = reader.read_metadata().state_dict_metadata
     names = {fqn[len("model.") :]: record for fqn, record in records.items() if fqn.startswith("model.")}
     fused = [name for name in names if is_fused([name], config)]
     return {name: tuple(getattr(names[name], "size", ())) for name in fused}
 
 
-def _refuse_fused(model: nn.Module, directory: Path, store: str | None) -> None:
+def _refuse_fused(model: nn.Module, directory: Path, records: dict) -> None:
     """Resuming needs the optimizer state per matrix, which an old sharded checkpoint keeps per fused one."""
-    if _fused_records(model, directory, store):
+    if _fused_records(model, records):
         checkpoint = Path(directory).parent
         raise CheckpointError(
             f"{checkpoint} was saved when attention's q, k, v (and SwiGLU's gate, up) were one matrix and cannot "
@@ -593,7 +608,7 @@ def consolidate(checkpoint: Path, model: nn.Module) -> dict[str, torch.Tensor]:
     """The full model weights of a sharded checkpoint, read in one process into `model`'s layout (an old
     checkpoint's fused projections read whole, then cut into their parts)."""
     directory = Path(checkpoint) / SHARDED_DIR
-    fused = _fused_records(model, directory)
+    fused = _fused_records(model, _reader(directory).read_metadata().state_dict_metadata)
     present = {k: v for k, v in model.state_dict().items()}
     if fused:
         present = {k: v for k, v in present.items() if k not in split_fused_shapes(fused, model.config)}

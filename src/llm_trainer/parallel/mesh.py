@@ -22,7 +22,6 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 # Degrees that are validated but not trained yet: each name with what to do instead.
 NOT_AVAILABLE = {
-    "pipeline_parallel_degree": "pipeline parallelism",
     "context_parallel_degree": "context parallelism",
 }
 
@@ -65,7 +64,7 @@ def resolve_layout(
 
     `model`, `seq_len`, `device_type`: checked when given (the model's heads and layers, the rows'
     length, the attention kernel's device); `document_mask`: data.document_mask, which context
-    parallelism's kernels cannot apply. The world product and the strategy are always checked."""
+    parallelism's kernels and the pipeline's stages cannot apply. The world product and the strategy are always checked."""
     tp, pp, cp = training.tensor_parallel_degree, training.pipeline_parallel_degree, training.context_parallel_degree
     _check_strategy(training, tp, pp, cp)
     model_parallel = tp * pp * cp
@@ -85,6 +84,11 @@ def resolve_layout(
         _check_context_kernel(training, model, device_type, document_mask)
     if pp > 1:
         _check_microbatches(training, layout)
+        if document_mask:
+            raise UsageError(
+                f"data.document_mask does not run under pipeline_parallel_degree={pp} yet (the stages pass hidden "
+                "states only); set document_mask: false, or the degree to 1"
+            )
     return layout
 
 
@@ -93,7 +97,11 @@ def strategy_of(training: TrainingConfig) -> str:
     degree is given (torchtitan's `data_parallel_shard_degree: -1` included), else ddp."""
     if training.distributed_strategy != "auto":
         return training.distributed_strategy
-    sharded = training.data_parallel_shard_degree not in (None, 1) or training.tensor_parallel_degree > 1
+    sharded = (
+        training.data_parallel_shard_degree not in (None, 1)
+        or training.tensor_parallel_degree > 1
+        or training.pipeline_parallel_degree > 1
+    )
     return "fsdp" if sharded else "ddp"
 
 
@@ -127,20 +135,26 @@ def _check_strategy(training: TrainingConfig, tp: int, pp: int, cp: int) -> None
                     f"training.{name} does not apply to distributed_strategy deepspeed (its zero_optimization stage "
                     "decides what is sharded); remove it"
                 )
-    if tp > 1 and strategy_of(training) != "fsdp" and strategy != "deepspeed":
+    for name, degree in (("tensor_parallel_degree", tp), ("pipeline_parallel_degree", pp)):
+        if degree > 1 and strategy_of(training) != "fsdp" and strategy != "deepspeed":
+            raise UsageError(
+                f"training.{name}={degree} composes with FSDP2 only (DDP would average the ranks' different "
+                f"parts); set distributed_strategy: fsdp (or auto), or {name}: 1"
+            )
+        if degree > 1 and training.eval_tasks:
+            raise UsageError(
+                f"training.eval_tasks (downstream evaluation during training) does not run under "
+                f"{name}={degree} yet; remove it and evaluate the checkpoints with `llm-trainer eval`"
+            )
+    if pp > 1 and training.layer_stats_steps:
         raise UsageError(
-            f"training.tensor_parallel_degree={tp} composes with FSDP2 only (DDP would sum the ranks' different "
-            f"shards); set distributed_strategy: fsdp (or auto), or tensor_parallel_degree: 1"
+            f"training.layer_stats_steps does not run under pipeline_parallel_degree={pp} yet (each stage holds "
+            "other layers); remove it, or set the degree to 1"
         )
     if tp > 1 and training.float8:
         raise UsageError(
             f"training.float8 with tensor_parallel_degree={tp} is not available yet (its float8 layers need their "
             "own tensor-parallel plan); use one of them"
-        )
-    if tp > 1 and training.eval_tasks:
-        raise UsageError(
-            f"training.eval_tasks (downstream evaluation during training) does not run under "
-            f"tensor_parallel_degree={tp} yet; remove it and evaluate the checkpoints with `llm-trainer eval`"
         )
     if (tp > 1 or pp > 1 or cp > 1) and training.optimizer == "muon":
         raise UsageError(
@@ -215,13 +229,23 @@ def _check_model(training: TrainingConfig, layout: Layout, model: ModelConfig) -
             f"training.tensor_parallel_degree={tp} needs model.dropout and model.attention_dropout 0 (the ranks of "
             "one replica would draw different masks for the same activations); set them to 0, or the degree to 1"
         )
-    stages = layout.pp * (2 if training.pipeline_parallel_schedule in MULTI_STAGE_SCHEDULES else 1)
+    if layout.pp > 1 and model.tie_embeddings:
+        raise UsageError(
+            f"training.pipeline_parallel_degree={layout.pp} puts the embedding on the first stage and the output "
+            "head on the last, which cannot share one weight; set model.tie_embeddings: false"
+        )
+    stages = stage_count(training, layout.pp)
     if model.n_layers % stages:
         each = "" if stages == layout.pp else f" ({training.pipeline_parallel_schedule}: 2 stages per rank)"
         raise UsageError(
             f"training.pipeline_parallel_degree={layout.pp} splits model.n_layers ({model.n_layers}) into {stages} "
             f"stages{each}, which does not divide it; use a degree that divides the layers"
         )
+
+
+def stage_count(training: TrainingConfig, pp: int) -> int:
+    """Pipeline stages the layers split into: one per pipeline rank, two with a multi-stage schedule."""
+    return pp * (2 if training.pipeline_parallel_schedule in MULTI_STAGE_SCHEDULES else 1)
 
 
 def _check_sequence(layout: Layout, seq_len: int) -> None:
@@ -267,13 +291,23 @@ def _check_context_kernel(
         )
 
 
+def microbatch_count(training: TrainingConfig, pp: int) -> int:
+    """The micro-batches a pipeline splits each batch into: as given, or one per stage."""
+    return training.pipeline_parallel_microbatches or stage_count(training, pp)
+
+
 def _check_microbatches(training: TrainingConfig, layout: Layout) -> None:
     """Each pipeline stage needs micro-batches to overlap; they split batch_size rows evenly."""
-    count = training.pipeline_parallel_microbatches or layout.pp
-    if count < layout.pp:
+    count, stages = microbatch_count(training, layout.pp), stage_count(training, layout.pp)
+    if count < stages:
         raise UsageError(
-            f"training.pipeline_parallel_microbatches={count} is fewer than the {layout.pp} pipeline stages; "
-            f"use at least {layout.pp}"
+            f"training.pipeline_parallel_microbatches={count} is fewer than the {stages} pipeline stages; "
+            f"use at least {stages}"
+        )
+    if training.batch_size == "auto":
+        raise UsageError(
+            f"training.batch_size auto does not run under pipeline_parallel_degree={layout.pp} yet (its estimate "
+            f"counts the whole model on each device); give a batch size that splits into {count} micro-batches"
         )
     if training.batch_size % count:
         raise UsageError(

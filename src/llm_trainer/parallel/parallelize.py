@@ -7,8 +7,10 @@
     1. activation checkpointing, per transformer block
     2. torch.compile, in place: the whole model with its loss (embeddings, blocks, final norm, the
        chunked head + cross-entropy: one graph, nothing left eager), or per transformer block under
-       FSDP2 (the blocks repeat, so one compiled graph serves them all, and FSDP's per-block hooks
-       stay outside the graphs)
+       FSDP2 and pipeline parallelism (the blocks repeat, so one compiled graph serves them all, and
+       FSDP's per-block hooks and the stages' boundaries stay outside the graphs)
+    2b. pipeline parallelism: the model split into this rank's stages (`pipeline_parallel`), over
+       the mesh's `pp` dimension; what follows applies to the stages
     3. data parallelism: DDP, or FSDP2 (`fully_shard` per block, then the root, over the mesh's
        data-parallel dimensions; the model's `extend` registered as a forward, so it gathers the
        weights as `forward` does)
@@ -40,7 +42,7 @@ from ..logs import log
 from .distributed import DistInfo
 from .float8 import apply_float8, check_float8
 from .mesh import resolve_layout
-from .strategies import DDP, FSDP, DeepSpeed, Parallelism
+from .strategies import DDP, FSDP, DeepSpeed, Parallelism, Pipeline
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -64,24 +66,30 @@ def apply_compile(model: nn.Module, *, per_block: bool = False) -> None:
 
 
 def device_mesh(config: TrainingConfig, device: torch.device):
-    """The run's `DeviceMesh` with named dimensions (dp_replicate, dp_shard, tp), torchtitan's order
+    """The run's `DeviceMesh` with named dimensions (dp_replicate, dp_shard, pp, tp), torchtitan's order
     (tensor-parallel ranks adjacent: a replica's ranks share a node's fast links)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     layout = resolve_layout(config, launcher.world_size())
     return init_device_mesh(
         device.type,
-        (layout.dp_replicate, layout.dp_shard, layout.tp),
-        mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+        (layout.dp_replicate, layout.dp_shard, layout.pp, layout.tp),
+        mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp"),
     )
 
 
 def apply_fsdp(
-    model: nn.Module, config: TrainingConfig, device: torch.device, amp_dtype: torch.dtype | None, mesh
+    model: nn.Module,
+    config: TrainingConfig,
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+    mesh,
+    roots: list[nn.Module] | None = None,
 ) -> None:
-    """FSDP2: shard each block, then the root, over the mesh's data-parallel dimensions. Strategies map
-    onto FSDP2 options and meshes: full_shard (reshard after forward), shard_grad_op (keep params
-    gathered until backward), hybrid_shard (2-D: replicate across nodes, shard within a node)."""
+    """FSDP2: shard each block, then the root (`roots`: each pipeline stage's), over the mesh's
+    data-parallel dimensions. Strategies map onto FSDP2 options and meshes: full_shard (reshard after
+    forward), shard_grad_op (keep params gathered until backward), hybrid_shard (2-D: replicate across
+    nodes, shard within a node)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     mesh = mesh["dp_replicate", "dp_shard"] if config.fsdp_sharding == "hybrid_shard" else mesh["dp_shard"]
@@ -90,17 +98,21 @@ def apply_fsdp(
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
     for block in getattr(model, "blocks", []):
         fully_shard(block, **options)
-    fully_shard(model, **options)
-    if hasattr(model, "extend"):  # evaluation's forward with given positions and mask gathers the root's weights too
+    for root in roots or [model]:
+        fully_shard(root, **options)
+    # evaluation's forward with given positions and mask gathers the root's weights too (not a pipeline's)
+    if hasattr(model, "extend") and not roots:
         register_fsdp_forward_method(model, "extend")
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
+def materialize(model: nn.Module, device: torch.device, every: list[tuple[str, torch.Tensor]] | None = None) -> None:
     """Allocate a meta-device model's (sharded) storage on `device` and initialise it there.
 
     Each parameter is drawn as one full tensor from the shared seed and this rank keeps its shard:
     the weights equal a single-process initialisation at any world size (sharded random ops would
     not: on CPU meshes every rank would draw the same shard). One parameter at a time bounds memory.
+    `every`: the whole model's (meta) parameters by name, in order, where `model` holds some of them (a
+    pipeline stage): the others are drawn too, and dropped, so each one's values are the whole model's.
     """
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     fsdp_sharded = head is not None and _is_dtensor(head)  # tensor parallelism leaves the head whole
@@ -111,7 +123,12 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         model.reset_parameters()
         return
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        held = dict(model.named_parameters())
+        for name, like in every or held.items():
+            if name not in held:
+                model.init_weight(name, torch.empty_like(like, device=device))
+                continue
+            param = held[name]
             if _is_dtensor(param):
                 from torch.distributed.tensor import distribute_tensor
 
@@ -171,6 +188,7 @@ def parallelize(
         log(f"float8: {len(swapped)} linear layers train in float8 (torchao); the head and embeddings do not")
     mesh = device_mesh(config, device) if dist.strategy == "fsdp" else None
     tp = mesh["tp"].size() if mesh is not None else 1
+    pp = mesh["pp"].size() if mesh is not None else 1
     if tp > 1:
         from .tensor_parallel import apply_tensor_parallel
 
@@ -180,12 +198,22 @@ def parallelize(
     if config.compile and dist.strategy != "deepspeed":
         apply_compile(model, per_block=dist.strategy == "fsdp")
     on_meta = any(p.is_meta for p in model.parameters())
+    every = list(model.named_parameters()) if pp > 1 and on_meta else None
+    stages = None
+    if pp > 1:
+        from .pipeline_parallel import split_model
+
+        model, stages = split_model(model, config, pp, mesh["pp"].get_local_rank())
+        if tp > 1:
+            from .tensor_parallel import split_at_stage_ends
+
+            split_at_stage_ends([stage for _, stage in stages], mesh["tp"])
     common = dict(dist=dist, device=device, amp_dtype=amp_dtype)
-    fsdp = dist.strategy == "fsdp" and (tp == 1 or mesh["dp_replicate", "dp_shard"].size() > 1)  # not TP alone
+    fsdp = dist.strategy == "fsdp" and (tp * pp == 1 or mesh["dp_replicate", "dp_shard"].size() > 1)  # not TP/PP alone
     if fsdp:
-        apply_fsdp(model, config, device, amp_dtype, mesh)
+        apply_fsdp(model, config, device, amp_dtype, mesh, roots=[stage for _, stage in stages or []])
     if on_meta:  # built without storage (see pipeline.build_model): allocate and initialise here, after sharding
-        materialize(model, device)
+        materialize(model, device, every)
     if not fsdp:  # (FSDP2 placed its shards on the device)
         model.to(device)
     if dist.world_size > 1:  # same initial weights everywhere (drawn above), different dropout per rank
@@ -200,6 +228,8 @@ def parallelize(
 
         engine = deepspeed_engine.wrap(model, optimizer, config, dist.world_size, device)
         return DeepSpeed(model, engine, optimizer, **common)
+    if pp > 1:
+        return Pipeline(model, optimizer, stages=stages, group=mesh["pp"].get_group(), config=config, **common)
     if dist.strategy == "fsdp":
         return FSDP(model, model, optimizer, **common)
     if dist.strategy == "ddp":

@@ -15,8 +15,12 @@ The loop and the Checkpointer call these methods and never ask which backend run
                          None where a backend writes them locally only (uploaded with the folder)
     load(parts, path)    model and optimizer state from a loaded checkpoint
 
-`Parallelism` is one process (and the base of the others); `DDP`, `FSDP` and `DeepSpeed` change
-only what differs.
+`Parallelism` is one process (and the base of the others); `DDP`, `FSDP`, `Pipeline` and `DeepSpeed`
+change only what differs.
+
+Under pipeline parallelism (`pipelined`) the loop hands each micro-batch of the step to
+`forward_backward(inputs, targets, scale, autocast)`, which runs the schedule's forward and backward
+over the stages and returns the batch's summed loss on every rank of the pipeline.
 
 The model, under two names:
 
@@ -43,6 +47,7 @@ from ..checkpoint.fused_projections import refuse_resume
 from ..checkpoint.model_folder import load_model_state, model_tensors
 from ..config import ModelConfig
 from ..errors import UsageError
+from ..loss import IGNORE_INDEX
 from .distributed import DistInfo
 
 
@@ -50,6 +55,7 @@ class Parallelism:
     """One process: the model as it is."""
 
     checkpoint_kind = layout.WHOLE  # where its checkpoints hold model and optimizer; meta.json records it
+    pipelined = False  # the step runs through `forward_backward` (a pipeline schedule)
 
     def __init__(
         self,
@@ -225,6 +231,107 @@ class FSDP(Parallelism):
             raise UsageError(f"optimizer state in {path} does not match this model/optimizer: {exc}") from None
 
 
+class Pipeline(FSDP):
+    """Pipeline parallelism (`pipeline_parallel`): this rank's stages of the model, run by a
+    `torch.distributed.pipelining` schedule; FSDP2 within each stage where there are data-parallel
+    shards. `module` is the rank view (this rank's parts, under the whole model's names), so the
+    optimizer and the DCP checkpoints are FSDP's."""
+
+    pipelined = True
+
+    def __init__(self, module: nn.Module, optimizer, *, stages, group, config, **kwargs):
+        from .mesh import stage_count
+        from .pipeline_parallel import build_schedule, stage_owners
+
+        super().__init__(module, module, optimizer, **kwargs)
+        self.group = group
+        n_stages = stage_count(config, group.size())
+        self.is_first = any(s == 0 for s, _ in stages)
+        self.is_last = any(s == n_stages - 1 for s, _ in stages)
+        self._scale: torch.Tensor | float = 1.0
+        self._nll: dict[int, torch.Tensor] = {}  # each loss the schedule backpropagates: its summed nll
+        self.stages = dict(stages)
+        self.owners = stage_owners(config.pipeline_parallel_schedule, group.size())
+        self.schedule = build_schedule(config, stages, group, self.device, self._loss)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one pipeline micro-batch: its summed negative log-likelihood (kept for
+        the step's loss), scaled for the backward as the loop scales it."""
+        nll = _summed_nll(logits, targets)
+        loss = self.scaler.scale(nll * self._scale)
+        self._nll[id(loss)] = nll.detach()
+        return loss
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, scale, autocast) -> torch.Tensor:
+        """Forward and backward of one batch (B rows) through the pipeline, split into the schedule's
+        micro-batches; the loss each micro-batch's backward starts from is its summed nll times `scale`.
+        Returns the batch's summed nll (detached, float32), the same on every rank of the pipeline.
+
+        The schedule also calls the loss function while it sets itself up (the first step): only the
+        micro-batches' losses it returns in `losses` count."""
+        self._scale = scale
+        self._nll.clear()
+        losses: list[torch.Tensor] = []
+        with autocast:
+            self.schedule.step(
+                *((inputs,) if self.is_first else ()),
+                target=targets if self.is_last else None,
+                losses=losses,
+                return_outputs=False,
+            )
+        total = torch.zeros((), device=self.device)
+        for loss in losses:
+            total += self._nll[id(loss)]
+        self._nll.clear()
+        torch.distributed.all_reduce(total, group=self.group)  # only the last stage holds it
+        return total
+
+    @torch.no_grad()
+    def eval_nll(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The summed nll of one batch, forward only (`pipeline_parallel.forward_only`), on every rank of
+        the pipeline."""
+        from .pipeline_parallel import forward_only
+
+        logits = forward_only(self.stages, self.owners, self.group, inputs, self.module.config.d_model)
+        total = torch.zeros((), device=self.device)
+        if logits is not None:
+            total += _summed_nll(logits, targets)
+        torch.distributed.all_reduce(total, group=self.group)  # only the last stage holds it
+        return total
+
+    def parameter_count(self) -> int:
+        count = torch.tensor(float(super().parameter_count()), dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(count, group=self.group)  # every stage's own
+        return int(count)
+
+    def clip(self, max_norm: float | None) -> torch.Tensor | None:
+        from .grad_norm import clip_grad_norm
+
+        self.scaler.unscale_(self.optimizer)
+        return clip_grad_norm(self.params, max_norm, stages=self.group)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every stage's weights, gathered whole on rank 0 (a collective); empty on the others."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from ..checkpoint.model_folder import clean_name
+
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+        mine = {clean_name(name): tensor.detach().cpu() for name, tensor in state.items()}
+        everyone: list[Any] | None = [None] * self.dist.world_size if self.dist.is_main else None
+        torch.distributed.gather_object(mine, everyone, dst=0)
+        return {name: tensor for part in everyone or [] for name, tensor in part.items()}
+
+    def load(self, parts: dict[str, Any], path: Path) -> None:
+        if parts["model"] is not None and parts["meta"].get("kind") != layout.DEEPSPEED.name:
+            raise UsageError(
+                f"{path} holds the whole model (saved without pipeline parallelism), which does not resume "
+                "under pipeline_parallel_degree > 1 yet; resume it at its own layout, or start a new run from its "
+                f"weights with model.init_from={path}"
+            )
+        super().load(parts, path)
+
+
 class DeepSpeed(Parallelism):
     """DeepSpeed's engine runs forward, backward (its own fp16 loss scaling) and the step of our
     optimizer on its partitions; its own files hold model and optimizer state."""
@@ -297,6 +404,13 @@ class DeepSpeed(Parallelism):
                 f"process(es), or start a new run from its weights with model.init_from={path}"
             )
         deepspeed_engine.load(self.engine, parts["files"])
+
+
+def _summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed -log p(target) in float32 of a pipeline's last stage's logits (B, T, V)."""
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def _fused_step_where(optimizer: torch.optim.Optimizer, finite: torch.Tensor, step) -> None:

@@ -79,6 +79,18 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     model.norm.register_forward_hook(_gather_sequence(mesh))
 
 
+def split_at_stage_ends(stages: list[nn.Module], mesh: DeviceMesh) -> None:
+    """Under pipeline parallelism too: each stage's hidden states travel whole (B, T, C) to the next
+    stage (whose positions count from its input's length), so every stage cuts the sequence before its
+    first block and gathers it after its last, as the whole model does around all its blocks."""
+    for stage in stages:
+        indices = list(stage.blocks.keys())  # `pipeline_parallel.StageBlocks`: the whole model's indices
+        if indices[0] != "0":  # block 0 cuts it already (`apply_tensor_parallel`)
+            stage.blocks[indices[0]].register_forward_pre_hook(_split_sequence(mesh))
+        if stage.lm_head is None:  # the last stage gathers after its final norm
+            stage.blocks[indices[-1]].register_forward_hook(_gather_sequence(mesh))
+
+
 def _split_sequence(mesh: DeviceMesh):
     """Before the first block: the embeddings' (B, T, C), whole on every rank, cut to this rank's
     positions (B, T/tp, C); in backward their gradients are gathered whole again."""

@@ -81,8 +81,8 @@ def estimate_report(
     device_type = "cpu" if experiment.training.device == "cpu" else "cuda"
     training = resolve.resolve_amp(experiment.training, torch.device(device_type))
     seq_len = sequence_length(experiment)
-    # every degree as the run would resolve it (a layout that cannot train is refused in one line); pipeline
-    # and context parallelism are counted here although training with them is not available yet
+    # every degree as the run would resolve it (a layout that cannot train is refused in one line); context
+    # parallelism is counted here although training with it is not available yet
     layout = resolve_layout(
         experiment.training,
         world_size,

@@ -78,6 +78,7 @@ def evaluate(
     reduce=None,
     progress: bool = False,
     sources=None,
+    nll=None,
 ) -> dict:
     """{"val_loss", "perplexity", "tokens", "batches", "batches_total"} with every target token weighted
     equally; `batches` of `batches_total` (None when the loader has no length) say what was covered.
@@ -86,6 +87,8 @@ def evaluate(
     `progress`: show how far it has come (a bar on a terminal, lines in a log; see `logs.Progress`).
     `sources` (`data.batches.source_labels.SourceLabels` of this loader): also "source_losses", {source: val_loss}
     over the target tokens of each source's documents, from the same forward passes.
+    `nll(inputs, targets)`: a batch's summed loss where the model is not called whole (a pipeline's
+    stages: `Pipeline.eval_nll`); `sources` are then not split out.
     """
     was_training = model.training
     model.eval()
@@ -94,18 +97,20 @@ def evaluate(
     total_batches = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
     shown = total_batches if max_batches is None or total_batches is None else min(total_batches, max_batches)
     done = 0
-    labels = iter(sources.for_loader(batches)) if sources is not None else None
+    labels = iter(sources.for_loader(batches)) if sources is not None and nll is None else None
     by_source = torch.zeros(len(sources.names) if sources is not None else 0, 2, dtype=torch.float64, device=device)
     with Progress(shown, "eval", "batches", enabled=progress, leave=False) as bar:
         for i, (inputs, targets, *doc_ids) in enumerate(batches):
             if max_batches is not None and i >= max_batches:
                 break
             with autocast if autocast is not None else torch.autocast("cpu", enabled=False):
-                if labels is None:
-                    nll = batch_nll(model, inputs, targets, *doc_ids)
+                if nll is not None:
+                    loss = nll(inputs, targets)
+                elif labels is None:
+                    loss = batch_nll(model, inputs, targets, *doc_ids)
                 else:
-                    nll = _nll_by_source(model, inputs, targets, doc_ids, next(labels), by_source)
-            totals[0] += nll.double()
+                    loss = _nll_by_source(model, inputs, targets, doc_ids, next(labels), by_source)
+            totals[0] += loss.double()
             totals[1] += (targets != IGNORE_INDEX).sum()
             done += 1
             bar.update()

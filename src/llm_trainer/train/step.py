@@ -61,9 +61,12 @@ def train_step(
     last = len(micro_batches) - 1
     for i, (inputs, targets, *doc_ids) in enumerate(micro_batches):  # doc_ids with data.document_mask
         with torch.profiler.record_function("forward_backward"):
-            with parallel.no_sync(last=i == last), autocast:
-                nll = batch_nll(parallel.wrapped, inputs, targets, *doc_ids)
-            parallel.backward(nll * world / n_targets)
+            if parallel.pipelined:  # the schedule's forward and backward over the stages
+                nll = parallel.forward_backward(inputs, targets, world / n_targets, autocast)
+            else:
+                with parallel.no_sync(last=i == last), autocast:
+                    nll = batch_nll(parallel.wrapped, inputs, targets, *doc_ids)
+                parallel.backward(nll * world / n_targets)
         loss_sum += nll.detach().float()
     shared = None
     if world > 1:  # the global loss decides the step on every rank alike

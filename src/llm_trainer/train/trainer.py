@@ -521,6 +521,7 @@ class Trainer:
             max_batches=None if full else self.config.eval_max_batches,
             progress=self.config.progress_bar,
             sources=getattr(self.val_loader, "source_labels", None),  # per-source losses of a mixture
+            nll=self.parallel.eval_nll if self.parallel.pipelined else None,  # the stages, not the model whole
         )
 
     def _sum_over_replicas(self, totals: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,141 @@
+"""Pipeline parallelism (`torch.distributed.pipelining`): 2 CPU processes with gloo, one stage each (or
+two, interleaved). Every rank of the pipeline reads the same batch, so PP=2 must equal one process over
+several steps, with gradient accumulation and clipping; its DCP checkpoints resume in one process."""
+
+import pytest
+import torch
+
+from test_distributed import _assert_same_run, _interrupted_at, _losses, _single, _torchrun, _train_rows
+from test_distributed import workdir as workdir  # the experiment's corpus and config
+from test_tensor_parallel import _initial_weights_of
+
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available"),
+    pytest.mark.slow,  # several processes per test: the full tier only
+]
+
+LLAMA = ("model.n_kv_heads=2", "model.d_ff=96")
+GPT2 = ("model.architecture=gpt2", "model.n_heads=2", "model.n_kv_heads=2", "model.tie_embeddings=false")
+STEPS = (
+    "training.gradient_accumulation_steps=2",
+    "training.batch_size=4",
+    "training.max_grad_norm=0.05",
+)
+
+
+@pytest.mark.parametrize(
+    ("arch", "schedule"),
+    [
+        (LLAMA, "1F1B"),
+        (GPT2, "GPipe"),
+        (LLAMA + ("model.n_layers=4",), "Interleaved1F1B"),  # stages 0, 2 on rank 0; 1, 3 on rank 1
+        (LLAMA + ("model.n_layers=4",), "ZBVZeroBubble"),  # stages 0, 3 on rank 0; 1, 2 on rank 1
+    ],
+    ids=["llama-1f1b", "gpt2-gpipe", "llama-interleaved", "llama-zbv"],
+)
+def test_pipeline_equals_one_process(workdir, arch, schedule):
+    """The same losses, validation losses and gradient norms as one process, with accumulation (two
+    schedule steps per optimizer step, each of one micro-batch per stage) and a clip that bites."""
+    init = _initial_weights_of(workdir, arch)
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    result = _torchrun(
+        workdir,
+        "training.output_dir=pp",
+        "parallelism.pipeline_parallel_degree=2",
+        f"parallelism.pipeline_parallel_schedule={schedule}",
+        f"model.init_from={init}",
+        *STEPS,
+    )
+    assert "mesh: dp_replicate=1 x dp_shard=1 x pp=2 x cp=1 x tp=1" in result.stderr
+    _assert_same_run(workdir / "single", workdir / "pp")
+    assert _train_rows(workdir / "pp", "grad_norm") == pytest.approx(
+        _train_rows(workdir / "single", "grad_norm"), rel=1e-5
+    )
+
+
+def test_pipeline_checkpoints_resume_in_one_process_and_in_the_pipeline(workdir):
+    """PP=2's DCP checkpoint of step 3 (each stage's weights and optimizer state under the whole model's
+    names) resumes in one process and at PP=2 again: steps 4-6 equal the uninterrupted run. One process's
+    whole checkpoint is refused at PP=2 in one line."""
+    init = _initial_weights_of(workdir, LLAMA)
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    pp = ("parallelism.pipeline_parallel_degree=2", f"model.init_from={init}", *STEPS)
+    _torchrun(workdir, "training.output_dir=pp", *pp)
+    _interrupted_at(workdir, "pp", 3, "two_to_one")
+    _single(
+        workdir,
+        "training.output_dir=two_to_one",
+        f"model.init_from={init}",
+        *STEPS,
+        "training.resume_from_checkpoint=latest",
+    )
+    _interrupted_at(workdir, "pp", 3, "two_to_two")
+    _torchrun(workdir, "training.output_dir=two_to_two", *pp, "training.resume_from_checkpoint=latest")
+    train, val = _losses(workdir / "single")
+    for run in ("two_to_one", "two_to_two"):
+        resumed_train, resumed_val = _losses(workdir / run)
+        assert resumed_train == pytest.approx(train[3:], rel=1e-5)
+        assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+    _interrupted_at(workdir, "single", 3, "one_to_two")
+    refused = _torchrun(
+        workdir, "training.output_dir=one_to_two", *pp, "training.resume_from_checkpoint=latest", check=False
+    )
+    assert refused.returncode != 0 and "does not resume under pipeline_parallel_degree > 1 yet" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("other", "batch_size", "mesh"),
+    [
+        ((), 2, "dp_replicate=1 x dp_shard=2 x pp=2 x cp=1 x tp=1"),  # FSDP2 within each stage: 2 replicas
+        (("parallelism.tensor_parallel_degree=2",), 4, "dp_replicate=1 x dp_shard=1 x pp=2 x cp=1 x tp=2"),
+    ],
+    ids=["fsdp", "tp"],
+)
+def test_pipeline_on_a_2x2_mesh_equals_one_process_and_resumes_in_one(workdir, other, batch_size, mesh):
+    """PP x FSDP2 and PP x TP on 4 processes equal one process with the same global batch; the step-3
+    checkpoint resumes in one process with the uninterrupted run's losses."""
+    init = _initial_weights_of(workdir, LLAMA)
+    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    result = _torchrun(
+        workdir,
+        "training.output_dir=mesh",
+        "parallelism.pipeline_parallel_degree=2",
+        *other,
+        f"model.init_from={init}",
+        "training.gradient_accumulation_steps=2",
+        f"training.batch_size={batch_size}",
+        "training.max_grad_norm=0.05",
+        nproc=4,
+    )
+    assert f"mesh: {mesh}" in result.stderr
+    _assert_same_run(workdir / "single", workdir / "mesh")
+    assert _train_rows(workdir / "mesh", "grad_norm") == pytest.approx(
+        _train_rows(workdir / "single", "grad_norm"), rel=1e-5
+    )
+    _interrupted_at(workdir, "mesh", 3, "as_one")
+    _single(
+        workdir,
+        "training.output_dir=as_one",
+        f"model.init_from={init}",
+        *STEPS,
+        "training.resume_from_checkpoint=latest",
+    )
+    train, val = _losses(workdir / "single")
+    resumed_train, resumed_val = _losses(workdir / "as_one")
+    assert resumed_train == pytest.approx(train[3:], rel=1e-5)
+    assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+
+
+def test_a_fresh_pipeline_starts_from_the_weights_fsdp_draws(workdir):
+    """Without model.init_from each stage draws the whole model's parameters in order and keeps its own:
+    PP=2 and FSDP on 2 processes (the same global batch) train alike from the first step."""
+    steps = ("training.max_steps=2", "training.eval_steps=2", "training.save_steps=2")
+    _torchrun(
+        workdir, "training.output_dir=pp", "parallelism.pipeline_parallel_degree=2", "training.batch_size=4", *steps
+    )
+    _torchrun(
+        workdir, "training.output_dir=fsdp", "training.distributed_strategy=fsdp", "training.batch_size=2", *steps
+    )
+    (pp_train, pp_val), (fsdp_train, fsdp_val) = _losses(workdir / "pp"), _losses(workdir / "fsdp")
+    assert len(pp_train) == 2 and pp_train == pytest.approx(fsdp_train, rel=1e-5)
+    assert pp_val == pytest.approx(fsdp_val, rel=1e-5)
