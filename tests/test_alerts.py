@@ -661,8 +661,10 @@ def test_an_upload_the_store_refuses_for_quota_raises_bucket_full(hook, tmp_path
         proxy.close()
         s3fs.S3FileSystem.clear_instance_cache()
     assert proxy.refused  # the store was asked, and said no
-    alerts = [r for r in _rows(tmp_path / "run") if r["kind"] == "alert"]
+    # a throughput alert depends on how busy the machine is: the store's refusal is what is tested here
+    alerts = [r for r in _rows(tmp_path / "run") if r["kind"] == "alert" and r["event"] != "throughput"]
     assert [r["event"] for r in alerts] == ["bucket_full", "checkpoint_failed", "crashed"]
     assert "QuotaExceeded" in alerts[0]["message"] and f"s3://{bucket}/ckpt/checkpoint-00000004" in alerts[0]["message"]
-    assert [b["event"] for b in hook.bodies()] == ["bucket_full", "checkpoint_failed", "crashed"]
+    sent = [b["event"] for b in hook.bodies() if b["event"] != "throughput"]
+    assert sent == ["bucket_full", "checkpoint_failed", "crashed"]
     assert (tmp_path / "run" / "checkpoints" / "checkpoint-00000004" / "meta.json").is_file()  # the local copy stays

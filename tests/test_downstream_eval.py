@@ -344,11 +344,12 @@ sys.path.insert(0, sys.argv[2])
 from test_downstream_eval import _model, _tokenizer
 from llm_trainer.config import TrainingConfig
 from llm_trainer.downstream import evaluate_tasks, scores
-from llm_trainer.parallel.parallelize import apply_fsdp
+from llm_trainer.parallel.parallelize import apply_fsdp, device_mesh
 tokenizer = _tokenizer()
 model = _model(tokenizer, "llama")
 if sys.argv[5] == "fsdp":  # each rank holds its shards of every weight, as FSDP training leaves them
-    apply_fsdp(model, TrainingConfig(distributed_strategy="fsdp"), torch.device("cpu"), None)
+    config, cpu = TrainingConfig(distributed_strategy="fsdp"), torch.device("cpu")
+    apply_fsdp(model, config, cpu, None, device_mesh(config, cpu))
 results = evaluate_tasks(model, tokenizer, sys.argv[3], num_fewshot=int(sys.argv[4]), limit=7, batch_size=3)
 if torch.distributed.get_rank() == 0:
     open(sys.argv[1], "w").write(json.dumps(scores(results)))

@@ -49,7 +49,7 @@ def test_the_blocks_aligned_linear_layers_become_float8_and_the_loss_stays_close
     model = Transformer(tiny_model_config(d_model=32, d_ff=72, tie_embeddings=False))
     model.load_state_dict(reference.state_dict())
     swapped = apply_float8(model)
-    assert swapped == [f"blocks.{i}.attn.{layer}" for i in range(2) for layer in ("qkv", "proj")]
+    assert swapped == [f"blocks.{i}.attn.{layer}" for i in range(2) for layer in ("q", "k", "v", "proj")]
     converted = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert converted == set(swapped)
     assert list(model.state_dict()) == list(reference.state_dict())
@@ -60,4 +60,6 @@ def test_the_blocks_aligned_linear_layers_become_float8_and_the_loss_stays_close
     assert abs(losses[1].item() - losses[0].item()) < 0.05 * losses[0].item()
     for (name, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
         assert torch.isfinite(q.grad).all(), name
+        if p.grad.norm() < 1e-9:  # the key bias: the softmax ignores a shift its gradient would make
+            continue
         assert torch.nn.functional.cosine_similarity(p.grad.flatten(), q.grad.flatten(), dim=0) > 0.9, name

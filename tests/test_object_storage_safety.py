@@ -88,7 +88,9 @@ def test_sharded_writes_into_a_url_with_brackets_rename_and_delete_by_name(s3):
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters())
     for _ in range(2):  # the second save replaces the first's .metadata
-        written = save_sharded_to_store(model, optimizer, f"s3://{bucket}/exp[1]/sharded")
+        written = save_sharded_to_store(
+            model, optimizer, f"s3://{bucket}/exp[1]/sharded"
+        )()  # the write, then its records
     assert all(fs.cat_file(k) == v.encode() for k, v in theirs.items())
     assert _keys(fs, bucket) == {"exp1/sharded/.metadata", "exp1/sharded/.metadata.tmp"} | {
         f"exp[1]/{name}" for name in written

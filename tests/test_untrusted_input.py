@@ -231,7 +231,7 @@ def test_shards_written_into_a_store_are_checked_as_they_are_read_back(tmp_path)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
-    written = sharded.save_sharded_to_store(model, optimizer, url)
+    written = sharded.save_sharded_to_store(model, optimizer, url)()  # the write, then its records
     assert "sharded/.metadata" in written and any(name.endswith(".distcp") for name in written)
     for name, entry in written.items():
         data = fs.cat_file(f"{url}/{name.split('/', 1)[1]}")
