@@ -73,13 +73,14 @@ def _initial_weights_of(workdir, overrides) -> str:
         key, value = override.split("=")
         experiment["model"][key.split(".")[1]] = yaml.safe_load(value)
     path.write_text(yaml.safe_dump(experiment))
-    subprocess.run(
-        [sys.executable, "-m", "llm_trainer", "prepare", "--config", "exp.yaml"],
-        cwd=workdir,
-        check=True,
-        capture_output=True,
-        env=_env(),
-    )
+    if not list((workdir / "data_cache").glob("*/manifest.json")):  # the model's settings leave the data as it is
+        subprocess.run(
+            [sys.executable, "-m", "llm_trainer", "prepare", "--config", "exp.yaml"],
+            cwd=workdir,
+            check=True,
+            capture_output=True,
+            env=_env(),
+        )
     (manifest,) = (workdir / "data_cache").glob("*/manifest.json")
     vocab = json.loads(manifest.read_text())["vocab_size"]
     torch.manual_seed(0)
