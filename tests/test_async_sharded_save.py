@@ -26,6 +26,7 @@ import torch
 import yaml
 
 from conftest import src_env
+from test_distributed import _initial_weights
 
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available"),
@@ -143,21 +144,7 @@ def workdir(tmp_path_factory) -> Path:
     (root / "corpus.txt").write_text("".join(lines))
     (root / "runner.py").write_text(RUNNER)
     (root / "exp.yaml").write_text(yaml.safe_dump(EXPERIMENT))
-    subprocess.run(
-        [sys.executable, "-m", "llm_trainer", "prepare", "--config", "exp.yaml"],
-        cwd=root,
-        check=True,
-        capture_output=True,
-        env=_env(),
-    )
-    from llm_trainer.checkpoint.model_folder import save_model_folder
-    from llm_trainer.config import ModelConfig
-    from llm_trainer.model import Transformer
-
-    (manifest,) = (root / "data_cache").glob("*/manifest.json")
-    vocab = json.loads(manifest.read_text())["vocab_size"]
-    torch.manual_seed(0)
-    save_model_folder(Transformer(ModelConfig(**{**EXPERIMENT["model"], "vocab_size": vocab})), root / "init")
+    _initial_weights(root)
     data = yaml.safe_load((root / "exp.yaml").read_text())
     data["model"]["init_from"] = str(root / "init")
     (root / "exp.yaml").write_text(yaml.safe_dump(data))

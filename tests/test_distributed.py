@@ -115,24 +115,33 @@ def _assert_same_run(a: Path, b: Path, rel=1e-5):
     assert val_a == pytest.approx(val_b, rel=rel)
 
 
-def _initial_weights(workdir) -> str:
-    """A model folder both runs start from (FSDP builds on the meta device, so init must be shared)."""
-    subprocess.run(
-        [sys.executable, "-m", "llm_trainer", "prepare", "--config", "exp.yaml"],
-        cwd=workdir,
-        check=True,
-        capture_output=True,
-        env=_env(),
-    )
+def _initial_weights(workdir, overrides=()) -> str:
+    """A model folder the compared runs start from (FSDP builds on the meta device, so init must be
+    shared), for the experiment in `workdir/exp.yaml` with `overrides` (`model.KEY=VALUE`) written into
+    it first, so the runs build the same architecture. The data is prepared once: model settings leave it
+    as it is."""
     from llm_trainer.checkpoint.model_folder import save_model_folder
     from llm_trainer.config import ModelConfig
     from llm_trainer.model import Transformer
 
+    path = workdir / "exp.yaml"
+    experiment = yaml.safe_load(path.read_text())
+    for override in overrides:
+        key, value = override.split("=")
+        experiment["model"][key.split(".")[1]] = yaml.safe_load(value)
+    path.write_text(yaml.safe_dump(experiment))
+    if not list((workdir / "data_cache").glob("*/manifest.json")):
+        subprocess.run(
+            [sys.executable, "-m", "llm_trainer", "prepare", "--config", "exp.yaml"],
+            cwd=workdir,
+            check=True,
+            capture_output=True,
+            env=_env(),
+        )
     (manifest,) = (workdir / "data_cache").glob("*/manifest.json")
     vocab = json.loads(manifest.read_text())["vocab_size"]
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(**{**EXPERIMENT["model"], "vocab_size": vocab}))
-    save_model_folder(model, workdir / "init")
+    save_model_folder(Transformer(ModelConfig(**{**experiment["model"], "vocab_size": vocab})), workdir / "init")
     return str(workdir / "init")
 
 

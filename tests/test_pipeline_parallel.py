@@ -5,9 +5,16 @@ several steps, with gradient accumulation and clipping; its DCP checkpoints resu
 import pytest
 import torch
 
-from test_distributed import _assert_same_run, _interrupted_at, _losses, _single, _torchrun, _train_rows
+from test_distributed import (
+    _assert_same_run,
+    _initial_weights,
+    _interrupted_at,
+    _losses,
+    _single,
+    _torchrun,
+    _train_rows,
+)
 from test_distributed import workdir as workdir  # the experiment's corpus and config
-from test_tensor_parallel import _initial_weights_of
 
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available"),
@@ -36,7 +43,7 @@ STEPS = (
 def test_pipeline_equals_one_process(workdir, arch, schedule):
     """The same losses, validation losses and gradient norms as one process, with accumulation (two
     schedule steps per optimizer step, each of one micro-batch per stage) and a clip that bites."""
-    init = _initial_weights_of(workdir, arch)
+    init = _initial_weights(workdir, arch)
     _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
     result = _torchrun(
         workdir,
@@ -57,7 +64,7 @@ def test_pipeline_checkpoints_resume_in_one_process_and_in_the_pipeline(workdir)
     """PP=2's DCP checkpoint of step 3 (each stage's weights and optimizer state under the whole model's
     names) resumes in one process and at PP=2 again: steps 4-6 equal the uninterrupted run. One process's
     whole checkpoint is refused at PP=2 in one line."""
-    init = _initial_weights_of(workdir, LLAMA)
+    init = _initial_weights(workdir, LLAMA)
     _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
     pp = ("parallelism.pipeline_parallel_degree=2", f"model.init_from={init}", *STEPS)
     _torchrun(workdir, "training.output_dir=pp", *pp)
@@ -94,7 +101,7 @@ def test_pipeline_checkpoints_resume_in_one_process_and_in_the_pipeline(workdir)
 def test_pipeline_on_a_2x2_mesh_equals_one_process_and_resumes_in_one(workdir, other, batch_size, mesh):
     """PP x FSDP2 and PP x TP on 4 processes equal one process with the same global batch; the step-3
     checkpoint resumes in one process with the uninterrupted run's losses."""
-    init = _initial_weights_of(workdir, LLAMA)
+    init = _initial_weights(workdir, LLAMA)
     _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
     result = _torchrun(
         workdir,

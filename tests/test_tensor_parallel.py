@@ -5,7 +5,15 @@ steps, with gradient accumulation and clipping; its DCP checkpoints resume at an
 import pytest
 import torch
 
-from test_distributed import _assert_same_run, _env, _interrupted_at, _losses, _single, _torchrun, _train_rows
+from test_distributed import (
+    _assert_same_run,
+    _initial_weights,
+    _interrupted_at,
+    _losses,
+    _single,
+    _torchrun,
+    _train_rows,
+)
 from test_distributed import workdir as workdir  # the experiment's corpus and config
 
 pytestmark = [
@@ -31,7 +39,7 @@ def test_tensor_parallel_equals_one_process(workdir, arch):
     """LLaMA (SwiGLU, RoPE, RMSNorm) and GPT-2 (learned positions, biases, LayerNorm, tied head): the same
     losses as one process, with accumulation and a clip that bites."""
     arch = arch or ("model.n_kv_heads=2", "model.d_ff=96")  # each split in two
-    init = _initial_weights_of(workdir, arch)
+    init = _initial_weights(workdir, arch)
     _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
     result = _torchrun(
         workdir, "training.output_dir=tp", "parallelism.tensor_parallel_degree=2", f"model.init_from={init}", *STEPS
@@ -54,45 +62,11 @@ def _layer_rows(run_dir) -> dict:
     return {r["step"]: {k: v for k, v in r.items() if k.startswith("layers/")} for r in rows if r["kind"] == "layers"}
 
 
-def _initial_weights_of(workdir, overrides) -> str:
-    """A model folder both runs start from, for the experiment with `overrides` on its model section
-    (written into exp.yaml, so the runs build the same architecture)."""
-    import json
-    import subprocess
-    import sys
-
-    import yaml
-
-    from llm_trainer.checkpoint.model_folder import save_model_folder
-    from llm_trainer.config import ModelConfig
-    from llm_trainer.model import Transformer
-
-    path = workdir / "exp.yaml"
-    experiment = yaml.safe_load(path.read_text())
-    for override in overrides:
-        key, value = override.split("=")
-        experiment["model"][key.split(".")[1]] = yaml.safe_load(value)
-    path.write_text(yaml.safe_dump(experiment))
-    if not list((workdir / "data_cache").glob("*/manifest.json")):  # the model's settings leave the data as it is
-        subprocess.run(
-            [sys.executable, "-m", "llm_trainer", "prepare", "--config", "exp.yaml"],
-            cwd=workdir,
-            check=True,
-            capture_output=True,
-            env=_env(),
-        )
-    (manifest,) = (workdir / "data_cache").glob("*/manifest.json")
-    vocab = json.loads(manifest.read_text())["vocab_size"]
-    torch.manual_seed(0)
-    save_model_folder(Transformer(ModelConfig(**{**experiment["model"], "vocab_size": vocab})), workdir / "init")
-    return str(workdir / "init")
-
-
 def test_tensor_parallel_checkpoints_resume_at_another_layout(workdir):
     """TP=2's DCP checkpoint of step 3 resumes in one process, and one process's whole checkpoint of
     step 3 resumes at TP=2 (each rank taking its shards of model and optimizer): steps 4-6 equal the
     uninterrupted run."""
-    init = _initial_weights_of(workdir, ("model.n_kv_heads=2", "model.d_ff=96"))
+    init = _initial_weights(workdir, ("model.n_kv_heads=2", "model.d_ff=96"))
     _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
     tp = ("parallelism.tensor_parallel_degree=2", f"model.init_from={init}", *STEPS)
     _torchrun(workdir, "training.output_dir=tp", *tp)
@@ -116,7 +90,7 @@ def test_tensor_parallel_checkpoints_resume_at_another_layout(workdir):
 def test_fsdp_by_tensor_parallel_equals_one_process_and_resumes_as_fsdp(workdir):
     """A 2 x 2 mesh (FSDP2 over dp_shard, TP over tp) equals one process; its step-3 checkpoint resumes
     under FSDP alone on 4 processes with the uninterrupted run's losses."""
-    init = _initial_weights_of(workdir, ("model.n_kv_heads=2", "model.d_ff=96"))
+    init = _initial_weights(workdir, ("model.n_kv_heads=2", "model.d_ff=96"))
     _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
     accumulation = ("training.gradient_accumulation_steps=2", "training.max_grad_norm=0.05", f"model.init_from={init}")
     result = _torchrun(
