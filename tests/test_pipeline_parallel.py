@@ -1,6 +1,7 @@
 """Pipeline parallelism (`torch.distributed.pipelining`): 2 CPU processes with gloo, one stage each (or
 two, interleaved). Every rank of the pipeline reads the same batch, so PP=2 must equal one process over
-several steps, with gradient accumulation and clipping; its DCP checkpoints resume in one process."""
+several steps, with gradient accumulation and clipping; its DCP checkpoints resume in one process, and one
+process's whole checkpoint resumes in the pipeline."""
 
 import pytest
 import torch
@@ -62,9 +63,10 @@ def test_pipeline_equals_one_process(workdir, arch, schedule):
 
 def test_pipeline_checkpoints_resume_in_one_process_and_in_the_pipeline(workdir):
     """PP=2's DCP checkpoint of step 3 (each stage's weights and optimizer state under the whole model's
-    names) resumes in one process and at PP=2 again: steps 4-6 equal the uninterrupted run. One process's
-    whole checkpoint is refused at PP=2 in one line."""
-    init = _initial_weights(workdir, LLAMA)
+    names) resumes in one process and at PP=2 again, and one process's whole checkpoint of step 3 resumes
+    at PP=2 with the interleaved schedule (each stage taking its layers, rank 0 the first and third, and
+    their optimizer state by name): steps 4-6 equal the uninterrupted run."""
+    init = _initial_weights(workdir, LLAMA + ("model.n_layers=4",))
     _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
     pp = ("parallelism.pipeline_parallel_degree=2", f"model.init_from={init}", *STEPS)
     _torchrun(workdir, "training.output_dir=pp", *pp)
@@ -78,16 +80,19 @@ def test_pipeline_checkpoints_resume_in_one_process_and_in_the_pipeline(workdir)
     )
     _interrupted_at(workdir, "pp", 3, "two_to_two")
     _torchrun(workdir, "training.output_dir=two_to_two", *pp, "training.resume_from_checkpoint=latest")
+    _interrupted_at(workdir, "single", 3, "one_to_two")
+    _torchrun(
+        workdir,
+        "training.output_dir=one_to_two",
+        *pp,
+        "parallelism.pipeline_parallel_schedule=Interleaved1F1B",
+        "training.resume_from_checkpoint=latest",
+    )
     train, val = _losses(workdir / "single")
-    for run in ("two_to_one", "two_to_two"):
+    for run in ("two_to_one", "two_to_two", "one_to_two"):
         resumed_train, resumed_val = _losses(workdir / run)
         assert resumed_train == pytest.approx(train[3:], rel=1e-5)
         assert resumed_val == pytest.approx(val[1:], rel=1e-5)
-    _interrupted_at(workdir, "single", 3, "one_to_two")
-    refused = _torchrun(
-        workdir, "training.output_dir=one_to_two", *pp, "training.resume_from_checkpoint=latest", check=False
-    )
-    assert refused.returncode != 0 and "does not resume under pipeline_parallel_degree > 1 yet" in refused.stderr
 
 
 @pytest.mark.parametrize(

@@ -70,8 +70,11 @@ def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.to("cpu").contiguous() for name, tensor in model_tensors(model).items()}
 
 
-def _shape_problems(target: nn.Module, shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    """Every tensor of `target` missing from `shapes` or shaped otherwise, and every unexpected one."""
+def _shape_problems(
+    target: nn.Module, shapes: dict[str, tuple[int, ...]], elsewhere: frozenset[str] = frozenset()
+) -> list[str]:
+    """Every tensor of `target` missing from `shapes` or shaped otherwise, and every unexpected one (not
+    `target`'s, nor one of the `elsewhere` names)."""
     expected = {clean_name(k): tuple(v.shape) for k, v in target.state_dict().items()}
     tied = {clean_name(k) for k in expected if k not in shapes and _is_tied(target, k)}
     problems = []
@@ -80,7 +83,7 @@ def _shape_problems(target: nn.Module, shapes: dict[str, tuple[int, ...]]) -> li
             problems.append(f"missing {name} {shape}")
         elif name in shapes and tuple(shapes[name]) != shape:
             problems.append(f"{name}: file has {tuple(shapes[name])}, model has {shape}")
-    problems += [f"unexpected {name}" for name in shapes if name not in expected]
+    problems += [f"unexpected {name}" for name in shapes if name not in expected and name not in elsewhere]
     return problems + _unpadded_vocabulary(target, shapes)
 
 
@@ -109,10 +112,14 @@ def current_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str,
     return split_fused(state, config) if isinstance(config, ModelConfig) else dict(state)
 
 
-def check_fits(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+def check_fits(
+    model: nn.Module, state: dict[str, torch.Tensor], source: str, elsewhere: frozenset[str] = frozenset()
+) -> None:
     """Refuse weights with a list of every missing, unexpected or mis-shaped tensor (sharded ones by their
-    whole shape). `state` in the model's present layout (`current_names`)."""
-    _refuse_misfit(_shape_problems(unwrap(model), {k: tuple(v.shape) for k, v in state.items()}), source)
+    whole shape). `state` in the model's present layout (`current_names`). `elsewhere`: the names other
+    processes hold where `model` is one part of the whole (a pipeline stage): expected, and checked there."""
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    _refuse_misfit(_shape_problems(unwrap(model), shapes, elsewhere), source)
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:

@@ -557,20 +557,40 @@ def load_sharded(
 
 
 def load_whole(
-    model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict, optimizer_state: dict, source: str
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    weights: dict,
+    optimizer_state: dict,
+    source: str,
+    *,
+    saved_order: list[str] | None = None,
+    elsewhere: frozenset[str] = frozenset(),
 ) -> None:
     """A whole checkpoint's weights and optimizer state (`optimizer.state_dict()` of the same model and
-    parameter groups, in one process or DDP) into a sharded model: each rank keeps its own shards."""
+    parameter groups, in one process or DDP) into a sharded model: each rank keeps its own shards.
+
+    Where `model` holds only part of the whole (a pipeline stage), `elsewhere` names the tensors the other
+    parts hold, and `saved_order` the names of the whole model's parameters in the order the saved
+    optimizer state numbers them (its groups one after another); this part takes its own by name."""
     weights = current_names(model, weights)
-    check_fits(model, weights, source)
+    check_fits(model, weights, source, elsewhere)
+    weights = {name: tensor for name, tensor in weights.items() if name not in elsewhere}
     options = StateDictOptions(full_state_dict=True, strict=False)  # a tied output head is saved once
     set_model_state_dict(model, weights, options=options)
     by_param = {id(p): clean_name(name) for name, p in model.named_parameters()}
-    names = [by_param[id(p)] for group in optimizer.param_groups for p in group["params"]]  # the saved ids' order
+    mine = [by_param[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    names = mine if saved_order is None else saved_order  # the saved ids' order
+    saved = [i for group in optimizer_state["param_groups"] for i in group["params"]]
+    if sorted(saved) != list(range(len(names))):
+        raise ValueError(f"it numbers {len(saved)} parameters, this model has {len(names)}")
+    held = set(mine)
     state = {
-        "state": {names[i]: value for i, value in optimizer_state["state"].items()},
+        "state": {names[i]: value for i, value in optimizer_state["state"].items() if names[i] in held},
         "param_groups": [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": [names[i] for i in group["params"]]}
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [names[i] for i in group["params"] if names[i] in held],
+            }
             for group in optimizer_state["param_groups"]
         ],
     }

@@ -36,6 +36,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from .. import launcher
+from ..checkpoint.model_folder import clean_name
 from ..config import TrainingConfig
 from ..errors import UsageError
 from ..logs import log
@@ -199,7 +200,7 @@ def parallelize(
         apply_compile(model, per_block=dist.strategy == "fsdp")
     on_meta = any(p.is_meta for p in model.parameters())
     every = list(model.named_parameters()) if pp > 1 and on_meta else None
-    stages = None
+    stages, names = None, [clean_name(name) for name, _ in model.named_parameters()] if pp > 1 else []
     if pp > 1:
         from .pipeline_parallel import split_model
 
@@ -229,7 +230,8 @@ def parallelize(
         engine = deepspeed_engine.wrap(model, optimizer, config, dist.world_size, device)
         return DeepSpeed(model, engine, optimizer, **common)
     if pp > 1:
-        return Pipeline(model, optimizer, stages=stages, group=mesh["pp"].get_group(), config=config, **common)
+        group = mesh["pp"].get_group()
+        return Pipeline(model, optimizer, stages=stages, group=group, config=config, names=names, **common)
     if dist.strategy == "fsdp":
         return FSDP(model, model, optimizer, **common)
     if dist.strategy == "ddp":

@@ -226,20 +226,28 @@ class FSDP(Parallelism):
             return load_sharded(self.module, self.optimizer, parts["sharded"], parts.get("store"))
         refuse_old_layout(self.module, parts["model"], path)
         try:  # a whole checkpoint (one process, DDP): each rank takes its shards of every tensor
-            load_whole(self.module, self.optimizer, parts["model"], parts["optimizer"], str(path))
+            load_whole(
+                self.module, self.optimizer, parts["model"], parts["optimizer"], str(path), **self._whole_parts()
+            )
         except (ValueError, KeyError, IndexError) as exc:
             raise UsageError(f"optimizer state in {path} does not match this model/optimizer: {exc}") from None
+
+    def _whole_parts(self) -> dict[str, Any]:
+        """What `load_whole` needs to know of the other processes' parts of the model: nothing here (each
+        rank holds shards of every tensor)."""
+        return {}
 
 
 class Pipeline(FSDP):
     """Pipeline parallelism (`pipeline_parallel`): this rank's stages of the model, run by a
     `torch.distributed.pipelining` schedule; FSDP2 within each stage where there are data-parallel
     shards. `module` is the rank view (this rank's parts, under the whole model's names), so the
-    optimizer and the DCP checkpoints are FSDP's."""
+    optimizer and the DCP checkpoints are FSDP's; `names`: the whole model's parameter names in its
+    order, by which a whole checkpoint's optimizer state (numbered in that order) is taken apart."""
 
     pipelined = True
 
-    def __init__(self, module: nn.Module, optimizer, *, stages, group, config, **kwargs):
+    def __init__(self, module: nn.Module, optimizer, *, stages, group, config, names: list[str], **kwargs):
         from .mesh import stage_count
         from .pipeline_parallel import build_schedule, stage_owners
 
@@ -251,6 +259,7 @@ class Pipeline(FSDP):
         self._scale: torch.Tensor | float = 1.0
         self._nll: dict[int, torch.Tensor] = {}  # each loss the schedule backpropagates: its summed nll
         self.stages = dict(stages)
+        self.names = names
         self.owners = stage_owners(config.pipeline_parallel_schedule, group.size())
         self.schedule = build_schedule(config, stages, group, self.device, self._loss)
 
@@ -322,14 +331,24 @@ class Pipeline(FSDP):
         torch.distributed.gather_object(mine, everyone, dst=0)
         return {name: tensor for part in everyone or [] for name, tensor in part.items()}
 
-    def load(self, parts: dict[str, Any], path: Path) -> None:
-        if parts["model"] is not None and parts["meta"].get("kind") != layout.DEEPSPEED.name:
-            raise UsageError(
-                f"{path} holds the whole model (saved without pipeline parallelism), which does not resume "
-                "under pipeline_parallel_degree > 1 yet; resume it at its own layout, or start a new run from its "
-                f"weights with model.init_from={path}"
-            )
-        super().load(parts, path)
+    def _whole_parts(self) -> dict[str, Any]:
+        """The tensors the other stages hold (`elsewhere`), and the whole model's parameters in the order
+        a whole checkpoint's optimizer state numbers them (`saved_order`: `optim.parameter_groups`' groups
+        one after another, each in the model's order), from every stage's own groups (a collective)."""
+        from ..checkpoint.model_folder import clean_name
+
+        by_param = {id(p): clean_name(name) for name, p in self.module.named_parameters()}
+        groups = [[by_param[id(p)] for p in group["params"]] for group in self.optimizer.param_groups]
+        held = {clean_name(name) for name in self.module.state_dict()}
+        everyone: list[Any] = [None] * self.group.size()
+        torch.distributed.all_gather_object(everyone, (held, groups), group=self.group)
+        position = {name: i for i, name in enumerate(self.names)}
+        saved_order = [
+            name
+            for g in range(len(groups))
+            for name in sorted((n for _, theirs in everyone for n in theirs[g]), key=position.__getitem__)
+        ]
+        return {"saved_order": saved_order, "elsewhere": frozenset().union(*(h for h, _ in everyone)) - held}
 
 
 class DeepSpeed(Parallelism):
