@@ -402,23 +402,34 @@ TRAINING_OPTIONS = dict(
     use_amp=False,
     metric_for_best_model="downstream/llmt_rolling/bits_per_byte",
 )
-STRATEGIES = {
-    "ddp": dict(distributed_strategy="ddp"),
-    "fsdp": dict(distributed_strategy="fsdp"),
-    "deepspeed": dict(distributed_strategy="deepspeed", deepspeed_config={"zero_optimization": {"stage": 3}}),
+# two layers, untied: two pipeline stages, each with its own end of the model
+MODEL = {"n_layers": 2, "tie_embeddings": False}
+STRATEGIES = {  # each rank reads half of one process's batch of 4, or (TP, PP) all of it
+    "ddp": dict(distributed_strategy="ddp", batch_size=2),
+    "fsdp": dict(distributed_strategy="fsdp", batch_size=2),
+    "deepspeed": dict(
+        distributed_strategy="deepspeed", deepspeed_config={"zero_optimization": {"stage": 3}}, batch_size=2
+    ),
+    "tp": dict(distributed_strategy="fsdp", tensor_parallel_degree=2, batch_size=4),
+    "pp": dict(distributed_strategy="fsdp", pipeline_parallel_degree=2, batch_size=4),
 }
 
 
 def _train_with_tasks(root: Path, nproc: int, **training):
-    """(the `downstream` rows of metrics.jsonl, the run's stderr) of the tiny experiment trained in `root`
-    by `nproc` CPU processes (gloo)."""
+    """(the `downstream` rows of metrics.jsonl, the run's stderr) of the tiny experiment (with `MODEL`)
+    trained in `root` by `nproc` CPU processes (gloo)."""
     import subprocess
     import sys
+
+    import yaml
 
     from conftest import free_port, src_env, write_tiny_experiment
 
     root.mkdir()
     config = write_tiny_experiment(root, **TRAINING_OPTIONS, **training)
+    experiment = yaml.safe_load(config.read_text())
+    experiment["model"].update(MODEL)
+    config.write_text(yaml.safe_dump(experiment))
     launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master-port={free_port()}"]
     done = subprocess.run(
         [sys.executable, *(launcher if nproc > 1 else []), "-m", "llm_trainer", "train", "--config", str(config)],
@@ -443,13 +454,15 @@ def one_process_rows(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_distributed_training_logs_the_scores_of_one_process(tmp_path, one_process_rows, strategy):
-    """training.eval_tasks under DDP, FSDP2 (each rank holds shards of the weights) or DeepSpeed ZeRO-3
-    (the same), 2 CPU processes with batch 2 each, logs the downstream rows of one process training with
-    batch 4 (the same weights), best_model/ follows the task metric, and lm-eval's progress bars and git
-    call stay off the console."""
+    """training.eval_tasks under DDP, FSDP2 (each rank holds shards of the weights), DeepSpeed ZeRO-3 (the
+    same), tensor parallelism (sequence parallelism, which a request of any length cannot go through) or
+    pipeline parallelism (each rank holds one layer), 2 CPU processes, logs the downstream rows of one
+    process training with the same global batch (the same weights; under TP and PP each evaluation scores a
+    whole copy gathered from the split weights), best_model/ follows the task metric, and lm-eval's
+    progress bars and git call stay off the console."""
     if strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("DeepSpeed is not installed (pip install '.[deepspeed]')")
-    rows, stderr = _train_with_tasks(tmp_path / strategy, 2, batch_size=2, **STRATEGIES[strategy])
+    rows, stderr = _train_with_tasks(tmp_path / strategy, 2, **STRATEGIES[strategy])
     assert [row["step"] for row in rows] == [row["step"] for row in one_process_rows] == [3, 6]
     for together, alone in zip(rows, one_process_rows):
         assert together == approx_numbers(alone, rel=1e-4)

@@ -100,7 +100,6 @@ def test_the_degrees_left_go_to_data_parallelism_as_the_strategy_says(world, tra
             "under distributed_strategy deepspeed",
         ),
         (2, {"tensor_parallel_degree": 2, "optimizer": "muon"}, 32, "optimizer muon needs each weight whole"),
-        (2, {"tensor_parallel_degree": 2, "eval_tasks": ["llmt_choice"]}, 32, "does not run under tensor_parallel"),
         (8, {"pipeline_parallel_degree": 8}, 32, "splits model.n_layers (4) into 8 stages"),
         (4, {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "ZBVZeroBubble"}, 32, "2 stages per rank"),
         (2, {"pipeline_parallel_degree": 2, "batch_size": 3}, 32, "equal micro-batches"),

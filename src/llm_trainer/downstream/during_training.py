@@ -70,7 +70,7 @@ def run_during_training(trainer, step: int) -> dict[str, dict[str, float]]:
     tokenizer = _tokenizer(trainer)
     config = trainer.config
     results = evaluate_tasks(
-        trainer.model,
+        trainer.parallel.scoring_model(),
         tokenizer,
         config.eval_tasks,
         limit=config.eval_tasks_limit,

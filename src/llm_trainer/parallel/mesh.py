@@ -141,11 +141,6 @@ def _check_strategy(training: TrainingConfig, tp: int, pp: int, cp: int) -> None
                 f"training.{name}={degree} composes with FSDP2 only (DDP would average the ranks' different "
                 f"parts); set distributed_strategy: fsdp (or auto), or {name}: 1"
             )
-        if degree > 1 and training.eval_tasks:
-            raise UsageError(
-                f"training.eval_tasks (downstream evaluation during training) does not run under "
-                f"{name}={degree} yet; remove it and evaluate the checkpoints with `llm-trainer eval`"
-            )
     if pp > 1 and training.layer_stats_steps:
         raise UsageError(
             f"training.layer_stats_steps does not run under pipeline_parallel_degree={pp} yet (each stage holds "

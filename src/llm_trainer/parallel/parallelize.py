@@ -233,7 +233,7 @@ def parallelize(
         group = mesh["pp"].get_group()
         return Pipeline(model, optimizer, stages=stages, group=group, config=config, names=names, **common)
     if dist.strategy == "fsdp":
-        return FSDP(model, model, optimizer, **common)
+        return FSDP(model, model, optimizer, tensor_parallel=tp > 1, **common)
     if dist.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

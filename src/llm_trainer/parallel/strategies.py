@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from ..checkpoint import layout
 from ..checkpoint.fused_projections import refuse_resume
-from ..checkpoint.model_folder import load_model_state, model_tensors
+from ..checkpoint.model_folder import clean_name, load_model_state, model_tensors
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..loss import IGNORE_INDEX
@@ -122,6 +122,12 @@ class Parallelism:
         self.scaler.update()
         return None
 
+    def scoring_model(self) -> nn.Module:
+        """The model downstream scoring (`training.eval_tasks`) runs on this rank, every rank in step (a
+        collective): `module`, whose forward takes a request of any length (whole, or each layer gathered
+        in step under FSDP2 and ZeRO-3)."""
+        return self.module
+
     # -- checkpoints ----------------------------------------------------------------------------
 
     def live_tensors(self) -> tuple[dict[str, torch.Tensor] | None, Any]:
@@ -190,6 +196,21 @@ class FSDP(Parallelism):
     """FSDP2: parameters, gradients and optimizer state sharded; each rank checkpoints its own shards."""
 
     checkpoint_kind = layout.SHARDED  # every rank writes its shards, with DCP's writer thread in the background
+
+    def __init__(self, module: nn.Module, wrapped: nn.Module, optimizer, *, tensor_parallel: bool = False, **kwargs):
+        super().__init__(module, wrapped, optimizer, **kwargs)
+        self.tensor_parallel = tensor_parallel  # the blocks' matrices split over the mesh's tp ranks
+
+    def scoring_model(self) -> nn.Module:
+        """Under tensor parallelism a whole copy on every rank (`_whole_copy`): sequence parallelism splits
+        each request's positions over the tp ranks, which needs their count divisible by the degree, and a
+        request has any length (a generation step: one token)."""
+        if not self.tensor_parallel:
+            return self.module
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+        return _whole_copy(self.module, state, self.device)
 
     @contextlib.contextmanager
     def no_sync(self, last: bool):
@@ -323,7 +344,6 @@ class Pipeline(FSDP):
         """Every stage's weights, gathered whole on rank 0 (a collective); empty on the others."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from ..checkpoint.model_folder import clean_name
 
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
         mine = {clean_name(name): tensor.detach().cpu() for name, tensor in state.items()}
@@ -331,11 +351,21 @@ class Pipeline(FSDP):
         torch.distributed.gather_object(mine, everyone, dst=0)
         return {name: tensor for part in everyone or [] for name, tensor in part.items()}
 
+    def scoring_model(self) -> nn.Module:
+        """A whole copy on every rank (`_whole_copy`): each stage's weights gathered whole, then sent to the
+        other stages (the stages' ranks hold different layers, so no rank could score a request alone)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+        mine = {name: tensor.detach().cpu() for name, tensor in state.items()}
+        everyone: list[Any] = [None] * self.group.size()
+        torch.distributed.all_gather_object(everyone, mine, group=self.group)
+        return _whole_copy(self.module, {name: t for part in everyone for name, t in part.items()}, self.device)
+
     def _whole_parts(self) -> dict[str, Any]:
         """The tensors the other stages hold (`elsewhere`), and the whole model's parameters in the order
         a whole checkpoint's optimizer state numbers them (`saved_order`: `optim.parameter_groups`' groups
         one after another, each in the model's order), from every stage's own groups (a collective)."""
-        from ..checkpoint.model_folder import clean_name
 
         by_param = {id(p): clean_name(name) for name, p in self.module.named_parameters()}
         groups = [[by_param[id(p)] for p in group["params"]] for group in self.optimizer.param_groups]
@@ -423,6 +453,20 @@ class DeepSpeed(Parallelism):
                 f"process(es), or start a new run from its weights with model.init_from={path}"
             )
         deepspeed_engine.load(self.engine, parts["files"])
+
+
+def _whole_copy(module: nn.Module, state: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
+    """A plain model (no DTensors, every layer) of `module`'s config on `device`, holding `state` (every
+    tensor whole): for downstream scoring where the layers are split across ranks. It must fit one device
+    for the evaluation; it is dropped after it."""
+    from ..model import Transformer
+
+    whole = Transformer.on_meta(module.config)
+    whole.to_empty(device=device)
+    whole.tie_weights()
+    load_model_state(whole, {clean_name(name): tensor for name, tensor in state.items()}, "the gathered weights")
+    whole.init_buffers()
+    return whole
 
 
 def _summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
