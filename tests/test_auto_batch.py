@@ -34,6 +34,26 @@ def test_auto_picks_the_largest_fitting_divisor_and_keeps_the_global_batch(world
     assert chosen.total_batch_tokens == 128 * 48 * world  # accumulation is made from it next (resolve.token_anchors)
 
 
+def test_auto_under_a_pipeline_counts_the_largest_stage_and_splits_into_its_micro_batches():
+    """PP=2 (2 processes, one data-parallel replica), 4 pipeline micro-batches: the estimate is the largest
+    stage's, where the whole model's would not fit even the pick, and of the divisors of 48 rows that fit
+    (6, 4, ...) the pick is the largest multiple of 4."""
+    from llm_trainer.parallel.mesh import Layout
+
+    pipeline = dict(pipeline_parallel_degree=2, pipeline_parallel_microbatches=4, distributed_strategy="fsdp")
+    training = TrainingConfig(batch_size="auto", total_batch_tokens=128 * 48, use_amp=False, device="cpu", **pipeline)
+
+    def stage_peak(batch: int) -> float:
+        options = dict(layout=Layout(pp=2), world_size=2, sharding="fsdp", device_type="cpu")
+        return estimate_memory(MODEL, training, seq_len=128, batch_size=batch, **options).peak_bytes / GiB
+
+    budget = (stage_peak(7) + stage_peak(8)) / 2  # 7 rows fit, 8 do not
+    training = dataclasses.replace(training, device_memory=budget)
+    chosen = auto_batch_size(MODEL, training, 128, 1, torch.device("cpu"), probe=False)
+    assert chosen.batch_size == 4 and stage_peak(6) <= budget
+    assert _peak(training, 4) > budget  # the whole model on one device
+
+
 def test_auto_without_a_global_batch_is_a_config_error():
     with pytest.raises(ValueError, match="batch_size auto keeps the global batch, which total_batch_tokens sets"):
         TrainingConfig(batch_size="auto")

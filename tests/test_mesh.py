@@ -78,6 +78,7 @@ def test_misspelled_and_conflicting_parallelism_keys_are_one_message(tmp_path):
             Layout(dp_replicate=2, dp_shard=2, tp=2),
         ),
         (4, {"pipeline_parallel_degree": 2, "batch_size": 4}, Layout(dp_shard=2, pp=2)),  # fsdp (auto)
+        (2, {"pipeline_parallel_degree": 2, "batch_size": "auto", "total_batch_tokens": 1024}, Layout(pp=2)),
     ],
 )
 def test_the_degrees_left_go_to_data_parallelism_as_the_strategy_says(world, training, expected):
@@ -104,12 +105,6 @@ def test_the_degrees_left_go_to_data_parallelism_as_the_strategy_says(world, tra
         (4, {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "ZBVZeroBubble"}, 32, "2 stages per rank"),
         (2, {"pipeline_parallel_degree": 2, "batch_size": 3}, 32, "equal micro-batches"),
         (2, {"pipeline_parallel_degree": 2, "pipeline_parallel_microbatches": 1}, 32, "fewer than the 2 pipeline"),
-        (
-            2,
-            {"pipeline_parallel_degree": 2, "batch_size": "auto", "total_batch_tokens": 1024},
-            32,
-            "batch_size auto does not run under",
-        ),
         (
             2,
             {

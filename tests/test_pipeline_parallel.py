@@ -140,11 +140,13 @@ def test_pipeline_on_a_2x2_mesh_equals_one_process_and_resumes_in_one(workdir, o
 
 def test_a_fresh_pipeline_starts_from_the_weights_fsdp_draws(workdir):
     """Without model.init_from each stage draws the whole model's parameters in order and keeps its own:
-    PP=2 and FSDP on 2 processes (the same global batch) train alike from the first step."""
+    PP=2 and FSDP on 2 processes (the same global batch) train alike from the first step. The pipeline's
+    batch_size is auto: the largest stage's estimate picks the whole global batch of 4 rows, a multiple of
+    the 2 micro-batches."""
     steps = ("training.max_steps=2", "training.eval_steps=2", "training.save_steps=2")
-    _torchrun(
-        workdir, "training.output_dir=pp", "parallelism.pipeline_parallel_degree=2", "training.batch_size=4", *steps
-    )
+    auto = ("training.batch_size=auto", "training.total_batch_tokens=128", "training.device_memory=1")
+    result = _torchrun(workdir, "training.output_dir=pp", "parallelism.pipeline_parallel_degree=2", *auto, *steps)
+    assert "batch_size auto: 4 rows a micro-batch" in result.stderr
     _torchrun(
         workdir, "training.output_dir=fsdp", "training.distributed_strategy=fsdp", "training.batch_size=2", *steps
     )

@@ -299,12 +299,7 @@ def _check_microbatches(training: TrainingConfig, layout: Layout) -> None:
             f"training.pipeline_parallel_microbatches={count} is fewer than the {stages} pipeline stages; "
             f"use at least {stages}"
         )
-    if training.batch_size == "auto":
-        raise UsageError(
-            f"training.batch_size auto does not run under pipeline_parallel_degree={layout.pp} yet (its estimate "
-            f"counts the whole model on each device); give a batch size that splits into {count} micro-batches"
-        )
-    if training.batch_size % count:
+    if training.batch_size != "auto" and training.batch_size % count:  # auto picks a multiple of the count
         raise UsageError(
             f"training.batch_size ({training.batch_size}) must split into pipeline_parallel_microbatches ({count}) "
             "equal micro-batches; change one of them"

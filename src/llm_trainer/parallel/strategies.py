@@ -344,7 +344,6 @@ class Pipeline(FSDP):
         """Every stage's weights, gathered whole on rank 0 (a collective); empty on the others."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
         mine = {clean_name(name): tensor.detach().cpu() for name, tensor in state.items()}
         everyone: list[Any] | None = [None] * self.dist.world_size if self.dist.is_main else None

@@ -104,7 +104,7 @@ def estimate_report(
                 "estimate: training.batch_size auto fills the device's memory; give it with --device-memory "
                 "(or training.device_memory), or pass --batch-size"
             )
-        training = auto_batch_size(model_config, training, seq_len, world_size, torch.device(device_type), probe=False)
+        training = auto_batch_size(model_config, training, seq_len, layout.dp, torch.device(device_type), probe=False)
         micro, tokens_per_step = training.batch_size, training.total_batch_tokens
     mem = estimate_memory(
         model_config,

@@ -16,6 +16,7 @@ import torch
 from ..config import ModelConfig, TrainingConfig
 from ..errors import UsageError
 from ..logs import log
+from ..parallel.mesh import Layout, microbatch_count
 from .memory_estimate import GiB, configured_sharding, estimate_memory, max_batch_size
 
 
@@ -46,38 +47,44 @@ def auto_batch_size(
 ) -> TrainingConfig:
     """`batch_size: auto` made a number: the largest micro-batch whose peak fits the device's budget and
     that divides the global batch (`total_batch_tokens` = micro-batch x sequence length x accumulation x
-    processes), so accumulation makes up the rest and the global batch stays what was asked.
+    data-parallel processes, `world_size`), so accumulation makes up the rest and the global batch stays
+    what was asked. Under pipeline parallelism the peak is the largest stage's (each holds its layers and
+    its micro-batches in flight), and the micro-batch must split into the pipeline's micro-batches.
 
     The estimate picks; with `probe` (one process), one real training step at that size in a fresh process
     (`memory_probe`) measures its peak, and where the measurement is above the estimate the estimates are
     scaled by that ratio to pick again. One step, never a loop of failed runs and restarts."""
     if training.batch_size != "auto":
         return training
-    if world_size > 1 and training.device_memory is None:  # each rank's free memory differs: all must pick alike
+    sharding = configured_sharding(training)
+    layout = model_parallel_layout(training, world_size, sharding)
+    if layout.world_size > 1 and training.device_memory is None:  # each rank's free memory differs: all must pick alike
         raise UsageError(
             "training.batch_size auto over several processes needs training.device_memory (GiB), one budget "
             "every process picks the same micro-batch from"
         )
     budget, source = device_budget_gb(training, device)
-    options = dict(seq_len=seq_len, world_size=world_size, sharding=configured_sharding(training))
+    options = dict(seq_len=seq_len, world_size=layout.world_size, sharding=sharding, layout=layout)
     options["device_type"] = device.type
 
     def peak(batch: int) -> float:
         return estimate_memory(model_config, training, batch_size=batch, **options).peak_bytes / GiB
 
+    pieces = microbatch_count(training, layout.pp) if layout.pp > 1 else 1  # a pipeline splits each micro-batch
     rows, rest = divmod(training.total_batch_tokens, seq_len * world_size)
-    divisors = [b for b in range(rows, 0, -1) if not rest and rows % b == 0]
+    divisors = [b for b in range(rows, 0, -1) if not rest and rows % b == 0 and b % pieces == 0]
     fitting = [b for b in divisors if peak(b) <= budget]
     if not fitting:
         largest = max_batch_size(model_config, dataclasses.replace(training, batch_size=1), budget, **options)
+        split = f", in multiples of the {pieces} pipeline micro-batches" if pieces > 1 else ""
         raise UsageError(
             f"training.batch_size auto: no micro-batch fits {budget:.2f} GiB ({source}) and divides "
-            f"total_batch_tokens {training.total_batch_tokens:,} into rows of {seq_len} x {world_size} process(es) "
-            f"(largest that fits: {largest}); use a smaller model or sequence, gradient_checkpointing, more "
+            f"total_batch_tokens {training.total_batch_tokens:,} into rows of {seq_len} x {world_size} process(es)"
+            f"{split} (largest that fits: {largest}); use a smaller model or sequence, gradient_checkpointing, more "
             "memory (training.device_memory), or a total_batch_tokens that is a multiple of the sequence length"
         )
     batch, measured = fitting[0], ""
-    if probe and world_size == 1 and device.type in ("cpu", "cuda"):
+    if probe and layout.world_size == 1 and device.type in ("cpu", "cuda"):
         measured_gb = _probe_peak(model_config, training, batch, seq_len, device)
         ratio = max(1.0, measured_gb / peak(batch))  # an estimate below the measurement: all scaled up by as much
         measured = f", {measured_gb:.3g} measured in one step of {batch}"
@@ -91,10 +98,23 @@ def auto_batch_size(
         batch = fitting[0]
     log(
         f"batch_size auto: {batch} rows a micro-batch (estimated peak {peak(batch):.3g} of {budget:.3g} GiB "
-        f"{source}{measured}), x {rows // batch} accumulation x {world_size} process(es) keeps total_batch_tokens "
-        f"{training.total_batch_tokens:,}"
+        f"{source}{measured}), x {rows // batch} accumulation x {world_size} data-parallel process(es) keeps "
+        f"total_batch_tokens {training.total_batch_tokens:,}"
     )
     return dataclasses.replace(training, batch_size=batch)
+
+
+def model_parallel_layout(training: TrainingConfig, data_parallel: int, sharding: str) -> Layout:
+    """The layout the estimate counts: `data_parallel` processes (sharded as `sharding` says, as
+    `estimate_memory` counts them without a layout), each replica `training`'s tensor, pipeline and
+    context degrees wide."""
+    dp = {"dp_shard": data_parallel} if sharding != "none" else {"dp_replicate": data_parallel}
+    return Layout(
+        **dp,
+        pp=training.pipeline_parallel_degree,
+        cp=training.context_parallel_degree,
+        tp=training.tensor_parallel_degree,
+    )
 
 
 def _probe_peak(model_config: ModelConfig, training: TrainingConfig, batch: int, seq_len: int, device) -> float:
