@@ -9,7 +9,8 @@ r + 2 world, ... of a list every rank builds alike.
 Under sharded parameters (FSDP2, DeepSpeed ZeRO-3) a forward is a collective: each layer's weights are
 gathered from every rank. Before each forward the ranks agree (one all-reduce) whether any of them still
 has work; a rank whose share is done joins the others' forwards with a one-token forward whose result
-is dropped, until no rank has work. Whole models (one process, DDP, ZeRO-1/2) follow the same steps.
+is dropped, until no rank has work. Whole models (one process, DDP, ZeRO-1/2, the copies gathered under
+tensor and pipeline parallelism: `Parallelism.scoring_model`) follow the same steps.
 The model's `extend` gathers the weights as `forward` does: FSDP2 has it registered as a forward method
 (`parallel.parallelize.apply_fsdp`); ZeRO-3's hooks sit on every layer, and the root holds no weights.
 """

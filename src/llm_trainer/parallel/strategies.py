@@ -14,6 +14,8 @@ The loop and the Checkpointer call these methods and never ask which backend run
     save_shards_to_store(url)  FSDP's shards straight into a store folder, their records returned;
                          None where a backend writes them locally only (uploaded with the folder)
     load(parts, path)    model and optimizer state from a loaded checkpoint
+    scoring_model()      the model downstream scoring runs on this rank: `module`, or a whole copy
+                         gathered where the layers are split across ranks (tensor, pipeline parallelism)
 
 `Parallelism` is one process (and the base of the others); `DDP`, `FSDP`, `Pipeline` and `DeepSpeed`
 change only what differs.
@@ -123,9 +125,9 @@ class Parallelism:
         return None
 
     def scoring_model(self) -> nn.Module:
-        """The model downstream scoring (`training.eval_tasks`) runs on this rank, every rank in step (a
-        collective): `module`, whose forward takes a request of any length (whole, or each layer gathered
-        in step under FSDP2 and ZeRO-3)."""
+        """The model downstream scoring (`training.eval_tasks`) runs on this rank (every rank calls it at
+        the same point): `module`, whose forward takes a request of any length (whole, or each layer
+        gathered in step under FSDP2 and ZeRO-3)."""
         return self.module
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -365,7 +367,6 @@ class Pipeline(FSDP):
         """The tensors the other stages hold (`elsewhere`), and the whole model's parameters in the order
         a whole checkpoint's optimizer state numbers them (`saved_order`: `optim.parameter_groups`' groups
         one after another, each in the model's order), from every stage's own groups (a collective)."""
-
         by_param = {id(p): clean_name(name) for name, p in self.module.named_parameters()}
         groups = [[by_param[id(p)] for p in group["params"]] for group in self.optimizer.param_groups]
         held = {clean_name(name) for name in self.module.state_dict()}
