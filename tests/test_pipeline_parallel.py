@@ -153,3 +153,24 @@ def test_a_fresh_pipeline_starts_from_the_weights_fsdp_draws(workdir):
     (pp_train, pp_val), (fsdp_train, fsdp_val) = _losses(workdir / "pp"), _losses(workdir / "fsdp")
     assert len(pp_train) == 2 and pp_train == pytest.approx(fsdp_train, rel=1e-5)
     assert pp_val == pytest.approx(fsdp_val, rel=1e-5)
+
+
+def test_a_stage_checks_a_whole_checkpoint_against_every_stage():
+    """A stage takes a whole checkpoint's tensors that other stages hold as theirs to check; a tensor no
+    stage holds (a checkpoint of a deeper model) is still refused, in one line."""
+    from llm_trainer.checkpoint.model_folder import check_fits
+    from llm_trainer.config import ModelConfig, TrainingConfig
+    from llm_trainer.errors import UsageError
+    from llm_trainer.model import Transformer
+    from llm_trainer.parallel.pipeline_parallel import split_model
+
+    config = ModelConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=16, vocab_size=64, tie_embeddings=False)
+    whole = Transformer(config).state_dict()
+    first, _ = split_model(Transformer(config), TrainingConfig(pipeline_parallel_degree=2), 2, 0)
+    elsewhere = frozenset(whole) - set(first.state_dict())
+    assert elsewhere and all(name.startswith(("blocks.1.", "norm.", "lm_head.")) for name in elsewhere)
+    check_fits(first, whole, "ckpt", elsewhere)
+    deeper = {**whole, "blocks.2.attn.q.weight": whole["blocks.0.attn.q.weight"]}
+    with pytest.raises(UsageError, match="unexpected blocks.2.attn.q.weight") as info:
+        check_fits(first, deeper, "ckpt", elsewhere)
+    assert "\n" not in str(info.value)
