@@ -117,6 +117,9 @@ def test_the_degrees_left_go_to_data_parallelism_as_the_strategy_says(world, tra
         ),
         (2, {"context_parallel_degree": 2}, 30, "divisible by 2 x 2"),
         (2, {"context_parallel_degree": 2}, 32, "needs CUDA"),
+        (2, {"context_parallel_degree": 2, "distributed_strategy": "ddp"}, 32, "composes with FSDP2 only"),
+        (4, {"context_parallel_degree": 2, "pipeline_parallel_degree": 2}, 32, "does not compose with pipeline"),
+        (2, {"context_parallel_degree": 2, "compile": True}, 32, "set training.compile: false"),
         (2, {"data_parallel_shard_degree": 2, "distributed_strategy": "ddp"}, 32, "needs distributed_strategy: fsdp"),
         (
             4,
@@ -197,6 +200,22 @@ def test_context_parallelism_needs_the_sdpa_kernel():
             device_type="cuda",
         )
         assert layout.cp == 2
+    both = resolve_layout(
+        TrainingConfig(context_parallel_degree=2, tensor_parallel_degree=2),
+        8,
+        model=llama,
+        seq_len=32,
+        device_type="cuda",
+    )
+    assert both.describe() == "dp_replicate=1 x dp_shard=2 x pp=1 x cp=2 x tp=2"
+    with pytest.raises(UsageError, match="does not divide each context-parallel rank's 18 positions"):
+        resolve_layout(
+            TrainingConfig(context_parallel_degree=2, tensor_parallel_degree=4),
+            8,
+            model=llama,
+            seq_len=36,
+            device_type="cuda",
+        )
 
 
 def _train(tmp_path, monkeypatch, capsys, world: int, *overrides: str) -> tuple[int, str]:

@@ -394,6 +394,7 @@ class Transformer(nn.Module):
         labels: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         reduction: str = "sum",
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor | CausalLMOutput:
         """Token ids (B, T) -> logits (B, T, V), called the nanoGPT way: `model(idx)`.
 
@@ -407,6 +408,9 @@ class Transformer(nn.Module):
         where attention_mask is 0, is never a target). Padding goes after the text, as our tokenizer
         pads. doc_ids: optional (B, T) document index of each token (packed rows): attention is
         restricted to each document and positions restart at 0 for each one. None: one causal sequence.
+        positions: optional (B, T) position of each token in its row, for a caller that holds only some of
+        each row's tokens (context parallelism: a share of the positions, in the order its attention
+        kernel sees them); None: 0 .. T-1. Attention stays causal by the kernel's own order.
         """
         shaped = input_ids is not None or attention_mask is not None or labels is not None
         if (idx is None) == (input_ids is None):
@@ -414,20 +418,23 @@ class Transformer(nn.Module):
         ids = idx if input_ids is None else input_ids
         if attention_mask is not None:
             _check_right_padded(attention_mask)
+        if positions is not None and (doc_ids is not None or cache is not None):
+            raise ValueError("positions= is for rows given in parts; it cannot be combined with doc_ids or a KV cache")
+        given = None if positions is None else (None, positions)
         if targets is not None:
             if shaped:
                 raise ValueError(
                     "targets= is the nanoGPT-style call model(idx, targets=...); with input_ids use labels="
                 )
             return linear_cross_entropy(
-                self._hidden(ids, cache, doc_ids),
+                self._hidden(ids, cache, doc_ids, given),
                 self.lm_head.weight,
                 targets,
                 softcap=self.config.logit_softcap,
                 reduction=reduction,
                 vocab=self.config.vocab_size,
             )
-        logits = self._logits(ids, cache, doc_ids)
+        logits = self._logits(ids, cache, doc_ids, given)
         if not shaped:
             return logits
         loss = causal_lm_loss(logits, labels, attention_mask) if labels is not None else None
@@ -464,7 +471,7 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,
         cache: KVCache | None = None,
         doc_ids: torch.Tensor | None = None,
-        given: tuple[torch.Tensor, torch.Tensor] | None = None,
+        given: tuple[torch.Tensor | None, torch.Tensor] | None = None,
         select: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The head's logits (B, T, V), or (N, V) of `select`, soft-capped where the config says so: the
@@ -486,7 +493,7 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,
         cache: KVCache | None = None,
         doc_ids: torch.Tensor | None = None,
-        given: tuple[torch.Tensor, torch.Tensor] | None = None,
+        given: tuple[torch.Tensor | None, torch.Tensor] | None = None,
         select: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The final norm's output (B, T, C), or (N, C) of `select`: what the head reads."""

@@ -31,7 +31,7 @@ from .config import ExperimentConfig, ModelConfig, TrainingConfig
 from .errors import UsageError
 from .parallel import distributed
 from .parallel.distributed import DistInfo
-from .parallel.mesh import refuse_unavailable, resolve_layout
+from .parallel.mesh import resolve_layout
 
 
 def resolve_device(name: str) -> torch.device:
@@ -256,7 +256,7 @@ def check_layout(
     training: TrainingConfig, model: ModelConfig | None, seq_len: int | None, *, document_mask: bool = False
 ) -> None:
     """The device mesh's degrees against the launcher's world size, the model and the rows, before the
-    process group opens or anything is allocated (`mesh.resolve_layout`); degrees not trained yet refused."""
+    process group opens or anything is allocated (`mesh.resolve_layout`)."""
     device_type = resolve_device(training.device).type
     resolve_layout(
         training,
@@ -266,7 +266,6 @@ def check_layout(
         device_type=device_type,
         document_mask=document_mask,
     )
-    refuse_unavailable(training)
 
 
 def resolve_run(

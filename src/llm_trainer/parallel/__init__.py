@@ -7,6 +7,7 @@ parallelize       the fixed order every run takes: float8 -> tensor parallelism 
                   compile -> DDP/FSDP2 -> the optimizer
 tensor_parallel   the tensor (and sequence) parallel plan of our blocks on DTensor
 pipeline_parallel  the model cut into stages by layer, run by a torch.distributed.pipelining schedule
+context_parallel  each rank's share of every row's positions, with PyTorch's ring attention during the step
 grad_norm         the gradient norm and its clipping over parameters on several device meshes
 float8            training.float8 through torchao's float8 linear layers, refused where the GPU lacks it
 attention_kernel  training.sdpa_backend: the SDPA kernel checked at setup and held around the loop

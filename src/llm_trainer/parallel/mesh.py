@@ -20,11 +20,6 @@ MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"
 # Of those, the V-shaped ones: a rank holds stage r and stage 2 x degree - 1 - r (the first rank both ends).
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
-# Degrees that are validated but not trained yet: each name with what to do instead.
-NOT_AVAILABLE = {
-    "context_parallel_degree": "context parallelism",
-}
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -101,18 +96,9 @@ def strategy_of(training: TrainingConfig) -> str:
         training.data_parallel_shard_degree not in (None, 1)
         or training.tensor_parallel_degree > 1
         or training.pipeline_parallel_degree > 1
+        or training.context_parallel_degree > 1
     )
     return "fsdp" if sharded else "ddp"
-
-
-def refuse_unavailable(training: TrainingConfig) -> None:
-    """Degrees this version validates but cannot train yet: one line each, never silently ignored."""
-    for name, what in NOT_AVAILABLE.items():
-        if getattr(training, name) > 1:
-            raise UsageError(
-                f"training.{name}={getattr(training, name)}: {what} is not available yet in llm-trainer; "
-                f"set {name}: 1 (use distributed_strategy: fsdp to shard a model that does not fit one device)"
-            )
 
 
 def _check_strategy(training: TrainingConfig, tp: int, pp: int, cp: int) -> None:
@@ -135,12 +121,26 @@ def _check_strategy(training: TrainingConfig, tp: int, pp: int, cp: int) -> None
                     f"training.{name} does not apply to distributed_strategy deepspeed (its zero_optimization stage "
                     "decides what is sharded); remove it"
                 )
-    for name, degree in (("tensor_parallel_degree", tp), ("pipeline_parallel_degree", pp)):
+    for name, degree in (
+        ("tensor_parallel_degree", tp),
+        ("pipeline_parallel_degree", pp),
+        ("context_parallel_degree", cp),
+    ):
         if degree > 1 and strategy_of(training) != "fsdp" and strategy != "deepspeed":
             raise UsageError(
                 f"training.{name}={degree} composes with FSDP2 only (DDP would average the ranks' different "
                 f"parts); set distributed_strategy: fsdp (or auto), or {name}: 1"
             )
+    if cp > 1 and pp > 1:
+        raise UsageError(
+            f"training.context_parallel_degree={cp} does not compose with pipeline_parallel_degree={pp} (the "
+            "pipeline's stages pass whole rows); use one of them"
+        )
+    if cp > 1 and training.compile:
+        raise UsageError(
+            f"training.context_parallel_degree={cp} runs its ring attention eagerly, outside torch.compile; set "
+            "training.compile: false, or context_parallel_degree: 1"
+        )
     if pp > 1 and training.layer_stats_steps:
         raise UsageError(
             f"training.layer_stats_steps does not run under pipeline_parallel_degree={pp} yet (each stage holds "
@@ -244,17 +244,22 @@ def stage_count(training: TrainingConfig, pp: int) -> int:
 
 
 def _check_sequence(layout: Layout, seq_len: int) -> None:
-    """Sequence parallelism shards each row's tokens over TP ranks; context parallelism's load-balanced
-    ring gives each CP rank two chunks."""
-    if seq_len % layout.tp:
-        raise UsageError(
-            f"training.tensor_parallel_degree={layout.tp} does not divide the sequence length ({seq_len}) that "
-            "sequence parallelism splits; change data.max_length or the degree"
-        )
-    if seq_len % (2 * layout.cp):
+    """Context parallelism's load-balanced ring gives each CP rank two chunks of each row; sequence
+    parallelism shards a rank's positions (all of them, or its CP share) over the TP ranks."""
+    if layout.cp > 1 and seq_len % (2 * layout.cp):
         raise UsageError(
             f"training.context_parallel_degree={layout.cp} needs a sequence length divisible by 2 x {layout.cp}, "
             f"got {seq_len}; change data.max_length or the degree"
+        )
+    if (seq_len // layout.cp) % layout.tp:
+        share = (
+            "the sequence length"
+            if layout.cp == 1
+            else f"each context-parallel rank's {seq_len // layout.cp} positions"
+        )
+        raise UsageError(
+            f"training.tensor_parallel_degree={layout.tp} does not divide {share} ({seq_len // layout.cp}) that "
+            "sequence parallelism splits; change data.max_length or the degree"
         )
 
 

@@ -12,9 +12,13 @@
     2b. pipeline parallelism: the model split into this rank's stages (`pipeline_parallel`), over
        the mesh's `pp` dimension; what follows applies to the stages
     3. data parallelism: DDP, or FSDP2 (`fully_shard` per block, then the root, over the mesh's
-       data-parallel dimensions; the model's `extend` registered as a forward, so it gathers the
-       weights as `forward` does)
+       data-parallel and context-parallel dimensions; the model's `extend` registered as a forward, so
+       it gathers the weights as `forward` does)
     4. the optimizer, over the (sharded) parameters
+
+Context parallelism wraps no module: the step hands each `cp` rank a share of every row's positions
+and runs attention as PyTorch's ring attention meanwhile (`context_parallel`, through the
+`Parallelism`'s `context_mesh`).
 
 Each step wraps what the one before made: a block is checkpointed inside its compiled graph, and FSDP
 shards the compiled block. DeepSpeed takes the place of 2 and 3: its engine takes the model and our
@@ -67,16 +71,20 @@ def apply_compile(model: nn.Module, *, per_block: bool = False) -> None:
 
 
 def device_mesh(config: TrainingConfig, device: torch.device):
-    """The run's `DeviceMesh` with named dimensions (dp_replicate, dp_shard, pp, tp), torchtitan's order
-    (tensor-parallel ranks adjacent: a replica's ranks share a node's fast links)."""
+    """The run's `DeviceMesh` with named dimensions (dp_replicate, dp_shard, pp, cp, tp), torchtitan's
+    order (tensor-parallel ranks adjacent: a replica's ranks share a node's fast links), and `dp_shard_cp`,
+    the ranks FSDP2 shards over: context-parallel ranks hold the same weights and their gradients add
+    up, so they shard them as data-parallel ranks do."""
     from torch.distributed.device_mesh import init_device_mesh
 
     layout = resolve_layout(config, launcher.world_size())
-    return init_device_mesh(
+    mesh = init_device_mesh(
         device.type,
-        (layout.dp_replicate, layout.dp_shard, layout.pp, layout.tp),
-        mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp"),
+        (layout.dp_replicate, layout.dp_shard, layout.pp, layout.cp, layout.tp),
+        mesh_dim_names=("dp_replicate", "dp_shard", "pp", "cp", "tp"),
     )
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh
 
 
 def apply_fsdp(
@@ -93,7 +101,7 @@ def apply_fsdp(
     nodes, shard within a node)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    mesh = mesh["dp_replicate", "dp_shard"] if config.fsdp_sharding == "hybrid_shard" else mesh["dp_shard"]
+    mesh = mesh["dp_replicate", "dp_shard_cp"] if config.fsdp_sharding == "hybrid_shard" else mesh["dp_shard_cp"]
     options = dict(mesh=mesh, reshard_after_forward=config.fsdp_sharding != "shard_grad_op")
     if amp_dtype is not None:  # compute in the autocast dtype, reduce gradients in float32
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
@@ -190,6 +198,7 @@ def parallelize(
     mesh = device_mesh(config, device) if dist.strategy == "fsdp" else None
     tp = mesh["tp"].size() if mesh is not None else 1
     pp = mesh["pp"].size() if mesh is not None else 1
+    cp = mesh["cp"].size() if mesh is not None else 1
     if tp > 1:
         from .tensor_parallel import apply_tensor_parallel
 
@@ -209,8 +218,9 @@ def parallelize(
             from .tensor_parallel import split_at_stage_ends
 
             split_at_stage_ends([stage for _, stage in stages], mesh["tp"])
-    common = dict(dist=dist, device=device, amp_dtype=amp_dtype)
-    fsdp = dist.strategy == "fsdp" and (tp * pp == 1 or mesh["dp_replicate", "dp_shard"].size() > 1)  # not TP/PP alone
+    common = dict(dist=dist, device=device, amp_dtype=amp_dtype, context_mesh=mesh["cp"] if cp > 1 else None)
+    # FSDP2 unless the ranks split the model only (TP/PP alone); context-parallel ranks reduce through it
+    fsdp = dist.strategy == "fsdp" and (tp * pp == 1 or mesh["dp_replicate", "dp_shard_cp"].size() > 1)
     if fsdp:
         apply_fsdp(model, config, device, amp_dtype, mesh, roots=[stage for _, stage in stages or []])
     if on_meta:  # built without storage (see pipeline.build_model): allocate and initialise here, after sharding

@@ -2,6 +2,8 @@
 
 The loop and the Checkpointer call these methods and never ask which backend runs:
 
+    rows_as_computed(b)  the step's micro-batches as this rank computes them (a share of each row's
+                         positions under context parallelism)
     no_sync(last)        gradient reduction only on a step's last micro-batch
     backward(loss)       scaled for fp16 where a GradScaler is in use
     clip(max_norm)       the total gradient norm (clipped when max_norm is set), or None when the
@@ -68,8 +70,10 @@ class Parallelism:
         dist: DistInfo,
         device: torch.device,
         amp_dtype: torch.dtype | None,
+        context_mesh=None,
     ):
         self.module = module  # the bare model (see the module docstring)
+        self.context_mesh = context_mesh  # the `cp` ranks that share each row's positions, or None
         self.wrapped = wrapped  # what the step calls
         self.optimizer = optimizer
         self.dist, self.device = dist, device
@@ -82,6 +86,19 @@ class Parallelism:
         return sum(p.numel() for p in self.params)
 
     # -- the step -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def rows_as_computed(self, micro_batches):
+        """The step's micro-batches as this rank computes them, each (inputs, targets, `batch_nll`'s
+        keywords): whole rows, or under context parallelism this rank's share of each row's positions,
+        with ring attention on until the context ends (`context_parallel.split_rows`)."""
+        if self.context_mesh is None:
+            yield [(inputs, targets, {"doc_ids": d[0]} if d else {}) for inputs, targets, *d in micro_batches]
+            return
+        from .context_parallel import split_rows
+
+        with split_rows(micro_batches, self.context_mesh) as parts:
+            yield parts
 
     @contextlib.contextmanager
     def no_sync(self, last: bool):

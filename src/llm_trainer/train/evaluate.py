@@ -36,9 +36,11 @@ def batch_nll(
     targets: torch.Tensor,
     doc_ids: torch.Tensor | None = None,
     reduction: str = "sum",
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed negative log-likelihood of one batch (reduction="none": per position, 0 where ignored);
-    `doc_ids` (B, T) restricts attention to each document.
+    `doc_ids` (B, T) restricts attention to each document; `positions` (B, T): each token's position in
+    its row, where the batch holds a share of each row's tokens (context parallelism; our model only).
 
     Our Transformer computes it inside its forward (so a compiled model compiles the loss too, and the
     logits never exist whole); other models may return logits, objects with `.logits`, or objects with
@@ -46,7 +48,9 @@ def batch_nll(
     """
     documents = {} if doc_ids is None else {"doc_ids": doc_ids}
     if computes_loss(model):
-        return model(inputs, targets=targets, reduction=reduction, **documents)
+        parts = {} if positions is None else {"positions": positions}
+        return model(inputs, targets=targets, reduction=reduction, **documents, **parts)
+    assert positions is None, "only our Transformer takes a share of each row's positions"
     output = model(inputs, **documents)
     if reduction == "none":
         return _per_token_nll(logits_of(output), targets)

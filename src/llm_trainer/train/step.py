@@ -47,7 +47,8 @@ def train_step(
     """Forward/backward each micro-batch, clip, step where finite. No host sync.
 
     Each micro-batch's summed loss is divided by the target tokens of the whole step on all ranks, so
-    k micro-batches of b rows equal one batch of k*b, and DDP's average over ranks is exact. `share`
+    k micro-batches of b rows equal one batch of k*b, and DDP's average over ranks is exact (counted
+    as computed: context-parallel ranks each count their share of the rows, and their gradients add up). `share`
     (small float values, e.g. "this rank got a signal") rides along in the one collective of the loss.
     `reject(loss, grad_norm)`: a device bool that withholds a finite step too (a loss spike).
     `inspect(scale)`: called with the step's gradients complete, before clipping and the update (layer
@@ -55,19 +56,21 @@ def train_step(
     """
     world = parallel.dist.world_size
     device = parallel.device
-    n_targets = sum((batch[1] != IGNORE_INDEX).sum() for batch in micro_batches).float()  # device tensor: no sync
-    n_targets = all_reduce_(n_targets).clamp(min=1)
     loss_sum = torch.zeros((), device=device)
     last = len(micro_batches) - 1
-    for i, (inputs, targets, *doc_ids) in enumerate(micro_batches):  # doc_ids with data.document_mask
-        with torch.profiler.record_function("forward_backward"):
-            if parallel.pipelined:  # the schedule's forward and backward over the stages
-                nll = parallel.forward_backward(inputs, targets, world / n_targets, autocast)
-            else:
-                with parallel.no_sync(last=i == last), autocast:
-                    nll = batch_nll(parallel.wrapped, inputs, targets, *doc_ids)
-                parallel.backward(nll * world / n_targets)
-        loss_sum += nll.detach().float()
+    # (inputs, targets, keywords: doc_ids with data.document_mask, positions under context parallelism)
+    with parallel.rows_as_computed(micro_batches) as parts:
+        n_targets = sum((targets != IGNORE_INDEX).sum() for _, targets, _ in parts).float()  # device tensor: no sync
+        n_targets = all_reduce_(n_targets).clamp(min=1)
+        for i, (inputs, targets, keywords) in enumerate(parts):
+            with torch.profiler.record_function("forward_backward"):
+                if parallel.pipelined:  # the schedule's forward and backward over the stages
+                    nll = parallel.forward_backward(inputs, targets, world / n_targets, autocast)
+                else:
+                    with parallel.no_sync(last=i == last), autocast:
+                        nll = batch_nll(parallel.wrapped, inputs, targets, **keywords)
+                    parallel.backward(nll * world / n_targets)
+            loss_sum += nll.detach().float()
     shared = None
     if world > 1:  # the global loss decides the step on every rank alike
         values = (
