@@ -142,8 +142,8 @@ def _store_options(url: str) -> dict:
     - botocore's standard retry mode, `S3_ATTEMPTS` attempts of each request, the first included: it
       retries throttling (SlowDown) and 5xx answers with jittered backoff, and a read timeout. s3fs tries
       each call 5 times over that, so a store that takes connections and never answers costs 5 x 3 read
-      timeouts (15 s each) before it is reported; `call` does not try such a store again. At the
-      libraries' defaults with our tries on top (4 x 5 x 5) it was half an hour.
+      timeouts (15 s each) before it is reported; `call` does not try such a store again (the
+      libraries' default 5 x 5 under our 4 tries would make it half an hour).
 
     The user's own fsspec configuration for s3 (`FSSPEC_S3`, fsspec's conf.json) wins over these."""
     if url.split("://", 1)[0] not in ("s3", "s3a"):
