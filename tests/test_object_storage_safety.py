@@ -217,6 +217,78 @@ def test_an_unreachable_gs_store_is_one_line_soon(tmp_path):
     assert took < 100, took  # gcsfs alone retries for about 35 s; four tries of ours on top took 150
 
 
+class _SilentStore:
+    """A server on 127.0.0.1 that takes every connection and reads every request, and never answers:
+    a store that has hung. Counts the requests it was sent."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.requests = 0
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self._held = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                connection, _ = self._server.accept()
+            except OSError:
+                return
+            self._held.append(connection)
+            threading.Thread(target=self._read, args=(connection,), daemon=True).start()
+
+    def _read(self, connection) -> None:
+        pending = b""
+        try:
+            while data := connection.recv(65536):
+                pending += data
+                while b"\r\n\r\n" in pending:  # a request's head; bodies here are a few bytes
+                    _, pending = pending.split(b"\r\n\r\n", 1)
+                    self.requests += 1
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._server.close()
+        for connection in self._held:
+            connection.close()
+
+
+@pytest.mark.slow  # ten read timeouts, and the libraries' backoff between them
+def test_a_store_that_never_answers_is_one_line_after_the_libraries_tries(monkeypatch, tmp_path):
+    """An upload to a store that takes the connection and falls silent (it used to wait forever for an
+    answer to `Expect: 100-continue`): botocore's attempts within each of s3fs's tries (5), each
+    ended by the read timeout, then one line. Our own tries, meant for a store that cannot be reached,
+    do not multiply the wait again. The user's fsspec configuration (a short read timeout) is kept."""
+    import fsspec.config
+    import s3fs
+
+    from llm_trainer.errors import UsageError
+    from llm_trainer.files import buckets
+
+    store = _SilentStore()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", store.endpoint)
+    for name, value in base.FAKE_CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"read_timeout": 0.5}})
+    monkeypatch.setattr(buckets, "S3_ATTEMPTS", 2)  # botocore's backoff between attempts is most of the wait
+    s3fs.S3FileSystem.clear_instance_cache()
+    (tmp_path / "a.txt").write_text("x")
+    try:
+        with pytest.raises(UsageError) as info:
+            buckets.upload(tmp_path / "a.txt", "s3://hung/run/a.txt")
+        _one_line(info, "uploading", "cannot reach the store", "AWS_ENDPOINT_URL")
+        assert store.requests == 5 * buckets.S3_ATTEMPTS
+    finally:
+        store.close()
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
 # ----------------------------------------------------------------------------------------------
 # a URL output_dir's history between machines
 

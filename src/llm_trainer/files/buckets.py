@@ -49,7 +49,8 @@ from .folder_files import plain_name
 
 T = TypeVar("T")
 
-RETRIES = 4  # tries of one call to the store before it is reported
+RETRIES = 4  # tries of one call to the store that cannot be reached before it is reported
+S3_ATTEMPTS = 3  # botocore's attempts of each S3 request, the first included (`_store_options`)
 OWN_RETRIES = {"gs", "gcs"}  # schemes whose library retries an unreachable store itself (gcsfs: 6 tries, backoff)
 QUIET_LOGGERS = ("gcsfs", "s3fs", "fsspec", "aiobotocore", "botocore", "adlfs")  # they log tracebacks per retry
 BACKOFF_S = 0.5  # first wait between tries; doubled each time
@@ -132,14 +133,26 @@ def _quiet_libraries() -> None:
 
 
 def _store_options(url: str) -> dict:
-    """fsspec options for the store of `url`. For S3: a botocore session whose requests carry no
-    `Expect: 100-continue` header. With it, aiohttp waits for the server's interim answer before it sends
-    an upload's body, and no timeout covers that wait: a store that accepts the connection and then falls
-    silent would hold the upload (and the run waiting for it) forever. Without it, the read timeout
-    ends the wait and the upload is retried, then reported (`call`). The header is not signed."""
+    """fsspec options for the store of `url`. For S3:
+
+    - a botocore session whose requests carry no `Expect: 100-continue` header. With it, aiohttp waits
+      for the server's interim answer before it sends an upload's body, and no timeout covers that wait:
+      a store that accepts the connection and then falls silent would hold the upload (and the run
+      waiting for it) forever. Without it, the read timeout ends the wait. The header is not signed.
+    - botocore's standard retry mode, `S3_ATTEMPTS` attempts of each request, the first included: it
+      retries throttling (SlowDown) and 5xx answers with jittered backoff, and a read timeout. s3fs tries
+      each call 5 times over that, so a store that takes connections and never answers costs 5 x 3 read
+      timeouts (15 s each) before it is reported; `call` does not try such a store again (the
+      libraries' default 5 x 5 under our 4 tries would make it half an hour).
+
+    The user's own fsspec configuration for s3 (`FSSPEC_S3`, fsspec's conf.json) wins over these."""
     if url.split("://", 1)[0] not in ("s3", "s3a"):
         return {}
-    return {"session": _s3_session()}
+    import fsspec.config
+
+    theirs = fsspec.config.conf.get("s3", {})
+    attempts = {"retries": {"total_max_attempts": S3_ATTEMPTS, "mode": "standard"}}
+    return {"session": _s3_session(), **theirs, "config_kwargs": {**attempts, **theirs.get("config_kwargs", {})}}
 
 
 _S3_SESSION = None
@@ -198,6 +211,16 @@ def _unreachable(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return "connection refused" in text or "connection reset" in text or "could not connect" in text
+
+
+def _silent(exc: BaseException, url: str) -> bool:
+    """Whether an S3 store took the connection and then sent no answer in time: s3fs and botocore have
+    tried the call several times already (`_store_options`), so another round of theirs would only
+    multiply the wait."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return url.split("://", 1)[0] in ("s3", "s3a") and (
+        "ReadTimeoutError" in names or "read timeout" in str(exc).lower()
+    )
 
 
 def _endpoint_setting(url: str) -> str:
@@ -270,7 +293,7 @@ def call(what: str, url: str, fn: Callable[[], T]) -> T:
         except Exception as exc:
             if not _unreachable(exc):
                 raise UsageError(f"{what}: {url} failed ({type(exc).__name__}: {first_line(exc)})") from None
-            if attempt == tries:
+            if attempt == tries or _silent(exc, url):
                 raise UsageError(
                     f"{what}: cannot reach the store for {url} ({first_line(exc)}); check the endpoint "
                     f"({_endpoint_setting(url)}) and the network, then run again"
