@@ -14,6 +14,9 @@ import yaml
 REPO_SRC = Path(__file__).resolve().parents[1] / "src"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Runs here (and the CLIs they start, which inherit it) draw no plots at their end: a fixed cost per run
+# that the plot tests and the default-on test in test_untrusted_input.py pay where they assert it.
+os.environ.setdefault("LLM_TRAINER_PLOTS", "0")
 
 
 def tiny_model_config(**overrides):
