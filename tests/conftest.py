@@ -68,9 +68,10 @@ def write_corpus(folder):
 
 
 def once_per_session(tmp_path_factory, name: str, build) -> Path:
-    """The folder `name`, filled by `build(folder)` once per test session and then only read. Under
-    pytest-xdist every worker has its own base temporary folder: the folder lies in their common parent,
-    and the first worker to ask builds it under a file lock while the others wait for it."""
+    """The folder `name`, filled by `build(folder)` once per test session; what it built is then only
+    read (a test may add files of names of its own). Under pytest-xdist every worker has its own base
+    temporary folder: the folder lies in their common parent, and the first worker to ask builds it under
+    a file lock while the others wait for it."""
     from filelock import FileLock
 
     base = tmp_path_factory.getbasetemp()
