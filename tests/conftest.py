@@ -1,6 +1,7 @@
 """Shared fixtures: tiny configs and a tiny corpus, all in temporary folders."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,9 @@ import yaml
 REPO_SRC = Path(__file__).resolve().parents[1] / "src"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Runs here (and the CLIs they start, which inherit it) draw no plots at their end: a fixed cost per run
+# that the plot tests and the default-on test in test_untrusted_input.py pay where they assert it.
+os.environ.setdefault("LLM_TRAINER_PLOTS", "0")
 
 
 def tiny_model_config(**overrides):
@@ -60,6 +64,26 @@ def write_corpus(folder):
     lines = [f"the {w} sat on the mat number {i % 7}.\n" for i, w in enumerate(["cat", "dog", "bird", "fox"] * 30)]
     for d in range(12):
         (folder / f"doc{d:02d}.txt").write_text("".join(lines[d * 10 : d * 10 + 10]))
+    return folder
+
+
+def once_per_session(tmp_path_factory, name: str, build) -> Path:
+    """The folder `name`, filled by `build(folder)` once per test session; what it built is then only
+    read (a test may add files of names of its own). Under pytest-xdist every worker has its own base
+    temporary folder: the folder lies in their common parent, and the first worker to ask builds it under
+    a file lock while the others wait for it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            if folder.exists():  # a build that failed part-way, in a worker before this one
+                shutil.rmtree(folder)
+            folder.mkdir()
+            build(folder)
+            done.touch()
     return folder
 
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import src_env
+from conftest import once_per_session, src_env
 from test_distributed import _initial_weights
 
 pytestmark = [
@@ -135,11 +135,15 @@ def _only_checkpoint(workdir: Path, run: str, step: int, into: str) -> None:
     shutil.copytree(workdir / run / "checkpoints" / f"checkpoint-{step:08d}", target / f"checkpoint-{step:08d}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def workdir(tmp_path_factory) -> Path:
     """The corpus, a shared initial model (FSDP builds on the meta device), and two uninterrupted runs:
-    `background` (the default: periodic saves in the background) and `synchronous`."""
-    root = tmp_path_factory.mktemp("async_save")
+    `background` (the default: periodic saves in the background) and `synchronous`; built once per
+    session (xdist workers included), each test then writing runs of its own names beside them."""
+    return once_per_session(tmp_path_factory, "async_save", _uninterrupted_runs)
+
+
+def _uninterrupted_runs(root: Path) -> None:
     lines = [f"the {w} sat on the mat number {i % 7}.\n" for i, w in enumerate(["cat", "dog", "bird", "fox"] * 120)]
     (root / "corpus.txt").write_text("".join(lines))
     (root / "runner.py").write_text(RUNNER)
@@ -150,7 +154,6 @@ def workdir(tmp_path_factory) -> Path:
     (root / "exp.yaml").write_text(yaml.safe_dump(data))
     _torchrun(root, "training.output_dir=background")
     _torchrun(root, "training.output_dir=synchronous", "training.async_checkpoint=false")
-    return root
 
 
 def _dcp_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:

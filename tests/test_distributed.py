@@ -5,8 +5,10 @@ batch 2b; the per-step losses and final weights must agree (the data each rank r
 together equals the single process's batch).
 """
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,7 +21,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import src_env
+from conftest import once_per_session, src_env
 
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available"),
@@ -45,12 +47,61 @@ EXPERIMENT = {
 }
 
 
+CORPUS = "".join(f"the {w} sat on the mat number {i % 7}.\n" for i, w in enumerate(["cat", "dog", "bird", "fox"] * 120))
+
+
 @pytest.fixture
 def workdir(tmp_path):
-    lines = [f"the {w} sat on the mat number {i % 7}.\n" for i, w in enumerate(["cat", "dog", "bird", "fox"] * 120)]
-    (tmp_path / "corpus.txt").write_text("".join(lines))
+    (tmp_path / "corpus.txt").write_text(CORPUS)
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(EXPERIMENT))
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory):
+    return References(tmp_path_factory)
+
+
+class References:
+    """The one-process runs that several tests compare their multi-process runs with, each trained once
+    per session (xdist workers included) and copied into the test's folder. A test that uses one runs
+    its own experiments on the same prepared data: its exp.yaml names the shared corpus and data cache
+    by absolute path (the prepared data's fingerprint holds the corpus's path)."""
+
+    def __init__(self, factory):
+        self.factory = factory
+
+    def _data(self) -> Path:
+        def build(folder: Path) -> None:
+            (folder / "corpus.txt").write_text(CORPUS)
+            data = {
+                **EXPERIMENT["data"],
+                "data_files": [str(folder / "corpus.txt")],
+                "cache_dir": str(folder / "cache"),
+            }
+            (folder / "exp.yaml").write_text(yaml.safe_dump({**EXPERIMENT, "data": data}))
+            _prepare(folder)
+
+        return once_per_session(self.factory, "distributed-data", build)
+
+    def single(self, workdir: Path, model=(), run=(), init=False) -> str | None:
+        """`workdir/single`: one process's run of the experiment with the `model` overrides
+        (`model.KEY=VALUE`, written into exp.yaml as `_initial_weights` does) and the `run` overrides,
+        from the shared initial weights when `init` (then their folder is returned). `workdir/exp.yaml`
+        becomes that run's experiment."""
+        data = self._data()
+        key = hashlib.sha256(json.dumps([list(model), list(run), init]).encode()).hexdigest()[:16]
+
+        def build(folder: Path) -> None:
+            shutil.copy(data / "exp.yaml", folder / "exp.yaml")
+            start = (f"model.init_from={_initial_weights(folder, model)}",) if init else ()
+            assert init or not model, "model overrides are written into exp.yaml with the initial weights"
+            _single(folder, "training.output_dir=single", *start, *run)
+
+        folder = once_per_session(self.factory, f"distributed-single-{key}", build)
+        shutil.copy(folder / "exp.yaml", workdir / "exp.yaml")
+        shutil.copytree(folder / "single", workdir / "single", symlinks=True)
+        return str(folder / "init") if init else None
 
 
 def _free_port() -> int:
@@ -130,19 +181,24 @@ def _initial_weights(workdir, overrides=()) -> str:
         key, value = override.split("=")
         experiment["model"][key.split(".")[1]] = yaml.safe_load(value)
     path.write_text(yaml.safe_dump(experiment))
-    if not list((workdir / "data_cache").glob("*/manifest.json")):
-        subprocess.run(
-            [sys.executable, "-m", "llm_trainer", "prepare", "--config", "exp.yaml"],
-            cwd=workdir,
-            check=True,
-            capture_output=True,
-            env=_env(),
-        )
-    (manifest,) = (workdir / "data_cache").glob("*/manifest.json")
+    cache = workdir / experiment["data"].get("cache_dir", "data_cache")
+    if not list(cache.glob("*/manifest.json")):
+        _prepare(workdir)
+    (manifest,) = cache.glob("*/manifest.json")
     vocab = json.loads(manifest.read_text())["vocab_size"]
     torch.manual_seed(0)
     save_model_folder(Transformer(ModelConfig(**{**experiment["model"], "vocab_size": vocab})), workdir / "init")
     return str(workdir / "init")
+
+
+def _prepare(workdir) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "llm_trainer", "prepare", "--config", "exp.yaml"],
+        cwd=workdir,
+        check=True,
+        capture_output=True,
+        env=_env(),
+    )
 
 
 def _interrupted_at(workdir, run: str, step: int, into: str) -> None:
@@ -154,8 +210,8 @@ def _interrupted_at(workdir, run: str, step: int, into: str) -> None:
     )
 
 
-def test_ddp_equals_one_process_with_twice_the_batch(workdir):
-    _single(workdir, "training.output_dir=single")
+def test_ddp_equals_one_process_with_twice_the_batch(workdir, references):
+    references.single(workdir)
     result = _torchrun(workdir, "training.output_dir=ddp", "training.batch_size=4", "training.distributed_strategy=ddp")
     assert "effective batch 8 = 4 x 1 accumulation x 2 process(es) (ddp)" in result.stderr
     _assert_same_run(workdir / "single", workdir / "ddp")
@@ -191,15 +247,14 @@ def test_ddp_with_muon_equals_one_process(workdir, options):
     _assert_same_run(workdir / "single", workdir / "ddp", rel=1e-4)
 
 
-def test_ddp_with_gradient_accumulation(workdir):
-    _single(workdir, "training.output_dir=single")
+def test_ddp_with_gradient_accumulation(workdir, references):
+    references.single(workdir)
     _torchrun(workdir, "training.output_dir=ddp", "training.batch_size=2", "training.gradient_accumulation_steps=2")
     _assert_same_run(workdir / "single", workdir / "ddp")
 
 
-def test_fsdp_equals_one_process_and_its_sharded_checkpoint_resumes(workdir):
-    init = _initial_weights(workdir)
-    _single(workdir, "training.output_dir=single", f"model.init_from={init}")
+def test_fsdp_equals_one_process_and_its_sharded_checkpoint_resumes(workdir, references):
+    init = references.single(workdir, init=True)
     _torchrun(
         workdir,
         "training.output_dir=fsdp",
@@ -245,12 +300,11 @@ def test_fsdp_equals_one_process_and_its_sharded_checkpoint_resumes(workdir):
     assert json.loads(result.stdout)["loss"] == pytest.approx(_losses(workdir / "fsdp")[1][-1], rel=1e-5)
 
 
-def test_fsdp_checkpoints_resume_at_another_world_size(workdir):
+def test_fsdp_checkpoints_resume_at_another_world_size(workdir, references):
     """FSDP's shards of step 3 (2 processes) resume in one process, each tensor read whole (batch 2 x 4
     accumulation), and one process's whole checkpoint of step 3 resumes under FSDP on 2 processes,
     each rank taking its shards (model and optimizer): steps 4-6 equal the uninterrupted run."""
-    init = _initial_weights(workdir)
-    _single(workdir, "training.output_dir=single", f"model.init_from={init}")
+    init = references.single(workdir, init=True)
     fsdp = ("training.batch_size=4", "training.distributed_strategy=fsdp", f"model.init_from={init}")
     _torchrun(workdir, "training.output_dir=fsdp", *fsdp)
     _interrupted_at(workdir, "fsdp", 3, "two_to_one")
@@ -271,11 +325,10 @@ def test_fsdp_checkpoints_resume_at_another_world_size(workdir):
         assert resumed_val == pytest.approx(val[1:], rel=1e-5)
 
 
-def test_fsdp_shard_grad_op_and_bf16_mixed_precision(workdir):
+def test_fsdp_shard_grad_op_and_bf16_mixed_precision(workdir, references):
     """shard_grad_op trains like one process; under use_amp, FSDP2 computes in bf16 (params cast per
     block, gradients reduced in fp32) close to one process's autocast, and keeps fp32 master weights."""
-    init = _initial_weights(workdir)
-    _single(workdir, "training.output_dir=single", f"model.init_from={init}")
+    init = references.single(workdir, init=True)
     fsdp = ("training.batch_size=4", "training.distributed_strategy=fsdp", f"model.init_from={init}")
     _torchrun(workdir, "training.output_dir=sgo", *fsdp, "training.fsdp_sharding=shard_grad_op")
     _assert_same_run(workdir / "single", workdir / "sgo")
@@ -288,11 +341,11 @@ def test_fsdp_shard_grad_op_and_bf16_mixed_precision(workdir):
     assert {t.dtype for t in weights.values()} == {torch.float32}
 
 
-def test_resume_at_another_world_size_equals_the_uninterrupted_run(workdir):
+def test_resume_at_another_world_size_equals_the_uninterrupted_run(workdir, references):
     """With the global batch kept at 8: step 3 of 2 processes (4 x 1 accumulation) resumes in one
     process (4 x 2 accumulation), and step 3 of one process (8 x 1) on 2 processes (4 x 1); steps 4-6
     and the evaluation at step 6 equal the run that was not interrupted. Another global batch is refused."""
-    _single(workdir, "training.output_dir=single")
+    references.single(workdir)
     _torchrun(workdir, "training.output_dir=ddp", "training.batch_size=4")
     _interrupted_at(workdir, "ddp", 3, "two_to_one")
     _single(
@@ -404,10 +457,10 @@ def _deepspeed(config) -> str:
 
 
 @needs_deepspeed
-def test_deepspeed_zero_stages_equal_one_process(workdir):
+def test_deepspeed_zero_stages_equal_one_process(workdir, references):
     """ZeRO 1, 2 and 3 (the shipped ZeRO-3 file: CPU optimizer offload) on 2 ranks of batch 4 train
     like one process of batch 8; DeepSpeed alone in one process (no torchrun) does too."""
-    _single(workdir, "training.output_dir=single")
+    references.single(workdir)
     runs = {
         "zero1": {"zero_optimization": {"stage": 1}},
         "zero2_offload": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
@@ -555,11 +608,11 @@ def test_deepspeed_skips_a_nonfinite_step_on_every_rank(workdir):
 
 
 @needs_deepspeed
-def test_deepspeed_without_zero_resumes_at_another_world_size(workdir):
+def test_deepspeed_without_zero_resumes_at_another_world_size(workdir, references):
     """ZeRO stage 0 keeps the optimizer state whole: step 3 of 2 processes resumes in one and step 3 of
     one process on 2, with the uninterrupted run's losses (ZeRO 1-3 are refused: the test below)."""
     stage0 = ("training.distributed_strategy=deepspeed", _deepspeed({"zero_optimization": {"stage": 0}}))
-    _single(workdir, "training.output_dir=single")
+    references.single(workdir)
     _torchrun(workdir, "training.output_dir=ds2", "training.batch_size=4", *stage0)
     _single(workdir, "training.output_dir=ds1", *stage0)
     _interrupted_at(workdir, "ds2", 3, "two_to_one")
@@ -609,11 +662,10 @@ def test_deepspeed_checkpoint_needs_deepspeed_to_resume(workdir):
 # -- several "nodes" and elastic restarts --------------------------------------------------------------
 
 
-def test_hsdp_degrees_given_in_a_parallelism_section_set_the_mesh(workdir):
+def test_hsdp_degrees_given_in_a_parallelism_section_set_the_mesh(workdir, references):
     """torchtitan's degrees on one node: a shard degree makes distributed_strategy auto fsdp, the mesh
     is 2 replicas x 1 shard (not hybrid_shard's one node x 2 shards), and the run equals one process's."""
-    init = _initial_weights(workdir)
-    _single(workdir, "training.output_dir=single", f"model.init_from={init}")
+    init = references.single(workdir, init=True)
     result = _torchrun(
         workdir,
         "training.output_dir=hsdp",
@@ -629,11 +681,10 @@ def test_hsdp_degrees_given_in_a_parallelism_section_set_the_mesh(workdir):
     _assert_same_run(workdir / "single", workdir / "hsdp")
 
 
-def test_hybrid_shard_on_two_nodes_equals_one_process(workdir):
+def test_hybrid_shard_on_two_nodes_equals_one_process(workdir, references):
     """The README's multi-node recipe on one machine: two torchrun agents (2 "nodes" x 2 processes)
     meet through the c10d rendezvous; FSDP2 hybrid_shard replicates across the nodes and shards within."""
-    init = _initial_weights(workdir)
-    _single(workdir, "training.output_dir=single", f"model.init_from={init}")
+    init = references.single(workdir, init=True)
     endpoint = f"127.0.0.1:{_free_port()}"
     agents = [
         subprocess.Popen(

@@ -445,10 +445,16 @@ def _train_with_tasks(root: Path, nproc: int, **training):
     return [row for row in rows if row["kind"] == "downstream"], done.stderr
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_process_rows(tmp_path_factory):
-    """The downstream rows of one process training the tiny experiment with batch 4."""
-    return _train_with_tasks(tmp_path_factory.mktemp("downstream") / "one", 1, batch_size=4)[0]
+    """The downstream rows of one process training the tiny experiment with batch 4, trained once per
+    session (xdist workers included)."""
+    from conftest import once_per_session
+
+    def build(folder: Path) -> None:
+        (folder / "rows.json").write_text(json.dumps(_train_with_tasks(folder / "one", 1, batch_size=4)[0]))
+
+    return json.loads((once_per_session(tmp_path_factory, "downstream-one-process", build) / "rows.json").read_text())
 
 
 @pytest.mark.slow

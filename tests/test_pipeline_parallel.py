@@ -8,13 +8,13 @@ import torch
 
 from test_distributed import (
     _assert_same_run,
-    _initial_weights,
     _interrupted_at,
     _losses,
     _single,
     _torchrun,
     _train_rows,
 )
+from test_distributed import references as references  # one-process runs, once per session
 from test_distributed import workdir as workdir  # the experiment's corpus and config
 
 pytestmark = [
@@ -41,11 +41,10 @@ STEPS = (
     ],
     ids=["llama-1f1b", "gpt2-gpipe", "llama-interleaved", "llama-zbv"],
 )
-def test_pipeline_equals_one_process(workdir, arch, schedule):
+def test_pipeline_equals_one_process(workdir, references, arch, schedule):
     """The same losses, validation losses and gradient norms as one process, with accumulation (two
     schedule steps per optimizer step, each of one micro-batch per stage) and a clip that bites."""
-    init = _initial_weights(workdir, arch)
-    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    init = references.single(workdir, arch, STEPS, init=True)
     result = _torchrun(
         workdir,
         "training.output_dir=pp",
@@ -61,13 +60,12 @@ def test_pipeline_equals_one_process(workdir, arch, schedule):
     )
 
 
-def test_pipeline_checkpoints_resume_in_one_process_and_in_the_pipeline(workdir):
+def test_pipeline_checkpoints_resume_in_one_process_and_in_the_pipeline(workdir, references):
     """PP=2's DCP checkpoint of step 3 (each stage's weights and optimizer state under the whole model's
     names) resumes in one process and at PP=2 again, and one process's whole checkpoint of step 3 resumes
     at PP=2 with the interleaved schedule (each stage taking its layers, rank 0 the first and third, and
     their optimizer state by name): steps 4-6 equal the uninterrupted run."""
-    init = _initial_weights(workdir, LLAMA + ("model.n_layers=4",))
-    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    init = references.single(workdir, LLAMA + ("model.n_layers=4",), STEPS, init=True)
     pp = ("parallelism.pipeline_parallel_degree=2", f"model.init_from={init}", *STEPS)
     _torchrun(workdir, "training.output_dir=pp", *pp)
     _interrupted_at(workdir, "pp", 3, "two_to_one")
@@ -103,11 +101,10 @@ def test_pipeline_checkpoints_resume_in_one_process_and_in_the_pipeline(workdir)
     ],
     ids=["fsdp", "tp"],
 )
-def test_pipeline_on_a_2x2_mesh_equals_one_process_and_resumes_in_one(workdir, other, batch_size, mesh):
+def test_pipeline_on_a_2x2_mesh_equals_one_process_and_resumes_in_one(workdir, references, other, batch_size, mesh):
     """PP x FSDP2 and PP x TP on 4 processes equal one process with the same global batch; the step-3
     checkpoint resumes in one process with the uninterrupted run's losses."""
-    init = _initial_weights(workdir, LLAMA)
-    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    init = references.single(workdir, LLAMA, STEPS, init=True)
     result = _torchrun(
         workdir,
         "training.output_dir=mesh",

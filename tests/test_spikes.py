@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import kill9_when, tiny_loaders, tiny_model
+from conftest import kill9_when, once_per_session, tiny_loaders, tiny_model
 
 LENGTH, BATCH, PERIOD = 16, 4, 64
 ROWS_PER_STEP = BATCH
@@ -86,9 +86,24 @@ def policy_runs(root: Path) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return policy_runs(tmp_path_factory.mktemp("spikes"))
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory) -> dict:
+    """`policy_runs`, trained once per session (xdist workers included): {name: (losses by step, what
+    the tests read of its trainer, summary)}; of the trainer, the loader's skipped sample ranges
+    (`skip`) and how many losses the spike monitor holds (`loss_history`)."""
+    folder = once_per_session(tmp_path_factory, "spikes", _write_policy_runs)
+    return {
+        name: ({int(step): loss for step, loss in losses.items()}, seen, summary)
+        for name, (losses, seen, summary) in json.loads((folder / "runs.json").read_text()).items()
+    }
+
+
+def _write_policy_runs(folder: Path) -> None:
+    seen = {}
+    for name, (losses, t, summary) in policy_runs(folder).items():
+        history = t.state.spike_history  # None where no monitor ran (the clean run)
+        seen[name] = (losses, {"skip": t.train_loader.skip, "loss_history": history and len(history["loss"])}, summary)
+    (folder / "runs.json").write_text(json.dumps(seen))
 
 
 def test_the_planted_range_makes_the_loss_spike_and_warn_only_reports_it(runs):
@@ -104,7 +119,7 @@ def test_rewind_skips_exactly_the_planted_range_and_rejoins_the_clean_run(runs):
     clean = runs["clean"][0]
     rewound, t, summary = runs["rewind"]
     # Each spiking batch sent the run back to checkpoint 30 and was added to the skipped range.
-    assert t.train_loader.skip == [PLANTED_ROWS]
+    assert t["skip"] == [list(PLANTED_ROWS)]
     assert summary["rewinds"] == 3 and summary["loss_spikes"] == 3
     # With the planted rows skipped the data is the clean sequence: the same losses as the clean run.
     assert sorted(rewound) == sorted(clean) == list(range(1, 61))
@@ -120,7 +135,7 @@ def test_skip_never_applies_a_spiking_step(runs):
     # Three steps not applied: from then on the clean run's losses, three steps late.
     for s in range(31, 58):
         assert math.isclose(skipped[s + 3], clean[s], rel_tol=1e-5), (s, skipped[s + 3], clean[s])
-    assert len(t.state.spike_history["loss"]) == 60  # every step's loss, spikes included
+    assert t["loss_history"] == 60  # every step's loss, spikes included
 
 
 def test_at_most_max_rewinds_then_the_spike_is_skipped(tmp_path):

@@ -7,13 +7,13 @@ import torch
 
 from test_distributed import (
     _assert_same_run,
-    _initial_weights,
     _interrupted_at,
     _losses,
     _single,
     _torchrun,
     _train_rows,
 )
+from test_distributed import references as references  # one-process runs, once per session
 from test_distributed import workdir as workdir  # the experiment's corpus and config
 
 pytestmark = [
@@ -26,6 +26,7 @@ GPT2 = (
     "model.n_heads=2",
     "model.n_kv_heads=2",
 )
+LLAMA = ("model.n_kv_heads=2", "model.d_ff=96")  # each split in two
 STEPS = (
     "training.gradient_accumulation_steps=2",
     "training.batch_size=4",
@@ -35,12 +36,11 @@ STEPS = (
 
 
 @pytest.mark.parametrize("arch", [(), GPT2], ids=["llama", "gpt2"])
-def test_tensor_parallel_equals_one_process(workdir, arch):
+def test_tensor_parallel_equals_one_process(workdir, references, arch):
     """LLaMA (SwiGLU, RoPE, RMSNorm) and GPT-2 (learned positions, biases, LayerNorm, tied head): the same
     losses as one process, with accumulation and a clip that bites."""
-    arch = arch or ("model.n_kv_heads=2", "model.d_ff=96")  # each split in two
-    init = _initial_weights(workdir, arch)
-    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    arch = arch or LLAMA
+    init = references.single(workdir, arch, STEPS, init=True)
     result = _torchrun(
         workdir, "training.output_dir=tp", "parallelism.tensor_parallel_degree=2", f"model.init_from={init}", *STEPS
     )
@@ -62,12 +62,11 @@ def _layer_rows(run_dir) -> dict:
     return {r["step"]: {k: v for k, v in r.items() if k.startswith("layers/")} for r in rows if r["kind"] == "layers"}
 
 
-def test_tensor_parallel_checkpoints_resume_at_another_layout(workdir):
+def test_tensor_parallel_checkpoints_resume_at_another_layout(workdir, references):
     """TP=2's DCP checkpoint of step 3 resumes in one process, and one process's whole checkpoint of
     step 3 resumes at TP=2 (each rank taking its shards of model and optimizer): steps 4-6 equal the
     uninterrupted run."""
-    init = _initial_weights(workdir, ("model.n_kv_heads=2", "model.d_ff=96"))
-    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    init = references.single(workdir, LLAMA, STEPS, init=True)
     tp = ("parallelism.tensor_parallel_degree=2", f"model.init_from={init}", *STEPS)
     _torchrun(workdir, "training.output_dir=tp", *tp)
     _interrupted_at(workdir, "tp", 3, "two_to_one")
@@ -87,11 +86,10 @@ def test_tensor_parallel_checkpoints_resume_at_another_layout(workdir):
         assert resumed_val == pytest.approx(val[1:], rel=1e-5)
 
 
-def test_fsdp_by_tensor_parallel_equals_one_process_and_resumes_as_fsdp(workdir):
+def test_fsdp_by_tensor_parallel_equals_one_process_and_resumes_as_fsdp(workdir, references):
     """A 2 x 2 mesh (FSDP2 over dp_shard, TP over tp) equals one process; its step-3 checkpoint resumes
     under FSDP alone on 4 processes with the uninterrupted run's losses."""
-    init = _initial_weights(workdir, ("model.n_kv_heads=2", "model.d_ff=96"))
-    _single(workdir, "training.output_dir=single", f"model.init_from={init}", *STEPS)
+    init = references.single(workdir, LLAMA, STEPS, init=True)
     accumulation = ("training.gradient_accumulation_steps=2", "training.max_grad_norm=0.05", f"model.init_from={init}")
     result = _torchrun(
         workdir,

@@ -68,7 +68,9 @@ def trained(tmp_path_factory) -> Path:
     """A finished run: checkpoints at steps 3 and 6, best_model, metrics; char tokenizer, one layer."""
     root = tmp_path_factory.mktemp("untrusted")
     config = write_tiny_experiment(root, max_steps=MAX_STEPS, save_steps=3, eval_steps=3, save_total_limit=None)
-    assert cli.main(["train", "--config", str(config)]) == 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("LLM_TRAINER_PLOTS", raising=False)  # the default: a finished run draws its plots
+        assert cli.main(["train", "--config", str(config)]) == 0
     return root
 
 
@@ -503,7 +505,8 @@ def test_a_symlink_leading_out_of_a_checkpoint_is_refused(trained, tmp_path, cap
     assert "tokenizer.json is a symlink that leads out of" in error
 
 
-def test_planted_symlinks_in_the_output_folder_are_replaced_not_followed(trained, tmp_path, capsys):
+def test_planted_symlinks_in_the_output_folder_are_replaced_not_followed(trained, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LLM_TRAINER_PLOTS", raising=False)  # plots drawn by default, as in `trained`
     run = run_copy(trained, tmp_path)
     victims = {
         name: tmp_path / f"victim-{name.replace('/', '_')}"

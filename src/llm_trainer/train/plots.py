@@ -10,6 +10,10 @@ Per run, the loss figures hold a training line and (when the run evaluated) a va
 perplexity figures exp(training loss) and the validation perplexity; the learning-rate figures one
 line. Validation points are placed on the token axis through the training rows' (step, tokens_seen).
 A resumed run's metrics.jsonl repeats steps; the last row logged for a step wins.
+
+A finished run draws its own (`PlotsAtEnd`) unless LLM_TRAINER_PLOTS=0: importing matplotlib and drawing
+six figures is a fixed cost at the end of every run, which many short runs (a sweep's trials, a test
+suite) need not pay; `llm-trainer plot RUN_DIR` draws them later from metrics.jsonl alone.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +33,7 @@ from .callbacks import Callback
 from .rows import row_kind
 
 FIGURES = ("loss", "perplexity", "lr")
+PLOTS_AT_END = "LLM_TRAINER_PLOTS"  # "0": a finished run draws no plots
 AXES = {"steps": ("step", "optimizer step"), "tokens": ("tokens_seen", "tokens seen")}
 
 
@@ -199,7 +205,7 @@ class PlotsAtEnd(Callback):
         self.output = output
 
     def on_train_end(self, trainer, metrics: dict) -> None:
-        if trainer.dist.is_main:
+        if trainer.dist.is_main and os.environ.get(PLOTS_AT_END, "1") != "0":
             plot_runs([self.output], self.output / "plots")
 
 
