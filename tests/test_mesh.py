@@ -120,6 +120,12 @@ def test_the_degrees_left_go_to_data_parallelism_as_the_strategy_says(world, tra
         (2, {"context_parallel_degree": 2, "distributed_strategy": "ddp"}, 32, "composes with FSDP2 only"),
         (4, {"context_parallel_degree": 2, "pipeline_parallel_degree": 2}, 32, "does not compose with pipeline"),
         (2, {"context_parallel_degree": 2, "compile": True}, 32, "set training.compile: false"),
+        (
+            2,
+            {"tensor_parallel_degree": 2, "compile": True, "gradient_checkpointing": True},
+            32,
+            "with both gradient_checkpointing and compile",
+        ),
         (2, {"data_parallel_shard_degree": 2, "distributed_strategy": "ddp"}, 32, "needs distributed_strategy: fsdp"),
         (
             4,

@@ -35,14 +35,24 @@ STEPS = (
 )
 
 
-@pytest.mark.parametrize("arch", [(), GPT2], ids=["llama", "gpt2"])
-def test_tensor_parallel_equals_one_process(workdir, references, arch):
+# compile on top of TP, in parallelize's order (each TP block compiled)
+WRAPPED = ("training.compile=true",)
+
+
+@pytest.mark.parametrize("arch, wrapped", [((), ()), (GPT2, WRAPPED)], ids=["llama", "gpt2-compiled"])
+def test_tensor_parallel_equals_one_process(workdir, references, arch, wrapped):
     """LLaMA (SwiGLU, RoPE, RMSNorm) and GPT-2 (learned positions, biases, LayerNorm, tied head): the same
-    losses as one process, with accumulation and a clip that bites."""
+    losses as one eager process, with accumulation and a clip that bites; GPT-2's TP blocks also
+    compiled."""
     arch = arch or LLAMA
     init = references.single(workdir, arch, STEPS, init=True)
     result = _torchrun(
-        workdir, "training.output_dir=tp", "parallelism.tensor_parallel_degree=2", f"model.init_from={init}", *STEPS
+        workdir,
+        "training.output_dir=tp",
+        "parallelism.tensor_parallel_degree=2",
+        f"model.init_from={init}",
+        *STEPS,
+        *wrapped,
     )
     assert "mesh: dp_replicate=1 x dp_shard=1 x pp=1 x cp=1 x tp=2" in result.stderr
     _assert_same_run(workdir / "single", workdir / "tp")

@@ -136,6 +136,12 @@ def _check_strategy(training: TrainingConfig, tp: int, pp: int, cp: int) -> None
             f"training.context_parallel_degree={cp} does not compose with pipeline_parallel_degree={pp} (the "
             "pipeline's stages pass whole rows); use one of them"
         )
+    if tp > 1 and training.compile and training.gradient_checkpointing:
+        raise UsageError(
+            f"training.tensor_parallel_degree={tp} with both gradient_checkpointing and compile does not train on "
+            "torch's compiler (it saves the tensor-parallel mesh among the checkpointed tensors); turn one of the "
+            "two off"
+        )
     if cp > 1 and training.compile:
         raise UsageError(
             f"training.context_parallel_degree={cp} runs its ring attention eagerly, outside torch.compile; set "
