@@ -81,8 +81,7 @@ def estimate_report(
     device_type = "cpu" if experiment.training.device == "cpu" else "cuda"
     training = resolve.resolve_amp(experiment.training, torch.device(device_type))
     seq_len = sequence_length(experiment)
-    # every degree as the run would resolve it (a layout that cannot train is refused in one line); context
-    # parallelism is counted here although training with it is not available yet
+    # every degree as the run would resolve it (a layout that cannot train is refused in one line)
     layout = resolve_layout(
         experiment.training,
         world_size,
