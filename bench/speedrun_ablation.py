@@ -9,7 +9,7 @@ bench/time_to_loss.py) and overrides:
 
 * `all`: the recipe as shipped.
 * `baseline`: nanoGPT's block (GPT-2: learned positions, GELU) with AdamW, float32, no block options,
-  the same 360-step schedule at AdamW's usual rate for this model (1e-3).
+  the recipe's schedule at AdamW's usual rate for this model (1e-3).
 * `baseline+X`: the baseline with one technique X added (measured alone).
 * `all-X`: the recipe without technique X (its share together with the others); `all+X` for a
   technique the recipe leaves out (ReLU² and zero-initialised projections: measured behind without).
@@ -42,7 +42,7 @@ DATA = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 TECHNIQUES = {
     "muon": (
         ["training.optimizer=adamw", "training.learning_rate=1e-3", "training.min_lr=1e-4"],
-        ["training.optimizer=muon", "training.learning_rate=0.04", "training.min_lr=0.004"],
+        ["training.optimizer=muon", "training.learning_rate=0.06", "training.min_lr=0.006"],  # the recipe's
     ),
     "relu2": (["model.activation=relu2"], ["model.activation=relu2"]),  # not in the recipe: measured behind gelu
     "qk_norm": (["model.qk_norm=false"], ["model.qk_norm=true"]),
