@@ -550,6 +550,35 @@ def test_deepspeed_checkpoint_resumes_exactly_and_is_verified_before_loading(wor
     )
     assert result.returncode != 0 and "does not match its checksum" in result.stderr
 
+    # the same checkpoint needs DeepSpeed, at its own world size, to resume: one line says what to do
+    _refused_without_deepspeed(workdir, "full", args[:2])
+
+
+def _refused_without_deepspeed(workdir, run: str, batch: tuple[str, ...]) -> None:
+    """A DeepSpeed ZeRO checkpoint of 2 processes in `workdir/run` resumes neither under DDP nor in one
+    process (DeepSpeed cannot repartition it)."""
+    result = _torchrun(
+        workdir,
+        f"training.output_dir={run}",
+        *batch,
+        "training.distributed_strategy=ddp",
+        "training.resume_from_checkpoint=latest",
+        "training.max_steps=9",
+        check=False,
+    )
+    assert result.returncode != 0 and "saved with distributed_strategy deepspeed" in result.stderr
+    result = _single(
+        workdir,
+        f"training.output_dir={run}",
+        "training.distributed_strategy=deepspeed",
+        "training.resume_from_checkpoint=latest",
+        "training.max_steps=9",
+        check=False,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "saved by DeepSpeed ZeRO on 2 process(es), this run has 1" in result.stderr
+    assert "universal checkpoint" in result.stderr and "model.init_from=" in result.stderr
+
 
 # Rank 1's forward returns NaN logits during step 4 (its loss is NaN; rank 0's is fine).
 POISONED_RUNNER = r"""
@@ -610,7 +639,7 @@ def test_deepspeed_skips_a_nonfinite_step_on_every_rank(workdir):
 @needs_deepspeed
 def test_deepspeed_without_zero_resumes_at_another_world_size(workdir, references):
     """ZeRO stage 0 keeps the optimizer state whole: step 3 of 2 processes resumes in one and step 3 of
-    one process on 2, with the uninterrupted run's losses (ZeRO 1-3 are refused: the test below)."""
+    one process on 2, with the uninterrupted run's losses (ZeRO 1-3 are refused: `_refused_without_deepspeed`)."""
     stage0 = ("training.distributed_strategy=deepspeed", _deepspeed({"zero_optimization": {"stage": 0}}))
     references.single(workdir)
     _torchrun(workdir, "training.output_dir=ds2", "training.batch_size=4", *stage0)
@@ -630,33 +659,6 @@ def test_deepspeed_without_zero_resumes_at_another_world_size(workdir, reference
         resumed_train, resumed_val = _losses(workdir / run)
         assert resumed_train == pytest.approx(train[3:], rel=1e-5)
         assert resumed_val == pytest.approx(val[1:], rel=1e-5)
-
-
-@needs_deepspeed
-def test_deepspeed_checkpoint_needs_deepspeed_to_resume(workdir):
-    _torchrun(workdir, "training.output_dir=ds", "training.batch_size=4", "training.distributed_strategy=deepspeed")
-    result = _torchrun(
-        workdir,
-        "training.output_dir=ds",
-        "training.batch_size=4",
-        "training.distributed_strategy=ddp",
-        "training.resume_from_checkpoint=latest",
-        "training.max_steps=9",
-        check=False,
-    )
-    assert result.returncode != 0 and "saved with distributed_strategy deepspeed" in result.stderr
-    # At another world size, the same global batch: DeepSpeed cannot repartition, one line says what to do.
-    result = _single(
-        workdir,
-        "training.output_dir=ds",
-        "training.distributed_strategy=deepspeed",
-        "training.resume_from_checkpoint=latest",
-        "training.max_steps=9",
-        check=False,
-    )
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "saved by DeepSpeed ZeRO on 2 process(es), this run has 1" in result.stderr
-    assert "universal checkpoint" in result.stderr and "model.init_from=" in result.stderr
 
 
 # -- several "nodes" and elastic restarts --------------------------------------------------------------
