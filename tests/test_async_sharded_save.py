@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,31 +24,24 @@ import pytest
 import torch
 import yaml
 
+import test_distributed as distributed
 from conftest import once_per_session, src_env
-from test_distributed import _initial_weights
+from test_distributed import _free_port, _initial_weights
 
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available"),
     pytest.mark.slow,  # several processes per test: the full tier only
 ]
 
+# test_distributed's experiment under FSDP2, saving every 2 steps (so a kill can fall between saves)
 EXPERIMENT = {
-    "model": {"architecture": "llama", "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "n_layers": 2, "max_seq_len": 32},
+    **distributed.EXPERIMENT,
     "training": {
+        **distributed.EXPERIMENT["training"],
         "batch_size": 4,
-        "max_steps": 6,
-        "learning_rate": 3e-3,
-        "warmup_steps": 2,
-        "logging_steps": 1,
-        "eval_steps": 3,
         "save_steps": 2,
-        "device": "cpu",
-        "use_amp": False,
-        "progress_bar": False,
-        "report_to": ["jsonl"],
         "distributed_strategy": "fsdp",
     },
-    "data": {"data_files": ["corpus.txt"], "tokenizer": "char", "max_length": 32},
 }
 
 # Each rank's DCP writer, paused (until the process is killed) or failing with a full disk, while it
@@ -80,12 +72,6 @@ def planned_write_data(self, *args, **kwargs):
 sharded.SafeWriter.write_data = planned_write_data
 sys.exit(main(sys.argv[1:]))
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _command(*overrides: str) -> list[str]:
@@ -144,8 +130,7 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def _uninterrupted_runs(root: Path) -> None:
-    lines = [f"the {w} sat on the mat number {i % 7}.\n" for i, w in enumerate(["cat", "dog", "bird", "fox"] * 120)]
-    (root / "corpus.txt").write_text("".join(lines))
+    (root / "corpus.txt").write_text(distributed.CORPUS)
     (root / "runner.py").write_text(RUNNER)
     (root / "exp.yaml").write_text(yaml.safe_dump(EXPERIMENT))
     _initial_weights(root)

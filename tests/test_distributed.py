@@ -159,11 +159,14 @@ def _train_rows(run_dir: Path, key: str) -> list:
     return [r[key] for r in rows if r["kind"] == "train"]
 
 
-def _assert_same_run(a: Path, b: Path, rel=1e-5):
+def _assert_same_run(a: Path, b: Path, rel=1e-5, grad_norms: bool = False):
+    """The same training and validation losses (and, with `grad_norms`, gradient norms) in both runs."""
     (train_a, val_a), (train_b, val_b) = _losses(a), _losses(b)
     assert len(train_a) == len(train_b) == EXPERIMENT["training"]["max_steps"]
     assert train_a == pytest.approx(train_b, rel=rel)
     assert val_a == pytest.approx(val_b, rel=rel)
+    if grad_norms:
+        assert _train_rows(b, "grad_norm") == pytest.approx(_train_rows(a, "grad_norm"), rel=rel)
 
 
 def _initial_weights(workdir, overrides=()) -> str:
