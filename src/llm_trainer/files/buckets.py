@@ -56,6 +56,12 @@ QUIET_LOGGERS = ("gcsfs", "s3fs", "fsspec", "aiobotocore", "botocore", "adlfs") 
 BACKOFF_S = 0.5  # first wait between tries; doubled each time
 FILES_RECORD = "files.json"  # a folder's commit record in a store: each file's size and checksum
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+S3_SCHEMES = ("s3", "s3a")  # both go to s3fs
+
+
+def _scheme(url: str) -> str:
+    """`s3` of `s3://bucket/key`: which store's library serves a URL."""
+    return url.split("://", 1)[0]
 
 
 def is_url(path: Any) -> bool:
@@ -146,7 +152,7 @@ def _store_options(url: str) -> dict:
       libraries' default 5 x 5 under our 4 tries would make it half an hour).
 
     The user's own fsspec configuration for s3 (`FSSPEC_S3`, fsspec's conf.json) wins over these."""
-    if url.split("://", 1)[0] not in ("s3", "s3a"):
+    if _scheme(url) not in S3_SCHEMES:
         return {}
     import fsspec.config
 
@@ -185,7 +191,7 @@ def _filesystem(url: str):
     try:
         fs, path = fsspec.core.url_to_fs(url, **_store_options(url))
     except (ImportError, ValueError) as exc:
-        scheme = url.split("://", 1)[0]
+        scheme = _scheme(url)
         extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}.get(scheme)
         fix = f"pip install 'llm-trainer[{extra}]'" if extra else f"install the fsspec package for {scheme}://"
         raise UsageError(f"cannot open {url} ({first_line(exc)}); {fix}") from None
@@ -218,14 +224,12 @@ def _silent(exc: BaseException, url: str) -> bool:
     tried the call several times already (`_store_options`), so another round of theirs would only
     multiply the wait."""
     names = {cls.__name__ for cls in type(exc).__mro__}
-    return url.split("://", 1)[0] in ("s3", "s3a") and (
-        "ReadTimeoutError" in names or "read timeout" in str(exc).lower()
-    )
+    return _scheme(url) in S3_SCHEMES and ("ReadTimeoutError" in names or "read timeout" in str(exc).lower())
 
 
 def _endpoint_setting(url: str) -> str:
     """The environment variable that points the store's library at an endpoint other than the default."""
-    scheme = url.split("://", 1)[0]
+    scheme = _scheme(url)
     return {"gs": "STORAGE_EMULATOR_HOST", "gcs": "STORAGE_EMULATOR_HOST"}.get(scheme, "AWS_ENDPOINT_URL")
 
 
@@ -272,7 +276,7 @@ def call(what: str, url: str, fn: Callable[[], T]) -> T:
     space or quota left)."""
     fn = _full_is_said(what, url, fn)
     wait = BACKOFF_S
-    tries = 1 if url.split("://", 1)[0] in OWN_RETRIES else RETRIES
+    tries = 1 if _scheme(url) in OWN_RETRIES else RETRIES
     for attempt in range(1, tries + 1):
         try:
             return fn()
@@ -430,7 +434,7 @@ def check_writable(url: str, what: str) -> None:
 def list_files(spec: str) -> list[tuple[str, dict]]:
     """(URL, info) of each file `spec` names: the file itself, every file below a folder, or a glob's matches."""
     fs, path = _filesystem(spec)
-    protocol = spec.split("://", 1)[0]
+    protocol = _scheme(spec)
 
     def find() -> list[tuple[str, dict]]:
         fs.invalidate_cache()
