@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_model_config
 from llm_trainer.checkpoint.model_folder import load_model_folder, save_model_folder
-from llm_trainer.model import KVCache, Transformer, apply_rope, rope_tables
+from llm_trainer.model import KVCache, Transformer, apply_rope, project, rope_tables
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -80,6 +80,95 @@ def _rotate_half_reference(x: torch.Tensor, theta: float = 10000.0) -> torch.Ten
     angles = torch.cat([angles, angles], dim=-1)
     rotated = torch.cat([-x[..., D // 2 :], x[..., : D // 2]], dim=-1)
     return x * angles.cos().float() + rotated * angles.sin().float()
+
+
+class _LinearCalls(torch.overrides.TorchFunctionMode):
+    """Counts F.linear calls (one per matmul of a projection)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += func is F.linear
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_projections_run_as_one_matmul_that_equals_each_layer_and_yield_to_whatever_took_a_layer_over(arch):
+    """Under autocast, q, k, v (and SwiGLU's gate, up) are one matmul over the stacked weights, giving
+    each layer's output and each weight's and bias's gradient; in float32, with `fuse=False` (sharded
+    weights), with a hook on a layer or a layer replaced by another module (float8's, tensor
+    parallelism's), each layer is called itself, so what took it over runs."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config(architecture=arch, n_heads=4, n_kv_heads=2))
+    attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    for layers in [(attn.q, attn.k, attn.v), *([(mlp.gate, mlp.up)] if mlp.gated else [])]:
+        results = []
+        for fuse in (True, False):
+            with torch.autocast("cpu", dtype=torch.bfloat16), _LinearCalls() as counted:
+                outputs = project(x, *layers, fuse=fuse)
+            assert counted.calls == (1 if fuse else len(layers))
+            weights = [p for layer in layers for p in layer.parameters()]
+            loss = sum((o.float() * o.float()).sum() for o in outputs)
+            results.append((outputs, torch.autograd.grad(loss, [x, *weights])))
+        (fused, fused_grads), (separate, separate_grads) = results
+        for a, b in zip(fused, separate):
+            torch.testing.assert_close(a, b)  # bf16's tolerance: the same products, summed in bf16 GEMMs
+        for a, b in zip(fused_grads, separate_grads):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+        with _LinearCalls() as counted:  # float32: autocast's copies to share are absent, so no stacked copy
+            project(x, *layers)
+        assert counted.calls == len(layers)
+
+    calls = []
+    attn.k.register_forward_hook(lambda *_: calls.append("hooked k"))
+
+    class Replaced(torch.nn.Linear):  # as float8's Float8Linear subclasses nn.Linear
+        def forward(self, x):
+            calls.append("replaced v")
+            return super().forward(x)
+
+    replaced = Replaced(16, attn.v.out_features, bias=attn.v.bias is not None)
+    replaced.load_state_dict(attn.v.state_dict())
+    attn.v = replaced
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = [attn.q(x), attn.k(x), attn.v(x)]
+        calls.clear()
+        outputs = project(x, attn.q, attn.k, attn.v)
+    for a, b in zip(outputs, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert calls == ["hooked k", "replaced v"]
+
+
+def test_parallelize_stacks_the_projections_only_where_every_weight_is_whole():
+    """One process (and DDP) may stack the projections' weights; FSDP2 and DeepSpeed gather sharded ones,
+    whose stacked copies would outlive the gathered shards, so there each layer runs alone. The memory
+    estimate counts the same: one cast of the block input per matmul under autocast."""
+    from llm_trainer.config import TrainingConfig
+    from llm_trainer.parallel.distributed import DistInfo
+    from llm_trainer.parallel.parallelize import parallelize
+    from llm_trainer.train.memory_estimate import estimate_memory
+
+    config = tiny_model_config(architecture="llama", n_heads=4, n_kv_heads=2)
+    training = TrainingConfig(device="cpu", use_amp=True)
+    model = Transformer(config)
+    parallelize(
+        model,
+        config=training,
+        dist=DistInfo(),
+        device=torch.device("cpu"),
+        amp_dtype=torch.bfloat16,
+        activation_checkpointing=False,
+        build_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    )
+    assert all(block.attn.fuse_projections and block.mlp.fuse_projections for block in model.blocks)
+    whole = estimate_memory(config, training, device_type="cpu")
+    sharded = estimate_memory(config, training, world_size=2, sharding="fsdp", device_type="cpu")
+    layers, d, tokens = config.n_layers, config.d_model, training.batch_size * config.max_seq_len
+    # unstacked under autocast: q, k, v and gate, up each cast the block input (5 casts, not 2), bf16
+    assert sharded.activations_bytes - whole.activations_bytes == layers * 3 * d * 2 * tokens
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])

@@ -214,6 +214,8 @@ def test_fsdp_with_amp_gathers_bf16_weights_for_compute_and_keeps_float32_ones(g
             batch_nll(step_module(parallel), inputs, targets)
         assert seen == [compute_dtype]
         assert {p.dtype for p in model.parameters()} == {torch.float32}
+        # gathered shards are never stacked into one matmul's weight (model.project)
+        assert not any(block.attn.fuse_projections or block.mlp.fuse_projections for block in model.blocks)
 
 
 # -- DeepSpeed -------------------------------------------------------------------------------------

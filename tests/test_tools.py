@@ -78,11 +78,13 @@ def test_peak_flops_table():
 
 
 def _tensor_bytes(tensors) -> int:
+    """Bytes of the storages behind `tensors`, each counted once: tied weights share one, and so do
+    the gradients of projections computed as one matmul (`model.project`), views into one buffer."""
     seen, total = set(), 0
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
-            total += t.numel() * t.element_size()
+            total += t.untyped_storage().nbytes()
     return total
 
 

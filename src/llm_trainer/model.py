@@ -155,6 +155,36 @@ def _explicit_attention(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0,
     return weights @ v  # (B, H, T, D)
 
 
+def project(x: torch.Tensor, *layers: nn.Linear, fuse: bool = True) -> tuple[torch.Tensor, ...]:
+    """`layer(x)` for each of `layers` (attention's q, k, v; SwiGLU's gate and up), as one matmul over
+    their weights stacked where that costs no memory and every layer is a plain `nn.Linear`: one GEMM of
+    the summed width runs faster than several narrow ones (bench/README.md, "Fused projections"), while
+    the matrices stay separate parameters for tensor parallelism, float8 and checkpoints.
+
+    Only under autocast, where the matmul keeps the stacked 16-bit copy instead of autocast's copy of
+    each weight (in float32 it would keep a stacked float32 copy beside the weights), and only with
+    `fuse` (`set_fused_projections`: off where FSDP2 or DeepSpeed gather sharded weights, whose stacked
+    copy would outlive the gathered shards until backward). Layer by layer wherever anything has taken
+    a layer over (tensor parallelism's DTensor weights, float8's layers, a hook), so what replaced it runs."""
+    if not (fuse and torch.is_autocast_enabled(x.device.type) and all(_plain_linear(layer) for layer in layers)):
+        return tuple(layer(x) for layer in layers)
+    weight = torch.cat([layer.weight for layer in layers])  # (sum of outs, C)
+    bias = torch.cat([layer.bias for layer in layers]) if layers[0].bias is not None else None
+    return F.linear(x, weight, bias).split([layer.out_features for layer in layers], dim=-1)
+
+
+def _plain_linear(layer: nn.Module) -> bool:
+    hooks = (layer._forward_pre_hooks, layer._forward_hooks, layer._backward_pre_hooks, layer._backward_hooks)
+    return type(layer) is nn.Linear and type(layer.weight) is nn.Parameter and not any(hooks)
+
+
+def set_fused_projections(model: nn.Module, on: bool) -> None:
+    """Whether the blocks may compute their projections as one matmul (`project`)."""
+    for module in model.modules():
+        if isinstance(module, Attention | MLP):
+            module.fuse_projections = on
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -170,19 +200,22 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.use_rope = config.position_embedding == "rope"
         self.qk_norm = config.qk_norm
+        self.fuse_projections = True  # `project`; parallelize turns it off for sharded weights
 
     def forward(self, x, rope, cache: KVCache | None, layer: int, doc_mask: torch.Tensor | None = None):
         """doc_mask: None (causal), or (B, 1, T, T) bool block-diagonal causal mask from `document_attention`."""
         B, T = x.shape[:2]
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim  # this process's heads (all, unless tensor parallel)
-        q = self.q(x).view(B, T, H, D)
-        k = self.k(x).view(B, T, K, D)
+        q, k, v = project(x, self.q, self.k, self.v, fuse=self.fuse_projections)
+        if self.use_rope or self.qk_norm:  # q and k become new tensors below: v alone must not keep the
+            v = v.contiguous()  # stacked (q, k, v) output of `project` alive for the backward
+        q, k = q.view(B, T, H, D), k.view(B, T, K, D)
         if self.qk_norm:
             q, k = F.rms_norm(q, (D,)), F.rms_norm(k, (D,))
         if self.use_rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
-        v = self.v(x).view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
+        v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
 
         start = 0
         if cache is not None:
@@ -245,9 +278,14 @@ class MLP(nn.Module):
             "swiglu": nn.SiLU(),
         }[config.activation]
         self.dropout = nn.Dropout(config.dropout)
+        self.fuse_projections = True  # `project`; parallelize turns it off for sharded weights
 
     def forward(self, x):
-        h = self.act(self.gate(x)) * self.up(x) if self.gated else self.act(self.fc(x))  # (B, T, d_ff)
+        if self.gated:
+            gate, up = project(x, self.gate, self.up, fuse=self.fuse_projections)
+            h = self.act(gate) * up  # (B, T, d_ff)
+        else:
+            h = self.act(self.fc(x))  # (B, T, d_ff)
         return self.dropout(self.proj(h))  # (B, T, C)
 
 

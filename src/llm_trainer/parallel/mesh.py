@@ -87,6 +87,12 @@ def resolve_layout(
     return layout
 
 
+# Strategies under which each process holds every weight whole, as plain tensors, through forward and
+# backward (no gathered shards): where the blocks may stack their projections' weights for one matmul
+# (`model.project`), and where the memory estimate counts them so.
+WHOLE_WEIGHT_STRATEGIES = ("single", "ddp")
+
+
 def strategy_of(training: TrainingConfig) -> str:
     """distributed_strategy with `auto` decided for several processes: fsdp when a data-parallel shard
     degree is given (torchtitan's `data_parallel_shard_degree: -1` included), else ddp."""

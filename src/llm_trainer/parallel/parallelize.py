@@ -44,9 +44,10 @@ from ..checkpoint.model_folder import clean_name
 from ..config import TrainingConfig
 from ..errors import UsageError
 from ..logs import log
+from ..model import set_fused_projections
 from .distributed import DistInfo
 from .float8 import apply_float8, check_float8
-from .mesh import resolve_layout
+from .mesh import WHOLE_WEIGHT_STRATEGIES, resolve_layout
 from .strategies import DDP, FSDP, DeepSpeed, Parallelism, Pipeline
 
 
@@ -203,6 +204,8 @@ def parallelize(
         from .tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"])
+    if hasattr(model, "blocks"):  # sharded weights are gathered per layer: no stacked copies of them
+        set_fused_projections(model, dist.strategy in WHOLE_WEIGHT_STRATEGIES and tp == 1)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if config.compile and dist.strategy != "deepspeed":

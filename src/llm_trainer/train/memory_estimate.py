@@ -81,7 +81,7 @@ import torch
 
 from .. import resolve
 from ..config import ModelConfig, TrainingConfig
-from ..parallel.mesh import MULTI_STAGE_SCHEDULES, V_SCHEDULES, Layout, strategy_of
+from ..parallel.mesh import MULTI_STAGE_SCHEDULES, V_SCHEDULES, WHOLE_WEIGHT_STRATEGIES, Layout, strategy_of
 from ..resolve import activation_checkpointing
 from .flops import count_parameters
 
@@ -104,19 +104,26 @@ def _act_bytes(training: TrainingConfig) -> int:
     return 2 if training.use_amp else 4
 
 
-def _projection_inputs(c: ModelConfig, training: TrainingConfig) -> int:
+def _projection_inputs(c: ModelConfig, training: TrainingConfig, fused: bool) -> int:
     """How many copies of a block's normalised input the projections save, per block: one for attention
-    and one for the MLP, unless autocast casts it separately for each projection that reads it."""
-    if not training.use_amp:
+    and one for the MLP, unless autocast casts it separately for each projection that reads it (q, k, v;
+    SwiGLU's gate and up), as it does where they are not one matmul (`model.project`)."""
+    if not training.use_amp or fused:
         return 2
     return 3 + (2 if c.activation == "swiglu" else 1)
 
 
 def activation_bytes_per_token(
-    model_config: ModelConfig, training: TrainingConfig, device_type: str = "cuda", seq_len: int | None = None
+    model_config: ModelConfig,
+    training: TrainingConfig,
+    device_type: str = "cuda",
+    seq_len: int | None = None,
+    *,
+    fused: bool,
 ) -> dict[str, float]:
     """Bytes autograd keeps per token: `per_layer` (one block), `embedding` (ids, final norm, head input)
-    and `head` (the saved fp32 log-softmax). Checked against the tensors autograd actually saves."""
+    and `head` (the saved fp32 log-softmax); `fused`: the projections run as one matmul (`model.project`).
+    Checked against the tensors autograd actually saves."""
     training = _precision(training, device_type)
     c = model_config.resolved()
     d, f, kv = c.d_model, c.d_ff, c.n_kv_heads * c.head_dim
@@ -127,7 +134,7 @@ def activation_bytes_per_token(
     layer += 2 * (d * r + stats + norm_extra)  # the two norms (block input, mid-block residual)
     # inputs of the attention and MLP projections (the norms' outputs): one tensor each in fp32; under amp
     # autocast casts it anew for every projection that reads it (q, k, v; SwiGLU's gate and up)
-    layer += _projection_inputs(c, training) * d * a
+    layer += _projection_inputs(c, training, fused) * d * a
     layer += (d + 2 * kv) * a  # q, k, v as attention reads them (with rope: the rotated q and k only)
     if c.qk_norm:  # each head's RMSNorm keeps its fp32 input and rstd (autocast runs it in fp32)
         layer += (d + kv) * 4 + (c.n_heads + c.n_kv_heads) * 4
@@ -147,7 +154,7 @@ def activation_bytes_per_token(
         "per_layer": layer,
         # tensor parallelism gathers the projections' inputs whole (attention and the MLP read every
         # position); every other tensor of a block is split: by heads, hidden units or positions
-        "per_layer_whole": _projection_inputs(c, training) * d * a,
+        "per_layer_whole": _projection_inputs(c, training, fused) * d * a,
         "embedding": embedding + final_norm + d * a,  # ids, masks, final norm and the head's (whole) input
         "inputs": embedding,
         "final_norm": final_norm,
@@ -232,7 +239,9 @@ def estimate_memory(
     states = {"adamw": 2, "adam": 2, "muon": 2, "sgd": 1 if training.sgd_momentum else 0}[training.optimizer]
     tokens = batch_size * seq_len
     micro_tokens = tokens / microbatches / layout.cp  # one pipeline micro-batch's positions on this device
-    per_token = activation_bytes_per_token(c, training, device_type, seq_len)
+    whole = sharding == "none" and strategy_of(training) in WHOLE_WEIGHT_STRATEGIES and layout.tp == 1
+    whole = whole and not training.float8  # float8's layers run one by one
+    per_token = activation_bytes_per_token(c, training, device_type, seq_len, fused=whole)
     tp = layout.tp
     block_input = c.d_model * 4 / tp  # what a checkpointed block keeps (fp32; split along the sequence under TP)
     per_layer = per_token["per_layer_whole"] + (per_token["per_layer"] - per_token["per_layer_whole"]) / tp
