@@ -149,6 +149,14 @@ def _single(workdir, *overrides, check=True):
     return result
 
 
+def _refused_resume(workdir, *overrides) -> str:
+    """One process resuming the run's latest checkpoint (to step 9) with `overrides`: refused as a usage
+    error (exit 2, no traceback); its stderr."""
+    result = _single(workdir, *overrides, "training.resume_from_checkpoint=latest", "training.max_steps=9", check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result.stderr
+
+
 def _losses(run_dir: Path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return ([r["loss"] for r in rows if r["kind"] == "train"], [r["val_loss"] for r in rows if r["kind"] == "eval"])
@@ -369,17 +377,9 @@ def test_resume_at_another_world_size_equals_the_uninterrupted_run(workdir, refe
         assert resumed_val == pytest.approx(val[1:], rel=1e-5)
         assert _train_rows(workdir / run, "tokens_seen") == _train_rows(workdir / "single", "tokens_seen")[3:]
 
-    result = _single(
-        workdir,
-        "training.output_dir=ddp",
-        "training.batch_size=4",
-        "training.resume_from_checkpoint=latest",
-        "training.max_steps=9",
-        check=False,
-    )
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "a global batch of 8 samples per step, this run has 4" in result.stderr
-    assert "set training.gradient_accumulation_steps=2" in result.stderr
+    refused = _refused_resume(workdir, "training.output_dir=ddp", "training.batch_size=4")
+    assert "a global batch of 8 samples per step, this run has 4" in refused
+    assert "set training.gradient_accumulation_steps=2" in refused
 
 
 def test_world_size_must_match_the_launcher(workdir, monkeypatch, capsys):
@@ -570,17 +570,9 @@ def _refused_without_deepspeed(workdir, run: str, batch: tuple[str, ...]) -> Non
         check=False,
     )
     assert result.returncode != 0 and "saved with distributed_strategy deepspeed" in result.stderr
-    result = _single(
-        workdir,
-        f"training.output_dir={run}",
-        "training.distributed_strategy=deepspeed",
-        "training.resume_from_checkpoint=latest",
-        "training.max_steps=9",
-        check=False,
-    )
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "saved by DeepSpeed ZeRO on 2 process(es), this run has 1" in result.stderr
-    assert "universal checkpoint" in result.stderr and "model.init_from=" in result.stderr
+    refused = _refused_resume(workdir, f"training.output_dir={run}", "training.distributed_strategy=deepspeed")
+    assert "saved by DeepSpeed ZeRO on 2 process(es), this run has 1" in refused
+    assert "universal checkpoint" in refused and "model.init_from=" in refused
 
 
 # Rank 1's forward returns NaN logits during step 4 (its loss is NaN; rank 0's is fine).
