@@ -204,8 +204,8 @@ def parallelize(
         from .tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"])
-    if hasattr(model, "blocks"):  # sharded weights are gathered per layer: no stacked copies of them
-        set_fused_projections(model, dist.strategy in WHOLE_WEIGHT_STRATEGIES and tp == 1)
+    # sharded weights are gathered per layer: no stacked copies of them (model.project)
+    set_fused_projections(model, dist.strategy in WHOLE_WEIGHT_STRATEGIES and tp == 1)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if config.compile and dist.strategy != "deepspeed":
