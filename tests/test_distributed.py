@@ -177,6 +177,16 @@ def _assert_same_run(a: Path, b: Path, rel=1e-5, grad_norms: bool = False):
         assert _train_rows(b, "grad_norm") == pytest.approx(_train_rows(a, "grad_norm"), rel=rel)
 
 
+def _assert_resumed(workdir: Path, *runs: str, rel: float = 1e-5) -> None:
+    """Each of `runs`, started from step 3's checkpoint (`_interrupted_at`), logs the training losses of
+    steps 4-6 and the evaluations after step 3 of `workdir/single`, the run that never stopped."""
+    train, val = _losses(workdir / "single")
+    for run in runs:
+        resumed_train, resumed_val = _losses(workdir / run)
+        assert resumed_train == pytest.approx(train[3:], rel=rel), run
+        assert resumed_val == pytest.approx(val[1:], rel=rel), run
+
+
 def _initial_weights(workdir, overrides=()) -> str:
     """A model folder the compared runs start from (FSDP builds on the meta device, so init must be
     shared), for the experiment in `workdir/exp.yaml` with `overrides` (`model.KEY=VALUE`) written into
@@ -219,6 +229,17 @@ def _interrupted_at(workdir, run: str, step: int, into: str) -> None:
     subprocess.run(
         ["cp", "-r", str(workdir / run / "checkpoints" / f"checkpoint-{step:08d}"), str(resumed)], check=True
     )
+
+
+def _resume(workdir, run: str, into: str, *overrides: str, nproc: int = 1) -> None:
+    """Run `into`: `run` as if killed after step 3 (`_interrupted_at`), resumed to its end by `nproc`
+    processes with the experiment's `overrides` (`_assert_resumed` compares it)."""
+    _interrupted_at(workdir, run, 3, into)
+    args = (f"training.output_dir={into}", *overrides, "training.resume_from_checkpoint=latest")
+    if nproc == 1:
+        _single(workdir, *args)
+    else:
+        _torchrun(workdir, *args, nproc=nproc)
 
 
 def test_ddp_equals_one_process_with_twice_the_batch(workdir, references):
@@ -318,22 +339,10 @@ def test_fsdp_checkpoints_resume_at_another_world_size(workdir, references):
     init = references.single(workdir, init=True)
     fsdp = ("training.batch_size=4", "training.distributed_strategy=fsdp", f"model.init_from={init}")
     _torchrun(workdir, "training.output_dir=fsdp", *fsdp)
-    _interrupted_at(workdir, "fsdp", 3, "two_to_one")
-    _single(
-        workdir,
-        "training.output_dir=two_to_one",
-        "training.batch_size=2",
-        "training.gradient_accumulation_steps=4",
-        f"model.init_from={init}",
-        "training.resume_from_checkpoint=latest",
-    )
-    _interrupted_at(workdir, "single", 3, "one_to_two")
-    _torchrun(workdir, "training.output_dir=one_to_two", *fsdp, "training.resume_from_checkpoint=latest")
-    (train, val) = _losses(workdir / "single")
-    for run in ("two_to_one", "one_to_two"):
-        resumed_train, resumed_val = _losses(workdir / run)
-        assert resumed_train == pytest.approx(train[3:], rel=1e-5)
-        assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+    accumulation = ("training.batch_size=2", "training.gradient_accumulation_steps=4")
+    _resume(workdir, "fsdp", "two_to_one", *accumulation, f"model.init_from={init}")
+    _resume(workdir, "single", "one_to_two", *fsdp, nproc=2)
+    _assert_resumed(workdir, "two_to_one", "one_to_two")
 
 
 def test_fsdp_shard_grad_op_and_bf16_mixed_precision(workdir, references):
@@ -358,23 +367,10 @@ def test_resume_at_another_world_size_equals_the_uninterrupted_run(workdir, refe
     and the evaluation at step 6 equal the run that was not interrupted. Another global batch is refused."""
     references.single(workdir)
     _torchrun(workdir, "training.output_dir=ddp", "training.batch_size=4")
-    _interrupted_at(workdir, "ddp", 3, "two_to_one")
-    _single(
-        workdir,
-        "training.output_dir=two_to_one",
-        "training.batch_size=4",
-        "training.gradient_accumulation_steps=2",
-        "training.resume_from_checkpoint=latest",
-    )
-    _interrupted_at(workdir, "single", 3, "one_to_two")
-    _torchrun(
-        workdir, "training.output_dir=one_to_two", "training.batch_size=4", "training.resume_from_checkpoint=latest"
-    )
-    (train, val) = _losses(workdir / "single")
+    _resume(workdir, "ddp", "two_to_one", "training.batch_size=4", "training.gradient_accumulation_steps=2")
+    _resume(workdir, "single", "one_to_two", "training.batch_size=4", nproc=2)
+    _assert_resumed(workdir, "two_to_one", "one_to_two")
     for run in ("two_to_one", "one_to_two"):
-        resumed_train, resumed_val = _losses(workdir / run)
-        assert resumed_train == pytest.approx(train[3:], rel=1e-5)
-        assert resumed_val == pytest.approx(val[1:], rel=1e-5)
         assert _train_rows(workdir / run, "tokens_seen") == _train_rows(workdir / "single", "tokens_seen")[3:]
 
     refused = _refused_resume(workdir, "training.output_dir=ddp", "training.batch_size=4")
@@ -462,8 +458,12 @@ def _deepspeed(config) -> str:
 @needs_deepspeed
 def test_deepspeed_zero_stages_equal_one_process(workdir, references):
     """ZeRO 1, 2 and 3 (the shipped ZeRO-3 file: CPU optimizer offload) on 2 ranks of batch 4 train
-    like one process of batch 8; DeepSpeed alone in one process (no torchrun) does too."""
-    references.single(workdir)
+    like one process of batch 8 and log its per-layer statistics (through DeepSpeed's own accessors of
+    partitioned and offloaded state); DeepSpeed alone in one process (no torchrun) trains like it too."""
+    from test_layer_stats import assert_same_layer_stats
+
+    stats = ("training.layer_stats_steps=3", "training.report_to=[jsonl,tensorboard]")
+    references.single(workdir, run=stats)
     runs = {
         "zero1": {"zero_optimization": {"stage": 1}},
         "zero2_offload": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
@@ -476,9 +476,11 @@ def test_deepspeed_zero_stages_equal_one_process(workdir, references):
             "training.batch_size=4",
             "training.distributed_strategy=deepspeed",
             _deepspeed(config),
+            *stats,
         )
         assert "effective batch 8 = 4 x 1 accumulation x 2 process(es) (deepspeed)" in result.stderr
         _assert_same_run(workdir / "single", workdir / name)
+        assert_same_layer_stats(workdir / "single", workdir / name, steps=[3, 6])
         a = load_file(workdir / "single/checkpoints/checkpoint-00000006/model.safetensors")
         b = load_file(workdir / name / "checkpoints/checkpoint-00000006/model.safetensors")  # ZeRO-3: gathered
         assert a.keys() == b.keys()
@@ -639,21 +641,9 @@ def test_deepspeed_without_zero_resumes_at_another_world_size(workdir, reference
     references.single(workdir)
     _torchrun(workdir, "training.output_dir=ds2", "training.batch_size=4", *stage0)
     _single(workdir, "training.output_dir=ds1", *stage0)
-    _interrupted_at(workdir, "ds2", 3, "two_to_one")
-    _single(workdir, "training.output_dir=two_to_one", *stage0, "training.resume_from_checkpoint=latest")
-    _interrupted_at(workdir, "ds1", 3, "one_to_two")
-    _torchrun(
-        workdir,
-        "training.output_dir=one_to_two",
-        "training.batch_size=4",
-        *stage0,
-        "training.resume_from_checkpoint=latest",
-    )
-    (train, val) = _losses(workdir / "single")
-    for run in ("two_to_one", "one_to_two"):
-        resumed_train, resumed_val = _losses(workdir / run)
-        assert resumed_train == pytest.approx(train[3:], rel=1e-5)
-        assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+    _resume(workdir, "ds2", "two_to_one", *stage0)
+    _resume(workdir, "ds1", "one_to_two", "training.batch_size=4", *stage0, nproc=2)
+    _assert_resumed(workdir, "two_to_one", "one_to_two")
 
 
 # -- several "nodes" and elastic restarts --------------------------------------------------------------

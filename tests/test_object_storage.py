@@ -114,6 +114,22 @@ def _cli(args, endpoint: str, cwd, timeout: float = 300) -> subprocess.Completed
     )
 
 
+def _cli_here(args, cwd, capfd, monkeypatch) -> subprocess.CompletedProcess:
+    """The CLI run in this process, for the refusals that end before any training: what `_cli` gives
+    without an interpreter's start. s3fs's filesystems are made afresh, as in a new process; the
+    server's address and the credentials are the ones `s3_server` put in the environment."""
+    import s3fs
+
+    from llm_trainer import cli
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    monkeypatch.chdir(cwd)
+    capfd.readouterr()
+    code = cli.main([str(a) for a in args])
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 def _experiment(root, bucket: str, **training) -> "os.PathLike":
     """A one-layer char model; its corpus, prepared data and checkpoints in `bucket`."""
     values = {
@@ -201,7 +217,7 @@ def _steps(run) -> list[int]:
     return [row["step"] for row in rows if row["kind"] == "train"]
 
 
-def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tmp_path):
+def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tmp_path, capfd, monkeypatch):
     fs, bucket = s3
     _upload_corpus(fs, bucket, tmp_path)
     config = _experiment(tmp_path, bucket, save_total_limit=1)
@@ -239,7 +255,9 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
     assert tuned.returncode == 0, tuned.stderr
     assert list((tmp_path / "stream" / "models").glob("*/model.safetensors"))
     # A new run into the same bucket folder would replace its `latest`: refused, one line.
-    fresh = _cli(["train", "--config", str(config), f"training.output_dir={tmp_path / 'fresh'}"], endpoint, tmp_path)
+    fresh = _cli_here(
+        ["train", "--config", config, f"training.output_dir={tmp_path / 'fresh'}"], tmp_path, capfd, monkeypatch
+    )
     _one_line_exit_2(fresh, "holds checkpoints already", "--resume_from_checkpoint latest")
     # Another machine: a new output folder and local cache; the run continues from the bucket.
     more = _cli(
@@ -318,16 +336,17 @@ def _one_line_exit_2(done: subprocess.CompletedProcess, *words: str) -> str:
     return lines[-1]
 
 
-def test_a_missing_bucket_is_one_line_exit_2(s3, tmp_path):
+def test_a_missing_bucket_is_one_line_exit_2(s3, tmp_path, capfd, monkeypatch):
     fs, bucket = s3
     _upload_corpus(fs, bucket, tmp_path)
     config = _experiment(tmp_path, bucket, checkpoint_dir="s3://no-such-bucket-here/checkpoints")
-    done = _cli(["train", "--config", str(config)], os.environ["AWS_ENDPOINT_URL"], tmp_path)
+    done = _cli_here(["train", "--config", config], tmp_path, capfd, monkeypatch)
     _one_line_exit_2(done, "no-such-bucket-here", "does not exist", "training.checkpoint_dir")
-    prepare = _cli(
-        ["prepare", "--config", str(config), "data.cache_dir=s3://no-such-bucket-here/prepared"],
-        os.environ["AWS_ENDPOINT_URL"],
+    prepare = _cli_here(
+        ["prepare", "--config", config, "data.cache_dir=s3://no-such-bucket-here/prepared"],
         tmp_path,
+        capfd,
+        monkeypatch,
     )
     _one_line_exit_2(prepare, "no-such-bucket-here", "does not exist")
 

@@ -14,7 +14,7 @@ import yaml
 
 import test_object_storage as base
 from conftest import free_port
-from test_object_storage import _cli, _env, _experiment, _one_line_exit_2, _upload_corpus
+from test_object_storage import _cli, _cli_here, _env, _experiment, _one_line_exit_2, _upload_corpus
 
 s3_server, s3 = base.s3_server, base.s3  # the server and bucket fixtures, shared
 
@@ -31,7 +31,7 @@ def _train_steps(text: str) -> list[int]:
     return [row["step"] for row in rows if row["kind"] == "train"]
 
 
-def test_a_run_folder_in_a_bucket_is_written_resumed_elsewhere_and_refused_twice(s3, tmp_path):  # noqa: F811
+def test_a_run_folder_in_a_bucket_is_written_resumed_elsewhere_and_refused_twice(s3, tmp_path, capfd, monkeypatch):  # noqa: F811
     fs, bucket = s3
     _upload_corpus(fs, bucket, tmp_path)
     url = f"s3://{bucket}/runs/x"
@@ -49,7 +49,7 @@ def test_a_run_folder_in_a_bucket_is_written_resumed_elsewhere_and_refused_twice
     stored = fs.cat_file(f"{run}/metrics.jsonl").decode()
     assert _train_steps(stored) == [2, 4, 6] and '"summary"' in stored  # uploaded at the end, summary included
     # A new run into the same URL would mix with this one: refused in one line, as on disk (a finished one).
-    again = _cli(["train", "--config", str(config)], endpoint, tmp_path)
+    again = _cli_here(["train", "--config", config], tmp_path, capfd, monkeypatch)
     _one_line_exit_2(again, "holds a finished run", "raise training.max_steps", "--overwrite")
     # Another machine (empty staging folder and local cache): the run continues from the bucket alone.
     more = _cli(
@@ -71,8 +71,8 @@ def test_a_run_folder_in_a_bucket_is_written_resumed_elsewhere_and_refused_twice
     assert fs.cat_file(f"{run}/checkpoints/latest").decode().strip() == "checkpoint-00000008"
     assert _train_steps(fs.cat_file(f"{run}/metrics.jsonl").decode()) == [2, 4, 6, 8]  # one history
     # A bucket that does not exist: one line naming the setting, before any data is prepared.
-    gone = _cli(
-        ["train", "--config", str(config), "training.output_dir=s3://no-such-bucket-here/x"], endpoint, tmp_path
+    gone = _cli_here(
+        ["train", "--config", config, "training.output_dir=s3://no-such-bucket-here/x"], tmp_path, capfd, monkeypatch
     )
     _one_line_exit_2(gone, "no-such-bucket-here", "does not exist", "training.output_dir")
     # Starting over removes what runs write there, and nothing else.
@@ -84,7 +84,12 @@ def test_a_run_folder_in_a_bucket_is_written_resumed_elsewhere_and_refused_twice
     assert {n for n in _names(fs, f"{run}/checkpoints") if n.startswith("checkpoint-")} == {"checkpoint-00000002"}
 
 
-def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replaced_in_place(s3, tmp_path):  # noqa: F811
+def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replaced_in_place(
+    s3,
+    tmp_path,
+    capfd,
+    monkeypatch,  # noqa: F811
+):
     pytest.importorskip("transformers")
     fs, bucket = s3
     _upload_corpus(fs, bucket, tmp_path)
@@ -112,12 +117,12 @@ def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replace
     assert not (tmp_path / "stream" / "prepared").exists()  # nor is it taken for a prepared folder to train on
     # The run's own config is in the bucket with it; --config takes a local file (a URL is said in one line).
     assert f"cache_dir: s3://{bucket}/prepared" in fs.cat_file(f"{bucket}/run/config.yaml").decode()
-    url = _cli(["train", "--config", f"s3://{bucket}/run/config.yaml"], endpoint, tmp_path)
+    url = _cli_here(["train", "--config", f"s3://{bucket}/run/config.yaml"], tmp_path, capfd, monkeypatch)
     _one_line_exit_2(url, "is a URL", "local")
     # Its prepared folder gone from the bucket too: one line.
     shutil.rmtree(tmp_path / "stream_cache" / "validation")
     fs.rm(f"{bucket}/prepared", recursive=True)
-    gone = _cli(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], endpoint, tmp_path)
+    gone = _cli_here(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], tmp_path, capfd, monkeypatch)
     _one_line_exit_2(gone, "is not prepared in s3://", "llm-trainer prepare", "--data FILE")
     sample = _cli(
         ["generate", "--checkpoint", f"s3://{bucket}/run/checkpoints/checkpoint-00000003", "--max-new-tokens", "4"],
@@ -134,9 +139,9 @@ def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replace
     assert exported.returncode == 0, exported.stderr
     assert (local / "config.json").is_file()
     # A missing bucket or object: one line, exit 2.
-    gone = _cli(["eval", "--checkpoint", "s3://no-such-bucket-here/run"], endpoint, tmp_path)
+    gone = _cli_here(["eval", "--checkpoint", "s3://no-such-bucket-here/run"], tmp_path, capfd, monkeypatch)
     _one_line_exit_2(gone, "no-such-bucket-here", "does not exist")
-    nothing = _cli(["generate", "--checkpoint", f"s3://{bucket}/nothing-here"], endpoint, tmp_path)
+    nothing = _cli_here(["generate", "--checkpoint", f"s3://{bucket}/nothing-here"], tmp_path, capfd, monkeypatch)
     _one_line_exit_2(nothing, "holds no checkpoint")
     # export --output URL --overwrite: what an earlier export of ours wrote and this one does not is removed.
     target = f"s3://{bucket}/hf"
@@ -146,7 +151,9 @@ def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replace
     fs.pipe_file(f"{bucket}/hf/model-00001-of-00002.safetensors", b"old layout")  # as an older export wrote it
     record["model-00001-of-00002.safetensors"] = {"size": 10, "checksum": "x"}
     fs.pipe_file(f"{bucket}/hf/files.json", json.dumps(record).encode())
-    refused = _cli(["export", "--checkpoint", f"s3://{bucket}/run", "--output", target], endpoint, tmp_path)
+    refused = _cli_here(
+        ["export", "--checkpoint", f"s3://{bucket}/run", "--output", target], tmp_path, capfd, monkeypatch
+    )
     _one_line_exit_2(refused, "holds files already", "--overwrite")
     again = _cli(
         ["export", "--checkpoint", f"s3://{bucket}/run", "--output", target, "--overwrite"], endpoint, tmp_path
@@ -157,8 +164,11 @@ def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replace
     assert set(json.loads(fs.cat_file(f"{bucket}/hf/files.json"))) == names - {"files.json"}
     # A file we did not write is never deleted: the target is refused, as it was left.
     fs.pipe_file(f"{bucket}/hf/notes.txt", b"mine")
-    foreign = _cli(
-        ["export", "--checkpoint", f"s3://{bucket}/run", "--output", target, "--overwrite"], endpoint, tmp_path
+    foreign = _cli_here(
+        ["export", "--checkpoint", f"s3://{bucket}/run", "--output", target, "--overwrite"],
+        tmp_path,
+        capfd,
+        monkeypatch,
     )
     _one_line_exit_2(foreign, "did not write", "notes.txt")
     assert fs.cat_file(f"{bucket}/hf/notes.txt") == b"mine" and "config.json" in _names(fs, f"{bucket}/hf")

@@ -1418,11 +1418,20 @@ def train_losses(run: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize(
+    "stage, precision",
+    [
+        (stage, precision)
+        for stage in (0, 1, 2, 3)
+        for precision in ("fp32", "bf16")
+        if (stage, precision) != (2, "fp32")
+    ],
+)
 def test_deepspeed_resumes_through_torchs_unpickler_at_every_zero_stage(trained, tmp_path, stage, precision):
     """Every file DeepSpeed writes at ZeRO 0-3, fp32 and bf16, loads through FolderLoads: a resume
-    from step 3 trains steps 4-6 as the run that never stopped."""
+    from step 3 trains steps 4-6 as the run that never stopped. ZeRO-2 in fp32 writes what ZeRO-1 in
+    fp32 writes (one optimizer class, DeepSpeedZeroOptimizer, for both; in bf16 ZeRO-1 has its own),
+    and test_distributed resumes such a ZeRO-2 run exactly, through the same loads."""
     pytest.importorskip("deepspeed")
     overrides = (
         f"training.deepspeed_config={json.dumps({'zero_optimization': {'stage': stage}})}",
