@@ -112,7 +112,7 @@ def test_context_parallel_equals_one_process_and_resumes_in_one(workdir):
     and a clip that bites; its step-3 checkpoint resumes in one process with the uninterrupted losses.
     (float32: the memory-efficient kernel, which ring attention replaces; merging the ring's partial
     softmaxes rounds differently from one kernel's, hence 1e-4.)"""
-    from test_distributed import _initial_weights, _interrupted_at, _losses, _single, _torchrun
+    from test_distributed import _assert_resumed, _initial_weights, _losses, _resume, _single, _torchrun
 
     steps = ("training.device=cuda", "training.gradient_accumulation_steps=2", "training.batch_size=4")
     steps += ("training.max_grad_norm=0.05",)
@@ -125,13 +125,5 @@ def test_context_parallel_equals_one_process_and_resumes_in_one(workdir):
     (train, val), (split_train, split_val) = _losses(workdir / "single"), _losses(workdir / "cp")
     assert len(split_train) == len(train) == 6
     assert split_train == pytest.approx(train, rel=1e-4) and split_val == pytest.approx(val, rel=1e-4)
-    _interrupted_at(workdir, "cp", 3, "two_to_one")
-    _single(
-        workdir,
-        "training.output_dir=two_to_one",
-        f"model.init_from={init}",
-        *steps,
-        "training.resume_from_checkpoint=latest",
-    )
-    resumed_train, resumed_val = _losses(workdir / "two_to_one")
-    assert resumed_train == pytest.approx(train[3:], rel=1e-4) and resumed_val == pytest.approx(val[1:], rel=1e-4)
+    _resume(workdir, "cp", "two_to_one", f"model.init_from={init}", *steps)
+    _assert_resumed(workdir, "two_to_one", rel=1e-4)

@@ -2,6 +2,7 @@
 model.py is only the architecture."""
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "llm_trainer"
@@ -247,28 +248,37 @@ def test_files_imports_nothing_above_it():
             assert not above, f"{module} imports {sorted(above)}"
 
 
-def _renames(path: Path) -> list[int]:
-    """Lines of a file that rename a file or folder: os.replace / os.rename, and a path's `.rename(x)` or
-    `.replace(x)` (one argument: `str.replace` takes two, `dataclasses.replace` keywords)."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
-            continue
-        name, owner = node.func.attr, node.func.value
-        if isinstance(owner, ast.Name) and owner.id == "os" and name in ("replace", "rename", "renames"):
-            found.append(node.lineno)
-        elif name == "rename" or (name == "replace" and len(node.args) == 1 and not node.keywords):
-            found.append(node.lineno)
+def _lines(path: Path, matches: Callable[[ast.AST], bool]) -> list[int]:
+    """The lines of a file's syntax nodes that `matches`."""
+    return sorted(node.lineno for node in ast.walk(ast.parse(path.read_text())) if matches(node))
+
+
+def _offenders(matches: Callable[[ast.AST], bool], allowed: Callable[[str], bool]) -> dict[str, list[int]]:
+    """The package's modules, but those `allowed` (by their path in it), with lines that `matches`."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        where = path.relative_to(PACKAGE).as_posix()
+        if not allowed(where) and (lines := _lines(path, matches)):
+            found[where] = lines
     return found
+
+
+def _renames(node: ast.AST) -> bool:
+    """A rename of a file or folder: os.replace / os.rename, and a path's `.rename(x)` or `.replace(x)`
+    (one argument: `str.replace` takes two, `dataclasses.replace` keywords)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return False
+    name, owner = node.func.attr, node.func.value
+    if isinstance(owner, ast.Name) and owner.id == "os":
+        return name in ("replace", "rename", "renames")
+    return name == "rename" or (name == "replace" and len(node.args) == 1 and not node.keywords)
 
 
 def test_only_files_renames_into_place():
     """A rename is how a file or folder is committed; `files.atomic` says how (fsync, a fresh temporary
     name, an exchange for folders), so every module commits through it."""
-    for path in PACKAGE.rglob("*.py"):
-        if path.relative_to(PACKAGE).parts[0] == "files":
-            continue
-        assert not _renames(path), f"{path.relative_to(PACKAGE)} renames at lines {_renames(path)}: use files.atomic"
+    offenders = _offenders(_renames, lambda where: where.startswith("files/"))
+    assert not offenders, f"renames (module: lines) {offenders}: use files.atomic"
 
 
 def test_the_rename_finder_finds_them(tmp_path):
@@ -277,7 +287,7 @@ def test_the_rename_finder_finds_them(tmp_path):
         "import os, dataclasses\nos.replace(a, b)\np.rename(q)\ntmp.replace(path)\n"
         "s.replace('a', 'b')\ndataclasses.replace(c, x=1)\nd.replace(microsecond=0)\n"
     )
-    assert _renames(source) == [2, 3, 4]
+    assert _lines(source, _renames) == [2, 3, 4]
 
 
 # Where a path is told apart from a URL: a setting in config.py (its validation and properties:
@@ -286,27 +296,19 @@ def test_the_rename_finder_finds_them(tmp_path):
 MAY_ASK_IS_URL = {"config.py", "files/buckets.py"}
 
 
-def _asks_is_url(path: Path) -> list[int]:
-    """Lines of a file that call `is_url` (`is_url(x)`, `buckets.is_url(x)`) or import it (under any name)."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Call):
-            func = node.func
-            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
-            if name == "is_url":
-                found.append(node.lineno)
-        elif isinstance(node, ast.ImportFrom) and any(alias.name == "is_url" for alias in node.names):
-            found.append(node.lineno)
-    return found
+def _asks_is_url(node: ast.AST) -> bool:
+    """A call of `is_url` (`is_url(x)`, `buckets.is_url(x)`) or an import of it (under any name)."""
+    if isinstance(node, ast.Call):
+        func = node.func
+        return (func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)) == "is_url"
+    return isinstance(node, ast.ImportFrom) and any(alias.name == "is_url" for alias in node.names)
 
 
 def test_only_config_and_buckets_ask_whether_a_path_is_a_url():
     """A module that branches on "is this a URL" again decides it its own way; it takes the decision
     from the config (a setting) or from `files.buckets.Location` (any other path) instead."""
-    for path in PACKAGE.rglob("*.py"):
-        where = path.relative_to(PACKAGE).as_posix()
-        if where not in MAY_ASK_IS_URL:
-            assert not _asks_is_url(path), f"{where} asks is_url at lines {_asks_is_url(path)}: use buckets.Location"
+    offenders = _offenders(_asks_is_url, lambda where: where in MAY_ASK_IS_URL)
+    assert not offenders, f"asks is_url (module: lines) {offenders}: use buckets.Location"
 
 
 def test_the_is_url_finder_finds_them(tmp_path):
@@ -315,4 +317,4 @@ def test_the_is_url_finder_finds_them(tmp_path):
         "from x.buckets import is_url as u\nfrom x import buckets\nbuckets.is_url(a)\nis_url(b)\n"
         "self.is_url\nbuckets.Location(c).url\n"
     )
-    assert _asks_is_url(source) == [1, 3, 4]
+    assert _lines(source, _asks_is_url) == [1, 3, 4]

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from test_distributed import (
+    _assert_resumed,
     _assert_same_run,
-    _interrupted_at,
     _losses,
-    _single,
+    _resume,
     _torchrun,
 )
 from test_distributed import references as references  # one-process runs, once per session
@@ -64,29 +64,10 @@ def test_pipeline_checkpoints_resume_in_one_process_and_in_the_pipeline(workdir,
     init = references.single(workdir, LLAMA + ("model.n_layers=4",), STEPS, init=True)
     pp = ("parallelism.pipeline_parallel_degree=2", f"model.init_from={init}", *STEPS)
     _torchrun(workdir, "training.output_dir=pp", *pp)
-    _interrupted_at(workdir, "pp", 3, "two_to_one")
-    _single(
-        workdir,
-        "training.output_dir=two_to_one",
-        f"model.init_from={init}",
-        *STEPS,
-        "training.resume_from_checkpoint=latest",
-    )
-    _interrupted_at(workdir, "pp", 3, "two_to_two")
-    _torchrun(workdir, "training.output_dir=two_to_two", *pp, "training.resume_from_checkpoint=latest")
-    _interrupted_at(workdir, "single", 3, "one_to_two")
-    _torchrun(
-        workdir,
-        "training.output_dir=one_to_two",
-        *pp,
-        "parallelism.pipeline_parallel_schedule=Interleaved1F1B",
-        "training.resume_from_checkpoint=latest",
-    )
-    train, val = _losses(workdir / "single")
-    for run in ("two_to_one", "two_to_two", "one_to_two"):
-        resumed_train, resumed_val = _losses(workdir / run)
-        assert resumed_train == pytest.approx(train[3:], rel=1e-5)
-        assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+    _resume(workdir, "pp", "two_to_one", f"model.init_from={init}", *STEPS)
+    _resume(workdir, "pp", "two_to_two", *pp, nproc=2)
+    _resume(workdir, "single", "one_to_two", *pp, "parallelism.pipeline_parallel_schedule=Interleaved1F1B", nproc=2)
+    _assert_resumed(workdir, "two_to_one", "two_to_two", "one_to_two")
 
 
 @pytest.mark.parametrize(
@@ -114,18 +95,8 @@ def test_pipeline_on_a_2x2_mesh_equals_one_process_and_resumes_in_one(workdir, r
     )
     assert f"mesh: {mesh}" in result.stderr
     _assert_same_run(workdir / "single", workdir / "mesh", grad_norms=True)
-    _interrupted_at(workdir, "mesh", 3, "as_one")
-    _single(
-        workdir,
-        "training.output_dir=as_one",
-        f"model.init_from={init}",
-        *STEPS,
-        "training.resume_from_checkpoint=latest",
-    )
-    train, val = _losses(workdir / "single")
-    resumed_train, resumed_val = _losses(workdir / "as_one")
-    assert resumed_train == pytest.approx(train[3:], rel=1e-5)
-    assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+    _resume(workdir, "mesh", "as_one", f"model.init_from={init}", *STEPS)
+    _assert_resumed(workdir, "as_one")
 
 
 def test_a_fresh_pipeline_starts_from_the_weights_fsdp_draws(workdir):

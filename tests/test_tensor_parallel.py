@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from test_distributed import (
+    _assert_resumed,
     _assert_same_run,
-    _interrupted_at,
-    _losses,
-    _single,
+    _resume,
     _torchrun,
 )
 from test_distributed import references as references  # one-process runs, once per session
@@ -75,21 +74,9 @@ def test_tensor_parallel_checkpoints_resume_at_another_layout(workdir, reference
     init = references.single(workdir, LLAMA, STEPS, init=True)
     tp = ("parallelism.tensor_parallel_degree=2", f"model.init_from={init}", *STEPS)
     _torchrun(workdir, "training.output_dir=tp", *tp)
-    _interrupted_at(workdir, "tp", 3, "two_to_one")
-    _single(
-        workdir,
-        "training.output_dir=two_to_one",
-        f"model.init_from={init}",
-        *STEPS,
-        "training.resume_from_checkpoint=latest",
-    )
-    _interrupted_at(workdir, "single", 3, "one_to_two")
-    _torchrun(workdir, "training.output_dir=one_to_two", *tp, "training.resume_from_checkpoint=latest")
-    train, val = _losses(workdir / "single")
-    for run in ("two_to_one", "one_to_two"):
-        resumed_train, resumed_val = _losses(workdir / run)
-        assert resumed_train == pytest.approx(train[3:], rel=1e-5)
-        assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+    _resume(workdir, "tp", "two_to_one", f"model.init_from={init}", *STEPS)
+    _resume(workdir, "single", "one_to_two", *tp, nproc=2)
+    _assert_resumed(workdir, "two_to_one", "one_to_two")
 
 
 def test_fsdp_by_tensor_parallel_equals_one_process_and_resumes_as_fsdp(workdir, references):
@@ -108,17 +95,6 @@ def test_fsdp_by_tensor_parallel_equals_one_process_and_resumes_as_fsdp(workdir,
     assert "mesh: dp_replicate=1 x dp_shard=2 x pp=1 x cp=1 x tp=2" in result.stderr
     assert "effective batch 8 = 2 x 2 accumulation x 2 replica(s) of 4 processes (fsdp)" in result.stderr
     _assert_same_run(workdir / "single", workdir / "mesh")
-    _interrupted_at(workdir, "mesh", 3, "as_fsdp")
-    _torchrun(
-        workdir,
-        "training.output_dir=as_fsdp",
-        "training.distributed_strategy=fsdp",
-        "training.batch_size=1",
-        *accumulation,
-        "training.resume_from_checkpoint=latest",
-        nproc=4,
-    )
-    train, val = _losses(workdir / "single")
-    resumed_train, resumed_val = _losses(workdir / "as_fsdp")
-    assert resumed_train == pytest.approx(train[3:], rel=1e-5)
-    assert resumed_val == pytest.approx(val[1:], rel=1e-5)
+    as_fsdp = ("training.distributed_strategy=fsdp", "training.batch_size=1", *accumulation)
+    _resume(workdir, "mesh", "as_fsdp", *as_fsdp, nproc=4)
+    _assert_resumed(workdir, "as_fsdp")
