@@ -1,6 +1,7 @@
 """What autograd keeps for the backward, eager and with the whole model compiled.
 
-    python bench/saved_activations.py [--device cpu|cuda] [--batch 4] [--seq 128]
+    python bench/saved_activations.py [--device cpu|cuda] [--shapes gpt2,llama] [--batch 4] [--seq 128]
+    python bench/saved_activations.py --device cuda --shapes gpt2-124m --batch 12 --seq 1024
 
 `llm-trainer estimate` counts the activations an eager forward saves (tests/test_tools.py holds it
 within 5% of them). With `training.compile: true` and no sharding the whole model and its loss are one
@@ -21,15 +22,29 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from gpu_compare import GPT2, LLAMA_1B  # noqa: E402
 from llm_trainer.config import ModelConfig  # noqa: E402
 from llm_trainer.model import Transformer  # noqa: E402
 
-SHAPES = {  # 4 layers, 256 wide, the vocabulary of bench/estimate_check.py's configs
+
+def _model_overrides(overrides: list[str]) -> dict:
+    """`model.KEY=VALUE` overrides (bench/gpu_compare.py's shapes) as ModelConfig fields."""
+    return {k.removeprefix("model."): yaml.safe_load(v) for k, v in (o.split("=", 1) for o in overrides)}
+
+
+GPT2_SMALL = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "gpt2-small.yaml").read_text())["model"]
+SHAPES = {
+    # 4 layers, 256 wide, the vocabulary of bench/estimate_check.py's configs
     "gpt2": dict(architecture="gpt2", d_model=256, n_heads=4, n_layers=4, vocab_size=4096, dropout=0.0),
     "llama": dict(architecture="llama", d_model=256, n_heads=4, n_kv_heads=2, n_layers=4, vocab_size=4096),
+    # the GPU runs' shapes (bench/gpu_compare.py: configs/gpt2-small.yaml and its overrides): GPT-2 124M
+    # as nanoGPT's, the 1.0B LLaMA
+    "gpt2-124m": {**GPT2_SMALL, "vocab_size": 50257, **_model_overrides(GPT2)},
+    "llama-1b": {**GPT2_SMALL, "vocab_size": 50257, **_model_overrides(LLAMA_1B)},
 }
 
 
@@ -62,6 +77,7 @@ def saved_bytes(config: ModelConfig, device: str, amp: bool, compiled: bool, bat
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--shapes", default="gpt2,llama", help=f"comma-separated, of: {', '.join(SHAPES)}")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "saved_activations.json"))
@@ -69,8 +85,8 @@ def main() -> None:
     tokens = args.batch * args.seq
     rows = []
     print("| config | saved eager, bytes/token | saved compiled, bytes/token | compiled / eager |\n|---|---|---|---|")
-    for name, shape in SHAPES.items():
-        config = ModelConfig(**shape, max_seq_len=args.seq)
+    for name in args.shapes.split(","):
+        config = ModelConfig(**{**SHAPES[name], "max_seq_len": args.seq})
         for amp in (False, True) if args.device == "cpu" else (True,):
             eager = saved_bytes(config, args.device, amp, False, args.batch, args.seq)
             compiled = saved_bytes(config, args.device, amp, True, args.batch, args.seq)
