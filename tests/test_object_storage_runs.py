@@ -88,7 +88,7 @@ def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replace
     s3,
     tmp_path,
     capfd,
-    monkeypatch,  # noqa: F811
+    monkeypatch,
 ):
     pytest.importorskip("transformers")
     fs, bucket = s3
