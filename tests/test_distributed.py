@@ -458,12 +458,8 @@ def _deepspeed(config) -> str:
 @needs_deepspeed
 def test_deepspeed_zero_stages_equal_one_process(workdir, references):
     """ZeRO 1, 2 and 3 (the shipped ZeRO-3 file: CPU optimizer offload) on 2 ranks of batch 4 train
-    like one process of batch 8 and log its per-layer statistics (through DeepSpeed's own accessors of
-    partitioned and offloaded state); DeepSpeed alone in one process (no torchrun) trains like it too."""
-    from test_layer_stats import assert_same_layer_stats
-
-    stats = ("training.layer_stats_steps=3", "training.report_to=[jsonl,tensorboard]")
-    references.single(workdir, run=stats)
+    like one process of batch 8; DeepSpeed alone in one process (no torchrun) does too."""
+    references.single(workdir)
     runs = {
         "zero1": {"zero_optimization": {"stage": 1}},
         "zero2_offload": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
@@ -476,11 +472,9 @@ def test_deepspeed_zero_stages_equal_one_process(workdir, references):
             "training.batch_size=4",
             "training.distributed_strategy=deepspeed",
             _deepspeed(config),
-            *stats,
         )
         assert "effective batch 8 = 4 x 1 accumulation x 2 process(es) (deepspeed)" in result.stderr
         _assert_same_run(workdir / "single", workdir / name)
-        assert_same_layer_stats(workdir / "single", workdir / name, steps=[3, 6])
         a = load_file(workdir / "single/checkpoints/checkpoint-00000006/model.safetensors")
         b = load_file(workdir / name / "checkpoints/checkpoint-00000006/model.safetensors")  # ZeRO-3: gathered
         assert a.keys() == b.keys()

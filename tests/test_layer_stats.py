@@ -1,6 +1,6 @@
 """Per-layer statistics (training.layer_stats_steps): the logged norms equal a direct computation in one
-process, and a 2-process DDP, FSDP2 and DeepSpeed (ZeRO 1, 2, 3: in test_distributed) run log what one
-process of twice the batch logs."""
+process, and a 2-process DDP, FSDP2 and DeepSpeed (ZeRO 1, 2, 3) run log what one process of twice the
+batch logs."""
 
 import json
 from pathlib import Path
@@ -82,11 +82,23 @@ def test_layer_stats_steps_must_be_positive():
         TrainingConfig(layer_stats_steps=0)
 
 
+ZERO = {  # DeepSpeed's stages, each as the run's deepspeed_config
+    "zero1": {"zero_optimization": {"stage": 1}},
+    "zero2": {"zero_optimization": {"stage": 2}},
+    "zero3": {"zero_optimization": {"stage": 3}},
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
 def test_two_processes_log_what_one_process_of_twice_the_batch_logs(tmp_path, tmp_path_factory, strategy):
-    """DDP and FSDP2; DeepSpeed's ZeRO 1-3: test_distributed's test of the stages (the same check)."""
-    from test_distributed import References, _torchrun
+    from test_distributed import References, _deepspeed, _torchrun
+
+    if strategy in ZERO:
+        pytest.importorskip("deepspeed")
+        backend = ["training.distributed_strategy=deepspeed", _deepspeed(ZERO[strategy])]
+    else:
+        backend = [f"training.distributed_strategy={strategy}"]
 
     common = [
         "training.layer_stats_steps=2",
@@ -101,24 +113,18 @@ def test_two_processes_log_what_one_process_of_twice_the_batch_logs(tmp_path, tm
         tmp_path,
         "training.output_dir=two",
         "training.batch_size=4",
-        f"training.distributed_strategy={strategy}",
+        *backend,
         f"model.init_from={init}",
         *common,
     )
-    assert_same_layer_stats(tmp_path / "single", tmp_path / "two", steps=[2, 4])
-
-
-def assert_same_layer_stats(one_run: Path, two_run: Path, steps: list[int]) -> None:
-    """The per-layer rows (at `steps`) and TensorBoard histograms of `two_run`, 2 processes, are those
-    of `one_run`, one process of twice the batch."""
-    one, two = _layer_rows(one_run), _layer_rows(two_run)
-    assert [r["step"] for r in one] == [r["step"] for r in two] == steps
+    one, two = _layer_rows(tmp_path / "single"), _layer_rows(tmp_path / "two")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [2, 4]
     for a, b in zip(one, two):
         assert a.keys() == b.keys() and len(a) == 2 + 3 * 11  # kind, step; 3 values x 11 groups (llama: no pos_emb)
         for key in a:
             if key.startswith("layers/"):
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
-    hist_one, hist_two = _histograms(one_run), _histograms(two_run)
+    hist_one, hist_two = _histograms(tmp_path / "single"), _histograms(tmp_path / "two")
     assert hist_one.keys() == hist_two.keys() and len(hist_one) == 2 * 11
     for tag, (num, total, low, high) in hist_one.items():
         assert hist_two[tag][0] == num  # every value counted once over the shards
