@@ -88,9 +88,15 @@ def resolve_layout(
 
 
 # Strategies under which each process holds every weight whole, as plain tensors, through forward and
-# backward (no gathered shards): where the blocks may stack their projections' weights for one matmul
-# (`model.project`), and where the memory estimate counts them so.
+# backward (no gathered shards).
 WHOLE_WEIGHT_STRATEGIES = ("single", "ddp")
+
+
+def stacks_projections(strategy: str, tp: int) -> bool:
+    """Whether the blocks may run their projections as one matmul over stacked weights (`model.project`):
+    only where every weight is whole, never split by tensor parallelism. What parallelize sets and what
+    the memory estimate counts."""
+    return strategy in WHOLE_WEIGHT_STRATEGIES and tp == 1
 
 
 def strategy_of(training: TrainingConfig) -> str:

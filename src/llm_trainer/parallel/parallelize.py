@@ -47,7 +47,7 @@ from ..logs import log
 from ..model import set_fused_projections
 from .distributed import DistInfo
 from .float8 import apply_float8, check_float8
-from .mesh import WHOLE_WEIGHT_STRATEGIES, resolve_layout
+from .mesh import resolve_layout, stacks_projections
 from .strategies import DDP, FSDP, DeepSpeed, Parallelism, Pipeline
 
 
@@ -205,7 +205,7 @@ def parallelize(
 
         apply_tensor_parallel(model, mesh["tp"])
     # sharded weights are gathered per layer: no stacked copies of them (model.project)
-    set_fused_projections(model, dist.strategy in WHOLE_WEIGHT_STRATEGIES and tp == 1)
+    set_fused_projections(model, stacks_projections(dist.strategy, tp))
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if config.compile and dist.strategy != "deepspeed":

@@ -81,7 +81,7 @@ import torch
 
 from .. import resolve
 from ..config import ModelConfig, TrainingConfig
-from ..parallel.mesh import MULTI_STAGE_SCHEDULES, V_SCHEDULES, WHOLE_WEIGHT_STRATEGIES, Layout, strategy_of
+from ..parallel.mesh import MULTI_STAGE_SCHEDULES, V_SCHEDULES, Layout, stacks_projections, strategy_of
 from ..resolve import activation_checkpointing
 from .flops import count_parameters
 
@@ -239,9 +239,9 @@ def estimate_memory(
     states = {"adamw": 2, "adam": 2, "muon": 2, "sgd": 1 if training.sgd_momentum else 0}[training.optimizer]
     tokens = batch_size * seq_len
     micro_tokens = tokens / microbatches / layout.cp  # one pipeline micro-batch's positions on this device
-    whole = sharding == "none" and strategy_of(training) in WHOLE_WEIGHT_STRATEGIES and layout.tp == 1
-    whole = whole and not training.float8  # float8's layers run one by one
-    per_token = activation_bytes_per_token(c, training, device_type, seq_len, fused=whole)
+    # float8's layers run one by one (`model.project` yields to them)
+    fused = sharding == "none" and stacks_projections(strategy_of(training), layout.tp) and not training.float8
+    per_token = activation_bytes_per_token(c, training, device_type, seq_len, fused=fused)
     tp = layout.tp
     block_input = c.d_model * 4 / tp  # what a checkpointed block keeps (fp32; split along the sequence under TP)
     per_layer = per_token["per_layer_whole"] + (per_token["per_layer"] - per_token["per_layer_whole"]) / tp
