@@ -390,6 +390,17 @@ def test_world_size_must_match_the_launcher(workdir, monkeypatch, capsys):
     assert "launcher started 1 process" in err and "Traceback" not in err
 
 
+def test_a_bad_input_that_stops_rank_0_stops_the_others_in_one_line(workdir):
+    """Rank 0 prepares the data while the others wait: a missing file stops it with its one-line error,
+    and the waiting rank stops in one line too (or is ended by torchrun first), never with a traceback
+    about the connection rank 0 closed."""
+    result = _torchrun(workdir, "training.output_dir=run", "data.data_files=[missing.txt]", check=False)
+    assert result.returncode != 0
+    assert "error: data file missing.txt not found" in result.stderr, result.stderr[-3000:]
+    assert "[rank1]: Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not (workdir / "run" / "checkpoints").exists()
+
+
 def test_a_dead_rank_fails_the_job_instead_of_hanging(workdir):
     cmd = [
         sys.executable,

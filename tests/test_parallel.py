@@ -263,6 +263,18 @@ def test_setup_in_one_process_opens_no_group_and_says_what_the_strategy_does_not
     )
 
 
+def test_finish_leaves_the_last_barrier_of_every_gloo_group_done_and_held(gloo_group):
+    """What gloo's worker threads still hold when a process exits must be freed on the main thread:
+    `finish` ends every gloo group (subgroups too) with a barrier it has waited for and keeps."""
+    from llm_trainer.parallel import distributed
+
+    subgroup = dist.new_group([0])
+    distributed.finish()
+    kept = distributed._LAST_BARRIERS
+    assert len(kept) == 2 and all(work.is_completed() for work in kept)
+    dist.destroy_process_group(subgroup)
+
+
 def test_setup_refuses_a_world_size_the_launcher_did_not_start():
     with pytest.raises(UsageError, match=r"training.world_size=2 but the launcher started 1 process\(es\)"):
         setup(TrainingConfig(world_size=2), CPU)

@@ -69,7 +69,7 @@ def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Traine
         with lock_run_folders(t.local_output_dir, t.resolved_checkpoint_dir, is_main):
             check_output_folder(t, is_main=is_main)
             result = build_trainer(experiment, callbacks=callbacks, trainer_class=trainer_class).train()
-        distributed.barrier()  # every rank is done with the process group before any rank tears it down
+        distributed.finish()
         return result
     finally:
         distributed.teardown()

@@ -208,7 +208,7 @@ def prepare_run(
     if experiment.training.float8:  # before the data is prepared: minutes, for a run that cannot start
         check_float8(runtime.device)
     if not runtime.dist.is_main:  # rank 0 prepares the data; the others then reuse its cache
-        distributed.barrier()
+        distributed.wait_for_main("which prepares the data")
     if runtime.dist.is_main and (remote := experiment.training.remote_checkpoint_dir):  # before the data is prepared
         training = experiment.training
         remote_checkpoints.check_target(

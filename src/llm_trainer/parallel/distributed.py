@@ -8,6 +8,7 @@ device, and opens the process group with a timeout so a dead rank fails the job 
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from .. import launcher
 from ..config import TrainingConfig
-from ..errors import UsageError
+from ..errors import TrainingStopped, UsageError, first_line
 from ..logs import warn
 from .mesh import resolve_layout, strategy_of
 
@@ -125,6 +126,46 @@ def all_reduce_(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def wait_for_main(task: str) -> None:
+    """The other ranks wait here while rank 0 does `task` alone. Should rank 0 stop with an error, the
+    wait fails on a closed connection: rank 0's own message says why, so this rank's says only that it
+    stops with it (one line, not a traceback about a socket)."""
+    try:
+        barrier()
+    except RuntimeError as exc:  # gloo's and NCCL's DistBackendError, DistNetworkError
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", first_line(exc)).split(". ")[0]  # without gloo's [file:line]
+        raise TrainingStopped(
+            f"rank {dist.get_rank()} stops: its wait for rank 0, {task}, failed ({reason}); rank 0's error says why"
+        ) from None
+
+
+# The last barrier of each gloo process group, kept until the process ends (`finish`).
+_LAST_BARRIERS: list[dist.Work] = []
+
+
+def finish() -> None:
+    """Every rank meets here after a successful run, before any tears the process groups down.
+
+    gloo frees the work it has finished on its own worker threads, and work still in flight when a
+    barrier was issued is not freed before that barrier is. A worker that frees the last of such work
+    after the interpreter began to exit must take the GIL to release tensors with Python objects, and
+    the process aborts ("terminate called without an active exception",
+    pytorch/pytorch#190489): torchrun then reports a finished run as failed. So the last barrier of
+    each gloo group is issued here and its handle kept until the process ends (or its next run
+    finishes): what it holds is then freed on this thread, never on a worker."""
+    if not (dist.is_available() and dist.is_initialized()):  # DeepSpeed opens a group in one process too
+        return
+    if dist.get_backend() != dist.Backend.GLOO:
+        dist.barrier()
+    groups = dist.distributed_c10d._world.pg_map  # every group this rank is in, in the order all made them
+    works = [
+        dist.barrier(group=group, async_op=True) for group in groups if dist.get_backend(group) == dist.Backend.GLOO
+    ]
+    for work in works:
+        work.wait()
+    _LAST_BARRIERS[:] = works  # an earlier run's (one process, several runs) are freed here, on this thread
 
 
 def teardown() -> None:
