@@ -31,32 +31,15 @@ from pathlib import Path
 
 import yaml
 
+ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = {
     "deepspeed-zero3": [
         "training.distributed_strategy=deepspeed",
-        f"training.deepspeed_config={Path(__file__).resolve().parents[1]}/src/llm_trainer/configs/deepspeed/zero3.json",
+        f"training.deepspeed_config={ROOT}/src/llm_trainer/configs/deepspeed/zero3.json",
     ],
     "fsdp": ["training.distributed_strategy=fsdp"],
     "ddp": ["training.distributed_strategy=ddp"],
 }
-EXPERIMENT = {
-    "model": {"architecture": "llama", "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "n_layers": 2, "max_seq_len": 32},
-    "training": {
-        "batch_size": 4,
-        "max_steps": 6,
-        "learning_rate": 3e-3,
-        "warmup_steps": 2,
-        "logging_steps": 1,
-        "eval_steps": 3,
-        "save_steps": 3,
-        "device": "cpu",
-        "use_amp": False,
-        "progress_bar": False,
-        "report_to": ["jsonl"],
-    },
-    "data": {"data_files": ["corpus.txt"], "tokenizer": "char", "max_length": 32},
-}
-CORPUS = "".join(f"the {w} sat on the mat number {i % 7}.\n" for i, w in enumerate(["cat", "dog", "bird", "fox"] * 120))
 BUSY_LOOP = "import os\nos.sched_setaffinity(0, {0})\nwhile True:\n    pass\n"
 
 
@@ -91,6 +74,9 @@ def main() -> None:
     parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="deepspeed-zero3")
     parser.add_argument("--runs", type=int, default=12)
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_distributed import CORPUS, EXPERIMENT  # the runs whose exits lost the race in CI
+
     folder = Path(tempfile.mkdtemp(prefix="exit_race_"))
     (folder / "corpus.txt").write_text(CORPUS)
     (folder / "exp.yaml").write_text(yaml.safe_dump(EXPERIMENT))
@@ -111,6 +97,7 @@ def main() -> None:
                 "--config",
                 "exp.yaml",
                 f"training.output_dir=run{run}",
+                "training.batch_size=4",  # per rank: test_distributed's global batch of 8
                 *STRATEGIES[args.strategy],
             ]
             start = time.perf_counter()

@@ -68,9 +68,7 @@ def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Traine
         is_main = launcher.is_main_process()
         with lock_run_folders(t.local_output_dir, t.resolved_checkpoint_dir, is_main):
             check_output_folder(t, is_main=is_main)
-            result = build_trainer(experiment, callbacks=callbacks, trainer_class=trainer_class).train()
-        distributed.finish()
-        return result
+            return build_trainer(experiment, callbacks=callbacks, trainer_class=trainer_class).train()
     finally:
         distributed.teardown()
 

@@ -33,7 +33,7 @@ from ..downstream import during_training as downstream
 from ..errors import TrainingStopped, UsageError
 from ..logs import Progress, log, shows_progress_bar, warnings_once
 from ..parallel import attention_kernel
-from ..parallel.distributed import all_reduce_, barrier
+from ..parallel.distributed import all_reduce_, barrier, finish
 from ..parallel.parallelize import parallelize
 from ..pipeline import experiment_from, prepare_run
 from ..resolve import ResolvedRun, native_bf16, resolve_for_model, seed_everything
@@ -260,7 +260,9 @@ class Trainer:
             warnings_once(),
             self.attention.hold(),
         ):
-            return self._loop()  # (a library's per-step warning prints once, not every step)
+            summary = self._loop()  # (a library's per-step warning prints once, not every step)
+        finish()  # every rank is done with the process groups, and the process can exit cleanly
+        return summary
 
     def _loop(self) -> dict[str, Any]:
         cfg, state, accum = self.config, self.state, self.config.gradient_accumulation_steps
