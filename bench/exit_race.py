@@ -5,7 +5,8 @@ tensors with Python objects after the interpreter began to exit, the process abo
 without an active exception") and torchrun reports the finished run as failed. Only a worker that runs
 late loses that race, so this script makes them late: each run is pinned to CPU 0 beside two busy
 loops, and from the first checkpoint on, its gloo worker threads run at nice 19. Every run trains the
-6-step experiment of tests/test_distributed.py under torchrun and counts as failed if it exits non-zero.
+6-step experiment of tests/test_distributed.py under torchrun, as the tests run it (plots off), and
+counts as failed if it exits non-zero.
 
     python bench/exit_race.py                      # DeepSpeed ZeRO-3 (the shipped file), 12 runs
     python bench/exit_race.py --strategy fsdp --runs 8
@@ -22,7 +23,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -63,19 +63,13 @@ def worker(argv: list[str]) -> int:
     return cli.main(argv)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="deepspeed-zero3")
     parser.add_argument("--runs", type=int, default=12)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_distributed import CORPUS, EXPERIMENT  # the runs whose exits lost the race in CI
+    from test_distributed import CORPUS, EXPERIMENT, _free_port  # the runs whose exits lost the race in CI
 
     folder = Path(tempfile.mkdtemp(prefix="exit_race_"))
     (folder / "corpus.txt").write_text(CORPUS)

@@ -159,7 +159,7 @@ def finish() -> None:
         return
     if dist.get_backend() != dist.Backend.GLOO:
         dist.barrier()
-    groups = dist.distributed_c10d._world.pg_map  # every group this rank is in, in the order all made them
+    groups = dist.distributed_c10d._world.pg_map  # every group this rank is in; waited for only once all are issued
     works = [
         dist.barrier(group=group, async_op=True) for group in groups if dist.get_backend(group) == dist.Backend.GLOO
     ]
