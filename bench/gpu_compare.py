@@ -29,7 +29,23 @@ default log_interval=1). MFU is ours by our count (6N + 12·L·d·T) against the
 Writes into OUT_DIR (default $OUT, else bench/out/gpu_compare): `gpu_compare.json` (everything),
 `readme_lines.md` (the lines for bench/README "On an H100") and `logs.txt` (the end of each step's log).
 nanoGPT's code is never committed: `--stage` copies it into bench/.peers/ (git-ignored), which the
-device call carries.
+device call carries, with torchao's wheel for the follow-up.
+
+    python bench/gpu_compare.py --followup [--best-batch N] [--baseline FILE] [OUT_DIR]
+
+is the second, shorter call, on the same warm machine (a GPU lease has room for about one more): what
+the first call leaves out, most telling first, inside `--budget` (default 200 s):
+
+  torchao      torchao's wheel from bench/.peers/wheels, into a scratch folder (the device has no network)
+  gpt2_best_float8   ours at the best batch with `training.float8: true`, profiled like the first
+               GPT-2 run; with `--baseline` (the first call's gpu_compare.json) set against our bf16 run
+               and nanoGPT's at that batch
+  saved_gpt2, saved_llama1b   bench/saved_activations.py on the GPU: what the compiled GPT-2 124M
+               (12 x 1024) and 1.0B (8 x 2048) keep for the backward, against eager
+  estimate_test  tests/test_estimate_measured.py's CUDA case: the estimate within 10% of the peak
+
+and writes `followup.json`, `followup_lines.md` and `logs.txt`. With `--cpu-dry-run` the float8 run,
+which needs a GPU, runs in bf16.
 """
 
 from __future__ import annotations
@@ -55,6 +71,8 @@ STAGED_PEER = BENCH_DIR / ".peers" / "nanoGPT"  # git-ignored; the device call c
 DEFAULT_PEER = REPO_ROOT.parent / "shared" / "peers" / "nanoGPT"
 sys.path.insert(0, str(REPO_ROOT / "src"))  # this checkout's llm_trainer (the FLOP count, the peak), as the steps run
 PEER_FILES = ("train.py", "model.py", "configurator.py", "LICENSE")  # what its train.py needs (and its licence)
+WHEELS = BENCH_DIR / ".peers" / "wheels"  # torchao's wheel, for the follow-up's float8 run
+TORCHAO = "torchao==0.17.0"  # the release float8 training ran with under the device's PyTorch 2.11
 NANOGPT_VOCAB = 50304  # nanoGPT's default: GPT-2's 50,257 padded to a multiple of 64
 VOCAB = 50257
 SYNTH_TOKENS = 4_000_000  # random ids in nanoGPT's train.bin: far more than any run here reads
@@ -129,7 +147,7 @@ class Settings:
                 llama_steps=4,
                 profile_steps=(3, 4),
                 max_documents=40,
-                limits=dict(env=30, prepare=60, plan=60, gpt2=60, nanogpt=60, llama1b=60),
+                limits=dict(env=30, prepare=60, plan=60, gpt2=60, nanogpt=60, llama1b=60, saved=120, test=90),
             )
         return Settings(
             cpu=False,
@@ -145,7 +163,7 @@ class Settings:
             profile_steps=(6, 8),
             max_documents=300,
             # sized from the steps' wall times on a GPU (bench/README): compilation is most of each run
-            limits=dict(env=20, prepare=60, plan=40, gpt2=140, nanogpt=80, llama1b=150),
+            limits=dict(env=20, prepare=60, plan=40, gpt2=140, nanogpt=80, llama1b=150, saved=70, test=90),
         )
 
 
@@ -159,6 +177,7 @@ class Run:
     deadline: float
     report: dict = field(default_factory=dict)
     logs: list[Path] = field(default_factory=list)
+    site: Path | None = None  # packages installed for this call (torchao), after our src on the path
 
     def step(self, name: str, cmd: list[str], cwd: Path, limit: int) -> dict:
         """Run `cmd` as a process group of its own, killed (with its children: compile workers,
@@ -170,7 +189,8 @@ class Run:
         log = self.work / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         self.logs.append(log)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath()}
+        path = _pythonpath() + (os.pathsep + str(self.site) if self.site else "")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
         if self.settings.cpu:
             env.setdefault("OMP_NUM_THREADS", "1")
         start = time.monotonic()
@@ -207,6 +227,13 @@ def stage(peer: Path) -> int:
     for name in PEER_FILES:
         shutil.copy2(peer / name, STAGED_PEER / name)
     print(f"nanoGPT staged in {STAGED_PEER.relative_to(REPO_ROOT)} (git-ignored): carry bench/.peers")
+    if sorted(WHEELS.glob("torchao-*.whl")):
+        return 0
+    download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(WHEELS)]
+    if subprocess.run([*download, TORCHAO]).returncode == 0:
+        print(f"{TORCHAO} staged in {WHEELS.relative_to(REPO_ROOT)}, for the follow-up's float8 run")
+    else:
+        print(f"note: {TORCHAO} could not be downloaded: the follow-up's float8 run will be skipped", file=sys.stderr)
     return 0
 
 
@@ -244,11 +271,13 @@ def data_overrides(run: Run) -> list[str]:
     ]
 
 
-def prepare_step(run: Run) -> dict:
+def prepare_step(run: Run, nanogpt: bool = True) -> dict:
     """Our prepared data (once, shared by every run of ours) and a scratch copy of nanoGPT with random
     tokens in its .bin format; nanoGPT writes next to itself, so it never runs from bench/.peers."""
     cmd = [sys.executable, "-m", "llm_trainer", "prepare", "--config", "configs/gpt2-small.yaml", *data_overrides(run)]
     record = run.step("prepare", cmd, REPO_ROOT, run.settings.limits["prepare"])
+    if not nanogpt:
+        return record
     if not all((STAGED_PEER / name).is_file() for name in PEER_FILES):
         record["nanogpt"] = "not staged: run `bash bench/gpu_compare.sh --stage` here and carry bench/.peers"
         record["nanogpt_copy"] = None
@@ -294,10 +323,10 @@ def plan_step(run: Run, memory_gib: float | None) -> dict:
     return plan
 
 
-def ours_gpt2(run: Run, name: str, batch: int, profile: bool) -> dict:
+def ours_gpt2(run: Run, name: str, batch: int, profile: bool, extra: tuple[str, ...] = ()) -> dict:
     s = run.settings
     out = run.work / name
-    cmd = [sys.executable, "-m", "llm_trainer", "train", "--config", "configs/gpt2-small.yaml", *s.gpt2]
+    cmd = [sys.executable, "-m", "llm_trainer", "train", "--config", "configs/gpt2-small.yaml", *s.gpt2, *extra]
     cmd += _loop_overrides(out, batch, s.gpt2_steps) + data_overrides(run)
     if profile:
         cmd.append(f"training.profile_steps=[{s.profile_steps[0]},{s.profile_steps[1]}]")
@@ -389,6 +418,73 @@ def nanogpt_step(run: Run, name: str, peer: Path | None, batch: int) -> dict:
         step_s = statistics.median(ms for _, ms, _ in steady) / 1000
         record.update(step_time_s=round(step_s, 5), tokens_per_s=round(batch * s.context / step_s, 1))
         record["its_printed_mfu_a100"] = steady[-1][2] / 100  # against an A100's 312 TFLOP/s, smoothed
+    return record
+
+
+def torchao_step(run: Run, torchao_found: bool) -> dict:
+    """torchao for the float8 run: the device's own, else the staged wheel installed into a scratch folder
+    (which the dry-run always walks)."""
+    if torchao_found and not run.settings.cpu:
+        return {"status": "ok", "torchao": "the device's own"}
+    wheels = sorted(WHEELS.glob("torchao-*.whl"))
+    if not wheels:
+        return {
+            "status": "skipped",
+            "why": "no torchao wheel: `bash bench/gpu_compare.sh --stage` here, carry bench/.peers",
+        }
+    site = run.work / "site"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--target",
+        str(site),
+        str(wheels[-1]),
+    ]
+    record = run.step("torchao", cmd, REPO_ROOT, run.settings.limits["env"])
+    if record["status"] == "ok":
+        run.site = site
+        record["torchao"] = wheels[-1].name
+    return record
+
+
+def float8_step(run: Run, batch: int, torchao: dict) -> dict:
+    """Ours at the best batch in float8 (torchao's layers), profiled: the lever left on the same model
+    (bench/README "On an H100"). A CPU cannot train in float8, so the dry-run walks it in bf16."""
+    if torchao.get("status") != "ok" and not run.settings.cpu:
+        return {"status": "skipped", "why": f"torchao missing ({torchao.get('why') or torchao.get('status')})"}
+    extra = () if run.settings.cpu else ("training.float8=true",)
+    return ours_gpt2(run, "gpt2_best_float8", batch, profile=True, extra=extra)
+
+
+def saved_step(run: Run, name: str, shape: str, batch: int, seq: int) -> dict:
+    """bench/saved_activations.py for one shape on this device: bytes per token kept for the backward."""
+    result = run.work / f"{name}.json"
+    device, shape = ("cpu", shape.split("-")[0]) if run.settings.cpu else ("cuda", shape)  # CPU: the small shapes
+    if run.settings.cpu:
+        batch, seq = 2, 64
+    cmd = [sys.executable, str(BENCH_DIR / "saved_activations.py"), "--device", device, "--shapes", shape]
+    cmd += ["--batch", str(batch), "--seq", str(seq), "--out", str(result)]
+    record = run.step(name, cmd, REPO_ROOT, run.settings.limits["saved"])
+    record.update(shape=shape, batch=batch, seq=seq)
+    if result.is_file():
+        record["rows"] = json.loads(result.read_text())["rows"]
+    return record
+
+
+def estimate_test_step(run: Run) -> dict:
+    """The memory estimate within 10% of the measured peak, as tests/test_estimate_measured.py checks it
+    (its CUDA case here; the CPU case in the dry-run)."""
+    case = "cpu" if run.settings.cpu else "cuda"
+    test = f"tests/test_estimate_measured.py::test_the_estimated_peak_is_within_10_percent_of_the_measured_one[{case}]"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "--no-header", test]
+    record = run.step("estimate_test", cmd, REPO_ROOT, run.settings.limits["test"])
+    lines = [line for line in _text(run.logs[-1]).splitlines() if line.strip()]
+    record["result"] = lines[-1][:300] if lines else None
     return record
 
 
@@ -596,6 +692,60 @@ def readme_lines(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def followup_lines(report: dict, baseline: dict | None) -> str:
+    """The follow-up's lines for bench/README "On an H100": the float8 run (beside the first call's bf16
+    run and nanoGPT's at the same batch, when `baseline` is that call's report), what compile keeps for
+    the backward, and the estimate's test."""
+    steps, env = report["steps"], report["steps"].get("env", {})
+    device = env.get("gpu") or "CPU (dry-run: tiny shapes, not GPU figures)"
+    lines = [
+        f'The follow-up call, `bash bench/gpu_compare.sh --followup "$OUT"` ({report["wall_s"] / 60:.1f} min wall), '
+        f"on {device}, PyTorch {env.get('torch')}, torchao {steps.get('torchao', {}).get('torchao')}, "
+        f"{report['date'][:10]}.",
+        "",
+    ]
+    f8 = steps.get("gpt2_best_float8", {})
+    label = "ours, GPT-2 124M, float8" + (" [dry-run: bf16, tiny stand-in]" if report["cpu_dry_run"] else "")
+    if f8.get("tokens_per_s"):
+        mfu = f", {f8['mfu'] * 100:.1f}% MFU (bf16 count)" if f8.get("mfu") is not None else ""
+        memory = f", peak {f8['peak_memory_mb'] / 1024:.2f} GiB" if f8.get("peak_memory_mb") else ""
+        lines.append(
+            f"- {label}, {f8['batch']} x {f8['context']}: {f8['tokens_per_s'] / 1000:.1f}k tokens/s, "
+            f"{f8['step_time_s']:.3f} s a step{mfu}{memory}"
+        )
+        base = (baseline or {}).get("steps", {})
+        for key, what in (("gpt2_best", "ours float8 / ours bf16"), ("nanogpt_best", "ours float8 / nanoGPT")):
+            other = base.get(key, {})
+            if other.get("tokens_per_s") and other.get("batch") == f8["batch"]:
+                lines.append(
+                    f"- {what} tokens/s, same GPU, same batch: {f8['tokens_per_s'] / other['tokens_per_s']:.2f}× "
+                    f"({f8['batch']} x {f8['context']}; the bf16 figure from the first call)"
+                )
+        kernels = f8.get("kernels")
+        if kernels and kernels.get("groups"):
+            shares = ", ".join(f"{g} {v * 100:.0f}%" for g, v in list(kernels["groups"].items())[:6])
+            lines.append(
+                f"- Where its step goes ({kernels['source']}, {kernels['steps']} profiled steps, "
+                f"{kernels['busy_ms_per_step']:.1f} ms busy of {kernels['wall_ms_per_step']:.1f} ms): {shares}"
+            )
+    for key in ("saved_gpt2", "saved_llama1b"):
+        for row in steps.get(key, {}).get("rows") or []:
+            r = steps[key]
+            lines.append(
+                f"- saved for the backward, {row['config']} ({r['batch']} x {r['seq']}): eager "
+                f"{row['eager_per_token']:,.0f} B/token, compiled {row['compiled_per_token']:,.0f} B/token, "
+                f"compiled / eager {row['compiled_over_eager']:.2f}"
+            )
+    test = steps.get("estimate_test", {})
+    if test.get("result"):
+        lines.append(f"- tests/test_estimate_measured.py, this device's case: {test['result']}")
+    for key, r in steps.items():
+        if r.get("status") in ("failed", "timeout", "skipped"):
+            why = r.get("why") or f"after {r.get('wall_s')} s of its {r.get('limit_s')} s; logs.txt has its log"
+            lines.append(f"- {key}: {r['status']} ({why})")
+    return "\n".join(lines) + "\n"
+
+
 def peak_bf16(gpu: str | None) -> float | None:
     if not gpu:
         return None
@@ -636,8 +786,12 @@ def main() -> int:
     parser.add_argument("--cpu-dry-run", action="store_true", help="every step with tiny shapes on the CPU")
     parser.add_argument("--stage", action="store_true", help="copy nanoGPT into bench/.peers/nanoGPT and stop")
     parser.add_argument("--peer", type=Path, default=DEFAULT_PEER, help="nanoGPT's folder, for --stage")
-    parser.add_argument("--budget", type=float, default=510, help="seconds for every step together")
+    parser.add_argument(
+        "--budget", type=float, default=None, help="seconds for every step together (510; --followup: 200, dry-run 400)"
+    )
     parser.add_argument("--best-batch", type=int, default=None, help="our best GPT-2 batch, instead of the plan's")
+    parser.add_argument("--followup", action="store_true", help="the second call: float8, saved tensors, the estimate")
+    parser.add_argument("--baseline", type=Path, default=None, help="the first call's gpu_compare.json (--followup)")
     parser.add_argument(
         "--llama",
         choices=["auto", "plain", "fsdp-checkpointing"],
@@ -648,12 +802,24 @@ def main() -> int:
     if args.stage:
         return stage(args.peer)
 
+    baseline = None
+    if args.baseline is not None:
+        try:
+            baseline = json.loads(args.baseline.read_text())
+        except (OSError, ValueError) as error:
+            print(
+                f"error: --baseline {args.baseline}: {error}; pass the first call's gpu_compare.json", file=sys.stderr
+            )
+            return 2
     settings = Settings.for_run(args.cpu_dry_run)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="gpu_compare_"))
-    run = Run(settings=settings, out=out, work=work, deadline=started + args.budget)
+    budget = args.budget or (510 if not args.followup else 400 if settings.cpu else 200)
+    run = Run(settings=settings, out=out, work=work, deadline=started + budget)
+    if args.followup:
+        return followup(run, args.best_batch or settings.max_best_batch, baseline, started)
     steps: dict[str, dict] = {}
     usage_error = None
     run.report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "cpu_dry_run": settings.cpu, "steps": steps}
@@ -680,18 +846,46 @@ def main() -> int:
         for key in ("nanogpt_nanogpt_shape", "nanogpt_best"):
             nanogpt_mfu(steps.get(key, {}), settings, report["peak_bf16_flops"])
         report["ratios"] = ratios(report)
-        (out / "gpu_compare.json").write_text(json.dumps(report, indent=2))
-        (out / "readme_lines.md").write_text(readme_lines(report))
-        with open(out / "logs.txt", "w") as sink:
-            for log in run.logs:
-                tail = _text(log).splitlines()[-40:]
-                sink.write(f"==> {log.name} <==\n" + "\n".join(tail) + "\n\n")
-        shutil.rmtree(work, ignore_errors=True)
+        write(run, "gpu_compare.json", "readme_lines.md", readme_lines(report))
         if usage_error:
             print(usage_error, file=sys.stderr)
     print(json.dumps({"wall_s": report["wall_s"], "ratios": report["ratios"]}))
     print(readme_lines(report))
     return 0
+
+
+def followup(run: Run, best: int, baseline: dict | None, started: float) -> int:
+    """The second call's steps, most telling first (the module's docstring lists them)."""
+    settings, steps = run.settings, {}
+    run.report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "cpu_dry_run": settings.cpu, "steps": steps}
+    try:
+        steps["env"] = env_step(run)
+        if not settings.cpu and not steps["env"].get("gpu"):
+            print("error: no CUDA device found; for a CPU walk-through pass --cpu-dry-run", file=sys.stderr)
+            return 2
+        steps["torchao"] = torchao_step(run, steps["env"].get("packages", {}).get("torchao", False))
+        steps["prepare"] = prepare_step(run, nanogpt=False)
+        steps["gpt2_best_float8"] = float8_step(run, best, steps["torchao"])
+        steps["saved_gpt2"] = saved_step(run, "saved_gpt2", "gpt2-124m", settings.nanogpt_shape_batch, 1024)
+        steps["saved_llama1b"] = saved_step(run, "saved_llama1b", "llama-1b", 8, 2048)
+        steps["estimate_test"] = estimate_test_step(run)
+    finally:
+        run.report["wall_s"] = round(time.monotonic() - started, 1)
+        write(run, "followup.json", "followup_lines.md", followup_lines(run.report, baseline))
+    print(followup_lines(run.report, baseline))
+    return 0
+
+
+def write(run: Run, report_name: str, lines_name: str, lines: str) -> None:
+    """The call's report, its README lines and the end of every step's log into the output folder; the
+    scratch folder removed."""
+    (run.out / report_name).write_text(json.dumps(run.report, indent=2))
+    (run.out / lines_name).write_text(lines)
+    with open(run.out / "logs.txt", "w") as sink:
+        for log in run.logs:
+            tail = _text(log).splitlines()[-40:]
+            sink.write(f"==> {log.name} <==\n" + "\n".join(tail) + "\n\n")
+    shutil.rmtree(run.work, ignore_errors=True)
 
 
 if __name__ == "__main__":
