@@ -121,6 +121,41 @@ def test_folder_recursive_skips_and_counts_bad_files(tmp_path, capsys):
     assert f"data: skipped (binary_files): {root / 'blob.txt'}" in err
 
 
+def test_a_folder_never_gives_files_below_a_hidden_folder(tmp_path):
+    """A folder someone else made: a git checkout's `.git/` (refs, config, the commit message) and any
+    other dot-folder stay out of the training text, as hidden files do."""
+    root = tmp_path / "repo"
+    (root / ".git" / "refs").mkdir(parents=True)
+    (root / ".git" / "config").write_text("[core]\n\trepositoryformatversion = 0\n", encoding="utf-8")
+    (root / ".git" / "COMMIT_EDITMSG").write_text("private commit message\n", encoding="utf-8")
+    (root / ".git" / "refs" / "main").write_text("0123abcd\n", encoding="utf-8")
+    (root / "src" / ".cache").mkdir(parents=True)
+    (root / "src" / ".cache" / "notes.txt").write_text("cached secret", encoding="utf-8")
+    (root / "src" / "main.py").write_text('print("hi there")\n', encoding="utf-8")
+    prepared = prepare_data(config(tmp_path, data_files=str(root), validation_split=0.0))
+    assert documents(prepared, "train") == ['print("hi there")']
+    assert not json.loads((prepared.directory / "data_report.json").read_text())["skipped_inputs_named"]
+
+
+def test_an_existing_path_with_glob_characters_is_read_literally(tmp_path):
+    """`data[1].txt` and a folder `corpus[2024]` are read as named, not as patterns that would match
+    `data1.txt` (another file) or nothing; a pattern with a bracket that matches nothing says how to
+    write a literal one."""
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "[1].txt").write_text("bracket file", encoding="utf-8")
+    (tmp_path / "s" / "1.txt").write_text("plain file", encoding="utf-8")
+    (tmp_path / "corpus[2024]").mkdir()
+    (tmp_path / "corpus[2024]" / "a.txt").write_text("inside the bracket folder", encoding="utf-8")
+    named = prepare_data(config(tmp_path, data_files=str(tmp_path / "s" / "[1].txt"), validation_split=0.0))
+    assert documents(named, "train") == ["bracket file"]
+    folder = prepare_data(config(tmp_path, data_files=str(tmp_path / "corpus[2024]"), validation_split=0.0))
+    assert documents(folder, "train") == ["inside the bracket folder"]
+    pattern = prepare_data(config(tmp_path, data_files=str(tmp_path / "s" / "[1].*"), validation_split=0.0))
+    assert documents(pattern, "train") == ["plain file"]  # not a path that exists: a pattern, [1] matching "1"
+    message = _error(tmp_path, data_files=str(tmp_path / "corpus[2024]" / "*.txt"))
+    assert "matches no files" in message and "write [[] for a [ in a name" in message
+
+
 def test_glob(tmp_path):
     (tmp_path / "g" / "nested").mkdir(parents=True)
     (tmp_path / "g" / "one.txt").write_text("one", encoding="utf-8")

@@ -192,6 +192,25 @@ def test_data_file_keys_dot_and_dot_dot_are_refused(s3, tmp_path):
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("planted"))
 
 
+def test_data_in_a_bucket_is_listed_as_a_local_folder_is(s3, tmp_path):
+    """The rules of a local folder hold in a store: nothing below a hidden folder (a synced `.git/`) is
+    read, and a folder whose name has glob characters is read by its name, not as a pattern."""
+    from llm_trainer.data.text.sources import resolve_files
+
+    fs, bucket = s3
+    files = {"a.txt": "read", ".git/config": "[core]", "sub/.cache/b.txt": "cached", "sub/c.txt": "read too"}
+    for root in ("corpus", "corpus[2024]"):
+        _put(fs, {f"{bucket}/{root}/{name}": text for name, text in files.items()})
+        local = tmp_path / root
+        for name, text in files.items():
+            (local / name).parent.mkdir(parents=True, exist_ok=True)
+            (local / name).write_text(text)
+        from_store = resolve_files([f"s3://{bucket}/{root}"], cache=tmp_path / "cache")
+        from_disk = resolve_files([str(local)])
+        assert [path.read_text() for path, _ in from_store] == ["read", "read too"]
+        assert [path.read_text() for path, _ in from_disk] == ["read", "read too"]
+
+
 def test_a_model_folder_whose_object_is_also_a_folder_is_one_line(s3, tmp_path):
     from llm_trainer.errors import UsageError
     from llm_trainer.files import buckets

@@ -431,14 +431,27 @@ def check_writable(url: str, what: str) -> None:
 # data files: a file, a folder or a glob in a store, mirrored locally
 
 
-def list_files(spec: str) -> list[tuple[str, dict]]:
-    """(URL, info) of each file `spec` names: the file itself, every file below a folder, or a glob's matches."""
+GLOB_CHARACTERS = "*?["
+
+
+def looks_like_glob(spec: str) -> bool:
+    """Whether a data spec has a wildcard; where a file or folder of exactly that name exists, it is
+    still read literally (`corpus[2024]/`): the callers check that first."""
+    return any(ch in spec for ch in GLOB_CHARACTERS)
+
+
+def list_files(spec: str) -> tuple[list[tuple[str, dict]], bool]:
+    """(URL, info) of each file `spec` names: the file itself, every file below a folder, or a glob's
+    matches; and whether it was read as a glob (no object or folder of that exact name)."""
     fs, path = _filesystem(spec)
     protocol = _scheme(spec)
+    globbed = False
 
     def find() -> list[tuple[str, dict]]:
+        nonlocal globbed
         fs.invalidate_cache()
-        if any(ch in path for ch in "*?["):
+        if looks_like_glob(path) and not fs.exists(path):
+            globbed = True
             found = fs.glob(path, detail=True)
         elif fs.isdir(path):
             found = fs.find(path, detail=True)
@@ -452,7 +465,7 @@ def list_files(spec: str) -> list[tuple[str, dict]]:
     found = call("listing data files", spec, find)
     for url, _ in found:
         check_object_name(url, spec)
-    return found
+    return found, globbed
 
 
 def check_object_name(url: str, where: str) -> None:

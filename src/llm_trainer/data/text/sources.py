@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 from ...config import DataConfig, SourceConfig
 from ...errors import UsageError
-from ...files.buckets import Location, fetch_file, identity, list_files
+from ...files.buckets import Location, fetch_file, identity, list_files, looks_like_glob
 from ...hf.hub import hub_unreachable, offline_mode_set
 from ...limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
 from .filters import QualityFilter
@@ -171,6 +171,12 @@ def stdlib_files() -> list[Path]:
     return sorted(found)
 
 
+def _hidden(relative: str) -> bool:
+    """Whether a path found below a folder (relative to it) is hidden: its name or a folder on the way
+    starts with a dot (`.git/`, `.cache/`, `.DS_Store`). Such files are never read from a folder."""
+    return any(part.startswith(".") for part in relative.split("/"))
+
+
 def _selected(relative: str, include, exclude) -> bool:
     """include/exclude globs against a path relative to its folder ("*" spans folders) or its file name."""
 
@@ -183,7 +189,7 @@ def _selected(relative: str, include, exclude) -> bool:
 
 def _glob_base(spec: str) -> Path:
     """The folder part of a glob before its first wildcard: include/exclude match below it."""
-    static = list(itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), Path(spec).parts))
+    static = list(itertools.takewhile(lambda part: not looks_like_glob(part), Path(spec).parts))
     return Path(*static) if static else Path(".")
 
 
@@ -210,15 +216,20 @@ def resolve_files(
             continue
         expanded = os.path.expanduser(spec)
         path = Path(expanded)
-        if any(ch in spec for ch in "*?["):
+        if looks_like_glob(spec) and not path.exists():  # a path that exists is literal: `data[1].txt`
             base = _glob_base(expanded)
             matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True) if Path(p).is_file())
             chosen = [p for p in matches if _selected(_relative(p, base), include, exclude)]
             if not chosen:
-                bad("missing_files", f"data_files pattern {spec!r} matches no files; check the path and the pattern")
+                brackets = " (in a pattern, [ and ] match one character of a set: write [[] for a [ in a name)"
+                bad(
+                    "missing_files",
+                    f"data_files pattern {spec!r} matches no files; check the path and the pattern"
+                    + (brackets if "[" in spec else ""),
+                )
             out += [(p, False) for p in chosen]
         elif path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+            found = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path).as_posix()))
             chosen = [p for p in found if _selected(p.relative_to(path).as_posix(), include, exclude)]
             if not chosen:
                 bad(
@@ -234,12 +245,15 @@ def resolve_files(
 
 def _remote_files(spec: str, include, exclude, bad: BadInput) -> list[tuple[str, dict, bool]]:
     """(URL, info, named_explicitly) of each file a URL spec names, filtered as local folders and globs are."""
-    found = list_files(spec)
+    found, globbed = list_files(spec)
     if len(found) == 1 and found[0][0].rstrip("/") == spec.rstrip("/"):
         return [(found[0][0], found[0][1], True)]
-    glob_like = any(ch in spec for ch in "*?[")
-    base = str(_glob_base(spec.split("://", 1)[1])) if glob_like else spec.split("://", 1)[1].rstrip("/")
-    chosen = [(url, info, False) for url, info in found if _selected(_relative_url(url, base), include, exclude)]
+    base = str(_glob_base(spec.split("://", 1)[1])) if globbed else spec.split("://", 1)[1].rstrip("/")
+    chosen = [
+        (url, info, False)
+        for url, info in found
+        if not _hidden(relative := _relative_url(url, base)) and _selected(relative, include, exclude)
+    ]
     if not chosen:
         bad("missing_files", f"data_files {spec!r} names no files in its store; check the URL and the pattern")
     return chosen
