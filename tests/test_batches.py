@@ -56,3 +56,61 @@ def test_padding_is_never_a_target():
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert losses[0] == losses[1]
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def _rows(run, kind: str) -> list[dict]:
+    import json
+
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def test_later_train_calls_train_on_in_stages_over_their_own_data(tmp_path):
+    """The curriculum of the Hindi trainer's document, `train_on(easy, epochs=1)` then `train_on(hard,
+    epochs=2)`: each call trains its epochs of its own data after the steps already taken, in one run;
+    a call with nothing more to train says so instead of training no step."""
+    import pytest
+
+    from llm_trainer.errors import UsageError
+
+    easy = torch.arange(20 * 9).reshape(20, 9) % 7  # ids 0-6
+    hard = 30 + torch.arange(40 * 9).reshape(40, 9) % 30  # ids 30-59, never in the easy stage
+    run = tmp_path / "run"
+    config = TrainingConfig(output_dir=str(run), device="cpu", progress_bar=False, logging_steps=1, save_steps=0)
+    trainer = Trainer(model=tiny_model(), config=config)
+    first = trainer.train(train_dataloader=torch.utils.data.DataLoader(easy, batch_size=4), num_epochs=1)
+    assert first["step"] == 5
+    embedding = trainer.model.tok_emb.weight.detach().clone()
+    second = trainer.train(train_dataloader=torch.utils.data.DataLoader(hard, batch_size=4), num_epochs=2)
+    assert second["step"] == 5 + 2 * 10
+    assert second["tokens_seen"] == first["tokens_seen"] + 2 * 40 * 8
+    changed = (trainer.model.tok_emb.weight.detach() != embedding).any(dim=1)
+    assert changed[30:60].all()  # the second stage read its own data, whose ids the first never saw
+    assert [r["step"] for r in _rows(run, "train")] == list(range(1, 26))
+    assert [r["step"] for r in _rows(run, "summary")] == [5, 25]
+    with pytest.raises(UsageError, match=r"has trained to its last step \(25\); to train on, pass the data"):
+        trainer.train()
+
+
+def test_a_trainer_of_ones_own_refuses_a_folder_that_holds_a_run(tmp_path):
+    """The Python API keeps what `llm-trainer train` keeps: a second Trainer into a finished run's folder
+    is refused in one line, the run's files untouched; --overwrite's setting starts over."""
+    import pytest
+
+    from llm_trainer.errors import UsageError
+
+    data = torch.arange(16 * 9).reshape(16, 9) % 7
+    run = tmp_path / "run"
+
+    def trainer(**overrides) -> Trainer:
+        config = TrainingConfig(output_dir=str(run), device="cpu", progress_bar=False, save_steps=2, **overrides)
+        return Trainer(model=tiny_model(), config=config)
+
+    trainer(max_steps=4).train(train_dataloader=torch.utils.data.DataLoader(data, batch_size=4))
+    before = (run / "metrics.jsonl").read_bytes(), sorted(p.name for p in (run / "checkpoints").iterdir())
+    with pytest.raises(UsageError, match=r"holds a finished run \(it ended at step 4\)"):
+        trainer(max_steps=2).train(train_dataloader=torch.utils.data.DataLoader(data, batch_size=4))
+    assert ((run / "metrics.jsonl").read_bytes(), sorted(p.name for p in (run / "checkpoints").iterdir())) == before
+    trainer(max_steps=2, overwrite_output_dir=True).train(
+        train_dataloader=torch.utils.data.DataLoader(data, batch_size=4)
+    )
+    assert [r["step"] for r in _rows(run, "summary")] == [2]

@@ -67,8 +67,10 @@ def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Traine
         t = experiment.training
         is_main = launcher.is_main_process()
         with lock_run_folders(t.local_output_dir, t.resolved_checkpoint_dir, is_main):
-            check_output_folder(t, is_main=is_main)
-            return build_trainer(experiment, callbacks=callbacks, trainer_class=trainer_class).train()
+            check_output_folder(t, is_main=is_main)  # before the data is prepared: a refusal comes at once
+            trainer = build_trainer(experiment, callbacks=callbacks, trainer_class=trainer_class)
+            trainer.output_checked = True
+            return trainer.train()
     finally:
         distributed.teardown()
 

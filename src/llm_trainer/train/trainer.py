@@ -47,7 +47,7 @@ from .flops import flops_per_token, peak_flops
 from .layer_stats import LayerStats
 from .metrics import MetricsTracker, tensorboard_dir
 from .optim import build_optimizer, learning_rate_at, set_learning_rate
-from .output_folder import RunFilesAtStart, fetch_run_files, upload_run_files
+from .output_folder import RunFilesAtStart, check_output_folder, fetch_run_files, upload_run_files
 from .plots import PlotsAtEnd
 from .profiling import StepProfiler, out_of_memory
 from .rows import EvalRow, SummaryRow, TrainRow, downstream_row
@@ -102,6 +102,10 @@ class Trainer:
         self.output_dir = config.local_output_dir  # a URL output_dir: its local staging folder
         self.checkpoint_dir = config.resolved_checkpoint_dir
         self._run_files_uploaded: dict | None = None  # a URL output_dir: the record of the last upload
+        # Whether the output folder was checked for an earlier run (`train.output_folder`): by the first
+        # train(), or by `api.train` before it prepared the data.
+        self.output_checked = False
+        self._trained = False  # a train() call of this Trainer has ended: a later one trains on from there
 
         # the SDPA kernel the run is held to: checked before anything is sharded or compiled
         document_mask = run.experiment is not None and run.experiment.data.document_mask
@@ -202,9 +206,9 @@ class Trainer:
         """The same module as `model` (the name other training loops use for the unwrapped model)."""
         return self.model
 
-    def _attach_data(self, train_dataloader, val_dataloader) -> None:
+    def _attach_data(self, train_dataloader, val_dataloader, *, more: bool = False) -> None:
         """The loaders, and what depends on them: the run's length in steps, the loader whose position
-        checkpoints record."""
+        checkpoints record. `more`: a later train() call, whose epochs come after the steps already taken."""
         config = self.config
         self._sources = (train_dataloader, val_dataloader)
         self.train_loader = as_loader(train_dataloader, self.device, self.dist.dp_size)
@@ -222,7 +226,10 @@ class Trainer:
                 f"one epoch has {self.train_loader.batches_per_epoch()} batches, fewer than "
                 f"gradient_accumulation_steps={config.gradient_accumulation_steps}; set training.max_steps or use more data"
             )
-        self.total_steps = config.max_steps if config.max_steps is not None else per_epoch * config.num_epochs
+        if config.max_steps is not None:
+            self.total_steps = config.max_steps
+        else:
+            self.total_steps = (self.state.step if more else 0) + per_epoch * config.num_epochs
         if hasattr(self.train_loader, "accumulation"):  # our loaders: epochs of whole steps, the global batch saved
             self.train_loader.accumulation = config.gradient_accumulation_steps
         self.checkpointer.loader = self.train_loader
@@ -247,29 +254,45 @@ class Trainer:
     def train(self, train_dataloader=None, val_dataloader=None, num_epochs: int | None = None) -> dict[str, Any]:
         """Run the loop, holding the output folder's lock (one run per folder); returns the summary row.
         The arguments are the Hugging Face style's: data given here (and `num_epochs`) replace what the
-        constructor was given."""
+        constructor was given.
+
+        The first call refuses a folder that holds an earlier run, as `llm-trainer train` does, unless the
+        run resumes it or starts over (`train.output_folder`). A later call of the same Trainer trains
+        on, in the same run: `num_epochs` more epochs of the data it is given (stages of a curriculum),
+        the schedule following the run's new length as a resume with another length does."""
         train_source = train_dataloader if train_dataloader is not None else self._sources[0]
         if train_source is None:
             raise UsageError("no training data: pass train_dataloader to Trainer(...) or to train()")
         if num_epochs is not None:
             self.config = dataclasses.replace(self.config, num_epochs=num_epochs)
         if train_dataloader is not None or val_dataloader is not None or num_epochs is not None:
-            self._attach_data(train_source, val_dataloader if val_dataloader is not None else self._sources[1])
+            val_source = val_dataloader if val_dataloader is not None else self._sources[1]
+            self._attach_data(train_source, val_source, more=self._trained)
+        if self._trained and self.state.step >= self.total_steps:
+            raise UsageError(
+                f"this Trainer has trained to its last step ({self.state.step:,}); to train on, pass the data and "
+                "num_epochs to train() (with training.max_steps unset), or raise training.max_steps"
+            )
         with (
             lock_run_folders(self.output_dir, self.checkpoint_dir, self.dist.is_main),
             warnings_once(),
             self.attention.hold(),
         ):
+            if not self.output_checked:
+                check_output_folder(self.config, is_main=self.dist.is_main)
+                self.output_checked = True
             summary = self._loop()  # (a library's per-step warning prints once, not every step)
+        self._trained = True
         finish()  # every rank is done with the process groups, and the process can exit cleanly
         return summary
 
     def _loop(self) -> dict[str, Any]:
         cfg, state, accum = self.config, self.state, self.config.gradient_accumulation_steps
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        if cfg.resume_from_checkpoint and cfg.remote_output_dir and self.dist.is_main:
+        resuming = bool(cfg.resume_from_checkpoint) and not self._trained  # (a later call goes on from memory)
+        if resuming and cfg.remote_output_dir and self.dist.is_main:
             fetch_run_files(cfg)  # metrics.jsonl as the store holds it, on a machine without a copy
-        if cfg.resume_from_checkpoint:
+        if resuming:
             self.checkpointer.load(cfg.resume_from_checkpoint, url=cfg.resume_url)
         self.bad_steps = NonFiniteSteps(self.device, state.skipped_steps, state.consecutive_bad_steps)
         self.spikes = self._spike_monitor()
@@ -281,7 +304,7 @@ class Trainer:
             self.experiment_config,
             progress_bar=show_bar,
             tensorboard_dir=tensorboard_dir(cfg),
-            resumed_at=state.step if cfg.resume_from_checkpoint else None,
+            resumed_at=state.step if resuming else None,
         )
         tokens_at_start, start_step = state.tokens_seen, state.step
         self._log_start()
