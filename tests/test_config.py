@@ -262,6 +262,17 @@ def test_the_same_switches_as_python_keywords():
     assert plain.training.gradient_checkpointing is False
 
 
+def test_the_models_training_switch_holds_for_a_trainer_of_ones_own_model(tmp_path):
+    """The guide's `ModelConfig(gradient_checkpointing=True)`, its model built and handed to a Trainer
+    with a TrainingConfig of its own (no ExperimentConfig in between): the blocks are checkpointed."""
+    from llm_trainer.train.trainer import Trainer
+
+    config = ModelConfig(vocab_size=64, d_model=32, n_heads=2, n_layers=2, max_seq_len=16, gradient_checkpointing=True)
+    training = TrainingConfig(max_steps=1, device="cpu", output_dir=str(tmp_path / "run"), save_steps=0)
+    trainer = Trainer(Transformer(config), training, train_dataloader=[torch.randint(0, 64, (4, 16))] * 4)
+    assert trainer.config.gradient_checkpointing is True and trainer.run.activation_checkpointing is True
+
+
 def test_a_config_is_read_under_our_names_once(monkeypatch):
     """The alias pass runs once per input: each section of an experiment once, each data source once."""
     from llm_trainer import config_aliases

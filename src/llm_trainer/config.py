@@ -284,8 +284,11 @@ class ModelConfig(_Validated):
         return self._filled().get(name, getattr(self, name))
 
     def resolved(self) -> ModelConfig:
-        """Every preset-dependent field set explicitly."""
-        return dataclasses.replace(self, **self._filled())
+        """Every preset-dependent field set explicitly; another section's settings given to this one
+        (`for_other_sections`) kept, as `dataclasses.replace` alone would not."""
+        out = dataclasses.replace(self, **self._filled())
+        out.for_other_sections = self.for_other_sections
+        return out
 
     def architecture_dict(self) -> dict[str, Any]:
         """The resolved architecture as plain data: what `model_config.json` holds."""

@@ -310,6 +310,11 @@ def resolve_for_model(model, training: TrainingConfig, *, train_dataloader=None)
     """The run of a bring-your-own model and loaders: the training config as the run uses it, the
     device and process group, and run lengths in tokens turned into steps from the rows' length
     (which llm_trainer's loaders know; a user's loader without it cannot use token anchors)."""
+    model_config = getattr(model, "config", None)
+    if isinstance(model_config, ModelConfig) and (carried := model_config.for_other_sections.get("training")):
+        # a training setting given to the model's config (`ModelConfig(gradient_checkpointing=True)`), applied
+        # as ExperimentConfig applies it
+        training = dataclasses.replace(training, **carried)
     training = resolve_training(training)
     if training.batch_size == "auto":
         raise UsageError(
@@ -317,7 +322,6 @@ def resolve_for_model(model, training: TrainingConfig, *, train_dataloader=None)
             "with a model and loaders of your own, give batch_size as a number"
         )
     seq_len = getattr(getattr(train_dataloader, "rows", None), "length", None)
-    model_config = getattr(model, "config", None)
     check_layout(training, model_config if isinstance(model_config, ModelConfig) else None, seq_len)
     runtime = setup_runtime(training)
     training = token_anchors(training, seq_len, runtime.dist.world_size)
