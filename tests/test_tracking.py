@@ -254,3 +254,18 @@ def test_mlflow_uri_resolution(tmp_path, monkeypatch):
     assert uri == f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}" and folder == tmp_path / "mlruns"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")
     assert resolve_mlflow_uri(None) == ("sqlite:///elsewhere.db", None)
+
+
+def test_wandb_without_a_login_is_one_line_and_leaves_no_run_behind(tmp_path, monkeypatch):
+    """No W&B key (and online mode): one line naming `wandb login` and offline mode, not wandb's
+    traceback; and no metrics.jsonl, which would make the folder refuse the corrected retry."""
+    pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED", "WANDB_DIR", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc, no saved login
+    monkeypatch.setenv("WANDB_MODE", "online")
+    with pytest.raises(UsageError) as error:
+        build_loggers(["wandb"], tmp_path / "run", {}, progress_bar=False)
+    message = str(error.value)
+    assert "\n" not in message and "wandb login" in message and "WANDB_MODE=offline" in message
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -247,12 +247,19 @@ class WandbLogger:
         except ImportError:
             raise UsageError(f"report_to wandb needs wandb: {INSTALL_HINT}") from None
         directory.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(
-            dir=str(directory),
-            config=config,
-            project=os.environ.get("WANDB_PROJECT", "llm-trainer"),
-            name=os.environ.get("WANDB_NAME") or directory.resolve().name,
-        )
+        try:
+            self.run = wandb.init(
+                dir=str(directory),
+                config=config,
+                project=os.environ.get("WANDB_PROJECT", "llm-trainer"),
+                name=os.environ.get("WANDB_NAME") or directory.resolve().name,
+            )
+        except wandb.Error as error:  # no login, no network, a refused key
+            why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise UsageError(
+                f"report_to wandb could not start a W&B run ({why}); run `wandb login` (or set WANDB_API_KEY), "
+                "or set WANDB_MODE=offline to log locally and `wandb sync` later"
+            ) from None
 
     def histograms(self, step: int, histograms: dict[str, dict]) -> None:
         """Histograms given as TensorBoard's raw fields (`train.layer_stats`), as W&B histograms."""
@@ -365,25 +372,28 @@ def build_loggers(
     if not is_main_process():
         return []
     output_dir = Path(output_dir)
-    loggers: list[MetricLogger] = []
+    names = list(dict.fromkeys(["console", "jsonl", *report_to]))  # each backend once, in this order
+    built: dict[str, MetricLogger] = {}
     try:
-        for name in dict.fromkeys(["console", "jsonl", *report_to]):  # each backend once
+        # the tracker backends start first: one that cannot (no W&B login) leaves no metrics.jsonl behind,
+        # which would make the folder hold a run
+        for name in sorted(names, key=lambda n: n in ("console", "jsonl")):
             if name == "console":
-                loggers.append(ConsoleLogger(show_train_rows=not progress_bar))
+                built[name] = ConsoleLogger(show_train_rows=not progress_bar)
             elif name == "jsonl":
-                loggers.append(JsonlLogger(output_dir, resumed_at))
+                built[name] = JsonlLogger(output_dir, resumed_at)
             elif name == "tensorboard":
-                loggers.append(TensorBoardLogger(tensorboard_dir or output_dir / "tensorboard", config))
+                built[name] = TensorBoardLogger(tensorboard_dir or output_dir / "tensorboard", config)
             elif name == "wandb":
-                loggers.append(WandbLogger(output_dir, config))
+                built[name] = WandbLogger(output_dir, config)
             elif name == "mlflow":
-                loggers.append(MLflowLogger(output_dir, config))
+                built[name] = MLflowLogger(output_dir, config)
             else:
                 raise UsageError(f"unknown report_to backend {name!r}; use console, jsonl, tensorboard, wandb, mlflow")
     except BaseException:
-        close_loggers(loggers)
+        close_loggers(list(built.values()))
         raise
-    return loggers
+    return [built[name] for name in names]
 
 
 class MetricsTracker:
