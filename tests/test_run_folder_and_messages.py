@@ -61,6 +61,12 @@ def test_a_second_train_into_a_run_folder_is_refused_then_resumes_or_starts_over
     assert "raise training.max_steps" in err
     assert (run / "metrics.jsonl").read_text() == before
 
+    assert main(["train", "--config", str(config), "training.resume_from_checkpoint=latest"]) == 2  # nothing left
+    err = capfd.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert f"error: {run} holds a finished run (it ended at step 4)" in err
+    assert (run / "metrics.jsonl").read_text() == before  # its summary as the run wrote it
+
     (run / "notes.txt").write_text("mine")  # a file of the user's own
     (run / "plots").mkdir(exist_ok=True)
     assert main(["train", "--config", str(config), "--overwrite", "training.max_steps=2"]) == 0

@@ -72,7 +72,16 @@ def run_traces(training: TrainingConfig) -> list[str]:
     return found
 
 
-def _finished_at(training: TrainingConfig) -> int | None:
+def finished_run(training: TrainingConfig, step: int) -> UsageError:
+    """The refusal of a run into (or a resume of) a folder whose run ended at `step`."""
+    return UsageError(
+        f"{training.output_dir} holds a finished run (it ended at step {step:,}); choose another "
+        "training.output_dir, pass --overwrite (training.overwrite_output_dir=true) to start over, or raise "
+        "training.max_steps and resume it (training.resume_from_checkpoint=latest) to train on"
+    )
+
+
+def finished_at(training: TrainingConfig) -> int | None:
     """The step a run in the local output folder ended at, when its metrics.jsonl ends with the summary of
     a run that was not stopped by a signal; None otherwise (an interrupted run, or no local history)."""
     path = training.local_output_dir / METRICS_FILE
@@ -114,12 +123,8 @@ def check_output_folder(training: TrainingConfig, *, is_main: bool) -> None:
             clear_run_files(training)
         return
     traces = run_traces(training)
-    if traces and (step := _finished_at(training)) is not None:  # resuming it would train no step
-        raise UsageError(
-            f"{training.output_dir} holds a finished run (it ended at step {step:,}); choose another "
-            "training.output_dir, pass --overwrite (training.overwrite_output_dir=true) to start over, or raise "
-            "training.max_steps and resume it (training.resume_from_checkpoint=latest) to train on"
-        )
+    if traces and (step := finished_at(training)) is not None:  # resuming it would train no step
+        raise finished_run(training, step)
     if traces:
         raise UsageError(
             f"{training.output_dir} already holds a run ({', '.join(traces)}); resume it with "

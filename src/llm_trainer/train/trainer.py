@@ -47,7 +47,14 @@ from .flops import flops_per_token, peak_flops
 from .layer_stats import LayerStats
 from .metrics import MetricsTracker, tensorboard_dir
 from .optim import build_optimizer, learning_rate_at, set_learning_rate
-from .output_folder import RunFilesAtStart, check_output_folder, fetch_run_files, upload_run_files
+from .output_folder import (
+    RunFilesAtStart,
+    check_output_folder,
+    fetch_run_files,
+    finished_at,
+    finished_run,
+    upload_run_files,
+)
 from .plots import PlotsAtEnd
 from .profiling import StepProfiler, out_of_memory
 from .rows import EvalRow, SummaryRow, TrainRow, downstream_row
@@ -294,6 +301,8 @@ class Trainer:
             fetch_run_files(cfg)  # metrics.jsonl as the store holds it, on a machine without a copy
         if resuming:
             self.checkpointer.load(cfg.resume_from_checkpoint, url=cfg.resume_url)
+            if state.step >= self.total_steps and finished_at(cfg) == state.step:  # its summary stays as it is
+                raise finished_run(cfg, state.step)
         self.bad_steps = NonFiniteSteps(self.device, state.skipped_steps, state.consecutive_bad_steps)
         self.spikes = self._spike_monitor()
         self.profiler = StepProfiler(cfg, self.output_dir, self.device, self.dist.rank, self.total_steps)
