@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from ..files import buckets
 from ..files.atomic import move_into_place, temporary_folder
 from ..files.checksums import file_checksum
 from ..files.disk import disk_full, writable_folder
+from ..files.folder_files import META
 from .durable import remove_stale
 
 # Weight files of a model folder's other layouts: left beside new weights, a loader could read them instead.
@@ -45,6 +47,11 @@ def check_target(output: Path, source: Path | None, overwrite: bool, overwrite_h
     out = output.resolve()
     if source is not None and (out == Path(source).resolve() or out in Path(source).resolve().parents):
         raise UsageError(f"the output folder {output} must not contain the model folder {source}")
+    if (output / META).is_file():  # a training checkpoint or best_model/: what a run saved is never replaced
+        raise UsageError(
+            f"{output} holds a run's checkpoint ({META}); it is never replaced by this command: choose another "
+            "output folder"
+        )
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise UsageError(
             f"{output} is not empty; choose an empty or new folder, or {overwrite_hint} to replace "
@@ -82,6 +89,8 @@ def publish(
 ) -> Path:
     """Build the folder with `build(tmp)`, then put it at `output` as the module docstring says."""
     output = Path(output)
+    if output.is_symlink() and output.is_dir():  # the user's link stays; the folder it points to is replaced
+        output = output.resolve()
     remove_stale(output.absolute().parent, names={output.name})  # a killed run's leftovers only, before the check
     check_target(output, source, overwrite, overwrite_hint)
     tmp = temporary_folder(output.absolute())
@@ -90,6 +99,7 @@ def publish(
         tmp.mkdir()
         build(tmp)
         if output.is_dir():
+            tmp.chmod(stat.S_IMODE(output.stat().st_mode))  # a private folder stays private
             for path in output.iterdir():
                 if not (tmp / path.name).exists() and not WEIGHT_FILE.fullmatch(path.name):
                     _carry(path, tmp / path.name)
