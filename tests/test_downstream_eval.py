@@ -770,6 +770,7 @@ def _write(root: Path, name: str, text: str) -> str:
         ("metric-through-evaluate", "metric './mymetric'"),
         ("output-under-a-file", "file is a file, not a folder"),
         ("output-a-folder", "is a folder"),
+        ("output-exists", "exists; choose another file or pass --overwrite to replace it"),
         ("tasks-too-many", "--tasks names 100,000 tasks, over the limit of 1,000"),
         ("tasks-twice", "--tasks names llmt_choice more than once"),
         ("output-read-only-folder", "cannot write into the folder of --output /sys/kernel"),
@@ -844,6 +845,8 @@ def test_task_file_bad_input_is_one_line(tmp_path, capsys, case, message):
         args += ["--tasks", "llmt_choice", "--output", str(tmp_path / "file/results.json")]
     elif case == "output-a-folder":
         args += ["--tasks", "llmt_choice", "--output", str(tmp_path)]
+    elif case == "output-exists":  # a file of the user's is never replaced unasked
+        args += ["--tasks", "llmt_choice", "--output", _write(tmp_path, "notes.json", "my notes")]
     elif case == "tasks-too-many":
         args += ["--tasks", ",".join(f"t{i}" for i in range(100_000))]
     elif case == "tasks-twice":
@@ -855,3 +858,5 @@ def test_task_file_bad_input_is_one_line(tmp_path, capsys, case, message):
     line = _refused(capsys, *args)
     assert message in line, line
     assert not (tmp_path / "ran").exists()
+    if case == "output-exists":
+        assert (tmp_path / "notes.json").read_text() == "my notes"

@@ -163,7 +163,7 @@ def _eval_tasks(args) -> int:
 
     check_limit(args.limit)
     if args.output:
-        check_output(args.output)
+        check_output(args.output, args.overwrite)
     trust = args.trust_task_code
     # a wrong task name, a task file's code not trusted, a task that cannot run: said before the model loads
     load_tasks(split_tasks(args.tasks), trust_code=trust, num_fewshot=args.num_fewshot)
@@ -181,7 +181,7 @@ def _eval_tasks(args) -> int:
     )
     print(json.dumps(scores(results)) if args.json else table(results))  # shown even if --output fails
     if args.output:
-        print(f"results in {write_results(results, args.output)}", file=sys.stderr)
+        print(f"results in {write_results(results, args.output, args.overwrite)}", file=sys.stderr)
     return 0
 
 
@@ -561,7 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--num_fewshot", "--num-fewshot", type=int, help="examples before each question (task default)")
     p.add_argument("--limit", type=float, help="at most N items per task (a fraction in (0, 1): that share)")
-    p.add_argument("--output", "-o", help="write lm-eval's results JSON here")
+    p.add_argument("--output", "-o", help="write lm-eval's results JSON here (a new file, or --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace the file at --output")
     p.add_argument(
         "--trust_task_code",
         "--trust-task-code",

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
-from ..files.disk import writable_folder
+from ..files.disk import check_output_file
 from ..logs import warn
 from .tasks import load_tasks, quiet_lm_eval, require_lm_eval, sandboxed_templates, split_tasks, task_manager
 
@@ -128,23 +128,18 @@ def table(results: dict) -> str:
     return make_table(results)
 
 
-def check_output(path: str | Path) -> Path:
-    """Where `--output` will go, refused before any evaluation runs if it cannot be written: a folder
-    there, or a folder to hold it that cannot be created or written (the project's one probe)."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        raise UsageError(f"--output {path} is a folder; give the results file's path (e.g. {path}/results.json)")
-    writable_folder(path.absolute().parent, "the folder of --output")
-    return path
+def check_output(path: str | Path, overwrite: bool) -> Path:
+    """Where `--output` will go, refused before any evaluation runs (`files.disk.check_output_file`)."""
+    return check_output_file(Path(path), overwrite, example="results.json")
 
 
-def write_results(results: dict, path: str | Path) -> Path:
+def write_results(results: dict, path: str | Path, overwrite: bool) -> Path:
     """lm-eval's results JSON, as its own CLI writes it, replacing the file at `path` in one step (a
     failed write leaves what was there)."""
     from lm_eval.utils import handle_non_serializable
 
     from ..files.atomic import write_text
 
-    path = check_output(path)
+    path = check_output(path, overwrite)
     write_text(path, json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
     return path

@@ -89,6 +89,19 @@ def writable_folder(folder: Path, what: str) -> Path:
     return folder
 
 
+def check_output_file(path: Path, overwrite: bool, *, example: str) -> Path:
+    """A file a command will write at `--output`, refused before any work: a folder there (`example`
+    names a file in it), a file there without `overwrite` (the user's: never replaced unasked), or a
+    folder to hold it that cannot be written."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise UsageError(f"--output {path} is a folder; give the file's path (e.g. {path / example})")
+    if path.exists() and not overwrite:
+        raise UsageError(f"--output {path} exists; choose another file or pass --overwrite to replace it")
+    writable_folder(path.absolute().parent, "the folder of --output")
+    return path
+
+
 @functools.cache
 def new_file_mode() -> int:
     """The permission bits a new file gets here: 0666 less the process's umask (read from /proc, so that

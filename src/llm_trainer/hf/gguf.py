@@ -37,7 +37,7 @@ from ..checkpoint.model_folder import load_model_folder
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..files import buckets
-from ..files.disk import disk_full, new_file_mode, no_follow, writable_folder
+from ..files.disk import check_output_file, disk_full, new_file_mode, no_follow
 from ..logs import log
 from ..tokenizer import EOT, pre_split_of
 from .interop import check_exportable, to_hf_state
@@ -289,12 +289,7 @@ def check_output(output, overwrite: bool) -> None:
         if buckets.exists(url) and not overwrite:
             raise UsageError(f"{output} exists; choose another name or pass --overwrite to replace it")
         return
-    output = Path(output)
-    if output.is_dir():
-        raise UsageError(f"{output} is a folder; --format gguf writes one file, name it (e.g. {output}/model.gguf)")
-    if output.exists() and not overwrite:
-        raise UsageError(f"{output} exists; choose another file or pass --overwrite to replace it")
-    writable_folder(output.absolute().parent, "the folder of --output")
+    check_output_file(Path(output), overwrite, example="model.gguf")
 
 
 def export_to_gguf(model_dir, output, *, tokenizer_file=None, dtype: str = "f32", overwrite: bool = False) -> str:
