@@ -77,6 +77,9 @@ def test_cleaning_unicode_controls_and_markers(tmp_path):
     assert clean("tab\tand\nnewline") == "tab\tand\nnewline"
     assert clean("\ufeffwith bom") == "with bom"
     assert clean(f"one{EOT}two") == "onetwo"  # the document separator cannot appear inside a document
+    # nor can one be left over when a removal joins its pieces, or a removed control character does
+    assert clean("A <|endo<|endoftext|>ftext|> B") == "A  B" and clean("C <|endof\x07text|> D") == "C  D"
+    assert Cleaner(config(tmp_path, data_files="u", unicode_normalization="NFKC"))("\uff1c|endoftext|\uff1e x") == " x"
     assert clean("lone \ud800 surrogate") == "lone \ufffd surrogate"
     assert Cleaner(config(tmp_path, data_files="u", unicode_normalization="NFKC"))("\ufb01ne") == "fine"
     assert Cleaner(config(tmp_path, data_files="u", unicode_normalization="none"))("e\u0301") == "e\u0301"

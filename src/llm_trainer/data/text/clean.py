@@ -1,8 +1,9 @@
 """Cleaning: one document's text in, its normalised text out (possibly empty, which the filters drop).
 
-In order: byte-order mark and literal end-of-text markers removed (a document must not contain the
-token that separates documents), lone surrogates replaced, newlines unified, Unicode NFC (or NFKC),
-control characters removed, boilerplate lines dropped, whitespace normalised.
+In order: byte-order mark removed, lone surrogates replaced, newlines unified, Unicode NFC (or NFKC),
+control characters removed, boilerplate lines dropped, whitespace normalised; then literal end-of-text
+markers removed until none is left (a document must not contain the token that separates documents,
+and each step before may join the pieces of one).
 
 Whitespace normalisation strips trailing spaces and collapses runs of blank lines; it never touches a
 line's leading indentation. `collapse_spaces` (prose only; refused for `corpus_type: code`) also
@@ -58,8 +59,6 @@ class Cleaner:
     def __call__(self, text: str) -> str:
         if text.startswith("\ufeff"):
             text = text[1:]
-        if EOT in text:
-            text = text.replace(EOT, "")
         if not text.isascii():  # isascii is O(1); everything below it is for non-ASCII text only
             try:
                 text.encode("utf-8")
@@ -84,6 +83,8 @@ class Cleaner:
             text = text.strip("\n")
         if self.collapse and ("  " in text or "\t" in text):
             text = _INNER_SPACES.sub(" ", text)
+        while EOT in text:  # last, and until none is left: a removal (or NFKC, or a control character's) can join one
+            text = text.replace(EOT, "")
         return text
 
 
