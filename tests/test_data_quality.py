@@ -256,6 +256,37 @@ def test_exact_and_near_duplicates_removed_across_sources(tmp_path):
     assert report(none)["documents_out"] == 63
 
 
+def test_near_duplicates_in_scripts_without_spaces_are_found_as_in_english(tmp_path):
+    """A copy of a Chinese, Japanese or Thai paragraph with two characters changed is a near duplicate,
+    as an English one with two words changed is: characters are the shingles' words there."""
+    rng = np.random.default_rng(0)
+    alphabets = {
+        "zh": [chr(c) for c in range(0x4E00, 0x4E00 + 3000)],
+        "ja": [chr(c) for c in [*range(0x3041, 0x3097), *range(0x4E00, 0x4E00 + 500)]],
+        "th": [chr(c) for c in range(0x0E01, 0x0E2F)],
+    }
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    originals = []
+    for name, alphabet in alphabets.items():
+        for i in range(3):  # distinct paragraphs of 400 characters, with a full stop every 40
+            chars = list(rng.choice(alphabet, 400))
+            text = "".join(c + ("\u3002" if k % 40 == 39 else "") for k, c in enumerate(chars))
+            (folder / f"{name}{i}.txt").write_text(text, encoding="utf-8")
+            originals.append(text)
+        edited = list(originals[-1])
+        edited[100], edited[300] = "\u4e00", "\u4e8c"
+        (folder / f"{name}_edited.txt").write_text("".join(edited), encoding="utf-8")
+    english = " ".join(f"w{w}" for w in rng.integers(0, 10**6, 300))
+    edited_english = english.split()
+    edited_english[100], edited_english[200] = "one", "two"
+    (folder / "en.txt").write_text(english, encoding="utf-8")
+    (folder / "en_edited.txt").write_text(" ".join(edited_english), encoding="utf-8")
+    prepared = prepare_data(config(tmp_path, data_files=str(folder), deduplication="near"))
+    assert report(prepared)["removed"]["near_duplicates"] == 4
+    assert sorted(documents(prepared)) == sorted([*originals, english])
+
+
 def test_near_dedup_memory_per_document_is_bounded():
     """The index grows with the number of documents only (not their length)."""
     import tracemalloc

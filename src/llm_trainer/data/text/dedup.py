@@ -4,7 +4,7 @@ Exact: a 64-bit BLAKE2b of the text lower-cased with ASCII whitespace removed, s
 only in case, indentation or line wrapping collide.
 
 Near: MinHash signatures over word shingles (`minhash_shingle_words` consecutive words, lower-cased,
-punctuation as separators) and LSH banding. A candidate from a shared band is confirmed by comparing
+punctuation as separators; in scripts written without spaces, characters) and LSH banding. A candidate from a shared band is confirmed by comparing
 signatures (estimated Jaccard >= threshold), so chance band collisions between different documents
 are not removed; the banding is therefore tuned for recall (`lsh_parameters`): with 128 permutations
 and threshold 0.8, 18 bands of 7 rows find 98.6% of pairs at exactly 0.8. The first document of a
@@ -29,6 +29,7 @@ import hashlib
 import numpy as np
 
 from ...config import DataConfig
+from .unicode_text import spaceless_apart
 
 _WS = b" \t\n\r\x0b\x0c"
 _U64 = np.uint64
@@ -81,7 +82,9 @@ class MinHasher:
         self.band_salt = rng.integers(0, 2**63, size=self.bands, dtype=np.uint64)
 
     def word_hashes(self, text: str) -> np.ndarray:
-        """One uint64 per word: polynomial hash of its bytes, position within the word as the exponent."""
+        """One uint64 per word: polynomial hash of its bytes, position within the word as the exponent. In
+        scripts written without spaces (Chinese, Japanese, Thai) each character is a word."""
+        text = spaceless_apart(text)
         data = np.frombuffer(text.lower().encode("utf-8", errors="surrogatepass"), dtype=np.uint8)
         is_word = _WORD_BYTE[data]  # (n,)
         starts = np.flatnonzero(is_word & ~np.concatenate(([False], is_word[:-1])))  # (W,)

@@ -146,6 +146,15 @@ def has_spaceless(text: str) -> bool:
     return not text.isascii() and _patterns().spaceless.search(text) is not None
 
 
+def spaceless_apart(text: str) -> str:
+    """`text` with each character of a script written without spaces set apart by spaces: its characters
+    stand for words where a measure is made on words (near-duplicate shingles), as `Words.chars` does
+    for the quality filters. Text without such scripts is returned as it is."""
+    if not has_spaceless(text):
+        return text
+    return _patterns().spaceless.sub(lambda m: f" {m.group()} ", text)
+
+
 @dataclass(frozen=True)
 class Words:
     """The word measures of one text.
