@@ -167,6 +167,20 @@ def test_long_text_file_becomes_documents_only_under_max_chars(tmp_path):
         }
     ]  # a record is a document: too long, dropped and named
 
+    # a file within max_chars but over max_words (short words; Chinese counts about a word per character or
+    # two) is cut by words too, so that its pieces pass the filter that would drop the whole of it
+    many_words = 4 * book.read_text().count(" ")
+    by_words = prepare_data(DataConfig(cache_dir=str(tmp_path / "d"), max_words=many_words // 10, **common))
+    report = json.loads((by_words.directory / REPORT).read_text())
+    assert report["removed"]["max_words"] == 0 and by_words.manifest["splits"]["train"]["documents"] >= 3
+    chinese = tmp_path / "zh.txt"
+    chinese.write_text("\n\n".join(chr(0x4E00 + i) * 240 for i in range(30)), encoding="utf-8")  # 4,800 words
+    zh = prepare_data(
+        DataConfig(cache_dir=str(tmp_path / "e"), max_words=2000, **{**common, "data_files": str(chinese)})
+    )
+    assert json.loads((zh.directory / REPORT).read_text())["removed"]["max_words"] == 0
+    assert zh.manifest["splits"]["train"]["documents"] > 1
+
 
 def test_report_names_removed_documents_and_warns(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(report_module, "NAMED_REMOVALS", 3)

@@ -46,6 +46,7 @@ from ...files.buckets import Location, fetch_file, identity, list_files, looks_l
 from ...hf.hub import hub_unreachable, offline_mode_set
 from ...limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
 from .filters import QualityFilter
+from .unicode_text import words
 
 BUILTIN_STDLIB = "python-stdlib"
 TEXT_SUFFIXES = {
@@ -67,7 +68,7 @@ TEXT_SUFFIXES = {
 }
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".jsonl.zst", ".json.zst", ".ndjson.gz", ".ndjson.zst")
 DEFAULT_SOURCE = "data"  # the name of the one source that data_files / dataset_name make
-SPLIT_SHARE = 0.9  # long text files are cut into pieces of at most this share of max_chars: cleaning can lengthen text
+SPLIT_SHARE = 0.9  # long text files are cut into pieces of at most this share of max_chars and of max_words
 _BATCH_ROWS = 1024  # Parquet / datasets rows read at a time
 
 
@@ -278,6 +279,7 @@ class _ReadOptions:
     invalid_utf8: str  # bad_input | replace | drop
     bad: BadInput
     split_chars: int | None = None  # plain-text files longer than this become several documents
+    split_words: int | None = None  # ... and so do pieces with more words than this
     cache: Path | None = None  # where files read from URLs are copied (data.stream_cache_dir)
 
 
@@ -494,11 +496,22 @@ def _text_file_documents(
     if text is None:
         return
     pieces = split_long_text(text, opt.split_chars) if opt.split_chars else [text]
+    if opt.split_words:  # a piece within max_chars can still hold more than max_words (short words, CJK)
+        pieces = [part for piece in pieces for part in _split_by_words(piece, opt.split_words)]
     if len(pieces) == 1:
         yield text, None, str(path)
         return
     for i, piece in enumerate(pieces, 1):
         yield piece, None, f"{path} (part {i} of {len(pieces)})"
+
+
+def _split_by_words(text: str, limit: int) -> list[str]:
+    """`text` cut as `split_long_text` cuts it, into pieces of about `limit` words each (as the max_words
+    filter counts them), when it holds more."""
+    count = words(text).count
+    if count <= limit:
+        return [text]
+    return split_long_text(text, max(1, len(text) * limit // count))
 
 
 # Where a long text may be cut, best first: after a blank line, after a line break, after a space.
@@ -617,14 +630,15 @@ def _iter_hf_dataset(spec: SourceConfig, split: str, opt: _ReadOptions) -> Itera
 
 def read_options(config: DataConfig, stats: SourceStats) -> _ReadOptions:
     score = None if config.curriculum_key == "length" else config.curriculum_key
-    max_chars = QualityFilter(config).max_chars
+    limits = QualityFilter(config)
     return _ReadOptions(
         config.text_column,
         score,
         config.invalid_utf8,
         BadInput(config.on_bad_input, stats),
-        None if max_chars is None else max(1, int(max_chars * SPLIT_SHARE)),
-        Path(config.stream_cache_dir),
+        split_chars=None if limits.max_chars is None else max(1, int(limits.max_chars * SPLIT_SHARE)),
+        split_words=None if limits.max_words is None else max(1, int(limits.max_words * SPLIT_SHARE)),
+        cache=Path(config.stream_cache_dir),
     )
 
 
