@@ -170,10 +170,16 @@ def test_jsonl_and_gzipped_jsonl(tmp_path):
     plain = write_jsonl(tmp_path / "a.jsonl", [{"text": "plain one", "id": 1}, {"text": "plain two"}])
     with plain.open("a", encoding="utf-8") as handle:
         handle.write("\n")  # blank lines are ignored
-        handle.write(json.dumps({"text": None}) + "\n")  # non-string values are skipped
+        handle.write(json.dumps({"text": None}) + "\n")  # non-string values are skipped, counted and named
+        handle.write(json.dumps({"text": 42}) + "\n")
     packed = write_jsonl(tmp_path / "b.jsonl.gz", [{"text": "zipped \u00fcn\u00efcode"}], compress=True)
     prepared = prepare_data(config(tmp_path, data_files=[str(plain), str(packed)], validation_split=0.0))
     assert documents(prepared, "train") == ["plain one", "plain two", "zipped \u00fcn\u00efcode"]
+    named = json.loads((prepared.directory / "data_report.json").read_text())["skipped_inputs_named"]
+    assert named["non_text_values"] == [f"{plain}:4: 'text' holds null, not text", f"{plain}:5: 'text' holds int, not text"]
+    only_nulls = write_jsonl(tmp_path / "nulls.jsonl", [{"text": None}, {"text": None}])
+    message = _error(tmp_path, data_files=str(only_nulls))
+    assert "has no documents (skipped: non_text_values 2; e.g. " in message and "'text' holds null, not text" in message
 
 
 def test_jsonl_custom_text_column(tmp_path):
@@ -309,6 +315,10 @@ def test_parquet_without_the_column(tmp_path):
     pq.write_table(pa.table({"body": ["a", "b"]}), path)
     message = _error(tmp_path, data_files=str(path))
     assert str(path) in message and "'text'" in message and "body" in message
+    numbers = tmp_path / "numbers.parquet"
+    pq.write_table(pa.table({"text": [1, 2, 3]}), numbers)
+    message = _error(tmp_path, data_files=str(numbers))
+    assert f"{numbers}: column 'text' holds int64, not text; set data.text_column to a string column" in message
 
 
 def test_glob_matching_nothing(tmp_path):

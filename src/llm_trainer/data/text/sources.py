@@ -405,8 +405,8 @@ def _jsonl_record(path: Path, line_no: int, line: bytes, opt: _ReadOptions) -> t
     if not isinstance(record, dict) or opt.text_column not in record:
         opt.bad("missing_column", f"{path}:{line_no} has no {opt.text_column!r} field; set data.text_column")
         return None
-    text = record[opt.text_column]
-    if not isinstance(text, str):
+    text = _text_value(record[opt.text_column], f"{path}:{line_no}", opt)
+    if text is None:
         return None
     score = None
     if opt.score_column is not None:
@@ -417,6 +417,16 @@ def _jsonl_record(path: Path, line_no: int, line: bytes, opt: _ReadOptions) -> t
             )
             return None
     return text, score
+
+
+def _text_value(value, origin: str, opt: _ReadOptions) -> str | None:
+    """A record's text, or None (counted and named as a skipped record) when it holds no string: a null,
+    a number, a list. Every reader of records takes its text through here."""
+    if isinstance(value, str):
+        return value
+    what = "null" if value is None else type(value).__name__
+    opt.bad.stats.skip("non_text_values", f"{origin}: {opt.text_column!r} holds {what}, not text")
+    return None
 
 
 def _number(value) -> float | None:
@@ -449,15 +459,32 @@ def _read_parquet(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tup
                 in_folder=not explicit,
             )
             return
+    kind = file.schema_arrow.field(opt.text_column).type
+    if not _string_type(kind):
+        opt.bad(
+            "missing_column",
+            f"{path}: column {opt.text_column!r} holds {kind}, not text; set data.text_column to a string column",
+            in_folder=not explicit,
+        )
+        return
     # Record batches, not whole row groups: memory stays flat however large the file's row groups are.
     row = 0
     for batch in file.iter_batches(batch_size=_BATCH_ROWS, columns=columns):
         texts = batch.column(0).to_pylist()
         scores = batch.column(1).to_pylist() if opt.score_column else [None] * len(texts)
         for text, score in zip(texts, scores):
-            if isinstance(text, str):
+            if (text := _text_value(text, f"{path}[{row}]", opt)) is not None:
                 yield text, _number(score), f"{path}[{row}]"
             row += 1
+
+
+def _string_type(kind) -> bool:
+    """Whether an Arrow column type holds text: a string, or a dictionary of strings."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
 
 
 def _iter_files(spec: SourceConfig, stats: SourceStats, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
@@ -609,8 +636,7 @@ def _iter_hf_dataset(spec: SourceConfig, split: str, opt: _ReadOptions) -> Itera
                     f"dataset {name!r} record {i} has no {opt.text_column!r} field; set data.text_column",
                 )
                 continue
-            text = record[opt.text_column]
-            if isinstance(text, str):
+            if (text := _text_value(record[opt.text_column], f"{name}:{split}[{i}]", opt)) is not None:
                 yield text, _number(record.get(opt.score_column)) if opt.score_column else None, f"{name}:{split}[{i}]"
         return
     row = 0
@@ -619,7 +645,7 @@ def _iter_hf_dataset(spec: SourceConfig, split: str, opt: _ReadOptions) -> Itera
     ):  # Arrow-backed: memory-mapped, read in batches
         scores = batch[opt.score_column] if opt.score_column else [None] * len(batch[opt.text_column])
         for text, score in zip(batch[opt.text_column], scores):
-            if isinstance(text, str):
+            if (text := _text_value(text, f"{name}:{split}[{row}]", opt)) is not None:
                 yield text, _number(score), f"{name}:{split}[{row}]"
             row += 1
 
@@ -669,7 +695,14 @@ def iter_source(
 
 
 def empty_source(spec: SourceConfig, bad: BadInput) -> None:
-    bad("empty_sources", f"data source {spec.name!r} has no documents; check its files, dataset and text_column")
+    """A source that gave no document: one line, with what its readers skipped (the likely cause)."""
+    skipped = {kind: n for kind, n in bad.stats.skipped.items() if n}
+    why = ""
+    if skipped:
+        kind = max(skipped, key=skipped.get)
+        example = bad.stats.named.get(kind, [""])[0]
+        why = f" (skipped: {', '.join(f'{k} {n:,}' for k, n in skipped.items())}; e.g. {example})"
+    bad("empty_sources", f"data source {spec.name!r} has no documents{why}; check its files, dataset and text_column")
 
 
 def _documents(records: Iterator[tuple[str, float | None, str]], source: str, stats: SourceStats) -> Iterator[Document]:
