@@ -182,6 +182,20 @@ def test_jsonl_and_gzipped_jsonl(tmp_path):
     assert "has no documents (skipped: non_text_values 2; e.g. " in message and "'text' holds null, not text" in message
 
 
+def test_windows_encodings_a_utf8_bom_in_jsonl_and_utf16_text(tmp_path):
+    """What Windows editors save: a UTF-8 BOM before the first JSON line is no part of the record, a
+    UTF-16 text file (with its BOM) is read as the same text, and UTF-16 JSON Lines are named as such."""
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "first record"}).encode() + b"\n")
+    utf16 = tmp_path / "notepad.txt"
+    utf16.write_bytes("Caf\u00e9 from Notepad\r\n\u4e2d\u6587 line\r\n".encode("utf-16"))
+    prepared = prepare_data(config(tmp_path, data_files=[str(bom), str(utf16)], validation_split=0.0))
+    assert documents(prepared, "train") == ["first record", "Caf\u00e9 from Notepad\n\u4e2d\u6587 line"]
+    lines16 = tmp_path / "records16.jsonl"
+    lines16.write_bytes((json.dumps({"text": "x"}) + "\n").encode("utf-16"))
+    assert "is UTF-16 text; JSON Lines are UTF-8: convert it" in _error(tmp_path, data_files=str(lines16))
+
+
 def test_jsonl_custom_text_column(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [{"content": "from content"}, {"content": "second"}])
     prepared = prepare_data(config(tmp_path, data_files=str(path), text_column="content", validation_split=0.0))

@@ -68,6 +68,8 @@ TEXT_SUFFIXES = {
 }
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".jsonl.zst", ".json.zst", ".ndjson.gz", ".ndjson.zst")
 DEFAULT_SOURCE = "data"  # the name of the one source that data_files / dataset_name make
+UTF8_BOM = b"\xef\xbb\xbf"
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 SPLIT_SHARE = 0.9  # long text files are cut into pieces of at most this share of max_chars and of max_words
 _BATCH_ROWS = 1024  # Parquet / datasets rows read at a time
 
@@ -293,6 +295,16 @@ def read_text_file(
     except OSError as exc:
         bad("unreadable_files", f"{path} could not be read ({exc.strerror})", in_folder=not explicit)
         return None
+    if raw.startswith(UTF16_BOMS):  # Windows' "Unicode" text: UTF-16 with its byte-order mark, read as such
+        try:
+            return raw.decode("utf-16")
+        except UnicodeDecodeError as exc:
+            bad(
+                "non_utf8_files",
+                f"{path} starts as UTF-16 text but is not (bad bytes at offset {exc.start}); convert it to UTF-8",
+                in_folder=not explicit,
+            )
+            return None
     if b"\x00" in raw[:8192]:
         hint = (
             "remove it from data.data_files" if explicit else "exclude it (data.exclude) or set data.on_bad_input: skip"
@@ -363,6 +375,13 @@ def _read_jsonl(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple
                         "(limits.MAX_LINE_BYTES); split it into several records",
                     )
                     continue
+                if line_no == 1 and line.startswith(UTF16_BOMS):
+                    opt.bad(
+                        "non_utf8_files",
+                        f"{path} is UTF-16 text; JSON Lines are UTF-8: convert it (iconv -f UTF-16 -t UTF-8)",
+                        in_folder=not explicit,
+                    )
+                    return
                 if not line.strip():
                     continue
                 item = _jsonl_record(path, line_no, line, opt)
@@ -381,6 +400,8 @@ def _read_jsonl(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple
 
 
 def _jsonl_record(path: Path, line_no: int, line: bytes, opt: _ReadOptions) -> tuple[str, float | None] | None:
+    if line_no == 1:
+        line = line.removeprefix(UTF8_BOM)  # as a text file's: a BOM is no part of the first record
     try:
         decoded = line.decode("utf-8")
     except UnicodeDecodeError:
