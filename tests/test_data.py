@@ -176,7 +176,10 @@ def test_jsonl_and_gzipped_jsonl(tmp_path):
     prepared = prepare_data(config(tmp_path, data_files=[str(plain), str(packed)], validation_split=0.0))
     assert documents(prepared, "train") == ["plain one", "plain two", "zipped \u00fcn\u00efcode"]
     named = json.loads((prepared.directory / "data_report.json").read_text())["skipped_inputs_named"]
-    assert named["non_text_values"] == [f"{plain}:4: 'text' holds null, not text", f"{plain}:5: 'text' holds int, not text"]
+    assert named["non_text_values"] == [
+        f"{plain}:4: 'text' holds null, not text",
+        f"{plain}:5: 'text' holds int, not text",
+    ]
     only_nulls = write_jsonl(tmp_path / "nulls.jsonl", [{"text": None}, {"text": None}])
     message = _error(tmp_path, data_files=str(only_nulls))
     assert "has no documents (skipped: non_text_values 2; e.g. " in message and "'text' holds null, not text" in message

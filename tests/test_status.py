@@ -140,3 +140,17 @@ def test_status_of_a_missing_bucket_is_one_line_exit_2(s3_server, capsys):  # no
     assert cli.main(["status", "s3://no-such-bucket-for-status/runs/x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no-such-bucket-for-status" in err[0] and "does not exist" in err[0]
+
+
+def test_status_into_a_pipe_its_reader_closed_ends_without_a_traceback(finished_run):
+    """`llm-trainer status RUN | head -1`: the reader leaves before the screen is written; the command
+    ends quietly, as a process ended by SIGPIPE (141), not with Python's BrokenPipeError traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llm_trainer", "status", str(finished_run)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=src_env(),
+    )
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err

@@ -803,6 +803,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `llm-trainer status RUN | head`: the reader has what it wanted
+        from .logs import to_null_device
+
+        to_null_device(sys.stdout)  # nor does the flush at exit complain
+        return 141  # as a process that SIGPIPE ended
     except Exception as exc:  # a full disk wherever a library met it (safetensors, torch wrap the OS error)
         from .files.disk import disk_full
 

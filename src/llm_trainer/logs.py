@@ -40,7 +40,7 @@ def _write_above_bars(text: str) -> None:
     try:
         tqdm.write(text, file=sys.stderr)
     except BrokenPipeError:
-        _to_null_device(sys.stderr)
+        to_null_device(sys.stderr)
 
 
 def write_line(text: str, stream) -> None:
@@ -53,10 +53,10 @@ def write_line(text: str, stream) -> None:
     try:
         print(text, file=stream, flush=True)
     except BrokenPipeError:
-        _to_null_device(stream)
+        to_null_device(stream)
 
 
-def _to_null_device(stream) -> None:
+def to_null_device(stream) -> None:
     try:
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, stream.fileno())  # what is still buffered goes there too, at the next flush
