@@ -82,6 +82,7 @@ def test_a_position_saved_under_one_split_resumes_under_any_other(saved):
         "epoch_samples": 2 * 8,
         "seed": 3,
         "global_batch": 8,
+        "row_length": LENGTH,
         "samples": run_samples,
         "skip": [],
     }
@@ -112,6 +113,18 @@ def test_another_global_batch_is_refused_naming_both_and_the_fix():
     )
     with pytest.raises(ValueError, match=r"set training.batch_size=2 to resume"):
         _loaders(3, 2, 2)[0].load_state_dict(state)
+
+
+def test_another_row_length_is_refused_naming_both():
+    """A position counts rows of the saved length: under another model.max_seq_len it would name other
+    rows (a RoPE model takes the new length without a shape error), so the resume is refused."""
+    state = _loaders(4, 1, 1)[0].state_dict()
+    assert state["row_length"] == LENGTH
+    other = BatchLoader(WindowRows(np.arange(N_ROWS * LENGTH + 1, dtype=np.int64), LENGTH * 2), 4, seed=3, shuffle=True)
+    with pytest.raises(ValueError, match=r"rows were 4 tokens long, this run's are 8 \(model.max_seq_len"):
+        other.load_state_dict(state)
+    del state["row_length"]  # a checkpoint from before rows recorded it: taken as it is
+    other.load_state_dict(state)
 
 
 def test_a_position_saved_in_rank_batches_loads_at_its_own_world_size_only():

@@ -222,6 +222,7 @@ class BatchLoader:
             "epoch_samples": self.position * self.batch_size * self.world_size,
             "seed": self.seed,
             "global_batch": self.global_batch,
+            "row_length": self.rows.length,
             "samples": self.samples,
             "skip": [list(r) for r in self.skip],
             **({"order": CHUNK_ORDER} if self._chunked() else {}),
@@ -234,6 +235,12 @@ class BatchLoader:
     def load_state_dict(self, state: dict) -> None:
         """Seek to a saved position in O(1). The global batch must be the one the position was saved
         with; a position saved as this rank's batches (no "epoch_samples") needs the same world size."""
+        if state.get("row_length", self.rows.length) != self.rows.length:  # (saved since rows recorded it)
+            raise ValueError(
+                f"the checkpoint's rows were {state['row_length']} tokens long, this run's are {self.rows.length} "
+                "(model.max_seq_len, or data.max_length): its data position would name other rows; resume with "
+                f"{state['row_length']}, or start a new run from its weights (model.init_from=<checkpoint>)"
+            )
         if "epoch_samples" in state:
             saved, done = state.get("global_batch", self.global_batch), state["epoch_samples"]
             if saved != self.global_batch:
