@@ -241,6 +241,12 @@ def test_bad_input_in_a_task_is_one_line_and_exit_2(tmp_path):
     assert not list((tmp_path / "cache").glob(".*.partial")) and not list((tmp_path / "cache").glob(".*.tasks/parts"))
     assert list((tmp_path / "cache").glob(".*.tasks/prepare/logs/task_00001.log"))
 
+    # bad input met before any task (the tokenizer's sample reads the binary file first): nothing is left at all
+    data.update(data_files=[str(corpus / "named.bin"), str(corpus / "a.jsonl")], cache_dir=str(tmp_path / "cache2"))
+    done = _cli("prepare", "--config", str(_experiment(tmp_path / "exp2.yaml", data)), cwd=tmp_path)
+    assert done.returncode == 2 and "named.bin looks like a binary file" in done.stderr.strip().splitlines()[-1]
+    assert not [p.name for p in (tmp_path / "cache2").iterdir()]
+
 
 @pytest.mark.slow
 def test_a_failed_task_names_the_task_the_file_and_the_command_to_resume(tmp_path):

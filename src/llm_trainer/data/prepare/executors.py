@@ -241,19 +241,19 @@ def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, dire
     only_files(config)
     tasks_dir = _task_folder(config, fingerprint)
     _check_ray_address(config)
-    tokenizer = Build(config, fingerprint, work, directory).tokenizer()  # once, before any task, in `work`
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    plan_file = _plan(config, fingerprint, work, directory, tasks_dir, dtype)
-    log(
-        f"data: preparing {directory} on executor {config.executor} ({config.executor_tasks} tasks); "
-        f"logs and completion markers in {tasks_dir}"
-    )
-    started = time.perf_counter()
-    per_file = _executor(
-        config, trove_steps.per_file_pipeline(config, plan_file), config.executor_tasks, tasks_dir / "prepare"
-    )
     seconds = {}
     try:
+        tokenizer = Build(config, fingerprint, work, directory).tokenizer()  # once, before any task, in `work`
+        dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+        plan_file = _plan(config, fingerprint, work, directory, tasks_dir, dtype)
+        log(
+            f"data: preparing {directory} on executor {config.executor} ({config.executor_tasks} tasks); "
+            f"logs and completion markers in {tasks_dir}"
+        )
+        started = time.perf_counter()
+        per_file = _executor(
+            config, trove_steps.per_file_pipeline(config, plan_file), config.executor_tasks, tasks_dir / "prepare"
+        )
         if config.executor == "slurm":
             merge_steps = trove_steps.merge_pipeline(config, plan_file)
             _run_slurm(
@@ -271,6 +271,8 @@ def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, dire
     except UsageError:  # bad input: fixing it changes the fingerprint, so the work done is of no further use
         shutil.rmtree(tasks_dir / PARTS, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            tasks_dir.rmdir()  # made by this command and still empty: the input failed before any task ran
         raise
     seconds["total"] = time.perf_counter() - started
     if "prepare" in seconds:
