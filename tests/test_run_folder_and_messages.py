@@ -67,6 +67,14 @@ def test_a_second_train_into_a_run_folder_is_refused_then_resumes_or_starts_over
     assert f"error: {run} holds a finished run (it ended at step 4)" in err
     assert (run / "metrics.jsonl").read_text() == before  # its summary as the run wrote it
 
+    best = run / "checkpoints" / "best_model"  # a model folder: weights without what a resume needs
+    assert (
+        main(["train", "--config", str(config), f"training.resume_from_checkpoint={best}", "training.max_steps=6"]) == 2
+    )
+    err = capfd.readouterr().err
+    assert f"error: {best} is a model folder: it holds weights but no optimizer state" in err
+    assert f"model.init_from={best}" in err and (run / "metrics.jsonl").read_text() == before
+
     (run / "notes.txt").write_text("mine")  # a file of the user's own
     (run / "plots").mkdir(exist_ok=True)
     assert main(["train", "--config", str(config), "--overwrite", "training.max_steps=2"]) == 0

@@ -53,8 +53,9 @@ from ..tokenizer import vocabulary_mismatch
 from .background import BackgroundWriter, HostSnapshot
 from .durable import remove_stale
 from .find import resolve_checkpoint
-from .layout import BEST, STAGING, checkpoint_name
+from .layout import BEST, STAGING, TRAIN_STATE, checkpoint_name
 from .local import load_checkpoint, rotate, save_best_model, save_checkpoint
+from .model_folder import CONFIG_NAME
 from .remote import ensure_uploaded, fetch_named, local_copy, store_shards, upload_best, upload_checkpoint
 from .train_state import train_state_problem
 
@@ -306,6 +307,12 @@ class Checkpointer:
             return None
         if self.remote and spec == "latest" and self.dist.is_main:
             ensure_uploaded(path, self.remote, self.keep_last)
+        if not (path / TRAIN_STATE).exists() and (path / CONFIG_NAME).is_file():  # best_model/, a consolidated folder
+            raise UsageError(
+                f"{path} is a model folder: it holds weights but no optimizer state or data position to resume "
+                f"from; resume from a checkpoint (training.resume_from_checkpoint=latest), or start a new run "
+                f"from its weights with model.init_from={path}"
+            )
         parts = load_checkpoint(path, map_location=self.parallel.device, rank=self.dist.rank)
         parts["store"] = self._store_shards(path, parts["meta"], url)
         self._check_tokenizer(path)
