@@ -114,3 +114,21 @@ def test_a_trainer_of_ones_own_refuses_a_folder_that_holds_a_run(tmp_path):
         train_dataloader=torch.utils.data.DataLoader(data, batch_size=4)
     )
     assert [r["step"] for r in _rows(run, "summary")] == [2]
+
+
+def test_evaluate_takes_a_loader_of_ones_own_as_the_hf_style_does():
+    """`trainer.evaluate(test_loader)`: the loss over all of that loader, equal to the loss computed
+    directly with the model; `evaluate()` alone still reads the validation loader."""
+    import math
+
+    import torch.nn.functional as F
+
+    test = torch.arange(12 * 9).reshape(12, 9) % 7
+    config = TrainingConfig(device="cpu", progress_bar=False, max_steps=1, save_steps=0)
+    trainer = Trainer(model=tiny_model(), config=config)
+    out = trainer.evaluate(torch.utils.data.DataLoader(test, batch_size=5))
+    with torch.no_grad():
+        logits = trainer.model(test[:, :-1])
+    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), test[:, 1:].reshape(-1)).item()
+    assert math.isclose(out["val_loss"], expected, rel_tol=1e-4)  # (the run evaluates in its autocast)
+    assert math.isclose(out["perplexity"], math.exp(out["val_loss"]), rel_tol=1e-9)

@@ -542,19 +542,21 @@ class Trainer:
             return {}
         return {"loss_spikes": self.state.loss_spikes, "rewinds": self.state.rewinds}
 
-    def evaluate(self, *, full: bool = False) -> dict:
+    def evaluate(self, dataloader=None, *, full: bool = False) -> dict:
         """val_loss and perplexity over the first `eval_max_batches` validation batches (all when unset,
-        or with `full`)."""
-        if self.val_loader is None:
+        or with `full`); or over all of `dataloader` (a test set, any batches `train` takes), as the
+        Hugging Face style's `trainer.evaluate(test_loader)`."""
+        loader = self.val_loader if dataloader is None else as_loader(dataloader, self.device)
+        if loader is None:
             raise UsageError("no validation data: pass val_dataloader or set data.validation_split")
         return evaluate(
             self.model,
-            self.val_loader,
+            loader,
             autocast=self.autocast,
             reduce=self._sum_over_replicas,
-            max_batches=None if full else self.config.eval_max_batches,
+            max_batches=None if full or dataloader is not None else self.config.eval_max_batches,
             progress=self.config.progress_bar,
-            sources=getattr(self.val_loader, "source_labels", None),  # per-source losses of a mixture
+            sources=getattr(loader, "source_labels", None),  # per-source losses of a mixture
             nll=self.parallel.eval_nll if self.parallel.pipelined else None,  # the stages, not the model whole
         )
 
