@@ -203,6 +203,8 @@ def test_the_lessons_dataset_given_our_tokenizer_itself_says_to_pass_as_transfor
     assert not hasattr(bpe(), "pad_token_id") and getattr(bpe(), "eos_token_id", None) is None
     with pytest.raises(AttributeError, match="'Tokenizer' object has no attribute 'encod'"):
         bpe().encod("x")  # a typo is not sent to transformers
+    with pytest.raises(TypeError, match=r"not called like a transformers tokenizer; .*as_transformers\(\)"):
+        bpe()(TEXTS, truncation=True, padding=True, max_length=16, return_tensors="pt")  # the pipeline document's call
 
 
 def test_char_tokenizer_keeps_its_unknown_token():

@@ -118,6 +118,14 @@ class Tokenizer:
             )
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    def __call__(self, *args, **kwargs):
+        """`tokenizer(texts, padding=True, return_tensors="pt")`, as code written for transformers calls
+        one: said where to find it, as for the names above."""
+        raise TypeError(
+            "llm-trainer's Tokenizer is not called like a transformers tokenizer; use tokenizer.encode(text), or "
+            "pass tokenizer.as_transformers(), the same tokenizer as a transformers PreTrainedTokenizerFast"
+        )
+
     # -- construction ---------------------------------------------------------------------------
 
     @classmethod
