@@ -301,6 +301,11 @@ def test_a_config_is_read_under_our_names_once(monkeypatch):
         ("", "is empty"),
         ("model: [1, 2", "could not be parsed"),
         ("- a\n- b\n", "must hold a mapping"),
+        (
+            '{"train_batch_size": 32, "zero_optimization": {"stage": 3}, "bf16": {"enabled": true}}',
+            r"is a DeepSpeed config \(train_batch_size, zero_optimization\), not an experiment: pass it as "
+            r"training.deepspeed_config=",
+        ),
     ],
 )
 def test_bad_config_files(tmp_path, content, message):

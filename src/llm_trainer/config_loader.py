@@ -95,11 +95,22 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 DATA_SOURCE_KEYS = ("data_files", "dataset_name", "sources")
 
 
+# Keys at the top of a DeepSpeed JSON config: what tells one given as the experiment config
+DEEPSPEED_KEYS = frozenset({"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu"})
+
+
 def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
     """Read an experiment file and apply dotted overrides; every error is a one-line `UsageError`. A data
     source named in an override (`DATA_SOURCE_KEYS`) replaces the ones the file names."""
     data = read_config_file(path) if path is not None else {}
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    deepspeed = sorted(DEEPSPEED_KEYS & set(data))
+    if deepspeed and not {"model", "training", "data"} & set(data):
+        raise UsageError(
+            f"{path} is a DeepSpeed config ({', '.join(deepspeed)}), not an experiment: pass it as "
+            f"training.deepspeed_config={path} with training.distributed_strategy=deepspeed, beside an experiment "
+            "config (--config) that has model:, training: and data:"
+        )
     parsed = [parse_override(text) for text in overrides]
     given: dict[str, dict[str, Any]] = {}
     for (section, key), value in parsed:
