@@ -164,6 +164,9 @@ def test_training_and_data_config_errors():
         DataConfig().check_source()  # where data is read, not on construction
     with pytest.raises(ValueError, match="validation_split"):
         DataConfig(dataset_name="x", validation_split=1.5)
+    with pytest.raises(ValueError, match=r"tokenizer_vocab_size must be at least 257 for byte-level BPE .*got 100"):
+        DataConfig(dataset_name="x", tokenizer_vocab_size=100)  # the trainer would make 257 without a word
+    assert DataConfig(dataset_name="x", tokenizer="char", tokenizer_vocab_size=100).tokenizer == "char"
     with pytest.raises(TypeError):
         TrainingConfig(8)  # keyword-only
 

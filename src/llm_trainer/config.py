@@ -215,6 +215,7 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 MAX_VOCAB_PAD_MULTIPLE = 65536  # alignment wants 64 to 256; more only adds rows nothing reads
+BYTE_BPE_MIN_VOCAB = 257  # byte-level BPE: its 256 byte tokens and end-of-text
 
 
 @_names_read_back
@@ -907,6 +908,11 @@ class DataConfig(_Validated):
         _require(self.max_documents is None or self.max_documents > 0, "DataConfig.max_documents must be positive")
         _require(self.preprocessing_num_workers >= 1, "DataConfig.preprocessing_num_workers must be >= 1")
         _require(self.tokenizer_vocab_size >= 64, "DataConfig.tokenizer_vocab_size must be at least 64")
+        _require(
+            self.tokenizer != "bpe" or self.tokenizer_vocab_size >= BYTE_BPE_MIN_VOCAB,
+            f"DataConfig.tokenizer_vocab_size must be at least {BYTE_BPE_MIN_VOCAB} for byte-level BPE (a token for "
+            f"each of the 256 bytes, and end-of-text), got {self.tokenizer_vocab_size}",
+        )
         _require(self.tokenizer_train_max_chars > 0, "DataConfig.tokenizer_train_max_chars must be positive")
         _require(bool(self.tokenizer), "DataConfig.tokenizer must be bpe, char or a path")
         names = [source.name for source in self.sources or []]
