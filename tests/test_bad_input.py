@@ -202,6 +202,22 @@ CASES = [
         ],
         "not a positive integer",
     ),
+    (
+        "eval --data a folder",
+        lambda t: ["eval", "--checkpoint", str(model_folder(t)), "--data", str(t)],
+        "is a folder; name one file of text, JSONL or Parquet",
+    ),
+    (
+        "eval --data a binary file",
+        lambda t: ["eval", "--checkpoint", str(model_folder(t)), "--data", str(text_file(t, "b.dat", "GIF\x00\x01"))],
+        "looks like a binary file, not text; pass a text file to --data",
+    ),
+    (
+        "eval --checkpoint a file",
+        lambda t: ["eval", "--checkpoint", str(text_file(t, "notes.txt", "mine"))],
+        "notes.txt is a file, not a checkpoint folder",
+    ),
+    ("status of a file", lambda t: ["status", str(text_file(t, "n.txt", "x"))], "is a file, not a folder"),
     ("unknown spike policy", lambda t: ["estimate", *TINY, "training.on_loss_spike=rewnd"], "on_loss_spike must be"),
     (
         "profile steps after the run",

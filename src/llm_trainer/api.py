@@ -133,7 +133,7 @@ def _file_tokens(path: Path, tokenizer, text_column: str) -> list[int]:
     from .data.text.sources import JSONL_SUFFIXES, SourceStats, read_text_file
 
     if not path.name.lower().endswith((*JSONL_SUFFIXES, ".parquet")):
-        return tokenizer.encode(read_text_file(path, True, SourceStats()))
+        return tokenizer.encode(read_text_file(path, True, SourceStats(), fix="pass a text file to --data"))
     from .config import DataConfig, SourceConfig
     from .data.text.sources import iter_source
 
@@ -171,7 +171,8 @@ def eval_loader(
     if data_file is not None:
         path = Path(data_file)
         if not path.is_file():
-            raise UsageError(f"--data {path} not found")
+            what = "is a folder; name one file of text, JSONL or Parquet" if path.is_dir() else "not found"
+            raise UsageError(f"--data {path} {what}")
         import numpy as np
 
         column = text_column or (experiment.get("data") or {}).get("text_column") or "text"

@@ -110,8 +110,9 @@ def find_checkpoint(path: str | Path) -> Path | None:
         return latest_checkpoint(path.parent)
     if not path.is_dir():
         here = ", ".join(p.name for p in list_checkpoints(path.parent)[:3])
+        what = "is a file, not a checkpoint folder" if path.exists() else "not found"
         raise CheckpointError(
-            f"checkpoint {path} not found{f' ({path.parent} holds {here})' if here else ''}; pass a checkpoint, "
+            f"checkpoint {path} {what}{f' ({path.parent} holds {here})' if here else ''}; pass a checkpoint, "
             "best_model or output folder (to resume: a checkpoint folder or resume_from_checkpoint=latest)"
         )
     if (path / META).is_file() or (path / CONFIG_NAME).is_file():

@@ -177,7 +177,8 @@ def run_status(run: str) -> dict:
     """Everything `llm-trainer status` shows, as plain data (what `--json` prints)."""
     files = RunFiles.of(run)
     if not files.in_store and not Path(run).is_dir():
-        raise UsageError(f"run folder {run} not found; pass a run's training.output_dir (a folder or a URL)")
+        what = "is a file, not a folder" if Path(run).exists() else "not found"
+        raise UsageError(f"run folder {run} {what}; pass a run's training.output_dir (a folder or a URL)")
     text = files.text(METRICS_FILE)
     rows = _rows(text)
     config = _training_config(files)

@@ -286,9 +286,16 @@ class _ReadOptions:
 
 
 def read_text_file(
-    path: Path, explicit: bool, stats: SourceStats, *, invalid_utf8: str = "bad_input", bad: BadInput | None = None
+    path: Path,
+    explicit: bool,
+    stats: SourceStats,
+    *,
+    invalid_utf8: str = "bad_input",
+    bad: BadInput | None = None,
+    fix: str = "remove it from data.data_files",
 ) -> str | None:
-    """A whole file as one document, or None when it is skipped (binary, not UTF-8, ...)."""
+    """A whole file as one document, or None when it is skipped (binary, not UTF-8, ...). `fix`: what a
+    message about a file named explicitly tells (where the file was named: a setting or a flag)."""
     bad = bad or BadInput("skip_in_folders", stats)
     try:
         raw = path.read_bytes()
@@ -306,9 +313,7 @@ def read_text_file(
             )
             return None
     if b"\x00" in raw[:8192]:
-        hint = (
-            "remove it from data.data_files" if explicit else "exclude it (data.exclude) or set data.on_bad_input: skip"
-        )
+        hint = fix if explicit else "exclude it (data.exclude) or set data.on_bad_input: skip"
         bad("binary_files", f"{path} looks like a binary file, not text; {hint}", in_folder=not explicit)
         return None
     try:
