@@ -272,18 +272,17 @@ def test_model_card_and_overwrite_rules(tmp_path):
         export_to_hf(source, tmp_path)
 
 
-def test_overwrite_goes_through_a_link_keeps_a_folders_mode_and_never_replaces_a_checkpoint(tmp_path):
-    """--overwrite onto a link replaces the folder it points to (the link stays a link), a private folder
-    stays private, and a run's checkpoint (its meta.json) is refused whatever the flag, untouched."""
+def test_overwrite_keeps_a_folders_mode_and_never_replaces_a_checkpoint(tmp_path):
+    """--overwrite onto a private folder leaves it private, and a run's checkpoint (its meta.json) is
+    refused whatever the flag, untouched. (A link is replaced, its target kept: test_lost_data.)"""
     source = saved(our_model(architecture="gpt2"), tmp_path / "ours")
-    real = tmp_path / "real"
-    real.mkdir(mode=0o700)
-    real.chmod(0o700)
-    (real / "notes.txt").write_text("mine")
-    (tmp_path / "link").symlink_to(real)
-    export_to_hf(source, tmp_path / "link", overwrite=True)
-    assert (tmp_path / "link").is_symlink() and (real / "config.json").is_file()
-    assert (real / "notes.txt").read_text() == "mine" and (real.stat().st_mode & 0o777) == 0o700
+    private = tmp_path / "private"
+    private.mkdir()
+    private.chmod(0o700)
+    (private / "notes.txt").write_text("mine")
+    export_to_hf(source, private, overwrite=True)
+    assert (private / "config.json").is_file() and (private / "notes.txt").read_text() == "mine"
+    assert (private.stat().st_mode & 0o777) == 0o700
 
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()

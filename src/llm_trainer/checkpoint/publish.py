@@ -89,8 +89,6 @@ def publish(
 ) -> Path:
     """Build the folder with `build(tmp)`, then put it at `output` as the module docstring says."""
     output = Path(output)
-    if output.is_symlink() and output.is_dir():  # the user's link stays; the folder it points to is replaced
-        output = output.resolve()
     remove_stale(output.absolute().parent, names={output.name})  # a killed run's leftovers only, before the check
     check_target(output, source, overwrite, overwrite_hint)
     tmp = temporary_folder(output.absolute())
@@ -98,7 +96,7 @@ def publish(
     try:
         tmp.mkdir()
         build(tmp)
-        if output.is_dir():
+        if output.is_dir() and not output.is_symlink():
             tmp.chmod(stat.S_IMODE(output.stat().st_mode))  # a private folder stays private
             for path in output.iterdir():
                 if not (tmp / path.name).exists() and not WEIGHT_FILE.fullmatch(path.name):
