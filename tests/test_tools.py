@@ -533,6 +533,43 @@ def test_registry_round_trip(trained_run, tmp_path):
         registry.add(tmp_path / "nope", "tiny")
 
 
+def test_a_version_whose_model_folder_changed_says_so(trained_run, tmp_path, capsys):
+    """Versions point at folders: a run trained again into the same folder (--overwrite) leaves the
+    version's metrics those of the weights it registered; show and list say the folder changed."""
+    import shutil
+    import sqlite3
+
+    from llm_trainer.tools.registry import SQLiteRegistry, format_table
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run[0], run)
+    db = tmp_path / "registry.db"
+    version = SQLiteRegistry(db).add(run, "tiny")
+    assert version.model_fingerprint and "changed" not in format_table([version])
+    best, newest = run / "checkpoints" / "best_model", sorted((run / "checkpoints").glob("checkpoint-*"))[0]
+    shutil.rmtree(best)
+    shutil.copytree(newest, best)  # other weights where the registered ones were
+    assert main(["registry", "show", "tiny:1", "--db", str(db)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["version"] == 1
+    assert f"tiny:1: its model folder {best.resolve()} holds other weights" in captured.err
+    assert "(changed since registered)" in format_table(SQLiteRegistry(db).list())
+    shutil.rmtree(best)
+    assert main(["registry", "show", "tiny", "--db", str(db)]) == 0 and "is gone since" in capsys.readouterr().err
+
+    old = tmp_path / "old.db"  # a registry written before versions recorded the fingerprint
+    with sqlite3.connect(old) as connection:
+        connection.execute(
+            "CREATE TABLE versions (name TEXT NOT NULL, version INTEGER NOT NULL, stage TEXT NOT NULL DEFAULT 'none', "
+            "created_at TEXT NOT NULL, run_dir TEXT, model_path TEXT, export_path TEXT, data_fingerprint TEXT, "
+            "tokenizer_fingerprint TEXT, git_commit TEXT, description TEXT, metrics TEXT NOT NULL DEFAULT '{}', "
+            "config TEXT NOT NULL DEFAULT '{}', PRIMARY KEY (name, version))"
+        )
+        connection.execute("INSERT INTO versions (name, version, created_at) VALUES ('old', 1, '2026-01-01')")
+    reopened = SQLiteRegistry(old)
+    assert reopened.get("old", 1).model_fingerprint is None and reopened.add(trained_run[0], "old").version == 2
+
+
 def test_registry_cli_round_trip(trained_run, tmp_path, monkeypatch, capsys):
     run, _ = trained_run
     export = tmp_path / "hf"

@@ -476,10 +476,14 @@ def cmd_registry_list(args) -> int:
 
 
 def cmd_registry_show(args) -> int:
-    from .tools.registry import parse_ref
+    from .logs import warn
+    from .tools.registry import changed_since_registered, parse_ref
 
     name, version = parse_ref(args.ref)
-    print(json.dumps(_registry(args).get(name, version).to_dict(), indent=2))
+    found = _registry(args).get(name, version)
+    if changed := changed_since_registered(found):
+        warn(changed)
+    print(json.dumps(found.to_dict(), indent=2))
     return 0
 
 

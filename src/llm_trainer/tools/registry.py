@@ -59,6 +59,7 @@ class ModelVersion:
     data_fingerprint: str | None = None
     tokenizer_fingerprint: str | None = None
     git_commit: str | None = None
+    model_fingerprint: str | None = None  # the model folder's weights as registered (`model_fingerprint`)
     description: str | None = None
     metrics: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
@@ -81,6 +82,7 @@ _IDENTITY = (
     "data_fingerprint",
     "tokenizer_fingerprint",
     "git_commit",
+    "model_fingerprint",
     "metrics",
     "config",
 )
@@ -148,6 +150,33 @@ def git_commit(path: Path) -> str | None:
     return commit if out.returncode == 0 and re.fullmatch(r"[0-9a-f]{40,64}", commit) else None
 
 
+def model_fingerprint(model_path: str | Path | None) -> str | None:
+    """What identifies the weights in a model folder: a hash of its meta.json's record of every file
+    (sizes and checksums, computed when it was saved); None without one. A run trained again into the
+    same folder (`--overwrite`) changes it, while the registered version still points there."""
+    if model_path is None:
+        return None
+    meta = _read_json(Path(model_path) / "meta.json")
+    files = (meta or {}).get("files")
+    if not isinstance(files, dict):
+        return None
+    return hashlib.sha256(json.dumps(files, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def changed_since_registered(version: ModelVersion) -> str | None:
+    """One line when the model folder a version points to no longer holds the weights it recorded."""
+    if version.model_fingerprint is None or version.model_path is None:
+        return None
+    now = model_fingerprint(version.model_path)
+    if now == version.model_fingerprint:
+        return None
+    what = "is gone" if now is None else "holds other weights (a run was trained into it again)"
+    return (
+        f"{version.ref}: its model folder {version.model_path} {what} since it was registered; the metrics and "
+        "config shown are the registered model's, not the folder's"
+    )
+
+
 def _find_export(run_dir: Path) -> Path | None:
     for sub in sorted(p for p in run_dir.iterdir() if p.is_dir()):
         if (sub / "config.json").is_file() and any(sub.glob("*.safetensors")):
@@ -210,6 +239,7 @@ def collect_run_info(run_dir: str | Path, export_path: str | Path | None = None)
         "data_fingerprint": data_fingerprint,
         "tokenizer_fingerprint": hashlib.sha256(tokenizer.read_bytes()).hexdigest() if tokenizer.is_file() else None,
         "git_commit": git_commit(run),
+        "model_fingerprint": model_fingerprint(model_path),
         "metrics": metrics,
         "config": config,
     }
@@ -256,6 +286,7 @@ CREATE TABLE IF NOT EXISTS versions (
     data_fingerprint TEXT,
     tokenizer_fingerprint TEXT,
     git_commit TEXT,
+    model_fingerprint TEXT,
     description TEXT,
     metrics TEXT NOT NULL DEFAULT '{}',
     config TEXT NOT NULL DEFAULT '{}',
@@ -276,6 +307,7 @@ _COLUMNS = (
     "data_fingerprint",
     "tokenizer_fingerprint",
     "git_commit",
+    "model_fingerprint",
     "description",
     "metrics",
     "config",
@@ -295,6 +327,9 @@ class SQLiteRegistry:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
             db.executescript(_SCHEMA)
+            known = {row[1] for row in db.execute("PRAGMA table_info(versions)")}
+            if "model_fingerprint" not in known:  # a registry written before versions recorded it
+                db.execute("ALTER TABLE versions ADD COLUMN model_fingerprint TEXT")
         except sqlite3.DatabaseError as exc:
             raise UsageError(f"registry {self.path} is not usable: {exc}") from None
         except OSError as exc:
@@ -461,6 +496,7 @@ class MLflowRegistry:
             data_fingerprint=tags.get("data_fingerprint") or None,
             tokenizer_fingerprint=tags.get("tokenizer_fingerprint") or None,
             git_commit=tags.get("git_commit") or None,
+            model_fingerprint=tags.get("model_fingerprint") or None,
             description=mv.description or None,
             metrics=json.loads(tags.get("metrics") or "{}"),
             config=config,
@@ -544,7 +580,7 @@ def format_table(versions: list[ModelVersion]) -> str:
                 v.stage,
                 f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
                 v.created_at.replace("+00:00", "Z"),
-                v.model_path or "-",
+                (v.model_path or "-") + (" (changed since registered)" if changed_since_registered(v) else ""),
             ]
         )
     if not rows:
