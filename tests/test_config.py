@@ -200,6 +200,21 @@ def test_yaml_json_and_overrides(tmp_path):
         load_experiment(tmp_path / "c.json", ["training.batch_size=big"])
 
 
+def test_an_override_nested_as_the_pretraining_guide_nests_its_yaml(tmp_path):
+    """`distributed.fsdp_config.sharding_strategy=...` sets that one entry of the file's mapping (its
+    other entries kept), as the YAML `distributed: {fsdp_config: {...}}` would; a typo deep inside is named."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model: {d_model: 64}\ndata: {dataset_name: python-stdlib}\n"
+        "distributed: {strategy: fsdp, fsdp_config: {sharding_strategy: FULL_SHARD, activation_checkpointing: true}}\n"
+    )
+    assert load_experiment(path).training.fsdp_sharding == "full_shard"
+    exp = load_experiment(path, ["distributed.fsdp_config.sharding_strategy=SHARD_GRAD_OP"])
+    assert exp.training.fsdp_sharding == "shard_grad_op" and exp.training.gradient_checkpointing is True
+    with pytest.raises(UsageError, match="did you mean distributed.fsdp_config.sharding_strategy"):
+        load_experiment(path, ["distributed.fsdp_config.sharding_strateg=SHARD_GRAD_OP"])
+
+
 def test_switches_spelled_elsewhere_set_the_training_fields(tmp_path):
     """`model.gradient_checkpointing: true` and `training.use_deepspeed: true` (also under `distributed:`)
     are read as training.gradient_checkpointing and distributed_strategy: deepspeed; `false` sets nothing."""

@@ -55,18 +55,36 @@ def yaml_load(text: str, where: str = "a YAML document"):
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """`training.learning_rate=3e-4` -> (["training", "learning_rate"], 0.0003); values are YAML scalars."""
+    """`training.learning_rate=3e-4` -> (["training", "learning_rate"], 0.0003); values are YAML scalars. A
+    key nested deeper (`distributed.fsdp_config.sharding_strategy=...`, as a file may nest it) sets that
+    one entry of the mapping: (["distributed", "fsdp_config"], {"sharding_strategy": ...})."""
     if "=" not in text:
         raise UsageError(f"override {text!r} must look like section.key=value (e.g. training.max_steps=100)")
     key, raw = text.split("=", 1)
     parts = key.strip().split(".")
-    if len(parts) != 2 or not all(parts):
+    if len(parts) < 2 or not all(parts):
         raise UsageError(f"override key {key!r} must be section.key (e.g. training.learning_rate)")
     try:
         value = yaml_load(raw, f"override {key.strip()}") if raw.strip() else None
     except yaml.YAMLError:
         value = raw
-    return parts, value
+    for name in reversed(parts[2:]):
+        value = _Nested({name: value})
+    return parts[:2], value
+
+
+class _Nested(dict):
+    """The value of an override nested past section.key: laid over the file's mapping, not replacing it."""
+
+
+def _merged(current: Any, value: Any) -> Any:
+    """A nested override's mapping laid over what the file gives there (its other entries kept)."""
+    if not (isinstance(current, dict) and isinstance(value, dict)):
+        return value
+    out = dict(current)
+    for key, item in value.items():
+        out[key] = _merged(current.get(key), item) if isinstance(item, _Nested) else item
+    return out
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -125,6 +143,8 @@ def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple
             if config_aliases.spellings_of("data", key)[1] in set(DATA_SOURCE_KEYS) - named_sources:
                 del data["data"][key]
     for (section, key), value in parsed:
+        if isinstance(value, _Nested) and isinstance(data.get(section), dict):  # the file's other entries stay
+            value = _merged(data[section].get(key), value)
         try:
             config_aliases.set_override(data, section, key, value)
         except ValueError:
