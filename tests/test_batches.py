@@ -3,6 +3,8 @@ its batch size is the run's, and dict batches' attention_mask keeps padding out 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -87,8 +89,16 @@ def test_later_train_calls_train_on_in_stages_over_their_own_data(tmp_path):
     assert changed[30:60].all()  # the second stage read its own data, whose ids the first never saw
     assert [r["step"] for r in _rows(run, "train")] == list(range(1, 26))
     assert [r["step"] for r in _rows(run, "summary")] == [5, 25]
-    with pytest.raises(UsageError, match=r"has trained to its last step \(25\); to train on, pass the data"):
-        trainer.train()
+    assert trainer.train()["step"] == 45  # again: as many epochs more, of the data it was last given
+
+    bounded = Trainer(
+        model=tiny_model(), config=dataclasses.replace(config, output_dir=str(tmp_path / "b"), max_steps=2)
+    )
+    assert bounded.train(train_dataloader=torch.utils.data.DataLoader(easy, batch_size=4))["step"] == 2
+    with pytest.raises(UsageError, match=r"has trained to its last step \(2\); to train on, pass the data"):
+        bounded.train()
+    bounded.config.max_steps = 3  # raised in between: on to it
+    assert bounded.train()["step"] == 3
 
 
 def test_a_trainer_of_ones_own_refuses_a_folder_that_holds_a_run(tmp_path):

@@ -256,16 +256,30 @@ def test_mlflow_uri_resolution(tmp_path, monkeypatch):
     assert resolve_mlflow_uri(None) == ("sqlite:///elsewhere.db", None)
 
 
-def test_wandb_without_a_login_is_one_line_and_leaves_no_run_behind(tmp_path, monkeypatch):
+def test_wandb_without_a_login_is_one_line_and_leaves_no_run_behind(tmp_path):
     """No W&B key (and online mode): one line naming `wandb login` and offline mode, not wandb's
-    traceback; and no metrics.jsonl, which would make the folder refuse the corrected retry."""
+    traceback; and no metrics.jsonl, which would make the folder refuse the corrected retry. In a fresh
+    process: wandb keeps the settings of its first run in a process (this module's runs are offline)."""
     pytest.importorskip("wandb")
-    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED", "WANDB_DIR", "WANDB_CONFIG_DIR"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc, no saved login
-    monkeypatch.setenv("WANDB_MODE", "online")
-    with pytest.raises(UsageError) as error:
-        build_loggers(["wandb"], tmp_path / "run", {}, progress_bar=False)
-    message = str(error.value)
+    import os
+    import subprocess
+
+    from conftest import src_env
+
+    env = {k: v for k, v in src_env().items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path / "home"), WANDB_MODE="online")  # no ~/.netrc, no saved login
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from llm_trainer.errors import UsageError\n"
+        "from llm_trainer.train.metrics import build_loggers\n"
+        "try:\n"
+        f"    build_loggers(['wandb'], Path({str(tmp_path / 'run')!r}), {{}}, progress_bar=False)\n"
+        "except UsageError as error:\n"
+        "    print(error); sys.exit(2)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    message = done.stdout.strip()
+    assert done.returncode == 2, done.stdout + done.stderr
     assert "\n" not in message and "wandb login" in message and "WANDB_MODE=offline" in message
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert os.environ.get("HOME") != env["HOME"]  # (this process's own settings untouched)

@@ -167,7 +167,7 @@ class Trainer:
         )
         self.total_steps: int | None = config.max_steps  # with the data: from the epochs when max_steps is unset
         self.train_loader = self.val_loader = None
-        self._sources = (None, None)  # the data as given, to attach again when train() changes num_epochs
+        self._sources = (None, None)  # the data as given, attached again by each train()
         if train_dataloader is not None:
             self._attach_data(train_dataloader, val_dataloader)
 
@@ -266,15 +266,15 @@ class Trainer:
         The first call refuses a folder that holds an earlier run, as `llm-trainer train` does, unless the
         run resumes it or starts over (`train.output_folder`). A later call of the same Trainer trains
         on, in the same run: `num_epochs` more epochs of the data it is given (stages of a curriculum),
-        the schedule following the run's new length as a resume with another length does."""
+        the schedule following the run's new length as a resume with another length does; or, with
+        training.max_steps set, on to that step (raised on `trainer.config` in between)."""
         train_source = train_dataloader if train_dataloader is not None else self._sources[0]
         if train_source is None:
             raise UsageError("no training data: pass train_dataloader to Trainer(...) or to train()")
         if num_epochs is not None:
             self.config = dataclasses.replace(self.config, num_epochs=num_epochs)
-        if train_dataloader is not None or val_dataloader is not None or num_epochs is not None:
-            val_source = val_dataloader if val_dataloader is not None else self._sources[1]
-            self._attach_data(train_source, val_source, more=self._trained)
+        val_source = val_dataloader if val_dataloader is not None else self._sources[1]
+        self._attach_data(train_source, val_source, more=self._trained)  # the length from the config as it is now
         if self._trained and self.state.step >= self.total_steps:
             raise UsageError(
                 f"this Trainer has trained to its last step ({self.state.step:,}); to train on, pass the data and "
