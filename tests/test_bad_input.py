@@ -218,6 +218,12 @@ CASES = [
         "notes.txt is a file, not a checkpoint folder",
     ),
     ("status of a file", lambda t: ["status", str(text_file(t, "n.txt", "x"))], "is a file, not a folder"),
+    (
+        "learning rate under the preset's min_lr",
+        lambda t: ["estimate", "--config", "gpt2-small", "training.learning_rate=1e-12"],
+        "command line: TrainingConfig.min_lr (6e-05) must be between 0 and TrainingConfig.learning_rate (1e-12); set "
+        "training.min_lr with it",
+    ),
     ("unknown spike policy", lambda t: ["estimate", *TINY, "training.on_loss_spike=rewnd"], "on_loss_spike must be"),
     (
         "profile steps after the run",

@@ -526,7 +526,8 @@ class TrainingConfig(_Validated):
             )
         _require(
             0 <= self.min_lr <= self.learning_rate,
-            f"TrainingConfig.min_lr must be between 0 and learning_rate ({self.learning_rate}), got {self.min_lr}",
+            f"TrainingConfig.min_lr ({self.min_lr}) must be between 0 and TrainingConfig.learning_rate "
+            f"({self.learning_rate}); set training.min_lr with it (e.g. training.min_lr=0)",
         )
         _require(0 < self.wsd_decay_ratio <= 1, "TrainingConfig.wsd_decay_ratio must be in (0, 1]")
         _require(self.weight_decay >= 0, "TrainingConfig.weight_decay must be >= 0")
