@@ -154,3 +154,16 @@ def test_status_into_a_pipe_its_reader_closed_ends_without_a_traceback(finished_
     proc.stdout.close()  # the reader is gone before the first line
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_status_and_the_registry_find_checkpoints_in_a_checkpoint_dir_of_its_own(tmp_path, capsys):
+    """training.checkpoint_dir elsewhere (as config.yaml records it): status shows its newest checkpoint,
+    and the registry takes the model from there, by the same rule."""
+    from llm_trainer.tools.registry import collect_run_info
+
+    outside = tmp_path / "elsewhere"
+    config = write_tiny_experiment(tmp_path, save_steps=3, checkpoint_dir=str(outside))
+    assert cli.main(["train", "--config", str(config)]) == 0
+    status = run_status(str(tmp_path / "run"))
+    assert status["checkpoint"]["name"] == "checkpoint-00000006" and status["checkpoint"]["step"] == 6
+    assert collect_run_info(tmp_path / "run")["model_path"] == str((outside / "best_model").resolve())

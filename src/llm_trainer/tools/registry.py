@@ -187,6 +187,7 @@ def _find_export(run_dir: Path) -> Path | None:
 def collect_run_info(run_dir: str | Path, export_path: str | Path | None = None) -> dict:
     """The fields of a new version, read from a run folder (see the module docstring)."""
     from ..checkpoint.layout import BEST, META, list_checkpoints
+    from ..train.output_folder import recorded_checkpoint_folder
 
     run = Path(run_dir)
     if not run.is_dir():
@@ -200,10 +201,7 @@ def collect_run_info(run_dir: str | Path, export_path: str | Path | None = None)
     config = config if isinstance(config, dict) else None  # a folder someone else made: any shape at all
     training = (config or {}).get("training")
     training = training if isinstance(training, dict) else {}
-    named = training.get("checkpoint_dir")
-    ckpt_root = Path(named) if isinstance(named, str) and named else run / "checkpoints"
-    if not ckpt_root.is_absolute() and not ckpt_root.is_dir():
-        ckpt_root = run / "checkpoints"
+    ckpt_root = recorded_checkpoint_folder(run, training.get("checkpoint_dir"))
     best = ckpt_root / BEST
     newest = next(iter(list_checkpoints(ckpt_root)), None)
     model_path = best if (best / "model.safetensors").is_file() else newest

@@ -32,7 +32,7 @@ from ..config_loader import yaml_load
 from ..errors import UsageError
 from ..files import buckets
 from ..limits import parse_json
-from ..train.output_folder import METRICS_FILE
+from ..train.output_folder import METRICS_FILE, recorded_checkpoint_folder
 from ..train.run_lock import lock_holder
 
 LAST_LOSSES = 5  # training losses shown
@@ -95,14 +95,26 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _checkpoint_files(files: RunFiles, config: dict) -> RunFiles:
+    """The run's checkpoint folder: where its config.yaml's training.checkpoint_dir says (a URL, or a
+    local folder by `recorded_checkpoint_folder`'s rule), else `{run}/checkpoints`."""
+    named = config.get("checkpoint_dir")
+    if isinstance(named, str) and buckets.Location(named).url:
+        return RunFiles.of(named)
+    if files.in_store:
+        return RunFiles(buckets.join(files.where, CHECKPOINTS_DIR), True)
+    return RunFiles(str(recorded_checkpoint_folder(Path(files.where), named)), False)
+
+
 def _complete(files: RunFiles, name: str) -> tuple[dict | None, str | None]:
-    """(meta.json of the checkpoint `name`, None) when it is complete, else (meta or None, why not)."""
-    meta = files.json(CHECKPOINTS_DIR, name, META)
+    """(meta.json of the checkpoint `name` in the checkpoint folder `files`, None) when it is complete,
+    else (meta or None, why not)."""
+    meta = files.json(name, META)
     if meta is None or not isinstance(meta.get("files"), dict):
         return None, "no readable meta.json (a save cut short)"
     if files.in_store:
         return meta, None  # the store's `latest` is written after every file it names (checkpoint.remote)
-    folder = Path(files.where) / CHECKPOINTS_DIR / name
+    folder = Path(files.where) / name
     for listed, entry in meta["files"].items():
         size = entry.get("size") if isinstance(entry, dict) else None
         path = folder / str(listed)
@@ -114,17 +126,18 @@ def _complete(files: RunFiles, name: str) -> tuple[dict | None, str | None]:
 
 
 def _checkpoint(files: RunFiles) -> dict | None:
-    """The newest complete checkpoint: the one `latest` names, else (a local folder) the newest whole one."""
-    named = (files.text(CHECKPOINTS_DIR, LATEST) or "").strip()
+    """The newest complete checkpoint in the checkpoint folder `files`: the one `latest` names, else (a
+    local folder) the newest whole one."""
+    named = (files.text(LATEST) or "").strip()
     candidates = [named] if named and "/" not in named and named not in (".", "..") else []
     if not files.in_store:
-        candidates += [p.name for p in reversed(list_checkpoints(Path(files.where) / CHECKPOINTS_DIR))]
+        candidates += [p.name for p in reversed(list_checkpoints(Path(files.where)))]
     skipped = []
     for name in dict.fromkeys(candidates):
         meta, problem = _complete(files, name)
         if problem is None and meta is not None:
             out = {"name": name, "step": _int(meta.get("step")), "created": _number(meta.get("created"))}
-            state = files.json(CHECKPOINTS_DIR, name, TRAIN_STATE) or {}
+            state = files.json(name, TRAIN_STATE) or {}
             schedule = state.get("schedule") if isinstance(state.get("schedule"), dict) else {}
             out["total_steps"] = _int(schedule.get("total_steps"))
             if skipped:
@@ -182,7 +195,7 @@ def run_status(run: str) -> dict:
     text = files.text(METRICS_FILE)
     rows = _rows(text)
     config = _training_config(files)
-    checkpoint = _checkpoint(files)
+    checkpoint = _checkpoint(_checkpoint_files(files, config))
     if text is None and checkpoint is None and not config:
         raise UsageError(f"{run} holds no run (no metrics.jsonl, config.yaml or checkpoints); pass a run's output_dir")
     train = [r for r in rows if r.get("kind") == "train"]

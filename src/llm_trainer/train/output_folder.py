@@ -49,6 +49,15 @@ RUN_FILES = (
 )  # in output_dir, beside the checkpoints
 
 
+def recorded_checkpoint_folder(run: Path, named: object) -> Path:
+    """Where a finished or running run folder keeps its checkpoints, as its config.yaml records
+    training.checkpoint_dir (`named`, from a file that may be anyone's: any value): that folder when it
+    exists (absolute, or relative to where the run started, tried from here), else `{run}/checkpoints`."""
+    if isinstance(named, str) and named and not buckets.Location(named).url and Path(named).is_dir():
+        return Path(named)
+    return Path(run) / CHECKPOINTS_DIR
+
+
 def _checkpoint_entries(folder: Path) -> list[Path]:
     """What runs save into a checkpoint folder: its checkpoints, `latest` and best_model."""
     named = [folder / LATEST, folder / BEST]
