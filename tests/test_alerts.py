@@ -120,6 +120,18 @@ def test_a_destination_that_never_answers_is_logged_once_and_never_blocks(monkey
     assert len(rows) == 3  # recorded all the same
 
 
+@pytest.mark.parametrize("url", [f"hooks.example.com/services/{SECRET}", f"ftp://hooks.example.com/{SECRET}"])
+def test_a_malformed_webhook_url_is_named_by_its_variable_never_quoted(monkeypatch, capfd, url):
+    """A URL without its https:// (an easy slip when pasting a Slack hook): the warning names the
+    variable, not the URL, whose path is the hook's secret."""
+    monkeypatch.setenv(HOOK_ENV, url)
+    a = alerter([], retries=2)
+    a.raise_alert("stall", "x", 1)
+    a.close()
+    err = capfd.readouterr()
+    assert f"${HOOK_ENV} does not hold an http:// or https:// URL" in err.err and SECRET not in err.out + err.err
+
+
 def test_a_hook_that_refuses_the_request_is_not_retried(hook):
     hook.codes = [404]
     a = alerter([], retries=4)

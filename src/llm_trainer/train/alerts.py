@@ -39,6 +39,7 @@ import statistics
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -204,6 +205,8 @@ class Alerter:
         url = os.environ.get(config.webhook_env)
         if not url:
             raise _Permanent(f"the environment variable {config.webhook_env} is not set")
+        if urllib.parse.urlsplit(url).scheme not in ("http", "https"):  # said without the URL: it holds a secret
+            raise _Permanent(f"${config.webhook_env} does not hold an http:// or https:// URL")
         text = self.text(row)
         body = {"text": text, "content": text[:2000], "event": row["event"], "step": row["step"], "run": self.run_name}
         request = urllib.request.Request(
@@ -217,7 +220,9 @@ class Alerter:
                 raise _Permanent(f"HTTP {exc.code}") from None
             raise RuntimeError(f"HTTP {exc.code}") from None
         except urllib.error.URLError as exc:
-            raise RuntimeError(str(exc.reason)) from None  # the reason only: never the URL
+            raise RuntimeError(str(exc.reason).replace(url, f"${config.webhook_env}")) from None  # never the URL
+        except Exception as exc:  # anything else a library says may quote the URL: its secret stays out of logs
+            raise RuntimeError(f"{type(exc).__name__}: {str(exc).replace(url, '$' + config.webhook_env)}") from None
 
     def _send_email(self, row: dict) -> None:
         config = self.config
