@@ -132,6 +132,29 @@ def test_a_malformed_webhook_url_is_named_by_its_variable_never_quoted(monkeypat
     assert f"${HOOK_ENV} does not hold an http:// or https:// URL" in err.err and SECRET not in err.out + err.err
 
 
+def test_a_hook_that_never_answers_delays_the_end_by_the_close_limit_at_most_and_says_so(monkeypatch, capfd):
+    """A hook that takes the connection and never replies: the run's end waits for it no longer than
+    close's limit, and says what was not sent."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepted by the kernel, never answered
+    monkeypatch.setenv(HOOK_ENV, f"http://127.0.0.1:{silent.getsockname()[1]}/services/{SECRET}")
+    a = alerter([], timeout_s=1.0, retries=1)
+    a.raise_alert("stall", "x", 1)
+    a.raise_alert("finished", "done", 2)
+    sender = a._sender
+    started = time.perf_counter()
+    a.close(timeout=0.5)
+    assert time.perf_counter() - started < 1.0
+    err = capfd.readouterr().err
+    assert "alerts: not all sent within 0.5 s of the run's end (a destination does not answer; 1 more queued)" in err
+    assert "they are in metrics.jsonl" in err and SECRET not in err
+    sender.join(10)  # its tries time out: nothing of it reaches another test's hook
+    silent.close()
+
+
 def test_a_hook_that_refuses_the_request_is_not_retried(hook):
     hook.codes = [404]
     a = alerter([], retries=4)

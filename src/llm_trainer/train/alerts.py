@@ -146,6 +146,12 @@ class Alerter:
             return
         self._queue.put(_STOP)
         self._sender.join(timeout)
+        if self._sender.is_alive():  # a destination still retrying: what is left is dropped, and said
+            left = max(0, self._queue.qsize() - 1)  # (less the stop marker)
+            warn(
+                f"alerts: not all sent within {timeout:g} s of the run's end (a destination does not answer; "
+                f"{left} more queued); they are in metrics.jsonl"
+            )
         self._sender = None
 
     # -- sending (the background thread) ---------------------------------------------------------
