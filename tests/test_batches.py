@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 
 from conftest import tiny_model
@@ -142,3 +143,40 @@ def test_evaluate_takes_a_loader_of_ones_own_as_the_hf_style_does():
     expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), test[:, 1:].reshape(-1)).item()
     assert math.isclose(out["val_loss"], expected, rel_tol=1e-4)  # (the run evaluates in its autocast)
     assert math.isclose(out["perplexity"], math.exp(out["val_loss"]), rel_tol=1e-9)
+
+
+def test_the_best_model_is_chosen_over_the_batches_every_evaluation_covers(tmp_path):
+    """Evaluations capped at eval_max_batches, then the run's last one over the whole split: the best
+    model and early stopping compare the last one's first batches with the others, never a whole split's
+    loss (here far higher: its later batches are noise) with a part's."""
+    import json
+
+    from llm_trainer.data.batches.loader import BatchLoader, WindowRows
+
+    pattern = (np.cumsum(np.random.default_rng(0).integers(1, 3, size=3000)) % 61).astype(np.int64)
+    noise = np.random.default_rng(1).integers(0, 61, size=3 * 4 * 16 + 1)
+    train = BatchLoader(WindowRows(pattern, 16), 4, shuffle=True, seed=0)
+    val = BatchLoader(WindowRows(np.concatenate([pattern[: 4 * 16], noise]), 16), 4, shuffle=False)
+    config = TrainingConfig(
+        max_steps=15,
+        eval_steps=5,
+        eval_max_batches=1,
+        learning_rate=1e-2,
+        save_steps=0,
+        output_dir=str(tmp_path / "r"),
+        device="cpu",
+        progress_bar=False,
+        use_amp=False,
+    )
+    trainer = Trainer(model=tiny_model(max_seq_len=16), config=config, train_dataloader=train, val_dataloader=val)
+    summary = trainer.train()
+    evals = [
+        r for r in map(json.loads, (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"
+    ]
+    assert [(r["step"], r["batches"]) for r in evals] == [(5, 1), (10, 1), (15, 4)]
+    assert evals[-1]["val_loss"] > evals[0]["val_loss"]  # the whole split's loss: not comparable with the others
+    first_batch = trainer.evaluate()["val_loss"]  # the final model over the batch the others covered
+    assert first_batch < evals[1]["val_loss"] and trainer.state.best_step == 15
+    assert summary["best_val_loss"] == pytest.approx(first_batch)
+    meta = json.loads((tmp_path / "r" / "checkpoints" / "best_model" / "meta.json").read_text())
+    assert meta["metrics"]["step"] == 15

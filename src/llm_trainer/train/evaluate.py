@@ -83,9 +83,13 @@ def evaluate(
     progress: bool = False,
     sources=None,
     nll=None,
+    screen: int | None = None,
 ) -> dict:
     """{"val_loss", "perplexity", "tokens", "batches", "batches_total"} with every target token weighted
     equally; `batches` of `batches_total` (None when the loader has no length) say what was covered.
+
+    `screen`: also "screen_val_loss", the loss over the first `screen` batches alone (the batches an
+    evaluation capped at `screen` covers), when this one covered more: what compares with those.
 
     `reduce` (an in-place all-reduce) sums the totals over ranks when each rank evaluated its part.
     `progress`: show how far it has come (a bar on a terminal, lines in a log; see `logs.Progress`).
@@ -98,6 +102,7 @@ def evaluate(
     model.eval()
     device = next(model.parameters(), torch.empty(0)).device
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # (summed nll, target count)
+    screened = None  # the totals after the first `screen` batches
     total_batches = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
     shown = total_batches if max_batches is None or total_batches is None else min(total_batches, max_batches)
     done = 0
@@ -117,6 +122,8 @@ def evaluate(
             totals[0] += loss.double()
             totals[1] += (targets != IGNORE_INDEX).sum()
             done += 1
+            if done == screen:
+                screened = totals.clone()
             bar.update()
     model.train(was_training)
     if reduce is not None:
@@ -127,7 +134,7 @@ def evaluate(
     if count == 0:
         raise ValueError("the evaluation data has no target tokens")
     loss = total / count
-    return {
+    out = {
         "val_loss": loss,
         "perplexity": math.exp(min(loss, 700.0)),
         "tokens": int(count),
@@ -135,6 +142,13 @@ def evaluate(
         "batches_total": total_batches,
         **(_source_losses(by_source, sources.names) if sources is not None else {}),
     }
+    if screen is not None and done > screen:
+        assert screened is not None
+        if reduce is not None:  # every rank evaluates the same number of batches: all took this branch
+            reduce(screened)
+        part, part_count = screened.tolist()
+        out["screen_val_loss"] = part / max(part_count, 1.0)
+    return out
 
 
 def _nll_by_source(model, inputs, targets, doc_ids, labels, by_source: torch.Tensor) -> torch.Tensor:

@@ -549,15 +549,17 @@ class Trainer:
         loader = self.val_loader if dataloader is None else as_loader(dataloader, self.device)
         if loader is None:
             raise UsageError("no validation data: pass val_dataloader or set data.validation_split")
+        capped = full or dataloader is not None
         return evaluate(
             self.model,
             loader,
             autocast=self.autocast,
             reduce=self._sum_over_replicas,
-            max_batches=None if full or dataloader is not None else self.config.eval_max_batches,
+            max_batches=None if capped else self.config.eval_max_batches,
             progress=self.config.progress_bar,
             sources=getattr(loader, "source_labels", None),  # per-source losses of a mixture
             nll=self.parallel.eval_nll if self.parallel.pipelined else None,  # the stages, not the model whole
+            screen=self.config.eval_max_batches if full and dataloader is None else None,
         )
 
     def _sum_over_replicas(self, totals: torch.Tensor) -> torch.Tensor:
@@ -596,7 +598,10 @@ class Trainer:
         target = cfg.target_val_loss
         if target is not None:
             metrics, whole = self._towards_target(metrics, target)
-        loss = metrics["val_loss"]
+        # What the best model and early stopping compare: the loss over the batches every evaluation covers
+        # (a whole-split evaluation's first eval_max_batches), so that a whole split's value never meets a part's.
+        loss = metrics.pop("screen_val_loss", metrics["val_loss"])
+        over = "" if loss == metrics["val_loss"] else f" (its first {cfg.eval_max_batches} batches, as the others)"
         scores = downstream.run_during_training(self, state.step) if downstream.is_due(cfg, state.step, full) else {}
         if scores:
             self._log_metrics(downstream_row(state.step, scores))
@@ -618,9 +623,10 @@ class Trainer:
             state.patience_reference, state.evals_without_improvement = loss, 0
         else:
             state.evals_without_improvement += 1
+            by = f" by more than {cfg.early_stopping_min_delta}" if cfg.early_stopping_min_delta else ""
             self.alerts.raise_alert(
                 "eval_worse",
-                f"val_loss {loss:.4f} did not improve on {reference:.4f} ({state.evals_without_improvement} "
+                f"val_loss{over} {loss:.4f} did not improve on {reference:.4f}{by} ({state.evals_without_improvement} "
                 "evaluation(s) in a row)",
                 state.step,
             )
