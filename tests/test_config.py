@@ -430,6 +430,10 @@ def test_deepspeed_config_fills_auto_from_training(tmp_path):
         ),
         ("missing.json", "missing.json does not exist"),
         ("bad.json", "bad.json is not valid JSON"),
+        # sections given as other JSON values than objects (accelerate's `"bf16": true`): named, with an example
+        ({"bf16": True}, 'bf16 must be a JSON object such as {"enabled": true}, got True'),
+        ({"zero_optimization": "yes"}, 'zero_optimization must be a JSON object such as {"stage": 2}'),
+        ({"optimizer": {"type": "AdamW", "params": "x"}}, "optimizer.params must be a JSON object, got 'x'"),
     ],
 )
 def test_deepspeed_config_errors_name_the_problem(tmp_path, monkeypatch, deepspeed_config, message):

@@ -69,11 +69,42 @@ def _import_deepspeed(device: torch.device):
     return deepspeed
 
 
+# Sections this module reads entries of: each must be a JSON object where given
+_OBJECT_SECTIONS = {
+    "bf16": '{"enabled": true}',
+    "fp16": '{"enabled": true}',
+    "zero_optimization": '{"stage": 2}',
+    "optimizer": '{"type": "AdamW", "params": {...}}',
+    "scheduler": '{"type": "WarmupCosineLR", "params": {...}}',
+    "tensor_parallel": '{"autotp_size": 1}',
+}
+
+
+def _shape_problems(cfg: dict) -> list[str]:
+    """The sections given as something other than the JSON object DeepSpeed (and this module) reads."""
+    problems = [
+        f"{key} must be a JSON object such as {example}, got {cfg[key]!r}"
+        for key, example in _OBJECT_SECTIONS.items()
+        if key in cfg and not isinstance(cfg[key], dict)
+    ]
+    for key in ("optimizer", "scheduler"):
+        section = cfg.get(key)
+        if isinstance(section, dict) and "params" in section and not isinstance(section["params"], dict):
+            problems.append(f"{key}.params must be a JSON object, got {section['params']!r}")
+    return problems
+
+
 def load_user_config(value: str | dict | None) -> dict:
     if value is None:
         return {"zero_optimization": {"stage": 2}}
-    if isinstance(value, dict):
-        return copy.deepcopy(value)
+    loaded = copy.deepcopy(value) if isinstance(value, dict) else _read_user_config(value)
+    problems = _shape_problems(loaded)
+    if problems:
+        raise UsageError(f"training.deepspeed_config: {'; '.join(problems)}")
+    return loaded
+
+
+def _read_user_config(value: str) -> dict:
     path = Path(value)
     if not path.is_file():
         raise UsageError(
@@ -351,10 +382,12 @@ def wrap(
     try:
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     except (ValueError, AssertionError, NotImplementedError) as exc:  # its sanity checks: fp16 on CPU, ...
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        # pydantic's first line counts the errors; the field and what it should be follow it
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()][:3]
+        reason = ": ".join(lines)[:400] if lines else type(exc).__name__
         raise UsageError(
-            f"DeepSpeed refused this configuration on {device.type}: {reason}; change "
-            "training.use_amp / amp_dtype or training.deepspeed_config"
+            f"DeepSpeed refused this configuration on {device.type}: {reason}; fix training.deepspeed_config "
+            "(or training.use_amp / amp_dtype)"
         ) from None
     if training.compile:
         engine.compile()
