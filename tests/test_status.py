@@ -167,3 +167,18 @@ def test_status_and_the_registry_find_checkpoints_in_a_checkpoint_dir_of_its_own
     status = run_status(str(tmp_path / "run"))
     assert status["checkpoint"]["name"] == "checkpoint-00000006" and status["checkpoint"]["step"] == 6
     assert collect_run_info(tmp_path / "run")["model_path"] == str((outside / "best_model").resolve())
+
+
+def test_a_crash_the_run_was_resumed_after_is_not_its_state(finished_run, tmp_path):
+    """metrics.jsonl keeps an earlier attempt's `crashed` alert: once the resumed run trains on (and
+    finishes, or is killed), that crash is history, not the run's state."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns(".lock"))
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    crash = json.dumps({"kind": "alert", "step": 2, "event": "crashed", "message": "boom", "time": 0.0})
+    (run / "metrics.jsonl").write_text("\n".join([*lines[:2], crash, *lines[2:]]) + "\n")
+    assert run_status(str(run))["state"] == "finished"
+    (run / "metrics.jsonl").write_text("\n".join([*lines[:2], crash, *lines[2:-1]]) + "\n")  # then killed
+    assert run_status(str(run))["state"].startswith("not running (interrupted")
+    (run / "metrics.jsonl").write_text("\n".join([*lines, crash]) + "\n")  # the last thing it did: crash
+    assert run_status(str(run))["state"] == "crashed: boom"
