@@ -78,6 +78,7 @@ MERGES = "".join(
 )
 
 TINY = ["--config", "tiny"]
+SPACE = "training.learning_rate: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}\n"
 DEEP_RECORD = '{"text": ' + deep_json() + "}\n"
 
 # (name, argv built from tmp_path, a fragment of the one error line)
@@ -223,6 +224,36 @@ CASES = [
         lambda t: ["estimate", "--config", "gpt2-small", "training.learning_rate=1e-12"],
         "command line: TrainingConfig.min_lr (6e-05) must be between 0 and TrainingConfig.learning_rate (1e-12); set "
         "training.min_lr with it",
+    ),
+    (
+        "sweep storage of an unknown kind",
+        lambda t: [
+            "sweep",
+            *TINY,
+            "--search-space",
+            str(text_file(t, "ss.yaml", SPACE)),
+            "--trials",
+            "1",
+            "--storage",
+            "foo://x",
+            "--output-dir",
+            str(t / "sw"),
+        ],
+        "--storage foo://x cannot hold the study (",
+    ),
+    (
+        "sweep output folder that is a file",
+        lambda t: [
+            "sweep",
+            *TINY,
+            "--search-space",
+            str(text_file(t, "ss.yaml", SPACE)),
+            "--trials",
+            "1",
+            "--output-dir",
+            str(text_file(t, "f.txt", "x")),
+        ],
+        "--output-dir",
     ),
     ("unknown spike policy", lambda t: ["estimate", *TINY, "training.on_loss_spike=rewnd"], "on_loss_spike must be"),
     (

@@ -458,6 +458,13 @@ def test_sweep_completes_prunes_and_resumes(tmp_path, capsys):
     assert "best trial" in out and "llm-trainer train --config" in out and "training.learning_rate=" in out
     assert len([line for line in out.splitlines() if line.split()[:1] and line.split()[0].isdigit()]) == 4  # the table
 
+    # a second study in the same folder numbers its trials on its own, in folders of its own name
+    first = (result.root / "trial-0000" / "metrics.jsonl").read_bytes()
+    other = run_sweep(config, space, 1, study_name="other")
+    assert other.study.trials[0].user_attrs["output_dir"] == str(result.root / "other-trial-0000")
+    assert (result.root / "other-trial-0000" / "metrics.jsonl").is_file()
+    assert (result.root / "trial-0000" / "metrics.jsonl").read_bytes() == first
+
 
 @pytest.mark.slow
 def test_an_interrupted_sweep_stops_and_reruns_the_interrupted_trial(tmp_path):

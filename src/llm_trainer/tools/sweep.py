@@ -27,6 +27,7 @@ from typing import Any
 
 from ..config_loader import load_experiment, yaml_load
 from ..errors import UsageError
+from ..files.disk import writable_folder
 from ..logs import log
 from ..train.callbacks import Callback
 
@@ -232,9 +233,12 @@ def run_sweep(
     # Catch wrong keys and types now, not in the middle of the sweep.
     load_experiment(config_path, [*overrides, *(override(p.name, p.example()) for p in params)])
     root = Path(output_dir) if output_dir is not None else base.training.local_output_dir / "sweep"
-    root.mkdir(parents=True, exist_ok=True)
+    writable_folder(root, "--output-dir")
     storage = storage or f"sqlite:///{root.resolve() / 'study.db'}"
-    study_name = study_name or Path(config_path).stem
+    default_name = Path(config_path).stem
+    study_name = study_name or default_name
+    # another study in the same folder numbers its trials on its own: its folders carry its name
+    prefix = "trial" if study_name == default_name else f"{study_name}-trial"
     if pruner == "median":
         pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
     elif pruner in (None, "none"):
@@ -243,11 +247,18 @@ def run_sweep(
         raise UsageError(f"pruner must be median or none, got {pruner!r}")
 
     previous = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is said by our own line, not a traceback
     try:
-        study = optuna.create_study(
-            study_name=study_name, storage=storage, direction="minimize", pruner=pruner, load_if_exists=True
-        )
+        try:
+            study = optuna.create_study(
+                study_name=study_name, storage=storage, direction="minimize", pruner=pruner, load_if_exists=True
+            )
+        except Exception as exc:  # SQLAlchemy's: an unknown scheme, a malformed URL, a database it cannot open
+            why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            raise UsageError(
+                f"--storage {storage} cannot hold the study ({type(exc).__name__}: {why}); pass an SQLAlchemy "
+                "URL such as sqlite:///path/to/study.db in a folder that exists"
+            ) from None
         done = sum(_finished(t) for t in study.trials)
         todo = max(0, n_trials - done)
         # A fresh seed per invocation: a resumed study must not replay the first invocation's samples.
@@ -262,7 +273,7 @@ def run_sweep(
 
         def objective(trial):
             sampled = {p.name: p.suggest(trial) for p in params}
-            trial_dir = root / f"trial-{trial.number:04d}"
+            trial_dir = root / f"{prefix}-{trial.number:04d}"
             trial_overrides = [override(k, v) for k, v in sampled.items()]
             trial.set_user_attr("overrides", trial_overrides)
             trial.set_user_attr("output_dir", str(trial_dir))
