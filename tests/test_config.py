@@ -194,6 +194,12 @@ def test_yaml_json_and_overrides(tmp_path):
     )
     assert exp.training.learning_rate == 3e-4 and exp.model.n_layers == 3 and exp.model.d_model == 64
     assert exp.training.report_to == ["jsonl"] and exp.data.validation_split == 0.2
+    # one name, or several with commas, as transformers' TrainingArguments takes report_to
+    assert load_experiment(tmp_path / "c.json", ["training.report_to=tensorboard"]).training.report_to == [
+        "tensorboard"
+    ]
+    assert TrainingConfig(report_to="tensorboard, mlflow").report_to == ["tensorboard", "mlflow"]
+    assert TrainingConfig(report_to="none").report_to == []
     with pytest.raises(UsageError, match="section.key=value"):
         load_experiment(tmp_path / "c.json", ["learning_rate"])
     with pytest.raises(UsageError, match="batch_size must be an integer"):

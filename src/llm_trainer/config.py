@@ -479,6 +479,9 @@ class TrainingConfig(_Validated):
     def _coerce(self) -> None:
         if isinstance(self.alerts, dict):
             self.alerts = AlertsConfig.from_dict(self.alerts, section="TrainingConfig.alerts")
+        if isinstance(self.report_to, str):  # `report_to: tensorboard` or "tensorboard,wandb", as transformers takes it
+            names = [name.strip() for name in self.report_to.split(",") if name.strip()]
+            self.report_to = [] if names == ["none"] else names  # transformers' "none": no tracker beyond ours
 
     def _check(self) -> None:
         _require(
