@@ -255,6 +255,8 @@ CASES = [
         ],
         "--output-dir",
     ),
+    ("plot of a folder that is not there", lambda t: ["plot", str(t / "nope")], "nope not found; pass a run's"),
+    ("plot of a folder without a run", lambda t: ["plot", str(t)], "has no metrics.jsonl: it holds no run"),
     ("unknown spike policy", lambda t: ["estimate", *TINY, "training.on_loss_spike=rewnd"], "on_loss_spike must be"),
     (
         "profile steps after the run",

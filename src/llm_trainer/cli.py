@@ -21,7 +21,7 @@ CHECKPOINT = (
 )
 START_OVER = (
     "start over in a training.output_dir that holds a run: remove what a run writes there first "
-    "(metrics.jsonl, checkpoints/, config.yaml, tokenizer.json, plots/, tensorboard/; other files are kept)"
+    "(metrics.jsonl, checkpoints/, config.yaml, tokenizer.json, plots/, profile/, tensorboard/; other files are kept)"
 )
 
 

@@ -65,8 +65,10 @@ def read_run(run_dir: str | Path, label: str | None = None) -> RunSeries:
     """The training and evaluation rows of a run folder (or a metrics.jsonl file)."""
     path = Path(run_dir)
     file = path if path.is_file() else path / "metrics.jsonl"
+    if not path.exists():
+        raise UsageError(f"{path} not found; pass a run's training.output_dir (or its metrics.jsonl)")
     if not file.is_file():
-        raise UsageError(f"{path} has no metrics.jsonl; plots need a run trained with report_to including jsonl")
+        raise UsageError(f"{path} has no metrics.jsonl: it holds no run; pass a run's training.output_dir")
     series = RunSeries(label or (path.parent.name if path.is_file() else path.resolve().name))
     for line in file.read_text(encoding="utf-8").splitlines():
         try:
