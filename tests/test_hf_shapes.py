@@ -194,6 +194,11 @@ def test_encode_plus_call_and_save_pretrained_give_our_ids_padded_with_end_of_te
     assert again(texts[1])["input_ids"] == ours.encode(texts[1])
     assert again.pad_token == again.eos_token == "<|endoftext|>"
     assert ours.encode(texts[1]) == bpe().encode(texts[1])  # ours is not changed by the transformers copy
+    loaded = Tokenizer.load(ours.save(tmp_path / "file"), model_max_length=12)  # a tokenizer file, its context told
+    assert loaded.as_transformers()(texts, truncation=True, padding=True, return_tensors="pt")["input_ids"].shape == (
+        2,
+        12,
+    )
 
 
 def test_the_lessons_dataset_given_our_tokenizer_itself_says_to_pass_as_transformers():

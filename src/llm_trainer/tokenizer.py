@@ -160,12 +160,15 @@ class Tokenizer:
         return cls(backend)
 
     @classmethod
-    def load(cls, path: str | Path) -> Tokenizer:
+    def load(cls, path: str | Path, model_max_length: int | None = None) -> Tokenizer:
+        """The tokenizer.json at `path` (or in the folder `path`). A tokenizer file alone does not know
+        its model's context: `model_max_length` is where `as_transformers()` truncates (the model's
+        max_seq_len; `api.load_for_inference` sets it from the checkpoint it loads)."""
         path = Path(path)
         file = path / TOKENIZER_FILE if path.is_dir() else path
         if not file.is_file():
             raise UsageError(f"tokenizer not found at {path}; pass a tokenizer.json file or a folder holding one")
-        return cls(load_backend(file))
+        return cls(load_backend(file), model_max_length)
 
     def save(self, directory: str | Path) -> Path:
         directory = Path(directory)
