@@ -167,6 +167,10 @@ def test_training_and_data_config_errors():
     with pytest.raises(ValueError, match=r"tokenizer_vocab_size must be at least 257 for byte-level BPE .*got 100"):
         DataConfig(dataset_name="x", tokenizer_vocab_size=100)  # the trainer would make 257 without a word
     assert DataConfig(dataset_name="x", tokenizer="char", tokenizer_vocab_size=100).tokenizer == "char"
+    with pytest.raises(ValueError, match="target_val_loss must be positive or null, got -1.0"):
+        TrainingConfig(target_val_loss=-1.0)  # a loss below 0 is never reached
+    with pytest.raises(ValueError, match="early_stopping_patience counts evaluations, but eval_steps is 0"):
+        TrainingConfig(early_stopping_patience=2, eval_steps=0)
     with pytest.raises(TypeError):
         TrainingConfig(8)  # keyword-only
 
@@ -219,6 +223,8 @@ def test_an_override_nested_as_the_pretraining_guide_nests_its_yaml(tmp_path):
     assert exp.training.fsdp_sharding == "shard_grad_op" and exp.training.gradient_checkpointing is True
     with pytest.raises(UsageError, match="did you mean distributed.fsdp_config.sharding_strategy"):
         load_experiment(path, ["distributed.fsdp_config.sharding_strateg=SHARD_GRAD_OP"])
+    with pytest.raises(UsageError, match=r"^command line: TrainingConfig.fsdp_sharding must be"):  # not the file's
+        load_experiment(path, ["distributed.fsdp_config.sharding_strategy=NO_SHARD"])
 
 
 def test_switches_spelled_elsewhere_set_the_training_fields(tmp_path):

@@ -514,9 +514,15 @@ class TrainingConfig(_Validated):
             "total_batch_tokens",
             "eval_batch_size",
             "layer_stats_steps",
+            "target_val_loss",  # a loss is never below 0: a target at or under it is never reached
         ):
             value = getattr(self, name)
             _require(value is None or value > 0, f"TrainingConfig.{name} must be positive or null, got {value}")
+        _require(
+            not (self.early_stopping_patience and self.eval_steps == 0),
+            "TrainingConfig.early_stopping_patience counts evaluations, but eval_steps is 0 (one evaluation, at the "
+            "end): set training.eval_steps",
+        )
         for name in ("save_steps", "eval_steps", "warmup_steps"):
             value = getattr(self, name)
             _require(value is None or value >= 0, f"TrainingConfig.{name} must be >= 0, got {value}")

@@ -149,14 +149,15 @@ def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple
             config_aliases.set_override(data, section, key, value)
         except ValueError:
             raise UsageError(f"section {section!r} in {path} must be a mapping") from None
-    _, problems = config_aliases.canonical_experiment(given, ExperimentConfig.known_fields())
+    ours, problems = config_aliases.canonical_experiment(given, ExperimentConfig.known_fields())
     typos = [problem for problem in problems if problem.startswith("unknown")]  # keys no config knows
     if typos:
         raise UsageError(f"command line: {config_aliases.one_message(typos)}")
     try:
         return ExperimentConfig.from_dict(data)
     except ValueError as exc:
-        where = "command line: " if _names_an_override(str(exc), given) else f"{path}: " if path is not None else ""
+        named = _names_an_override(str(exc), given) or _names_an_override(str(exc), ours)  # (ours: `distributed.*`)
+        where = "command line: " if named else f"{path}: " if path is not None else ""
         raise UsageError(f"{where}{exc}") from None
 
 
