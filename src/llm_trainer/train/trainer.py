@@ -549,13 +549,13 @@ class Trainer:
         loader = self.val_loader if dataloader is None else as_loader(dataloader, self.device)
         if loader is None:
             raise UsageError("no validation data: pass val_dataloader or set data.validation_split")
-        capped = full or dataloader is not None
+        whole = full or dataloader is not None  # every batch of it
         return evaluate(
             self.model,
             loader,
             autocast=self.autocast,
             reduce=self._sum_over_replicas,
-            max_batches=None if capped else self.config.eval_max_batches,
+            max_batches=None if whole else self.config.eval_max_batches,
             progress=self.config.progress_bar,
             sources=getattr(loader, "source_labels", None),  # per-source losses of a mixture
             nll=self.parallel.eval_nll if self.parallel.pipelined else None,  # the stages, not the model whole
