@@ -283,3 +283,26 @@ def test_wandb_without_a_login_is_one_line_and_leaves_no_run_behind(tmp_path):
     assert "\n" not in message and "wandb login" in message and "WANDB_MODE=offline" in message
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     assert os.environ.get("HOME") != env["HOME"]  # (this process's own settings untouched)
+
+
+def test_tensorboard_drops_what_a_resume_or_a_rewind_replays(tmp_path):
+    """A run killed at step 6 and resumed from its checkpoint at step 3, then rewound to step 4 by a
+    spike: TensorBoard shows each step once, with the values of the run that went on, as metrics.jsonl."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from llm_trainer.train.metrics import TensorBoardLogger
+
+    first = TensorBoardLogger(tmp_path, {})
+    for step in range(1, 7):
+        first.log({"kind": "train", "step": step, "loss": 10.0 + step})
+    first.close()
+    resumed = TensorBoardLogger(tmp_path, {}, resumed_at=3)
+    for step in (4, 5):
+        resumed.log({"kind": "train", "step": step, "loss": 1.0 + step})
+    resumed.rewound(4)
+    resumed.log({"kind": "train", "step": 5, "loss": 0.5})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 11), (2, 12), (3, 13), (4, 5), (5, 0.5)]

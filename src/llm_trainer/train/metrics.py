@@ -192,12 +192,14 @@ def coverage(row: dict) -> str:
 class TensorBoardLogger:
     """Scalars (train/loss, eval/perplexity, ...), the config as text and hparams, in `directory`."""
 
-    def __init__(self, directory: Path, config: dict):
+    def __init__(self, directory: Path, config: dict, resumed_at: int | None = None):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise UsageError(f"report_to tensorboard needs tensorboard: {INSTALL_HINT}") from None
-        self.writer = SummaryWriter(str(directory))
+        self.directory, self._writer_class = directory, SummaryWriter
+        # a resumed run: TensorBoard drops what the interrupted run logged after step `resumed_at`
+        self.writer = SummaryWriter(str(directory), purge_step=None if resumed_at is None else resumed_at + 1)
         log(f"tensorboard: writing to {directory} (view: tensorboard --logdir {directory})")
         self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```")
         self._write_hparams(config)
@@ -228,6 +230,11 @@ class TensorBoardLogger:
         """Histograms given as TensorBoard's raw fields (`train.layer_stats`)."""
         for name, fields in histograms.items():
             self.writer.add_histogram_raw(name, global_step=step, **fields)
+
+    def rewound(self, step: int) -> None:
+        """The run went back to `step`: what was logged after it is dropped when TensorBoard reads the run."""
+        self.writer.close()
+        self.writer = self._writer_class(str(self.directory), purge_step=step + 1)
 
     def close(self) -> None:
         if getattr(self, "_hparams_end", None) is not None:
@@ -383,7 +390,7 @@ def build_loggers(
             elif name == "jsonl":
                 built[name] = JsonlLogger(output_dir, resumed_at)
             elif name == "tensorboard":
-                built[name] = TensorBoardLogger(tensorboard_dir or output_dir / "tensorboard", config)
+                built[name] = TensorBoardLogger(tensorboard_dir or output_dir / "tensorboard", config, resumed_at)
             elif name == "wandb":
                 built[name] = WandbLogger(output_dir, config)
             elif name == "mlflow":
@@ -423,7 +430,8 @@ class MetricsTracker:
                 logger.log(row)
 
     def rewound(self, step: int) -> None:
-        """The run went back to `step`: metrics.jsonl drops what was logged after it (other backends keep it)."""
+        """The run went back to `step`: metrics.jsonl and TensorBoard drop what was logged after it (W&B and
+        MLflow cannot: they keep it)."""
         for logger in self.loggers:
             if hasattr(logger, "rewound"):
                 logger.rewound(step)
