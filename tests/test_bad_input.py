@@ -58,6 +58,11 @@ def text_file(root: Path, name: str, text: str) -> Path:
     return root / name
 
 
+def sweep(root: Path, *options: str) -> list[str]:
+    """`llm-trainer sweep` of one trial over a one-parameter search space, with `options`."""
+    return ["sweep", *TINY, "--search-space", str(text_file(root, "ss.yaml", SPACE)), "--trials", "1", *options]
+
+
 def deep_json(levels: int = 100_000) -> str:
     return '{"a": ' * levels + "1" + "}" * levels
 
@@ -227,32 +232,12 @@ CASES = [
     ),
     (
         "sweep storage of an unknown kind",
-        lambda t: [
-            "sweep",
-            *TINY,
-            "--search-space",
-            str(text_file(t, "ss.yaml", SPACE)),
-            "--trials",
-            "1",
-            "--storage",
-            "foo://x",
-            "--output-dir",
-            str(t / "sw"),
-        ],
+        lambda t: sweep(t, "--storage", "foo://x", "--output-dir", str(t / "sw")),
         "--storage foo://x cannot hold the study (",
     ),
     (
         "sweep output folder that is a file",
-        lambda t: [
-            "sweep",
-            *TINY,
-            "--search-space",
-            str(text_file(t, "ss.yaml", SPACE)),
-            "--trials",
-            "1",
-            "--output-dir",
-            str(text_file(t, "f.txt", "x")),
-        ],
+        lambda t: sweep(t, "--output-dir", str(text_file(t, "f.txt", "x"))),
         "--output-dir",
     ),
     ("plot of a folder that is not there", lambda t: ["plot", str(t / "nope")], "nope not found; pass a run's"),
