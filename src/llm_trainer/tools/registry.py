@@ -154,9 +154,11 @@ def model_fingerprint(model_path: str | Path | None) -> str | None:
     """What identifies the weights in a model folder: a hash of its meta.json's record of every file
     (sizes and checksums, computed when it was saved); None without one. A run trained again into the
     same folder (`--overwrite`) changes it, while the registered version still points there."""
+    from ..checkpoint.layout import META
+
     if model_path is None:
         return None
-    meta = _read_json(Path(model_path) / "meta.json")
+    meta = _read_json(Path(model_path) / META)
     files = (meta or {}).get("files")
     if not isinstance(files, dict):
         return None

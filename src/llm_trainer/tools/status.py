@@ -203,8 +203,13 @@ def run_status(run: str) -> dict:
     alerts = [r for r in rows if r.get("kind") == "alert"]
     last_row = rows[-1] if rows else None
     summary = last_row if last_row is not None and last_row.get("kind") == "summary" else None
-    ended = next((r for r in reversed(alerts) if r.get("event") in ("crashed", "finished", "stopped")), None)
-    if ended is not None and any(r.get("kind") in ("train", "summary") for r in rows[_index(rows, ended) + 1 :]):
+    ends = [
+        i
+        for i, r in enumerate(rows)
+        if r.get("kind") == "alert" and r.get("event") in ("crashed", "finished", "stopped")
+    ]
+    ended = rows[ends[-1]] if ends else None
+    if ends and any(r.get("kind") in ("train", "summary") for r in rows[ends[-1] + 1 :]):
         ended = None  # an earlier attempt's end: the run was resumed after it
     last = train[-1] if train else {}
     step = _int((summary or last).get("step"))
@@ -234,11 +239,6 @@ def run_status(run: str) -> dict:
     if lock["held"] and step is not None and total and step_time:
         out["eta_s"] = max(0, total - step) * step_time
     return out
-
-
-def _index(rows: list[dict], row: dict) -> int:
-    """The position of `row` (the very object) in `rows`."""
-    return next(i for i, r in enumerate(rows) if r is row)
 
 
 def _age(files: RunFiles) -> float | None:

@@ -560,9 +560,9 @@ def _text_file_documents(
 
 def _split_by_words(text: str, limit: int) -> list[str]:
     """`text` cut as `split_long_text` cuts it, into pieces of about `limit` words each (as the max_words
-    filter counts them), when it holds more."""
-    count = words(text).count
-    if count <= limit:
+    filter counts them), when it holds more. A text of at most `limit` characters holds at most `limit`
+    words, so only a longer one is counted."""
+    if len(text) <= limit or (count := words(text).count) <= limit:
         return [text]
     return split_long_text(text, max(1, len(text) * limit // count))
 
