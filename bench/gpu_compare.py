@@ -517,22 +517,33 @@ def header(log: Path) -> list[str]:
 
 def kernel_breakdown(trace: Path, top: int = 20) -> dict:
     """Where the profiled steps' time went, from the Chrome trace our profiler writes: GPU kernels (and
-    copies) by total time, grouped by kind, against the steps' wall time. Without a GPU the trace has
-    only CPU ops; each op's own time (less the ops it calls) is counted, so the shares add up to one."""
+    copies) by total time, grouped by kind, against the time from the steps' first kernel to their last.
+    Without a GPU the trace has only CPU ops; each op's own time (less the ops it calls) is counted, so
+    the shares add up to one, against the steps' wall time.
+
+    A kernel counts when the host launched it inside a profiled step (its correlation id names the
+    launch): the host runs ahead of the GPU, so the trace also holds kernels queued before the first
+    profiled step, which would otherwise be counted as the profiled steps' work."""
     events = json.loads(trace.read_text()).get("traceEvents", [])
-    spans = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    source = "CUDA kernels"
-    if spans:
-        times = [(str(e.get("name")), float(e.get("dur", 0))) for e in spans]
-    else:
-        source = "CPU ops, self time"
-        times = self_times([e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"])
     steps = [
         e
         for e in events
         if e.get("ph") == "X" and e.get("cat") == "user_annotation" and str(e.get("name")).startswith("ProfilerStep#")
     ]
+    spans = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     n = max(len(steps), 1)
+    if spans:
+        source = "CUDA kernels"
+        launched = launched_in(events, steps)
+        if launched:  # a trace without the launches keeps every kernel
+            spans = [e for e in spans if (e.get("args") or {}).get("correlation") in launched]
+        times = [(str(e.get("name")), float(e.get("dur", 0))) for e in spans]
+        first = min((float(e.get("ts", 0)) for e in spans), default=0.0)
+        wall = max((float(e.get("ts", 0)) + float(e.get("dur", 0)) for e in spans), default=0.0) - first
+    else:
+        source = "CPU ops, self time"
+        times = self_times([e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"])
+        wall = sum(float(e.get("dur", 0)) for e in steps)
     by_name: dict[str, list[float]] = {}
     for name, duration in times:
         entry = by_name.setdefault(name, [0.0, 0])
@@ -544,7 +555,6 @@ def kernel_breakdown(trace: Path, top: int = 20) -> dict:
         lower = name.lower()
         group = next((g for g, keys in KERNEL_GROUPS if any(k in lower for k in keys)), "other")
         groups[group] = groups.get(group, 0.0) + total
-    wall = sum(float(e.get("dur", 0)) for e in steps)
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "source": source,
@@ -561,6 +571,18 @@ def kernel_breakdown(trace: Path, top: int = 20) -> dict:
             }
             for name, (t, c) in ranked
         ],
+    }
+
+
+def launched_in(events: list[dict], steps: list[dict]) -> set:
+    """The correlation ids of the GPU work the host launched (CUDA runtime or driver calls) inside one
+    of `steps`' spans."""
+    windows = [(float(s.get("ts", 0)), float(s.get("ts", 0)) + float(s.get("dur", 0))) for s in steps]
+    return {
+        (e.get("args") or {}).get("correlation")
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and any(start <= float(e.get("ts", 0)) < end for start, end in windows)
     }
 
 
@@ -684,12 +706,18 @@ def readme_lines(report: dict) -> str:
         )
     kernels = report["steps"].get("gpt2_nanogpt_shape", {}).get("kernels")
     if kernels and kernels.get("groups"):
-        shares = ", ".join(f"{g} {s * 100:.0f}%" for g, s in list(kernels["groups"].items())[:6])
-        lines.append(
-            f"- Where GPT-2's step goes at nanoGPT's shape ({kernels['source']}, {kernels['steps']} profiled steps, "
-            f"{kernels['busy_ms_per_step']:.1f} ms busy of {kernels['wall_ms_per_step']:.1f} ms): {shares}"
-        )
+        lines.append(kernel_line("Where GPT-2's step goes at nanoGPT's shape", kernels))
     return "\n".join(lines) + "\n"
+
+
+def kernel_line(what: str, kernels: dict) -> str:
+    """One README line from `kernel_breakdown`: the time per step and the six largest groups' shares."""
+    shares = ", ".join(f"{g} {v * 100:.0f}%" for g, v in list(kernels["groups"].items())[:6])
+    span = "from its first kernel to its last" if kernels["source"] == "CUDA kernels" else "of wall time"
+    return (
+        f"- {what} ({kernels['source']}, {kernels['steps']} profiled steps: {kernels['busy_ms_per_step']:.1f} ms "
+        f"busy per step of {kernels['wall_ms_per_step']:.1f} ms {span}): {shares}"
+    )
 
 
 def followup_lines(report: dict, baseline: dict | None) -> str:
@@ -723,11 +751,7 @@ def followup_lines(report: dict, baseline: dict | None) -> str:
                 )
         kernels = f8.get("kernels")
         if kernels and kernels.get("groups"):
-            shares = ", ".join(f"{g} {v * 100:.0f}%" for g, v in list(kernels["groups"].items())[:6])
-            lines.append(
-                f"- Where its step goes ({kernels['source']}, {kernels['steps']} profiled steps, "
-                f"{kernels['busy_ms_per_step']:.1f} ms busy of {kernels['wall_ms_per_step']:.1f} ms): {shares}"
-            )
+            lines.append(kernel_line("Where its step goes", kernels))
     for key in ("saved_gpt2", "saved_llama1b"):
         for row in steps.get(key, {}).get("rows") or []:
             r = steps[key]

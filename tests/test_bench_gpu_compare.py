@@ -1,0 +1,63 @@
+"""bench/gpu_compare.py's kernel breakdown: what a profiled step's GPU time is, read from a trace."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "gpu_compare.py"
+
+
+def _gpu_compare():
+    spec = importlib.util.spec_from_file_location("gpu_compare", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _trace(tmp_path: Path) -> Path:
+    """Two profiled steps of 100 us on the host, each launching one 40 us matmul and one 10 us triton
+    kernel; the GPU runs behind, so the trace also holds a 60 us kernel launched before the first step."""
+    events = [{"ph": "X", "cat": "kernel", "name": "queued_before", "ts": 5, "dur": 60, "args": {"correlation": 1}}]
+    for step in range(2):
+        start = 100 + step * 100
+        events.append(
+            {"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{6 + step}", "ts": start, "dur": 100}
+        )
+        for i, (name, kind, duration) in enumerate(
+            (("nvjet_gemm", "cuda_runtime", 40), ("triton_poi", "cuda_driver", 10))
+        ):
+            correlation = 10 + 2 * step + i
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": kind,
+                    "name": "launch",
+                    "ts": start + 5 + i,
+                    "dur": 1,
+                    "args": {"correlation": correlation},
+                }
+            )
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": "kernel",
+                    "name": name,
+                    "ts": start + 60 + 50 * i,
+                    "dur": duration,
+                    "args": {"correlation": correlation},
+                }
+            )
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_kernels_count_for_the_steps_that_launched_them(tmp_path):
+    breakdown = _gpu_compare().kernel_breakdown(_trace(tmp_path))
+    assert breakdown["steps"] == 2
+    assert breakdown["busy_ms_per_step"] == 0.05  # 40 + 10 us; the kernel queued before the steps is not theirs
+    assert breakdown["wall_ms_per_step"] == 0.08  # 160..320 us from the first kernel to the last, over two steps
+    assert [row["name"] for row in breakdown["top"]] == ["nvjet_gemm", "triton_poi"]
+    assert breakdown["groups"] == {"matmul": 0.8, "compiled (triton)": 0.2}
