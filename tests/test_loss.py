@@ -133,6 +133,34 @@ def test_chunks_are_even_and_bounded():
     assert chunk_rows(64, 65) == 64  # a character vocabulary: one chunk
 
 
+def test_a_compiled_loss_traces_a_bounded_number_of_chunks_and_keeps_its_values(monkeypatch):
+    """The compiler traces the chunk loop once per chunk, so a compiled loss takes at most
+    `COMPILED_MAX_CHUNKS` larger chunks where eager takes many (64 here): the traced graph holds that many
+    head matmuls whatever the batch, and the loss and gradients stay F.cross_entropy's."""
+    monkeypatch.setattr(loss, "SMALL_LOGITS", 0)
+    monkeypatch.setattr(loss, "CHUNK_LOGITS", 1 << 12)  # 4 positions a chunk at a vocabulary of 1024
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    hidden = torch.randn(256, 32, requires_grad=True)
+    weight = torch.randn(1024, 32, requires_grad=True)
+    targets = torch.randint(0, 1024, (256,))
+    matmuls = []
+
+    def counting(graph_module, example_inputs):  # a backend that counts the traced graph's head matmuls
+        graphs = [m for m in graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+        matmuls.append(sum("linear" in str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"))
+        return graph_module.forward
+
+    assert 256 // chunk_rows(256, 1024) == 64
+    got = torch.compile(lambda h, w, t: linear_cross_entropy(h, w, t), backend=counting)(hidden, weight, targets)
+    assert matmuls == [loss.COMPILED_MAX_CHUNKS]
+    have = torch.autograd.grad(got, [hidden, weight])
+    expected = _reference(hidden, weight, targets, None)
+    torch.testing.assert_close(got, expected)
+    for g, w in zip(have, torch.autograd.grad(expected, [hidden, weight])):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
 def test_the_model_computes_the_loss_it_would_give_from_its_logits_with_document_masks(monkeypatch):
     """model(idx, targets=, doc_ids=) is the summed cross-entropy of model(idx, doc_ids=)'s logits, in
     value and in every parameter's gradient (the chunked gradient, which this tiny head would otherwise

@@ -35,14 +35,20 @@ CHUNK_LOGITS = 1 << 25
 # the step's activations, and autograd through F.cross_entropy's fused kernels is faster than the
 # chunked gradient's extra elementwise passes, so they are computed whole.
 SMALL_LOGITS = 1 << 20
+# Chunks a compiled graph holds at most: the compiler traces the chunk loop once per chunk, so the
+# compile time grows with their count (and so with the batch); past this many the chunks grow instead.
+COMPILED_MAX_CHUNKS = 16
 
 
-def chunk_rows(rows: int, vocab: int, budget: int | None = None) -> int:
+def chunk_rows(rows: int, vocab: int, budget: int | None = None, *, compiled: bool = False) -> int:
     """Positions per chunk: as many as fit `budget` logits (`CHUNK_LOGITS`), spread evenly so the last
-    chunk is not a sliver (equal chunks compile to one kernel shape)."""
+    chunk is not a sliver (equal chunks compile to one kernel shape); `compiled` (the loop is being
+    traced by torch.compile): at most `COMPILED_MAX_CHUNKS` chunks, each larger where need be."""
     budget = budget or CHUNK_LOGITS
     per_chunk = max(1, budget // max(vocab, 1))
     chunks = max(1, math.ceil(rows / per_chunk))
+    if compiled:
+        chunks = min(chunks, COMPILED_MAX_CHUNKS)
     return max(1, math.ceil(rows / chunks))
 
 
@@ -142,7 +148,7 @@ def linear_cross_entropy(
     _check_vocab(weight, vocab)
     shape = targets.shape
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    rows = rows or chunk_rows(hidden.shape[0], weight.shape[0])
+    rows = rows or chunk_rows(hidden.shape[0], weight.shape[0], compiled=torch.compiler.is_compiling())
     wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if reduction == "sum" and wants_grad and hidden.shape[0] * weight.shape[0] > SMALL_LOGITS:
         return _FusedLinearCrossEntropy.apply(hidden, weight, targets, softcap, rows, vocab or weight.shape[0])
@@ -166,7 +172,7 @@ def token_logprobs(
     the positions' full log-softmax. hidden (N, C), weight (V, C), targets (N,), none ignored; `vocab`
     as in `linear_cross_entropy`."""
     _check_vocab(weight, vocab)
-    rows = chunk_rows(hidden.shape[0], weight.shape[0])
+    rows = chunk_rows(hidden.shape[0], weight.shape[0], compiled=torch.compiler.is_compiling())
     logprobs, greedy = [], []
     for start in range(0, hidden.shape[0], rows):
         logits, _ = _capped(real_columns(F.linear(hidden[start : start + rows], weight), vocab), softcap)

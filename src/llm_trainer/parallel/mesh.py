@@ -99,6 +99,13 @@ def stacks_projections(strategy: str, tp: int) -> bool:
     return strategy in WHOLE_WEIGHT_STRATEGIES and tp == 1
 
 
+def compiles_whole_model(training: TrainingConfig, strategy: str) -> bool:
+    """Whether torch.compile traces the whole model, its loss included: under FSDP2 each block is compiled
+    on its own instead (its hooks run between the blocks' graphs). What parallelize applies and what the
+    memory estimate counts (the compiled loss's chunks, `loss.chunk_rows`)."""
+    return training.compile and strategy != "fsdp"
+
+
 def strategy_of(training: TrainingConfig) -> str:
     """distributed_strategy with `auto` decided for several processes: fsdp when a data-parallel shard
     degree is given (torchtitan's `data_parallel_shard_degree: -1` included), else ddp."""

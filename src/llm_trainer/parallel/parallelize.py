@@ -47,7 +47,7 @@ from ..logs import log
 from ..model import set_fused_projections
 from .distributed import DistInfo
 from .float8 import apply_float8, check_float8
-from .mesh import resolve_layout, stacks_projections
+from .mesh import compiles_whole_model, resolve_layout, stacks_projections
 from .strategies import DDP, FSDP, DeepSpeed, Parallelism, Pipeline
 
 
@@ -209,7 +209,7 @@ def parallelize(
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if config.compile and dist.strategy != "deepspeed":
-        apply_compile(model, per_block=dist.strategy == "fsdp")
+        apply_compile(model, per_block=not compiles_whole_model(config, dist.strategy))
     on_meta = any(p.is_meta for p in model.parameters())
     every = list(model.named_parameters()) if pp > 1 and on_meta else None
     stages, names = None, [clean_name(name) for name, _ in model.named_parameters()] if pp > 1 else []

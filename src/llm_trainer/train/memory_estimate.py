@@ -81,7 +81,14 @@ import torch
 
 from .. import resolve
 from ..config import ModelConfig, TrainingConfig
-from ..parallel.mesh import MULTI_STAGE_SCHEDULES, V_SCHEDULES, Layout, stacks_projections, strategy_of
+from ..parallel.mesh import (
+    MULTI_STAGE_SCHEDULES,
+    V_SCHEDULES,
+    Layout,
+    compiles_whole_model,
+    stacks_projections,
+    strategy_of,
+)
 from ..resolve import activation_checkpointing
 from .flops import count_parameters
 
@@ -414,7 +421,8 @@ def _head_bytes(c: ModelConfig, training: TrainingConfig, tokens: int, head_grad
     saved = tokens * (4.0 - a) * d  # the input's fp32 gradient instead of its (16-bit under amp) copy
     accumulator = 4.0 * vocab * d  # the weight's fp32 gradient, summed over the chunks
     # one chunk at its widest: its logits (and their fp32 copy under amp) beside their log-softmax
-    chunk = chunk_rows(tokens, vocab) * vocab * (a + 8 if training.use_amp else 8)
+    rows = chunk_rows(tokens, vocab, compiled=compiles_whole_model(training, strategy_of(training)))
+    chunk = rows * vocab * (a + 8 if training.use_amp else 8)
     product = (a + 4.0) * vocab * d if training.use_amp else 4.0 * vocab * d  # the chunk's weight gradient
     # forward: accumulator + chunk + product; backward's start: accumulator + the head's gradient
     return saved, accumulator + max(chunk + product - head_grad, 0.0)
