@@ -131,6 +131,13 @@ def test_chunks_are_even_and_bounded():
     rows = chunk_rows(16 * 1024, 50257)
     assert rows * 50257 <= 1 << 25 and (16 * 1024) % rows < rows
     assert chunk_rows(64, 65) == 64  # a character vocabulary: one chunk
+    # compiled: 99 chunks of 64 x 1024 become COMPILED_MAX_CHUNKS larger ones, none past its logits' bound
+    for positions in (64 * 1024, 1_000_000):
+        rows = chunk_rows(positions, 50304, compiled=True)
+        assert rows * 50304 <= loss.COMPILED_CHUNK_LOGITS
+        assert -(-positions // rows) == max(
+            loss.COMPILED_MAX_CHUNKS, -(-positions * 50304 // loss.COMPILED_CHUNK_LOGITS)
+        )
 
 
 def test_a_compiled_loss_traces_a_bounded_number_of_chunks_and_keeps_its_values(monkeypatch):

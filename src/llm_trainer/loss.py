@@ -36,19 +36,22 @@ CHUNK_LOGITS = 1 << 25
 # chunked gradient's extra elementwise passes, so they are computed whole.
 SMALL_LOGITS = 1 << 20
 # Chunks a compiled graph holds at most: the compiler traces the chunk loop once per chunk, so the
-# compile time grows with their count (and so with the batch); past this many the chunks grow instead.
+# compile time grows with their count (and so with the batch); past this many the chunks grow instead,
+# up to 8 times `CHUNK_LOGITS` logits each (1 GiB in float32), past which their count grows again.
 COMPILED_MAX_CHUNKS = 16
+COMPILED_CHUNK_LOGITS = 8 * CHUNK_LOGITS
 
 
 def chunk_rows(rows: int, vocab: int, budget: int | None = None, *, compiled: bool = False) -> int:
     """Positions per chunk: as many as fit `budget` logits (`CHUNK_LOGITS`), spread evenly so the last
     chunk is not a sliver (equal chunks compile to one kernel shape); `compiled` (the loop is being
-    traced by torch.compile): at most `COMPILED_MAX_CHUNKS` chunks, each larger where need be."""
+    traced by torch.compile): at most `COMPILED_MAX_CHUNKS` chunks of up to `COMPILED_CHUNK_LOGITS`."""
     budget = budget or CHUNK_LOGITS
     per_chunk = max(1, budget // max(vocab, 1))
     chunks = max(1, math.ceil(rows / per_chunk))
     if compiled:
-        chunks = min(chunks, COMPILED_MAX_CHUNKS)
+        fewest = math.ceil(rows / max(1, COMPILED_CHUNK_LOGITS // max(vocab, 1)))
+        chunks = min(chunks, max(COMPILED_MAX_CHUNKS, fewest))
     return max(1, math.ceil(rows / chunks))
 
 
