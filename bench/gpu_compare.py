@@ -34,18 +34,20 @@ device call carries, with torchao's wheel for the follow-up.
     python bench/gpu_compare.py --followup [--best-batch N] [--baseline FILE] [OUT_DIR]
 
 is the second, shorter call, on the same warm machine (a GPU lease has room for about one more): what
-the first call leaves out, most telling first, inside `--budget` (default 200 s):
+the first call leaves out, most telling first, inside `--budget` (default 250 s):
 
   torchao      torchao's wheel from bench/.peers/wheels, into a scratch folder (the device has no network)
-  gpt2_best_float8   ours at the best batch with `training.float8: true`, profiled like the first
-               GPT-2 run; with `--baseline` (the first call's gpu_compare.json) set against our bf16 run
-               and nanoGPT's at that batch
-  saved_gpt2, saved_llama1b   bench/saved_activations.py on the GPU: what the compiled GPT-2 124M
-               (12 x 1024) and 1.0B (8 x 2048) keep for the backward, against eager
+  llama1b_float8   the 1.0B with `training.float8: true` at the first call's settings (one GPU, no
+               sharding, no checkpointing); with `--baseline` (the first call's gpu_compare.json) set
+               against its bf16 run
   estimate_test  tests/test_estimate_measured.py's CUDA case: the estimate within 10% of the peak
+  gpt2_best_float8   GPT-2 at the best batch in float8, profiled like the first GPT-2 run, set against
+               our bf16 run and nanoGPT's at that batch
+  saved_llama1b, saved_gpt2   bench/saved_activations.py on the GPU: what the compiled 1.0B (8 x 2048)
+               and GPT-2 124M (12 x 1024) keep for the backward, against eager
 
-and writes `followup.json`, `followup_lines.md` and `logs.txt`. With `--cpu-dry-run` the float8 run,
-which needs a GPU, runs in bf16.
+and writes `followup.json`, `followup_lines.md` and `logs.txt`. With `--cpu-dry-run` the float8 runs,
+which need a GPU, run in bf16.
 """
 
 from __future__ import annotations
@@ -147,7 +149,9 @@ class Settings:
                 llama_steps=4,
                 profile_steps=(3, 4),
                 max_documents=40,
-                limits=dict(env=30, prepare=60, plan=60, gpt2=60, nanogpt=60, llama1b=60, saved=120, test=90),
+                limits=dict(
+                    env=30, prepare=60, plan=60, gpt2=60, nanogpt=60, llama1b=60, float8=60, saved=120, test=90
+                ),
             )
         return Settings(
             cpu=False,
@@ -163,7 +167,7 @@ class Settings:
             profile_steps=(6, 8),
             max_documents=300,
             # sized from the steps' wall times on a GPU (bench/README): compilation is most of each run
-            limits=dict(env=20, prepare=60, plan=40, gpt2=140, nanogpt=80, llama1b=150, saved=70, test=90),
+            limits=dict(env=20, prepare=60, plan=40, gpt2=170, nanogpt=80, llama1b=150, float8=180, saved=70, test=90),
         )
 
 
@@ -206,6 +210,7 @@ class Run:
                 proc.wait()
                 rc, status = None, "timeout"
         record = {"status": status, "returncode": rc, "wall_s": round(time.monotonic() - start, 1), "limit_s": limit}
+        record["log"] = str(log)
         print(f"[{name}] {status} in {record['wall_s']} s (limit {limit} s)", flush=True)
         return record
 
@@ -254,7 +259,7 @@ def env_step(run: Run) -> dict:
     )
     record = run.step("env", [sys.executable, "-c", code], REPO_ROOT, run.settings.limits["env"])
     if record["status"] == "ok":
-        record.update(_last_json(run.logs[-1]) or {})
+        record.update(_last_json(log_of(record)) or {})
     return record
 
 
@@ -300,7 +305,7 @@ def estimate(run: Run, name: str, overrides: list[str], memory_gib: float) -> di
     cmd = [sys.executable, "-m", "llm_trainer", "estimate", "--config", "configs/gpt2-small.yaml"]
     cmd += [*overrides, f"model.vocab_size={VOCAB}", "--device-memory", str(memory_gib), "--json"]
     record = run.step(name, cmd, REPO_ROOT, run.settings.limits["plan"] // 2)
-    return _last_json(run.logs[-1], whole=True) if record["status"] == "ok" else None
+    return _last_json(log_of(record), whole=True) if record["status"] == "ok" else None
 
 
 def plan_step(run: Run, memory_gib: float | None) -> dict:
@@ -323,15 +328,15 @@ def plan_step(run: Run, memory_gib: float | None) -> dict:
     return plan
 
 
-def ours_gpt2(run: Run, name: str, batch: int, profile: bool, extra: tuple[str, ...] = ()) -> dict:
+def ours_gpt2(run: Run, name: str, batch: int, profile: bool, extra: tuple[str, ...] = (), limit: str = "gpt2") -> dict:
     s = run.settings
     out = run.work / name
     cmd = [sys.executable, "-m", "llm_trainer", "train", "--config", "configs/gpt2-small.yaml", *s.gpt2, *extra]
     cmd += _loop_overrides(out, batch, s.gpt2_steps) + data_overrides(run)
     if profile:
         cmd.append(f"training.profile_steps=[{s.profile_steps[0]},{s.profile_steps[1]}]")
-    record = run.step(name, cmd, REPO_ROOT, s.limits["gpt2"])
-    record.update(batch=batch, context=s.context, header=header(run.logs[-1]), **summarise(out))
+    record = run.step(name, cmd, REPO_ROOT, s.limits[limit])
+    record.update(batch=batch, context=s.context, header=header(log_of(record)), **summarise(out))
     if profile:
         traces = sorted((out / "profile").glob("*.pt.trace.json")) if (out / "profile").is_dir() else []
         record["kernels"] = kernel_breakdown(traces[0]) if traces else None
@@ -356,18 +361,18 @@ def llama_step(run: Run, plan: dict) -> dict:
     estimate is within about 10%), once more with FSDP2 and checkpointing, in what the budget leaves."""
     record = _llama(run, "llama1b", plan["llama_checkpointing"])
     if record["status"] == "failed" and not plan["llama_checkpointing"]:
-        if "out of device memory" in _text(run.logs[-1]):
+        if "out of device memory" in _text(log_of(record)):
             retry = _llama(run, "llama1b_checkpointing", True)
             retry["first_try"] = {key: record.get(key) for key in ("status", "wall_s", "settings")}
             return retry
     return record
 
 
-def _llama(run: Run, name: str, checkpointing: bool) -> dict:
+def _llama(run: Run, name: str, checkpointing: bool, extra: tuple[str, ...] = (), limit: str = "llama1b") -> dict:
     s = run.settings
     out = run.work / name
     batch = 2 if s.cpu else 8
-    overrides = [*s.llama, *_loop_overrides(out, batch, s.llama_steps), *data_overrides(run)]
+    overrides = [*s.llama, *extra, *_loop_overrides(out, batch, s.llama_steps), *data_overrides(run)]
     if checkpointing:  # the settings measured before: FSDP2 on a world of 1 with activation checkpointing
         overrides += ["training.gradient_checkpointing=true", "training.distributed_strategy=fsdp"]
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "-m", "llm_trainer"]
@@ -376,9 +381,9 @@ def _llama(run: Run, name: str, checkpointing: bool) -> dict:
     if s.cpu and checkpointing:
         overrides.append("training.distributed_backend=gloo")
     cmd = [*launcher, "train", "--config", "configs/gpt2-small.yaml", *overrides]
-    record = run.step(name, cmd, REPO_ROOT, s.limits["llama1b"])
+    record = run.step(name, cmd, REPO_ROOT, s.limits[limit])
     settings = "FSDP2 world 1, activation checkpointing" if checkpointing else "one GPU, no sharding, no checkpointing"
-    record.update(batch=batch, context=s.llama_context, settings=settings, header=header(run.logs[-1]))
+    record.update(batch=batch, context=s.llama_context, settings=settings, header=header(log_of(record)))
     record.update(summarise(out))
     return record
 
@@ -409,7 +414,7 @@ def nanogpt_step(run: Run, name: str, peer: Path | None, batch: int) -> dict:
     iters = [
         (int(i), float(ms), float(mfu))
         for i, ms, mfu in re.findall(
-            r"iter (\d+): loss [\d.na]+, time ([\d.]+)ms, mfu (-?[\d.]+)%", _text(run.logs[-1])
+            r"iter (\d+): loss [\d.na]+, time ([\d.]+)ms, mfu (-?[\d.]+)%", _text(log_of(record))
         )
     ]
     steady = [row for row in iters if row[0] >= steps // 2 and row[0] > 0]
@@ -452,13 +457,16 @@ def torchao_step(run: Run, torchao_found: bool) -> dict:
     return record
 
 
-def float8_step(run: Run, batch: int, torchao: dict) -> dict:
-    """Ours at the best batch in float8 (torchao's layers), profiled: the lever left on the same model
-    (bench/README "On an H100"). A CPU cannot train in float8, so the dry-run walks it in bf16."""
+def float8_step(run: Run, name: str, torchao: dict, batch: int | None = None) -> dict:
+    """Ours in float8 (torchao's layers): GPT-2 at `batch`, profiled, or (no batch) the 1.0B at the
+    settings it ran with in bf16 (one GPU, no sharding, no checkpointing). A CPU cannot train in
+    float8, so the dry-run walks it in bf16."""
     if torchao.get("status") != "ok" and not run.settings.cpu:
         return {"status": "skipped", "why": f"torchao missing ({torchao.get('why') or torchao.get('status')})"}
     extra = () if run.settings.cpu else ("training.float8=true",)
-    return ours_gpt2(run, "gpt2_best_float8", batch, profile=True, extra=extra)
+    if batch is None:
+        return _llama(run, name, checkpointing=False, extra=extra, limit="float8")
+    return ours_gpt2(run, name, batch, profile=True, extra=extra, limit="float8")
 
 
 def saved_step(run: Run, name: str, shape: str, batch: int, seq: int) -> dict:
@@ -483,7 +491,7 @@ def estimate_test_step(run: Run) -> dict:
     test = f"tests/test_estimate_measured.py::test_the_estimated_peak_is_within_10_percent_of_the_measured_one[{case}]"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "--no-header", test]
     record = run.step("estimate_test", cmd, REPO_ROOT, run.settings.limits["test"])
-    lines = [line for line in _text(run.logs[-1]).splitlines() if line.strip()]
+    lines = [line for line in _text(log_of(record)).splitlines() if line.strip()]
     record["result"] = lines[-1][:300] if lines else None
     return record
 
@@ -509,7 +517,7 @@ def summarise(out: Path) -> dict:
     return result
 
 
-def header(log: Path) -> list[str]:
+def header(log: Path | None) -> list[str]:
     """Our run's header lines (the model and loop it ran, the attention kernel where it says one)."""
     keep = re.compile(r"^train:|attention|sdpa|flash|cudnn", re.IGNORECASE)
     return [line for line in _text(log).splitlines() if keep.search(line)][:4]
@@ -608,11 +616,16 @@ def self_times(ops: list[dict]) -> list[tuple[str, float]]:
     return result
 
 
-def _text(path: Path) -> str:
-    return path.read_text(errors="replace") if path.is_file() else ""
+def log_of(record: dict) -> Path | None:
+    """A step's log; None for a step that did not run (skipped: the budget was spent)."""
+    return Path(record["log"]) if "log" in record else None
 
 
-def _last_json(path: Path, whole: bool = False) -> dict | None:
+def _text(path: Path | None) -> str:
+    return path.read_text(errors="replace") if path is not None and path.is_file() else ""
+
+
+def _last_json(path: Path | None, whole: bool = False) -> dict | None:
     """The last JSON object a step printed (`whole`: the output is one indented object)."""
     text = _text(path)
     if whole:  # from the line that opens it (warnings may come first)
@@ -732,26 +745,35 @@ def followup_lines(report: dict, baseline: dict | None) -> str:
         f"{report['date'][:10]}.",
         "",
     ]
-    f8 = steps.get("gpt2_best_float8", {})
-    label = "ours, GPT-2 124M, float8" + (" [dry-run: bf16, tiny stand-in]" if report["cpu_dry_run"] else "")
-    if f8.get("tokens_per_s"):
+    runs = (  # the float8 runs, each beside the first call's runs at its batch
+        ("llama1b_float8", "LLaMA-style 1.0B", (("llama1b", "ours float8 / ours bf16"),)),
+        (
+            "gpt2_best_float8",
+            "GPT-2 124M",
+            (("gpt2_best", "ours float8 / ours bf16"), ("nanogpt_best", "ours float8 / nanoGPT")),
+        ),
+    )
+    base = (baseline or {}).get("steps", {})
+    for key, model, pairs in runs:
+        f8 = steps.get(key, {})
+        if not f8.get("tokens_per_s"):
+            continue
+        label = f"ours, {model}, float8" + (" [dry-run: bf16, tiny stand-in]" if report["cpu_dry_run"] else "")
         mfu = f", {f8['mfu'] * 100:.1f}% MFU (bf16 count)" if f8.get("mfu") is not None else ""
         memory = f", peak {f8['peak_memory_mb'] / 1024:.2f} GiB" if f8.get("peak_memory_mb") else ""
         lines.append(
             f"- {label}, {f8['batch']} x {f8['context']}: {f8['tokens_per_s'] / 1000:.1f}k tokens/s, "
             f"{f8['step_time_s']:.3f} s a step{mfu}{memory}"
         )
-        base = (baseline or {}).get("steps", {})
-        for key, what in (("gpt2_best", "ours float8 / ours bf16"), ("nanogpt_best", "ours float8 / nanoGPT")):
-            other = base.get(key, {})
+        for other_key, what in pairs:
+            other = base.get(other_key, {})
             if other.get("tokens_per_s") and other.get("batch") == f8["batch"]:
                 lines.append(
                     f"- {what} tokens/s, same GPU, same batch: {f8['tokens_per_s'] / other['tokens_per_s']:.2f}× "
-                    f"({f8['batch']} x {f8['context']}; the bf16 figure from the first call)"
+                    f"({model}, {f8['batch']} x {f8['context']}; the bf16 figure from the first call)"
                 )
-        kernels = f8.get("kernels")
-        if kernels and kernels.get("groups"):
-            lines.append(kernel_line("Where its step goes", kernels))
+        if (f8.get("kernels") or {}).get("groups"):
+            lines.append(kernel_line("Where its step goes", f8["kernels"]))
     for key in ("saved_gpt2", "saved_llama1b"):
         for row in steps.get(key, {}).get("rows") or []:
             r = steps[key]
@@ -811,7 +833,7 @@ def main() -> int:
     parser.add_argument("--stage", action="store_true", help="copy nanoGPT into bench/.peers/nanoGPT and stop")
     parser.add_argument("--peer", type=Path, default=DEFAULT_PEER, help="nanoGPT's folder, for --stage")
     parser.add_argument(
-        "--budget", type=float, default=None, help="seconds for every step together (510; --followup: 200, dry-run 400)"
+        "--budget", type=float, default=None, help="seconds for every step together (510; --followup: 250, dry-run 400)"
     )
     parser.add_argument("--best-batch", type=int, default=None, help="our best GPT-2 batch, instead of the plan's")
     parser.add_argument("--followup", action="store_true", help="the second call: float8, saved tensors, the estimate")
@@ -840,7 +862,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="gpu_compare_"))
-    budget = args.budget or (510 if not args.followup else 400 if settings.cpu else 200)
+    budget = args.budget or (510 if not args.followup else 400 if settings.cpu else 250)
     run = Run(settings=settings, out=out, work=work, deadline=started + budget)
     if args.followup:
         return followup(run, args.best_batch or settings.max_best_batch, baseline, started)
@@ -889,10 +911,11 @@ def followup(run: Run, best: int, baseline: dict | None, started: float) -> int:
             return 2
         steps["torchao"] = torchao_step(run, steps["env"].get("packages", {}).get("torchao", False))
         steps["prepare"] = prepare_step(run, nanogpt=False)
-        steps["gpt2_best_float8"] = float8_step(run, best, steps["torchao"])
-        steps["saved_gpt2"] = saved_step(run, "saved_gpt2", "gpt2-124m", settings.nanogpt_shape_batch, 1024)
-        steps["saved_llama1b"] = saved_step(run, "saved_llama1b", "llama-1b", 8, 2048)
+        steps["llama1b_float8"] = float8_step(run, "llama1b_float8", steps["torchao"])
         steps["estimate_test"] = estimate_test_step(run)
+        steps["gpt2_best_float8"] = float8_step(run, "gpt2_best_float8", steps["torchao"], best)
+        steps["saved_llama1b"] = saved_step(run, "saved_llama1b", "llama-1b", 8, 2048)
+        steps["saved_gpt2"] = saved_step(run, "saved_gpt2", "gpt2-124m", settings.nanogpt_shape_batch, 1024)
     finally:
         run.report["wall_s"] = round(time.monotonic() - started, 1)
         write(run, "followup.json", "followup_lines.md", followup_lines(run.report, baseline))

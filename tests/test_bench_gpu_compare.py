@@ -61,3 +61,18 @@ def test_kernels_count_for_the_steps_that_launched_them(tmp_path):
     assert breakdown["wall_ms_per_step"] == 0.08  # 160..320 us from the first kernel to the last, over two steps
     assert [row["name"] for row in breakdown["top"]] == ["nvjet_gemm", "triton_poi"]
     assert breakdown["groups"] == {"matmul": 0.8, "compiled (triton)": 0.2}
+
+
+def test_a_step_the_budget_does_not_reach_reads_no_other_steps_log(tmp_path):
+    """A skipped step has no log of its own: its result is not the previous step's last line."""
+    gpu_compare = _gpu_compare()
+    earlier = tmp_path / "saved_gpt2.log"
+    earlier.write_text("| gpt2-124m bf16 | 365,105 | 363,729 | 1.00 |\n")
+    settings = gpu_compare.Settings.for_run(True)
+    run = gpu_compare.Run(settings=settings, out=tmp_path, work=tmp_path, deadline=0.0, logs=[earlier])
+    record = gpu_compare.estimate_test_step(run)
+    assert record["status"] == "skipped" and record["result"] is None
+    line = gpu_compare.followup_lines(
+        {"steps": {"estimate_test": record}, "wall_s": 1, "date": "2026-11-28", "cpu_dry_run": True}, None
+    )
+    assert "365,105" not in line and "estimate_test: skipped (the call's time budget is spent)" in line
