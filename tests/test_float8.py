@@ -39,8 +39,9 @@ def test_an_older_gpu_and_a_missing_torchao_are_named(monkeypatch):
 
 
 def test_the_blocks_aligned_linear_layers_become_float8_and_the_loss_stays_close():
-    """A width of 32 and an MLP of 72 (not a multiple of 16): attention's two layers convert, the MLP's
-    do not, nor the head; parameter names are unchanged, and loss and gradients stay close."""
+    """A width of 32 and an MLP of 72 (not a multiple of 16), every size converted (float8_layers all):
+    attention's layers convert, the MLP's do not, nor the head; parameter names are unchanged, and loss
+    and gradients stay close."""
     pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install torchao)")
     from torchao.float8.float8_linear import Float8Linear
 
@@ -48,8 +49,9 @@ def test_the_blocks_aligned_linear_layers_become_float8_and_the_loss_stays_close
     reference = Transformer(tiny_model_config(d_model=32, d_ff=72, tie_embeddings=False))
     model = Transformer(tiny_model_config(d_model=32, d_ff=72, tie_embeddings=False))
     model.load_state_dict(reference.state_dict())
-    swapped = apply_float8(model)
+    swapped, small = apply_float8(model, "all")
     assert swapped == [f"blocks.{i}.attn.{layer}" for i in range(2) for layer in ("q", "k", "v", "proj")]
+    assert small == []
     converted = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert converted == set(swapped)
     assert list(model.state_dict()) == list(reference.state_dict())
@@ -63,3 +65,30 @@ def test_the_blocks_aligned_linear_layers_become_float8_and_the_loss_stays_close
         if p.grad.norm() < 1e-9:  # the key bias: the softmax ignores a shift its gradient would make
             continue
         assert torch.nn.functional.cosine_similarity(p.grad.flatten(), q.grad.flatten(), dim=0) > 0.9, name
+
+
+def test_by_default_only_layers_large_enough_to_gain_become_float8():
+    """float8_layers auto: of a width-32 model with an MLP of 2048, only the MLP's first layer (2048
+    outputs) is past torchao's sizes where float8 runs slower; the others stay and are named as small."""
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install torchao)")
+    model = Transformer(tiny_model_config(d_model=32, d_ff=2048, tie_embeddings=False))
+    swapped, small = apply_float8(model)
+    assert swapped == ["blocks.0.mlp.fc", "blocks.1.mlp.fc"]
+    assert small == [
+        f"blocks.{i}.{layer}" for i in range(2) for layer in ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.proj")
+    ]
+
+
+def test_a_model_too_small_for_float8_trains_as_without_it_and_says_so(tmp_path, capsys, monkeypatch):
+    """On hardware that passes the check (the check answers as an H100's would), a model whose layers
+    are all too small converts none, trains, and says why in one warning naming float8_layers."""
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install torchao)")
+    from llm_trainer import pipeline
+    from llm_trainer.parallel import parallelize
+
+    for checker in (pipeline, parallelize):  # where the run checks the hardware, before and after the data
+        monkeypatch.setattr(checker, "check_float8", lambda device: None)
+    config = str(write_tiny_experiment(tmp_path))
+    assert cli.main(["train", "--config", config, "training.float8=true", "training.max_steps=2"]) == 0
+    err = capsys.readouterr().err
+    assert "is large enough to run faster in float8" in err and "training.float8_layers: all" in err

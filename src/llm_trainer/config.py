@@ -397,6 +397,8 @@ class TrainingConfig(_Validated):
     gradient_checkpointing: bool = False  # recompute each block's activations in backward
     # The blocks' linear layers in float8 through torchao (parallel/float8.py): CUDA compute capability 8.9+
     float8: bool = False
+    # Which of them: auto, those large enough to run faster in float8 (torchao's measured sizes); all, every one
+    float8_layers: Literal["auto", "all"] = "auto"
     # The SDPA kernel the run is held to (parallel/attention_kernel.py); auto: by device, named in the run header
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     device: str = "auto"  # auto: CUDA, then MPS, then CPU

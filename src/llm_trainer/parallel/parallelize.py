@@ -43,10 +43,10 @@ from .. import launcher
 from ..checkpoint.model_folder import clean_name
 from ..config import TrainingConfig
 from ..errors import UsageError
-from ..logs import log
+from ..logs import log, warn
 from ..model import set_fused_projections
 from .distributed import DistInfo
-from .float8 import apply_float8, check_float8
+from .float8 import SMALL_IN, SMALL_OUT, apply_float8, check_float8
 from .mesh import compiles_whole_model, resolve_layout, stacks_projections
 from .strategies import DDP, FSDP, DeepSpeed, Parallelism, Pipeline
 
@@ -194,8 +194,16 @@ def parallelize(
     if dist.world_size > 1 and dist.strategy != "deepspeed":
         log(f"mesh: {resolve_layout(config, dist.world_size).describe()}")
     if config.float8:
-        swapped = apply_float8(model)
-        log(f"float8: {len(swapped)} linear layers train in float8 (torchao); the head and embeddings do not")
+        swapped, small = apply_float8(model, config.float8_layers)
+        if swapped:
+            kept = f"; {len(small)} smaller ones do not (training.float8_layers: all converts them)" if small else ""
+            log(f"float8: {len(swapped)} linear layers train in float8 (torchao){kept}; the head and embeddings do not")
+        else:
+            warn(
+                f"training.float8: none of the model's {len(small)} linear layers is large enough to run faster in "
+                f"float8 (more than {SMALL_IN} inputs or {SMALL_OUT} outputs), so it trains as without float8; "
+                "training.float8_layers: all converts them anyway"
+            )
     mesh = device_mesh(config, device) if dist.strategy == "fsdp" else None
     tp = mesh["tp"].size() if mesh is not None else 1
     pp = mesh["pp"].size() if mesh is not None else 1
