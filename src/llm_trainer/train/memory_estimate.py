@@ -246,7 +246,8 @@ def estimate_memory(
     states = {"adamw": 2, "adam": 2, "muon": 2, "sgd": 1 if training.sgd_momentum else 0}[training.optimizer]
     tokens = batch_size * seq_len
     micro_tokens = tokens / microbatches / layout.cp  # one pipeline micro-batch's positions on this device
-    # float8's layers run one by one (`model.project` yields to them)
+    # float8's layers run one by one (`model.project` yields to them); under float8 counted as if no group
+    # stacked, though its small layers still do (float8's own smaller saved inputs are not counted either)
     fused = sharding == "none" and stacks_projections(strategy_of(training), layout.tp) and not training.float8
     per_token = activation_bytes_per_token(c, training, device_type, seq_len, fused=fused)
     tp = layout.tp
