@@ -306,3 +306,38 @@ def test_tensorboard_drops_what_a_resume_or_a_rewind_replays(tmp_path):
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 11), (2, 12), (3, 13), (4, 5), (5, 0.5)]
+
+
+@pytest.mark.parametrize(
+    "ending, status", [("raises", "FAILED"), ("signal", "KILLED")], ids=["crash", "stopped-by-signal"]
+)
+def test_an_mlflow_run_ends_with_the_status_of_how_the_training_ended(tmp_path, monkeypatch, ending, status):
+    """A run whose step raises ends FAILED in MLflow, one stopped by SIGTERM (checkpoint saved, resumable)
+    KILLED; read back with MLflow's own client."""
+    pytest.importorskip("mlflow")
+    import os
+    import signal
+
+    from llm_trainer.api import train
+    from llm_trainer.config_loader import load_experiment
+    from llm_trainer.train.callbacks import Callback
+    from llm_trainer.train.metrics import mlflow_client
+
+    class EndsAtStepTwo(Callback):
+        def on_step_end(self, trainer, row):
+            if row["step"] >= 2:
+                if ending == "raises":
+                    raise RuntimeError("a callback failed")
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    mlruns = tmp_path / "mlruns"
+    config = tiny_experiment(tmp_path, ["mlflow"], mlflow_tracking_uri=str(mlruns), logging_steps=1, max_steps=6)
+    if ending == "raises":
+        with pytest.raises(RuntimeError, match="a callback failed"):
+            train(load_experiment(config), callbacks=[EndsAtStepTwo()])
+    else:
+        assert train(load_experiment(config), callbacks=[EndsAtStepTwo()])["stopped_by_signal"] == "SIGTERM"
+    client, _ = mlflow_client(str(mlruns))
+    (found,) = client.search_runs([client.get_experiment_by_name("llm-trainer").experiment_id])
+    assert found.info.status == status

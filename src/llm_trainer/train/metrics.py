@@ -43,9 +43,15 @@ INSTALL_HINT = "pip install 'llm-trainer[tracking]'"
 
 
 class MetricLogger(Protocol):
+    """A backend. One that records how a run ended (a tracker's run status) also has
+    `record_outcome(outcome)`, called before `close()` with one of `OUTCOMES`."""
+
     def log(self, row: dict) -> None: ...
 
     def close(self) -> None: ...
+
+
+OUTCOMES = ("finished", "failed", "stopped")  # ran to its end; raised; stopped early by a signal (resumable)
 
 
 def scalar_items(row: dict) -> list[tuple[str, float]]:
@@ -286,8 +292,11 @@ class WandbLogger:
         elif values:
             self.run.log(values, step=row["step"])
 
+    def record_outcome(self, outcome: str) -> None:
+        self.exit_code = 1 if outcome == "failed" else 0
+
     def close(self) -> None:
-        self.run.finish()
+        self.run.finish(exit_code=getattr(self, "exit_code", 0))
 
 
 def resolve_mlflow_uri(configured: str | None, create: bool = True) -> tuple[str, Path | None]:
@@ -354,8 +363,11 @@ class MLflowLogger:
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
 
+    def record_outcome(self, outcome: str) -> None:
+        self.status = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}[outcome]
+
     def close(self) -> None:
-        self.client.set_terminated(self.run_id, "FINISHED")
+        self.client.set_terminated(self.run_id, getattr(self, "status", "FINISHED"))
 
 
 def tensorboard_dir(training: TrainingConfig) -> Path:
@@ -446,15 +458,19 @@ class MetricsTracker:
         """Log `values` ({"custom/metric": number}) at `step` to every backend."""
         self.log(custom_row(step, values))
 
-    def close(self) -> None:
+    def close(self, outcome: str = "finished") -> None:
+        """Close every backend; those that record how a run ended are told `outcome` (`OUTCOMES`)."""
         loggers, self.loggers = self.loggers, []
-        close_loggers(loggers)
+        close_loggers(loggers, outcome)
 
 
-def close_loggers(loggers: list[MetricLogger]) -> None:
+def close_loggers(loggers: list[MetricLogger], outcome: str = "finished") -> None:
     """Close each logger; one that fails to close is reported, not raised, so the others still close."""
+    assert outcome in OUTCOMES, outcome
     for logger in loggers:
         try:
+            if hasattr(logger, "record_outcome"):
+                logger.record_outcome(outcome)
             logger.close()
         except Exception as exc:
             warn(f"closing {type(logger).__name__} failed: {exc}")

@@ -457,7 +457,7 @@ class Trainer:
             self.alerts.close(timeout=15)  # the run's end delivered (or given up) before the process exits
             if progress is not None:
                 progress.close()
-            self.metrics_tracker.close()
+            self.metrics_tracker.close("failed" if crash is not None else "stopped" if self.stop.signal else "finished")
             if ended:  # the run's files as they end, logs closed
                 self._upload_run_files()
 
