@@ -46,7 +46,7 @@ from ..errors import UsageError
 from ..logs import log, warn
 from ..model import set_fused_projections
 from .distributed import DistInfo
-from .float8 import SMALL_IN, SMALL_OUT, apply_float8, check_float8
+from .float8 import ALIGNMENT, SMALL_IN, SMALL_OUT, apply_float8, check_float8
 from .mesh import compiles_whole_model, resolve_layout, stacks_projections
 from .strategies import DDP, FSDP, DeepSpeed, Parallelism, Pipeline
 
@@ -198,6 +198,11 @@ def parallelize(
         if swapped:
             kept = f"; {len(small)} smaller ones do not (training.float8_layers: all converts them)" if small else ""
             log(f"float8: {len(swapped)} linear layers train in float8 (torchao){kept}; the head and embeddings do not")
+        elif not small:
+            warn(
+                "training.float8: no linear layer of the model has dimensions that are multiples of "
+                f"{ALIGNMENT}, as float8 matmuls need, so it trains as without float8"
+            )
         else:
             warn(
                 f"training.float8: none of the model's {len(small)} linear layers is large enough to run faster in "

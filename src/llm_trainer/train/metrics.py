@@ -260,6 +260,7 @@ class WandbLogger:
         except ImportError:
             raise UsageError(f"report_to wandb needs wandb: {INSTALL_HINT}") from None
         directory.mkdir(parents=True, exist_ok=True)
+        self.exit_code = 0  # until `record_outcome` says otherwise
         try:
             self.run = wandb.init(
                 dir=str(directory),
@@ -296,7 +297,7 @@ class WandbLogger:
         self.exit_code = 1 if outcome == "failed" else 0
 
     def close(self) -> None:
-        self.run.finish(exit_code=getattr(self, "exit_code", 0))
+        self.run.finish(exit_code=self.exit_code)
 
 
 def resolve_mlflow_uri(configured: str | None, create: bool = True) -> tuple[str, Path | None]:
@@ -347,6 +348,7 @@ class MLflowLogger:
             experiment_id, run_name=directory.resolve().name, tags={"output_dir": str(directory.resolve())}
         )
         self.run_id = run.info.run_id
+        self.status = "FINISHED"  # until `record_outcome` says otherwise
         params = [Param(k, str(v)[:500]) for k, v in flatten_config(config).items()]
         for i in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[i : i + 100])
@@ -367,7 +369,7 @@ class MLflowLogger:
         self.status = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}[outcome]
 
     def close(self) -> None:
-        self.client.set_terminated(self.run_id, getattr(self, "status", "FINISHED"))
+        self.client.set_terminated(self.run_id, self.status)
 
 
 def tensorboard_dir(training: TrainingConfig) -> Path:
