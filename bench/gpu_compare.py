@@ -518,8 +518,9 @@ def summarise(out: Path) -> dict:
 
 
 def header(log: Path | None) -> list[str]:
-    """Our run's header lines (the model and loop it ran, the attention kernel where it says one)."""
-    keep = re.compile(r"^train:|attention|sdpa|flash|cudnn", re.IGNORECASE)
+    """Our run's header lines (the model and loop it ran, the attention kernel where it says one, the
+    layers float8 converted)."""
+    keep = re.compile(r"^train:|^float8:|float8_layers|attention|sdpa|flash|cudnn", re.IGNORECASE)
     return [line for line in _text(log).splitlines() if keep.search(line)][:4]
 
 
@@ -765,6 +766,9 @@ def followup_lines(report: dict, baseline: dict | None) -> str:
             f"- {label}, {f8['batch']} x {f8['context']}: {f8['tokens_per_s'] / 1000:.1f}k tokens/s, "
             f"{f8['step_time_s']:.3f} s a step{mfu}{memory}"
         )
+        converted = [line for line in f8.get("header") or [] if "float8" in line and not line.startswith("train:")]
+        if converted:
+            lines.append(f"- its start line: `{converted[0].strip()}`")
         for other_key, what in pairs:
             other = base.get(other_key, {})
             if other.get("tokens_per_s") and other.get("batch") == f8["batch"]:
