@@ -13,7 +13,9 @@ from typing import Any
 
 class Callback:
     """`trainer` (the running `Trainer`) gives access to state, model, optimizer; `row`/`metrics` are
-    what the backends get."""
+    what the backends get. `on_step_end` comes after each logging step (`training.logging_steps`) with
+    that step's row, not after every step as in the Hugging Face Trainer: the loop reads values off
+    the device only on logging steps, and a row needs them."""
 
     def on_train_begin(self, trainer: Any) -> None: ...
     def on_step_end(self, trainer: Any, row: dict) -> None: ...
