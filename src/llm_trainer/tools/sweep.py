@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config_loader import load_experiment, yaml_load
-from ..errors import UsageError
+from ..errors import UsageError, first_line
 from ..files.disk import writable_folder
 from ..logs import log
 from ..train.callbacks import Callback
@@ -254,9 +254,8 @@ def run_sweep(
                 study_name=study_name, storage=storage, direction="minimize", pruner=pruner, load_if_exists=True
             )
         except Exception as exc:  # SQLAlchemy's: an unknown scheme, a malformed URL, a database it cannot open
-            why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
             raise UsageError(
-                f"--storage {storage} cannot hold the study ({type(exc).__name__}: {why}); pass an SQLAlchemy "
+                f"--storage {storage} cannot hold the study ({type(exc).__name__}: {first_line(exc)}); pass an SQLAlchemy "
                 "URL such as sqlite:///path/to/study.db in a folder that exists"
             ) from None
         done = sum(_finished(t) for t in study.trials)

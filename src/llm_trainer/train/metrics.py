@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 from ..config import TrainingConfig
-from ..errors import UsageError
+from ..errors import UsageError, first_line
 from ..files.atomic import write_text
 from ..files.disk import no_follow
 from ..logs import is_main_process, log, warn
@@ -269,9 +269,8 @@ class WandbLogger:
                 name=os.environ.get("WANDB_NAME") or directory.resolve().name,
             )
         except wandb.Error as error:  # no login, no network, a refused key
-            why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise UsageError(
-                f"report_to wandb could not start a W&B run ({why}); run `wandb login` (or set WANDB_API_KEY), "
+                f"report_to wandb could not start a W&B run ({first_line(error)}); run `wandb login` (or set WANDB_API_KEY), "
                 "or set WANDB_MODE=offline to log locally and `wandb sync` later"
             ) from None
 
