@@ -1009,6 +1009,16 @@ class DataConfig(_Validated):
 # Experiment = model + training + data
 
 
+def with_carried(section: Any, name: str, *givers: Any) -> Any:
+    """`section` (the config section called `name`) with the settings each of `givers` was given for it in
+    another section's spelling (`for_other_sections`, e.g. `ModelConfig(gradient_checkpointing=True)`)."""
+    for giver in givers:
+        values = getattr(giver, "for_other_sections", {}).get(name)
+        if values:
+            section = dataclasses.replace(section, **values)
+    return section
+
+
 @dataclass(kw_only=True)
 class ExperimentConfig:
     model: ModelConfig
@@ -1020,9 +1030,9 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         """A section's keyword that sets another section's field (`ModelConfig(gradient_checkpointing=True)`)
         takes effect here, where the sections meet."""
-        for section in (self.model, self.training, self.data):
-            for name, values in getattr(section, "for_other_sections", {}).items():
-                setattr(self, name, dataclasses.replace(getattr(self, name), **values))
+        givers = (self.model, self.training, self.data)
+        for name in self.SECTIONS:
+            setattr(self, name, with_carried(getattr(self, name), name, *givers))
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model.to_dict(), "training": self.training.to_dict(), "data": self.data.to_dict()}

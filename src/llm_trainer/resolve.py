@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from . import launcher
-from .config import ExperimentConfig, ModelConfig, TrainingConfig
+from .config import ExperimentConfig, ModelConfig, TrainingConfig, with_carried
 from .errors import UsageError
 from .parallel import distributed
 from .parallel.distributed import DistInfo
@@ -311,10 +311,8 @@ def resolve_for_model(model, training: TrainingConfig, *, train_dataloader=None)
     device and process group, and run lengths in tokens turned into steps from the rows' length
     (which llm_trainer's loaders know; a user's loader without it cannot use token anchors)."""
     model_config = getattr(model, "config", None)
-    if isinstance(model_config, ModelConfig) and (carried := model_config.for_other_sections.get("training")):
-        # a training setting given to the model's config (`ModelConfig(gradient_checkpointing=True)`), applied
-        # as ExperimentConfig applies it
-        training = dataclasses.replace(training, **carried)
+    if isinstance(model_config, ModelConfig):  # a training setting given to it, applied as ExperimentConfig does
+        training = with_carried(training, "training", model_config)
     training = resolve_training(training)
     if training.batch_size == "auto":
         raise UsageError(
