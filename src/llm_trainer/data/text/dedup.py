@@ -4,11 +4,12 @@ Exact: a 64-bit BLAKE2b of the text lower-cased with ASCII whitespace removed, s
 only in case, indentation or line wrapping collide.
 
 Near: MinHash signatures over word shingles (`minhash_shingle_words` consecutive words, lower-cased,
-punctuation as separators; in scripts written without spaces, characters) and LSH banding. A candidate from a shared band is confirmed by comparing
-signatures (estimated Jaccard >= threshold), so chance band collisions between different documents
-are not removed; the banding is therefore tuned for recall (`lsh_parameters`): with 128 permutations
-and threshold 0.8, 18 bands of 7 rows find 98.6% of pairs at exactly 0.8. The first document of a
-group is kept; later ones are dropped, whichever source they come from.
+punctuation as separators; in scripts written without spaces, characters) and LSH banding. A
+candidate from a shared band is confirmed by comparing signatures (estimated Jaccard >= threshold),
+so chance band collisions between different documents are not removed; the banding is therefore
+tuned for recall (`lsh_parameters`): with 128 permutations and threshold 0.8, 18 bands of 7 rows find
+98.6% of pairs at exactly 0.8. The first document of a group is kept; later ones are dropped,
+whichever source they come from.
 
 Why NumPy and not `datasketch`: datasketch hashes every shingle with SHA-1 in a Python loop before its
 NumPy permutation step; here words are hashed with vectorised polynomial hashing and the permutations
