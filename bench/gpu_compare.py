@@ -708,10 +708,7 @@ def readme_lines(report: dict) -> str:
             f"| {label}{extra} | {r['batch']} x {r['context']} | {tokens} | {step} | {mfu} | {memory} | {wait} |"
         )
     lines.append("")
-    for key, r in report["steps"].items():
-        if r.get("status") in ("failed", "timeout", "skipped"):
-            why = r.get("why") or f"after {r.get('wall_s')} s of its {r.get('limit_s')} s; logs.txt has its log"
-            lines.append(f"- {key}: {r['status']} ({why})")
+    lines += not_run_lines(report["steps"])
     for pair in report["ratios"]:
         model = "tiny stand-in" if report["cpu_dry_run"] else "GPT-2 124M"
         lines.append(
@@ -722,6 +719,16 @@ def readme_lines(report: dict) -> str:
     if kernels and kernels.get("groups"):
         lines.append(kernel_line("Where GPT-2's step goes at nanoGPT's shape", kernels))
     return "\n".join(lines) + "\n"
+
+
+def not_run_lines(steps: dict) -> list[str]:
+    """A README line for each step that failed, timed out or was skipped, with why."""
+    lines = []
+    for key, r in steps.items():
+        if r.get("status") in ("failed", "timeout", "skipped"):
+            why = r.get("why") or f"after {r.get('wall_s')} s of its {r.get('limit_s')} s; logs.txt has its log"
+            lines.append(f"- {key}: {r['status']} ({why})")
+    return lines
 
 
 def kernel_line(what: str, kernels: dict) -> str:
@@ -789,10 +796,7 @@ def followup_lines(report: dict, baseline: dict | None) -> str:
     test = steps.get("estimate_test", {})
     if test.get("result"):
         lines.append(f"- tests/test_estimate_measured.py, this device's case: {test['result']}")
-    for key, r in steps.items():
-        if r.get("status") in ("failed", "timeout", "skipped"):
-            why = r.get("why") or f"after {r.get('wall_s')} s of its {r.get('limit_s')} s; logs.txt has its log"
-            lines.append(f"- {key}: {r['status']} ({why})")
+    lines += not_run_lines(steps)
     return "\n".join(lines) + "\n"
 
 
