@@ -20,6 +20,9 @@ so one that hangs or fails leaves the later ones what is left):
   nanogpt_nanogpt_shape  nanoGPT's train.py at the same batch
   llama1b      our 1.0B LLaMA at its best settings (the plan's choice)
   gpt2_best    ours at the best batch;   nanogpt_best: nanoGPT at that batch
+  gpt2_in_place  ours at nanoGPT's shape again with `training.read_ahead=false` (batches read and
+               copied in the step, not ahead on a worker thread and side stream): the default's
+               gain, in what the budget leaves
 
 Both trainers run one micro-batch per step (gradient accumulation 1). tokens/s: ours, the median of
 the speed monitor's windows over the second half of the logged steps; nanoGPT, rows x context over the
@@ -686,6 +689,7 @@ def readme_lines(report: dict) -> str:
         "gpt2_best": "ours, GPT-2 124M at our best batch",
         "nanogpt_best": "nanoGPT train.py, same batch",
         "llama1b": "ours, LLaMA-style 1.0B",
+        "gpt2_in_place": "ours, GPT-2 124M at nanoGPT's shape, batches read in place (`training.read_ahead=false`)",
     }
     for key, label in names.items():
         r = report["steps"].get(key, {})
@@ -714,6 +718,12 @@ def readme_lines(report: dict) -> str:
         lines.append(
             f"- ours / nanoGPT tokens/s, same GPU, same batch: {pair['ratio']:.2f}× "
             f"({model}, {pair['batch']} x {pair['context']})"
+        )
+    ahead, in_place = (report["steps"].get(key, {}) for key in ("gpt2_nanogpt_shape", "gpt2_in_place"))
+    if ahead.get("tokens_per_s") and in_place.get("tokens_per_s"):
+        lines.append(
+            f"- ours, batches read ahead (the default) / read in place, tokens/s: "
+            f"{ahead['tokens_per_s'] / in_place['tokens_per_s']:.2f}× ({ahead['batch']} x {ahead['context']})"
         )
     kernels = report["steps"].get("gpt2_nanogpt_shape", {}).get("kernels")
     if kernels and kernels.get("groups"):
@@ -893,6 +903,9 @@ def main() -> int:
         steps["llama1b"] = llama_step(run, plan)
         steps["gpt2_best"] = ours_gpt2(run, "gpt2_best", best, profile=False)
         steps["nanogpt_best"] = nanogpt_step(run, "nanogpt_best", peer, best)
+        steps["gpt2_in_place"] = ours_gpt2(
+            run, "gpt2_in_place", settings.nanogpt_shape_batch, profile=False, extra=("training.read_ahead=false",)
+        )
     finally:
         report = run.report
         report["wall_s"] = round(time.monotonic() - started, 1)

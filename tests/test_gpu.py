@@ -7,6 +7,7 @@ machine. The tolerances say why they are what they are.
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -117,6 +118,23 @@ def test_resume_on_cuda_is_bitwise(tmp_path):
     a = load_file(str(whole / "checkpoints" / "checkpoint-00000040" / "model.safetensors"))
     b = load_file(str(split / "checkpoints" / "checkpoint-00000040" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_batches_read_ahead_reach_the_gpu_as_batches_read_in_place():
+    """Copied from pinned memory on the worker's side stream, then used on the loop's stream while it is
+    busy (as under a step): the values of a copy in place, into the second epoch."""
+    from llm_trainer.data.batches.loader import BatchLoader, WindowRows
+
+    tokens = np.random.default_rng(0).integers(0, 50_000, size=2_000_000).astype(np.uint16)
+    loaders = [
+        BatchLoader(WindowRows(tokens, 1024, seed=1), 32, shuffle=True, seed=2, device="cuda", ahead=ahead)
+        for ahead in (False, True)
+    ]
+    for _ in range(loaders[0].batches_per_epoch() + 3):  # into the second epoch
+        torch.cuda._sleep(2_000_000)  # the loop's stream busy for a while
+        batch, ahead = loaders[0].next_batch(), loaders[1].next_batch()
+        assert ahead[0].device.type == "cuda"
+        assert all(torch.equal(a, b) for a, b in zip(batch, ahead))
 
 
 @pytest.mark.parametrize("architecture", ["gpt2", "llama"])

@@ -93,14 +93,25 @@ def test_a_position_saved_under_one_split_resumes_under_any_other(saved):
         assert _steps(readers, accumulation, per_epoch) == reference[at:]
 
 
-def test_a_resume_seeks_without_reading_the_batches_before_it():
-    loader = _loaders(2, 2, 2)[1]
+@pytest.mark.parametrize("ahead", [False, True], ids=["read-in-place", "read-ahead"])
+def test_a_resume_seeks_without_reading_the_batches_before_it(ahead):
+    state = {"epoch": 5, "epoch_samples": 6 * 8, "seed": 3, "global_batch": 8}
+    loader = _loaders(2, 2, 2, ahead=ahead)[1]
     read = []
     batch = loader.rows.batch
-    loader.rows.batch = lambda indices: read.append(len(indices)) or batch(indices)
-    loader.load_state_dict({"epoch": 5, "epoch_samples": 6 * 8, "seed": 3, "global_batch": 8})
-    loader.next_batch()
-    assert read == [2]  # the one batch asked for, nothing replayed
+    loader.rows.batch = lambda indices: read.append(indices.tolist()) or batch(indices)
+    loader.load_state_dict(state)
+    taken = (loader.next_batch()[0][:, 0] // LENGTH).tolist()
+    twin = _loaders(2, 2, 2, ahead=False)[1]  # what this rank takes from the saved position on
+    twin.load_state_dict(state)
+    coming = [(twin.next_batch()[0][:, 0] // LENGTH).tolist() for _ in range(twin.batches_per_epoch() - 6)]
+    assert taken == coming[0]
+    if loader._ahead is not None:
+        loader._ahead.drop()  # the worker's reads have ended
+    assert read[0] == coming[0]  # the batch asked for, read first, nothing before it replayed
+    assert all(indices in coming[1:4] for indices in read[1:])  # then at most the next step's and one more
+    assert len({tuple(indices) for indices in read}) == len(read)  # none twice
+    assert ahead or len(read) == 1
 
 
 def test_another_global_batch_is_refused_naming_both_and_the_fix():

@@ -65,6 +65,7 @@ class CurriculumLoader(BatchLoader):
         rank: int = 0,
         world_size: int = 1,
         device: torch.device | str = "cpu",
+        ahead: bool = True,
     ):
         super().__init__(
             rows,
@@ -76,6 +77,7 @@ class CurriculumLoader(BatchLoader):
             world_size=world_size,
             device=device,
             accumulation=accumulation,
+            ahead=ahead,
         )
         self.stages = stages
         self.stage_ends = [s.until_step * accumulation for s in stages]  # in this rank's batches

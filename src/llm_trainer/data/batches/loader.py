@@ -18,7 +18,9 @@ block-diagonal causal mask and positions that restart per document (`Transformer
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
+from functools import partial
 
 import numpy as np
 import torch
@@ -27,6 +29,7 @@ from ...errors import UsageError
 from ...limits import check_skip
 from ...logs import warn
 from ...model import IGNORE_INDEX
+from .ahead import BatchesAhead
 from .packing import document_pieces, first_fit_decreasing
 from .stream import READ_AHEAD, ChunkedTokens, block_order, schedule
 
@@ -169,6 +172,7 @@ class BatchLoader:
         world_size: int = 1,
         device: torch.device | str = "cpu",
         accumulation: int = 1,
+        ahead: bool = True,
     ):
         self.rows, self.batch_size, self.shuffle, self.seed = rows, batch_size, shuffle, seed
         self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
@@ -180,6 +184,8 @@ class BatchLoader:
         self.skip: list[tuple[int, int]] = []
         self._order: np.ndarray | None = None
         self._plan: tuple[np.ndarray, np.ndarray] | None = None  # streamed tokens: (sample, chunk) first needs
+        # the next step's batches, read (and copied to the device) on a worker thread while this step runs
+        self._ahead = BatchesAhead(self.device) if ahead else None
         if self.batches_per_epoch() == 0:
             raise UsageError(
                 f"not enough data for one batch: {len(rows)} rows of {getattr(rows, 'length', '?')} tokens, "
@@ -201,6 +207,7 @@ class BatchLoader:
 
     def _epoch_order(self) -> np.ndarray:
         if self._order is None:
+            self._drop_ahead()  # the rows change their layout next
             self.rows.set_epoch(self.epoch)
             n = len(self.rows)
             tokens = getattr(self.rows, "tokens", None)
@@ -277,6 +284,7 @@ class BatchLoader:
                 f"the checkpoint's data order was {ORDER_NAMES.get(saved_order, repr(saved_order))}, this run's is "
                 f"{ORDER_NAMES[order]} ({cause}): the rest of the epoch follows this run's order"
             )
+        self._drop_ahead()
         self.epoch, self.position, self.seed, self._order = state["epoch"], position, state["seed"], None
         self.samples, self.skip = samples, merged_ranges([(a, b) for a, b in skip])
 
@@ -285,21 +293,53 @@ class BatchLoader:
         Batches that start inside a `skip` range are passed over."""
         while True:
             self._epoch_order()  # lay the rows out for this epoch first: their count can change with the epoch
-            if self.position >= self.batches_per_epoch():
-                self.epoch, self.position, self._order = self.epoch + 1, 0, None
-            order = self._epoch_order()
-            global_batch = self.position * self.world_size + self.rank
-            start = self.samples
-            self.position += 1
-            self.samples += self.batch_size * self.world_size
-            if not self.skipped(start):
+            taken = next(self._coming(), None)
+            if taken is not None:
                 break
-        indices = order[global_batch * self.batch_size : (global_batch + 1) * self.batch_size]
+            remaining = max(0, self.batches_per_epoch() - self.position)  # all skipped: counted, not read
+            self.samples += remaining * self.batch_size * self.world_size
+            self.epoch, self.position, self._order = self.epoch + 1, 0, None
+        self.position, self.samples, global_batch = taken
         if self._plan is not None:  # the chunks first needed from this batch on, fetched in the background
             samples, chunks = self._plan
-            ahead = np.searchsorted(samples, global_batch * self.batch_size)
-            self.rows.tokens.read_ahead(chunks[ahead : ahead + READ_AHEAD])
-        return tuple(to_device(a, self.device) for a in self.rows.batch(indices))
+            first = np.searchsorted(samples, global_batch * self.batch_size)
+            self.rows.tokens.read_ahead(chunks[first : first + READ_AHEAD])
+        batch = self._ahead.take(self._key(global_batch)) if self._ahead is not None else None
+        if batch is None:
+            batch = tuple(to_device(a, self.device) for a in self.rows.batch(self._indices(global_batch)))
+        if self._ahead is not None:
+            self._queue_coming()
+        return batch
+
+    def _coming(self):
+        """(position, samples, global batch) after each batch this rank takes next in this epoch, in
+        order, passing over skipped ones. Reads the loader's state and changes nothing."""
+        per, end = self.batch_size * self.world_size, self.batches_per_epoch()
+        position, samples = self.position, self.samples
+        while position < end:
+            start, global_batch = samples, position * self.world_size + self.rank
+            position, samples = position + 1, samples + per
+            if not self.skipped(start):
+                yield position, samples, global_batch
+
+    def _indices(self, global_batch: int) -> np.ndarray:
+        return self._epoch_order()[global_batch * self.batch_size : (global_batch + 1) * self.batch_size]
+
+    def _key(self, global_batch: int) -> tuple[int, int, int]:
+        """What names a batch's rows: the epoch's order (seed, epoch) and the batch's place in it."""
+        return self.seed, self.epoch, global_batch
+
+    def _queue_coming(self) -> None:
+        """Queue this epoch's coming batches up to the next step's and one more; the queue holds those
+        already queued as its first entries."""
+        queued = set(self._ahead.keys())
+        for _, _, global_batch in itertools.islice(self._coming(), self.accumulation + 1):
+            if self._key(global_batch) not in queued:
+                self._ahead.submit(self._key(global_batch), partial(self.rows.batch, self._indices(global_batch)))
+
+    def _drop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead.drop()
 
     def skipped(self, sample: int) -> bool:
         """Whether the batch starting at this global sample index is in a skipped range."""
@@ -312,11 +352,24 @@ class BatchLoader:
         With several ranks, every rank yields the same number of batches (sharded models run
         collectives in forward): a rank short of data gets a batch whose targets are all ignored.
         """
-        for indices, real in self.eval_batch_indices():
-            x, y, *rest = self.rows.batch(indices)
-            if not real:
-                y = np.full_like(y, IGNORE_INDEX)
-            yield tuple(to_device(a, self.device) for a in (x, y, *rest))
+        plan = list(self.eval_batch_indices())
+        if self._ahead is None:
+            for indices, real in plan:
+                yield tuple(to_device(a, self.device) for a in self._eval_batch(indices, real))
+            return
+        ahead, queued = BatchesAhead(self.device), 0  # a queue of its own: the training one stays
+        try:
+            for i in range(len(plan)):
+                while queued < min(i + 2, len(plan)):  # this batch and the next
+                    ahead.submit(queued, partial(self._eval_batch, *plan[queued]))
+                    queued += 1
+                yield ahead.take(i)
+        finally:
+            ahead.close()
+
+    def _eval_batch(self, indices: np.ndarray, real: bool) -> tuple[np.ndarray, ...]:
+        x, y, *rest = self.rows.batch(indices)
+        return x, (y if real else np.full_like(y, IGNORE_INDEX)), *rest
 
     def eval_batch_indices(self):
         """(row indices, real) of each batch `__iter__` yields, in order; `real` is False for a rank's
