@@ -166,6 +166,41 @@ def test_wandb_offline_run_holds_the_logged_keys(tracked_run):
     assert {"model", "training", "data"} <= config_keys
 
 
+def _wandb_history(run_folder) -> list[dict]:
+    """Each history row of the one offline W&B run under `run_folder`, as {key: value}."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (file,) = sorted(run_folder.glob("offline-run-*/run-*.wandb"))
+    rows = []
+    for raw in _wandb_records(file):
+        record = pb.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            rows.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
+    return rows
+
+
+def test_wandb_keeps_the_steps_a_rewind_replays(tmp_path, monkeypatch):
+    """Rewound from step 6 to step 4: the replayed steps 5 and 6 reach W&B with their new values
+    (W&B drops a row logged at a step below its own, so they are plotted against train/global_step)."""
+    pytest.importorskip("wandb")
+    from llm_trainer.train.metrics import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(tmp_path, {})
+    for step in range(1, 7):
+        logger.log({"kind": "train", "step": step, "loss": 10.0 + step})
+    for step in (5, 6):  # after the rewind to step 4
+        logger.log({"kind": "train", "step": step, "loss": 1.0 + step})
+    logger.close()
+    rows = _wandb_history(tmp_path / "wandb")
+    assert [row["train/loss"] for row in rows] == [11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 6.0, 7.0]
+    assert [row["train/global_step"] for row in rows] == [1, 2, 3, 4, 5, 6, 5, 6]
+
+
 @pytest.mark.slow  # the module fixture trains with every backend
 def test_mlflow_local_run_holds_the_metrics_and_params(tracked_run):
     pytest.importorskip("mlflow")

@@ -248,10 +248,17 @@ class TensorBoardLogger:
         self.writer.close()
 
 
+STEP_AXIS = "train/global_step"  # W&B's x-axis for every series (WandbLogger)
+
+
 class WandbLogger:
     """Weights & Biases; honours WANDB_MODE=offline (and WANDB_PROJECT), so no network is needed unless wanted.
 
-    The run lives in `{output_dir}/wandb/`; the end-of-run row goes to the run summary.
+    The run lives in `{output_dir}/wandb/`; the end-of-run row goes to the run summary. Every series
+    is plotted against `train/global_step` (the training step, as the Hugging Face Trainer's W&B
+    callback names it), not W&B's own step: W&B drops a row whose step is below one already logged,
+    so a rewind's replayed steps, or a resume into a W&B run given by WANDB_RUN_ID, would be lost.
+    A replayed step shows both values, as in MLflow; metrics.jsonl and TensorBoard keep the later.
     """
 
     def __init__(self, directory: Path, config: dict):
@@ -273,6 +280,8 @@ class WandbLogger:
                 f"report_to wandb could not start a W&B run ({first_line(error)}); run `wandb login` (or set WANDB_API_KEY), "
                 "or set WANDB_MODE=offline to log locally and `wandb sync` later"
             ) from None
+        self.run.define_metric(STEP_AXIS)
+        self.run.define_metric("*", step_metric=STEP_AXIS)
 
     def histograms(self, step: int, histograms: dict[str, dict]) -> None:
         """Histograms given as TensorBoard's raw fields (`train.layer_stats`), as W&B histograms."""
@@ -283,14 +292,14 @@ class WandbLogger:
         for name, fields in histograms.items():
             edges = np.asarray([fields["min"], *fields["bucket_limits"]])
             values[name] = wandb.Histogram(np_histogram=(np.asarray(fields["bucket_counts"]), edges))
-        self.run.log(values, step=step)
+        self.run.log({**values, STEP_AXIS: step})
 
     def log(self, row: dict) -> None:
         values = dict(scalar_items(row))
         if row_kind(row) == "summary":
             self.run.summary.update(values)
         elif values:
-            self.run.log(values, step=row["step"])
+            self.run.log({**values, STEP_AXIS: row["step"]})
 
     def record_outcome(self, outcome: str) -> None:
         self.exit_code = 1 if outcome == "failed" else 0
