@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import random
+import re
 import sys
 
 import numpy as np
@@ -498,6 +499,26 @@ def test_sweep_rejects_unknown_keys_before_running(tmp_path):
     space.write_text("training.learning_rte: {type: float, low: 1e-3, high: 1e-2}\n")
     with pytest.raises(UsageError, match="learning_rate"):
         run_sweep(config, space, 2)
+    assert not (tmp_path / "run" / "sweep").exists()
+
+
+@pytest.mark.parametrize(
+    "space, refused",
+    [
+        ("training.optimizer: [adamw, lion]\n", "training.optimizer='lion'"),  # not the first choice
+        ("training.adam_beta2: {type: float, low: 0.9, high: 1.5}\n", "training.adam_beta2=1.5"),  # a range's top
+    ],
+    ids=["a-later-choice", "the-top-of-a-range"],
+)
+def test_a_sweep_refuses_a_value_no_trial_could_train_with_before_its_first_trial(tmp_path, space, refused):
+    pytest.importorskip("optuna")
+    from llm_trainer.tools.sweep import run_sweep
+
+    config = write_tiny_experiment(tmp_path)
+    (tmp_path / "space.yaml").write_text(space)
+    with pytest.raises(UsageError, match=re.escape(f"search space: {refused} is refused")) as error:
+        run_sweep(config, tmp_path / "space.yaml", 3)
+    assert "\n" not in str(error.value)
     assert not (tmp_path / "run" / "sweep").exists()
 
 

@@ -78,6 +78,12 @@ class SearchParam:
             self.kind, self.value
         )
 
+    def bounds(self) -> list:
+        """The values a check before the sweep tries: every choice, a range's two ends, a fixed value."""
+        return {"float": [self.low, self.high], "int": [self.low, self.high], "categorical": self.choices}.get(
+            self.kind, [self.value]
+        )
+
 
 def parse_search_space(data: Any, source: str = "search space") -> list[SearchParam]:
     """Validate the search-space mapping (see the module docstring) into `SearchParam`s."""
@@ -204,6 +210,21 @@ class SweepResult:
         return min(done, key=lambda t: t.value) if done else None
 
 
+def check_search_space(config_path: str | Path, overrides, params: list[SearchParam]) -> None:
+    """Wrong keys, types and values now, not in the middle of the sweep: each choice and each end of a
+    range in a config of its own (the others at their first value). A refused one is named."""
+    examples = [override(p.name, p.example()) for p in params]
+    load_experiment(config_path, [*overrides, *examples])  # a wrong key: the loader's own line
+    for i, param in enumerate(params):
+        for value in param.bounds():
+            try:
+                load_experiment(
+                    config_path, [*overrides, *examples[:i], override(param.name, value), *examples[i + 1 :]]
+                )
+            except UsageError as error:
+                raise UsageError(f"search space: {param.name}={value!r} is refused ({first_line(error)})") from None
+
+
 def run_sweep(
     config_path: str | Path,
     search_space: str | Path | list[SearchParam],
@@ -230,8 +251,7 @@ def run_sweep(
         raise UsageError(f"--trials must be at least 1, got {n_trials}")
     params = search_space if isinstance(search_space, list) else load_search_space(search_space)
     base = load_experiment(config_path, list(overrides))
-    # Catch wrong keys and types now, not in the middle of the sweep.
-    load_experiment(config_path, [*overrides, *(override(p.name, p.example()) for p in params)])
+    check_search_space(config_path, overrides, params)
     root = Path(output_dir) if output_dir is not None else base.training.local_output_dir / "sweep"
     writable_folder(root, "--output-dir")
     storage = storage or f"sqlite:///{root.resolve() / 'study.db'}"
