@@ -345,3 +345,15 @@ def test_a_full_disk_anywhere_in_a_command_is_one_line(tmp_path, capsys, monkeyp
         err = capsys.readouterr().err
         assert code == 2 and "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: "), err
         assert "disk full" in err and not (tmp_path / "out").exists()
+
+
+def test_a_one_line_error_quotes_the_first_line_of_a_failure_that_says_something():
+    """`errors.first_line`, the rule every one-line error quotes a failure below it by: a message may open
+    with blank or indented lines (a library's), or be empty (its type then)."""
+    from llm_trainer.errors import first_line
+
+    failure = RuntimeError("\n   I/O error: No space left on device (os error 28)\n  at serialize()")
+    assert first_line(failure) == "I/O error: No space left on device (os error 28)"
+    assert first_line(failure, 9) == "I/O error"
+    assert first_line(ValueError()) == first_line(ValueError(" \n ")) == "ValueError"
+    assert first_line(ValueError("x" * 300)) == "x" * 200 and first_line(ValueError("x" * 300), None) == "x" * 300

@@ -20,7 +20,7 @@ from .checkpoint.model_folder import is_transformers_folder, load_model_folder, 
 from .checkpoint.verify import verify
 from .config import DataConfig, ExperimentConfig, TrainingConfig
 from .data.prepare import prepare_data
-from .errors import UsageError
+from .errors import UsageError, first_line
 from .files import buckets
 from .files.folder_files import refuse_unreadable
 from .model import Transformer
@@ -223,8 +223,7 @@ def eval_loader(
             if isinstance(exc, UsageError):
                 raise
             raise UsageError(
-                f"the prepared data in {prepared.directory} is unreadable ({str(exc).splitlines()[0][:120]}); "
-                "pass --data FILE"
+                f"the prepared data in {prepared.directory} is unreadable ({first_line(exc, 120)}); pass --data FILE"
             ) from None
     loader = BatchLoader(rows, batch_size, shuffle=False, drop_last=False)
     loader.source_labels = labels

@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .errors import UsageError
+from .errors import UsageError, first_line
 
 PRESETS = Path(__file__).parent / "configs"
 CHECKPOINT = (
@@ -818,7 +818,7 @@ def main(argv: list[str] | None = None) -> int:
         if not disk_full(exc):
             raise
         print(
-            f"error: disk full ({str(exc).splitlines()[0][:160]}); free space and run the command again",
+            f"error: disk full ({first_line(exc, 160)}); free space and run the command again",
             file=sys.stderr,
         )
         return 2

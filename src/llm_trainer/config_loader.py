@@ -15,7 +15,7 @@ import yaml
 
 from . import config_aliases
 from .config import ExperimentConfig
-from .errors import UsageError
+from .errors import UsageError, first_line
 from .limits import MAX_NESTING, check_structure, parse_json
 
 
@@ -99,8 +99,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     try:
         data = parse_json(text, where) if path.suffix == ".json" else yaml_load(text, where)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        first = str(exc).splitlines()[0]
-        raise UsageError(f"config file {path} could not be parsed: {first}") from None
+        raise UsageError(f"config file {path} could not be parsed: {first_line(exc, None)}") from None
     if data is None:
         raise UsageError(f"config file {path} is empty; it needs sections model:, training:, data:")
     if not isinstance(data, dict):

@@ -22,8 +22,8 @@ class TrainingStopped(RuntimeError):
     """The run cannot go on (e.g. too many non-finite steps); the message says what to do. Exit status 1."""
 
 
-def first_line(exc: BaseException) -> str:
-    """The first non-empty line of an exception's message (its type's name when it has none), cut to 200
-    characters: what a one-line error quotes of the failure below it."""
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return (lines[0] if lines else type(exc).__name__)[:200]
+def first_line(exc: BaseException, limit: int | None = 200) -> str:
+    """The first non-empty line of an exception's message (its type's name when it has none), cut to
+    `limit` characters (None: whole): what a one-line error quotes of the failure below it."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[0] if lines else type(exc).__name__)[:limit]

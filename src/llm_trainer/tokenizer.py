@@ -29,7 +29,7 @@ from typing import Any
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from .errors import UsageError
+from .errors import UsageError, first_line
 from .files.atomic import write_file
 
 EOT = "<|endoftext|>"
@@ -295,7 +295,7 @@ def backend_from_json(text: str, where: str) -> HFTokenizer:
         try:
             backend = HFTokenizer.from_str(text)
         except Exception as exc:  # tokenizers raises plain Exception for a malformed part
-            raise UsageError(f"{where} is not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})") from None
+            raise UsageError(f"{where} is not a valid tokenizer.json ({first_line(exc, 120)})") from None
         backend.no_truncation()
         backend.no_padding()
         backend.decode(backend.encode(_PROBE, add_special_tokens=False).ids)

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..config import ModelConfig
-from ..errors import UsageError
+from ..errors import UsageError, first_line
 from ..files.disk import with_default_mode
 from ..files.folder_files import refuse_unreadable
 from ..limits import check_model_memory, parse_json
@@ -188,9 +188,7 @@ def read_model_config(directory: str | Path) -> ModelConfig:
     except UsageError:
         raise
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UsageError(
-            f"{path} is not valid JSON ({str(exc).splitlines()[0][:120]}); the model folder is corrupt"
-        ) from None
+        raise UsageError(f"{path} is not valid JSON ({first_line(exc, 120)}); the model folder is corrupt") from None
     if not isinstance(values, dict):
         raise UsageError(
             f"{path} must hold a JSON object of model settings, not {type(values).__name__}; "
@@ -237,7 +235,7 @@ def load_model_folder(
         raise
     except Exception as exc:  # safetensors raises its own error types for truncated or corrupt files
         raise UsageError(
-            f"{weights} could not be read ({str(exc).splitlines()[0][:160]}); the file is corrupt or truncated"
+            f"{weights} could not be read ({first_line(exc, 160)}); the file is corrupt or truncated"
         ) from None
     model = cls(config)
     load_model_state(model, state, str(weights))

@@ -284,7 +284,7 @@ class SafePlanner(DefaultLoadPlanner):
         except Exception as exc:
             raise CheckpointError(
                 f"the sharded checkpoint's item {read_item.dest_index.fqn} holds more than plain data "
-                f"({str(exc).splitlines()[0][:120]}); refusing to load it"
+                f"({first_line(exc, 120)}); refusing to load it"
             ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import UsageError
+from ..errors import UsageError, first_line
 from ..limits import MAX_NESTING, MAX_TASK_FILE_BYTES, check_structure
 
 BUILTIN_DIR = Path(__file__).parent / "tasks"  # the task YAMLs shipped with the package
@@ -86,7 +86,7 @@ def _parse(path: Path, tags: list[FunctionTag]) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
         config = yaml.load(text, Loader=_loader(path, tags))  # noqa: S506 (a SafeLoader subclass)
     except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"task file {path} cannot be read ({_first_line(exc)})") from None
+        raise UsageError(f"task file {path} cannot be read ({first_line(exc)})") from None
     except RecursionError:
         raise UsageError(
             f"task file {path} is nested more than {MAX_NESTING} levels deep (the nesting limit)"
@@ -167,7 +167,7 @@ def check_task_files(spec: str, paths: list[Path], trust_code: bool) -> None:
         try:
             load_yaml(path, resolve_func=False, recursive=True)
         except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError) as exc:
-            raise UsageError(f"task file {path} is not a valid lm-eval task ({_first_line(exc)})") from None
+            raise UsageError(f"task file {path} is not a valid lm-eval task ({first_line(exc)})") from None
 
 
 def _refuse_code(spec: str, tags: list[FunctionTag], files: list[tuple[Path, dict[str, Any]]]) -> None:
@@ -192,10 +192,5 @@ def _refuse_code(spec: str, tags: list[FunctionTag], files: list[tuple[Path, dic
 def _yaml_problem(exc: yaml.YAMLError) -> str:
     """PyYAML's problem and where it is (`line 3: expected ',' or ']'`), in one line."""
     mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or _first_line(exc)
+    problem = getattr(exc, "problem", None) or first_line(exc)
     return f"line {mark.line + 1}: {problem}" if mark is not None else problem
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:200]

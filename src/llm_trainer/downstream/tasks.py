@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import UsageError
+from ..errors import UsageError, first_line
 from ..hf.hub import cache_only_while_hub_unreachable
 from ..limits import MAX_GEN_TOKS, MAX_TASK_REPEATS, check_count
 from .task_files import BUILTIN_DIR, check_task_files, task_yamls
@@ -240,24 +240,22 @@ def _load(manager, spec, name: str) -> list:
         with hub as unreachable:  # a Hub that cannot be reached: the cache only, not tens of seconds of retries
             found = manager.load([spec])
     except (ConnectionError, TimeoutError) as exc:
-        why = f"the Hub: {unreachable}; not in the cache either" if unreachable else _first_line(exc)
+        why = f"the Hub: {unreachable}; not in the cache either" if unreachable else first_line(exc)
         raise UsageError(f"task {name}: its dataset cannot be reached ({why}); {OFFLINE_HINT}") from None
     except OSError as exc:  # datasets: "not cached", "not found on the Hub" ...
-        raise UsageError(f"task {name}: its dataset cannot be read ({_first_line(exc)}); {OFFLINE_HINT}") from None
+        raise UsageError(f"task {name}: its dataset cannot be read ({first_line(exc)}); {OFFLINE_HINT}") from None
     except (StopIteration, DatasetsError) as exc:  # datasets: an empty data file, a line that is not JSON
-        reason = "no records" if isinstance(exc, StopIteration) else _first_line(exc.__cause__ or exc)
+        reason = "no records" if isinstance(exc, StopIteration) else first_line(exc.__cause__ or exc)
         raise UsageError(
             f"task {name}: its data cannot be read ({reason}); check the files its dataset_kwargs.data_files name"
         ) from None
     except (ImportError, AttributeError) as exc:  # a trusted `!function` naming a module or function not there
-        raise UsageError(f"task {name}: a `!function` of it cannot be imported ({_first_line(exc)})") from None
+        raise UsageError(f"task {name}: a `!function` of it cannot be imported ({first_line(exc)})") from None
     except jinja2.TemplateError as exc:  # lm-eval renders the first document's prompt as it builds a task
-        raise UsageError(f"task {name}: a prompt template fails on its first document ({_first_line(exc)})") from None
+        raise UsageError(f"task {name}: a prompt template fails on its first document ({first_line(exc)})") from None
     except (KeyError, ValueError, TypeError, IndexError, SyntaxError, yaml.YAMLError) as exc:
         # SyntaxError: choices rendered as text that is not a Python list (lm-eval reads them with literal_eval)
-        raise UsageError(
-            f"task {name} is not a valid lm-eval task ({type(exc).__name__}: {_first_line(exc)})"
-        ) from None
+        raise UsageError(f"task {name} is not a valid lm-eval task ({type(exc).__name__}: {first_line(exc)})") from None
     groups = list(found["groups"].values())
     in_groups = {task.task_name for group in groups for task in group.get_all_tasks()}
     return [*groups, *(task for key, task in found["tasks"].items() if key not in in_groups)]
@@ -308,8 +306,3 @@ def _check_fewshot(task, shots: int, where: str) -> None:
             f"{where}: {shots} few-shot examples asked for, but its few-shot split holds {len(docs)} documents "
             f"(at most {len(docs) - needed + shots} can be drawn); lower --num_fewshot or the task's num_fewshot"
         )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:200]

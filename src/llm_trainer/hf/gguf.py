@@ -35,7 +35,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from ..checkpoint.model_folder import load_model_folder
 from ..config import ModelConfig
-from ..errors import UsageError
+from ..errors import UsageError, first_line
 from ..files import buckets
 from ..files.disk import check_output_file, disk_full, new_file_mode, no_follow
 from ..logs import log
@@ -130,7 +130,7 @@ def read_tokenizer_json(path: Path) -> tuple[HFTokenizer, dict[str, Any]]:
     except (OSError, UnicodeDecodeError, RecursionError, ValueError) as exc:
         raise UsageError(f"{path} is not a valid tokenizer.json ({type(exc).__name__})") from None
     except Exception as exc:  # tokenizers raises plain Exception for malformed JSON
-        raise UsageError(f"{path} is not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})") from None
+        raise UsageError(f"{path} is not a valid tokenizer.json ({first_line(exc, 120)})") from None
     return backend, data
 
 

@@ -26,7 +26,7 @@ import torch
 from ..checkpoint.model_folder import clean_name, load_model_folder, load_model_state
 from ..checkpoint.publish import check_target, publish
 from ..config import ModelConfig
-from ..errors import UsageError
+from ..errors import UsageError, first_line
 from ..files.buckets import Location
 from ..files.disk import with_default_mode
 from ..model import Transformer
@@ -583,7 +583,7 @@ def import_from_hf(path_or_name) -> tuple[Transformer, Tokenizer | None]:
     except UsageError:
         raise
     except Exception as exc:  # transformers' own validation of a malformed config.json
-        raise UsageError(f"{folder / 'config.json'} could not be read ({str(exc).splitlines()[0][:160]})") from None
+        raise UsageError(f"{folder / 'config.json'} could not be read ({first_line(exc, 160)})") from None
 
     major, minor = (int(p) for p in tf.__version__.split(".")[:2])
     dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"

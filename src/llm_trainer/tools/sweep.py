@@ -150,7 +150,7 @@ def load_search_space(path: str | Path) -> list[SearchParam]:
     try:
         data = yaml_load(path.read_text(encoding="utf-8"))
     except Exception as exc:
-        raise UsageError(f"search space {path} could not be parsed: {str(exc).splitlines()[0]}") from None
+        raise UsageError(f"search space {path} could not be parsed: {first_line(exc, None)}") from None
     return parse_search_space(data, str(path))
 
 

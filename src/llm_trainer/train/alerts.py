@@ -47,7 +47,7 @@ from email.message import EmailMessage
 from pathlib import Path
 
 from ..config import AlertsConfig
-from ..errors import StoreFull
+from ..errors import StoreFull, first_line
 from ..logs import log, warn
 from .rows import AlertRow
 
@@ -115,8 +115,7 @@ class Alerter:
         try:
             yield
         except Exception as exc:
-            text = str(exc).strip()
-            text = text.splitlines()[0][:300] if text else type(exc).__name__
+            text = first_line(exc, 300)
             if isinstance(exc, StoreFull):  # the only sign of a full bucket: stores publish no quota
                 self.raise_alert("bucket_full", text, step())
             self.raise_alert(event, f"{what}: {text}", step())
@@ -194,7 +193,7 @@ class Alerter:
                 problem = str(exc)
                 break
             except Exception as exc:  # any failure of a destination stays here: training goes on
-                problem = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                problem = type(exc).__name__ + (f": {first_line(exc)}" if str(exc).strip() else "")
                 if attempt < config.retries:
                     time.sleep(wait)
                     wait *= 2

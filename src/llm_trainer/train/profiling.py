@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config import TrainingConfig
-from ..errors import UsageError
+from ..errors import UsageError, first_line
 from ..logs import log
 
 PROFILE_DIR = "profile"  # in output_dir
@@ -116,8 +116,7 @@ def out_of_memory(error: BaseException, profiler: StepProfiler | None, config: T
     if not config.gradient_checkpointing:
         knobs.append("training.gradient_checkpointing=true")
     knobs.append("a shorter data.max_length")
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return UsageError(
-        f"out of device memory ({first[:160]}): lower {', or '.join(knobs)}; `llm-trainer estimate` predicts the "
+        f"out of device memory ({first_line(error, 160)}): lower {', or '.join(knobs)}; `llm-trainer estimate` predicts the "
         f"memory a config needs{where}"
     )

@@ -30,7 +30,7 @@ from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.train_state import TrainState
 from ..config import TrainingConfig
 from ..downstream import during_training as downstream
-from ..errors import TrainingStopped, UsageError
+from ..errors import TrainingStopped, UsageError, first_line
 from ..logs import Progress, log, shows_progress_bar, warnings_once
 from ..parallel import attention_kernel
 from ..parallel.distributed import all_reduce_, barrier, finish
@@ -452,8 +452,7 @@ class Trainer:
         finally:  # also when a callback or a stop raises: logs flushed, bar closed
             watchdog.close()
             if crash is not None:
-                reason = str(crash).strip().splitlines()[0][:300] if str(crash).strip() else type(crash).__name__
-                self.alerts.raise_alert("crashed", reason, state.step)
+                self.alerts.raise_alert("crashed", first_line(crash, 300), state.step)
             self.alerts.close(timeout=15)  # the run's end delivered (or given up) before the process exits
             if progress is not None:
                 progress.close()

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from ...config import DataConfig
-from ...errors import UsageError
+from ...errors import UsageError, first_line
 from ...files.atomic import write_file
 from ..text.dedup import MinHasher
 from ..text.filters import FILTERS, Removal
@@ -272,7 +272,7 @@ def write_error(tasks_dir: Path, stage: str, rank: int, tasks: int, file: str | 
         "task": rank,
         "tasks": tasks,
         "file": file,
-        "message": str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        "message": first_line(exc, None),
         "type": type(exc).__name__,
         "usage": isinstance(exc, UsageError),
     }

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ...config import DataConfig, SourceConfig
-from ...errors import UsageError
+from ...errors import UsageError, first_line
 from ...files.buckets import Location, fetch_file, identity, list_files, looks_like_glob
 from ...hf.hub import hub_unreachable, offline_mode_set
 from ...limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
@@ -471,7 +471,7 @@ def _read_parquet(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tup
     except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for a file that is not Parquet
         opt.bad(
             "unreadable_files",
-            f"{path} is not a readable Parquet file ({str(exc).splitlines()[0]})",
+            f"{path} is not a readable Parquet file ({first_line(exc, None)})",
             in_folder=not explicit,
         )
         return
@@ -640,7 +640,7 @@ def _iter_hf_dataset(spec: SourceConfig, split: str, opt: _ReadOptions) -> Itera
             ds = datasets.load_dataset(name, spec.dataset_config, split=split, streaming=spec.streaming)
     except (FileNotFoundError, ValueError, KeyError, ConnectionError, OSError) as exc:
         hint = "; for local files use data.data_files" if isinstance(exc, ConnectionError) else ""
-        raise UsageError(f"could not load dataset {name!r} split {split!r}: {str(exc).splitlines()[0]}{hint}") from None
+        raise UsageError(f"could not load dataset {name!r} split {split!r}: {first_line(exc, None)}{hint}") from None
     if single and split != spec.dataset_split:  # a saved Dataset is one split: never reuse it for validation
         raise UsageError(
             f"dataset {name!r} is a single split, so it has no split {split!r}; use a fraction for data.validation_split"
