@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,11 @@ TOKENS_PER_STEP = 12 * 64  # batch 12 x 64 predicted tokens
 BASE_RUNNERS = ("bare_loop", "hf_trainer", "ours", "ours_llama")
 # ours_llama: the same setting (width, depth, heads, context, batch, steps, schedule) with the LLaMA block
 # (RMSNorm, SwiGLU of the same parameter count, RoPE, no biases): our recommended architecture.
-VARIANTS = {"ours_llama": ["model.architecture=llama"]}
+VARIANTS = {
+    "ours_llama": ["model.architecture=llama"],
+    "ours_read_ahead": ["training.read_ahead=true"],  # bench/read_ahead.py's two sides (auto: off on a CPU)
+    "ours_read_in_place": ["training.read_ahead=false"],
+}
 ALIASES = {"bare": "bare_loop", "hf": "hf_trainer", "llm_trainer": "ours"}
 
 
@@ -229,6 +234,8 @@ def run_ours(
     elif end is not None:
         result["tokens_per_s"], result["train_wall_s"] = end.get("tokens_per_s"), end.get("train_runtime_s")
         result["tokens_per_s_note"] = "no usable train rows; figure includes ours' final eval and checkpoint"
+    if trains and all(isinstance(r.get("data_wait_fraction"), float) for r in trains):
+        result["data_wait_fraction"] = statistics.median(r["data_wait_fraction"] for r in trains)
     if result.get("val_loss") is None and evals:
         result["val_loss"] = evals[-1]["val_loss"]
     result["process_wall_s"] = raw["wall_s"]

@@ -402,9 +402,10 @@ class FailAt(Callback):
 
 
 def _tiny(tmp_path, callbacks=(), training=None, **alerts) -> Trainer:
-    """A 12-step run of the tiny model whose alerts go to the test's webhook. The throughput alert is
-    off (more slow windows in a row than the run has): how fast the steps go depends on how busy the
-    machine is; `test_throughput_below_the_runs_median_and_data_wait_are_raised` tests it."""
+    """A 12-step run of the tiny model whose alerts go to the test's webhook. The throughput alert
+    (more slow windows in a row than the run has) and the data-wait alert are off: how fast steps and
+    batches go depends on how busy the machine is; `test_throughput_below_the_runs_median_and_data_wait_are_raised`
+    tests both."""
     train, val = tiny_loaders()
     values = dict(
         max_steps=12,
@@ -415,7 +416,7 @@ def _tiny(tmp_path, callbacks=(), training=None, **alerts) -> Trainer:
         device="cpu",
         progress_bar=False,
         report_to=["jsonl"],
-        alerts={"webhook_env": HOOK_ENV, "throughput_windows": 10**6, **alerts},
+        alerts={"webhook_env": HOOK_ENV, "throughput_windows": 10**6, "data_wait_fraction": 1, **alerts},
     )
     config = TrainingConfig(**{**values, **(training or {})})
     return Trainer(tiny_model(), config, train_dataloader=train, callbacks=callbacks)
@@ -434,7 +435,8 @@ def test_an_evaluation_that_got_worse_and_early_stopping_are_their_own_alerts(ho
         device="cpu",
         progress_bar=False,
         report_to=["jsonl"],
-        alerts={"webhook_env": HOOK_ENV, "min_interval_s": 0},
+        # the speed alerts off: how fast steps and batches go depends on how busy the machine is
+        alerts={"webhook_env": HOOK_ENV, "min_interval_s": 0, "throughput_windows": 10**6, "data_wait_fraction": 1},
     )
     Trainer(tiny_model(), config, train_dataloader=train, val_dataloader=val).train()
     alerts = [(r["event"], r["step"]) for r in _rows(tmp_path / "run") if r["kind"] == "alert"]

@@ -171,3 +171,11 @@ def test_a_run_reading_ahead_trains_as_one_reading_in_place(tmp_path):
         ]
     assert rows[True] == rows[False]
     assert max(row[1] or 0 for row in rows[True]) >= 2  # a few epochs
+
+
+def test_by_default_a_loader_reads_ahead_on_a_gpu_only():
+    """`training.read_ahead: auto`: on a CPU a batch's gather is cheaper than a handoff from a thread."""
+    rows = ROWS["windows"](_tokens())
+    assert BatchLoader(rows, 4, shuffle=True)._ahead is None
+    assert BatchLoader(rows, 4, shuffle=True, device="cuda")._ahead is not None  # (no GPU needed to build it)
+    assert BatchLoader(rows, 4, shuffle=True, ahead=True)._ahead is not None

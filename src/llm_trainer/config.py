@@ -410,7 +410,8 @@ class TrainingConfig(_Validated):
     save_steps: int | None = 500  # None or 0: only the final checkpoint
     save_total_limit: int | None = 3  # checkpoints kept in rotation (latest and best_model always); None: all
     async_checkpoint: bool = True  # periodic saves: copy the state, write it from a background thread
-    read_ahead: bool = True  # the coming batches read (on a GPU, copied) on a worker thread during the step
+    # the coming batches read and copied to the GPU on a worker thread during the step; auto: on a GPU
+    read_ahead: bool | Literal["auto"] = "auto"
     eval_steps: int | None = 500  # None or 0: evaluate only at the end
     eval_max_batches: int | None = None  # None: the whole validation set
     eval_batch_size: int | None = None  # rows per evaluation batch; None: batch_size

@@ -132,7 +132,9 @@ def build_loaders(
     with several ranks each reads its own part."""
     length = sequence_length(experiment)
     t = experiment.training
-    shard = dict(rank=rank, world_size=world_size, device=device, ahead=t.read_ahead)
+    shard = dict(
+        rank=rank, world_size=world_size, device=device, ahead=None if t.read_ahead == "auto" else t.read_ahead
+    )
     train_rows = build_rows(prepared, "train", experiment.data, length, seed=t.seed)
     if isinstance(train_rows, DocumentRows):
         log(

@@ -25,6 +25,13 @@ import torch
 Read = Callable[[], tuple[np.ndarray, ...]]  # a batch's rows, read where the worker runs
 
 
+def reads_ahead(asked: bool | None, device: torch.device) -> bool:
+    """Whether a loader reads ahead: as asked, or by default on a GPU. There the copy and the host's
+    work leave the step; on a CPU a batch's gather takes microseconds, and handing it over from a
+    thread costs more than it (bench/README.md, "Batches read ahead")."""
+    return device.type == "cuda" if asked is None else asked
+
+
 class BatchesAhead:
     """A queue of batches read (and, on CUDA, copied) on one worker thread, taken in the order queued."""
 

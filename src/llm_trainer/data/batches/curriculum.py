@@ -65,7 +65,7 @@ class CurriculumLoader(BatchLoader):
         rank: int = 0,
         world_size: int = 1,
         device: torch.device | str = "cpu",
-        ahead: bool = True,
+        ahead: bool | None = None,
     ):
         super().__init__(
             rows,

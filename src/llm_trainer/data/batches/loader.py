@@ -29,7 +29,7 @@ from ...errors import UsageError
 from ...limits import check_skip
 from ...logs import warn
 from ...model import IGNORE_INDEX
-from .ahead import BatchesAhead
+from .ahead import BatchesAhead, reads_ahead
 from .packing import document_pieces, first_fit_decreasing
 from .stream import READ_AHEAD, ChunkedTokens, block_order, schedule
 
@@ -172,7 +172,7 @@ class BatchLoader:
         world_size: int = 1,
         device: torch.device | str = "cpu",
         accumulation: int = 1,
-        ahead: bool = True,
+        ahead: bool | None = None,
     ):
         self.rows, self.batch_size, self.shuffle, self.seed = rows, batch_size, shuffle, seed
         self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
@@ -184,8 +184,8 @@ class BatchLoader:
         self.skip: list[tuple[int, int]] = []
         self._order: np.ndarray | None = None
         self._plan: tuple[np.ndarray, np.ndarray] | None = None  # streamed tokens: (sample, chunk) first needs
-        # the next step's batches, read (and copied to the device) on a worker thread while this step runs
-        self._ahead = BatchesAhead(self.device) if ahead else None
+        # the next step's batches, read and copied to the device on a worker thread while this step runs
+        self._ahead = BatchesAhead(self.device) if reads_ahead(ahead, self.device) else None
         if self.batches_per_epoch() == 0:
             raise UsageError(
                 f"not enough data for one batch: {len(rows)} rows of {getattr(rows, 'length', '?')} tokens, "
