@@ -290,6 +290,10 @@ def test_the_same_switches_as_python_keywords():
     assert "gradient_checkpointing" not in experiment.to_dict()["model"]
     plain = ExperimentConfig(model=ModelConfig(gradient_checkpointing=False), training=TrainingConfig(), data=data)
     assert plain.training.gradient_checkpointing is False
+    smaller = dataclasses.replace(model, d_model=16)  # a copy made the dataclass way carries the switch
+    assert ExperimentConfig(model=smaller, training=TrainingConfig(), data=data).training.gradient_checkpointing
+    assert dataclasses.replace(training, learning_rate=1e-3).distributed_strategy == "deepspeed"
+    assert dataclasses.replace(training, distributed_strategy="ddp").distributed_strategy == "ddp"  # its own field
 
 
 def test_the_models_training_switch_holds_for_a_trainer_of_ones_own_model(tmp_path):

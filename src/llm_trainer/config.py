@@ -119,6 +119,10 @@ class _Validated:
                 f"{type(self).__name__}: {', '.join(given)} sets {name}={value!r}, but {name}={current!r} was given",
             )
             setattr(self, name, value)
+        for key, value in given.items():
+            if config_aliases.spellings_of(self.SECTION, key)[0] != self.SECTION:
+                # where `dataclasses.replace` reads an InitVar: a copy of this config carries it too
+                object.__setattr__(self, key, value)
         return sections
 
     def _value_of(self, name: str) -> Any:
@@ -285,11 +289,9 @@ class ModelConfig(_Validated):
         return self._filled().get(name, getattr(self, name))
 
     def resolved(self) -> ModelConfig:
-        """Every preset-dependent field set explicitly; another section's settings given to this one
-        (`for_other_sections`) kept, as `dataclasses.replace` alone would not."""
-        out = dataclasses.replace(self, **self._filled())
-        out.for_other_sections = self.for_other_sections
-        return out
+        """Every preset-dependent field set explicitly (another section's settings given to this one kept,
+        as by any `dataclasses.replace`)."""
+        return dataclasses.replace(self, **self._filled())
 
     def architecture_dict(self) -> dict[str, Any]:
         """The resolved architecture as plain data: what `model_config.json` holds."""
