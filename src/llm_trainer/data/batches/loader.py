@@ -158,6 +158,9 @@ class BatchLoader:
     the next `global_batch` samples whatever the split into processes and micro-batches. The saved
     position is in global samples, so a checkpoint resumes on any number of processes that keeps the
     global batch.
+
+    `ahead` (default: on a GPU): the coming batches are read, and copied to the device, on a worker
+    thread while the step runs (`ahead.BatchesAhead`); the batches and the saved position are the same.
     """
 
     def __init__(
