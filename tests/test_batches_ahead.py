@@ -150,7 +150,7 @@ def test_an_evaluation_pass_read_ahead_is_the_pass_read_in_place(rows):
     assert set(passes[0][-1][1][0]) == {-100}  # this rank's last batch pads the world's count
 
 
-def test_a_run_reading_ahead_trains_as_one_reading_in_place(tmp_path):
+def test_a_run_reading_ahead_trains_as_one_reading_in_place(tmp_path, capfd):
     """The whole run: losses, evaluations and the final weights' loss equal to the last digit, with
     gradient accumulation over the epochs of a small corpus (each epoch's first batch read in place)."""
     rows = {}
@@ -163,6 +163,8 @@ def test_a_run_reading_ahead_trains_as_one_reading_in_place(tmp_path):
             output_dir=str(tmp_path / f"run-{ahead}"),
         )
         assert cli.main(["train", "--config", str(config), f"training.read_ahead={str(ahead).lower()}"]) == 0
+        start = next(line for line in capfd.readouterr().err.splitlines() if line.startswith("train: "))
+        assert ("batches read ahead" in start) is ahead, start  # the run header says so
         lines = (tmp_path / f"run-{ahead}" / "metrics.jsonl").read_text().splitlines()
         rows[ahead] = [
             (row.get("step"), row.get("epoch"), row.get("loss"), row.get("val_loss"))

@@ -706,7 +706,7 @@ class Trainer:
             f"= {rows} x {cfg.gradient_accumulation_steps} accumulation x {replicas}"
             f"{' (' + self.dist.strategy + ')' if world > 1 else ''}, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}), "
             f"{'amp ' + cfg.amp_dtype if cfg.use_amp else 'float32'}{', compiled' if cfg.compile else ''}, "
-            f"{self.attention.describe()}"
+            f"{self.attention.describe()}{', batches read ahead' if getattr(self.train_loader, 'reads_ahead', False) else ''}"
         )
         if not cfg.use_amp and native_bf16(self.device):
             log(

@@ -188,7 +188,8 @@ class BatchLoader:
         self._order: np.ndarray | None = None
         self._plan: tuple[np.ndarray, np.ndarray] | None = None  # streamed tokens: (sample, chunk) first needs
         # the next step's batches, read and copied to the device on a worker thread while this step runs
-        self._ahead = BatchesAhead(self.device) if reads_ahead(ahead, self.device) else None
+        self.reads_ahead = reads_ahead(ahead, self.device)
+        self._ahead = BatchesAhead(self.device) if self.reads_ahead else None
         if self.batches_per_epoch() == 0:
             raise UsageError(
                 f"not enough data for one batch: {len(rows)} rows of {getattr(rows, 'length', '?')} tokens, "
