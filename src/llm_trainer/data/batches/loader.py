@@ -188,13 +188,17 @@ class BatchLoader:
         self._order: np.ndarray | None = None
         self._plan: tuple[np.ndarray, np.ndarray] | None = None  # streamed tokens: (sample, chunk) first needs
         # the next step's batches, read and copied to the device on a worker thread while this step runs
-        self.reads_ahead = reads_ahead(ahead, self.device)
-        self._ahead = BatchesAhead(self.device) if self.reads_ahead else None
+        self._ahead = BatchesAhead(self.device) if reads_ahead(ahead, self.device) else None
         if self.batches_per_epoch() == 0:
             raise UsageError(
                 f"not enough data for one batch: {len(rows)} rows of {getattr(rows, 'length', '?')} tokens, "
                 f"batch_size {batch_size} x world size {world_size}; use more data or a smaller batch/max_length"
             )
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether the coming batches are read on a worker thread (the run's start line says so)."""
+        return self._ahead is not None
 
     @property
     def global_batch(self) -> int:
