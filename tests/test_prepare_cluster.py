@@ -4,6 +4,7 @@ prepare resumes with only its unfinished tasks; bad input and failed tasks are r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -202,6 +203,88 @@ def test_a_killed_prepare_runs_only_its_unfinished_tasks_again(tmp_path):
     directory = Path(json.loads(done.stdout)["directory"])
     assert prepared_files(directory) == reference
     assert parts  # the finished tasks' parts were kept until the merge used them
+
+
+def _forked_workers(pid: int) -> list[int]:
+    """The processes `pid` forked (a forked worker keeps its parent's command line)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return [int(c) for c in children if Path(f"/proc/{c}/cmdline").read_bytes() == command]
+    except OSError:  # a process that has just ended
+        return []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(), reason="needs Linux's /proc")
+def test_a_task_s_worker_killed_ends_the_prepare_in_one_line_and_the_same_command_resumes(tmp_path):
+    """SIGKILL one of the local executor's worker processes while the tasks run, as the out-of-memory
+    killer does: the prepare ends at once with one line saying so and how to resume (datatrove's own
+    pool waits for the dead worker's result for ever), and the same command then finishes the folder."""
+    sources = write_mixed_corpus(tmp_path / "corpus", documents=300, files=8)
+    reference = prepared_files(prepare_data(DataConfig(**settings(sources, tmp_path / "in-process"))).directory)
+    config = _experiment(tmp_path / "exp.yaml", settings(sources, tmp_path / "cache"))
+    command = [sys.executable, "-m", "llm_trainer", "prepare", "--config", str(config), "--executor", "local"]
+    command += ["--tasks", "8", "--workers", "2"]
+    proc = subprocess.Popen(
+        command, cwd=tmp_path, env=src_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers := _forked_workers(proc.pid)) < 2:
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the two worker processes did not start"
+            time.sleep(0.002)
+        os.kill(workers[-1], signal.SIGKILL)  # the last forked: a worker (datatrove forks a manager first)
+        _, err = proc.communicate(timeout=60)  # datatrove's pool never returned here
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stderr.close()
+    assert proc.returncode == 1, err.decode()[-3000:]
+    last = err.decode().strip().splitlines()[-1]
+    assert last.startswith("error: prepare stage: a worker process ended without a word while tasks ran"), last
+    assert "data.executor_workers" in last and "tasks finished and are kept" in last
+    assert f"run llm-trainer prepare --config {config} --executor local --tasks 8 --workers 2 again" in last
+    assert not list((tmp_path / "cache").rglob("manifest.json"))  # no folder looks prepared
+
+    done = subprocess.run(command, cwd=tmp_path, env=src_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert prepared_files(Path(json.loads(done.stdout)["directory"])) == reference
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(), reason="needs Linux's /proc")
+def test_the_local_executor_s_workers_end_with_a_command_killed_alone(tmp_path):
+    """SIGKILL the command alone, not its process group: its worker processes end with it rather than go
+    on taking tasks and writing parts that the same command, run again, writes too."""
+    sources = write_mixed_corpus(tmp_path / "corpus", documents=300, files=8)
+    config = _experiment(tmp_path / "exp.yaml", settings(sources, tmp_path / "cache"))
+    command = [sys.executable, "-m", "llm_trainer", "prepare", "--config", str(config), "--executor", "local"]
+    command += ["--tasks", "8", "--workers", "2"]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=src_env(), stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers := _forked_workers(proc.pid)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the two worker processes did not start"
+            time.sleep(0.002)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in workers):
+            assert time.monotonic() < deadline, "a worker outlived the command by 30 s"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever of its group is left
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -73,14 +74,10 @@ def _plan(config: DataConfig, fingerprint: str, work: Path, directory: Path, tas
 def _executor(config: DataConfig, pipeline: list, tasks: int, logging_dir: Path, depends=None):
     workers = config.executor_workers
     if config.executor == "local":
-        from datatrove.executor import LocalPipelineExecutor
+        from .trove_steps import LocalTasksInProcesses
 
         workers = min(tasks, os.cpu_count() or 1) if workers == -1 else min(tasks, workers)
-        # fork: the workers start with this process's modules imported (a fresh interpreter per worker
-        # would import llm_trainer and torch again, seconds on a small machine)
-        return LocalPipelineExecutor(
-            pipeline, tasks=tasks, workers=workers, logging_dir=str(logging_dir), start_method="fork"
-        )
+        return LocalTasksInProcesses(pipeline, tasks=tasks, workers=workers, logging_dir=str(logging_dir))
     if config.executor == "ray":
         from datatrove.executor import RayPipelineExecutor
 
@@ -180,6 +177,14 @@ def _check(executor, stage: str, tasks_dir: Path, error: BaseException | None) -
         with contextlib.suppress(OSError, ValueError):
             failures.append(json.loads(path.read_text()))
     if not failures:
+        if isinstance(error, BrokenProcessPool):
+            done = executor.world_size - len(incomplete)
+            raise TaskFailed(
+                f"{stage} stage: a worker process ended without a word while tasks ran (killed, as the "
+                "out-of-memory killer does when memory runs short: data.executor_workers sets how many tasks "
+                f"run at once; or a crash in a native library); {_logs(tasks_dir, stage)}; {done} of "
+                f"{executor.world_size} tasks finished and are kept: run {_resume_command()} again to resume"
+            ) from None
         if error is not None:
             raise error
         raise TaskFailed(

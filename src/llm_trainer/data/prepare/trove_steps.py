@@ -10,16 +10,24 @@ the merge can count and name it as the in-process report does.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import multiprocessing
+import os
 import shlex
+import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
 from datatrove.data import Document, DocumentsPipeline
-from datatrove.executor import SlurmPipelineExecutor
+from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
+from datatrove.utils.logging import logger
+from datatrove.utils.stats import PipelineStats
 
 from ...config import DataConfig
 from ...tokenizer import Tokenizer
@@ -239,6 +247,77 @@ class SlurmThisPython(SlurmPipelineExecutor):
 
     def launch_merge_stats(self) -> None:
         return None
+
+
+class LocalTasksInProcesses(LocalPipelineExecutor):
+    """datatrove's local executor, whose tasks run in forked worker processes that, when one dies (the
+    out-of-memory killer, a crash in a native library), end the run with `BrokenProcessPool` instead of
+    waiting for ever: datatrove's own pool (multiprocessing's `Pool`) replaces a dead worker and never
+    delivers its task's result, where the standard library's `ProcessPoolExecutor` marks itself broken.
+    One task at a time (`workers` 1) runs in this process, as datatrove runs it.
+
+    Fork, so that a worker starts with this process's modules imported (a fresh interpreter per worker
+    would import llm_trainer and torch again: seconds on a small machine); the worker finds the executor
+    in `_FORKED` rather than receiving it pickled."""
+
+    def run(self):
+        if self.workers == 1:
+            return super().run()
+        self._launched = True
+        ranks = self.get_incomplete_ranks(range(self.tasks))
+        if not ranks:
+            logger.info(f"Not doing anything as all {self.tasks} tasks have already been completed.")
+            return PipelineStats()
+        if skipped := self.tasks - len(ranks):
+            logger.info(f"Skipping {skipped} already completed tasks")
+        self.save_executor_as_json()
+        _FORKED[:] = [self]
+        try:
+            context = multiprocessing.get_context("fork")
+            workers = min(self.workers, len(ranks))
+            with ProcessPoolExecutor(workers, context, initializer=_end_with, initargs=(os.getpid(),)) as pool:
+                running = [pool.submit(_run_forked_task, rank, slot % self.workers) for slot, rank in enumerate(ranks)]
+                try:
+                    stats = sum((task.result() for task in as_completed(running)), start=PipelineStats())
+                except BaseException:
+                    pool.shutdown(cancel_futures=True)  # the tasks started finish (and are kept); no other starts
+                    raise
+        finally:
+            _FORKED.clear()
+        with self.logging_dir.open("stats.json", "wt") as file:
+            stats.save_to_disk(file)
+        logger.success(stats.get_repr(f"All {self.tasks} tasks"))
+        return stats
+
+
+_FORKED: list[LocalTasksInProcesses] = []  # the executor whose tasks the forked workers run
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when the thread that forked it ends
+
+
+def _end_with(driver: int) -> None:
+    """A worker ends when the command that forked it does: one left behind by a command killed alone
+    would go on taking tasks and writing their parts while the same command, run again, writes them too.
+    Linux ends it with the command (`PR_SET_PDEATHSIG`); elsewhere a thread watches for the command's end."""
+    try:
+        set_parent_death_signal = ctypes.CDLL(None, use_errno=True).prctl
+    except (AttributeError, OSError):
+        set_parent_death_signal = None
+    if set_parent_death_signal is not None and set_parent_death_signal(_PR_SET_PDEATHSIG, signal.SIGKILL) == 0:
+        if os.getppid() != driver:  # the command ended before the signal was set
+            os._exit(1)
+        return
+
+    def watch() -> None:
+        while os.getppid() == driver:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="end-with-the-command", daemon=True).start()
+
+
+def _run_forked_task(rank: int, local_rank: int) -> PipelineStats:
+    """One task, in a forked worker of `LocalTasksInProcesses`; local rank 0 prints datatrove's task log."""
+    return _FORKED[0]._run_for_rank(rank, local_rank)
 
 
 def per_file_pipeline(config: DataConfig, plan_file: PlanFile) -> list[PipelineStep]:
