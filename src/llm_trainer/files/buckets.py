@@ -290,8 +290,12 @@ _CONNECTED: set[tuple[str, int]] = set()  # endpoints this process has reached
 def _connect(url: str) -> None:
     """One TCP connection to the endpoint the store's library sends `url`'s requests to, once per
     endpoint and process: gcsfs tries a call to an endpoint where nothing answers six times over about
-    35 s before it gives up, where a refused connection says so at once."""
+    35 s before it gives up, where a refused connection says so at once. Not when the user's fsspec
+    configuration gives gcsfs's HTTP session settings of its own (a proxy: `trust_env`), where the
+    library's connections are not ours to predict."""
     fs, _ = _filesystem(url)
+    if getattr(fs, "session_kwargs", None):
+        return
     endpoint = urlsplit(getattr(fs, "base", None) or "https://storage.googleapis.com")
     address = (endpoint.hostname or "", endpoint.port or (443 if endpoint.scheme == "https" else 80))
     if address not in _CONNECTED:
