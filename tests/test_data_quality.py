@@ -206,6 +206,44 @@ def test_char_entropy():
     assert char_entropy(PROSE) > 3.9
 
 
+MULTILINGUAL = Path(__file__).parent / "data" / "multilingual"
+
+
+def test_cleaned_text_is_normalised_and_cleaning_it_again_changes_nothing(tmp_path):
+    """A removal (a control character, an end-of-text marker) between a letter and its combining mark
+    joins them: the text is normalised again, so what comes out is NFC and a fixed point of cleaning."""
+    import unicodedata
+
+    clean = Cleaner(config(tmp_path, data_files="unused"))
+    assert clean("cafe\x07\u0301") == clean(f"cafe{EOT}\u0301") == clean("cafe\u0301") == "caf\u00e9"
+    assert clean("\u1100\x01\u1161") == "\uac00"  # Hangul jamo joined across a removed control character
+    assert clean(f"e<|endo{EOT}ftext|>\u0301") == "\u00e9"  # a marker that a removal builds goes too
+    messy = [(MULTILINGUAL / f"{name}.txt").read_text(encoding="utf-8") for name in ("hindi", "korean", "arabic")]
+    noise = ["\x07", EOT, "\r\n", " \u3000\n", "\u0301", "\x1b", "\n\n\n\n", "\u00a0"]
+    for text in messy:
+        for k, piece in enumerate(noise):  # noise spliced at a few places, in NFD and NFC
+            at = [len(text) * (i + 1) // 5 for i in range(4)]
+            spliced = "".join(text[a:b] + piece for a, b in zip([0, *at], at)) + text[at[-1] :]
+            for variant in (spliced, unicodedata.normalize("NFD", spliced)):
+                once = clean(variant)
+                assert unicodedata.is_normalized("NFC", once) and clean(once) == once, (k, once[:80])
+
+
+def test_every_unicode_space_trails_a_line_as_a_space_does(tmp_path):
+    """The ideographic space (U+3000) and the no-break space at a line's end are removed like spaces, a
+    line of them is blank, and the exact-dedup key ignores them; indentation stays."""
+    clean = Cleaner(config(tmp_path, data_files="unused"))
+    japanese = "日本語の文章。\u3000\u3000\n\u3000\n\u3000\n\u3000\n\n次の段落\u00a0"
+    assert (
+        clean(japanese)
+        == "日本語の文章。\n\n次の段落"
+        == clean(japanese.replace("\u3000", " ").replace("\u00a0", "\t"))
+    )
+    assert clean("\u3000段落の字下げ\n\u3000次") == "\u3000段落の字下げ\n\u3000次"  # leading: kept
+    assert exact_key("\u3000日本語です。\u3000") == exact_key("日本語です。") == exact_key("日本語です。\u00a0")
+    assert exact_key("日本語です。") != exact_key("日本語でした。")
+
+
 # ----------------------------------------------------------------------------------------------
 # deduplication
 
@@ -285,6 +323,23 @@ def test_near_duplicates_in_scripts_without_spaces_are_found_as_in_english(tmp_p
     prepared = prepare_data(config(tmp_path, data_files=str(folder), deduplication="near"))
     assert report(prepared)["removed"]["near_duplicates"] == 4
     assert sorted(documents(prepared)) == sorted([*originals, english])
+
+
+def test_a_copy_without_its_punctuation_is_a_near_duplicate_in_every_script():
+    """Punctuation separates words in every script, as ASCII punctuation does: a copy of the story with
+    its commas and full stops taken out (the Arabic comma, the ideographic full stop, the danda) is
+    as similar to it in Arabic, Chinese or Hindi as in English; it was not (Jaccard 0.5 to 0.8)."""
+    hasher = MinHasher(128, 5, 0.8)
+    marks = ",.،。，।"
+    for name in ("english", "hindi", "tamil", "arabic", "russian", "chinese", "korean"):
+        text = (MULTILINGUAL / f"{name}.txt").read_text(encoding="utf-8")
+        bare = "".join(ch for ch in text if ch not in marks)
+        assert bare != text, name
+        assert (hasher.signature(text) == hasher.signature(bare)).mean() == 1.0, name
+    assert (hasher.signature("日本語、です。") == hasher.signature("日本語 です")).all()
+    assert (
+        hasher.signature("one 🙂 two") == hasher.signature("one two")
+    ).all()  # a symbol is not a word, as "+" is not
 
 
 def test_near_dedup_memory_per_document_is_bounded():

@@ -636,10 +636,10 @@ def test_a_folder_an_executor_wrote_from_raw_text_is_not_reused(tmp_path, monkey
     monkeypatch.setattr(build, "FORMAT_VERSION", 5)
     old = prepare_data(config).directory
     monkeypatch.undo()
-    assert build.FORMAT_VERSION == 6
+    assert build.FORMAT_VERSION > 5
     new = prepare_data(config).directory
     assert new != old and (old / "manifest.json").is_file()
-    assert json.loads((new / "manifest.json").read_text())["format_version"] == 6
+    assert json.loads((new / "manifest.json").read_text())["format_version"] == build.FORMAT_VERSION
 
 
 def test_a_planted_plan_neither_removes_a_folder_nor_adds_an_input(tmp_path):

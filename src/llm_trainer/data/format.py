@@ -17,9 +17,10 @@ import numpy as np
 
 from ..tokenizer import Tokenizer
 
+# 7: cleaning ends normalised and strips every Unicode space; near-dedup and word lengths read every script alike
 # 6: an executor's tasks tokenize the cleaned text (folders an executor wrote from raw text are not reused)
 # 5: a fraction split takes each source's own fraction of its documents
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 MANIFEST = "manifest.json"
 
 TOKEN_DTYPES = ("uint16", "uint32")  # what a prepared folder's token files may hold

@@ -1,14 +1,18 @@
 """Cleaning: one document's text in, its normalised text out (possibly empty, which the filters drop).
 
-In order: byte-order mark removed, lone surrogates replaced, newlines unified, Unicode NFC (or NFKC),
-control characters removed, boilerplate lines dropped, whitespace normalised; then literal end-of-text
-markers removed until none is left (a document must not contain the token that separates documents,
-and each step before may join the pieces of one).
+In order: byte-order mark removed, lone surrogates replaced, newlines unified, control characters
+removed, Unicode NFC (or NFKC), boilerplate lines dropped, whitespace normalised; then literal
+end-of-text markers removed until none is left (a document must not contain the token that separates
+documents, and each step before may join the pieces of one), normalising again where a removal has
+joined a letter to a combining mark that followed the marker. Control characters go before the
+normalisation for the same reason: one between a letter and its accent would otherwise keep them apart.
+So the text that comes out is always normalised, and cleaning it again changes nothing.
 
-Whitespace normalisation strips trailing spaces and collapses runs of blank lines; it never touches a
-line's leading indentation. `collapse_spaces` (prose only; refused for `corpus_type: code`) also
-collapses runs of spaces inside lines. Every step has a fast path for text that needs no change,
-because cleaning runs on every byte of the corpus and must stay cheap next to the tokenizer.
+Whitespace normalisation strips trailing spaces (tabs and every Unicode space: the ideographic space
+U+3000, the no-break space) and collapses runs of blank lines; it never touches a line's leading
+indentation. `collapse_spaces` (prose only; refused for `corpus_type: code`) also collapses runs of
+ASCII spaces and tabs inside lines. Every step has a fast path for text that needs no change, because
+cleaning runs on every byte of the corpus and must stay cheap next to the tokenizer.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from ...tokenizer import EOT
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # C0/C1 except \t \n (and \r, unified before)
 _CONTROL_BYTES = bytes([*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F])  # the ASCII part of _CONTROL
 _SURROGATES = re.compile("[\ud800-\udfff]")
-_TRAILING = re.compile(r"[ \t]+\n")
+# Tab and the space separators (Unicode category Zs): what may trail a line, invisibly
+SPACES = " \t\u00a0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u202f\u205f\u3000"
+_TRAILING = re.compile(f"[{SPACES}]+\n")
 _BLANK_RUNS = re.compile(r"\n{3,}")
 _INNER_SPACES = re.compile(r"(?<=\S)[ \t]{2,}")
 # Lines that are navigation or legal chrome rather than content, in English web text.
@@ -59,32 +65,36 @@ class Cleaner:
     def __call__(self, text: str) -> str:
         if text.startswith("\ufeff"):
             text = text[1:]
-        if not text.isascii():  # isascii is O(1); everything below it is for non-ASCII text only
+        if not text.isascii():  # isascii is O(1); lone surrogates (e.g. "\ud800" in JSON) cannot be tokenized
             try:
                 text.encode("utf-8")
-            except UnicodeEncodeError:  # lone surrogates (e.g. from "\ud800" in JSON) cannot be tokenized
+            except UnicodeEncodeError:
                 text = _SURROGATES.sub("\ufffd", text)
-            if self.normalization and not unicodedata.is_normalized(self.normalization, text):
-                text = unicodedata.normalize(self.normalization, text)
         if "\r" in text:
             text = text.replace("\r\n", "\n").replace("\r", "\n")
         if self.control and _has_control(text):
             text = _CONTROL.sub("", text)
+        text = self._normalized(text)
         if self.boilerplate is not None:
             text = "\n".join(
                 line for line in text.split("\n") if not any(p.fullmatch(line.strip()) for p in self.boilerplate)
             )
         if self.whitespace:
-            if " \n" in text or "\t\n" in text:
+            if not text.isascii() or " \n" in text or "\t\n" in text:
                 text = _TRAILING.sub("\n", text)
-            text = text.rstrip(" \t")  # the last line's trailing spaces
+            text = text.rstrip(SPACES)  # the last line's trailing spaces
             if "\n\n\n" in text:
                 text = _BLANK_RUNS.sub("\n\n", text)
             text = text.strip("\n")
         if self.collapse and ("  " in text or "\t" in text):
             text = _INNER_SPACES.sub(" ", text)
         while EOT in text:  # last, and until none is left: a removal (or NFKC, or a control character's) can join one
-            text = text.replace(EOT, "")
+            text = self._normalized(text.replace(EOT, ""))
+        return text
+
+    def _normalized(self, text: str) -> str:
+        if self.normalization and not text.isascii() and not unicodedata.is_normalized(self.normalization, text):
+            return unicodedata.normalize(self.normalization, text)
         return text
 
 

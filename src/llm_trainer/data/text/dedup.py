@@ -1,10 +1,12 @@
 """Deduplication across all sources: exact (hash of the normalised text) and near (MinHash + LSH).
 
-Exact: a 64-bit BLAKE2b of the text lower-cased with ASCII whitespace removed, so copies that differ
-only in case, indentation or line wrapping collide.
+Exact: a 64-bit BLAKE2b of the text lower-cased with its whitespace removed (every Unicode space: the
+ideographic space that indents Japanese paragraphs too), so copies that differ only in case,
+indentation or line wrapping collide.
 
 Near: MinHash signatures over word shingles (`minhash_shingle_words` consecutive words, lower-cased,
-punctuation as separators; in scripts written without spaces, characters) and LSH banding. A
+punctuation and symbols of every script as separators; in scripts written without spaces,
+characters) and LSH banding. A
 candidate from a shared band is confirmed by comparing signatures (estimated Jaccard >= threshold),
 so chance band collisions between different documents are not removed; the banding is therefore
 tuned for recall (`lsh_parameters`): with 128 permutations and threshold 0.8, 18 bands of 7 rows find
@@ -30,11 +32,11 @@ import hashlib
 import numpy as np
 
 from ...config import DataConfig
-from .unicode_text import spaceless_apart
+from .unicode_text import separators_to_spaces, spaceless_apart
 
 _WS = b" \t\n\r\x0b\x0c"
 _U64 = np.uint64
-_WORD_BYTE = np.zeros(256, dtype=bool)  # bytes that belong to words: ASCII letters/digits, all non-ASCII
+_WORD_BYTE = np.zeros(256, dtype=bool)  # bytes of words: ASCII letters and digits, non-ASCII (separators_to_spaces)
 _WORD_BYTE[ord("0") : ord("9") + 1] = True
 _WORD_BYTE[ord("a") : ord("z") + 1] = True
 _WORD_BYTE[0x80:] = True
@@ -43,8 +45,11 @@ _SIG_BLOCK = 4096  # signatures stored per NumPy block
 
 
 def exact_key(text: str) -> int:
-    """64-bit hash of the text lower-cased, ASCII whitespace removed."""
-    data = text.lower().encode("utf-8", errors="surrogatepass").translate(None, _WS)
+    """64-bit hash of the text lower-cased, whitespace removed."""
+    text = text.lower()
+    if not text.isascii():
+        text = "".join(text.split())  # str.split's whitespace: Unicode's
+    data = text.encode("utf-8", errors="surrogatepass").translate(None, _WS)
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
@@ -84,8 +89,9 @@ class MinHasher:
 
     def word_hashes(self, text: str) -> np.ndarray:
         """One uint64 per word: polynomial hash of its bytes, position within the word as the exponent. In
-        scripts written without spaces (Chinese, Japanese, Thai) each character is a word."""
-        text = spaceless_apart(text)
+        scripts written without spaces (Chinese, Japanese, Thai) each character is a word; punctuation,
+        symbols and spaces separate words in every script."""
+        text = spaceless_apart(separators_to_spaces(text))
         data = np.frombuffer(text.lower().encode("utf-8", errors="surrogatepass"), dtype=np.uint8)
         is_word = _WORD_BYTE[data]  # (n,)
         starts = np.flatnonzero(is_word & ~np.concatenate(([False], is_word[:-1])))  # (W,)

@@ -18,6 +18,9 @@ combining class (viramas, nuktas, Arabic and Hebrew vowel points, accents): they
 remove its vowel rather than stand for a sound. Indic vowel signs (class 0) count, like the vowels
 they are, so word lengths of Indic, Arabic and European text fall in a common range; counting every
 code point would put Tamil words far above the others (see bench/README.md, "Text in every script").
+A precomposed Hangul syllable counts as the two or three letters (jamo) it is a block of, as decomposed
+Korean text counts them: counted as one character, ordinary Korean prose has words of 2.6 to 3
+"characters" and falls below the usual minimum mean word length of 3.
 
 All measures have an ASCII fast path, where they are the plain whitespace-based counts.
 """
@@ -76,31 +79,41 @@ def _ranges(codepoints: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-class _Marks(NamedTuple):
-    """A class of marks as two regexes: Python's regex engine tests a class of BMP characters with a bitmap
-    but one with characters past U+FFFF range by range, far more slowly, so those are kept apart and
-    searched only in text that has such characters."""
+class _CharClass(NamedTuple):
+    """A class of characters as two regexes: Python's regex engine tests a class of BMP characters with a
+    bitmap but one with characters past U+FFFF range by range, far more slowly, so those are kept apart
+    and searched only in text that has such characters."""
 
     bmp: re.Pattern
     astral: re.Pattern
 
     def count(self, text: str) -> int:
         n = len(text) - len(self.bmp.sub("", text))
-        if len(text.encode("utf-16-le")) != 2 * len(text):  # characters past U+FFFF
+        if _has_astral(text):
             n += len(self.astral.findall(text))
         return n
 
+    def replace(self, text: str, by: str) -> str:
+        text = self.bmp.sub(by, text)
+        return self.astral.sub(by, text) if _has_astral(text) else text
+
+
+def _has_astral(text: str) -> bool:
+    """Whether `text` has characters past U+FFFF."""
+    return len(text.encode("utf-16-le")) != 2 * len(text)
+
 
 class _Patterns(NamedTuple):
-    marks: _Marks  # combining marks
-    attached: _Marks  # combining marks with a nonzero combining class
+    marks: _CharClass  # combining marks
+    attached: _CharClass  # combining marks with a nonzero combining class
+    separators: _CharClass  # non-ASCII punctuation, symbols and spaces (Unicode P*, S*, Z*)
     spaceless: re.Pattern  # any character of a script without spaces
     cjk: re.Pattern  # a CJK character (telling the two spaceless groups apart)
     runs: re.Pattern  # a run of one spaceless group (with its marks), or a run of anything else but whitespace
 
 
-def _marks(codepoints: list[int]) -> _Marks:
-    return _Marks(
+def _char_class(codepoints: list[int]) -> _CharClass:
+    return _CharClass(
         re.compile(f"[{_class(_ranges([c for c in codepoints if c < 0x10000]))}]"),
         re.compile(f"[{_class(_ranges([c for c in codepoints if c >= 0x10000]))}]"),
     )
@@ -108,20 +121,24 @@ def _marks(codepoints: list[int]) -> _Marks:
 
 @functools.cache
 def _patterns() -> _Patterns:
-    """Built on first use from this Python's Unicode database (~50 ms): marks are scanned, not listed."""
-    marks, attached = [], []
-    for cp in [*range(0x20000), *range(0xE0000, 0xE0200)]:  # no combining marks elsewhere
+    """Built on first use from this Python's Unicode database (~50 ms): classes are scanned, not listed."""
+    marks, attached, separators = [], [], []
+    for cp in [*range(0x20000), *range(0xE0000, 0xE0200)]:  # no marks, punctuation or symbols elsewhere
         ch = chr(cp)
-        if unicodedata.category(ch)[0] == "M":
+        category = unicodedata.category(ch)[0]
+        if category == "M":
             marks.append(cp)
             if unicodedata.combining(ch):
                 attached.append(cp)
+        elif category in "PSZ" and cp >= 0x80:
+            separators.append(cp)
     mark_class = _class(_ranges(marks))
     cjk, southeast = _class(_CJK_RANGES), _class(_SOUTHEAST_RANGES)
     spaceless = cjk + southeast
     return _Patterns(
-        marks=_marks(marks),
-        attached=_marks(attached),
+        marks=_char_class(marks),
+        attached=_char_class(attached),
+        separators=_char_class(separators),
         spaceless=re.compile(f"[{spaceless}]"),
         cjk=re.compile(f"[{cjk}]"),
         runs=re.compile(rf"[{cjk}][{cjk}{mark_class}]*|[{southeast}][{southeast}{mark_class}]*|[^\s{spaceless}]+"),
@@ -144,6 +161,13 @@ def letter_count(text: str) -> int:
 
 def has_spaceless(text: str) -> bool:
     return not text.isascii() and _patterns().spaceless.search(text) is not None
+
+
+def separators_to_spaces(text: str) -> str:
+    """`text` with its non-ASCII punctuation, symbols and spaces (the Arabic comma, the ideographic full
+    stop, U+3000) replaced by spaces: where words are compared (near-duplicate shingles), every
+    script's punctuation separates them as ASCII punctuation does, rather than sticking to a word."""
+    return text if text.isascii() else _patterns().separators.replace(text, " ")
 
 
 def spaceless_apart(text: str) -> str:
@@ -193,5 +217,12 @@ def mean_word_length(spaced: list[str], text: str) -> float | None:
         return None
     total = sum(map(len, spaced))
     if not text.isascii():
-        total -= _patterns().attached.count("".join(spaced))
+        joined = "".join(spaced)
+        total -= _patterns().attached.count(joined)
+        syllables = _HANGUL_SYLLABLE.findall(joined)  # each: an initial and a vowel, and a final where it has one
+        total += len(syllables) + sum((ord(s) - _HANGUL_FIRST) % _HANGUL_FINALS != 0 for s in syllables)
     return total / len(spaced)
+
+
+_HANGUL_FIRST, _HANGUL_FINALS = 0xAC00, 28  # syllable = first + (initial * 21 + vowel) * 28 + final (0: none)
+_HANGUL_SYLLABLE = re.compile("[\uac00-\ud7a3]")
