@@ -237,3 +237,55 @@ def test_report_names_removed_documents_and_warns(tmp_path, monkeypatch, capsys)
         r"\(alpha_fraction 0\.\d+ vs min_alpha_fraction 0\.6\); change data\.min_alpha_fraction",
     ):
         prepare_data(config)  # a corpus that vanishes entirely says why in its error
+
+
+# ----------------------------------------------------------------------------------------------
+# text given to a trained model is cleaned as its training text was
+
+
+def test_eval_data_and_a_prompt_are_cleaned_as_the_training_text_was(tmp_path, capsys):
+    """`eval --data` scores a messy file (CRLF, trailing spaces, control characters, decomposed accents)
+    as the same text cleaned, record by record as `prepare` would; `generate` continues a prompt typed
+    in NFD as the same prompt in NFC. Both read the text as given before."""
+    import yaml
+
+    from llm_trainer import cli
+    from llm_trainer.data.text.clean import clean_text
+
+    corpus = tmp_path / "corpus.jsonl"
+    stories = [read(name) for name in LANGUAGES] + ["Café au lait, crème brûlée et déjà vu. " * 6]
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in stories * 3), encoding="utf-8")
+    config = {
+        "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 32},
+        "training": {"batch_size": 4, "max_steps": 4, "output_dir": str(tmp_path / "run"), "device": "cpu"},
+        "data": {"data_files": [str(corpus)], "tokenizer": "bpe", "tokenizer_vocab_size": 400},
+    }
+    config["training"].update(progress_bar=False, eval_steps=0, save_steps=0, report_to=["jsonl"])
+    config["data"].update(validation_split=0.2, cache_dir=str(tmp_path / "cache"))
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(config))
+    assert cli.main(["train", "--config", str(tmp_path / "exp.yaml")]) == 0
+    capsys.readouterr()
+
+    messy = [
+        unicodedata.normalize("NFD", "Crème brûlée, déjà vu.") + "  \r\n\r\n\r\n\r\nsecond\x07 line\t",
+        unicodedata.normalize("NFD", read("korean")).replace("\n", "\r\n"),
+        "\x1b[0m\x00",  # nothing left once cleaned: no document, as prepare leaves none
+    ]
+    raw, cleaned = tmp_path / "raw.jsonl", tmp_path / "cleaned.jsonl"
+    raw.write_text("".join(json.dumps({"text": t}) + "\n" for t in messy), encoding="utf-8")
+    kept = [clean_text(t, DataConfig(data_files="u")) for t in messy]
+    cleaned.write_text("".join(json.dumps({"text": t}) + "\n" for t in kept if t), encoding="utf-8")
+    scores = []
+    for data in (raw, cleaned):
+        assert cli.main(["eval", "--checkpoint", str(tmp_path / "run"), "--data", str(data), "--json"]) == 0
+        scores.append(json.loads(capsys.readouterr().out))
+    assert scores[0] == scores[1]
+
+    continuations = []
+    for prompt in ("Crème brûlée", unicodedata.normalize("NFD", "Crème brûlée")):
+        argv = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", prompt, "--temperature", "0"]
+        assert cli.main([*argv, "--max_new_tokens", "8"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(prompt)  # the prompt as typed, then what the model wrote
+        continuations.append(out[len(prompt) :])
+    assert continuations[0] == continuations[1]

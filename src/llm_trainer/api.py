@@ -126,14 +126,16 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
     return model, tokenizer, experiment
 
 
-def _file_tokens(path: Path, tokenizer, text_column: str) -> list[int]:
+def _file_tokens(path: Path, tokenizer, text_column: str, clean) -> list[int]:
     """The tokens `eval --data` reads: JSONL and Parquet record by record (the text in `text_column`,
-    each document followed by the end-of-text token, as `prepare` lays documents out); any other file
-    as one text."""
+    each document followed by the end-of-text token, as `prepare` lays documents out; one that cleaning
+    empties is left out, as `prepare` leaves it out); any other file as one text. Each text is cleaned
+    first (`clean`: the run's cleaning), so a CRLF file or decomposed accents score as the same text
+    in the prepared split would."""
     from .data.text.sources import JSONL_SUFFIXES, SourceStats, read_text_file
 
     if not path.name.lower().endswith((*JSONL_SUFFIXES, ".parquet")):
-        return tokenizer.encode(read_text_file(path, True, SourceStats(), fix="pass a text file to --data"))
+        return tokenizer.encode(clean(read_text_file(path, True, SourceStats(), fix="pass a text file to --data")))
     from .config import DataConfig, SourceConfig
     from .data.text.sources import iter_source
 
@@ -141,7 +143,8 @@ def _file_tokens(path: Path, tokenizer, text_column: str) -> list[int]:
     tokens: list[int] = []
     try:
         for document in iter_source(source, DataConfig(data_files=str(path), text_column=text_column), SourceStats()):
-            tokens += [*tokenizer.encode(document.text), tokenizer.eot_id]
+            if text := clean(document.text):
+                tokens += [*tokenizer.encode(text), tokenizer.eot_id]
     except UsageError as exc:
         raise UsageError(f"{exc} (here: --text-column NAME)") from None
     return tokens
@@ -175,8 +178,10 @@ def eval_loader(
             raise UsageError(f"--data {path} {what}")
         import numpy as np
 
+        from .data.text.clean import cleaner_of_run
+
         column = text_column or (experiment.get("data") or {}).get("text_column") or "text"
-        tokens = np.asarray(_file_tokens(path, tokenizer, column), dtype=np.int64)
+        tokens = np.asarray(_file_tokens(path, tokenizer, column, cleaner_of_run(experiment)), dtype=np.int64)
         if len(tokens) < 2:
             raise UsageError(f"--data {path} has fewer than two tokens; nothing to evaluate")
         rows = WindowRows(tokens, length, keep_partial=True)

@@ -190,8 +190,11 @@ def cmd_generate(args) -> int:
     from .generate import check_sampling, generate
 
     check_sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    model, tokenizer, _ = load_for_inference(args.checkpoint)
-    prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eot_id]
+    from .data.text.clean import cleaner_of_run
+
+    model, tokenizer, experiment = load_for_inference(args.checkpoint)
+    # the prompt's characters as the training text's were (Unicode form, newlines, control characters)
+    prompt = tokenizer.encode(cleaner_of_run(experiment).characters(args.prompt)) if args.prompt else []
     new = generate(
         model,
         prompt or [tokenizer.eot_id],

@@ -65,16 +65,7 @@ class Cleaner:
     def __call__(self, text: str) -> str:
         if text.startswith("\ufeff"):
             text = text[1:]
-        if not text.isascii():  # isascii is O(1); lone surrogates (e.g. "\ud800" in JSON) cannot be tokenized
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                text = _SURROGATES.sub("\ufffd", text)
-        if "\r" in text:
-            text = text.replace("\r\n", "\n").replace("\r", "\n")
-        if self.control and _has_control(text):
-            text = _CONTROL.sub("", text)
-        text = self._normalized(text)
+        text = self.characters(text)
         if self.boilerplate is not None:
             text = "\n".join(
                 line for line in text.split("\n") if not any(p.fullmatch(line.strip()) for p in self.boilerplate)
@@ -92,10 +83,36 @@ class Cleaner:
             text = self._normalized(text.replace(EOT, ""))
         return text
 
+    def characters(self, text: str) -> str:
+        """The steps that change characters, not lines or the document's edges: lone surrogates replaced,
+        newlines unified, control characters removed, Unicode normalised. What a prompt gets (`generate`):
+        its end is not a line's end, so its trailing spaces are its own."""
+        if not text.isascii():  # isascii is O(1); lone surrogates (e.g. "\ud800" in JSON) cannot be tokenized
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                text = _SURROGATES.sub("\ufffd", text)
+        if "\r" in text:
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
+        if self.control and _has_control(text):
+            text = _CONTROL.sub("", text)
+        return self._normalized(text)
+
     def _normalized(self, text: str) -> str:
         if self.normalization and not text.isascii() and not unicodedata.is_normalized(self.normalization, text):
             return unicodedata.normalize(self.normalization, text)
         return text
+
+
+def cleaner_of_run(experiment: dict) -> Cleaner:
+    """The cleaning a run's data went through, from its saved config (`load_for_inference`'s experiment):
+    text given to the trained model later (`eval --data`, a prompt) is cleaned as its training text
+    was. A saved data section this version cannot read gives the default cleaning."""
+    saved = experiment.get("data") if isinstance(experiment, dict) else None
+    try:
+        return Cleaner(DataConfig.from_dict(saved, section="data") if isinstance(saved, dict) else DataConfig())
+    except (TypeError, ValueError):
+        return Cleaner(DataConfig())
 
 
 def clean_text(text: str, config: DataConfig) -> str:
