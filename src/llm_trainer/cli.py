@@ -90,12 +90,17 @@ def _run_options(experiment, args):
 def cmd_train(args) -> int:
     from .api import train
 
-    summary = train(_run_options(_experiment(args), args))
+    return _exit_status(train(_run_options(_experiment(args), args)))
+
+
+def _exit_status(summary: dict) -> int:
+    """0 for a run that finished; the shell's 128 + the signal's number for one a signal stopped (its
+    checkpoint saved), 1 when that was a signal another rank received."""
     stopped_by = summary.get("stopped_by_signal")
     if stopped_by is None:
         return 0
-    known = signal.Signals.__members__.get(stopped_by)  # None: a signal another rank received
-    return 128 + known.value if known is not None else 1  # the shell's convention: 128 + the signal's number
+    known = signal.Signals.__members__.get(stopped_by)
+    return 128 + known.value if known is not None else 1
 
 
 def cmd_eval(args) -> int:
@@ -325,6 +330,8 @@ def cmd_quickstart(args) -> int:
 
     experiment = _run_options(load_experiment(PRESETS / "quickstart.yaml", args.overrides), args)
     summary = train(experiment)
+    if summary.get("stopped_by_signal") is not None:  # stopped (and saved) when asked: nothing more runs
+        return _exit_status(summary)
     best = experiment.training.resolved_checkpoint_dir / "best_model"
     folder = best if best.is_dir() else Path(summary["checkpoint"])
     print(
