@@ -40,9 +40,30 @@ def test_overrides_after_an_option_and_the_double_dash_dotted_form(tmp_path, cap
     three = json.loads(capsys.readouterr().out)
     assert three["parameters"] > one["parameters"] and three != one
     assert load_experiment(path, ["model.n_layers=3", "model.d_ff=64"]).model.n_layers == 3
-    with pytest.raises(SystemExit) as exit_:
-        main(["estimate", "--config", str(path), "--json", "--bogus"])
-    assert exit_.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+    assert main(["estimate", "--config", str(path), "--json", "--bogus"]) == 2
+    assert capsys.readouterr().err == "error: unrecognized arguments: --bogus; see llm-trainer estimate --help\n"
+
+
+@pytest.mark.parametrize(
+    "given, override",
+    [
+        (["--max_steps", "5"], "training.max_steps=5 (or --training.max_steps 5)"),
+        (["--max_iters=100"], "training.max_steps=100 (or --training.max_steps 100)"),  # nanoGPT's name
+        (["--learning-rate", "1e-3"], "training.learning_rate=1e-3"),
+        (["--num_train_epochs", "1"], "training.num_epochs=1"),  # the Hugging Face Trainer's
+        (["--hidden_size=64"], "model.d_model=64"),
+        (["--text_column"], "data.text_column=VALUE"),
+    ],
+)
+def test_a_setting_given_as_an_option_names_its_override_in_one_line(tmp_path, capsys, given, override):
+    """`train --max_steps 5`, as the Hugging Face and nanoGPT scripts take settings: one line, exit 2,
+    naming the override that sets it, instead of argparse's usage block."""
+    path = write_tiny_experiment(tmp_path)
+    assert main(["train", "--config", str(path), *given]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {given[0]} is not an option of llm-trainer train"), err
+    assert override in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_training_evaluation_and_eval_command_say_what_they_covered(tmp_path, capfd, monkeypatch):

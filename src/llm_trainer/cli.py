@@ -653,7 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_config(sub.add_parser("lr-find", help="learning-rate range test on a copy of the model; suggests a rate"))
     p.add_argument("--start-lr", "--start_lr", type=float, default=1e-7)
     p.add_argument("--end-lr", "--end_lr", type=float, default=10.0)
-    p.add_argument("--num-steps", "--num_steps", type=int, default=100)
+    p.add_argument("--num-steps", "--num_steps", "--num-iter", "--num_iter", type=int, default=100)
     p.add_argument("--output", "-o", help="the loss-vs-lr plot (default: {training.output_dir}/lr_find.png)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_lr_find)
@@ -793,15 +793,37 @@ def _dotted_options(argv: list[str]) -> list[str]:
     return out
 
 
+def _unknown_arguments(unknown: list[str], argv: list[str], args) -> str:
+    """One line for what argparse did not take. A setting given as an option, the Hugging Face and
+    nanoGPT way (`--max_steps 5`, `--max_iters=100`), is named as the override that sets it."""
+    from .config import ExperimentConfig
+    from .config_aliases import setting_named
+
+    option = unknown[0]
+    key, has_value, value = option[2:].partition("=")
+    setting = setting_named(key.replace("-", "_"), ExperimentConfig.known_fields()) if option.startswith("--") else None
+    if setting is not None and hasattr(args, "overrides"):
+        if not has_value:
+            after = argv[argv.index(option) + 1 : argv.index(option) + 2]
+            value = after[0] if after and not after[0].startswith("--") else "VALUE"
+        return (
+            f"{option} is not an option of llm-trainer {args.command}; settings are given as overrides: "
+            f"{setting}={value} (or --{setting} {value})"
+        )
+    return f"unrecognized arguments: {' '.join(unknown)}; see llm-trainer {args.command} --help"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(_dotted_options(sys.argv[1:] if argv is None else list(argv)))
+    argv = _dotted_options(sys.argv[1:] if argv is None else list(argv))
+    args, extra = parser.parse_known_args(argv)
     # argparse leaves overrides that follow an --option unparsed: they are overrides all the same
     takes_overrides = hasattr(args, "overrides")
     overrides = [x for x in extra if takes_overrides and "=" in x and x.split("=", 1)[0].split(".", 1)[0] in _SECTIONS]
     unknown = [x for x in extra if x not in overrides]
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        print(f"error: {_unknown_arguments(unknown, argv, args)}", file=sys.stderr)
+        return 2
     if overrides:
         args.overrides = [*args.overrides, *overrides]
     from .errors import TrainingStopped

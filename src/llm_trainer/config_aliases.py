@@ -453,6 +453,17 @@ def keywords(section: str, given: Mapping[str, Any]) -> tuple[dict[str, dict[str
     ]
 
 
+def setting_named(key: str, known: Mapping[str, list[str]]) -> str | None:
+    """`section.field` that a key without its section names, as a field or in another framework's
+    spelling (`max_steps` -> `training.max_steps`, `max_iters` -> `training.max_steps`, `fp16` ->
+    `training.fp16`); None when no section has it. `known`: each section's field names."""
+    for section, fields in known.items():
+        target = ALIASES.get(section, {}).get(key)
+        if key in fields or target is not None:
+            return f"{section}.{target if isinstance(target, str) else key}"
+    return None
+
+
 def spellings_of(section: str, key: str) -> tuple[str, str]:
     """(section, field) that `section.key` sets: `model.hidden_size` -> (model, d_model),
     `distributed.strategy` -> (training, distributed_strategy), `model.gradient_checkpointing` ->
