@@ -241,6 +241,22 @@ def test_keys_the_trainer_does_not_take_are_named_with_the_wandb_setting(tmp_pat
     assert "config: a, b are not TrainingConfig fields; the Trainer does not use them\n" in capsys.readouterr().err
 
 
+def test_a_whole_experiment_given_to_the_trainer_trains_with_its_training_section(tmp_path, capsys):
+    """`Trainer(config=experiment.__dict__)` (the Hindi trainer's `config=config.__dict__`), the
+    ExperimentConfig itself, or a dict of sections: its training settings, not the defaults, and the
+    other sections named once as not used."""
+    from llm_trainer.config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig
+    from llm_trainer.train.trainer import _training_config
+
+    training = TrainingConfig(learning_rate=5e-3, max_steps=3, output_dir=str(tmp_path / "run"))
+    experiment = ExperimentConfig(model=ModelConfig(d_model=32, n_heads=2), training=training, data=DataConfig())
+    as_dicts = {"model": {"d_model": 32}, "training": {"lr": 5e-3, "max_steps": 3, "output_dir": str(tmp_path / "run")}}
+    for given in (experiment, experiment.__dict__, as_dicts):
+        assert _training_config(given) == training
+        err = capsys.readouterr().err
+        assert "config: an experiment's sections; the Trainer takes its training section (model" in err, err
+
+
 # -- vocabulary, eval's data, checkpoint paths -----------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ import torch.nn as nn
 from .. import config_aliases
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.train_state import TrainState
-from ..config import TrainingConfig
+from ..config import ExperimentConfig, TrainingConfig
 from ..downstream import during_training as downstream
 from ..errors import TrainingStopped, UsageError, first_line
 from ..logs import Progress, log, shows_progress_bar, warnings_once
@@ -734,11 +734,22 @@ WANDB_KEYS = ("project_name", "project", "wandb_project", "run_name", "wandb_run
 
 def _training_config(config: TrainingConfig | Mapping[str, Any] | None) -> TrainingConfig:
     """A TrainingConfig from what the caller gave: ours, a dict of its fields (e.g. a user's whole
-    experiment dict: other keys are listed once, not refused), or None for the defaults."""
+    experiment dict: other keys are listed once, not refused), a whole experiment (an ExperimentConfig,
+    its `__dict__`, a dict of sections: its training section, the others named once as not used), or
+    None for the defaults."""
     if config is None:
         return TrainingConfig()
     if isinstance(config, TrainingConfig):
         return config
+    sections = config.__dict__ if isinstance(config, ExperimentConfig) else config
+    if isinstance(sections, Mapping) and isinstance(sections.get("training"), (TrainingConfig, Mapping)):
+        others = ", ".join(str(key) for key in sections if key != "training")
+        if others:
+            log(
+                f"config: an experiment's sections; the Trainer takes its training section ({others}: not used, "
+                "the model and the data are the ones given to the Trainer; Trainer.from_config builds them from a config)"
+            )
+        return _training_config(sections["training"])
     if not isinstance(config, Mapping):
         raise UsageError(f"config must be a TrainingConfig or a dict of its fields, got {type(config).__name__}")
     known = [f.name for f in dataclasses.fields(TrainingConfig)]
