@@ -11,6 +11,22 @@ from llm_trainer.config_loader import load_experiment
 from llm_trainer.errors import UsageError
 
 
+def test_the_seed_documents_early_stopping_and_interval_names_are_ours(tmp_path):
+    """EarlyStopping's `patience`/`min_delta` (Keras, Lightning; the Hugging Face callback's threshold),
+    Megatron's `save_interval`, DeepSpeed's `steps_per_print`; a W&B project key says where it goes."""
+    path = tmp_path / "seeds.yaml"
+    path.write_text(
+        "training: {patience: 3, min_delta: 0.01, save_interval: 40, steps_per_print: 5, eval_steps: 20}\n"
+        "data: {data_files: [x]}\n"
+    )
+    t = load_experiment(path).training
+    assert (t.early_stopping_patience, t.early_stopping_min_delta, t.save_steps, t.logging_steps) == (3, 0.01, 40, 5)
+    assert TrainingConfig(early_stopping_threshold=0.5).early_stopping_min_delta == 0.5
+    path.write_text("training: {project_name: demo}\ndata: {data_files: [x]}\n")
+    with pytest.raises(UsageError, match=r"unknown key training.project_name; W&B .* WANDB_PROJECT"):
+        load_experiment(path)
+
+
 def test_nanogpt_and_hf_names_are_aliases_and_conflicts_are_reported(tmp_path):
     path = tmp_path / "nano.yaml"
     path.write_text(

@@ -98,6 +98,13 @@ TRAINING: dict[str, str | Expand] = {
     "beta2": "adam_beta2",
     # a DeepSpeed switch, as trainers without a distributed_strategy spell it
     "use_deepspeed": _turns_on("distributed_strategy", "deepspeed"),
+    # early stopping as Keras and PyTorch Lightning's EarlyStopping, and the Hugging Face callback, name it
+    "patience": "early_stopping_patience",
+    "min_delta": "early_stopping_min_delta",
+    "early_stopping_threshold": "early_stopping_min_delta",
+    # Megatron-LM's and DeepSpeed's intervals
+    "save_interval": "save_steps",
+    "steps_per_print": "logging_steps",
     # Megatron-LM's model-parallel sizes
     "tensor_model_parallel_size": "tensor_parallel_degree",
     "pipeline_model_parallel_size": "pipeline_parallel_degree",
@@ -231,7 +238,24 @@ def _section_of(key: str, section: str, others: Mapping[str, list[str]]) -> str 
     return None
 
 
+# Keys other trainers take for the W&B project and run name; here they come from W&B's own variables.
+WANDB_KEYS = ("project_name", "project", "wandb_project", "run_name", "wandb_run_name")
+
+
+def wandb_hint(keys: list[str]) -> str:
+    """Where the W&B settings among `keys` go instead ('' when there are none)."""
+    wandb = [key for key in keys if key in WANDB_KEYS]
+    if not wandb:
+        return ""
+    return (
+        "; W&B (training.report_to: [wandb]) takes its project from the WANDB_PROJECT environment variable and "
+        f"the run's name from WANDB_NAME: `export WANDB_PROJECT=my-project` instead of {', '.join(wandb)}"
+    )
+
+
 def _hint(section: str, key: str, known: list[str], aliases: Mapping[str, Any], others: Mapping[str, list[str]]) -> str:
+    if section == "training" and (wandb := wandb_hint([str(key)])):
+        return wandb
     if (elsewhere := _section_of(str(key), section, others)) is not None:
         return f"; it is a setting of another section: {elsewhere}"
     close = difflib.get_close_matches(

@@ -729,9 +729,6 @@ class Trainer:
             log(f"stopped by {self.stop.signal}; resume with training.resume_from_checkpoint=latest")
 
 
-WANDB_KEYS = ("project_name", "project", "wandb_project", "run_name", "wandb_run_name")
-
-
 def _training_config(config: TrainingConfig | Mapping[str, Any] | None) -> TrainingConfig:
     """A TrainingConfig from what the caller gave: ours, a dict of its fields (e.g. a user's whole
     experiment dict: other keys are listed once, not refused), a whole experiment (an ExperimentConfig,
@@ -759,13 +756,7 @@ def _training_config(config: TrainingConfig | Mapping[str, Any] | None) -> Train
     if unused:
         names = ", ".join(map(str, unused))
         are = "is not a TrainingConfig field" if len(unused) == 1 else "are not TrainingConfig fields"
-        wandb = [str(key) for key in unused if str(key) in WANDB_KEYS]
-        hint = (
-            f"; W&B (training.report_to: [wandb]) takes its project from the WANDB_PROJECT environment variable "
-            f"and the run's name from WANDB_NAME: `export WANDB_PROJECT=my-project` instead of {', '.join(wandb)}"
-            if wandb
-            else ""
-        )
+        hint = config_aliases.wandb_hint([str(key) for key in unused])
         log(f"config: {names} {are}; the Trainer does not use {'it' if len(unused) == 1 else 'them'}{hint}")
     try:
         return TrainingConfig(**values)
