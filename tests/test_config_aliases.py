@@ -78,6 +78,10 @@ def test_constructors_take_the_names_a_file_takes_and_a_wrong_one_names_the_clos
         vocab_size=30522, d_model=768, n_layers=12, n_heads=12, d_ff=3072, max_seq_len=512, dropout=0.1
     )
     assert ModelConfig(architecture="llama", size="7B").d_model == 4096  # a named shape, as `size: 7B`
+    with pytest.raises(ValueError, match=r"architecture must be 'gpt2' or 'llama', got 'mistral'"):
+        ModelConfig(architecture="mistral", size="7B")  # the architecture is what is wrong, not the size
+    with pytest.raises(ValueError, match=r"model.size '9B' is not a known llama size; known: 7B, 13B, 70B"):
+        ModelConfig(architecture="llama", size="9B")
     training = TrainingConfig(lr=1e-3, gradient_clipping=0.5, per_device_train_batch_size=2, bf16=True)
     assert (training.learning_rate, training.max_grad_norm, training.batch_size) == (1e-3, 0.5, 2)
     assert (training.use_amp, training.amp_dtype) == (True, "bfloat16")

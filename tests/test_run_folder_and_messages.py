@@ -367,3 +367,15 @@ def test_export_prints_one_line_and_writes_weights_like_its_other_files(tmp_path
     assert done.returncode == 0 and done.stdout == f"exported to {out}\n" and done.stderr == "", done.stderr
     modes = {path.name: path.stat().st_mode & 0o777 for path in out.iterdir()}
     assert modes["model.safetensors"] == modes["config.json"], modes
+
+
+def test_a_warmup_longer_than_the_run_is_said_at_the_start(tmp_path, capsys):
+    """warmup_steps 2000 in a run of 6 steps (a training guide's warmup on a short try): the learning
+    rate never reaches its peak, which the start says; a warmup inside the run says nothing."""
+    config = write_tiny_experiment(tmp_path, warmup_steps=2000)
+    assert main(["train", "--config", str(config)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: training.warmup_steps (2,000) reaches past the run's last step (6): the learning rate" in err
+    config = write_tiny_experiment(tmp_path, warmup_steps=2, output_dir=str(tmp_path / "run2"))
+    assert main(["train", "--config", str(config)]) == 0
+    assert "warmup_steps" not in capsys.readouterr().err

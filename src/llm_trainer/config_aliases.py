@@ -376,7 +376,9 @@ def _apply_size(fields: _Fields) -> None:
     size = fields.values.pop("size")
     fields.spelled.pop("size")
     architecture = fields.values.get("architecture", "gpt2")
-    table = SIZES.get(architecture, {})
+    if architecture not in SIZES:  # the architecture is what is wrong; the config check names it
+        return
+    table = SIZES[architecture]
     name = _SIZE_NAMES.get(str(size).lower(), str(size)).upper()
     shape = next((v for k, v in table.items() if k.upper() == name), None)
     if shape is None:

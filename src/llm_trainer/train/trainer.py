@@ -31,7 +31,7 @@ from ..checkpoint.train_state import TrainState
 from ..config import ExperimentConfig, TrainingConfig
 from ..downstream import during_training as downstream
 from ..errors import TrainingStopped, UsageError, first_line
-from ..logs import Progress, log, shows_progress_bar, warnings_once
+from ..logs import Progress, log, shows_progress_bar, warn, warnings_once
 from ..parallel import attention_kernel
 from ..parallel.distributed import all_reduce_, barrier, finish
 from ..parallel.parallelize import parallelize
@@ -237,6 +237,12 @@ class Trainer:
             self.total_steps = config.max_steps
         else:
             self.total_steps = (self.state.step if more else 0) + per_epoch * config.num_epochs
+        if config.lr_scheduler != "constant" and config.warmup_steps >= self.total_steps > 0:
+            warn(
+                f"training.warmup_steps ({config.warmup_steps:,}) reaches past the run's last step "
+                f"({self.total_steps:,}): the learning rate never gets to training.learning_rate "
+                f"({config.learning_rate:g}); lower warmup_steps (a few percent of the steps is usual)"
+            )
         if hasattr(self.train_loader, "accumulation"):  # our loaders: epochs of whole steps, the global batch saved
             self.train_loader.accumulation = config.gradient_accumulation_steps
         self.checkpointer.loader = self.train_loader
