@@ -4,6 +4,7 @@ AWS_EC2_METADATA_DISABLED are pinned for the tests and for every child process t
 
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -205,6 +206,35 @@ def test_prepare_from_a_bucket_into_a_bucket(s3, tmp_path):
     )
     _one_line_exit_2(small, "data.stream_cache_limit")
     assert not list((tmp_path / "stream3").rglob("*.bin"))
+
+
+def test_the_report_of_data_read_from_a_bucket_names_its_urls(s3, tmp_path):
+    """The report and the skip lines of data read from a store name its files by their URLs, as a local
+    file is named by its path, in-process and on the local executor: never the local copy's path."""
+    fs, bucket = s3
+    lines = [{"text": f"document number {i} " * 12} for i in range(40)] + [{"text": "short"}]
+    lines.append(lines[3])  # an exact duplicate, at line 42
+    files = {
+        f"{bucket}/corpus/a.jsonl": "".join(json.dumps(x) + "\n" for x in lines).encode(),
+        f"{bucket}/corpus/blob.txt": b"\x00\x01\x02binary" * 50,
+    }
+    for key, data in files.items():
+        fs.pipe_file(key, data)
+    config = _experiment(tmp_path, bucket)
+    values = yaml.safe_load(config.read_text())
+    values["data"].update(cache_dir=str(tmp_path / "prepared"), min_length=10, deduplication="exact")
+    config.write_text(yaml.safe_dump(values))
+    for executor in ([], ["--executor", "local", "--tasks", "2"]):
+        done = _cli(["prepare", "--config", str(config), *executor], os.environ["AWS_ENDPOINT_URL"], tmp_path)
+        assert done.returncode == 0, done.stderr
+        (report_file,) = (tmp_path / "prepared").glob("*/data_report.json")
+        report = json.loads(report_file.read_text())
+        assert report["removed_documents"]["min_length"][0]["origin"] == f"s3://{bucket}/corpus/a.jsonl:41"
+        assert report["removed_documents"]["exact_duplicates"][0]["origin"] == f"s3://{bucket}/corpus/a.jsonl:42"
+        (skipped,) = report["skipped_inputs_named"]["binary_files"]
+        assert skipped.startswith(f"s3://{bucket}/corpus/blob.txt looks like a binary file")
+        assert str(tmp_path / "stream") not in report_file.read_text() + done.stderr, executor
+        shutil.rmtree(tmp_path / "prepared")
 
 
 def _latest(fs, bucket: str) -> str:

@@ -207,8 +207,8 @@ def test_data_in_a_bucket_is_listed_as_a_local_folder_is(s3, tmp_path):
             (local / name).write_text(text)
         from_store = resolve_files([f"s3://{bucket}/{root}"], cache=tmp_path / "cache")
         from_disk = resolve_files([str(local)])
-        assert [path.read_text() for path, _ in from_store] == ["read", "read too"]
-        assert [path.read_text() for path, _ in from_disk] == ["read", "read too"]
+        assert [f.path.read_text() for f in from_store] == ["read", "read too"]
+        assert [f.path.read_text() for f in from_disk] == ["read", "read too"]
 
 
 def test_a_model_folder_whose_object_is_also_a_folder_is_one_line(s3, tmp_path):

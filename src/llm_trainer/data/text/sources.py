@@ -91,12 +91,18 @@ class SourceStats:
 
     skipped: Counter = field(default_factory=Counter)
     named: dict[str, list[str]] = field(default_factory=dict)
+    # (its local copy, its URL) while a file downloaded from a store is read: what is said of it names the URL
+    reading: tuple[str, str] | None = field(default=None, compare=False, repr=False)
 
     def skip(self, kind: str, what: str) -> None:
         self.skipped[kind] += 1
         names = self.named.setdefault(kind, [])
         if len(names) < NAMED_SKIPS:
-            names.append(what)
+            names.append(self.shown(what))
+
+    def shown(self, what: str) -> str:
+        """`what`, a message or an origin, with the local copy of a file read from a store named by its URL."""
+        return what.replace(*self.reading) if self.reading is not None else what
 
     def to_json(self) -> dict | None:
         """The counts and names as plain JSON (a task's part file, plan.json); None when nothing was skipped."""
@@ -136,7 +142,7 @@ class BadInput:
         if self.mode == "skip" or (self.mode == "skip_in_folders" and in_folder):
             self.stats.skip(kind, message)
             return
-        raise UsageError(message)
+        raise UsageError(self.stats.shown(message))
 
 
 def resolved_sources(config: DataConfig) -> list[SourceConfig]:
@@ -196,10 +202,16 @@ def _glob_base(spec: str) -> Path:
     return Path(*static) if static else Path(".")
 
 
+class InputFile(NamedTuple):
+    path: Path  # where it is read: the file, or a store's file's local copy
+    explicit: bool  # named by the user (bad input in it is an error under skip_in_folders)
+    url: str | None = None  # the store's file that `path` is a copy of: how reports and messages name it
+
+
 def resolve_files(
     specs, include=None, exclude=None, bad: BadInput | None = None, cache: Path | None = None
-) -> list[tuple[Path, bool]]:
-    """Expand files, folders and globs into (path, named_explicitly) pairs, sorted within each spec.
+) -> list[InputFile]:
+    """Expand files, folders and globs into InputFiles, sorted within each spec.
 
     include/exclude filter the files found in folders and globs; a file named explicitly is always read.
     A spec that is a URL is listed in its store and each file is downloaded into the local `cache`.
@@ -207,13 +219,13 @@ def resolve_files(
     bad = bad or BadInput("error", SourceStats())
     if isinstance(specs, str):
         specs = [specs]
-    out: list[tuple[Path, bool]] = []
+    out: list[InputFile] = []
     for spec in specs:
         if Location(spec).url:
             if cache is None:
                 raise UsageError(f"data file {spec} is a URL; set data.stream_cache_dir to a local folder for its copy")
             out += [
-                (fetch_file(url, info, cache), explicit)
+                InputFile(fetch_file(url, info, cache), explicit, url)
                 for url, info, explicit in _remote_files(spec, include, exclude, bad)
             ]
             continue
@@ -230,7 +242,7 @@ def resolve_files(
                     f"data_files pattern {spec!r} matches no files; check the path and the pattern"
                     + (brackets if "[" in spec else ""),
                 )
-            out += [(p, False) for p in chosen]
+            out += [InputFile(p, False) for p in chosen]
         elif path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path).as_posix()))
             chosen = [p for p in found if _selected(p.relative_to(path).as_posix(), include, exclude)]
@@ -238,9 +250,9 @@ def resolve_files(
                 bad(
                     "empty_folders", f"data folder {path} has no files" + (" matching include/exclude" if found else "")
                 )
-            out += [(p, False) for p in chosen]
+            out += [InputFile(p, False) for p in chosen]
         elif path.is_file():
-            out.append((path, True))
+            out.append(InputFile(path, True))
         else:
             bad("missing_files", f"data file {path} not found; fix data.data_files (files, folders or globs)")
     return out
@@ -514,14 +526,32 @@ def _string_type(kind) -> bool:
 
 
 def _iter_files(spec: SourceConfig, stats: SourceStats, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
-    for path, explicit in resolve_files(spec.data_files, spec.include, spec.exclude, opt.bad, opt.cache):
-        yield from _read_file(path, explicit, stats, opt)
+    for path, explicit, url in resolve_files(spec.data_files, spec.include, spec.exclude, opt.bad, opt.cache):
+        yield from _read_file(path, explicit, stats, opt, url)
 
 
 def _read_file(
+    path: Path, explicit: bool, stats: SourceStats, opt: _ReadOptions, url: str | None = None
+) -> Iterator[tuple[str, float | None, str]]:
+    """The records of one file, read as its name says (JSONL, Parquet, text); a local copy of the store's
+    file `url` named by that URL in its records' origins and in what is said of it."""
+    if url is None:
+        yield from _file_records(path, explicit, stats, opt)
+        return
+    named = {id(stats): stats, id(opt.bad.stats): opt.bad.stats}.values()
+    for each in named:
+        each.reading = (str(path), url)
+    try:
+        for text, score, origin in _file_records(path, explicit, stats, opt):
+            yield text, score, stats.shown(origin)
+    finally:
+        for each in named:
+            each.reading = None
+
+
+def _file_records(
     path: Path, explicit: bool, stats: SourceStats, opt: _ReadOptions
 ) -> Iterator[tuple[str, float | None, str]]:
-    """The records of one file, read as its name says (JSONL, Parquet, text)."""
     name = path.name.lower()
     if name.endswith(JSONL_SUFFIXES):
         yield from _read_jsonl(path, explicit, opt)
@@ -752,6 +782,7 @@ class FileUnit(NamedTuple):
     explicit: bool  # named by the user (bad input in it is an error under skip_in_folders)
     stdlib: bool  # a file of the built-in corpus (never bad input)
     size: int
+    url: str | None = None  # the store's file `path` is a local copy of (`InputFile.url`)
 
 
 def file_units(config: DataConfig, stats: SourceStats) -> list[FileUnit]:
@@ -765,8 +796,8 @@ def file_units(config: DataConfig, stats: SourceStats) -> list[FileUnit]:
             units += [FileUnit(index, str(p), False, True, p.stat().st_size) for p in stdlib_files()]
         if spec.data_files is not None:
             files = resolve_files(spec.data_files, spec.include, spec.exclude, bad, Path(config.stream_cache_dir))
-            for path, explicit in files:
-                units.append(FileUnit(index, str(path), explicit, False, path.stat().st_size))
+            for path, explicit, url in files:
+                units.append(FileUnit(index, str(path), explicit, False, path.stat().st_size, url))
     return units
 
 
@@ -789,7 +820,7 @@ def iter_unit(unit: FileUnit, config: DataConfig, stats: SourceStats) -> Iterato
     if unit.stdlib:
         records = _text_file_documents(Path(unit.path), False, stats, opt, bad_input=False)
     else:
-        records = _read_file(Path(unit.path), unit.explicit, stats, opt)
+        records = _read_file(Path(unit.path), unit.explicit, stats, opt, unit.url)
     return _documents(records, spec.name, stats)
 
 
@@ -815,7 +846,7 @@ def source_fingerprint(config: DataConfig) -> list:
                         [url, *identity(info)] for url, info, _ in _remote_files(one, spec.include, spec.exclude, quiet)
                     ]
                     continue
-                for path, _ in resolve_files(one, spec.include, spec.exclude, quiet):
+                for path, _, _ in resolve_files(one, spec.include, spec.exclude, quiet):
                     stat = path.stat()
                     items.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
     return items
