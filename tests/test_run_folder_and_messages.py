@@ -15,6 +15,7 @@ from llm_trainer.cli import build_parser, main
 from llm_trainer.config import TrainingConfig
 from llm_trainer.config_loader import load_experiment
 from llm_trainer.errors import UsageError
+from llm_trainer.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -379,3 +380,23 @@ def test_a_warmup_longer_than_the_run_is_said_at_the_start(tmp_path, capsys):
     config = write_tiny_experiment(tmp_path, warmup_steps=2, output_dir=str(tmp_path / "run2"))
     assert main(["train", "--config", str(config)]) == 0
     assert "warmup_steps" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "spelled", [{"eval_steps": "epoch", "save_steps": "epoch"}, {"eval_strategy": "epoch", "save_strategy": "epoch"}]
+)
+def test_evaluation_and_checkpoints_at_each_epoch_s_end(tmp_path, spelled):
+    """`eval_steps: epoch` (the Hugging Face Trainer's `eval_strategy: epoch`): the seed documents' loop
+    validates and keeps the best model after every epoch; so does ours, whatever the epoch's length."""
+    train, val = tiny_loaders(n_tokens=1000)
+    per_epoch = train.batches_per_epoch()
+    config = {"output_dir": str(tmp_path / "run"), "logging_steps": 1, "learning_rate": 3e-3, **spelled}
+    trainer = Trainer(model=tiny_model(), config={**config, "save_total_limit": None, "async_checkpoint": False})
+    trainer.train(train_dataloader=train, val_dataloader=val, num_epochs=3)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [per_epoch, 2 * per_epoch, 3 * per_epoch]
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("checkpoint-*"))
+    assert saved == [f"checkpoint-{s:08d}" for s in (per_epoch, 2 * per_epoch, 3 * per_epoch)]
+    assert (tmp_path / "run" / "checkpoints" / "best_model").is_dir()
+    with pytest.raises(ValueError, match=r"save_strategy must be 'no', 'steps' or 'epoch', got 'best'"):
+        TrainingConfig(save_strategy="best")

@@ -409,12 +409,12 @@ class TrainingConfig(_Validated):
     output_dir: str = "output"  # a folder, or a URL (s3://, gs://, ...): written in staging_dir, then uploaded
     checkpoint_dir: str | None = None  # default: {output_dir}/checkpoints; a URL: uploaded there after each save
     staging_dir: str = "run_staging"  # a URL output_dir: the run is written in {staging_dir}/<the URL's name> first
-    save_steps: int | None = 500  # None or 0: only the final checkpoint
+    save_steps: int | Literal["epoch"] | None = 500  # None or 0: only the final checkpoint; epoch: at each epoch's end
     save_total_limit: int | None = 3  # checkpoints kept in rotation (latest and best_model always); None: all
     async_checkpoint: bool = True  # periodic saves: copy the state, write it from a background thread
     # the coming batches read and copied to the GPU on a worker thread during the step; auto: on a GPU
     read_ahead: bool | Literal["auto"] = "auto"
-    eval_steps: int | None = 500  # None or 0: evaluate only at the end
+    eval_steps: int | Literal["epoch"] | None = 500  # None or 0: only at the end; epoch: at each epoch's end
     eval_max_batches: int | None = None  # None: the whole validation set
     eval_batch_size: int | None = None  # rows per evaluation batch; None: batch_size
     target_val_loss: float | None = None  # stop once the full validation loss reaches this (time-to-target runs)
@@ -531,7 +531,7 @@ class TrainingConfig(_Validated):
         )
         for name in ("save_steps", "eval_steps", "warmup_steps"):
             value = getattr(self, name)
-            _require(value is None or value >= 0, f"TrainingConfig.{name} must be >= 0, got {value}")
+            _require(value in (None, "epoch") or value >= 0, f"TrainingConfig.{name} must be >= 0, got {value}")
         _require(self.learning_rate > 0, f"TrainingConfig.learning_rate must be positive, got {self.learning_rate}")
         for name in ("learning_rate", "muon_learning_rate"):
             value = getattr(self, name)

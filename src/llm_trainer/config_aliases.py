@@ -74,11 +74,27 @@ def _turns_on(field: str, value: Any = True) -> Expand:
     return expand
 
 
+def _strategy(field: str) -> Expand:
+    """The Hugging Face Trainer's `eval_strategy` / `save_strategy`: `epoch` sets `field` to "epoch",
+    `no` to 0 (the run's end only), `steps` leaves it to `field` itself."""
+
+    def expand(value: Any) -> Iterator[tuple[str, Any]]:
+        if value not in ("no", "steps", "epoch"):
+            raise ValueError(f"must be 'no', 'steps' or 'epoch', got {value!r}")
+        if value != "steps":
+            yield field, "epoch" if value == "epoch" else 0
+
+    return expand
+
+
 TRAINING: dict[str, str | Expand] = {
     # Hugging Face TrainingArguments
     "per_device_train_batch_size": "batch_size",
     "num_train_epochs": "num_epochs",
     "lr_scheduler_type": "lr_scheduler",
+    "eval_strategy": _strategy("eval_steps"),
+    "evaluation_strategy": _strategy("eval_steps"),
+    "save_strategy": _strategy("save_steps"),
     "fp16": _precision("float16"),
     "bf16": _precision("bfloat16"),
     # nanoGPT / litgpt / common pretraining recipes

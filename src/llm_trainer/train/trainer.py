@@ -67,6 +67,23 @@ from .stop import StopControl
 __all__ = ["Callback", "Trainer", "TrainState", "TrainingStopped"]
 
 
+@dataclasses.dataclass(frozen=True)
+class Every:
+    """When a periodic evaluation or save is due: every `steps` steps counted from `first` (the step
+    that a train() call's epochs start after); never when `steps` is 0."""
+
+    steps: int
+    first: int = 0
+
+    @classmethod
+    def of(cls, setting: int | str | None, steps_per_epoch: int, first: int) -> Every:
+        """From `eval_steps` / `save_steps`: a count of steps, "epoch" (each epoch's end), or 0 / None."""
+        return cls(steps_per_epoch, first) if setting == "epoch" else cls(setting or 0)
+
+    def due(self, step: int) -> bool:
+        return self.steps > 0 and (step - self.first) % self.steps == 0
+
+
 class Trainer:
     """Trains any `nn.Module` that returns logits (or an object with `.logits` or `.loss`) on any
     iterable of batches; `llm_trainer.train` builds everything from an experiment config instead.
@@ -233,10 +250,19 @@ class Trainer:
                 f"one epoch has {self.train_loader.batches_per_epoch()} batches, fewer than "
                 f"gradient_accumulation_steps={config.gradient_accumulation_steps}; set training.max_steps or use more data"
             )
+        first = self.state.step if more else 0  # the step this call's epochs start after
         if config.max_steps is not None:
             self.total_steps = config.max_steps
         else:
-            self.total_steps = (self.state.step if more else 0) + per_epoch * config.num_epochs
+            self.total_steps = first + per_epoch * config.num_epochs
+        if per_epoch == 0 and "epoch" in (config.eval_steps, config.save_steps):
+            raise UsageError(
+                f"training.eval_steps/save_steps 'epoch': one epoch has {self.train_loader.batches_per_epoch()} "
+                f"batches, fewer than one step of {config.gradient_accumulation_steps}; give them a number of steps"
+            )
+        self.eval_every, self.save_every = (
+            Every.of(setting, per_epoch, first) for setting in (config.eval_steps, config.save_steps)
+        )
         if config.lr_scheduler != "constant" and config.warmup_steps >= self.total_steps > 0:
             warn(
                 f"training.warmup_steps ({config.warmup_steps:,}) reaches past the run's last step "
@@ -397,9 +423,7 @@ class Trainer:
 
                     # Evaluate; track the best model; early stopping.
                     at_end = state.step == self.total_steps
-                    if self.val_loader is not None and (
-                        at_end or (cfg.eval_steps and state.step % cfg.eval_steps == 0)
-                    ):
+                    if self.val_loader is not None and (at_end or self.eval_every.due(state.step)):
                         with timer.count("evaluation"):  # the run's last evaluation covers the whole split
                             final_eval = self._evaluate_and_track(full=at_end)
 
@@ -408,7 +432,7 @@ class Trainer:
                         self.checkpointer.poll()  # (a background save's error surfaces here)
                     self.stop.poll()  # one process: a signal that came during logging/evaluation counts now
                     stopping = at_end or self.stop.stopping
-                    if stopping or (cfg.save_steps and state.step % cfg.save_steps == 0):
+                    if stopping or self.save_every.due(state.step):
                         self._read_bad_steps()
                         if self._act_on_spikes():  # never a checkpoint after an unread spike
                             continue
