@@ -102,7 +102,10 @@ class SourceStats:
 
     def shown(self, what: str) -> str:
         """`what`, a message or an origin, with the local copy of a file read from a store named by its URL."""
-        return what.replace(*self.reading) if self.reading is not None else what
+        if self.reading is None:
+            return what
+        local, url = self.reading
+        return what.replace(local, url)
 
     def to_json(self) -> dict | None:
         """The counts and names as plain JSON (a task's part file, plan.json); None when nothing was skipped."""
