@@ -400,3 +400,25 @@ def test_evaluation_and_checkpoints_at_each_epoch_s_end(tmp_path, spelled):
     assert (tmp_path / "run" / "checkpoints" / "best_model").is_dir()
     with pytest.raises(ValueError, match=r"save_strategy must be 'no', 'steps' or 'epoch', got 'best'"):
         TrainingConfig(save_strategy="best")
+
+
+def test_a_config_kept_in_the_output_folder_is_never_replaced_by_the_run_s(tmp_path, capfd):
+    """`train --config runs/x/config.yaml` with output_dir runs/x, a folder holding the user's own
+    config.yaml (with their comments) or a tokenizer.json but no run: refused in one line, both files as
+    they were; --overwrite replaces them, as it says."""
+    import yaml
+
+    made = write_tiny_experiment(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    values = yaml.safe_load(made.read_text())
+    (run / "config.yaml").write_text("# my comments\n" + yaml.safe_dump(values))
+    (run / "tokenizer.json").write_text('{"my": "notes"}')
+    before = {name: (run / name).read_bytes() for name in ("config.yaml", "tokenizer.json")}
+    assert main(["train", "--config", str(run / "config.yaml")]) == 2
+    last = capfd.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"error: {run} holds config.yaml and tokenizer.json but no run"), last
+    assert {name: (run / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in run.iterdir() if p.name != ".lock") == ["config.yaml", "tokenizer.json"]
+    assert main(["train", "--config", str(made), "--overwrite"]) == 0
+    assert (run / "config.yaml").read_bytes() != before["config.yaml"] and (run / "metrics.jsonl").is_file()

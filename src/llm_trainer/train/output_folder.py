@@ -140,6 +140,17 @@ def check_output_folder(training: TrainingConfig, *, is_main: bool) -> None:
             "training.resume_from_checkpoint=latest, choose another training.output_dir, or pass --overwrite "
             "(training.overwrite_output_dir=true) to start over"
         )
+    output = training.local_output_dir
+    theirs = [
+        name for name in ("config.yaml", TOKENIZER_FILE) if (output / name).exists() or (output / name).is_symlink()
+    ]
+    if theirs and not training.remote_output_dir:  # no run wrote them (a run writes metrics.jsonl first)
+        raise UsageError(
+            f"{training.output_dir} holds {' and '.join(theirs)} but no run (no metrics.jsonl or checkpoints), "
+            f"and a run writes its own {' and '.join(theirs)} there; move yours elsewhere (a config passed with "
+            "--config is read from anywhere), choose another training.output_dir, or pass --overwrite "
+            "(training.overwrite_output_dir=true) to replace them"
+        )
     if training.remote_output_dir and is_main:  # a fresh run: what staging holds is no run's copy
         _clear_local(training, why=f"a fresh run into {training.output_dir}", staging_only=True)
 
