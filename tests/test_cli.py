@@ -88,6 +88,16 @@ def test_lr_find_writes_its_plot_into_the_run_folder(tmp_path, monkeypatch, caps
     assert main(["lr-find", "--config", str(config), "--num-steps", "12", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["plot"] == str(tmp_path / "run" / "lr_find.png")
     assert (tmp_path / "run" / "lr_find.png").is_file() and not (tmp_path / "lr_find.png").exists()
+    mine = tmp_path / "precious.txt"  # a file of the user's at --output: kept unless --overwrite
+    mine.write_text("my precious")
+    assert main(["lr-find", "--config", str(config), "--num-steps", "12", "--output", str(mine)]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == f"error: --output {mine} exists; choose another file or pass --overwrite to replace it"
+    )
+    assert mine.read_text() == "my precious"
+    assert main(["lr-find", "--config", str(config), "--num-steps", "12", "--output", str(mine), "--overwrite"]) == 0
+    assert mine.read_bytes().startswith(b"\x89PNG")
 
 
 def test_registry_add_of_the_same_run_twice_is_one_version(tmp_path, capsys):

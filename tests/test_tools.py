@@ -312,6 +312,18 @@ def test_plots_never_raise_by_default_and_the_cli_reports(tmp_path, capsys):
     run = _fake_run(tmp_path / "run")
     assert main(["plot", str(run)]) == 0
     assert len(capsys.readouterr().out.split()) == 6 and (run / "plots" / "lr_vs_tokens.png").is_file()
+    assert main(["plot", str(run)]) == 0  # the run's own figures, drawn again
+    mine = tmp_path / "figures"  # a folder of the user's: a PNG of the same name is kept unless --overwrite
+    mine.mkdir()
+    (mine / "loss_vs_steps.png").write_bytes(b"my figure")
+    capsys.readouterr()
+    assert main(["plot", str(run), "--output", str(mine)]) == 2
+    assert "holds loss_vs_steps.png already; choose another folder or pass --overwrite" in capsys.readouterr().err
+    assert [p.name for p in mine.iterdir()] == ["loss_vs_steps.png"] and (
+        mine / "loss_vs_steps.png"
+    ).read_bytes() == b"my figure"
+    assert main(["plot", str(run), "--output", str(mine), "--overwrite"]) == 0
+    assert (mine / "loss_vs_steps.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_without_matplotlib_a_finished_run_says_so_once_and_leaves_no_plots_folder(tmp_path, capsys, monkeypatch):

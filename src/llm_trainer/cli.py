@@ -375,10 +375,9 @@ def _quickstart_scores(folder: Path) -> None:
 def cmd_plot(args) -> int:
     from .train.plots import plot_runs
 
-    output = (
-        Path(args.output) if args.output else (Path(args.runs[0]) / "plots" if len(args.runs) == 1 else Path("plots"))
-    )
-    written = plot_runs(args.runs, output, labels=args.labels, strict=True)
+    ours = not args.output and len(args.runs) == 1  # RUN_DIR/plots: the run's own figures, redrawn
+    output = Path(args.output) if args.output else (Path(args.runs[0]) / "plots" if ours else Path("plots"))
+    written = plot_runs(args.runs, output, labels=args.labels, strict=True, replace=ours or args.overwrite)
     for path in written.values():
         print(path)
     return 0
@@ -398,7 +397,12 @@ def cmd_lr_find(args) -> int:
     try:
         import matplotlib  # noqa: F401
 
-        plot_path = Path(args.output) if args.output else experiment.training.local_output_dir / "lr_find.png"
+        if args.output:  # a file of the user's is replaced only when asked; the default one is the run folder's
+            from .files.disk import check_output_file
+
+            plot_path = check_output_file(Path(args.output), args.overwrite, example="lr_find.png")
+        else:
+            plot_path = experiment.training.local_output_dir / "lr_find.png"
     except ImportError:
         from .logs import warn
 
@@ -642,6 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--output", "-o", help="folder for the PNGs (default: RUN_DIR/plots for one run, ./plots for several)"
     )
     p.add_argument("--labels", nargs="+", help="legend names, one per run (default: the folder names)")
+    p.add_argument("--overwrite", action="store_true", help="replace PNGs of the same names in the output folder")
     p.set_defaults(func=cmd_plot)
 
     what = "a run at a glance: step, losses, speed, ETA, last checkpoint, alerts, whether it is running"
@@ -655,6 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--end-lr", "--end_lr", type=float, default=10.0)
     p.add_argument("--num-steps", "--num_steps", "--num-iter", "--num_iter", type=int, default=100)
     p.add_argument("--output", "-o", help="the loss-vs-lr plot (default: {training.output_dir}/lr_find.png)")
+    p.add_argument("--overwrite", action="store_true", help="replace the file at --output if there is one")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_lr_find)
 

@@ -164,12 +164,15 @@ def _matplotlib_installed() -> bool:
     return True
 
 
-def plot_runs(run_dirs, output_dir, *, labels: list[str] | None = None, strict: bool = False) -> dict[str, Path]:
+def plot_runs(
+    run_dirs, output_dir, *, labels: list[str] | None = None, strict: bool = False, replace: bool = True
+) -> dict[str, Path]:
     """Write loss/perplexity/lr vs steps/tokens PNGs of the runs into `output_dir`; returns name -> path.
 
     With `strict=False` (the default, what the trainer uses at the end of a run) nothing is raised:
     a problem (no matplotlib, no metrics) is logged as a warning and {} returned. `strict=True`
-    raises `UsageError` instead (the `plot` command).
+    raises `UsageError` instead (the `plot` command). `replace=False`: files of the same names in
+    `output_dir` (a folder of the user's) are refused before anything is written.
     """
     try:
         run_dirs = [Path(d) for d in ([run_dirs] if isinstance(run_dirs, (str, Path)) else run_dirs)]
@@ -186,6 +189,12 @@ def plot_runs(run_dirs, output_dir, *, labels: list[str] | None = None, strict: 
         _disambiguate(runs, run_dirs)
         figures = make_figures(runs)  # before the folder: a run that cannot be plotted leaves no empty plots/
         out = writable_folder(Path(output_dir), "the plot folder (--output)")
+        there = [f"{name}.png" for name in figures if (out / f"{name}.png").exists()]
+        if there and not replace:
+            raise UsageError(
+                f"--output {out} holds {', '.join(there)} already; choose another folder or pass --overwrite to "
+                "replace them"
+            )
         written = {}
         for name, fig in figures.items():
             path = out / f"{name}.png"
