@@ -55,7 +55,8 @@ def check_target(output: Path, source: Path | None, overwrite: bool, overwrite_h
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise UsageError(
             f"{output} is not empty; choose an empty or new folder, or {overwrite_hint} to replace "
-            "the files this command writes there (other files are kept)"
+            "the files this command writes there (other files are kept, but for model weight files of another "
+            "layout, which a loader would read instead)"
         )
     writable_folder(output.absolute().parent, "the folder of --output")
 
