@@ -459,3 +459,13 @@ def test_deepspeed_config_errors_name_the_problem(tmp_path, monkeypatch, deepspe
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(UsageError, match=re.escape(message)):
         build_config(TrainingConfig(batch_size=8, deepspeed_config=deepspeed_config), world_size=1, d_model=32)
+
+
+@pytest.mark.parametrize("given", ["", [" "], ["corpus/", ""]])
+def test_an_empty_name_in_data_files_is_refused_rather_than_read_as_the_working_folder(given):
+    from llm_trainer.config import DataConfig
+
+    with pytest.raises(ValueError, match=r"DataConfig.data_files holds an empty name .*the working folder is ./"):
+        DataConfig(data_files=given)
+    with pytest.raises(ValueError, match=r"data source 'web': data_files holds an empty name"):
+        DataConfig(sources=[{"name": "web", "data_files": given}])

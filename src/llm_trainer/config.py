@@ -735,6 +735,7 @@ class SourceConfig(_Validated):
     def _check(self) -> None:
         where = f"data source {self.name!r}"
         _require(bool(self.name), f"each of DataConfig.sources needs a name, got {self.name!r}")
+        _check_data_files(self.data_files, f"{where}: data_files")
         _require(
             self.data_files is not None or self.dataset_name is not None, f"{where} needs data_files or dataset_name"
         )
@@ -779,6 +780,15 @@ def _typed_list(values: Any, cls: type, field_name: str) -> Any:
                 ) from None
         out.append(value)
     return out
+
+
+def _check_data_files(value: list[str] | str | None, where: str) -> None:
+    """Each name in data_files is a file, folder or glob: an empty one would be the working folder, read whole."""
+    names = [value] if isinstance(value, str) else value or []
+    _require(
+        all(not isinstance(name, str) or name.strip() for name in names),
+        f"{where} holds an empty name ({value!r}); name files, folders or globs (the working folder is ./)",
+    )
 
 
 @_keywords_as_in_files
@@ -910,6 +920,7 @@ class DataConfig(_Validated):
             )
 
     def _check(self) -> None:
+        _check_data_files(self.data_files, "DataConfig.data_files")
         _require(
             not (self.sources and (self.dataset_name is not None or self.data_files is not None)),
             "DataConfig: set either data.sources or data.data_files/dataset_name, not both",
