@@ -334,6 +334,17 @@ def test_a_config_is_read_under_our_names_once(monkeypatch):
     [
         ("", "is empty"),
         ("model: [1, 2", "could not be parsed"),
+        (
+            "model:\n  d_model: 32\n\tn_layers: 2\n",
+            r"could not be parsed: found character '\\t' that cannot start any token \(line 3, column 1\)",
+        ),
+        ("model: {d_model: [1, 2}\n", r"expected ',' or '\]', but got '}' \(line 1, column 23\)"),
+        # a key twice: YAML keeps the last, which would drop the first section whole
+        (
+            "model:\n  d_model: 32\ntraining:\n  max_steps: 5\nmodel:\n  n_heads: 4\n",
+            r"c.yaml: the key 'model' is written twice in one mapping \(lines 1 and 5\)",
+        ),
+        ("model: {d_model: 32, d_model: 64}\n", r"the key 'd_model' is written twice in one mapping \(lines 1 and 1\)"),
         ("- a\n- b\n", "must hold a mapping"),
         (
             '{"train_batch_size": 32, "zero_optimization": {"stage": 3}, "bf16": {"enabled": true}}',
@@ -349,6 +360,15 @@ def test_bad_config_files(tmp_path, content, message):
         load_experiment(path)
     with pytest.raises(UsageError, match="not found"):
         load_experiment(tmp_path / "missing.yaml")
+    with pytest.raises(UsageError, match="is a folder"):
+        load_experiment(tmp_path)
+
+
+def test_a_merge_key_s_entries_may_be_set_again():
+    from llm_trainer.config_loader import yaml_load
+
+    text = "base: &b {d_model: 32, n_heads: 2}\nmodel:\n  <<: *b\n  d_model: 64\n"
+    assert yaml_load(text)["model"] == {"d_model": 64, "n_heads": 2}
 
 
 def test_every_preset_loads_and_small_ones_build():

@@ -38,7 +38,8 @@ def resolve_config_path(name: str) -> Path:
         if candidate.is_file():
             return candidate
     presets = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
-    raise UsageError(f"config {name} not found; pass a YAML/JSON file or a preset ({presets})")
+    what = "is a folder" if path.is_dir() else "is not a regular file" if path.exists() else "not found"
+    raise UsageError(f"config {name} {what}; pass a YAML/JSON file or a preset ({presets})")
 
 
 def _experiment(args):

@@ -22,12 +22,25 @@ from .limits import MAX_NESTING, check_structure, parse_json
 class _Loader(yaml.SafeLoader):
     """YAML 1.1 reads `3e-4` as a string; ML configs mean a number. Accept exponents without a dot.
 
-    Merge keys (`<<: *defaults`) copy entries while the document is built, so a few lines of nested
-    merges could copy billions: a mapping that merges more than `MAX_MERGED_ENTRIES` is refused."""
+    A key written twice in one mapping is refused: YAML would keep the last silently, and a second
+    `model:` section would drop the first whole. (Keys a merge key `<<` brings in may be set again: that
+    is what merging is for.) Merge keys copy entries while the document is built, so a few lines of
+    nested merges could copy billions: a mapping that merges more than `MAX_MERGED_ENTRIES` is refused."""
 
     MAX_MERGED_ENTRIES = 10_000
 
     def flatten_mapping(self, node):
+        seen: dict[str, int] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            line = key.start_mark.line + 1
+            if key.value in seen:
+                raise UsageError(
+                    f"the key {key.value!r} is written twice in one mapping (lines {seen[key.value]} and {line}); "
+                    "YAML would keep only the second: keep one"
+                )
+            seen[key.value] = line
         super().flatten_mapping(node)
         if len(node.value) > self.MAX_MERGED_ENTRIES:
             raise UsageError(
@@ -51,7 +64,21 @@ def yaml_load(text: str, where: str = "a YAML document"):
         value = yaml.load(text, Loader=_Loader)
     except RecursionError:
         raise UsageError(f"{where} is nested more than {MAX_NESTING} levels deep (the nesting limit)") from None
+    except UsageError as exc:  # the loader's own refusals (a key twice, merges past the limit)
+        raise UsageError(f"{where}: {exc}") from None
     return check_structure(value, where)
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """What a YAML parser's error says, with where: `found character '\t' that cannot start any token
+    (line 3, column 1)` rather than its first line, `while scanning for the next token`."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    if problem is None:
+        return first_line(exc, None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    context = getattr(exc, "context", None)
+    return f"{problem}{where}" + (f", {context}" if context else "")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -90,7 +117,8 @@ def _merged(current: Any, value: Any) -> Any:
 def read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"config file {path} not found; pass --config with the path of a YAML or JSON file")
+        what = "is a folder" if path.is_dir() else "is not a regular file" if path.exists() else "not found"
+        raise UsageError(f"config file {path} {what}; pass --config with the path of a YAML or JSON file")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -98,8 +126,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     where = f"config file {path}"
     try:
         data = parse_json(text, where) if path.suffix == ".json" else yaml_load(text, where)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+    except json.JSONDecodeError as exc:
         raise UsageError(f"config file {path} could not be parsed: {first_line(exc, None)}") from None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"config file {path} could not be parsed: {yaml_problem(exc)}") from None
     if data is None:
         raise UsageError(f"config file {path} is empty; it needs sections model:, training:, data:")
     if not isinstance(data, dict):
