@@ -328,6 +328,27 @@ def test_a_registry_listing_creates_nothing(tmp_path, capsys):
     assert "no models registered" in capsys.readouterr().out
 
 
+def test_a_registry_never_writes_into_another_program_s_database(tmp_path, capsys):
+    """`registry list --db study.db` (a sweep's Optuna file) or `add` into it: refused in one line, the
+    file byte for byte as it was; a folder given as --db says so."""
+    import sqlite3
+
+    foreign = tmp_path / "study.db"
+    with sqlite3.connect(foreign) as db:
+        db.execute("CREATE TABLE studies (study_id INTEGER PRIMARY KEY, study_name TEXT)")
+        db.execute("INSERT INTO studies VALUES (1, 'mine')")
+    before = foreign.read_bytes()
+    assert cli.main(["registry", "list", "--db", str(foreign)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: registry {foreign} is another program's database (its tables: studies); give the registry a "
+        "file of its own with --db"
+    )
+    assert foreign.read_bytes() == before
+    assert cli.main(["registry", "list", "--db", str(tmp_path)]) == 2
+    assert "is a folder; --db takes the path of a file" in capsys.readouterr().err
+
+
 def test_a_full_disk_anywhere_in_a_command_is_one_line(tmp_path, capsys, monkeypatch):
     from llm_trainer.checkpoint import model_folder as folders
 

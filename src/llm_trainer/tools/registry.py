@@ -296,6 +296,7 @@ CREATE TABLE IF NOT EXISTS stage_history (
     name TEXT NOT NULL, version INTEGER NOT NULL, stage TEXT NOT NULL, changed_at TEXT NOT NULL
 );
 """
+_TABLES = {"versions", "stage_history"}
 _COLUMNS = (
     "name",
     "version",
@@ -323,9 +324,18 @@ class SQLiteRegistry:
         self.db = self._connect() if self.path.exists() else None
 
     def _connect(self) -> sqlite3.Connection:
+        if self.path.is_dir():
+            raise UsageError(f"registry {self.path} is a folder; --db takes the path of a file (a new one is made)")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if tables - _TABLES:  # another program's database (a sweep's study.db): never written into
+                db.close()
+                raise UsageError(
+                    f"registry {self.path} is another program's database (its tables: {', '.join(sorted(tables))}); "
+                    "give the registry a file of its own with --db"
+                )
             db.executescript(_SCHEMA)
             known = {row[1] for row in db.execute("PRAGMA table_info(versions)")}
             if "model_fingerprint" not in known:  # a registry written before versions recorded it
