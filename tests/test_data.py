@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -997,3 +999,29 @@ def test_cli_bad_key_is_one_line(tmp_path, where, monkeypatch, capsys):
     assert "max_lenght" in lines[0] and "data.max_length" in lines[0]
     assert "Traceback" not in err
     assert out == ""
+
+
+def test_damaged_prepared_data_is_refused_in_one_line_rather_than_trained_on_in_part(tmp_path, capsys):
+    """A prepared folder whose train.bin was cut short (a copy that stopped): `train` refuses it in one
+    line naming the folder and the fix, and writes no run; preparing it anew gives the data back.
+    Offsets that do not end at the manifest's count are refused where they are read. (A folder missing
+    a file is prepared again by itself.)"""
+    from conftest import write_tiny_experiment
+    from llm_trainer import cli
+    from llm_trainer.data.prepare import find_prepared
+
+    config = write_tiny_experiment(tmp_path)
+    assert cli.main(["prepare", "--config", str(config)]) == 0
+    capsys.readouterr()
+    (folder,) = [p for p in (tmp_path / "cache").iterdir() if (p / "manifest.json").is_file()]
+    np.save(folder / "val.idx.npy", np.load(folder / "val.idx.npy")[:-1])
+    with pytest.raises(UsageError, match=r"is damaged: val.idx.npy does not end at the [\d,]+ tokens its manifest"):
+        find_prepared(tmp_path / "cache", folder.name).offsets("val")
+    os.truncate(folder / "train.bin", 1000)
+    assert cli.main(["train", "--config", str(config)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"error: the prepared data in {folder} is damaged: train.bin holds 500 tokens"), last
+    assert last.endswith("remove that folder and run the command again to prepare it anew")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    shutil.rmtree(folder)
+    assert cli.main(["train", "--config", str(config)]) == 0

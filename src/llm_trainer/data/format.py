@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import UsageError
 from ..tokenizer import Tokenizer
 
 # 7: cleaning ends normalised and strips every Unicode space; near-dedup and word lengths read every script alike
@@ -49,12 +50,31 @@ class PreparedData:
     manifest: dict
 
     def tokens(self, split: str) -> np.memmap:
-        if self.manifest["splits"][split]["tokens"] == 0:  # an empty file cannot be memory-mapped
-            return np.zeros(0, dtype=self.manifest["dtype"])
-        return np.memmap(self.directory / f"{split}.bin", dtype=self.manifest["dtype"], mode="r")
+        """The split's tokens, memory-mapped; a file whose size is not the manifest's count (cut short,
+        replaced) is refused in one line rather than trained on in part."""
+        count, dtype = self.manifest["splits"][split]["tokens"], np.dtype(self.manifest["dtype"])
+        path = self.directory / f"{split}.bin"
+        size = path.stat().st_size if path.is_file() else None
+        if size != count * dtype.itemsize:
+            held = "is missing" if size is None else f"holds {size // dtype.itemsize:,} tokens"
+            self._damaged(f"{path.name} {held} where its manifest.json counts {count:,}")
+        if count == 0:  # an empty file cannot be memory-mapped
+            return np.zeros(0, dtype=dtype)
+        return np.memmap(path, dtype=dtype, mode="r")
 
     def offsets(self, split: str) -> np.ndarray:
-        return np.load(self.directory / f"{split}.idx.npy")
+        """Where each document of the split starts, and the end: ending at the manifest's token count."""
+        offsets = np.load(self.directory / f"{split}.idx.npy")
+        count = self.manifest["splits"][split]["tokens"]
+        if offsets.ndim != 1 or len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != count:
+            self._damaged(f"{split}.idx.npy does not end at the {count:,} tokens its manifest.json counts")
+        return offsets
+
+    def _damaged(self, what: str) -> None:
+        raise UsageError(
+            f"the prepared data in {self.directory} is damaged: {what}; remove that folder and run the command "
+            "again to prepare it anew"
+        )
 
     def sources(self, split: str) -> list[str]:
         """The source name of each document of the split."""
