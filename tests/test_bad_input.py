@@ -378,3 +378,35 @@ def test_a_one_line_error_quotes_the_first_line_of_a_failure_that_says_something
     assert first_line(failure, 9) == "I/O error"
     assert first_line(ValueError()) == first_line(ValueError(" \n ")) == "ValueError"
     assert first_line(ValueError("x" * 300)) == "x" * 200 and first_line(ValueError("x" * 300), None) == "x" * 300
+
+
+@pytest.mark.parametrize(
+    "env, overrides, message",
+    [
+        ({"WORLD_SIZE": "abc"}, [], "the environment variable WORLD_SIZE='abc' is not a count"),
+        ({"RANK": "1", "WORLD_SIZE": "1"}, [], "RANK=1 with WORLD_SIZE=1: ranks count from 0 below the world size"),
+        ({}, ["training.seed=-1"], "TrainingConfig.seed must be from 0 to 4,294,967,295, got -1"),
+        ({}, ["data.seed=18446744073709551617"], "DataConfig.seed must be from 0 to 4,294,967,295"),
+        ({}, ["training.device=mps"], "training.device=mps but MPS (Apple's GPU) is not available here"),
+    ],
+)
+def test_a_stale_launcher_variable_a_seed_or_a_device_not_here_is_one_line(
+    tmp_path, capsys, monkeypatch, env, overrides, message
+):
+    import torch
+
+    from conftest import write_tiny_experiment
+
+    if (
+        "training.device=mps" in overrides
+        and getattr(torch.backends, "mps", None)
+        and torch.backends.mps.is_available()
+    ):
+        pytest.skip("this machine has MPS")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = write_tiny_experiment(tmp_path)
+    assert cli.main(["train", "--config", str(config), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and message in err.strip().splitlines()[-1], err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -261,6 +261,7 @@ def test_a_missing_package_is_a_one_line_install_hint(tmp_path, monkeypatch, bac
 
 def test_only_rank_zero_logs(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
     assert build_loggers(["console", "jsonl", "tensorboard", "wandb", "mlflow"], tmp_path, {}, progress_bar=False) == []
     assert not (tmp_path / "metrics.jsonl").exists()
     monkeypatch.setenv("RANK", "0")

@@ -532,6 +532,7 @@ class TrainingConfig(_Validated):
         for name in ("save_steps", "eval_steps", "warmup_steps"):
             value = getattr(self, name)
             _require(value in (None, "epoch") or value >= 0, f"TrainingConfig.{name} must be >= 0, got {value}")
+        _check_seed(self.seed, "TrainingConfig.seed")
         _require(self.learning_rate > 0, f"TrainingConfig.learning_rate must be positive, got {self.learning_rate}")
         for name in ("learning_rate", "muon_learning_rate"):
             value = getattr(self, name)
@@ -782,6 +783,11 @@ def _typed_list(values: Any, cls: type, field_name: str) -> Any:
     return out
 
 
+def _check_seed(seed: int, where: str) -> None:
+    """A seed the random generators take (NumPy's: 0 to 2**32 - 1)."""
+    _require(0 <= seed < 2**32, f"{where} must be from 0 to {2**32 - 1:,}, got {seed:,}")
+
+
 def _check_data_files(value: list[str] | str | None, where: str) -> None:
     """Each name in data_files is a file, folder or glob: an empty one would be the working folder, read whole."""
     names = [value] if isinstance(value, str) else value or []
@@ -941,6 +947,7 @@ class DataConfig(_Validated):
             f"each of the 256 bytes, and end-of-text), got {self.tokenizer_vocab_size}",
         )
         _require(self.tokenizer_train_max_chars > 0, "DataConfig.tokenizer_train_max_chars must be positive")
+        _check_seed(self.seed, "DataConfig.seed")
         _require(bool(self.tokenizer), "DataConfig.tokenizer must be bpe, char or a path")
         names = [source.name for source in self.sources or []]
         _require(len(set(names)) == len(names), f"DataConfig.sources names must be unique, got {names}")

@@ -42,9 +42,11 @@ def resolve_device(name: str) -> torch.device:
         if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    device = torch.device(name)
+    device = torch.device(name)  # (TrainingConfig allows cpu, cuda[:N] and mps)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"training.device={name} but CUDA is not available here; use device: auto or cpu")
+    if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise UsageError(f"training.device={name} but MPS (Apple's GPU) is not available here; use device: auto or cpu")
     return device
 
 
