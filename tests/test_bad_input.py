@@ -410,3 +410,46 @@ def test_a_stale_launcher_variable_a_seed_or_a_device_not_here_is_one_line(
     err = capsys.readouterr().err
     assert "Traceback" not in err and message in err.strip().splitlines()[-1], err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_tokenizer_json_that_cannot_encode_text_is_one_line(tmp_path, capsys):
+    """A WordLevel tokenizer.json whose vocabulary lacks its own [UNK]: loading it raised the library's
+    bare Exception from the probe; now one line naming the file."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from conftest import write_tiny_experiment
+
+    broken = HFTokenizer(models.WordLevel({"the": 0, "cat": 1}, unk_token="[UNK]"))
+    broken.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "nounk.json"
+    path.write_text(broken.to_str())
+    config = write_tiny_experiment(tmp_path)
+    assert cli.main(["prepare", "--config", str(config), f"data.tokenizer={path}"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert (
+        last
+        == f"error: {path} cannot encode text (WordLevel error: Missing [UNK] token from the vocabulary); fix or replace it"
+    )
+
+
+def test_a_model_folder_with_weights_that_are_not_finite_is_one_line(tmp_path, capsys):
+    """A model folder whose weights hold a NaN (no meta.json: nothing checksums it): generate raised in
+    the sampler, eval printed `loss nan`, export succeeded; each is now refused in one line."""
+    from safetensors.torch import load_file, save_file
+
+    folder = model_folder(tmp_path)
+    weights = folder / "model.safetensors"
+    state = load_file(weights)
+    name = sorted(state)[1]
+    state[name][0] = float("nan")
+    save_file(state, weights)
+    for argv in (
+        ["generate", "--checkpoint", str(folder), "--prompt", "the"],
+        ["eval", "--checkpoint", str(folder), "--data", str(text_file(tmp_path, "t.txt", "the cat sat " * 20))],
+        ["export", "--checkpoint", str(folder), "--output", str(tmp_path / "out")],
+    ):
+        assert cli.main(argv) == 2, argv
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith(f"error: {weights}: the weights of {name} are not finite (NaN or infinity)"), last
+    assert not (tmp_path / "out").exists()

@@ -16,7 +16,13 @@ from . import launcher
 from .checkpoint import remote as remote_checkpoints
 from .checkpoint.find import find_checkpoint
 from .checkpoint.layout import holds_dcp_shards, read_meta
-from .checkpoint.model_folder import is_transformers_folder, load_model_folder, load_model_state, read_model_config
+from .checkpoint.model_folder import (
+    is_transformers_folder,
+    load_model_folder,
+    load_model_state,
+    read_model_config,
+    refuse_non_finite,
+)
 from .checkpoint.verify import verify
 from .config import DataConfig, ExperimentConfig, TrainingConfig
 from .data.prepare import prepare_data
@@ -104,7 +110,9 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
         from .checkpoint.sharded import consolidate  # (torch.distributed.checkpoint: a second to import)
 
         model = Transformer(read_model_config(path))
-        load_model_state(model, consolidate(path, model), str(path))
+        state = consolidate(path, model)
+        refuse_non_finite(state, str(path))
+        load_model_state(model, state, str(path))
         model = model.to(device)
     else:
         model = load_model_folder(path, device=device)

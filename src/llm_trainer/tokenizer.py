@@ -298,7 +298,10 @@ def backend_from_json(text: str, where: str) -> HFTokenizer:
             raise UsageError(f"{where} is not a valid tokenizer.json ({first_line(exc, 120)})") from None
         backend.no_truncation()
         backend.no_padding()
-        backend.decode(backend.encode(_PROBE, add_special_tokens=False).ids)
+        try:
+            backend.decode(backend.encode(_PROBE, add_special_tokens=False).ids)
+        except Exception as exc:  # a model that cannot encode text (a WordLevel vocabulary without its [UNK])
+            raise UsageError(f"{where} cannot encode text ({first_line(exc, 120)}); fix or replace it") from None
     return backend
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -237,6 +238,20 @@ def load_model_folder(
         raise UsageError(
             f"{weights} could not be read ({first_line(exc, 160)}); the file is corrupt or truncated"
         ) from None
+    refuse_non_finite(state, str(weights))
     model = cls(config)
     load_model_state(model, state, str(weights))
     return model.to(device)
+
+
+def refuse_non_finite(state: dict[str, torch.Tensor], where: str) -> None:
+    """Weights holding NaN or infinity (a run that diverged, a damaged save that still checksums) make
+    every output NaN: refused in one line naming the first such tensor, before they are used. One read
+    of each tensor, summed in float64 (a NaN or infinity anywhere makes the sum one)."""
+    bad = [name for name, t in state.items() if t.is_floating_point() and not math.isfinite(t.sum(dtype=torch.float64))]
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise UsageError(
+            f"{where}: the weights of {bad[0]}{more} are not finite (NaN or infinity); the model cannot be used: "
+            "take an earlier checkpoint"
+        )
