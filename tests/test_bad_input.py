@@ -453,3 +453,29 @@ def test_a_model_folder_with_weights_that_are_not_finite_is_one_line(tmp_path, c
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith(f"error: {weights}: the weights of {name} are not finite (NaN or infinity)"), last
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (
+            ["--tasks", "llmt_choice", "--data", "x.txt"],
+            "--data goes with the loss on a file, and --tasks runs benchmarks",
+        ),
+        (["--output", "r.json"], "--output set how benchmarks run (--tasks), and no --tasks was given"),
+        (["--num_fewshot", "3", "--limit", "5"], "--num_fewshot, --limit set how benchmarks run (--tasks)"),
+        (["--text-column", "body"], "--text-column names the field of --data's records, and no --data was given"),
+    ],
+)
+def test_eval_options_of_the_other_mode_are_refused_not_ignored(tmp_path, capsys, options, message):
+    folder = model_folder(tmp_path)
+    assert cli.main(["eval", "--checkpoint", str(folder), *options]) == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_an_export_named_as_a_gguf_file_asks_for_the_format(tmp_path, capsys):
+    folder = model_folder(tmp_path)
+    assert cli.main(["export", "--checkpoint", str(folder), "--output", str(tmp_path / "m.gguf")]) == 2
+    assert "is named as a GGUF file: pass --format gguf" in capsys.readouterr().err
+    assert not (tmp_path / "m.gguf").exists()

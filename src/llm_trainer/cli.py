@@ -104,6 +104,33 @@ def _exit_status(summary: dict) -> int:
     return 128 + known.value if known is not None else 1
 
 
+def _check_eval_options(args) -> None:
+    """`eval` is one of two things: the loss on the run's validation split or on --data, or benchmark
+    scores (--tasks); an option of the other one is refused rather than ignored."""
+    if args.tasks is not None:
+        given = [name for name, value in (("--data", args.data), ("--text-column", args.text_column)) if value]
+        if given:
+            raise UsageError(
+                f"{' and '.join(given)} {'go' if len(given) > 1 else 'goes'} with the loss on a file, and --tasks "
+                "runs benchmarks; pass one of them (two commands for both)"
+            )
+        return
+    given = [
+        name
+        for name, value in (
+            ("--num_fewshot", args.num_fewshot),
+            ("--limit", args.limit),
+            ("--output", args.output),
+            ("--trust_task_code", args.trust_task_code or None),
+        )
+        if value is not None
+    ]
+    if given:
+        raise UsageError(f"{', '.join(given)} set how benchmarks run (--tasks), and no --tasks was given")
+    if args.text_column and not args.data:
+        raise UsageError("--text-column names the field of --data's records, and no --data was given")
+
+
 def cmd_eval(args) -> int:
     from .api import eval_loader, load_for_inference
     from .config_loader import saved_batch_size
@@ -114,6 +141,7 @@ def cmd_eval(args) -> int:
 
     if args.batch_size is not None and args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
+    _check_eval_options(args)
     if args.tasks is not None:
         return _eval_tasks(args)
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
@@ -241,6 +269,11 @@ def cmd_export(args) -> int:
         return _export_gguf(args)
     if args.dtype is not None:
         raise UsageError("--dtype sets a GGUF file's weights; a transformers export keeps float32 (use --format gguf)")
+    if str(args.output).lower().endswith(".gguf"):
+        raise UsageError(
+            f"--output {args.output} is named as a GGUF file: pass --format gguf for one (a transformers export, "
+            "the default, is a folder)"
+        )
     try:
         _quiet_transformers()
         from .hf.interop import export_to_hf
