@@ -385,6 +385,7 @@ def test_a_one_line_error_quotes_the_first_line_of_a_failure_that_says_something
     [
         ({"WORLD_SIZE": "abc"}, [], "the environment variable WORLD_SIZE='abc' is not a count"),
         ({"RANK": "1", "WORLD_SIZE": "1"}, [], "RANK=1 with WORLD_SIZE=1: ranks count from 0 below the world size"),
+        ({"WORLD_SIZE": "2"}, [], "WORLD_SIZE=2 is set but MASTER_ADDR is not, so no launcher started this process"),
         ({}, ["training.seed=-1"], "TrainingConfig.seed must be from 0 to 4,294,967,295, got -1"),
         ({}, ["data.seed=18446744073709551617"], "DataConfig.seed must be from 0 to 4,294,967,295"),
         ({}, ["training.device=mps"], "training.device=mps but MPS (Apple's GPU) is not available here"),

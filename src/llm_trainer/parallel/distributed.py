@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .. import launcher
 from ..config import TrainingConfig
 from ..errors import TrainingStopped, UsageError, first_line
-from ..logs import warn
+from ..logs import log, warn
 from .mesh import resolve_layout, strategy_of
 
 
@@ -69,9 +69,20 @@ def setup(config: TrainingConfig, device: torch.device) -> tuple[DistInfo, torch
         backend = config.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
         if backend == "nccl" and device.type != "cuda":
             raise UsageError("training.distributed_backend=nccl needs CUDA; use gloo on CPU")
+        if "MASTER_ADDR" not in os.environ and world > 1:  # every launcher sets it: WORLD_SIZE is left over
+            raise UsageError(
+                f"WORLD_SIZE={world} is set but MASTER_ADDR is not, so no launcher started this process; unset "
+                "WORLD_SIZE and RANK to train in one process, or start the processes with torchrun"
+            )
         if "MASTER_ADDR" not in os.environ:  # DeepSpeed in one process, started without torchrun
             os.environ.update(
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
+            )
+        elif world > 1:  # said before the wait: a process group whose other ranks never come waits for the timeout
+            log(
+                f"distributed: joining {world} processes at {os.environ['MASTER_ADDR']}:"
+                f"{os.environ.get('MASTER_PORT', '?')} (waits up to training.distributed_timeout_s="
+                f"{config.distributed_timeout_s}s for all of them)"
             )
         timeout = timedelta(seconds=config.distributed_timeout_s)
         dist.init_process_group(
