@@ -422,3 +422,24 @@ def test_a_config_kept_in_the_output_folder_is_never_replaced_by_the_run_s(tmp_p
     assert sorted(p.name for p in run.iterdir() if p.name != ".lock") == ["config.yaml", "tokenizer.json"]
     assert main(["train", "--config", str(made), "--overwrite"]) == 0
     assert (run / "config.yaml").read_bytes() != before["config.yaml"] and (run / "metrics.jsonl").is_file()
+
+
+def test_a_resume_from_an_earlier_checkpoint_says_which_later_ones_it_saves_over(tmp_path, capsys):
+    config = write_tiny_experiment(tmp_path, save_steps=2, save_total_limit=None, async_checkpoint=False)
+    assert main(["train", "--config", str(config)]) == 0
+    capsys.readouterr()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    earlier = checkpoints / "checkpoint-00000002"
+    assert (
+        main(["train", "--config", str(config), f"training.resume_from_checkpoint={earlier}", "training.max_steps=8"])
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert (
+        f"warning: resume: checkpoint-00000004, checkpoint-00000006 in {checkpoints} were saved after step 2; "
+        "this run saves over them as it passes their steps" in err
+    ), err
+    assert (
+        main(["train", "--config", str(config), "training.resume_from_checkpoint=latest", "training.max_steps=10"]) == 0
+    )
+    assert "saves over" not in capsys.readouterr().err  # from the newest: nothing later

@@ -48,12 +48,12 @@ import torch
 from ..errors import CheckpointError, UsageError
 from ..files import buckets
 from ..files.folder_files import SHARDED_DIR
-from ..logs import log
+from ..logs import log, warn
 from ..tokenizer import vocabulary_mismatch
 from .background import BackgroundWriter, HostSnapshot
 from .durable import remove_stale
 from .find import resolve_checkpoint
-from .layout import BEST, STAGING, TRAIN_STATE, checkpoint_name
+from .layout import BEST, STAGING, TRAIN_STATE, checkpoint_name, list_checkpoints, step_of
 from .local import load_checkpoint, rotate, save_best_model, save_checkpoint
 from .model_folder import CONFIG_NAME
 from .remote import ensure_uploaded, fetch_named, local_copy, store_shards, upload_best, upload_checkpoint
@@ -351,6 +351,13 @@ class Checkpointer:
                 f"checkpoint {path} is unusable: its random-number states are malformed ({exc})"
             ) from None
         log(f"resume: continuing from {path} (step {self.state.step}, {self.state.tokens_seen:,} tokens seen)")
+        later = [p.name for p in reversed(list_checkpoints(self.root)) if step_of(p) > self.state.step]
+        if later and self.dist.is_main:  # a resume from an earlier checkpoint trains those steps again
+            shown = ", ".join(later[:3]) + (f" and {len(later) - 3} more" if len(later) > 3 else "")
+            warn(
+                f"resume: {shown} in {self.root} {'were' if len(later) > 1 else 'was'} saved after step "
+                f"{self.state.step}; this run saves over them as it passes their steps (copy them elsewhere to keep them)"
+            )
         return self.state
 
     def _store_shards(self, path: Path, meta: dict, url: str | None) -> str | None:
