@@ -478,6 +478,16 @@ def test_sweep_completes_prunes_and_resumes(tmp_path, capsys):
     assert (result.root / "other-trial-0000" / "metrics.jsonl").is_file()
     assert (result.root / "trial-0000" / "metrics.jsonl").read_bytes() == first
 
+    # the study again with another search space, or another base config: refused, the study as it was
+    narrower = tmp_path / "narrower.yaml"
+    narrower.write_text("training.learning_rate: {type: float, low: 1e-3, high: 3e-3, log: true}\n")
+    for argv in (["--search-space", str(narrower)], ["--search-space", str(space), "training.max_steps=6"]):
+        assert main(["sweep", "--config", str(config), *argv, "--trials", "5"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "the study 'exp' in sqlite:///" in err and "was run with another" in err, err
+    storage = f"sqlite:///{tmp_path / 'run' / 'sweep' / 'study.db'}"
+    assert len(optuna.load_study(study_name="exp", storage=storage).trials) == 4
+
 
 @pytest.mark.slow
 def test_an_interrupted_sweep_stops_and_reruns_the_interrupted_trial(tmp_path):

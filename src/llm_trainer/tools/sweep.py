@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +253,10 @@ def run_sweep(
     base = load_experiment(config_path, list(overrides))
     check_search_space(config_path, overrides, params)
     root = Path(output_dir) if output_dir is not None else base.training.local_output_dir / "sweep"
+    if (root / "metrics.jsonl").exists():
+        raise UsageError(
+            f"--output-dir {root} holds a training run (metrics.jsonl); give the sweep a folder of its own"
+        )
     writable_folder(root, "--output-dir")
     storage = storage or f"sqlite:///{root.resolve() / 'study.db'}"
     default_name = Path(config_path).stem
@@ -278,6 +282,7 @@ def run_sweep(
                 f"--storage {storage} cannot hold the study ({type(exc).__name__}: {first_line(exc)}); pass an SQLAlchemy "
                 "URL such as sqlite:///path/to/study.db in a folder that exists"
             ) from None
+        _check_same_experiment(study, study_name, storage, params, base)
         done = sum(_finished(t) for t in study.trials)
         todo = max(0, n_trials - done)
         # A fresh seed per invocation: a resumed study must not replay the first invocation's samples.
@@ -345,6 +350,37 @@ def run_sweep(
     finally:
         optuna.logging.set_verbosity(previous)
     return SweepResult(study=study, root=root, storage=storage, ran=ran)
+
+
+EXPERIMENT_ATTR = "llm_trainer_experiment"  # the study's user attribute: what its trials search, from what
+
+
+def _check_same_experiment(study, name: str, storage: str, params: list[SearchParam], base) -> None:
+    """A study records its search space and base config when it starts; resuming it with others would
+    put trials of two experiments in one table and pick its best across them: refused in one line."""
+    experiment = json.loads(
+        json.dumps(
+            {
+                "search_space": [asdict(p) for p in params],
+                "config": {**base.to_dict(), "training": {**base.to_dict()["training"], "output_dir": None}},
+            },
+            sort_keys=True,
+            default=str,
+        )
+    )
+    recorded = study.user_attrs.get(EXPERIMENT_ATTR)
+    if recorded is None:
+        if study.trials:  # a study of an earlier version, or of another program: its trials are kept as they are
+            return
+        study.set_user_attr(EXPERIMENT_ATTR, experiment)
+        return
+    changed = [what for what in ("search_space", "config") if recorded.get(what) != experiment[what]]
+    if changed:
+        what = " and ".join("search space" if c == "search_space" else "base config" for c in changed)
+        raise UsageError(
+            f"the study {name!r} in {storage} was run with another {what}; resume it with the same ones, or start "
+            "a study of its own with --study-name NAME or another --output-dir"
+        )
 
 
 def results_table(study, params: list[str] | None = None) -> str:
