@@ -26,6 +26,29 @@ def test_a_user_dataloaders_batch_size_is_the_runs_and_the_start_line_says_so(tm
     assert summary["step"] == 2 * 5  # 10 batches a epoch, 2 per step, 2 epochs
 
 
+def test_a_plain_list_of_batches_and_a_model_of_the_user_s_get_a_true_start_line(tmp_path, capfd):
+    """A list of (4, 17) token tensors: the effective batch is 4, not the config's default 8; a model of
+    the user's is not said to write attention out (only llm-trainer's models do that)."""
+
+    class Bigram(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(61, 61)
+
+        def forward(self, x, targets=None):
+            logits = self.table(x)
+            if targets is None:
+                return logits
+            return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    batches = [torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    config = {"max_steps": 3, "output_dir": str(tmp_path / "run"), "device": "cpu", "progress_bar": False}
+    Trainer(model=Bigram(), config=config).train(train_dataloader=batches)
+    start = next(line for line in capfd.readouterr().err.splitlines() if line.startswith("train: "))
+    assert "effective batch 4 = 4 x 1 accumulation x 1 process(es)" in start, start
+    assert start.endswith("the model's SDPA calls, if any: flash (auto)") and "written out" not in start, start
+
+
 def test_padding_is_never_a_target():
     """Dict batches with attention_mask: padded positions are masked from the labels, so what the pad
     holds cannot change the loss (nor, hence, the gradient)."""

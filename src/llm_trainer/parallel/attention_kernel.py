@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..config import ModelConfig
 from ..errors import UsageError
 
 BACKENDS: dict[str, SDPBackend] = {
@@ -73,6 +74,7 @@ class AttentionKernel:
     name: str
     requested: str
     instead: str | None = None  # e.g. FlexAttention for document masks
+    ours: bool = True  # the model is llm-trainer's, whose attention calls are known; else its SDPA calls, if any
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
@@ -85,6 +87,8 @@ class AttentionKernel:
     def describe(self) -> str:
         """The run header's words for the kernel."""
         how = "auto" if self.requested == "auto" else "training.sdpa_backend"
+        if not self.ours:
+            return f"the model's SDPA calls, if any: {self.name} ({how})"
         if self.instead is None:
             return f"attention {self.name} ({how})"
         return f"attention {self.instead}; SDPA calls: {self.name} ({how})"
@@ -141,6 +145,8 @@ def choose(
             f"use auto, or one that does: {', '.join(available)}"
         )
     config = getattr(model, "config", None)
+    if not isinstance(config, ModelConfig):  # a model of the user's: what it calls is its own
+        return AttentionKernel(name, requested, ours=False)
     if document_mask and getattr(config, "attention_backend", "sdpa") == "flex":
         return AttentionKernel(name, requested, instead="FlexAttention for document masks")
     if device.type == "cpu" and call.dtype == torch.bfloat16:

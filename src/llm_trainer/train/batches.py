@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -23,8 +23,10 @@ class IterableBatches:
         self.iterable, self.device = iterable, device
         self.processes = processes  # the run's world size: the position counts this rank's batches
         self.epoch, self.position, self._it = 0, 0, None
-        # rows per batch, for the effective batch the Trainer prints: a DataLoader knows it
+        # rows per batch, for the effective batch the Trainer prints: a DataLoader knows it, a list shows it
         self.batch_size: int | None = getattr(iterable, "batch_size", None)
+        if self.batch_size is None and isinstance(iterable, Sequence) and len(iterable) > 0:
+            self.batch_size = _rows(iterable[0])
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]
@@ -87,6 +89,15 @@ class IterableBatches:
                     f"DataLoader ({taken:,} batches); resume with the data the run was saved with"
                 )
         self.position = position
+
+
+def _rows(batch) -> int | None:
+    """The rows of one batch in any accepted form (see IterableBatches), or None for another form."""
+    first = (
+        batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
+    )
+    shape = getattr(first, "shape", None)
+    return int(shape[0]) if shape else None
 
 
 def as_loader(loader, device: torch.device, processes: int = 1):
