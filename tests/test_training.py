@@ -396,6 +396,8 @@ def test_save_checkpoint_before_data_says_what_is_missing(tmp_path):
     trainer.train(train_dataloader=BatchLoader(WindowRows(_tokens(), 16), 4, shuffle=True, seed=0), num_epochs=1)
     saved = trainer.save_checkpoint()
     assert saved.name.endswith("00000006") and (saved / "model.safetensors").is_file()
+    with pytest.raises(UsageError, match=r"save_checkpoint\(\) takes no positional arguments \(got 2\)"):
+        trainer.save_checkpoint(1, 3.2)  # another trainer's save_checkpoint(epoch, val_loss)
 
 
 def test_blocks_are_checkpointed_then_compiled_in_place_before_any_wrapper(tmp_path):

@@ -678,8 +678,16 @@ class Trainer:
             cb.on_evaluate(self, metrics)
         return metrics
 
-    def save_checkpoint(self, background: bool = False) -> Path:
-        """Save the current state now (every rank calls it); see `Checkpointer.save`."""
+    def save_checkpoint(self, *given: Any, background: bool = False) -> Path:
+        """Save the current state now (every rank calls it) as checkpoint-<step>; see `Checkpointer.save`.
+        Positional arguments (the epoch and loss other trainers' `save_checkpoint(epoch, val_loss)` take)
+        are refused in one line: the checkpoint records the step, the data position and the state itself."""
+        if given:
+            raise UsageError(
+                f"Trainer.save_checkpoint() takes no positional arguments (got {len(given)}): it saves the run as it "
+                "is now, as checkpoint-<step>, with its own step, data position and metrics; call save_checkpoint() "
+                "(or save_checkpoint(background=True))"
+            )
         if self.train_loader is None:
             raise UsageError(
                 "save_checkpoint needs the training data (a checkpoint records the loader's position): "
