@@ -606,7 +606,9 @@ def test_000_zero3_json_as_written_trains_with_its_own_optimizer_and_schedule_an
     )
     result = cli(tmp_path, sys.executable, "-m", "llm_trainer", "train", "--config", "exp.yaml")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "effective batch 8 = 2 x 4 accumulation x 1 process(es)" in result.stderr
+    assert (
+        "effective batch 8 = 2 x 4 accumulation x 1 process(es) (deepspeed)" in result.stderr
+    )  # said, in one process too
     saved = yaml.safe_load((tmp_path / "output" / "config.yaml").read_text())["training"]
     assert (
         saved["learning_rate"],

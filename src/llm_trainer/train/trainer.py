@@ -742,7 +742,8 @@ class Trainer:
         log(
             f"train: {n_params:,} parameters on {self.device}, {self.total_steps} steps, effective batch {effective} "
             f"= {rows} x {cfg.gradient_accumulation_steps} accumulation x {replicas}"
-            f"{' (' + self.dist.strategy + ')' if world > 1 else ''}, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}), "
+            f"{' (' + self.dist.strategy + ')' if world > 1 or self.dist.strategy == 'deepspeed' else ''}, "
+            f"lr {cfg.learning_rate:g} ({cfg.lr_scheduler}), "
             f"{'amp ' + cfg.amp_dtype if cfg.use_amp else 'float32'}{', compiled' if cfg.compile else ''}, "
             f"{self.attention.describe()}{', batches read ahead' if getattr(self.train_loader, 'reads_ahead', False) else ''}"
         )
