@@ -10,6 +10,7 @@ import importlib.util
 import json
 import struct
 import sys
+import time
 
 import pytest
 
@@ -196,7 +197,9 @@ def test_wandb_keeps_the_steps_a_rewind_replays(tmp_path, monkeypatch):
     for step in (5, 6):  # after the rewind to step 4
         logger.log({"kind": "train", "step": step, "loss": 1.0 + step})
     logger.close()
-    rows = _wandb_history(tmp_path / "wandb")
+    deadline = time.monotonic() + 60  # W&B's service process may still be writing the file when finish returns
+    while len(rows := _wandb_history(tmp_path / "wandb")) < 8 and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert [row["train/loss"] for row in rows] == [11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 6.0, 7.0]
     assert [row["train/global_step"] for row in rows] == [1, 2, 3, 4, 5, 6, 5, 6]
 

@@ -33,7 +33,7 @@ from ..downstream import during_training as downstream
 from ..errors import TrainingStopped, UsageError, first_line
 from ..logs import Progress, log, shows_progress_bar, warn, warnings_once
 from ..parallel import attention_kernel
-from ..parallel.distributed import all_reduce_, barrier, finish
+from ..parallel.distributed import DistInfo, all_reduce_, barrier, finish
 from ..parallel.parallelize import parallelize
 from ..pipeline import experiment_from, prepare_run
 from ..resolve import ResolvedRun, native_bf16, resolve_for_model, seed_everything
@@ -742,7 +742,7 @@ class Trainer:
         log(
             f"train: {n_params:,} parameters on {self.device}, {self.total_steps} steps, effective batch {effective} "
             f"= {rows} x {cfg.gradient_accumulation_steps} accumulation x {replicas}"
-            f"{' (' + self.dist.strategy + ')' if world > 1 or self.dist.strategy == 'deepspeed' else ''}, "
+            f"{' (' + self.dist.strategy + ')' if self.dist.strategy != DistInfo.strategy else ''}, "
             f"lr {cfg.learning_rate:g} ({cfg.lr_scheduler}), "
             f"{'amp ' + cfg.amp_dtype if cfg.use_amp else 'float32'}{', compiled' if cfg.compile else ''}, "
             f"{self.attention.describe()}{', batches read ahead' if getattr(self.train_loader, 'reads_ahead', False) else ''}"
