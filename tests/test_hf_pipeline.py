@@ -49,7 +49,8 @@ def test_exported_perplexity_equals_llm_trainer_eval(tmp_path, corpus, architect
     assert exported.returncode == 0, exported.stderr
 
     text_file = tmp_path / "val.txt"
-    text_file.write_text("the fox sat on the mat number 5.\nthe bird sat on the mat number 2.\n" * 8)
+    # (no newline at the end: eval --data cleans its text as prepare does, which strips it)
+    text_file.write_text(("the fox sat on the mat number 5.\nthe bird sat on the mat number 2.\n" * 8).rstrip("\n"))
     ours = json.loads(_cli("eval", "--checkpoint", "run", "--data", str(text_file), "--json", cwd=tmp_path).stdout)
 
     # transformers, on its own: the same text, windows of max_seq_len + 1 tokens with stride max_seq_len.
