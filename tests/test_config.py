@@ -336,9 +336,9 @@ def test_a_config_is_read_under_our_names_once(monkeypatch):
         ("model: [1, 2", "could not be parsed"),
         (
             "model:\n  d_model: 32\n\tn_layers: 2\n",
-            r"could not be parsed: found character '\\t' that cannot start any token \(line 3, column 1\)",
+            r"could not be parsed: line 3, column 1: found character '\\t' that cannot start any token",
         ),
-        ("model: {d_model: [1, 2}\n", r"expected ',' or '\]', but got '}' \(line 1, column 23\)"),
+        ("model: {d_model: [1, 2}\n", r"line 1, column 23: expected ',' or '\]', but got '}'"),
         # a key twice: YAML keeps the last, which would drop the first section whole
         (
             "model:\n  d_model: 32\ntraining:\n  max_steps: 5\nmodel:\n  n_heads: 4\n",

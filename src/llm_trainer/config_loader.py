@@ -70,15 +70,11 @@ def yaml_load(text: str, where: str = "a YAML document"):
 
 
 def yaml_problem(exc: yaml.YAMLError) -> str:
-    """What a YAML parser's error says, with where: `found character '\t' that cannot start any token
-    (line 3, column 1)` rather than its first line, `while scanning for the next token`."""
-    problem = getattr(exc, "problem", None)
-    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    if problem is None:
-        return first_line(exc, None)
-    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-    context = getattr(exc, "context", None)
-    return f"{problem}{where}" + (f", {context}" if context else "")
+    """PyYAML's problem and where it is, in one line: `line 3, column 1: found character '\t' that cannot
+    start any token`, rather than its first line, `while scanning for the next token`."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or first_line(exc)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

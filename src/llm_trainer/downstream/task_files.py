@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from ..config_loader import yaml_problem
 from ..errors import UsageError, first_line
 from ..limits import MAX_NESTING, MAX_TASK_FILE_BYTES, check_structure
 
@@ -92,7 +93,7 @@ def _parse(path: Path, tags: list[FunctionTag]) -> dict[str, Any]:
             f"task file {path} is nested more than {MAX_NESTING} levels deep (the nesting limit)"
         ) from None
     except yaml.YAMLError as exc:
-        raise UsageError(f"task file {path} is not valid YAML ({_yaml_problem(exc)})") from None
+        raise UsageError(f"task file {path} is not valid YAML ({yaml_problem(exc)})") from None
     check_structure(config, f"task file {path}")
     if not isinstance(config, dict):
         raise UsageError(f"task file {path} is not an lm-eval task (a YAML mapping with a `task:` key)")
@@ -187,10 +188,3 @@ def _refuse_code(spec: str, tags: list[FunctionTag], files: list[tuple[Path, dic
                 f"through Hugging Face evaluate, which runs the metric's script; use one of lm-eval's metrics, "
                 f"or pass {TRUST_FLAG} if you trust that script"
             )
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """PyYAML's problem and where it is (`line 3: expected ',' or ']'`), in one line."""
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or first_line(exc)
-    return f"line {mark.line + 1}: {problem}" if mark is not None else problem
