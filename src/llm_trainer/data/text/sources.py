@@ -541,15 +541,13 @@ def _read_file(
     if url is None:
         yield from _file_records(path, explicit, stats, opt)
         return
-    named = {id(stats): stats, id(opt.bad.stats): opt.bad.stats}.values()
-    for each in named:
-        each.reading = (str(path), url)
+    assert opt.bad.stats is stats, "read_options gives the readers the stats they count in"
+    stats.reading = (str(path), url)
     try:
         for text, score, origin in _file_records(path, explicit, stats, opt):
             yield text, score, stats.shown(origin)
     finally:
-        for each in named:
-            each.reading = None
+        stats.reading = None
 
 
 def _file_records(
