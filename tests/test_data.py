@@ -1001,6 +1001,34 @@ def test_cli_bad_key_is_one_line(tmp_path, where, monkeypatch, capsys):
     assert out == ""
 
 
+@pytest.mark.parametrize("read_ahead", [False, True])
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_token_ids_outside_the_vocabulary_are_refused_in_one_line(tmp_path, capsys, split, read_ahead):
+    """A token file of the right size holding other bytes (ids the tokenizer never gave): the batch that
+    reads one is refused in one line naming the folder, the id and the fix, read in place or on the
+    worker thread that reads ahead, rather than an index error from the embedding (a device-side
+    assert on a GPU). Nothing of the run is written past its start."""
+    from conftest import write_tiny_experiment
+    from llm_trainer import cli
+
+    config = write_tiny_experiment(tmp_path)
+    assert cli.main(["prepare", "--config", str(config)]) == 0
+    capsys.readouterr()
+    (folder,) = [p for p in (tmp_path / "cache").iterdir() if (p / "manifest.json").is_file()]
+    tokens = np.fromfile(folder / f"{split}.bin", dtype=np.uint16)
+    tokens[::10] = 40000  # in every batch
+    tokens.tofile(folder / f"{split}.bin")
+    assert cli.main(["train", "--config", str(config), f"training.read_ahead={str(read_ahead).lower()}"]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: the prepared data in {folder} is damaged: {split}.bin holds the token id 40,000"), (
+        last
+    )
+    assert "outside its tokenizer's" in last and last.endswith("to prepare it anew")
+    assert "Traceback" not in err
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
 def test_damaged_prepared_data_is_refused_in_one_line_rather_than_trained_on_in_part(tmp_path, capsys):
     """A prepared folder whose train.bin was cut short (a copy that stopped): `train` refuses it in one
     line naming the folder and the fix, and writes no run; preparing it anew gives the data back.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -135,6 +136,7 @@ def build_loaders(
     shard = dict(
         rank=rank, world_size=world_size, device=device, ahead=None if t.read_ahead == "auto" else t.read_ahead
     )
+    train_ids, val_ids = (partial(prepared.check_ids, split) for split in ("train", "val"))
     train_rows = build_rows(prepared, "train", experiment.data, length, seed=t.seed)
     if isinstance(train_rows, DocumentRows):
         log(
@@ -155,14 +157,19 @@ def build_loaders(
             stages=experiment.data.curriculum,
             accumulation=t.gradient_accumulation_steps,
             seed=t.seed,
+            check_ids=train_ids,
             **shard,
         )
     else:
-        train_loader = BatchLoader(train_rows, t.batch_size, shuffle=True, seed=t.seed, drop_last=True, **shard)
+        train_loader = BatchLoader(
+            train_rows, t.batch_size, shuffle=True, seed=t.seed, drop_last=True, check_ids=train_ids, **shard
+        )
     val_loader = None
     if prepared.manifest["splits"]["val"]["tokens"] > 1:
         val_rows = build_rows(prepared, "val", experiment.data, length, seed=None)
-        val_loader = BatchLoader(val_rows, t.eval_batch_size or t.batch_size, shuffle=False, drop_last=False, **shard)
+        val_loader = BatchLoader(
+            val_rows, t.eval_batch_size or t.batch_size, shuffle=False, drop_last=False, check_ids=val_ids, **shard
+        )
         val_loader.source_labels = source_labels_of(val_rows, prepared)  # a mixture: each source's loss too
     return train_loader, val_loader
 

@@ -70,6 +70,17 @@ class PreparedData:
             self._damaged(f"{split}.idx.npy does not end at the {count:,} tokens its manifest.json counts")
         return offsets
 
+    def check_ids(self, split: str, *rows: np.ndarray) -> None:
+        """Refuse rows read from the split that hold an id outside the tokenizer's vocabulary: a token file
+        of the right size with other bytes in it. Checked on each batch as it is read (a scan of every
+        token file at each start would read them whole), so it is one line rather than an index error in
+        the model, or a device-side assert on a GPU."""
+        top = max(int(r.max(initial=0)) for r in rows)
+        if top >= self.tokenizer.vocab_size:
+            self._damaged(
+                f"{split}.bin holds the token id {top:,}, outside its tokenizer's {self.tokenizer.vocab_size:,} ids"
+            )
+
     def _damaged(self, what: str) -> None:
         raise UsageError(
             f"the prepared data in {self.directory} is damaged: {what}; remove that folder and run the command "

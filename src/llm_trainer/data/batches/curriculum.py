@@ -13,6 +13,8 @@ document (greedy windows: every document the window touches).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -66,6 +68,7 @@ class CurriculumLoader(BatchLoader):
         world_size: int = 1,
         device: torch.device | str = "cpu",
         ahead: bool | None = None,
+        check_ids: Callable[..., None] | None = None,
     ):
         super().__init__(
             rows,
@@ -78,6 +81,7 @@ class CurriculumLoader(BatchLoader):
             device=device,
             accumulation=accumulation,
             ahead=ahead,
+            check_ids=check_ids,
         )
         self.stages = stages
         self.stage_ends = [s.until_step * accumulation for s in stages]  # in this rank's batches
@@ -134,7 +138,7 @@ class CurriculumLoader(BatchLoader):
             self.taken += 1
             start, self.samples = self.samples, self.samples + self.batch_size * self.world_size
             if not self.skipped(start):  # a rewind's skipped range is passed over here too
-                return tuple(to_device(a, self.device) for a in self.rows.batch(indices))
+                return tuple(to_device(a, self.device) for a in self._read(indices))
         return super().next_batch()
 
     def state_dict(self) -> dict:

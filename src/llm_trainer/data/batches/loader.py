@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections.abc import Callable
 from functools import partial
 
 import numpy as np
@@ -161,6 +162,8 @@ class BatchLoader:
 
     `ahead` (default: on a GPU): the coming batches are read, and copied to the device, on a worker
     thread while the step runs (`ahead.BatchesAhead`); the batches and the saved position are the same.
+    `check_ids`: called with each batch's (inputs, targets) as read, to refuse ids the model has no row
+    for (`PreparedData.check_ids`).
     """
 
     def __init__(
@@ -176,8 +179,10 @@ class BatchLoader:
         device: torch.device | str = "cpu",
         accumulation: int = 1,
         ahead: bool | None = None,
+        check_ids: Callable[..., None] | None = None,
     ):
         self.rows, self.batch_size, self.shuffle, self.seed = rows, batch_size, shuffle, seed
+        self.check_ids = check_ids
         self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
         self.accumulation = accumulation  # batches per rank per optimizer step (the Trainer sets it)
         self.device = torch.device(device)
@@ -314,7 +319,7 @@ class BatchLoader:
             self.rows.tokens.read_ahead(chunks[first : first + READ_AHEAD])
         batch = self._ahead.take(self._key(global_batch)) if self._ahead is not None else None
         if batch is None:
-            batch = tuple(to_device(a, self.device) for a in self.rows.batch(self._indices(global_batch)))
+            batch = tuple(to_device(a, self.device) for a in self._read(self._indices(global_batch)))
         if self._ahead is not None:
             self._queue_coming()
         return batch
@@ -343,7 +348,14 @@ class BatchLoader:
         queued = set(self._ahead.keys())
         for _, _, global_batch in itertools.islice(self._coming(), self.accumulation + 1):
             if self._key(global_batch) not in queued:
-                self._ahead.submit(self._key(global_batch), partial(self.rows.batch, self._indices(global_batch)))
+                self._ahead.submit(self._key(global_batch), partial(self._read, self._indices(global_batch)))
+
+    def _read(self, indices: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The rows at these indices, as `rows.batch` gives them, checked."""
+        batch = self.rows.batch(indices)
+        if self.check_ids is not None:
+            self.check_ids(*batch[:2])
+        return batch
 
     def _drop_ahead(self) -> None:
         if self._ahead is not None:
@@ -376,7 +388,7 @@ class BatchLoader:
             ahead.close()
 
     def _eval_batch(self, indices: np.ndarray, real: bool) -> tuple[np.ndarray, ...]:
-        x, y, *rest = self.rows.batch(indices)
+        x, y, *rest = self._read(indices)
         return x, (y if real else np.full_like(y, IGNORE_INDEX)), *rest
 
     def eval_batch_indices(self):
