@@ -280,12 +280,12 @@ class _SilentStore:
             connection.close()
 
 
-@pytest.mark.slow  # ten read timeouts, and the libraries' backoff between them
-def test_a_store_that_never_answers_is_one_line_after_the_libraries_tries(monkeypatch, tmp_path):
+def test_a_store_that_never_answers_is_said_at_once_and_one_line_after_botocore_s_tries(monkeypatch, tmp_path, capsys):
     """An upload to a store that takes the connection and falls silent (it used to wait forever for an
-    answer to `Expect: 100-continue`): botocore's attempts within each of s3fs's tries (5), each
-    ended by the read timeout, then one line. Our own tries, meant for a store that cannot be reached,
-    do not multiply the wait again. The user's fsspec configuration (a short read timeout) is kept."""
+    answer to `Expect: 100-continue`): the first read timeout is said in a warning at once, and after
+    botocore's attempts of the request, each ended by the read timeout, one line. Neither s3fs's 5
+    tries of those attempts nor our own tries (meant for a store that cannot be reached) multiply the
+    wait. The user's fsspec configuration (a short read timeout, the attempts) is kept."""
     import fsspec.config
     import s3fs
 
@@ -296,15 +296,18 @@ def test_a_store_that_never_answers_is_one_line_after_the_libraries_tries(monkey
     monkeypatch.setenv("AWS_ENDPOINT_URL", store.endpoint)
     for name, value in base.FAKE_CREDENTIALS.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"read_timeout": 0.5}})
-    monkeypatch.setattr(buckets, "S3_ATTEMPTS", 2)  # botocore's backoff between attempts is most of the wait
+    config = {"read_timeout": 0.5, "retries": {"total_max_attempts": 2, "mode": "standard"}}
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": config})
     s3fs.S3FileSystem.clear_instance_cache()
     (tmp_path / "a.txt").write_text("x")
     try:
         with pytest.raises(UsageError) as info:
             buckets.upload(tmp_path / "a.txt", "s3://hung/run/a.txt")
         _one_line(info, "uploading", "cannot reach the store", "AWS_ENDPOINT_URL")
-        assert store.requests == 5 * buckets.S3_ATTEMPTS
+        assert "took the connection and answered none of 2 tries" in str(info.value), str(info.value)
+        assert store.requests == 2
+        warned = [line for line in capsys.readouterr().err.splitlines() if "sent no answer" in line]
+        assert len(warned) == 1 and warned[0].startswith(f"warning: the store at {store.endpoint} took"), warned
     finally:
         store.close()
         s3fs.S3FileSystem.clear_instance_cache()

@@ -148,9 +148,10 @@ def _store_options(url: str) -> dict:
       waiting for it) forever. Without it, the read timeout ends the wait. The header is not signed.
     - botocore's standard retry mode, `S3_ATTEMPTS` attempts of each request, the first included: it
       retries throttling (SlowDown) and 5xx answers with jittered backoff, and a read timeout. s3fs tries
-      each call 5 times over that, so a store that takes connections and never answers costs 5 x 3 read
-      timeouts (15 s each) before it is reported; `call` does not try such a store again (the
-      libraries' default 5 x 5 under our 4 tries would make it half an hour).
+      each call 5 times over that. An endpoint that takes connections and has never answered is given
+      botocore's attempts only (`_after_attempt`), and `call` does not try it again either: 3 read
+      timeouts (15 s each) before it is reported, not s3fs's 5 x 3 (or, with the libraries' defaults
+      under our 4 tries, half an hour).
 
     The user's own fsspec configuration for s3 (`FSSPEC_S3`, fsspec's conf.json) wins over these."""
     if _scheme(url) not in S3_SCHEMES:
@@ -160,6 +161,16 @@ def _store_options(url: str) -> dict:
     theirs = fsspec.config.conf.get("s3", {})
     attempts = {"retries": {"total_max_attempts": S3_ATTEMPTS, "mode": "standard"}}
     return {"session": _s3_session(), **theirs, "config_kwargs": {**attempts, **theirs.get("config_kwargs", {})}}
+
+
+def _s3_attempts() -> int:
+    """botocore's attempts of each S3 request, the first included: ours, or the user's fsspec configuration's."""
+    import fsspec.config
+
+    retries = fsspec.config.conf.get("s3", {}).get("config_kwargs", {}).get("retries", {})
+    if "total_max_attempts" in retries:
+        return retries["total_max_attempts"]
+    return retries["max_attempts"] + 1 if "max_attempts" in retries else S3_ATTEMPTS
 
 
 _S3_SESSION = None
@@ -174,8 +185,38 @@ def _s3_session():
 
         session = AioSession()
         session.register("before-sign.s3", _without_expect_header)
+        session.register("needs-retry.s3", _after_attempt)
         _S3_SESSION = session
     return _S3_SESSION
+
+
+class StoreSilent(ConnectionError):
+    """An S3 endpoint that took the connection and has not answered a request in this process."""
+
+
+_ANSWERED: set[str] = set()  # S3 endpoints that have answered a request in this process
+_SILENCE_SAID: set[str] = set()  # those whose silence a warning has said
+
+
+def _after_attempt(endpoint, attempts: int, response=None, caught_exception=None, **_) -> None:
+    """After each attempt of an S3 request (botocore's `needs-retry` event): the first read timeout of an
+    endpoint is said at once, and an endpoint that has never answered fails after botocore's attempts
+    rather than under s3fs's 5 tries of them. One that answered before keeps every retry (a slow spell).
+    Decides no retry itself (returns None)."""
+    host = endpoint.host
+    if response is not None:
+        _ANSWERED.add(host)
+        return None
+    if caught_exception is None or type(caught_exception).__name__ != "ReadTimeoutError":
+        return None
+    if host not in _SILENCE_SAID:
+        _SILENCE_SAID.add(host)
+        warn(
+            f"the store at {host} took the connection and sent no answer ({first_line(caught_exception)}); trying again"
+        )
+    if host not in _ANSWERED and attempts >= _s3_attempts():
+        raise StoreSilent(f"{host} took the connection and answered none of {attempts} tries") from None
+    return None
 
 
 def _without_expect_header(request, **_) -> None:
@@ -225,7 +266,9 @@ def _silent(exc: BaseException, url: str) -> bool:
     tried the call several times already (`_store_options`), so another round of theirs would only
     multiply the wait."""
     names = {cls.__name__ for cls in type(exc).__mro__}
-    return _scheme(url) in S3_SCHEMES and ("ReadTimeoutError" in names or "read timeout" in str(exc).lower())
+    return _scheme(url) in S3_SCHEMES and (
+        isinstance(exc, StoreSilent) or "ReadTimeoutError" in names or "read timeout" in str(exc).lower()
+    )
 
 
 def _endpoint_setting(url: str) -> str:
