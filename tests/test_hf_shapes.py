@@ -212,12 +212,15 @@ def test_the_lessons_dataset_given_our_tokenizer_itself_says_to_pass_as_transfor
         bpe()(TEXTS, truncation=True, padding=True, max_length=16, return_tensors="pt")  # the pipeline document's call
 
 
-def test_char_tokenizer_keeps_its_unknown_token():
+def test_char_tokenizer_keeps_its_unknown_token_and_decodes_it_as_transformers_does():
     pytest.importorskip("transformers")
     ours = Tokenizer.build_char(["abc def"])
     tokenizer = ours.as_transformers()
     assert tokenizer.unk_token == "<unk>" and tokenizer.pad_token == "<|endoftext|>"
     assert tokenizer("cab")["input_ids"] == ours.encode("cab")
+    ids = ours.encode("a中b") + [ours.eot_id] + ours.encode("Zc")  # two unknown characters, an end-of-text
+    for skip, text in ((True, "abc"), (False, "a<unk>b<|endoftext|><unk>c")):
+        assert ours.decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip) == text
 
 
 def test_the_export_writes_the_same_tokenizer_as_as_transformers(tmp_path):

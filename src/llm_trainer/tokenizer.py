@@ -94,6 +94,13 @@ _TRANSFORMERS_NAMES = frozenset(
 )
 
 
+def unknown_token(backend: HFTokenizer) -> str | None:
+    """The unknown token of the tokenizer's model where it has one in its vocabulary (the char
+    tokenizer's `<unk>`); None for byte-level BPE, which never needs one."""
+    unknown = getattr(backend.model, "unk_token", None)
+    return unknown if unknown and backend.token_to_id(unknown) is not None else None
+
+
 class Tokenizer:
     """A thin wrapper that fixes the end-of-text token and the on-disk format."""
 
@@ -106,6 +113,8 @@ class Tokenizer:
             backend.add_special_tokens([EOT])
             eot = backend.token_to_id(EOT)
         self.eot_id: int = eot
+        unknown = unknown_token(backend)
+        self.unk_id: int | None = None if unknown is None else backend.token_to_id(unknown)
 
     def __getattr__(self, name: str) -> Any:
         """Reached only for a name this class lacks: one a transformers tokenizer has (`encode_plus`,
@@ -192,8 +201,13 @@ class Tokenizer:
             return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """`ids` as text; `skip_special_tokens` leaves out end-of-text and the unknown token, as transformers
+        does with the exported tokenizer, where both are special (`hf.fast_tokenizer.special_tokens`)."""
+        ids = list(ids)
+        if skip_special_tokens and self.unk_id is not None:
+            ids = [i for i in ids if i != self.unk_id]
         with panics_as_errors("the tokenizer"):
-            return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def to_json(self) -> str:
         return self.backend.to_str()

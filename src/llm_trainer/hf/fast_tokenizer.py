@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UsageError
+from ..tokenizer import unknown_token
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -33,9 +34,7 @@ def special_tokens(backend: Tokenizer, end_of_text: str) -> dict[str, str]:
     if backend.token_to_id(end_of_text) is None:
         return {}
     specials = {name: end_of_text for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
-    unknown = getattr(backend.model, "unk_token", None)
-    if unknown and backend.token_to_id(unknown) is not None:
-        specials["unk_token"] = unknown
+    specials["unk_token"] = unknown_token(backend) or end_of_text
     return specials
 
 
