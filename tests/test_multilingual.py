@@ -48,12 +48,17 @@ def nonspace(text: str) -> int:
 # letters and words
 
 
-def test_letter_count_keeps_combining_marks_with_their_letters():
+def test_letter_count_keeps_combining_marks_with_their_letters_and_only_there():
     assert sum(ch.isalpha() for ch in HINDI) / nonspace(HINDI) == pytest.approx(0.6)  # what the filter used to see
     assert letter_count(HINDI) == nonspace(HINDI) - 1  # every character but the danda
     assert letter_count("தமிழ்நாடு") == 9  # vowel signs and the pulli belong to their letters
     assert letter_count("cafe\u0301") == 5 and letter_count("می‌خواهم") == 8  # an accent; a zero-width non-joiner
     assert letter_count("abc 123 !?") == 3 and letter_count("٣ 12 — ।") == 0  # digits and punctuation are not letters
+    # a mark or joiner after a symbol or digit is part of it: keycaps, variation selectors, emoji sequences
+    assert letter_count("1\ufe0f\u20e32\ufe0f\u20e3") == 0 and letter_count("\u2764\ufe0f ok") == 2
+    assert letter_count("\U0001f468\u200d\U0001f469\u200d\U0001f467 family") == 6
+    assert letter_count("\u0301abc") == 3  # a mark with no letter before it
+    assert letter_count("\U00011013\U00011038 x") == 3  # Brahmi: a letter and its vowel sign, past U+FFFF
     for name in LANGUAGES:  # clean prose scores like English in every script
         text = read(name)
         assert letter_count(text) / nonspace(text) > 0.8, name

@@ -18,10 +18,11 @@ import numpy as np
 from ..errors import UsageError
 from ..tokenizer import Tokenizer
 
+# 8: a mark or joiner after a symbol or digit is no letter to the quality filters
 # 7: cleaning ends normalised and strips every Unicode space; near-dedup and word lengths read every script alike
 # 6: an executor's tasks tokenize the cleaned text (folders an executor wrote from raw text are not reused)
 # 5: a fraction split takes each source's own fraction of its documents
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 MANIFEST = "manifest.json"
 
 TOKEN_DTYPES = ("uint16", "uint32")  # what a prepared folder's token files may hold
