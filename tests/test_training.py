@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import tiny_model_config
+from conftest import tiny_loaders, tiny_model_config
 from llm_trainer.config import TrainingConfig
 from llm_trainer.data.batches.loader import BatchLoader, DocumentRows, WindowRows
 from llm_trainer.generate import generate
@@ -251,6 +251,41 @@ def test_users_own_model_and_dataloader(tmp_path):
     wrapped.forward = forward
     tuples = [(r[:, :-1], r[:, 1:]) for r in rows.split(8)]
     Trainer(wrapped, _training(tmp_path / "b", max_steps=4), train_dataloader=tuples).train()
+
+
+def test_trainer_metrics_holds_what_the_run_logged_and_a_resume_keeps_the_earlier_steps(tmp_path):
+    """`trainer.metrics` (other training loops keep such a dict): each series of the run as (step, value),
+    equal to metrics.jsonl's rows; other trainers' names (val_loss, learning_rate) read as ours; a
+    resumed run's series hold the steps before it too, each step once."""
+    train, val = tiny_loaders()
+    trainer = Trainer(
+        Transformer(tiny_model_config()),
+        _training(tmp_path, max_steps=4, eval_steps=2, save_steps=2, logging_steps=1),
+        train_dataloader=train,
+        val_dataloader=val,
+    )
+    assert dict(trainer.metrics) == {}
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train"]
+    evals = [(r["step"], r["val_loss"]) for r in rows if r.get("kind") == "eval"]
+    metrics = trainer.metrics
+    assert metrics["train/loss"] == losses and [s for s, _ in losses] == [1, 2, 3, 4]
+    assert metrics["eval/loss"] == metrics["val_loss"] == evals and [s for s, _ in evals] == [2, 4]
+    assert metrics["learning_rate"] == metrics["train/lr"]
+    with pytest.raises(KeyError, match="'accuracy' was not logged by this run; its series: .*eval/loss"):
+        metrics["accuracy"]
+
+    train, val = tiny_loaders()
+    resumed = Trainer(
+        Transformer(tiny_model_config()),
+        _training(tmp_path, max_steps=6, eval_steps=2, save_steps=2, logging_steps=1, resume_from_checkpoint="latest"),
+        train_dataloader=train,
+        val_dataloader=val,
+    )
+    resumed.train()
+    assert [s for s, _ in resumed.metrics["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert resumed.metrics["train/loss"][:4] == losses
 
 
 @pytest.mark.parametrize("async_checkpoint", [False, True], ids=["sync-save", "background-save"])

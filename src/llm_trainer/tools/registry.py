@@ -40,7 +40,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import UsageError
-from ..train.rows import row_kind
+from ..train.rows import read_rows, row_kind
 
 STAGES = ("none", "staging", "production", "archived")
 DEFAULT_DB = Path("~/.llm_trainer/registry.db")
@@ -124,13 +124,7 @@ def _final_metrics(run_dir: Path) -> dict:
     if not file.is_file():
         return {}
     end, last_eval = None, None
-    for line in file.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(row, dict):
-            continue
+    for row in read_rows(file.read_text(encoding="utf-8")):
         kind = row_kind(row)
         if kind == "summary":
             end = row

@@ -33,6 +33,7 @@ from ..errors import UsageError
 from ..files import buckets
 from ..limits import parse_json
 from ..train.output_folder import METRICS_FILE, recorded_checkpoint_folder
+from ..train.rows import read_rows
 from ..train.run_lock import lock_holder
 
 LAST_LOSSES = 5  # training losses shown
@@ -72,19 +73,6 @@ class RunFiles:
         except (ValueError, UsageError):
             return None
         return value if isinstance(value, dict) else None
-
-
-def _rows(text: str | None) -> list[dict]:
-    """metrics.jsonl's rows; lines that are not one JSON object (a line being written) are skipped."""
-    rows = []
-    for line in (text or "").splitlines():
-        try:
-            row = parse_json(line, METRICS_FILE)
-        except (ValueError, UsageError):
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 def _number(value: Any) -> float | None:
@@ -193,7 +181,7 @@ def run_status(run: str) -> dict:
         what = "is a file, not a folder" if Path(run).exists() else "not found"
         raise UsageError(f"run folder {run} {what}; pass a run's training.output_dir (a folder or a URL)")
     text = files.text(METRICS_FILE)
-    rows = _rows(text)
+    rows = read_rows(text or "")
     config = _training_config(files)
     checkpoint = _checkpoint(_checkpoint_files(files, config))
     if text is None and checkpoint is None and not config:

@@ -73,6 +73,44 @@ def scalar_items(row: dict) -> list[tuple[str, float]]:
     return items
 
 
+# other trainers' names for the series a run logs, read as ours by `LoggedSeries`
+SERIES_ALIASES = {
+    "loss": "train/loss",
+    "train_loss": "train/loss",
+    "lr": "train/lr",
+    "learning_rate": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "val_loss": "eval/loss",
+    "eval_loss": "eval/loss",
+    "perplexity": "eval/perplexity",
+}
+
+
+class LoggedSeries(dict):
+    """What a run has logged: each value's backend name (`scalar_items`) -> [(step, value), ...] in the
+    order logged. Other trainers' names for ours (`SERIES_ALIASES`: val_loss, learning_rate) are read
+    as ours; a name never logged is a KeyError that lists those that were."""
+
+    def __missing__(self, name: str) -> list[tuple[int, float]]:
+        ours = SERIES_ALIASES.get(name)
+        if ours is not None and ours in self:
+            return self[ours]
+        raise KeyError(f"{name!r} was not logged by this run; its series: {', '.join(sorted(self)) or 'none yet'}")
+
+
+def logged_series(rows: list[dict]) -> LoggedSeries:
+    """The series of metrics.jsonl's rows (`read_rows`); its non-finite values, written as text, are floats again."""
+    series = LoggedSeries()
+    for row in rows:
+        step = row.get("step")
+        if type(step) is not int:
+            continue
+        values = {k: float(v) if v in _NON_FINITE else v for k, v in row.items()}
+        for name, value in scalar_items(values):
+            series.setdefault(name, []).append((step, value))
+    return series
+
+
 def flatten_config(config: dict, prefix: str = "") -> dict[str, object]:
     """{"training": {"learning_rate": 3e-4}} -> {"training.learning_rate": 3e-4}; lists/None become text."""
     flat: dict[str, object] = {}
@@ -484,6 +522,9 @@ def close_loggers(loggers: list[MetricLogger], outcome: str = "finished") -> Non
             logger.close()
         except Exception as exc:
             warn(f"closing {type(logger).__name__} failed: {exc}")
+
+
+_NON_FINITE = ("nan", "inf", "-inf")  # how `_jsonable` writes non-finite floats
 
 
 def _jsonable(value):

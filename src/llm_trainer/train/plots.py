@@ -19,7 +19,6 @@ suite) need not pay; `llm-trainer plot RUN_DIR` draws them later from metrics.js
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from ..files.atomic import write_bytes
 from ..files.disk import writable_folder
 from ..logs import log, warn
 from .callbacks import Callback
-from .rows import row_kind
+from .rows import read_rows, row_kind
 
 FIGURES = ("loss", "perplexity", "lr")
 PLOTS_AT_END = "LLM_TRAINER_PLOTS"  # "0": a finished run draws no plots
@@ -70,12 +69,8 @@ def read_run(run_dir: str | Path, label: str | None = None) -> RunSeries:
     if not file.is_file():
         raise UsageError(f"{path} has no metrics.jsonl: it holds no run; pass a run's training.output_dir")
     series = RunSeries(label or (path.parent.name if path.is_file() else path.resolve().name))
-    for line in file.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+    for row in read_rows(file.read_text(encoding="utf-8")):
+        if not isinstance(row.get("step"), int):
             continue
         kind = row_kind(row)
         if kind == "eval":

@@ -10,7 +10,8 @@
 
 Each row is a flat JSON object with `kind` ("train", "eval", "summary") and `step`; optional fields
 that have no value (MFU on a CPU, val_loss of a run without validation data) are left out. Readers
-call `row_kind(row)`, which also reads files written before rows had a `kind`.
+call `row_kind(row)`, which also reads files written before rows had a `kind`, and read metrics.jsonl
+with `read_rows`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal
+
+from ..errors import UsageError
+from ..limits import parse_json
 
 Kind = Literal["train", "eval", "summary"]
 
@@ -143,3 +147,17 @@ def row_kind(row: dict) -> Kind | None:
     if "loss" in row:
         return "train"
     return None
+
+
+def read_rows(text: str) -> list[dict]:
+    """metrics.jsonl's rows, in order: each line one JSON object (parsed within `limits`' bounds); a line
+    that is not one (cut short by a kill, being written) is passed over."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = parse_json(line, "metrics.jsonl")
+        except (ValueError, UsageError):
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows

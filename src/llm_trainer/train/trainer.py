@@ -45,9 +45,10 @@ from .callbacks import Callback
 from .evaluate import evaluate
 from .flops import flops_per_token, peak_flops
 from .layer_stats import LayerStats
-from .metrics import MetricsTracker, tensorboard_dir
+from .metrics import LoggedSeries, MetricsTracker, logged_series, tensorboard_dir
 from .optim import build_optimizer, learning_rate_at, set_learning_rate
 from .output_folder import (
+    METRICS_FILE,
     RunFilesAtStart,
     check_output_folder,
     fetch_run_files,
@@ -57,7 +58,7 @@ from .output_folder import (
 )
 from .plots import PlotsAtEnd
 from .profiling import StepProfiler, out_of_memory
-from .rows import EvalRow, SummaryRow, TrainRow, downstream_row
+from .rows import EvalRow, SummaryRow, TrainRow, downstream_row, read_rows
 from .run_lock import lock_run_folders
 from .speed import PhaseTimer, SpeedMonitor
 from .spikes import SpikeMonitor, check_rewindable, rewind
@@ -216,6 +217,15 @@ class Trainer:
     def current_step(self) -> int:
         """Optimizer steps taken so far (the name Hugging Face-style subclasses read)."""
         return self.state.step
+
+    @property
+    def metrics(self) -> LoggedSeries:
+        """Every value the run has logged, by its tracking name (train/loss, train/lr, eval/loss,
+        eval/perplexity, custom/...), each a list of (step, value); other trainers' names (val_loss,
+        learning_rate) are read as ours. Read from the run's metrics.jsonl, so a resumed run's earlier
+        steps are in it too; only the main process writes that file (the others get no series)."""
+        path = self.output_dir / METRICS_FILE
+        return logged_series(read_rows(path.read_text(encoding="utf-8") if path.is_file() else ""))
 
     @property
     def loggers(self) -> list:
