@@ -227,6 +227,20 @@ def test_an_override_nested_as_the_pretraining_guide_nests_its_yaml(tmp_path):
         load_experiment(path, ["distributed.fsdp_config.sharding_strategy=NO_SHARD"])
 
 
+def test_a_combination_the_overrides_make_invalid_is_blamed_on_the_command_line(tmp_path):
+    """d_model from the file and n_heads from the command line that do not divide: the file alone is
+    valid, so the error is the command line's; a file that is invalid by itself is still named."""
+    good, bad = tmp_path / "base.yaml", tmp_path / "bad.yaml"
+    good.write_text("model: {d_model: 32, n_heads: 4}\n")
+    bad.write_text("model: {d_model: 32, n_heads: 3}\n")
+    with pytest.raises(
+        UsageError, match=r"^command line: ModelConfig.d_model \(32\) must be divisible by n_heads \(3\)"
+    ):
+        load_experiment(good, ["model.n_heads=3"])
+    with pytest.raises(UsageError, match=rf"^{re.escape(str(bad))}: ModelConfig.d_model \(32\) must be divisible"):
+        load_experiment(bad, ["model.n_layers=2"])
+
+
 def test_switches_spelled_elsewhere_set_the_training_fields(tmp_path):
     """`model.gradient_checkpointing: true` and `training.use_deepspeed: true` (also under `distributed:`)
     are read as training.gradient_checkpointing and distributed_strategy: deepspeed; `false` sets nothing."""

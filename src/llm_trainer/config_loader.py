@@ -6,6 +6,7 @@ the command line, with the closest valid key for a typo. The dataclasses themsel
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -155,6 +156,7 @@ def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple
             "config (--config) that has model:, training: and data:"
         )
     parsed = [parse_override(text) for text in overrides]
+    as_written = copy.deepcopy(data)  # the file alone: whether it, or the overrides, made an error
     given: dict[str, dict[str, Any]] = {}
     for (section, key), value in parsed:
         given.setdefault(section, {})[key] = value
@@ -182,6 +184,8 @@ def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple
         return ExperimentConfig.from_dict(data)
     except ValueError as exc:
         named = _names_an_override(str(exc), given) or _names_an_override(str(exc), ours)  # (ours: `distributed.*`)
+        if not named and given:  # a combination (d_model and n_heads): the overrides' if the file alone is valid
+            named = _valid(as_written)
         where = "command line: " if named else f"{path}: " if path is not None else ""
         raise UsageError(f"{where}{exc}") from None
 
@@ -201,6 +205,15 @@ def saved_batch_size(saved: Any) -> int | None:
             f"the folder's saved training.batch_size is {value!r}, not a positive integer; pass --batch-size"
         )
     return value
+
+
+def _valid(data: dict) -> bool:
+    """Whether `data` (a config file's mapping) makes a valid experiment."""
+    try:
+        ExperimentConfig.from_dict(data)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 _CLASS_OF_SECTION = {"model": "ModelConfig", "training": "TrainingConfig", "data": "DataConfig"}
