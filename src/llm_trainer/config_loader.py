@@ -31,6 +31,20 @@ class _Loader(yaml.SafeLoader):
     MAX_MERGED_ENTRIES = 10_000
 
     def flatten_mapping(self, node):
+        checked = self.__dict__.setdefault("_checked", set())  # nodes flattened before: merges are in them
+        if id(node) not in checked:
+            checked.add(id(node))
+            self._refuse_keys_twice(node)
+        super().flatten_mapping(node)
+        if len(node.value) > self.MAX_MERGED_ENTRIES:
+            raise UsageError(
+                f"a mapping merges more than {self.MAX_MERGED_ENTRIES:,} entries through YAML merge keys "
+                f"(line {node.start_mark.line + 1}; the alias expansion limit)"
+            )
+
+    @staticmethod
+    def _refuse_keys_twice(node) -> None:
+        """A key written twice in the mapping as written (before merges add their entries)."""
         seen: dict[str, int] = {}
         for key, _ in node.value:
             if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
@@ -42,12 +56,6 @@ class _Loader(yaml.SafeLoader):
                     "YAML would keep only the second: keep one"
                 )
             seen[key.value] = line
-        super().flatten_mapping(node)
-        if len(node.value) > self.MAX_MERGED_ENTRIES:
-            raise UsageError(
-                f"a mapping merges more than {self.MAX_MERGED_ENTRIES:,} entries through YAML merge keys "
-                f"(line {node.start_mark.line + 1}; the alias expansion limit)"
-            )
 
 
 _Loader.add_implicit_resolver(
