@@ -1148,6 +1148,12 @@ def test_find_checkpoint_takes_every_way_of_naming_one(tmp_path, capsys):
     assert find_checkpoint(root / layout.BEST) == root / layout.BEST
     assert find_checkpoint(root) == newest and find_checkpoint(run) == newest
     assert find_checkpoint(root / "checkpoint-3.pt") == first and find_checkpoint(root / "checkpoint-10") == newest
+    # the names the seed documents' trainers give them
+    assert find_checkpoint(root / "checkpoint_step_3.pt") == first and find_checkpoint(root / "step_10.pth") == newest
+    for name in ("best_model.pt", "checkpoint_best.pt", "model_best.bin"):
+        assert find_checkpoint(root / name) == root / layout.BEST, name
+    with pytest.raises(CheckpointError, match=r"checkpoint_epoch_1.pt not found \(.* holds checkpoint-00000010"):
+        find_checkpoint(root / "checkpoint_epoch_1.pt")  # an epoch is no name here: the folder's are listed
     (tmp_path / "interrupted").mkdir()  # no meta.json: the folder itself, for verification to refuse
     assert find_checkpoint(tmp_path / "interrupted") == tmp_path / "interrupted"
     (tmp_path / "fresh" / layout.CHECKPOINTS_DIR).mkdir(parents=True)

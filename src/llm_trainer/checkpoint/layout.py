@@ -121,14 +121,24 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def folder_of(path: Path) -> Path:
-    """`checkpoints/checkpoint-10000.pt` (also `.pth`, `.bin`, or no suffix), the names other trainers
-    give a step's checkpoint, is the folder `checkpoints/checkpoint-00010000` when that exists."""
+    """The checkpoint folder beside `path` that another trainer's name for it means, when `path` itself
+    does not exist: `checkpoint-10000.pt`, `checkpoint_step_10000.pt` (also `.pth`, `.bin`, or no
+    suffix) is `checkpoint-00010000`; `best_model.pt`, `checkpoint_best.pt` is `best_model`."""
     path = Path(path)
-    found = re.fullmatch(rf"{PREFIX}(\d+)(\.pt|\.pth|\.bin)?", path.name)
-    if path.exists() or found is None:
+    name = None if path.exists() else _folder_named(path.name)
+    if name is None:
         return path
-    folder = path.with_name(checkpoint_name(int(found.group(1))))
+    folder = path.with_name(name)
     if folder.is_dir():
         log(f"resume: {path} is the checkpoint folder {folder}")
         return folder
     return path
+
+
+def _folder_named(name: str) -> str | None:
+    """Our folder's name for another trainer's checkpoint file name (`folder_of`), or None."""
+    stem = re.sub(r"\.(?:pt|pth|bin)$", "", name)
+    step = re.fullmatch(rf"(?:{PREFIX}|checkpoint_(?:step_)?|step_)(\d+)", stem)
+    if step is not None:
+        return checkpoint_name(int(step.group(1)))
+    return BEST if stem in ("best_model", "checkpoint_best", "model_best", "best") else None
