@@ -31,6 +31,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import UsageError, first_line
 from .files.atomic import write_file
+from .hf.fast_tokenizer import unknown_token
 
 EOT = "<|endoftext|>"
 UNK = "<unk>"
@@ -92,13 +93,6 @@ _TRANSFORMERS_NAMES = frozenset(
     | {"pad_token", "pad_token_id", "eos_token", "eos_token_id", "bos_token", "bos_token_id", "unk_token_id"}
     | {"padding_side", "truncation_side", "special_tokens_map", "all_special_ids"}
 )
-
-
-def unknown_token(backend: HFTokenizer) -> str | None:
-    """The unknown token of the tokenizer's model where it has one in its vocabulary (the char
-    tokenizer's `<unk>`); None for byte-level BPE, which never needs one."""
-    unknown = getattr(backend.model, "unk_token", None)
-    return unknown if unknown and backend.token_to_id(unknown) is not None else None
 
 
 class Tokenizer:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UsageError
-from ..tokenizer import unknown_token
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -25,6 +24,13 @@ def require_transformers():
     except ImportError:
         raise UsageError("transformers is not installed; install it with: pip install 'llm-trainer[hf]'") from None
     return transformers
+
+
+def unknown_token(backend: Tokenizer) -> str | None:
+    """The unknown token of the tokenizer's model where it has one in its vocabulary (the char
+    tokenizer's `<unk>`); None for byte-level BPE, which never needs one."""
+    unknown = getattr(backend.model, "unk_token", None)
+    return unknown if unknown and backend.token_to_id(unknown) is not None else None
 
 
 def special_tokens(backend: Tokenizer, end_of_text: str) -> dict[str, str]:
