@@ -185,6 +185,30 @@ def test_export_refuses_what_transformers_cannot_express(tmp_path, option):
     assert "\n" not in str(error.value) and not (tmp_path / "hf").exists()
 
 
+def test_an_export_refusal_names_every_setting_in_the_way_at_once(tmp_path):
+    """The speedrun recipe's model: one refusal lists all it would take to export, not one per try."""
+    pytest.importorskip("transformers")
+    from llm_trainer.hf.gguf import check_gguf_exportable
+    from llm_trainer.hf.interop import export_to_hf
+
+    config = tiny_model_config(
+        architecture="gpt2", qk_norm=True, logit_softcap=30.0, norm="rmsnorm", activation="relu2"
+    )
+    folder = tmp_path / "model"
+    save_model_folder(Transformer(config), folder)
+    with pytest.raises(UsageError) as error:
+        export_to_hf(folder, tmp_path / "hf")
+    message = str(error.value)
+    assert message.startswith("cannot export to transformers: qk_norm and logit_softcap are not part of"), message
+    for part in ("norm: rmsnorm", "no activation relu2"):
+        assert part in message, message
+    with pytest.raises(UsageError) as error:
+        check_gguf_exportable(config)
+    assert str(error.value).startswith("cannot export to GGUF: qk_norm and logit_softcap") and "relu2" in str(
+        error.value
+    )
+
+
 # -- FlexAttention -----------------------------------------------------------------------------------
 
 

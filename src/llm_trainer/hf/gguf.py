@@ -40,7 +40,7 @@ from ..files import buckets
 from ..files.disk import check_output_file, disk_full, new_file_mode, no_follow
 from ..logs import log
 from ..tokenizer import EOT, pre_split_of
-from .interop import check_exportable, to_hf_state
+from .interop import GPT2_ACTIVATIONS, check_exportable, to_hf_state
 
 # Our pre-splits -> the name llama.cpp gives the same regex (`tokenizer.ggml.pre`); `unicode` has none.
 LLAMA_CPP_PRE = {"gpt2": "gpt-2", "llama3": "llama-bpe"}
@@ -168,10 +168,11 @@ def _byte_level(tokenizer_json: dict[str, Any]) -> bool:
 def check_gguf_exportable(config: ModelConfig) -> None:
     """Refuse, in one line, a model llama.cpp's GPT-2 or LLaMA graph cannot compute; note an approximation."""
     config = config.resolved()
-    check_exportable(config, target="GGUF")
-    if config.architecture == "gpt2":
-        if config.activation not in _GPT2_GELU:
-            raise _refuse(f"llama.cpp's GPT-2 has only GELU, this model has activation: {config.activation}")
+    gpt2 = config.architecture == "gpt2"
+    only_ours = gpt2 and config.activation in GPT2_ACTIVATIONS and config.activation not in _GPT2_GELU
+    gelu = (f"llama.cpp's GPT-2 has only GELU, this model has activation: {config.activation}",) if only_ours else ()
+    check_exportable(config, target="GGUF", more=gelu)
+    if gpt2:
         if config.activation == "gelu":
             log(
                 "export: llama.cpp computes GPT-2's GELU with the tanh approximation and this model was trained "

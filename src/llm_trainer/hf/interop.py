@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 # Our activation -> GPT2Config.activation_function.
-_GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
 # GPT2Config.activation_function -> ours (several transformers names are the same tanh approximation).
 _GPT2_ACTIVATIONS_BACK = {
     "gelu": "gelu",
@@ -56,38 +56,56 @@ _GPT2_ACTIVATIONS_BACK = {
 # Configs
 
 
-def check_exportable(config: ModelConfig, target: str = "transformers") -> None:
-    """Refuse, in one line, settings the target transformers class (or llama.cpp's graph of the same
-    family, `target="GGUF"`) cannot express."""
+def check_exportable(config: ModelConfig, target: str = "transformers", more: tuple[str, ...] = ()) -> None:
+    """Refuse, in one line naming every one, the settings the target transformers class (or llama.cpp's
+    graph of the same family, `target="GGUF"`) cannot express; `more`: the target's own problems."""
+    problems = [*export_problems(config), *more]
+    if problems:
+        raise UsageError(f"cannot export to {target}: {'; '.join(problems)}")
 
-    def refuse(reason: str) -> None:
-        raise UsageError(f"cannot export to {target}: {reason}")
 
+def export_problems(config: ModelConfig) -> list[str]:
+    """What in `config` transformers' GPT-2 or LLaMA cannot express, each with what to train instead."""
+    problems = []
     if not config.pre_norm:
-        refuse("post-norm blocks (pre_norm: false) exist in neither GPT-2 nor LLaMA; only pre-norm models export")
-    for name, value in (("qk_norm", config.qk_norm), ("logit_softcap", config.logit_softcap)):
-        if value:
-            refuse(f"{name} is not part of transformers' GPT-2 or LLaMA; train without it to export")
+        problems.append(
+            "post-norm blocks (pre_norm: false) exist in neither GPT-2 nor LLaMA; only pre-norm models export"
+        )
+    unknown = [name for name, value in (("qk_norm", config.qk_norm), ("logit_softcap", config.logit_softcap)) if value]
+    if unknown:
+        problems.append(
+            f"{' and '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not part of transformers' "
+            "GPT-2 or LLaMA; train without it to export"
+        )
     if config.architecture == "gpt2":
         if config.norm != "layernorm":
-            refuse(f"GPT-2 uses LayerNorm, this model has norm: {config.norm} (use architecture: llama for RMSNorm)")
+            problems.append(
+                f"GPT-2 uses LayerNorm, this model has norm: {config.norm} (use architecture: llama for RMSNorm)"
+            )
         if config.position_embedding != "learned":
-            refuse(f"GPT-2 uses learned positions, this model has position_embedding: {config.position_embedding}")
+            problems.append(
+                f"GPT-2 uses learned positions, this model has position_embedding: {config.position_embedding}"
+            )
         if config.n_kv_heads != config.n_heads:
-            refuse(f"GPT-2 has no grouped-query attention (n_kv_heads={config.n_kv_heads}, n_heads={config.n_heads})")
+            problems.append(
+                f"GPT-2 has no grouped-query attention (n_kv_heads={config.n_kv_heads}, n_heads={config.n_heads})"
+            )
         if not config.bias:
-            refuse("GPT-2 always has biases; this model has bias: false")
+            problems.append("GPT-2 always has biases; this model has bias: false")
         if config.activation == "swiglu":
-            refuse("GPT-2 has no gated MLP; activation: swiglu needs architecture: llama")
-        if config.activation not in _GPT2_ACTIVATIONS:
-            refuse(f"transformers' GPT-2 has no activation {config.activation}")
+            problems.append("GPT-2 has no gated MLP; activation: swiglu needs architecture: llama")
+        elif config.activation not in GPT2_ACTIVATIONS:
+            problems.append(f"transformers' GPT-2 has no activation {config.activation}")
     else:
         if config.norm != "rmsnorm":
-            refuse(f"LLaMA uses RMSNorm, this model has norm: {config.norm}")
+            problems.append(f"LLaMA uses RMSNorm, this model has norm: {config.norm}")
         if config.position_embedding != "rope":
-            refuse(f"LLaMA uses rotary positions, this model has position_embedding: {config.position_embedding}")
+            problems.append(
+                f"LLaMA uses rotary positions, this model has position_embedding: {config.position_embedding}"
+            )
         if config.activation != "swiglu":
-            refuse(f"LLaMA's MLP is SwiGLU, this model has activation: {config.activation}")
+            problems.append(f"LLaMA's MLP is SwiGLU, this model has activation: {config.activation}")
+    return problems
 
 
 def _rope_kwargs(config_class, theta: float) -> dict[str, Any]:
@@ -117,7 +135,7 @@ def to_hf_config(config: ModelConfig, eos_token_id: int | None = None):
             n_layer=config.n_layers,
             n_head=config.n_heads,
             n_inner=config.d_ff,
-            activation_function=_GPT2_ACTIVATIONS[config.activation],
+            activation_function=GPT2_ACTIVATIONS[config.activation],
             resid_pdrop=config.dropout,
             embd_pdrop=config.dropout,
             attn_pdrop=config.attention_dropout,
