@@ -212,15 +212,20 @@ def test_the_lessons_dataset_given_our_tokenizer_itself_says_to_pass_as_transfor
         bpe()(TEXTS, truncation=True, padding=True, max_length=16, return_tensors="pt")  # the pipeline document's call
 
 
-def test_char_tokenizer_keeps_its_unknown_token_and_decodes_it_as_transformers_does():
+def test_the_char_tokenizer_reads_every_text_as_transformers_does_unknown_characters_and_a_written_unk_too():
+    """Characters the char tokenizer never saw read as its `<unk>` id in both; the text `<unk>` written
+    out reads as its five characters in both (transformers would match a declared unk_token in text);
+    decoding gives the same text either way."""
     pytest.importorskip("transformers")
-    ours = Tokenizer.build_char(["abc def"])
+    ours = Tokenizer.build_char(["abc def <nku>"])
     tokenizer = ours.as_transformers()
-    assert tokenizer.unk_token == "<unk>" and tokenizer.pad_token == "<|endoftext|>"
-    assert tokenizer("cab")["input_ids"] == ours.encode("cab")
-    ids = ours.encode("a中b") + [ours.eot_id] + ours.encode("Zc")  # two unknown characters, an end-of-text
-    for skip, text in ((True, "abc"), (False, "a<unk>b<|endoftext|><unk>c")):
-        assert ours.decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip) == text
+    assert tokenizer.pad_token == "<|endoftext|>" and tokenizer.unk_token is None
+    text = "cab \u4e2d x = '<unk>'"
+    ids = ours.encode(text)
+    assert tokenizer(text)["input_ids"] == ids and ids.count(ours.backend.token_to_id("<unk>")) == 5  # 中 x = ' '
+    ids = ids + [ours.eot_id]
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 def test_the_export_writes_the_same_tokenizer_as_as_transformers(tmp_path):

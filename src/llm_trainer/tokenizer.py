@@ -195,13 +195,8 @@ class Tokenizer:
             return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        """`ids` as text; `skip_special_tokens` leaves out end-of-text and the unknown token, as transformers
-        does with the exported tokenizer, where both are special (`hf.fast_tokenizer.special_tokens`)."""
-        ids = list(ids)
-        if skip_special_tokens and self.unk_id is not None:
-            ids = [i for i in ids if i != self.unk_id]
         with panics_as_errors("the tokenizer"):
-            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+            return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def to_json(self) -> str:
         return self.backend.to_str()

@@ -34,14 +34,15 @@ def unknown_token(backend: Tokenizer) -> str | None:
 
 
 def special_tokens(backend: Tokenizer, end_of_text: str) -> dict[str, str]:
-    """bos, eos and pad are end-of-text (one token starts, ends and pads documents, as in training);
-    unk is the unknown token of the tokenizer's model where it has one (the char tokenizer's), else
-    end-of-text (byte-level BPE never needs it). Empty when the tokenizer has no end-of-text."""
+    """bos, eos and pad are end-of-text (one token starts, ends and pads documents, as in training). unk
+    is end-of-text too for byte-level BPE, which never needs one. The char tokenizer's `<unk>` is not
+    declared: transformers would make it an added token that its text matches, so a `<unk>` written in
+    the text would read as one token there and as five characters here. Empty when the tokenizer has
+    no end-of-text."""
     if backend.token_to_id(end_of_text) is None:
         return {}
-    specials = {name: end_of_text for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
-    specials["unk_token"] = unknown_token(backend) or end_of_text
-    return specials
+    names = ("bos_token", "eos_token", "pad_token") + (("unk_token",) if unknown_token(backend) is None else ())
+    return {name: end_of_text for name in names}
 
 
 def fast_tokenizer(backend: Tokenizer, end_of_text: str, model_max_length: int | None = None):
