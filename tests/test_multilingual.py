@@ -294,3 +294,28 @@ def test_eval_data_and_a_prompt_are_cleaned_as_the_training_text_was(tmp_path, c
         assert out.startswith(prompt)  # the prompt as typed, then what the model wrote
         continuations.append(out[len(prompt) :])
     assert continuations[0] == continuations[1]
+
+
+def test_characters_a_char_tokenizer_never_saw_are_named_once_where_they_are_read(tmp_path, capsys):
+    """A prompt or an `eval --data` file with characters outside the char tokenizer's vocabulary: one
+    warning naming them (they read as <unk>, which the model never trained on), and the command runs."""
+    from conftest import write_tiny_experiment
+    from llm_trainer import cli
+
+    assert cli.main(["train", "--config", str(write_tiny_experiment(tmp_path))]) == 0
+    capsys.readouterr()
+    run = str(tmp_path / "run")
+    argv = ["generate", "--checkpoint", run, "--temperature", "0", "--max_new_tokens", "3", "--prompt"]
+    assert cli.main([*argv, "the cat Ελλ \u2211"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "vocabulary" in line]
+    assert warned == [
+        "warning: --prompt: 3 character(s) are not in the char tokenizer's vocabulary and read as <unk>, which "
+        "the model never saw in training: \u0395 \u03bb \u2211"
+    ]
+    assert cli.main([*argv, "the cat"]) == 0
+    assert "vocabulary" not in capsys.readouterr().err
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["the cat sat", "the \u4e2d dog", "mat \u00fc"]))
+    assert cli.main(["eval", "--checkpoint", run, "--data", str(data)]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "vocabulary" in line]
+    assert len(warned) == 1 and warned[0].startswith(f"warning: --data {data}: 2 character(s)"), warned

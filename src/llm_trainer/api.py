@@ -32,7 +32,7 @@ from .files.folder_files import refuse_unreadable
 from .model import Transformer
 from .parallel import distributed
 from .pipeline import build_loaders, build_model, build_rows
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, warn_unseen
 from .train.output_folder import check_output_folder
 from .train.run_lock import lock_run_folders
 from .train.trainer import Trainer
@@ -143,18 +143,23 @@ def _file_tokens(path: Path, tokenizer, text_column: str, clean) -> list[int]:
     from .data.text.sources import JSONL_SUFFIXES, SourceStats, read_text_file
 
     if not path.name.lower().endswith((*JSONL_SUFFIXES, ".parquet")):
-        return tokenizer.encode(clean(read_text_file(path, True, SourceStats(), fix="pass a text file to --data")))
+        text = clean(read_text_file(path, True, SourceStats(), fix="pass a text file to --data"))
+        warn_unseen(tokenizer.unseen_characters(text), f"--data {path}")
+        return tokenizer.encode(text)
     from .config import DataConfig, SourceConfig
     from .data.text.sources import iter_source
 
     source = SourceConfig(name="eval", data_files=str(path), text_column=text_column)
     tokens: list[int] = []
+    unseen: set[str] = set()
     try:
         for document in iter_source(source, DataConfig(data_files=str(path), text_column=text_column), SourceStats()):
             if text := clean(document.text):
                 tokens += [*tokenizer.encode(text), tokenizer.eot_id]
+                unseen |= tokenizer.unseen_characters(text)
     except UsageError as exc:
         raise UsageError(f"{exc} (here: --text-column NAME)") from None
+    warn_unseen(unseen, f"--data {path}")
     return tokens
 
 

@@ -222,13 +222,16 @@ def _eval_tasks(args) -> int:
 def cmd_generate(args) -> int:
     from .api import load_for_inference
     from .generate import check_sampling, generate
+    from .tokenizer import warn_unseen
 
     check_sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     from .data.text.clean import cleaner_of_run
 
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
     # the prompt's characters as the training text's were (Unicode form, newlines, control characters)
-    prompt = tokenizer.encode(cleaner_of_run(experiment).characters(args.prompt)) if args.prompt else []
+    text = cleaner_of_run(experiment).characters(args.prompt) if args.prompt else ""
+    warn_unseen(tokenizer.unseen_characters(text), "--prompt")
+    prompt = tokenizer.encode(text) if text else []
     new = generate(
         model,
         prompt or [tokenizer.eot_id],

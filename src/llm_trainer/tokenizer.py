@@ -32,6 +32,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from .errors import UsageError, first_line
 from .files.atomic import write_file
 from .hf.fast_tokenizer import unknown_token
+from .logs import warn
 
 EOT = "<|endoftext|>"
 UNK = "<unk>"
@@ -93,6 +94,16 @@ _TRANSFORMERS_NAMES = frozenset(
     | {"pad_token", "pad_token_id", "eos_token", "eos_token_id", "bos_token", "bos_token_id", "unk_token_id"}
     | {"padding_side", "truncation_side", "special_tokens_map", "all_special_ids"}
 )
+
+
+def warn_unseen(characters: set[str], where: str) -> None:
+    """One warning naming the characters (`Tokenizer.unseen_characters`) that `where` reads as unknown."""
+    if characters:
+        shown = " ".join(repr(ch)[1:-1] for ch in sorted(characters)[:12]) + (" ..." if len(characters) > 12 else "")
+        warn(
+            f"{where}: {len(characters)} character(s) are not in the char tokenizer's vocabulary and read as "
+            f"{UNK}, which the model never saw in training: {shown}"
+        )
 
 
 class Tokenizer:
@@ -193,6 +204,13 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         with panics_as_errors("the tokenizer"):
             return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def unseen_characters(self, text: str) -> set[str]:
+        """The characters of `text` a char tokenizer's vocabulary lacks: each reads as its unknown token.
+        Empty for byte-level BPE, which reads every character."""
+        if self.unk_id is None:
+            return set()
+        return {ch for ch in set(text) if self.backend.token_to_id(ch) is None}
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         with panics_as_errors("the tokenizer"):
