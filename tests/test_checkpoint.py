@@ -1162,6 +1162,55 @@ def test_find_checkpoint_takes_every_way_of_naming_one(tmp_path, capsys):
         find_checkpoint(root / "checkpoint-00000007")
 
 
+def test_a_checkpoint_another_process_reads_is_kept_by_the_rotation_until_a_later_save(tmp_path, capsys):
+    """`export`, `eval` or `generate` on a run that is still training: the checkpoint being read is held
+    (a shared lock on its meta.json), and the training's rotation passes over it until a save after
+    the reader is done, rather than removing it mid-read."""
+    from llm_trainer.checkpoint.reading import held_checkpoint
+
+    model, optimizer = tiny_parts(0)
+    root = tmp_path / "run" / layout.CHECKPOINTS_DIR
+    first = save(root, 1, model, optimizer)
+    with held_checkpoint(tmp_path / "run") as path:
+        assert path == first
+        second = save(root, 2, model, optimizer)
+        local.rotate(root, 1, protect={second.name})
+        assert first.is_dir() and local.load_checkpoint(first)["model"] is not None
+    assert (
+        "checkpoint-00000001 is being read by another process; it is removed at a later save" in capsys.readouterr().err
+    )
+    third = save(root, 3, model, optimizer)
+    local.rotate(root, 1, protect={third.name})
+    assert layout.list_checkpoints(root) == [third]
+
+
+def test_a_reader_whose_checkpoint_was_removed_before_it_took_hold_takes_the_newest(tmp_path, monkeypatch, capsys):
+    """The rotation removes the checkpoint a reader has found but not yet taken hold of: named through the
+    run folder, the reader takes the newest one; named itself, it says what removed it, in one line."""
+    from llm_trainer.checkpoint import reading
+
+    model, optimizer = tiny_parts(0)
+    root = tmp_path / "run" / layout.CHECKPOINTS_DIR
+    old, new = save(root, 1, model, optimizer), save(root, 2, model, optimizer)
+    found = iter([old, new])
+
+    def found_then_removed(spec):  # what the rotation of a running training does between the two
+        path = next(found)
+        if path == old:
+            atomic.remove_folder(old)
+        return path
+
+    monkeypatch.setattr(reading, "find_checkpoint", found_then_removed)
+    with reading.held_checkpoint(tmp_path / "run") as path:
+        assert path == new
+    assert f"checkpoint: {old} was removed as it was to be read" in capsys.readouterr().err
+    gone = save(root, 3, model, optimizer)
+    monkeypatch.setattr(reading, "find_checkpoint", lambda spec: atomic.remove_folder(gone) and gone)
+    with pytest.raises(CheckpointError, match=r"checkpoint .*checkpoint-00000003 was removed as it was to be read, by"):
+        with reading.held_checkpoint(gone):
+            pass
+
+
 def test_meta_json_records_the_kind_and_a_resume_reads_what_it_names(tmp_path):
     model, optimizer = tiny_parts(0)
     folder = save(tmp_path, 1, model, optimizer)

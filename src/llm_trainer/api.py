@@ -14,7 +14,6 @@ from pathlib import Path
 
 from . import launcher
 from .checkpoint import remote as remote_checkpoints
-from .checkpoint.find import find_checkpoint
 from .checkpoint.layout import holds_dcp_shards, read_meta
 from .checkpoint.model_folder import (
     is_transformers_folder,
@@ -23,6 +22,7 @@ from .checkpoint.model_folder import (
     read_model_config,
     refuse_non_finite,
 )
+from .checkpoint.reading import held_checkpoint
 from .checkpoint.verify import verify
 from .config import DataConfig, ExperimentConfig, TrainingConfig
 from .data.prepare import prepare_data
@@ -89,11 +89,17 @@ def local_checkpoint(path: str | Path) -> str | Path:
 
 
 def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transformer, Tokenizer, dict]:
-    """Model, tokenizer and experiment config from a checkpoint, best_model or run folder (or its URL)."""
+    """Model, tokenizer and experiment config from a checkpoint, best_model or run folder (or its URL),
+    the checkpoint held against a running training's rotation while it is read (`held_checkpoint`)."""
     path = local_checkpoint(path)
-    found = find_checkpoint(path)  # a run or checkpoints folder, or `latest`: its newest checkpoint
-    if found is None:
-        raise UsageError(f"{path} holds no checkpoint; pass a checkpoint or best_model folder")
+    with held_checkpoint(path) as found:  # a run or checkpoints folder, or `latest`: its newest checkpoint
+        if found is None:
+            raise UsageError(f"{path} holds no checkpoint; pass a checkpoint or best_model folder")
+        return _load_for_inference(found, path, device)
+
+
+def _load_for_inference(found: Path, path: Path, device: str) -> tuple[Transformer, Tokenizer, dict]:
+    """`load_for_inference` of the folder `found` that `path` named."""
     if is_transformers_folder(found):
         raise UsageError(
             f"{path} is a transformers model folder (an export), not a checkpoint of ours: pass the checkpoint, "

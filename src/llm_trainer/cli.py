@@ -282,12 +282,19 @@ def cmd_export(args) -> int:
         from .hf.interop import export_to_hf
     except ImportError:
         raise UsageError("export needs transformers: pip install 'llm-trainer[hf]'") from None
-    from .api import load_for_inference, local_checkpoint
-    from .checkpoint.find import find_checkpoint
+    from .api import local_checkpoint
+    from .checkpoint.reading import held_checkpoint
 
-    path = find_checkpoint(local_checkpoint(args.checkpoint))  # a URL: its local copy
-    if path is None:
-        raise UsageError(f"{args.checkpoint} holds no checkpoint to export")
+    with held_checkpoint(local_checkpoint(args.checkpoint)) as path:  # a URL: its local copy
+        if path is None:
+            raise UsageError(f"{args.checkpoint} holds no checkpoint to export")
+        return _export_hf(path, args, export_to_hf)
+
+
+def _export_hf(path: Path, args, export_to_hf) -> int:
+    """`export` of the checkpoint folder `path`, held while it is read."""
+    from .api import load_for_inference
+
     # The model as load_for_inference gives it (checksums verified, an FSDP checkpoint's shards gathered),
     # written as a model folder for export_to_hf; the tokenizer file is the checkpoint's own, checked there.
     model, _, _ = load_for_inference(path)
@@ -314,15 +321,23 @@ def cmd_export(args) -> int:
 
 def _export_gguf(args) -> int:
     """`export --format gguf`: the checkpoint's model and tokenizer as one GGUF file (hf/gguf.py)."""
-    from .api import load_for_inference, local_checkpoint
-    from .checkpoint.find import find_checkpoint
-    from .hf.gguf import check_output, export_to_gguf, llama_cpp_pre, read_tokenizer_json, require_gguf
+    from .api import local_checkpoint
+    from .checkpoint.reading import held_checkpoint
+    from .hf.gguf import check_output, require_gguf
 
     require_gguf()
     check_output(args.output, args.overwrite)  # before the checkpoint is read
-    path = find_checkpoint(local_checkpoint(args.checkpoint))
-    if path is None:
-        raise UsageError(f"{args.checkpoint} holds no checkpoint to export")
+    with held_checkpoint(local_checkpoint(args.checkpoint)) as path:
+        if path is None:
+            raise UsageError(f"{args.checkpoint} holds no checkpoint to export")
+        return _export_gguf_of(path, args)
+
+
+def _export_gguf_of(path: Path, args) -> int:
+    """`export --format gguf` of the checkpoint folder `path`, held while it is read."""
+    from .api import load_for_inference
+    from .hf.gguf import export_to_gguf, llama_cpp_pre, read_tokenizer_json
+
     llama_cpp_pre(read_tokenizer_json(path / "tokenizer.json")[1])  # one llama.cpp cannot read: before the weights
     model, _, _ = load_for_inference(path)
     import tempfile

@@ -9,6 +9,7 @@ read back without running anyone's code (the file rules themselves: `llm_trainer
     fused_projections  files of the older layout (one q|k|v matrix, one gate|up matrix) cut into today's parts
     tensors       optimizer state split into safetensors and a plain structure, and joined back
     find          which checkpoint a path or "latest" means (the newest usable one)
+    reading       a checkpoint held while another process reads it, which a running training's rotation passes over
     local         save, load and rotate checkpoint folders on this machine's disk
     remote        the same checkpoints in a store (training.checkpoint_dir a URL), with the promises they keep on disk
     sharded       FSDP2 shards through torch.distributed.checkpoint (its metadata read through files.safe_pickle)

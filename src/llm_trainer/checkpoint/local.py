@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, UsageError, first_line
-from ..files.atomic import remove_folder, write_text
+from ..files.atomic import write_text
 from ..files.disk import with_default_mode
 from ..files.folder_files import FolderFiles
 from ..files.safe_pickle import load_pickle
@@ -46,6 +46,7 @@ from .layout import (
     checkpoint_name,
 )
 from .model_folder import WEIGHTS_NAME, save_model_folder, write_model_config
+from .reading import remove_unless_read
 from .tensors import join_tensors, split_tensors
 from .verify import verify_once
 
@@ -204,7 +205,8 @@ def rotate(root: Path, keep_last: int | None, protect: set[str]) -> None:
     """Delete all but the newest `keep_last` checkpoints, never one named in `protect` (the best, the new one).
 
     A folder is renamed to a hidden name before it is deleted (`atomic.remove_folder`), so a crash
-    mid-delete never leaves a half-deleted folder that looks like a checkpoint.
+    mid-delete never leaves a half-deleted folder that looks like a checkpoint. One that another process
+    is reading (`reading.held_checkpoint`: an export, eval or generate) is kept until a later save.
     """
     if keep_last is None:
         return
@@ -212,5 +214,7 @@ def rotate(root: Path, keep_last: int | None, protect: set[str]) -> None:
     for path in newest_first(root, named_latest(root))[keep_last:]:
         if path.name in protect:
             continue
-        if remove_folder(path):
+        if remove_unless_read(path):
             log(f"checkpoint: removed {path.name} (save_total_limit={keep_last})")
+        elif path.is_dir():
+            log(f"checkpoint: {path.name} is being read by another process; it is removed at a later save")
