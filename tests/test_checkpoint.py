@@ -502,7 +502,7 @@ def truncate(path: Path) -> None:
 @pytest.mark.parametrize(
     "damage, file, reason",
     [
-        (truncate, layout.OPTIMIZER_TENSORS, "optimizer.safetensors is truncated"),
+        (truncate, layout.OPTIMIZER_TENSORS, "optimizer.safetensors is not the file written there"),
         (flip_byte, WEIGHTS_NAME, "model.safetensors does not match its checksum"),
         (flip_byte, layout.OPTIMIZER, "optimizer.pt does not match its checksum"),
         (

@@ -123,8 +123,8 @@ def verify(path: Path) -> str | None:
             continue
         size = file.stat().st_size
         if size != entry["size"]:
-            what = "truncated" if size < entry["size"] else "longer than written"
-            return f"{name} is {what} ({size:,} bytes, {entry['size']:,} expected)"
+            what = "cut short or replaced" if size < entry["size"] else "grown or replaced"
+            return f"{name} is not the file written there ({size:,} bytes, {entry['size']:,} written): {what}"
         jobs[name] = (entry["checksum"], checksum_jobs(file, size, checksum))
     for name, (expected, chunks) in jobs.items():
         actual = sha256_file(path / name) if chunks is None else combine(chunks, checksum)
