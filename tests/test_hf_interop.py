@@ -240,7 +240,7 @@ def test_sharded_export_loads(tmp_path):
     assert torch.equal(back.eval()(ids), model(ids))
 
 
-def test_model_card_and_overwrite_rules(tmp_path):
+def test_model_card_and_overwrite_rules(tmp_path, capsys):
     model = our_model(architecture="gpt2")
     source = saved(model, tmp_path / "ours")
     out = export_to_hf(source, tmp_path / "hf", metrics={"val_loss": 3.14159, "val_perplexity": 23.1})
@@ -253,11 +253,14 @@ def test_model_card_and_overwrite_rules(tmp_path):
     # replaced and everything else (a file of the user's) is kept.
     (out / "notes.txt").write_text("mine")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    with pytest.raises(UsageError, match="not empty"):
-        export_to_hf(source, tmp_path / "hf")
+    with pytest.raises(UsageError, match=r"not empty \(README.md, config.json, generation_config.json, model"):
+        export_to_hf(source, tmp_path / "hf")  # what is there, named
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    capsys.readouterr()
     export_to_hf(source, tmp_path / "hf", overwrite=True)
     assert (out / "notes.txt").read_text() == "mine" and "## Metrics" not in (out / "README.md").read_text()
+    replaced = [line for line in capsys.readouterr().err.splitlines() if ": replaced " in line]
+    assert replaced == [f"{out}: replaced {', '.join(sorted(before.keys() - {'notes.txt'}))}; its other files are kept"]
     assert {p.name for p in out.iterdir()} == set(before)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left behind
 

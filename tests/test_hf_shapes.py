@@ -303,7 +303,7 @@ def test_save_pretrained_writes_the_tokenizer_it_is_given_and_refuses_a_full_fol
     assert config["eos_token_id"] == ours.eot_id and config["hidden_size"] == 16
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf")).model_max_length == 24
     (tmp_path / "hf" / "notes.txt").write_text("mine")
-    with pytest.raises(UsageError, match=r"is not empty; .* or pass overwrite=True to replace"):
+    with pytest.raises(UsageError, match=r"is not empty \(.*\); .* or pass overwrite=True to replace"):
         model.save_pretrained(tmp_path / "hf")
     model.save_pretrained(tmp_path / "hf", ours.as_transformers(), overwrite=True)
     assert (tmp_path / "hf" / "notes.txt").read_text() == "mine"  # the user's file is kept

@@ -29,7 +29,6 @@ from .data.prepare import prepare_data
 from .errors import UsageError, first_line
 from .files import buckets
 from .files.folder_files import refuse_unreadable
-from .logs import warn
 from .model import Transformer
 from .parallel import distributed
 from .pipeline import build_loaders, build_model, build_rows
@@ -135,12 +134,6 @@ def _load_for_inference(found: Path, path: Path, device: str) -> tuple[Transform
         raise UsageError(
             f"{path / 'tokenizer.json'} has {tokenizer.vocab_size} tokens but the model's vocabulary is "
             f"{model.config.vocab_size}; the folder holds another model's tokenizer"
-        )
-    if tokenizer.vocab_size < model.config.vocab_size and not (path / "meta.json").is_file():  # no checksums
-        warn(
-            f"{path / 'tokenizer.json'} has {tokenizer.vocab_size} tokens and the model's vocabulary "
-            f"{model.config.vocab_size} (a run makes them equal): if the tokenizer is another model's, every id "
-            "means another token; copy in the tokenizer.json the model was trained with"
         )
     experiment = (read_meta(path) or {}).get("config")  # a folder from elsewhere: any shape at all
     experiment = experiment if isinstance(experiment, dict) else {}

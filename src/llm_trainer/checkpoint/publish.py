@@ -32,6 +32,7 @@ from ..files.atomic import move_into_place, temporary_folder
 from ..files.checksums import file_checksum
 from ..files.disk import disk_full, writable_folder
 from ..files.folder_files import META
+from ..logs import log
 from .durable import remove_stale
 
 # Weight files of a model folder's other layouts: left beside new weights, a loader could read them instead.
@@ -52,9 +53,11 @@ def check_target(output: Path, source: Path | None, overwrite: bool, overwrite_h
             f"{output} holds a run's checkpoint ({META}); it is never replaced by this command: choose another "
             "output folder"
         )
-    if output.is_dir() and any(output.iterdir()) and not overwrite:
+    held = sorted(path.name for path in output.iterdir()) if output.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
         raise UsageError(
-            f"{output} is not empty; choose an empty or new folder, or {overwrite_hint} to replace "
+            f"{output} is not empty ({shown}); choose an empty or new folder, or {overwrite_hint} to replace "
             "the files this command writes there (other files are kept, but for model weight files of another "
             "layout, which a loader would read instead)"
         )
@@ -97,12 +100,17 @@ def publish(
     try:
         tmp.mkdir()
         build(tmp)
+        replaced = []
         if output.is_dir() and not output.is_symlink():
             tmp.chmod(stat.S_IMODE(output.stat().st_mode))  # a private folder stays private
             for path in output.iterdir():
-                if not (tmp / path.name).exists() and not WEIGHT_FILE.fullmatch(path.name):
+                if (tmp / path.name).exists() or WEIGHT_FILE.fullmatch(path.name):
+                    replaced.append(path.name)
+                else:
                     _carry(path, tmp / path.name)
         move_into_place(tmp, output.absolute())
+        if replaced:
+            log(f"{output}: replaced {', '.join(sorted(replaced))}; its other files are kept")
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, Exception) and _write_failure(exc, output.absolute().parent):
