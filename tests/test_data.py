@@ -884,10 +884,13 @@ def _varying_rows():
     raise AssertionError("no seed gives different row counts")
 
 
-def test_batch_loader_resumes_exactly():
+@pytest.mark.parametrize("resumed_seed", ["same", "another"])
+def test_batch_loader_resumes_exactly(resumed_seed, capsys):
+    """At every position, also with another training.seed given to the resume: the checkpoint's seed
+    orders the rows and places the windows (with a warning that it is kept)."""
     tokens, seed, counts = _varying_rows()
 
-    def fresh():
+    def fresh(seed=seed):
         return BatchLoader(WindowRows(tokens, 8, seed=seed), 1, shuffle=True, seed=seed)
 
     reference = fresh()
@@ -898,8 +901,10 @@ def test_batch_loader_resumes_exactly():
         for _ in range(k):
             original.next_batch()
         state = original.state_dict()
-        resumed = fresh()
+        resumed = fresh(seed if resumed_seed == "same" else seed + 1)
         resumed.load_state_dict(json.loads(json.dumps(state)))  # checkpoints store it as JSON
+        kept = "the resume keeps the checkpoint's data order" in capsys.readouterr().err
+        assert kept == (resumed_seed == "another")
         for j in range(k, 40):
             x, y = resumed.next_batch()
             assert (x == stream[j][0]).all() and (y == stream[j][1]).all(), (k, j)

@@ -297,8 +297,15 @@ class BatchLoader:
                 f"the checkpoint's data order was {ORDER_NAMES.get(saved_order, repr(saved_order))}, this run's is "
                 f"{ORDER_NAMES[order]} ({cause}): the rest of the epoch follows this run's order"
             )
+        if self.shuffle and state["seed"] != self.seed:
+            warn(
+                f"training.seed is {self.seed}, the checkpoint's {state['seed']}: the resume keeps the checkpoint's "
+                "data order (and random streams); a run of another seed starts anew (model.init_from=<checkpoint>)"
+            )
         self._drop_ahead()
         self.epoch, self.position, self.seed, self._order = state["epoch"], position, state["seed"], None
+        if getattr(self.rows, "seed", None) is not None:  # the windows' offsets follow the same seed
+            self.rows.seed = state["seed"]
         self.samples, self.skip = samples, merged_ranges([(a, b) for a, b in skip])
 
     def next_batch(self) -> tuple[torch.Tensor, ...]:
