@@ -461,23 +461,36 @@ def test_under_fsdp_each_block_is_compiled_between_the_shards_hooks():
     assert model._compiled_call_impl is None
 
 
-def test_a_signal_stops_the_run_and_the_summary_names_it(tmp_path):
+@pytest.mark.parametrize("at_step", [2, 6])
+def test_a_signal_stops_the_run_and_the_summary_names_it(tmp_path, at_step, capsys):
     """SIGTERM mid-run: the step finishes, a checkpoint is saved, and the summary carries the signal as
-    data (the CLI's exit status 128 + its number comes from it)."""
+    data (the CLI's exit status 128 + its number comes from it); the run does not then evaluate the
+    whole validation split, which it would at its end (a preempted job's grace period is short). At the
+    last step, its checkpoint saved, the run is complete: the summary is a finished run's."""
     import os
     import signal
 
     class Term(Callback):
         def on_step_end(self, trainer, row):
-            if row["step"] == 2:
+            if row["step"] == at_step:
                 os.kill(os.getpid(), signal.SIGTERM)
 
     loader = BatchLoader(WindowRows(_tokens(), 16), 4, shuffle=True, seed=0)
+    val = BatchLoader(WindowRows(_tokens()[:600], 16, keep_partial=True), 4, shuffle=False, drop_last=False)
     trainer = Trainer(
-        Transformer(tiny_model_config()), _training(tmp_path), train_dataloader=loader, callbacks=[Term()]
+        Transformer(tiny_model_config()),
+        _training(tmp_path, eval_steps=100),
+        train_dataloader=loader,
+        val_dataloader=val,
+        callbacks=[Term()],
     )
     summary = trainer.train()
-    assert summary["stopped_by_signal"] == "SIGTERM" and summary["step"] == 2
-    assert summary["checkpoint"] and summary["stopped_early"] == "received SIGTERM"
+    assert summary["step"] == at_step and summary["checkpoint"]
+    if at_step == 2:
+        assert summary["stopped_by_signal"] == "SIGTERM" and summary["stopped_early"] == "received SIGTERM"
+        assert "eval/loss" not in trainer.metrics and "val_loss" not in summary
+    else:
+        assert "stopped_by_signal" not in summary and summary["stopped_early"] is None and "val_loss" in summary
+        assert "SIGTERM came as the run reached its last step" in capsys.readouterr().err
     plain = Trainer(Transformer(tiny_model_config()), _training(tmp_path / "plain", max_steps=2)).train(loader)
     assert "stopped_by_signal" not in plain

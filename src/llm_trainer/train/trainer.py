@@ -454,8 +454,14 @@ class Trainer:
                         self.alerts.check_disk(self.checkpoint_dir, state.step)
                     self.stop.end_step()
 
+            if self.stop.signal is not None and state.step >= self.total_steps:  # it came as the run ended
+                log(
+                    f"{self.stop.signal} came as the run reached its last step, with its checkpoint: the run is complete"
+                )
+                self.stop.signal = self.stop.reason = None
             self._read_bad_steps()
-            if self.val_loader is not None and final_eval is None and state.step > start_step:
+            # the end of a run that did not evaluate yet evaluates once; not a run a signal stops (time is short)
+            if self.val_loader is not None and final_eval is None and state.step > start_step and not self.stop.signal:
                 with timer.count("evaluation"):
                     final_eval = self._evaluate_and_track(full=True)
             elapsed = time.perf_counter() - started
