@@ -443,3 +443,23 @@ def test_a_resume_from_an_earlier_checkpoint_says_which_later_ones_it_saves_over
         main(["train", "--config", str(config), "training.resume_from_checkpoint=latest", "training.max_steps=10"]) == 0
     )
     assert "saves over" not in capsys.readouterr().err  # from the newest: nothing later
+
+
+def test_a_resume_on_other_data_says_which_settings_changed(tmp_path, capsys):
+    """The checkpoint's data position names rows of the data it trained on: resumed on other data (here
+    fewer documents) the run goes on, with one warning naming the changed settings; on the same data, none."""
+    from conftest import write_tiny_experiment
+    from llm_trainer import cli
+
+    config = str(write_tiny_experiment(tmp_path, save_steps=3, eval_steps=0))
+    assert cli.main(["train", "--config", config]) == 0
+    capsys.readouterr()
+    resume = ["train", "--config", config, "training.resume_from_checkpoint=latest", "training.max_steps=8"]
+    assert cli.main([*resume, "data.max_documents=10"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "other data" in line]
+    assert warned == [
+        "warning: resume: the checkpoint trained on other data (data.max_documents); its data position names other "
+        "rows here, so the run goes on over this data, not as it would have (resume with its data for an exact resume)"
+    ]
+    assert cli.main([*resume, "data.max_documents=10", "training.max_steps=10"]) == 0
+    assert "other data" not in capsys.readouterr().err

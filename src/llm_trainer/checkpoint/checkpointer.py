@@ -316,6 +316,8 @@ class Checkpointer:
         parts = load_checkpoint(path, map_location=self.parallel.device, rank=self.dist.rank)
         parts["store"] = self._store_shards(path, parts["meta"], url)
         self._check_tokenizer(path)
+        if self.dist.is_main:
+            self._note_other_data(parts["meta"].get("config"))
         saved = parts["train_state"]
         problem = train_state_problem(saved)
         if problem:
@@ -387,6 +389,28 @@ class Checkpointer:
                 f"missing from it or have other ids); resume with the data and tokenizer it was trained "
                 f"with ({saved}), or train into another output_dir"
             )
+
+    def _note_other_data(self, saved: Any) -> None:
+        """Warn when the checkpoint trained on other prepared data than this run's (its fingerprint): the
+        data position it saved names other rows here, so the rest of its epoch is not the one it was
+        reading. Training on into other data is allowed (more data, a new mixture); an exact resume
+        needs the same."""
+        before = saved.get("data_fingerprint") if isinstance(saved, dict) else None
+        now = self.config.get("data_fingerprint")
+        if before is None or now is None or before == now:
+            return
+        old, new = saved.get("data"), self.config.get("data")
+        old, new = (old if isinstance(old, dict) else {}), (new if isinstance(new, dict) else {})
+        changed = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
+        what = (
+            ", ".join(f"data.{key}" for key in changed[:4]) + (", ..." if len(changed) > 4 else "")
+            if changed
+            else "the same settings, prepared anew: the files changed, or the data format of a newer llm-trainer"
+        )
+        warn(
+            f"resume: the checkpoint trained on other data ({what}); its data position names other rows here, so "
+            "the run goes on over this data, not as it would have (resume with its data for an exact resume)"
+        )
 
 
 def _restore_rng(parts: dict[str, Any], saved: dict, rank: int) -> None:
