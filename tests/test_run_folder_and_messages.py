@@ -463,3 +463,19 @@ def test_a_resume_on_other_data_says_which_settings_changed(tmp_path, capsys):
     ]
     assert cli.main([*resume, "data.max_documents=10", "training.max_steps=10"]) == 0
     assert "other data" not in capsys.readouterr().err
+
+
+def test_a_resume_with_another_architecture_names_the_settings_not_a_fused_layout(tmp_path, capsys):
+    """A GPT-2 checkpoint resumed as LLaMA: its separate q, k, v and ungated `mlp.fc` are not taken for
+    the old fused layout; the one line names the model settings that differ from the checkpoint's."""
+    from conftest import write_tiny_experiment
+    from llm_trainer import cli
+
+    config = str(write_tiny_experiment(tmp_path, save_steps=3, eval_steps=0))
+    assert cli.main(["train", "--config", config, "model.architecture=gpt2"]) == 0
+    capsys.readouterr()
+    resume = ["train", "--config", config, "training.resume_from_checkpoint=latest", "training.max_steps=8"]
+    assert cli.main([*resume, "model.architecture=llama"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "was trained with other model settings (" in last and "model.architecture: gpt2 -> llama" in last, last
+    assert "one matrix" not in last

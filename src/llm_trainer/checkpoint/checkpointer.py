@@ -337,7 +337,11 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint {path} is unusable: train_state.json has a malformed data position ({exc})"
             ) from None
-        self.parallel.load(parts, path)
+        try:
+            self.parallel.load(parts, path)
+        except UsageError:  # weights that do not fit: named by the settings that made them, where those differ
+            self._refuse_other_model(parts["meta"].get("config"), path)
+            raise
         self.state.load_state_dict(saved)
         if saved["schedule"]["total_steps"] != self.schedule["total_steps"]:
             log(
@@ -389,6 +393,25 @@ class Checkpointer:
                 f"missing from it or have other ids); resume with the data and tokenizer it was trained "
                 f"with ({saved}), or train into another output_dir"
             )
+
+    def _refuse_other_model(self, saved: Any, path: Path) -> None:
+        """Refuse, naming them, the model settings that differ from the checkpoint's (architecture, d_model,
+        ...), when its weights do not fit this run's model; nothing when no saved setting differs."""
+        old = saved.get("model") if isinstance(saved, dict) else None
+        new = self.config.get("model")
+        if not isinstance(old, dict) or not isinstance(new, dict):
+            return
+        changed = [
+            f"model.{k}: {old.get(k)} -> {new.get(k)}"
+            for k in sorted(old.keys() | new.keys())
+            if old.get(k) != new.get(k)
+        ]
+        if changed:
+            shown = ", ".join(changed[:4]) + (", ..." if len(changed) > 4 else "")
+            raise UsageError(
+                f"{path} was trained with other model settings ({shown}), so its weights do not fit this run's model; "
+                "resume with the checkpoint's model settings, or train into another output_dir"
+            ) from None
 
     def _note_other_data(self, saved: Any) -> None:
         """Warn when the checkpoint trained on other prepared data than this run's (its fingerprint): the

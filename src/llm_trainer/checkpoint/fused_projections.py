@@ -37,13 +37,22 @@ def _parts(name: str, config: ModelConfig) -> list[tuple[str, int]] | None:
     return None
 
 
+def _new_layout(names) -> bool:
+    """Whether the tensors are of today's layout (separate q, k, v): an ungated MLP's `mlp.fc` there is
+    its input layer, not [gate | up] (a GPT-2 checkpoint given a SwiGLU model's config)."""
+    return any(name.endswith("attn.q.weight") for name in names)
+
+
 def is_fused(names, config: ModelConfig) -> bool:
     """Whether any of `names` is a fused projection of the old layout."""
     config = config.resolved()
-    return any(_parts(name, config) is not None for name in names)
+    names = list(names)
+    return not _new_layout(names) and any(_parts(name, config) is not None for name in names)
 
 
 def _split(state: Mapping[str, V], config: ModelConfig, cut: Callable[[V, list[int]], list[V]]) -> dict[str, V]:
+    if _new_layout(state):
+        return dict(state)
     config = config.resolved()
     out: dict[str, V] = {}
     for name, value in state.items():
