@@ -339,8 +339,8 @@ class Checkpointer:
             ) from None
         try:
             self.parallel.load(parts, path)
-        except UsageError:  # weights that do not fit: named by the settings that made them, where those differ
-            self._refuse_other_model(parts["meta"].get("config"), path)
+        except UsageError as exc:  # weights that do not fit: named by the settings that made them, where those differ
+            self._refuse_other_model(parts["meta"].get("config"), path, exc)
             raise
         self.state.load_state_dict(saved)
         if saved["schedule"]["total_steps"] != self.schedule["total_steps"]:
@@ -394,9 +394,10 @@ class Checkpointer:
                 f"with ({saved}), or train into another output_dir"
             )
 
-    def _refuse_other_model(self, saved: Any, path: Path) -> None:
-        """Refuse, naming them, the model settings that differ from the checkpoint's (architecture, d_model,
-        ...), when its weights do not fit this run's model; nothing when no saved setting differs."""
+    def _refuse_other_model(self, saved: Any, path: Path, misfit: UsageError) -> None:
+        """Refuse, naming them first, the model settings that differ from the checkpoint's (architecture,
+        d_model, ...), when its weights do not fit this run's model (`misfit`, which lists the tensors);
+        nothing when no saved setting differs."""
         old = saved.get("model") if isinstance(saved, dict) else None
         new = self.config.get("model")
         if not isinstance(old, dict) or not isinstance(new, dict):
@@ -409,8 +410,8 @@ class Checkpointer:
         if changed:
             shown = ", ".join(changed[:4]) + (", ..." if len(changed) > 4 else "")
             raise UsageError(
-                f"{path} was trained with other model settings ({shown}), so its weights do not fit this run's model; "
-                "resume with the checkpoint's model settings, or train into another output_dir"
+                f"{path} was trained with other model settings ({shown}): resume with the checkpoint's model "
+                f"settings, or train into another output_dir ({misfit})"
             ) from None
 
     def _note_other_data(self, saved: Any) -> None:
