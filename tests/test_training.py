@@ -253,6 +253,36 @@ def test_users_own_model_and_dataloader(tmp_path):
     Trainer(wrapped, _training(tmp_path / "b", max_steps=4), train_dataloader=tuples).train()
 
 
+@pytest.mark.parametrize("generator", [False, True], ids=["global-random-state", "own-generator"])
+def test_a_shuffling_dataloader_of_ones_own_resumes_exactly_in_a_later_epoch(tmp_path, generator):
+    """A torch DataLoader(shuffle=True) draws each pass's order as the pass starts (from torch's random
+    state, or its own generator): killed in its second epoch and resumed, the run reads the same order
+    and its losses equal the uninterrupted run's."""
+    import os
+    import signal
+
+    rows = torch.from_numpy(_tokens(3000).astype(np.int64)[: 48 * 17].reshape(48, 17))
+
+    def run(folder, stop_at=None, resume=False):
+        kwargs = {"generator": torch.Generator().manual_seed(5)} if generator else {}
+        data = torch.utils.data.DataLoader(rows, batch_size=8, shuffle=True, **kwargs)  # 6 batches a pass
+
+        class Term(Callback):
+            def on_step_end(self, trainer, row):
+                if row["step"] == stop_at:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        training = _training(folder, max_steps=14, save_steps=100, resume_from_checkpoint="latest" if resume else None)
+        torch.manual_seed(0)
+        Trainer(Transformer(tiny_model_config()), training, train_dataloader=data, callbacks=[Term()]).train()
+        lines = (folder / "run" / "metrics.jsonl").read_text().splitlines()
+        return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r.get("kind") == "train"]
+
+    whole = run(tmp_path / "whole")
+    assert run(tmp_path / "cut", stop_at=9)[-1][0] == 9  # in the second pass (steps 7 to 12)
+    assert run(tmp_path / "cut", resume=True) == whole
+
+
 def test_trainer_metrics_holds_what_the_run_logged_and_a_resume_keeps_the_earlier_steps(tmp_path):
     """`trainer.metrics` (other training loops keep such a dict): each series of the run as (step, value),
     equal to metrics.jsonl's rows; other trainers' names (val_loss, learning_rate) read as ours; a

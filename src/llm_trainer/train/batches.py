@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import base64
+import itertools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -23,6 +25,7 @@ class IterableBatches:
         self.iterable, self.device = iterable, device
         self.processes = processes  # the run's world size: the position counts this rank's batches
         self.epoch, self.position, self._it = 0, 0, None
+        self._epoch_start: dict | None = None  # the random states this pass started from (`_start_epoch`)
         # rows per batch, for the effective batch the Trainer prints: a DataLoader knows it, a list shows it
         self.batch_size: int | None = getattr(iterable, "batch_size", None)
         if self.batch_size is None and isinstance(iterable, Sequence) and len(iterable) > 0:
@@ -52,20 +55,56 @@ class IterableBatches:
 
     def next_batch(self):
         if self._it is None:
-            self._it = iter(self.iterable)
+            self._start_epoch()
         try:
             batch = next(self._it)
         except StopIteration:
-            self.epoch, self.position, self._it = self.epoch + 1, 0, iter(self.iterable)
+            self.epoch, self.position = self.epoch + 1, 0
+            self._start_epoch()
             batch = next(self._it)
         self.position += 1
         return self._convert(batch)
+
+    def _start_epoch(self, drawn_from: dict | None = None) -> None:
+        """A new pass over the iterable, its first batch read. A shuffling DataLoader draws the pass's order
+        (and its workers' seeds) from torch's random state, or its own generator's, as the pass starts and
+        its first batch is read: that state is kept, and a resume in this pass starts from it again
+        (`drawn_from`), so it reads the same order."""
+        generator = getattr(self.iterable, "generator", None)
+        generator = generator if isinstance(generator, torch.Generator) else None
+        now = None
+        if drawn_from is None:
+            self._epoch_start = {"torch": _encoded(torch.get_rng_state())}
+            if generator is not None:
+                self._epoch_start["generator"] = _encoded(generator.get_state())
+        else:
+            now = torch.get_rng_state()  # the run's own stream goes on from the checkpoint's, restored below
+            try:
+                torch.set_rng_state(_decoded(drawn_from["torch"]))
+                if generator is not None and "generator" in drawn_from:
+                    generator.set_state(_decoded(drawn_from["generator"]))
+            except (KeyError, RuntimeError):
+                raise TypeError("epoch_start does not hold torch's random states") from None
+            self._epoch_start = drawn_from
+        try:
+            it = iter(self.iterable)
+            first = next(it, _END)
+        finally:
+            if now is not None:
+                torch.set_rng_state(now)
+        self._it = it if first is _END else itertools.chain([first], it)
 
     def __iter__(self):
         return (self._convert(b) for b in self.iterable)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "processes": self.processes}
+        start = self._epoch_start
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "processes": self.processes,
+            **({"epoch_start": start} if start is not None else {}),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Generic iterables cannot seek: skip forward to the saved position (slower, same data). How
@@ -81,7 +120,11 @@ class IterableBatches:
             if type(value) is not int or value < 0:  # (a checkpoint may come from elsewhere)
                 raise TypeError(f"{name} {value!r} is not a whole number >= 0")
         check_skip_forward(position)
-        self.epoch, self._it = epoch, iter(self.iterable)
+        start = state.get("epoch_start")
+        if start is not None and not (isinstance(start, dict) and all(isinstance(v, str) for v in start.values())):
+            raise TypeError(f"epoch_start {str(start)[:60]!r} is not a mapping of random states")
+        self.epoch = epoch
+        self._start_epoch(drawn_from=start)
         for taken in range(position):
             if next(self._it, None) is None:
                 raise ValueError(
@@ -89,6 +132,22 @@ class IterableBatches:
                     f"DataLoader ({taken:,} batches); resume with the data the run was saved with"
                 )
         self.position = position
+
+
+_END = object()  # an iterable with no batch
+
+
+def _encoded(state: torch.Tensor) -> str:
+    """A random state (a uint8 tensor) as text, for train_state.json."""
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def _decoded(text: str) -> torch.Tensor:
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except ValueError:
+        raise TypeError("epoch_start holds a random state that is not base64") from None
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 def _rows(batch) -> int | None:
