@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from llm_trainer.checkpoint.model_folder import save_model_folder  # noqa: E402
-from llm_trainer.config import ModelConfig  # noqa: E402
+from llm_trainer.config import DataConfig, ModelConfig  # noqa: E402
 from llm_trainer.errors import UsageError  # noqa: E402
 from llm_trainer.hf.interop import export_to_hf, import_from_hf  # noqa: E402
 from llm_trainer.model import Transformer  # noqa: E402
@@ -361,3 +361,29 @@ def test_greedy_generation_matches_transformers(tmp_path, architecture):
         expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False)
     new = generate(model, prompt[0].tolist(), max_new_tokens=10, temperature=0.0)
     assert list(new) == expected[0, prompt.shape[1] :].tolist()
+
+
+def test_the_model_card_says_how_text_was_cleaned_and_its_code_cleans_a_prompt_as_generate_does(tmp_path, capsys):
+    """An exported model is used without llm-trainer: its card says how the training text's characters
+    were cleaned, and the card's Python does to a messy prompt (CRLF, a control character, NFD accents)
+    what `generate` does to it, so transformers reads the same tokens."""
+    import re
+
+    from conftest import write_tiny_experiment
+    from llm_trainer import cli
+    from llm_trainer.data.text.clean import Cleaner
+
+    assert cli.main(["train", "--config", str(write_tiny_experiment(tmp_path))]) == 0
+    assert cli.main(["export", "--checkpoint", str(tmp_path / "run"), "--output", str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert "cleaned before it was tokenized: line ends as `\\n`" in card and "Unicode in NFC" in card
+    code = re.search(r"## Input text.*?```python\n(.*?)```", card, re.S).group(1)
+    prompt = "the cat\r\nsat\x07 on the cafe\u0301\rmat"
+    namespace = {"text": prompt}
+    exec(code, namespace)
+    assert (
+        namespace["text"]
+        == Cleaner(DataConfig(data_files="x")).characters(prompt)
+        == "the cat\nsat on the caf\u00e9\nmat"
+    )

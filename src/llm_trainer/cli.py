@@ -297,11 +297,12 @@ def _export_hf(path: Path, args, export_to_hf) -> int:
 
     # The model as load_for_inference gives it (checksums verified, an FSDP checkpoint's shards gathered),
     # written as a model folder for export_to_hf; the tokenizer file is the checkpoint's own, checked there.
-    model, _, _ = load_for_inference(path)
+    model, _, experiment = load_for_inference(path)
     import tempfile
 
     from .checkpoint.model_folder import save_model_folder
     from .checkpoint.publish import check_remote_target, check_target, publish_remote
+    from .data.text.clean import cleaner_of_run
     from .files import buckets
 
     target = buckets.Location(args.output)
@@ -311,7 +312,13 @@ def _export_hf(path: Path, args, export_to_hf) -> int:
         check_target(Path(args.output), path, args.overwrite)  # against the checkpoint, not the temporary folder
     with tempfile.TemporaryDirectory(prefix="export-") as folder, target.staged("export") as written:
         save_model_folder(model, folder)
-        out = export_to_hf(Path(folder), written, tokenizer_file=path / "tokenizer.json", overwrite=args.overwrite)
+        out = export_to_hf(
+            Path(folder),
+            written,
+            tokenizer_file=path / "tokenizer.json",
+            overwrite=args.overwrite,
+            text_cleaning=cleaner_of_run(experiment).described(),
+        )
         if target.url:
             publish_remote(Path(out), target.url, marker="config.json")
             out = target.url

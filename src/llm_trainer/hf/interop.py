@@ -372,8 +372,16 @@ def _format_count(n: int) -> str:
 
 
 def _model_card(
-    name: str, config: ModelConfig, hf_class: str, n_params: int, metrics: dict | None, has_tokenizer: bool
+    name: str,
+    config: ModelConfig,
+    hf_class: str,
+    n_params: int,
+    metrics: dict | None,
+    has_tokenizer: bool,
+    text_cleaning: list[str] | None = None,
 ) -> str:
+    """The export's README.md. `text_cleaning`: how the run cleaned characters before tokenizing (in words,
+    then Python lines: `Cleaner.described`), which text given to the model should get too."""
     family = "GPT-2" if config.architecture == "gpt2" else "LLaMA"
     lines = [
         "---",
@@ -400,9 +408,23 @@ def _model_card(
             'inputs = tokenizer("Once upon a time", return_tensors="pt")',
             "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=40)[0]))",
         ]
+    lines += ["```", ""]
+    if text_cleaning and has_tokenizer:
+        words, *code = text_cleaning
+        lines += [
+            "## Input text",
+            "",
+            f"The training text was cleaned before it was tokenized: {words}. Clean a prompt the same way for",
+            "the tokens the model was trained on:",
+            "",
+            "```python",
+            "import re, unicodedata",
+            "",
+            *code,
+            "```",
+            "",
+        ]
     lines += [
-        "```",
-        "",
         "## Model",
         "",
         f"- architecture: {config.architecture} (`{hf_class}`)",
@@ -446,6 +468,7 @@ def export_to_hf(
     metrics: dict | None = None,
     max_shard_size_bytes: int = 5 * 2**30,
     overwrite: bool = False,
+    text_cleaning: list[str] | None = None,
 ) -> Path:
     """Write our model folder as a transformers GPT-2/LLaMA folder; returns `output_dir`.
 
@@ -469,6 +492,7 @@ def export_to_hf(
         max_shard_size_bytes=max_shard_size_bytes,
         overwrite=overwrite,
         source=model_dir,
+        text_cleaning=text_cleaning,
     )
 
 
@@ -483,10 +507,12 @@ def export_model(
     source: Path | None = None,
     tokenizer_name: str = "the tokenizer",
     overwrite_hint: str = "pass --overwrite",
+    text_cleaning: list[str] | None = None,
 ) -> Path:
     """Write a model in memory (and its `tokenizers.Tokenizer`, if given) as the folder `export_to_hf`
     writes, through the same `checkpoint.publish` rules; `model.save_pretrained` is this. `source`: the
-    folder the model was read from, which the output may not hold; the names are for messages."""
+    folder the model was read from, which the output may not hold; the names are for messages.
+    `text_cleaning`: the run's character cleaning, said in the model card (`_model_card`)."""
     tf = _transformers()
     output_dir = Path(output_dir)
     config = model.config
@@ -516,7 +542,13 @@ def export_model(
         for weights in tmp.glob("*.safetensors"):
             with_default_mode(weights)
         card = _model_card(
-            output_dir.name, config, model_class.__name__, hf_model.num_parameters(), metrics, tokenizer is not None
+            output_dir.name,
+            config,
+            model_class.__name__,
+            hf_model.num_parameters(),
+            metrics,
+            tokenizer is not None,
+            text_cleaning,
         )
         (tmp / "README.md").write_text(card)
 

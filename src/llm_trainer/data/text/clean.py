@@ -99,6 +99,19 @@ class Cleaner:
             text = _CONTROL.sub("", text)
         return self._normalized(text)
 
+    def described(self) -> list[str]:
+        """What `characters` does, in words and as Python: for a model card, so text given to an exported
+        model outside llm-trainer is read as the training text was."""
+        words = ["line ends as `\\n` (CRLF and CR replaced)"]
+        code = ['text = text.replace("\\r\\n", "\\n").replace("\\r", "\\n")']
+        if self.control:
+            words.append("control characters removed (but tab and newline)")
+            code.append(f'text = re.sub(r"{_CONTROL.pattern}", "", text)')
+        if self.normalization:
+            words.append(f"Unicode in {self.normalization}")
+            code.append(f'text = unicodedata.normalize("{self.normalization}", text)')
+        return [", ".join(words), *code]
+
     def _normalized(self, text: str) -> str:
         if self.normalization and not text.isascii() and not unicodedata.is_normalized(self.normalization, text):
             return unicodedata.normalize(self.normalization, text)
