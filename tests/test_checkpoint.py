@@ -1211,6 +1211,17 @@ def test_a_reader_whose_checkpoint_was_removed_before_it_took_hold_takes_the_new
             pass
 
 
+def test_no_usable_checkpoint_says_how_to_start_anew(tmp_path):
+    model, optimizer = tiny_parts(0)
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        (save(root, step, model, optimizer) / WEIGHTS_NAME).write_bytes(b"x")
+    with pytest.raises(
+        CheckpointError, match=r"every one is corrupt .*; to start the run anew there, pass --overwrite"
+    ):
+        resolve_checkpoint("latest", root)
+
+
 def test_meta_json_records_the_kind_and_a_resume_reads_what_it_names(tmp_path):
     model, optimizer = tiny_parts(0)
     folder = save(tmp_path, 1, model, optimizer)

@@ -88,7 +88,8 @@ def latest_checkpoint(root: Path) -> Path | None:
         warn(f"skipping checkpoint {path}: {problem}; trying the previous one")
     if candidates:
         raise CheckpointError(
-            f"no usable checkpoint in {root}: every one is corrupt or incomplete (see the warnings above)"
+            f"no usable checkpoint in {root}: every one is corrupt or incomplete (see the warnings above); to "
+            "start the run anew there, pass --overwrite instead of resume_from_checkpoint (or choose another output_dir)"
         )
     return None
 
