@@ -303,9 +303,9 @@ class BatchLoader:
                 "data order (and random streams); a run of another seed starts anew (model.init_from=<checkpoint>)"
             )
         self._drop_ahead()
-        self.epoch, self.position, self.seed, self._order = state["epoch"], position, state["seed"], None
-        if getattr(self.rows, "seed", None) is not None:  # the windows' offsets follow the same seed
+        if getattr(self.rows, "seed", None) == self.seed:  # windows placed by the run's seed: by the checkpoint's
             self.rows.seed = state["seed"]
+        self.epoch, self.position, self.seed, self._order = state["epoch"], position, state["seed"], None
         self.samples, self.skip = samples, merged_ranges([(a, b) for a, b in skip])
 
     def next_batch(self) -> tuple[torch.Tensor, ...]:
