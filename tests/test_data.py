@@ -1058,3 +1058,29 @@ def test_damaged_prepared_data_is_refused_in_one_line_rather_than_trained_on_in_
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     shutil.rmtree(folder)
     assert cli.main(["train", "--config", str(config)]) == 0
+
+
+def test_a_data_folder_that_holds_the_tool_s_own_output_reads_the_data_alone(tmp_path, monkeypatch):
+    """`data_files: [.]` in a project folder that also receives the prepared-data cache and the runs:
+    neither is read as data (a run's metrics.jsonl as text, the cache's files in the fingerprint), so
+    every prepare reuses one folder and a second run trains on the same data as the first."""
+    import yaml
+
+    from conftest import write_corpus
+    from llm_trainer import cli
+
+    write_corpus(tmp_path)  # the documents, in the project folder itself
+    monkeypatch.chdir(tmp_path)
+    config = {
+        "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 24},
+        "training": {"batch_size": 4, "max_steps": 2, "eval_steps": 0, "save_steps": 0, "device": "cpu"},
+        "data": {"data_files": ["."], "tokenizer": "char", "validation_split": 0.2},
+    }
+    config["training"].update(output_dir="runs/a", progress_bar=False, report_to=["jsonl"])
+    Path("exp.yaml").write_text(yaml.safe_dump(config))
+    assert cli.main(["train", "--config", "exp.yaml"]) == 0
+    assert cli.main(["train", "--config", "exp.yaml", "training.output_dir=runs/b"]) == 0
+    assert cli.main(["prepare", "--config", "exp.yaml"]) == 0
+    assert len(list(Path("data_cache").iterdir())) == 1
+    first, second = (json.loads(Path(f"runs/{r}/metrics.jsonl").read_text().splitlines()[0]) for r in "ab")
+    assert first["loss"] == second["loss"]

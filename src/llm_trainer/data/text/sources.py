@@ -189,6 +189,29 @@ def _hidden(relative: str) -> bool:
     return any(part.startswith(".") for part in relative.split("/"))
 
 
+def tool_folders(config: DataConfig) -> tuple[Path, ...]:
+    """The folders this tool writes its data into (the prepared-data cache, the stream cache): never
+    data, though a folder or glob of data holds them (`data_files: [.]`)."""
+    return tuple(Path(folder).resolve() for folder in (config.local_cache_dir, config.stream_cache_dir))
+
+
+def _tools_output(path: Path, base: Path, ours: tuple[Path, ...], memo: dict[Path, bool]) -> bool:
+    """Whether a file a folder or glob found is this tool's own output, never data: under one of `ours`
+    (`tool_folders`), or in a training run's output folder (its metrics.jsonl beside its config.yaml)
+    at or below `base`, where the walk began."""
+    resolved = path.resolve()
+    if any(folder == resolved or folder in resolved.parents for folder in ours):
+        return True
+    for folder in path.parents:
+        if folder not in memo:
+            memo[folder] = (folder / "metrics.jsonl").is_file() and (folder / "config.yaml").is_file()
+        if memo[folder]:
+            return True
+        if folder == base:
+            break
+    return False
+
+
 def _selected(relative: str, include, exclude) -> bool:
     """include/exclude globs against a path relative to its folder ("*" spans folders) or its file name."""
 
@@ -212,14 +235,22 @@ class InputFile(NamedTuple):
 
 
 def resolve_files(
-    specs, include=None, exclude=None, bad: BadInput | None = None, cache: Path | None = None
+    specs,
+    include=None,
+    exclude=None,
+    bad: BadInput | None = None,
+    cache: Path | None = None,
+    ours: tuple[Path, ...] = (),
 ) -> list[InputFile]:
     """Expand files, folders and globs into InputFiles, sorted within each spec.
 
     include/exclude filter the files found in folders and globs; a file named explicitly is always read.
-    A spec that is a URL is listed in its store and each file is downloaded into the local `cache`.
+    Folders and globs leave out this tool's own output (`_tools_output`: `ours`, `tool_folders`, and
+    training runs' folders). A spec that is a URL is listed in its store and each file is downloaded
+    into the local `cache`.
     """
     bad = bad or BadInput("error", SourceStats())
+    memo: dict[Path, bool] = {}
     if isinstance(specs, str):
         specs = [specs]
     out: list[InputFile] = []
@@ -237,7 +268,11 @@ def resolve_files(
         if looks_like_glob(spec) and not path.exists():  # a path that exists is literal: `data[1].txt`
             base = _glob_base(expanded)
             matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True) if Path(p).is_file())
-            chosen = [p for p in matches if _selected(_relative(p, base), include, exclude)]
+            chosen = [
+                p
+                for p in matches
+                if _selected(_relative(p, base), include, exclude) and not _tools_output(p, base, ours, memo)
+            ]
             if not chosen:
                 brackets = " (in a pattern, [ and ] match one character of a set: write [[] for a [ in a name)"
                 bad(
@@ -248,7 +283,12 @@ def resolve_files(
             out += [InputFile(p, False) for p in chosen]
         elif path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path).as_posix()))
-            chosen = [p for p in found if _selected(p.relative_to(path).as_posix(), include, exclude)]
+            chosen = [
+                p
+                for p in found
+                if _selected(p.relative_to(path).as_posix(), include, exclude)
+                and not _tools_output(p, path, ours, memo)
+            ]
             if not chosen:
                 bad(
                     "empty_folders", f"data folder {path} has no files" + (" matching include/exclude" if found else "")
@@ -298,6 +338,7 @@ class _ReadOptions:
     split_chars: int | None = None  # plain-text files longer than this become several documents
     split_words: int | None = None  # ... and so do pieces with more words than this
     cache: Path | None = None  # where files read from URLs are copied (data.stream_cache_dir)
+    tool_folders: tuple[Path, ...] = ()  # never read as data (`tool_folders`)
 
 
 def read_text_file(
@@ -529,7 +570,9 @@ def _string_type(kind) -> bool:
 
 
 def _iter_files(spec: SourceConfig, stats: SourceStats, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
-    for path, explicit, url in resolve_files(spec.data_files, spec.include, spec.exclude, opt.bad, opt.cache):
+    for path, explicit, url in resolve_files(
+        spec.data_files, spec.include, spec.exclude, opt.bad, opt.cache, opt.tool_folders
+    ):
         yield from _read_file(path, explicit, stats, opt, url)
 
 
@@ -722,6 +765,7 @@ def read_options(config: DataConfig, stats: SourceStats) -> _ReadOptions:
         split_chars=None if limits.max_chars is None else max(1, int(limits.max_chars * SPLIT_SHARE)),
         split_words=None if limits.max_words is None else max(1, int(limits.max_words * SPLIT_SHARE)),
         cache=Path(config.stream_cache_dir),
+        tool_folders=tool_folders(config),
     )
 
 
@@ -796,7 +840,9 @@ def file_units(config: DataConfig, stats: SourceStats) -> list[FileUnit]:
         if spec.dataset_name == BUILTIN_STDLIB:
             units += [FileUnit(index, str(p), False, True, p.stat().st_size) for p in stdlib_files()]
         if spec.data_files is not None:
-            files = resolve_files(spec.data_files, spec.include, spec.exclude, bad, Path(config.stream_cache_dir))
+            files = resolve_files(
+                spec.data_files, spec.include, spec.exclude, bad, Path(config.stream_cache_dir), tool_folders(config)
+            )
             for path, explicit, url in files:
                 units.append(FileUnit(index, str(path), explicit, False, path.stat().st_size, url))
     return units
@@ -847,7 +893,7 @@ def source_fingerprint(config: DataConfig) -> list:
                         [url, *identity(info)] for url, info, _ in _remote_files(one, spec.include, spec.exclude, quiet)
                     ]
                     continue
-                for path, _, _ in resolve_files(one, spec.include, spec.exclude, quiet):
+                for path, _, _ in resolve_files(one, spec.include, spec.exclude, quiet, ours=tool_folders(config)):
                     stat = path.stat()
                     items.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
     return items
