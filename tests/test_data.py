@@ -1084,3 +1084,23 @@ def test_a_data_folder_that_holds_the_tool_s_own_output_reads_the_data_alone(tmp
     assert len(list(Path("data_cache").iterdir())) == 1
     first, second = (json.loads(Path(f"runs/{r}/metrics.jsonl").read_text().splitlines()[0]) for r in "ab")
     assert first["loss"] == second["loss"]
+
+
+def test_a_source_of_a_mixture_too_small_to_hold_out_validation_is_named(tmp_path, capsys):
+    """validation_split 0.1 takes one document in ten of each source: a source of five holds none out and
+    has no validation loss of its own, which the prepare says, naming it."""
+    from llm_trainer.data.prepare import prepare_data
+
+    big, small = tmp_path / "big", tmp_path / "small"
+    for folder, n in ((big, 30), (small, 5)):
+        folder.mkdir()
+        for i in range(n):
+            (folder / f"d{i}.txt").write_text(f"document {i} of {folder.name}: " + "words and more words " * 5)
+    sources = [{"name": "big", "data_files": str(big)}, {"name": "small", "data_files": str(small)}]
+    config = DataConfig(sources=sources, tokenizer="char", validation_split=0.1, cache_dir=str(tmp_path / "c"))
+    prepare_data(config)
+    warned = [line for line in capsys.readouterr().err.splitlines() if "too few documents" in line]
+    assert warned == [
+        "warning: data: small (5 documents): too few documents for validation_split 0.1 to hold any out, so no "
+        "validation loss of their own; raise validation_split, or give them more documents"
+    ]

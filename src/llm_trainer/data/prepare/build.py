@@ -35,7 +35,7 @@ import numpy as np
 from ...config import DataConfig
 from ...errors import UsageError
 from ...files.atomic import move_into_place
-from ...logs import log
+from ...logs import log, warn
 from ...tokenizer import Tokenizer
 from ..format import FORMAT_VERSION, MANIFEST, PreparedData
 from ..text.dedup import Deduplicator
@@ -296,6 +296,8 @@ class Build:
         if splits["train"]["tokens"] == 0:
             raise UsageError(nothing_kept(counts))
         writer.finalize(self.work)
+        if split_by == "documents" and len(self.source_names) > 1:
+            self._note_sources_without_validation()
         seconds = self._elapsed()
         padding = None
         if self.config.max_length:
@@ -463,6 +465,23 @@ class Build:
             f"{fraction:.0%} of each document's tokens"
         )
         return "tokens"
+
+    def _note_sources_without_validation(self) -> None:
+        """A source of a mixture with fewer documents than a fraction's one in 1/f holds none out: it has
+        no validation loss of its own. Said, by name."""
+        held = {
+            split: np.bincount(np.load(self.work / f"{split}.sources.npy"), minlength=len(self.source_names))
+            for split in SPLITS
+        }
+        missing = [
+            f"{name} ({held['train'][i]:,} documents)" for i, name in enumerate(self.source_names) if not held["val"][i]
+        ]
+        if missing:
+            warn(
+                f"data: {', '.join(missing)}: too few documents for validation_split "
+                f"{self.config.validation_split:g} to hold any out, so no validation loss of their own; raise "
+                "validation_split, or give them more documents"
+            )
 
     def _split_by_tokens(self, tokenizer, dtype, writer, state, counts) -> dict:
         """Each document's first 1-f of its tokens train, the rest validate (the documents are read again)."""
