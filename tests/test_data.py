@@ -1104,3 +1104,24 @@ def test_a_source_of_a_mixture_too_small_to_hold_out_validation_is_named(tmp_pat
         "warning: data: small (5 documents): too few documents for validation_split 0.1 to hold any out, so no "
         "validation loss of their own; raise validation_split, or give them more documents"
     ]
+
+
+def test_a_named_json_file_is_read_as_json_lines_and_one_json_document_is_refused(tmp_path):
+    """Many corpora name JSON Lines `*.json`: named in data_files it reads as the same records as a
+    `.jsonl` (the same token files), not as raw JSON text; a JSON array is refused in one line that says
+    how to convert it. In a folder a `.json` is left out (metadata such as dataset_info.json)."""
+    from llm_trainer.data.prepare import prepare_data
+
+    records = "".join(json.dumps({"text": f"record {i}: " + "some words here " * 4}) + "\n" for i in range(20))
+    (tmp_path / "a.json").write_text(records)
+    (tmp_path / "a.jsonl").write_text(records)
+    (tmp_path / "arr.json").write_text(json.dumps([{"text": "one"}, {"text": "two"}], indent=1))
+    folders = []
+    for name in ("a.json", "a.jsonl"):
+        config = DataConfig(data_files=[str(tmp_path / name)], tokenizer="char", cache_dir=str(tmp_path / name[2:]))
+        folders.append(prepare_data(config).directory)
+    assert (folders[0] / "train.bin").read_bytes() == (folders[1] / "train.bin").read_bytes()
+    with pytest.raises(UsageError, match=r"arr.json is one JSON document .* jq -c '\.\[\]' arr.json > arr.jsonl"):
+        prepare_data(
+            DataConfig(data_files=[str(tmp_path / "arr.json")], tokenizer="char", cache_dir=str(tmp_path / "c"))
+        )

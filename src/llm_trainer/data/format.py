@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import UsageError
 from ..tokenizer import Tokenizer
 
-# 8: a mark or joiner after a symbol or digit is no letter to the quality filters
+# 8: a mark or joiner after a symbol or digit is no letter to the quality filters; a named .json is JSON Lines
 # 7: cleaning ends normalised and strips every Unicode space; near-dedup and word lengths read every script alike
 # 6: an executor's tasks tokenize the cleaned text (folders an executor wrote from raw text are not reused)
 # 5: a fraction split takes each source's own fraction of its documents

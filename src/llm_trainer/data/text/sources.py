@@ -460,6 +460,14 @@ def _read_jsonl(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple
             )
 
 
+def _one_json_document(path: Path) -> str:
+    """What is said of a file that is one JSON document (an array of records, or one over many lines)."""
+    return (
+        f"{path} is one JSON document (an array, or an object over several lines), not JSON Lines (one record "
+        f"per line); convert it: jq -c '.[]' {path.name} > {path.stem}.jsonl"
+    )
+
+
 def _jsonl_record(path: Path, line_no: int, line: bytes, opt: _ReadOptions) -> tuple[str, float | None] | None:
     if line_no == 1:
         line = line.removeprefix(UTF8_BOM)  # as a text file's: a BOM is no part of the first record
@@ -482,7 +490,13 @@ def _jsonl_record(path: Path, line_no: int, line: bytes, opt: _ReadOptions) -> t
         record = json.loads(decoded)
     except (json.JSONDecodeError, RecursionError) as exc:
         deep = isinstance(exc, RecursionError)
+        if line_no == 1 and not deep and decoded.lstrip().startswith(("[", "{")):
+            opt.bad("bad_json_lines", _one_json_document(path))
+            return None
         opt.bad("bad_json_lines", f"{path}:{line_no} is " + ("nested too deep" if deep else "not valid JSON"))
+        return None
+    if line_no == 1 and isinstance(record, list):
+        opt.bad("bad_json_lines", _one_json_document(path))
         return None
     if not isinstance(record, dict) or opt.text_column not in record:
         opt.bad("missing_column", f"{path}:{line_no} has no {opt.text_column!r} field; set data.text_column")
@@ -597,7 +611,7 @@ def _file_records(
     path: Path, explicit: bool, stats: SourceStats, opt: _ReadOptions
 ) -> Iterator[tuple[str, float | None, str]]:
     name = path.name.lower()
-    if name.endswith(JSONL_SUFFIXES):
+    if name.endswith(JSONL_SUFFIXES) or (explicit and name.endswith(".json")):  # in a folder: metadata, often
         yield from _read_jsonl(path, explicit, opt)
     elif name.endswith(".parquet"):
         yield from _read_parquet(path, explicit, opt)
@@ -609,6 +623,8 @@ def _file_records(
 
 def unsupported_reason(path: Path) -> str:
     """Why a file found in a folder or a glob is not read: the extension rule, in the report's words."""
+    if path.name.lower().endswith(".json"):
+        return "a .json file in a folder is often metadata (dataset_info.json); name it in data.data_files to read its JSON Lines"
     return (
         f"extension {path.suffix!r} is not a text, JSONL or Parquet one; name the file in data.data_files "
         "to read it as text"
