@@ -1125,3 +1125,12 @@ def test_a_named_json_file_is_read_as_json_lines_and_one_json_document_is_refuse
         prepare_data(
             DataConfig(data_files=[str(tmp_path / "arr.json")], tokenizer="char", cache_dir=str(tmp_path / "c"))
         )
+
+
+def test_a_dataset_name_written_as_a_path_that_is_not_there_is_not_called_a_hub_name(tmp_path, monkeypatch):
+    from llm_trainer.data.prepare import prepare_data
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("./nothere", str(tmp_path / "nothere")):
+        with pytest.raises(UsageError, match=r"names a local dataset folder, and there is none there; fix the path"):
+            prepare_data(DataConfig(dataset_name=name, tokenizer="char", cache_dir=str(tmp_path / "c")))

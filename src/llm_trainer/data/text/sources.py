@@ -716,6 +716,11 @@ def _iter_hf_dataset(spec: SourceConfig, split: str, opt: _ReadOptions) -> Itera
             f"dataset {spec.dataset_name!r} needs the datasets package: pip install 'llm-trainer[hf]'"
         ) from None
     name = spec.dataset_name
+    if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():  # a path, not a Hub name
+        raise UsageError(
+            f"data.dataset_name {name!r} names a local dataset folder, and there is none there; "
+            "fix the path (a folder that datasets' save_to_disk wrote)"
+        )
     try:
         if Path(name).is_dir() and any((Path(name) / f).is_file() for f in ("dataset_info.json", "dataset_dict.json")):
             loaded = datasets.load_from_disk(name)
