@@ -68,6 +68,25 @@ def test_status_skips_a_line_being_written_and_an_incomplete_checkpoint(finished
     assert "skipped checkpoint-00000006" in format_status(status)
 
 
+def test_status_without_latest_names_the_newest_checkpoint_and_passes_over_odd_rows(finished_run, tmp_path, capsys):
+    """No `latest` pointer: the checkpoint shown is the newest whole one, the one a resume takes; an eval
+    row whose val_loss is no number and a line of bytes that are not UTF-8 are passed over, by status,
+    plot and the registry alike."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns(".lock"))
+    (run / "checkpoints" / "latest").unlink()
+    with open(run / "metrics.jsonl", "ab") as handle:
+        handle.write(b'{"kind": "eval", "step": 7, "val_loss": "3.0"}\n\xff\xfe garbage {\n')
+    status = run_status(str(run))
+    assert status["checkpoint"]["name"] == "checkpoint-00000006"
+    assert status["last_eval"]["step"] == 6
+    capsys.readouterr()
+    assert cli.main(["status", str(run)]) == 0
+    assert cli.main(["plot", str(run), "--output", str(tmp_path / "plots")]) == 0
+    assert cli.main(["registry", "add", str(run), "--name", "m", "--db", str(tmp_path / "r.db")]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_status_of_a_folder_without_a_run_is_one_line_exit_2(tmp_path, capsys):
     assert cli.main(["status", str(tmp_path / "nowhere")]) == 2
     assert cli.main(["status", str(tmp_path)]) == 2

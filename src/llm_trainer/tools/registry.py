@@ -40,7 +40,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import UsageError
-from ..train.rows import read_rows, row_kind
+from ..train.rows import read_rows_of, row_kind
 
 STAGES = ("none", "staging", "production", "archived")
 DEFAULT_DB = Path("~/.llm_trainer/registry.db")
@@ -124,7 +124,7 @@ def _final_metrics(run_dir: Path) -> dict:
     if not file.is_file():
         return {}
     end, last_eval = None, None
-    for row in read_rows(file.read_text(encoding="utf-8")):
+    for row in read_rows_of(file):
         kind = row_kind(row)
         if kind == "summary":
             end = row

@@ -26,7 +26,8 @@ from typing import Any
 
 import yaml
 
-from ..checkpoint.layout import CHECKPOINTS_DIR, LATEST, META, TRAIN_STATE, list_checkpoints
+from ..checkpoint.find import newest_first
+from ..checkpoint.layout import CHECKPOINTS_DIR, LATEST, META, TRAIN_STATE
 from ..config import TrainingConfig
 from ..config_loader import yaml_load
 from ..errors import UsageError
@@ -119,7 +120,7 @@ def _checkpoint(files: RunFiles) -> dict | None:
     named = (files.text(LATEST) or "").strip()
     candidates = [named] if named and "/" not in named and named not in (".", "..") else []
     if not files.in_store:
-        candidates += [p.name for p in reversed(list_checkpoints(Path(files.where)))]
+        candidates += [p.name for p in newest_first(Path(files.where), named or None)]
     skipped = []
     for name in dict.fromkeys(candidates):
         meta, problem = _complete(files, name)
@@ -187,7 +188,7 @@ def run_status(run: str) -> dict:
     if text is None and checkpoint is None and not config:
         raise UsageError(f"{run} holds no run (no metrics.jsonl, config.yaml or checkpoints); pass a run's output_dir")
     train = [r for r in rows if r.get("kind") == "train"]
-    evals = [r for r in rows if r.get("kind") == "eval"]
+    evals = [r for r in rows if r.get("kind") == "eval" and _number(r.get("val_loss")) is not None]
     alerts = [r for r in rows if r.get("kind") == "alert"]
     last_row = rows[-1] if rows else None
     summary = last_row if last_row is not None and last_row.get("kind") == "summary" else None

@@ -29,7 +29,7 @@ from ..files.atomic import write_bytes
 from ..files.disk import writable_folder
 from ..logs import log, warn
 from .callbacks import Callback
-from .rows import read_rows, row_kind
+from .rows import read_rows_of, row_kind
 
 FIGURES = ("loss", "perplexity", "lr")
 PLOTS_AT_END = "LLM_TRAINER_PLOTS"  # "0": a finished run draws no plots
@@ -69,7 +69,7 @@ def read_run(run_dir: str | Path, label: str | None = None) -> RunSeries:
     if not file.is_file():
         raise UsageError(f"{path} has no metrics.jsonl: it holds no run; pass a run's training.output_dir")
     series = RunSeries(label or (path.parent.name if path.is_file() else path.resolve().name))
-    for row in read_rows(file.read_text(encoding="utf-8")):
+    for row in read_rows_of(file):
         if not isinstance(row.get("step"), int):
             continue
         kind = row_kind(row)

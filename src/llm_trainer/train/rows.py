@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from ..errors import UsageError
@@ -161,3 +162,11 @@ def read_rows(text: str) -> list[dict]:
         if isinstance(row, dict):
             rows.append(row)
     return rows
+
+
+def read_rows_of(path: Path) -> list[dict]:
+    """`read_rows` of the metrics.jsonl at `path` ([] when there is none); bytes that are not UTF-8 (a
+    line some other writer damaged) read as replacement characters, and their line is passed over."""
+    if not path.is_file():
+        return []
+    return read_rows(path.read_bytes().decode("utf-8", errors="replace"))

@@ -58,7 +58,7 @@ from .output_folder import (
 )
 from .plots import PlotsAtEnd
 from .profiling import StepProfiler, out_of_memory
-from .rows import EvalRow, SummaryRow, TrainRow, downstream_row, read_rows
+from .rows import EvalRow, SummaryRow, TrainRow, downstream_row, read_rows_of
 from .run_lock import lock_run_folders
 from .speed import PhaseTimer, SpeedMonitor
 from .spikes import SpikeMonitor, check_rewindable, rewind
@@ -224,8 +224,7 @@ class Trainer:
         eval/perplexity, custom/...), each a list of (step, value); other trainers' names (val_loss,
         learning_rate) are read as ours. Read from the run's metrics.jsonl, so a resumed run's earlier
         steps are in it too; only the main process writes that file (the others get no series)."""
-        path = self.output_dir / METRICS_FILE
-        return logged_series(read_rows(path.read_text(encoding="utf-8") if path.is_file() else ""))
+        return logged_series(read_rows_of(self.output_dir / METRICS_FILE))
 
     @property
     def loggers(self) -> list:
