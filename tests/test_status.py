@@ -85,6 +85,10 @@ def test_status_without_latest_names_the_newest_checkpoint_and_passes_over_odd_r
     assert cli.main(["plot", str(run), "--output", str(tmp_path / "plots")]) == 0
     assert cli.main(["registry", "add", str(run), "--name", "m", "--db", str(tmp_path / "r.db")]) == 0
     assert "Traceback" not in capsys.readouterr().err
+    (run / "metrics.jsonl").write_text("")  # no rows: no blank figures
+    assert cli.main(["plot", str(run), "--output", str(tmp_path / "none")]) == 2
+    assert "holds no training or evaluation rows yet" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
 
 
 def test_status_of_a_folder_without_a_run_is_one_line_exit_2(tmp_path, capsys):

@@ -181,6 +181,11 @@ def plot_runs(
             )
             return {}
         runs = [read_run(d, labels[i] if labels else None) for i, d in enumerate(run_dirs)]
+        empty = [str(d) for d, run in zip(run_dirs, runs) if not run.train and not run.eval]
+        if empty:  # no figure to draw but blank axes
+            raise UsageError(
+                f"{', '.join(empty)}: metrics.jsonl holds no training or evaluation rows yet; nothing to plot"
+            )
         _disambiguate(runs, run_dirs)
         figures = make_figures(runs)  # before the folder: a run that cannot be plotted leaves no empty plots/
         out = writable_folder(Path(output_dir), "the plot folder (--output)")
