@@ -596,6 +596,11 @@ def test_a_version_whose_model_folder_changed_says_so(trained_run, tmp_path, cap
     db = tmp_path / "registry.db"
     version = SQLiteRegistry(db).add(run, "tiny")
     assert version.model_fingerprint and "changed" not in format_table([version])
+    # the loss shown is that of the weights registered: best_model's own evaluation, not the run's last
+    best_loss = json.loads((run / "checkpoints" / "best_model" / "meta.json").read_text())["metrics"]["val_loss"]
+    assert version.model_path.endswith("best_model") and f" {best_loss:.4f} " in format_table([version])
+    version.metrics["val_loss"] = best_loss + 1  # (the run's last evaluation, were it another)
+    assert f" {best_loss:.4f} " in format_table([version])
     best, newest = run / "checkpoints" / "best_model", sorted((run / "checkpoints").glob("checkpoint-*"))[0]
     shutil.rmtree(best)
     shutil.copytree(newest, best)  # other weights where the registered ones were

@@ -572,17 +572,30 @@ def open_registry(spec: str | Path | None = None):
     return SQLiteRegistry(Path(spec).expanduser())
 
 
+def _model_loss(version: ModelVersion) -> float | None:
+    """The validation loss of the weights the version points at: best_model's own (the evaluation that
+    chose it) where it is that folder; else the run's last evaluation, whose checkpoint it is."""
+    from ..checkpoint.layout import BEST
+
+    best = version.metrics.get("best_model")
+    if version.model_path and Path(version.model_path).name == BEST and isinstance(best, dict):
+        loss = best.get("val_loss")
+    else:
+        loss = version.metrics.get("val_loss", version.metrics.get("best_val_loss"))
+    return loss if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None
+
+
 def format_table(versions: list[ModelVersion]) -> str:
     header = ["model", "version", "stage", "val_loss", "created", "model_path"]
     rows = []
     for v in versions:
-        loss = v.metrics.get("val_loss", v.metrics.get("best_val_loss"))
+        loss = _model_loss(v)
         rows.append(
             [
                 v.name,
                 str(v.version),
                 v.stage,
-                f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
+                f"{loss:.4f}" if loss is not None else "-",
                 v.created_at.replace("+00:00", "Z"),
                 (v.model_path or "-") + (" (changed since registered)" if changed_since_registered(v) else ""),
             ]
