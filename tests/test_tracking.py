@@ -293,6 +293,29 @@ def test_mlflow_uri_resolution(tmp_path, monkeypatch):
     assert uri == f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}" and folder == tmp_path / "mlruns"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")
     assert resolve_mlflow_uri(None) == ("sqlite:///elsewhere.db", None)
+    # a file: URI is that folder (MLflow refuses its file store), unless its opt-out is set
+    assert resolve_mlflow_uri((tmp_path / "m b").as_uri()) == (
+        f"sqlite:///{tmp_path / 'm b' / 'mlflow.db'}",
+        tmp_path / "m b",
+    )
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    assert resolve_mlflow_uri((tmp_path / "m").as_uri()) == ((tmp_path / "m").as_uri(), None)
+
+
+def test_an_mlflow_file_uri_tracks_the_run(tmp_path, monkeypatch):
+    """`training.mlflow_tracking_uri: file:///...` (MLflow's own docs' form) trains and logs, where MLflow
+    itself refuses that store: the run is in the SQLite store of that folder."""
+    from mlflow.tracking import MlflowClient
+
+    from llm_trainer import cli
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    folder = tmp_path / "mlruns"
+    config = tiny_experiment(tmp_path, ["mlflow"], mlflow_tracking_uri=folder.as_uri(), max_steps=2)
+    assert cli.main(["train", "--config", str(config)]) == 0
+    client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("llm-trainer").experiment_id])
+    assert run.data.metrics["train/loss"] > 0
 
 
 def test_wandb_without_a_login_is_one_line_and_leaves_no_run_behind(tmp_path):

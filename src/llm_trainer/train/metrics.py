@@ -29,6 +29,7 @@ import re
 import time
 from pathlib import Path
 from typing import Protocol
+from urllib.parse import unquote, urlsplit
 
 import torch
 
@@ -347,10 +348,14 @@ class WandbLogger:
 
 
 def resolve_mlflow_uri(configured: str | None, create: bool = True) -> tuple[str, Path | None]:
-    """(tracking URI, local folder or None). A URI with a scheme (http://, sqlite:///, databricks, file:)
-    is used as given; a plain folder, and the default `./mlruns`, becomes `sqlite:///{folder}/mlflow.db`
-    with artifacts in `{folder}/artifacts` (MLflow's file store is deprecated)."""
+    """(tracking URI, local folder or None). A URI with a scheme (http://, sqlite:///, databricks) is used
+    as given; a plain folder, the default `./mlruns`, and a `file:` URI (which MLflow's file store, in
+    maintenance, refuses unless MLFLOW_ALLOW_FILE_STORE=true) become `sqlite:///{folder}/mlflow.db` with
+    artifacts in `{folder}/artifacts`."""
     uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or "mlruns"
+    if uri.startswith("file:") and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+        # MLflow refuses its file store unless that is set: the folder is kept as a plain folder is
+        uri = unquote(urlsplit(uri).path) or "."
     if uri == "databricks" or re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", uri):
         return uri, None
     folder = Path(uri).expanduser().resolve()
