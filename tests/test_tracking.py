@@ -403,3 +403,17 @@ def test_an_mlflow_run_ends_with_the_status_of_how_the_training_ended(tmp_path, 
     client, _ = mlflow_client(str(mlruns))
     (found,) = client.search_runs([client.get_experiment_by_name("llm-trainer").experiment_id])
     assert found.info.status == status
+
+
+def test_an_mlflow_server_where_nothing_answers_is_one_line_at_once(tmp_path, capsys):
+    """MLflow's client retries each request for minutes, silently: the connection is tried first, and
+    a refused one is one line with exit 2, before the run writes anything."""
+    from conftest import free_port
+    from llm_trainer import cli
+
+    uri = f"http://127.0.0.1:{free_port()}"
+    config = tiny_experiment(tmp_path, ["mlflow"], mlflow_tracking_uri=uri, max_steps=2)
+    assert cli.main(["train", "--config", str(config)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"error: MLflow tracking server {uri} cannot be reached (Connection refused)"), last
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import socket
 import time
 from pathlib import Path
 from typing import Protocol
@@ -364,6 +365,9 @@ def resolve_mlflow_uri(configured: str | None, create: bool = True) -> tuple[str
     return f"sqlite:///{folder / 'mlflow.db'}", folder
 
 
+MLFLOW_CONNECT_S = 5.0  # a connection to an MLflow server: one that runs answers at once
+
+
 def mlflow_client(configured: str | None):
     """An `MlflowClient` for the configured tracking URI, and the local folder (None for a remote URI)."""
     try:
@@ -371,7 +375,26 @@ def mlflow_client(configured: str | None):
     except ImportError:
         raise UsageError(f"mlflow is not installed: {INSTALL_HINT}") from None
     uri, folder = resolve_mlflow_uri(configured)
+    _check_reachable(uri)
     return MlflowClient(tracking_uri=uri, registry_uri=uri), folder
+
+
+def _check_reachable(uri: str) -> None:
+    """An MLflow server where nothing answers is one line at once: MLflow's client retries each request
+    with backoff for minutes, with no word. A connection to its host is tried once (not through a proxy
+    the environment names, whose connections are not ours to predict)."""
+    parts = urlsplit(uri)
+    proxied = any(os.environ.get(name) for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"))
+    if parts.scheme not in ("http", "https") or not parts.hostname or proxied:
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=MLFLOW_CONNECT_S).close()
+    except OSError as exc:
+        raise UsageError(
+            f"MLflow tracking server {uri} cannot be reached ({exc.strerror or type(exc).__name__}); start it, fix "
+            "training.mlflow_tracking_uri (or MLFLOW_TRACKING_URI), or leave mlflow out of training.report_to"
+        ) from None
 
 
 class MLflowLogger:
