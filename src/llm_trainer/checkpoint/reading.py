@@ -32,7 +32,7 @@ def held_checkpoint(spec: str | Path) -> Iterator[Path | None]:
     reads it; None when `spec` holds no checkpoint yet."""
     for _ in range(READ_TRIES):
         path = find_checkpoint(spec)
-        if path is None or not (path / META).exists() and path.is_dir():
+        if path is None or (path.is_dir() and not (path / META).exists()):
             yield path  # nothing yet, or a folder no rotation removes
             return
         held = _held(path / META)
