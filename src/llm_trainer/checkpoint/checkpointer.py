@@ -402,11 +402,7 @@ class Checkpointer:
         new = self.config.get("model")
         if not isinstance(old, dict) or not isinstance(new, dict):
             return
-        changed = [
-            f"model.{k}: {old.get(k)} -> {new.get(k)}"
-            for k in sorted(old.keys() | new.keys())
-            if old.get(k) != new.get(k)
-        ]
+        changed = [f"model.{k}: {old.get(k)} -> {new.get(k)}" for k in _changed_keys(old, new)]
         if changed:
             shown = ", ".join(changed[:4]) + (", ..." if len(changed) > 4 else "")
             raise UsageError(
@@ -425,7 +421,7 @@ class Checkpointer:
             return
         old, new = saved.get("data"), self.config.get("data")
         old, new = (old if isinstance(old, dict) else {}), (new if isinstance(new, dict) else {})
-        changed = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
+        changed = _changed_keys(old, new)
         what = (
             ", ".join(f"data.{key}" for key in changed[:4]) + (", ..." if len(changed) > 4 else "")
             if changed
@@ -435,6 +431,11 @@ class Checkpointer:
             f"resume: the checkpoint trained on other data ({what}); its data position names other rows here, so "
             "the run goes on over this data, not as it would have (resume with its data for an exact resume)"
         )
+
+
+def _changed_keys(old: dict, new: dict) -> list[str]:
+    """The keys of a config section whose values differ between the checkpoint's and this run's, sorted."""
+    return sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
 
 
 def _restore_rng(parts: dict[str, Any], saved: dict, rank: int) -> None:
