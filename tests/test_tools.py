@@ -8,13 +8,14 @@ import math
 import random
 import re
 import sys
+import time
 
 import numpy as np
 import pytest
 import torch
 import yaml
 
-from conftest import tiny_model_config, write_tiny_experiment
+from conftest import kill9_when, tiny_model_config, write_tiny_experiment
 from llm_trainer.cli import main
 from llm_trainer.config import ModelConfig, TrainingConfig
 from llm_trainer.errors import UsageError
@@ -212,6 +213,24 @@ def test_estimate_cli(tmp_path, capsys):
         == 0
     )
     assert json.loads(capsys.readouterr().out)["fits"] is True
+
+
+def test_estimate_takes_the_vocabulary_of_the_tokenizer_already_prepared(tmp_path, capsys):
+    """A char tokenizer's size is known once it is trained on the data: an estimate after `prepare` counts
+    that tokenizer's rows, not the 256 assumed before, and says where the size came from."""
+    config = write_tiny_experiment(tmp_path)
+    assert main(["prepare", "--config", str(config)]) == 0
+    capsys.readouterr()
+    assert main(["estimate", "--config", str(config), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    prepared = next((tmp_path / "cache").glob("*/tokenizer.json"))
+    size = len(json.loads(prepared.read_text())["model"]["vocab"])
+    assert size < 256 and report["vocab_size"] == size
+    assert report["vocab_source"] == f"the tokenizer prepared in {prepared.parent}"
+    assert (
+        report["parameters"]
+        == count_parameters(ModelConfig(d_model=16, n_heads=2, n_layers=1, max_seq_len=24, vocab_size=size)).total
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -425,6 +444,7 @@ def test_search_space_format_and_errors(tmp_path):
 @pytest.mark.slow
 def test_sweep_completes_prunes_and_resumes(tmp_path, capsys):
     optuna = pytest.importorskip("optuna")
+    from llm_trainer.tools.status import run_status
     from llm_trainer.tools.sweep import run_sweep
 
     class PruneTrialOne(optuna.pruners.BasePruner):
@@ -458,6 +478,9 @@ def test_sweep_completes_prunes_and_resumes(tmp_path, capsys):
             assert t.value == [r for r in rows if r["kind"] == "eval"][-1]["val_loss"]
     pruned_rows = (result.root / "trial-0001" / "metrics.jsonl").read_text().splitlines()
     assert all(json.loads(r)["step"] <= 2 for r in pruned_rows)  # the pruned run stopped at its first evaluation
+    assert run_status(str(result.root / "trial-0001"))["state"].startswith(
+        "stopped early: pruned by the sweep at step 2 (val_loss "
+    )  # not "interrupted", with a resume hint
     assert result.best.value == min(t.value for t in trials if t.state.name == "COMPLETE")
 
     again = run_sweep(config, space, 3)  # the same command again: nothing left to do
@@ -510,6 +533,34 @@ def test_an_interrupted_sweep_stops_and_reruns_the_interrupted_trial(tmp_path):
         run_sweep(config, space, 2, callbacks=[CtrlC()])
     resumed = run_sweep(config, space, 2)
     assert [t.state.name for t in resumed.study.trials] == ["FAIL", "COMPLETE", "COMPLETE"] and resumed.ran == 2
+
+
+@pytest.mark.slow
+def test_a_trial_whose_process_was_killed_is_marked_failed_and_run_again(tmp_path, monkeypatch):
+    """SIGKILL (the out-of-memory killer, a lost node) leaves no one to end the trial: it stops beating,
+    and the next sweep marks it failed and runs it again, instead of listing it as running for ever."""
+    optuna = pytest.importorskip("optuna")
+    from llm_trainer.tools import sweep
+
+    config = write_tiny_experiment(tmp_path, max_steps=4, eval_steps=2, logging_steps=2)
+    space = tmp_path / "space.yaml"
+    space.write_text("training.learning_rate: {type: float, low: 1e-3, high: 3e-2, log: true}\n")
+    script = (
+        "from llm_trainer.tools import sweep\n"
+        "sweep.HEARTBEAT_S, sweep.STALE_AFTER_S = 1, 2\n"
+        f"sweep.run_sweep({str(config)!r}, {str(space)!r}, 1)\n"
+    )
+    trial_metrics = tmp_path / "run" / "sweep" / "trial-0000" / "metrics.jsonl"
+    kill9_when(script, trial_metrics.exists, "its first trial's training")
+    storage = f"sqlite:///{tmp_path / 'run' / 'sweep' / 'study.db'}"
+    assert [t.state.name for t in optuna.load_study(study_name="exp", storage=storage).trials] == ["RUNNING"]
+
+    monkeypatch.setattr(sweep, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(sweep, "STALE_AFTER_S", 2)
+    time.sleep(3)
+    resumed = sweep.run_sweep(config, space, 1)
+    assert [t.state.name for t in resumed.study.trials] == ["FAIL", "COMPLETE"] and resumed.ran == 1
+    assert "error" not in resumed.study.trials[0].user_attrs  # failed by the kill: not a finished trial
 
 
 def test_sweep_rejects_unknown_keys_before_running(tmp_path):

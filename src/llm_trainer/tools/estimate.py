@@ -14,8 +14,13 @@ import math
 import torch
 
 from .. import resolve
-from ..config import ExperimentConfig, ModelConfig, TrainingConfig
+from ..config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig
+from ..data.format import PreparedData
+from ..data.prepare.build import data_fingerprint
+from ..data.prepare.run import find_prepared
+from ..data.text.sources import resolved_sources
 from ..errors import UsageError
+from ..files.buckets import Location
 from ..parallel.mesh import Layout, resolve_layout
 from ..resolve import activation_checkpointing, sequence_length
 from ..train.batch_size import auto_batch_size, measure_peak
@@ -73,7 +78,7 @@ def estimate_report(
     if vocab_size is not None:
         vocab, source = vocab_size, "--vocab-size"
     else:
-        vocab, source = resolve.vocab_size(experiment)
+        vocab, source = _vocabulary(experiment)
     try:
         model_config = dataclasses.replace(experiment.model, vocab_size=vocab).resolved()
     except ValueError as exc:  # the vocabulary makes the model larger than any real one
@@ -192,6 +197,32 @@ def estimate_report(
                 report["max_micro_batch_size"],
             )
     return report
+
+
+def _vocabulary(experiment: ExperimentConfig) -> tuple[int, str]:
+    """(the model's vocabulary size, where it came from): the tokenizer of the data already prepared for
+    this config, when model.vocab_size is unset and that folder is in a local data.cache_dir; else what the
+    settings imply (`resolve.vocab_size`). A char or BPE tokenizer's size is only known once it is trained."""
+    prepared = None if experiment.model.vocab_size is not None else _prepared_here(experiment.data)
+    if prepared is None:
+        return resolve.vocab_size(experiment)
+    size, _ = resolve.vocab_size(experiment, prepared.tokenizer)
+    return size, f"the tokenizer prepared in {prepared.directory}"
+
+
+def _prepared_here(data: DataConfig) -> PreparedData | None:
+    """The finished prepared folder of `data` in its local cache_dir, opened read-only, or None. An estimate
+    reads no store: a config whose cache or files are in one is not looked up."""
+    if data.remote_cache_dir:
+        return None
+    try:
+        sources = resolved_sources(data)
+        files = [f for s in sources for f in ([s.data_files] if isinstance(s.data_files, str) else s.data_files or [])]
+        if any(Location(f).url for f in files):
+            return None
+        return find_prepared(data.cache_dir, data_fingerprint(data))
+    except (UsageError, OSError, ValueError):  # sources missing or unreadable: the run says so itself
+        return None
 
 
 def _advice(model_config, training, device_gb, seq_len, layout, sharding, checkpointing, device_type, max_micro) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,24 +169,47 @@ def _optuna():
 
 
 class OptunaPruningCallback(Callback):
-    """Reports each evaluation's val_loss to the trial and raises `optuna.TrialPruned` when the pruner
-    says so. The run's loggers are closed first (metrics.jsonl, TensorBoard, W&B, MLflow end cleanly);
-    the exception then leaves `Trainer.train` and `api.train` untouched, and Optuna records the
-    trial as pruned."""
+    """Reports each evaluation's val_loss to the trial. When the pruner says so, the run stops as an
+    early-stopped run does, at the end of that step: its checkpoint saved, its summary row saying why (so
+    `llm-trainer status` of the trial's folder shows it pruned, not interrupted); the sweep then records
+    the trial as pruned (`pruned` holds the reason)."""
 
     def __init__(self, trial):
         self.trial = trial
+        self.pruned: str | None = None
 
     def on_evaluate(self, trainer, metrics: dict) -> None:
-        optuna = _optuna()
         step = trainer.state.step
         self.trial.report(float(metrics["val_loss"]), step)
-        if self.trial.should_prune():
-            from ..train.metrics import close_loggers
+        if self.pruned is None and self.trial.should_prune():
+            self.pruned = f"pruned by the sweep at step {step} (val_loss {metrics['val_loss']:.4f})"
+            trainer.stop.request(self.pruned)
 
-            close_loggers(trainer.loggers)
-            trainer.loggers = []
-            raise optuna.TrialPruned(f"pruned at step {step} (val_loss {metrics['val_loss']:.4f})")
+
+HEARTBEAT_S = 60  # how often a running trial records that its process is alive (Optuna's heartbeat)
+STALE_AFTER_S = 180  # a running trial silent this long was killed: the next sweep marks it failed
+
+
+def _beating(optuna, url: str):
+    """The study's storage with Optuna's heartbeat. A trial whose process was killed (SIGKILL, the
+    out-of-memory killer, a lost node) stops beating: the next sweep on the study marks it failed and
+    runs it again, where it would otherwise show as running for ever. A parallel worker's trial beats
+    all along, also while it prepares its data, so it is never taken for a dead one."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RDBStorage(
+            url=url,
+            heartbeat_interval=HEARTBEAT_S,
+            grace_period=STALE_AFTER_S,
+            heartbeat_stale_trial_callback=_said_stale,
+        )
+
+
+def _said_stale(study, trial) -> None:
+    log(
+        f"sweep: trial {trial.number} has not run for {STALE_AFTER_S} s (its process was killed): marked failed, "
+        "to be run again"
+    )
 
 
 def _finished(trial) -> bool:
@@ -275,7 +299,11 @@ def run_sweep(
     try:
         try:
             study = optuna.create_study(
-                study_name=study_name, storage=storage, direction="minimize", pruner=pruner, load_if_exists=True
+                study_name=study_name,
+                storage=_beating(optuna, storage),
+                direction="minimize",
+                pruner=pruner,
+                load_if_exists=True,
             )
         except Exception as exc:  # SQLAlchemy's: an unknown scheme, a malformed URL, a database it cannot open
             raise UsageError(
@@ -283,6 +311,9 @@ def run_sweep(
                 "URL such as sqlite:///path/to/study.db in a folder that exists"
             ) from None
         _check_same_experiment(study, study_name, storage, params, base)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
         done = sum(_finished(t) for t in study.trials)
         todo = max(0, n_trials - done)
         # A fresh seed per invocation: a resumed study must not replay the first invocation's samples.
@@ -318,8 +349,9 @@ def run_sweep(
                 errors.append(str(exc))
                 log(f"sweep: trial {trial.number} failed: {exc}")
                 return float("nan")
+            pruning = OptunaPruningCallback(trial)
             try:
-                summary = train(experiment, callbacks=[OptunaPruningCallback(trial), *callbacks])
+                summary = train(experiment, callbacks=[pruning, *callbacks])
             except TrainingStopped as exc:  # diverged: the worst possible value, and the sweep goes on
                 trial.set_user_attr("error", str(exc))
                 log(f"sweep: trial {trial.number} diverged")
@@ -330,6 +362,8 @@ def run_sweep(
                     f"sweep interrupted during trial {trial.number} (received {stopped_by}); rerun the same "
                     "command to resume"
                 )
+            if pruning.pruned is not None:
+                raise optuna.TrialPruned(pruning.pruned)
             value = summary.get("best_val_loss")
             if value is None:
                 value = summary.get("val_loss")
@@ -384,10 +418,11 @@ def _check_same_experiment(study, name: str, storage: str, params: list[SearchPa
 
 
 def results_table(study, params: list[str] | None = None) -> str:
-    """The study's trials as a text table, best first."""
+    """The study's trials as a text table, best first: each trial's objective, the best validation loss
+    of its run (a pruned trial's: the best it reported before it was pruned)."""
     trials = list(study.trials)
     names = params or sorted({k for t in trials for k in t.params})
-    header = ["trial", "state", "val_loss", "minutes"] + names
+    header = ["trial", "state", "best_val_loss", "minutes"] + names
     rows = []
 
     def key(t):
@@ -404,8 +439,8 @@ def results_table(study, params: list[str] | None = None) -> str:
             else None
         )
         value = t.value
-        if value is None and t.intermediate_values:  # pruned: its last reported value
-            value = t.intermediate_values[max(t.intermediate_values)]
+        if value is None and t.intermediate_values:  # pruned
+            value = min(t.intermediate_values.values())
         rows.append(
             [
                 str(t.number),
