@@ -486,10 +486,15 @@ def test_bad_input_is_a_one_line_error_by_default(tmp_path, source, expected):
     assert not any((tmp_path / "cache").iterdir())  # nothing half-written is left
 
 
-def test_missing_column_line_is_named(tmp_path):
+def test_missing_column_line_is_named_with_the_fix_that_fits(tmp_path):
+    """A file whose first record lacks the field is read with the wrong data.text_column; one whose later
+    record lacks it has one bad record, which changing the column would not fix."""
     lines = tmp_path / "lines.jsonl"
     lines.write_text('{"text": "kept"}\n{"body": "no text"}\n', encoding="utf-8")
-    with pytest.raises(UsageError, match=r"lines.jsonl:2 has no 'text' field"):
+    with pytest.raises(UsageError, match=r"lines.jsonl:2 has no 'text' field; earlier records have it: fix or remove"):
+        prepare_data(config(tmp_path, data_files=str(lines)))
+    lines.write_text('{"body": "no text"}\n{"text": "kept"}\n', encoding="utf-8")
+    with pytest.raises(UsageError, match=r"lines.jsonl:1 has no 'text' field; set data.text_column$"):
         prepare_data(config(tmp_path, data_files=str(lines)))
 
 

@@ -426,7 +426,7 @@ def _read_jsonl(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple
         opt.bad("unreadable_files", f"{path} could not be read ({exc.strerror})", in_folder=not explicit)
         return
     with handle:
-        line_no = 0
+        line_no, texts = 0, 0
         try:
             for line_no, line in enumerate(_bounded_lines(handle), 1):
                 if line is None:
@@ -445,8 +445,9 @@ def _read_jsonl(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple
                     return
                 if not line.strip():
                     continue
-                item = _jsonl_record(path, line_no, line, opt)
+                item = _jsonl_record(path, line_no, line, opt, texts_before=texts > 0)
                 if item is not None:
+                    texts += 1
                     yield item[0], item[1], f"{path}:{line_no}"
         except (gzip.BadGzipFile, EOFError, OSError) as exc:  # zstandard.ZstdError is an OSError-free Exception
             opt.bad(
@@ -468,7 +469,12 @@ def _one_json_document(path: Path) -> str:
     )
 
 
-def _jsonl_record(path: Path, line_no: int, line: bytes, opt: _ReadOptions) -> tuple[str, float | None] | None:
+def _jsonl_record(
+    path: Path, line_no: int, line: bytes, opt: _ReadOptions, texts_before: bool
+) -> tuple[str, float | None] | None:
+    """The (text, curriculum score) of one line, or None when it is passed over (said as `opt.bad` says).
+    `texts_before`: earlier lines of the file gave texts (a missing field is then that record's fault, not
+    the data.text_column's)."""
     if line_no == 1:
         line = line.removeprefix(UTF8_BOM)  # as a text file's: a BOM is no part of the first record
     try:
@@ -499,7 +505,12 @@ def _jsonl_record(path: Path, line_no: int, line: bytes, opt: _ReadOptions) -> t
         opt.bad("bad_json_lines", _one_json_document(path))
         return None
     if not isinstance(record, dict) or opt.text_column not in record:
-        opt.bad("missing_column", f"{path}:{line_no} has no {opt.text_column!r} field; set data.text_column")
+        fix = (
+            "earlier records have it: fix or remove this one, or set data.on_bad_input: skip"
+            if texts_before
+            else "set data.text_column"
+        )
+        opt.bad("missing_column", f"{path}:{line_no} has no {opt.text_column!r} field; {fix}")
         return None
     text = _text_value(record[opt.text_column], f"{path}:{line_no}", opt)
     if text is None:
