@@ -310,6 +310,20 @@ def test_plots_overlay_runs_with_the_expected_lines(tmp_path):
     val_b = [ln for ln in lines["loss_vs_tokens"] if ln.get_label() == "b validation"][0]
     assert list(val_b.get_xdata()) == [960, 1920, 2880]
 
+    # evaluations of part of the split (training.eval_max_batches) and of the whole are lines apart
+    c = tmp_path / "c"
+    c.mkdir()
+    evals = [(2, 3.0, 4), (4, 2.5, 4), (6, 2.9, 20)]  # (step, val_loss, batches of 20)
+    c_rows = [{"kind": "train", "step": s, "loss": 3.0, "lr": 1e-3, "tokens_seen": 96 * s} for s in (2, 4, 6)] + [
+        {"kind": "eval", "step": s, "val_loss": v, "perplexity": math.exp(v), "batches": n, "batches_total": 20}
+        for s, v, n in evals
+    ]
+    (c / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in c_rows))
+    val_c = {ln.get_label(): ln for ln in make_figures([read_run(c)])["loss_vs_steps"].axes[0].get_lines()}
+    part, whole = val_c["c validation, first batches (training.eval_max_batches)"], val_c["c validation, whole split"]
+    assert (list(part.get_xdata()), list(part.get_ydata())) == ([2, 4], [3.0, 2.5])
+    assert (list(whole.get_xdata()), list(whole.get_ydata())) == ([6], [2.9])
+
     written = plot_runs([a, b], tmp_path / "plots")
     assert len(written) == 6
     for path in written.values():

@@ -6,8 +6,9 @@ are never touched), so this works on servers and inside other programs.
 
     plot_runs(["runs/a", "runs/b"], "plots/")   ->  {"loss_vs_steps": Path("plots/loss_vs_steps.png"), ...}
 
-Per run, the loss figures hold a training line and (when the run evaluated) a validation line; the
-perplexity figures exp(training loss) and the validation perplexity; the learning-rate figures one
+Per run, the loss figures hold a training line and (when the run evaluated) a validation line, two
+when `training.eval_max_batches` made some evaluations read part of the split; the perplexity figures
+exp(training loss) and the validation perplexity; the learning-rate figures one
 line. Validation points are placed on the token axis through the training rows' (step, tokens_seen).
 A resumed run's metrics.jsonl repeats steps; the last row logged for a step wins.
 
@@ -111,11 +112,23 @@ def _lines(run: RunSeries, figure: str, axis: str) -> list[tuple[str, list[float
         losses = [_number(run.train[s].get("loss")) for s in train_steps]
         ys = losses if figure == "loss" else [math.exp(min(v, 700.0)) if math.isfinite(v) else v for v in losses]
         out.append((f"{run.label} train", xs(train_steps, run.train), ys, "-"))
-    if eval_steps:
-        field_name = "val_loss" if figure == "loss" else "perplexity"
-        ys = [_number(run.eval[s].get(field_name)) for s in eval_steps]
-        out.append((f"{run.label} validation", xs(eval_steps, run.eval), ys, "o--"))
+    field_name = "val_loss" if figure == "loss" else "perplexity"
+    part = [s for s in eval_steps if _part_of_the_split(run.eval[s])]
+    for steps, label, style in (
+        ([s for s in eval_steps if s not in part], "validation" if not part else "validation, whole split", "o--"),
+        (part, "validation, first batches (training.eval_max_batches)", "x:"),
+    ):
+        if steps:
+            ys = [_number(run.eval[s].get(field_name)) for s in steps]
+            out.append((f"{run.label} {label}", xs(steps, run.eval), ys, style))
     return out
+
+
+def _part_of_the_split(row: dict) -> bool:
+    """An evaluation over the first `training.eval_max_batches` batches only: a loss of other rows than the
+    whole split's, drawn apart from those so that no line joins the two."""
+    read, held = row.get("batches"), row.get("batches_total")
+    return isinstance(read, int) and isinstance(held, int) and read < held
 
 
 def make_figures(runs: list[RunSeries]) -> dict:
