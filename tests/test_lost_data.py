@@ -2,6 +2,7 @@
 a run never writes into (or rotates) a checkpoint folder that belongs to another run."""
 
 import fcntl
+import json
 import os
 import signal
 import subprocess
@@ -229,3 +230,40 @@ def test_an_output_that_is_a_symlink_is_replaced_and_its_target_kept(tmp_path):
     assert not (tmp_path / "export").is_symlink() and contents(tmp_path / "export") == {**NEW}
     assert contents(elsewhere) == OLD
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_run_whose_folder_is_deleted_mid_way_says_so_and_keeps_what_comes_after(tmp_path, capsys):
+    """The run folder removed under a training run (by hand, a cleanup job): the run says so at its next
+    logged row, and its later rows and its last checkpoint are written there again, not into a deleted file."""
+    import shutil
+
+    from conftest import tiny_loaders, tiny_model
+    from llm_trainer.config import TrainingConfig
+    from llm_trainer.train.callbacks import Callback
+    from llm_trainer.train.trainer import Trainer
+
+    out = tmp_path / "run"
+
+    class RemoveTheFolder(Callback):
+        def on_step_end(self, trainer, row):
+            if row["step"] == 2:
+                shutil.rmtree(out)
+
+    train, val = tiny_loaders()
+    training = TrainingConfig(
+        device="cpu",
+        batch_size=4,
+        max_steps=6,
+        logging_steps=2,
+        eval_steps=0,
+        save_steps=0,
+        progress_bar=False,
+        report_to=["jsonl"],
+        output_dir=str(out),
+    )
+    Trainer(tiny_model(), training, train_dataloader=train, callbacks=[RemoveTheFolder()]).train()
+    err = capsys.readouterr().err
+    assert f"{out / 'metrics.jsonl'} was removed while the run was writing it" in err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("kind") == "train"] == [4, 6] and rows[-1]["kind"] == "summary"
+    assert (out / "checkpoints" / "latest").exists()

@@ -152,8 +152,22 @@ class JsonlLogger:
         self.handle = open(self.path, "a", encoding="utf-8", opener=no_follow)
 
     def log(self, row: dict) -> None:
+        if os.fstat(self.handle.fileno()).st_nlink == 0:  # removed while open: rows would go nowhere
+            self._removed()
         self.handle.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
         self.handle.flush()
+
+    def _removed(self) -> None:
+        """metrics.jsonl was deleted under the run (its folder removed by hand, a cleanup job): said once,
+        and the rows from here on go into a new metrics.jsonl at the same place (the checkpoints are
+        written where they were, so a resume works from the next save)."""
+        self.handle.close()
+        warn(
+            f"{self.path} was removed while the run was writing it (its folder deleted?): the rows logged "
+            "before are lost; the next rows go into a new file there"
+        )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.handle = open(self.path, "a", encoding="utf-8", opener=no_follow)
 
     def close(self) -> None:
         self.handle.close()
