@@ -20,7 +20,8 @@ from llm_trainer.config import TrainingConfig
 from llm_trainer.errors import UsageError
 from llm_trainer.model import Transformer, document_attention
 from llm_trainer.parallel.distributed import DistInfo
-from llm_trainer.resolve import token_anchors
+from llm_trainer.resolve import cpu_computes_bf16, token_anchors
+from llm_trainer.train.muon import orthogonalize
 from llm_trainer.train.optim import build_optimizer, set_learning_rate
 
 # -- Muon --------------------------------------------------------------------------------------------
@@ -34,6 +35,7 @@ def test_muon_equals_torch_muon_on_hidden_matrices_and_adamw_elsewhere():
     reference = copy.deepcopy(ours)
     config = TrainingConfig(optimizer="muon", learning_rate=1e-3, muon_learning_rate=0.02, weight_decay=0.1)
     optimizer = build_optimizer(ours, config, torch.device("cpu"))
+    optimizer.ns_dtype = torch.bfloat16  # as torch's Muon iterates on every device (ours: where bf16 is native)
     muon_group, *adam_groups = optimizer.param_groups
     names = {id(p): n for n, p in ours.named_parameters()}
     hidden = sorted(names[id(p)] for p in muon_group["params"])
@@ -62,6 +64,22 @@ def test_muon_equals_torch_muon_on_hidden_matrices_and_adamw_elsewhere():
             assert torch.equal(a, b)
     set_learning_rate(optimizer, 5e-4)  # the schedule scales both peaks alike
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01) and optimizer.param_groups[1]["lr"] == 5e-4
+
+
+def test_muon_iterates_in_bf16_only_where_the_device_computes_it():
+    """Newton-Schulz in bf16 where bf16 matmuls are native; on a CPU that emulates them (tens of times
+    slower than float32) in float32, to the same orthogonalization within bf16's rounding."""
+    model = Transformer(tiny_model_config(d_model=16))
+    optimizer = build_optimizer(model, TrainingConfig(optimizer="muon"), torch.device("cpu"))
+    assert optimizer.ns_dtype == (torch.bfloat16 if cpu_computes_bf16() else torch.float32)
+    assert "ns_dtype" not in optimizer.state_dict()["param_groups"][0]  # the device's, never a checkpoint's
+    torch.manual_seed(0)
+    updates = torch.randn(3, 32, 96)  # (matrices, rows, cols)
+    exact = orthogonalize(updates, dtype=torch.float32)
+    assert exact.dtype == torch.float32
+    torch.testing.assert_close(exact, orthogonalize(updates, dtype=torch.bfloat16), atol=0.03, rtol=0)
+    singular = torch.linalg.svdvals(exact)
+    assert singular.min() > 0.6 and singular.max() < 1.25
 
 
 def test_muon_skips_a_nonfinite_step_without_touching_weights_or_state():

@@ -2,7 +2,7 @@
 
 Muon (Jordan et al. 2024, the modded-nanoGPT speedruns; `torch.optim.Muon`) replaces each 2-D
 weight's momentum-smoothed gradient by its nearest semi-orthogonal matrix (5 Newton-Schulz
-iterations in bfloat16) before the step: every direction of the update moves at the same rate.
+iterations, in bfloat16 where the device computes it natively, else float32) before the step: every direction of the update moves at the same rate.
 It is meant for the matrices inside the blocks; embeddings, the output head, norms and biases keep
 AdamW. Here both live in one `torch.optim.Optimizer` (groups marked `muon: True/False`), so a
 checkpoint holds one optimizer state and a resume is exact.
@@ -22,11 +22,15 @@ from torch.optim.adam import adam
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (Keller Jordan's Muon)
 
 
-def orthogonalize(matrices: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+def orthogonalize(
+    matrices: torch.Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """Approximately U V^T for each matrix U S V^T of a (n, rows, cols) stack: singular values pushed into
-    about [0.7, 1.2]. A stack of same-shape matrices runs as one batched matmul per iteration."""
+    about [0.7, 1.2]. A stack of same-shape matrices runs as one batched matmul per iteration. The
+    iterations run in `dtype`: bf16 where the device multiplies it natively (a GPU, a CPU with
+    AVX512-BF16 or AMX), float32 elsewhere, where bf16 matmuls are emulated and tens of times slower."""
     a, b, c = NS_COEFFICIENTS
-    x = matrices.bfloat16()  # bf16 matmuls: fast on GPUs and on CPUs with AVX512-BF16/AMX
+    x = matrices.to(dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
@@ -48,6 +52,7 @@ class MuonAdamW(torch.optim.Optimizer):
         momentum: float = 0.95,
         ns_steps: int = 5,
         fused: bool = False,
+        ns_dtype: torch.dtype = torch.bfloat16,
     ):
         defaults = dict(
             lr=lr,
@@ -61,6 +66,7 @@ class MuonAdamW(torch.optim.Optimizer):
             fused=fused,
         )
         super().__init__(groups, defaults)
+        self.ns_dtype = ns_dtype  # the device's, not a hyperparameter: no part of the checkpointed groups
         for group in self.param_groups:
             if group["muon"] and any(p.dim() != 2 for p in group["params"]):
                 raise ValueError("Muon groups may only hold 2-D weights")
@@ -99,7 +105,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 buf.lerp_(p.grad, 1 - momentum if keep is None else (1 - momentum) * keep)  # keep = 0: unchanged
                 update = p.grad.lerp(buf, momentum)  # Nesterov
                 updates.append(update.mT if p.size(0) > p.size(1) else update)
-            orthogonal = orthogonalize(torch.stack(updates), group["ns_steps"]).unbind(0)
+            orthogonal = orthogonalize(torch.stack(updates), group["ns_steps"], dtype=self.ns_dtype).unbind(0)
             for p, update in zip(same, orthogonal):
                 if p.size(0) > p.size(1):
                     update = update.mT

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..config import TrainingConfig
+from ..resolve import native_bf16
 from .muon import MuonAdamW
 
 
@@ -42,6 +43,7 @@ def build_optimizer(model: nn.Module, config: TrainingConfig, device: torch.devi
             eps=config.adam_epsilon,
             momentum=config.muon_momentum,
             fused=fused,
+            ns_dtype=muon_iteration_dtype(device),
         )
     groups = parameter_groups(model, config.weight_decay)
     if config.optimizer == "sgd":
@@ -55,6 +57,11 @@ def build_optimizer(model: nn.Module, config: TrainingConfig, device: torch.devi
         fused=fused or None,
         foreach=None if fused else True,
     )
+
+
+def muon_iteration_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of Muon's Newton-Schulz iterations on `device` (`muon.orthogonalize`)."""
+    return torch.bfloat16 if native_bf16(device) else torch.float32
 
 
 def muon_groups(model: nn.Module, config: TrainingConfig) -> list[dict]:
