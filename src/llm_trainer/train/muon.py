@@ -4,8 +4,9 @@ Muon (Jordan et al. 2024, the modded-nanoGPT speedruns; `torch.optim.Muon`) repl
 weight's momentum-smoothed gradient by its nearest semi-orthogonal matrix (5 Newton-Schulz
 iterations, in bfloat16 where the device computes it natively, else float32) before the step: every
 direction of the update moves at the same rate. It is meant for the matrices inside the blocks;
-embeddings, the output head, norms and biases keep AdamW. Here both live in one `torch.optim.Optimizer` (groups marked `muon: True/False`), so a
-checkpoint holds one optimizer state and a resume is exact.
+embeddings, the output head, norms and biases keep AdamW. Here both live in one
+`torch.optim.Optimizer` (groups marked `muon: True/False`), so a checkpoint holds one optimizer state
+and a resume is exact.
 
 Each group's learning rate is the schedule's value times the group's `lr_scale` (Muon's groups:
 `muon_learning_rate / learning_rate`), so one schedule drives both. `found_inf` (set by the loop's
