@@ -18,9 +18,8 @@ from ..config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig
 from ..data.format import PreparedData
 from ..data.prepare.build import data_fingerprint
 from ..data.prepare.run import find_prepared
-from ..data.text.sources import resolved_sources
+from ..data.text.sources import reads_a_store
 from ..errors import UsageError
-from ..files.buckets import Location
 from ..parallel.mesh import Layout, resolve_layout
 from ..resolve import activation_checkpointing, sequence_length
 from ..train.batch_size import auto_batch_size, measure_peak
@@ -213,12 +212,8 @@ def _vocabulary(experiment: ExperimentConfig) -> tuple[int, str]:
 def _prepared_here(data: DataConfig) -> PreparedData | None:
     """The finished prepared folder of `data` in its local cache_dir, opened read-only, or None. An estimate
     reads no store: a config whose cache or files are in one is not looked up."""
-    if data.remote_cache_dir:
-        return None
     try:
-        sources = resolved_sources(data)
-        files = [f for s in sources for f in ([s.data_files] if isinstance(s.data_files, str) else s.data_files or [])]
-        if any(Location(f).url for f in files):
+        if data.remote_cache_dir or reads_a_store(data):
             return None
         return find_prepared(data.cache_dir, data_fingerprint(data))
     except (UsageError, OSError, ValueError):  # sources missing or unreadable: the run says so itself

@@ -903,6 +903,17 @@ def iter_unit(unit: FileUnit, config: DataConfig, stats: SourceStats) -> Iterato
     return _documents(records, spec.name, stats)
 
 
+def _file_specs(spec: SourceConfig) -> list[str]:
+    """A source's data_files as a list (one string is one entry; none is an empty list)."""
+    files = spec.data_files
+    return [] if files is None else [files] if isinstance(files, str) else list(files)
+
+
+def reads_a_store(config: DataConfig) -> bool:
+    """Whether a data file is named by a URL: finding it, and so the data's fingerprint, then lists a store."""
+    return any(Location(one).url for spec in resolved_sources(config) for one in _file_specs(spec))
+
+
 def source_fingerprint(config: DataConfig) -> list:
     """What identifies the input: file paths with sizes and times, or the dataset's name and version."""
     items: list = []
@@ -917,15 +928,13 @@ def source_fingerprint(config: DataConfig) -> list:
                 for path in sorted(p for p in local.rglob("*") if p.is_file()):
                     stat = path.stat()
                     items.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
-        if spec.data_files is not None:
-            specs = [spec.data_files] if isinstance(spec.data_files, str) else spec.data_files
-            for one in specs:
-                if Location(one).url:  # a store's file is identified by its URL, size and ETag (or time)
-                    items += [
-                        [url, *identity(info)] for url, info, _ in _remote_files(one, spec.include, spec.exclude, quiet)
-                    ]
-                    continue
-                for path, _, _ in resolve_files(one, spec.include, spec.exclude, quiet, ours=tool_folders(config)):
-                    stat = path.stat()
-                    items.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
+        for one in _file_specs(spec):
+            if Location(one).url:  # a store's file is identified by its URL, size and ETag (or time)
+                items += [
+                    [url, *identity(info)] for url, info, _ in _remote_files(one, spec.include, spec.exclude, quiet)
+                ]
+                continue
+            for path, _, _ in resolve_files(one, spec.include, spec.exclude, quiet, ours=tool_folders(config)):
+                stat = path.stat()
+                items.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
     return items
