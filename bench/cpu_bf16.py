@@ -43,6 +43,19 @@ def median_ms(fn, steps: int, rounds: int = 5) -> list[float]:
     return times
 
 
+def alternated_median_ms(fns: dict, steps: int, *, warmup: int, per_round: int, rounds: int = 3) -> dict:
+    """{name: median ms per call} of each function, after `warmup` calls each, timed in `rounds` alternated
+    rounds (A B A B ...) of `per_round` timings of `steps` calls, so a drift of the machine shows in all."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name] += median_ms(fn, steps, rounds=per_round)
+    return {name: round(sorted(t)[len(t) // 2], 2) for name, t in times.items()}
+
+
 def step_fn(architecture: str, width: int, amp: bool):
     torch.manual_seed(0)
     config = ModelConfig(
@@ -88,14 +101,7 @@ def main() -> int:
     for architecture in args.architectures.split(","):
         for width in (int(w) for w in args.widths.split(",")):
             steps = {"float32": step_fn(architecture, width, False), "bf16": step_fn(architecture, width, True)}
-            for fn in steps.values():
-                for _ in range(3):
-                    fn()
-            times = {name: [] for name in steps}
-            for _ in range(3):  # alternated rounds
-                for name, fn in steps.items():
-                    times[name] += median_ms(fn, args.steps, rounds=2)
-            ms = {name: round(sorted(t)[len(t) // 2], 2) for name, t in times.items()}
+            ms = alternated_median_ms(steps, args.steps, warmup=3, per_round=2)
             row = {
                 "architecture": architecture,
                 "d_model": width,

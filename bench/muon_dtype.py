@@ -23,7 +23,7 @@ import torch
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from cpu_bf16 import median_ms  # noqa: E402
+from cpu_bf16 import alternated_median_ms  # noqa: E402
 from llm_trainer.config import ModelConfig, TrainingConfig  # noqa: E402
 from llm_trainer.model import Transformer  # noqa: E402
 from llm_trainer.parallel.distributed import DistInfo  # noqa: E402
@@ -60,13 +60,7 @@ def main() -> int:
     results = []
     for width in (int(w) for w in args.widths.split(",")):
         steps = {"default": step_fn(width, None), "bf16": step_fn(width, torch.bfloat16)}
-        for fn in steps.values():
-            fn()
-        times = {name: [] for name in steps}
-        for _ in range(3):  # alternated rounds
-            for name, fn in steps.items():
-                times[name] += median_ms(fn, args.steps, rounds=1)
-        ms = {name: round(sorted(t)[len(t) // 2], 2) for name, t in times.items()}
+        ms = alternated_median_ms(steps, args.steps, warmup=1, per_round=1)
         row = {"d_model": width, "ms_per_step": ms, "bf16_over_default": round(ms["bf16"] / ms["default"], 2)}
         results.append(row)
         print(row, file=sys.stderr, flush=True)
