@@ -61,8 +61,8 @@ def nanogpt_run(peer: Path, steps: int) -> dict:
     return {"wall_s": round(wall, 2), "step_ms": round(step_ms, 2), "fixed_s": round(wall - steps * step_ms / 1000, 2)}
 
 
-def ours_run(work: Path, steps: int) -> dict:
-    out = work / "ours"
+def ours_run(work: Path, steps: int, round_: int) -> dict:
+    out = work / f"ours-{round_}"  # a run folder per round: training refuses to write into a finished run
     start = time.perf_counter()
     subprocess.run(
         [
@@ -194,7 +194,8 @@ def main() -> int:
     for r in range(args.rounds):
         order = ["nanogpt", "ours"] if r % 2 == 0 else ["ours", "nanogpt"]
         results = {
-            name: nanogpt_run(peer, args.steps) if name == "nanogpt" else ours_run(work, args.steps) for name in order
+            name: nanogpt_run(peer, args.steps) if name == "nanogpt" else ours_run(work, args.steps, r)
+            for name in order
         }
         results["import_s"] = round(import_time(), 2)
         results["in_process_ms"] = in_process(peer, 8)

@@ -402,6 +402,8 @@ def test_a_bad_input_that_stops_rank_0_stops_the_others_in_one_line(workdir):
 
 
 def test_a_dead_rank_fails_the_job_instead_of_hanging(workdir):
+    """A rank killed by SIGKILL mid-run ends the job; the survivor, whose collective fails on the closed
+    connection, says so in one line that names the resume, not with gloo's traceback."""
     cmd = [
         sys.executable,
         "-m",
@@ -431,6 +433,9 @@ def test_a_dead_rank_fails_the_job_instead_of_hanging(workdir):
         assert rank1
         os.kill(int(rank1[0]), signal.SIGKILL)
         assert job.wait(timeout=120) != 0
+        err = job.stderr.read()
+        assert "[rank0]: Traceback" not in err, err[-3000:]
+        assert "error: rank 0 stops at step " in err and "training.resume_from_checkpoint=latest" in err, err[-3000:]
     finally:
         if job.poll() is None:
             job.kill()

@@ -146,10 +146,32 @@ def wait_for_main(task: str) -> None:
     try:
         barrier()
     except RuntimeError as exc:  # gloo's and NCCL's DistBackendError, DistNetworkError
-        reason = re.sub(r"^\[[^\]]*\]\s*", "", first_line(exc)).split(". ")[0]  # without gloo's [file:line]
         raise TrainingStopped(
-            f"rank {dist.get_rank()} stops: its wait for rank 0, {task}, failed ({reason}); rank 0's error says why"
+            f"rank {dist.get_rank()} stops: its wait for rank 0, {task}, failed ({_reason(exc)}); rank 0's error "
+            "says why"
         ) from None
+
+
+# What gloo, NCCL and the store say when the process at the other end ended or stopped answering.
+_PEER_GONE = re.compile(
+    r"connection (reset|closed|refused)|broken pipe|timed out|timeout|communicator was aborted|remote process", re.I
+)
+
+
+def peer_lost(exc: BaseException) -> str | None:
+    """The reason (the library's first sentence), when `exc` is a collective of a process group of several
+    that failed because another process ended or stopped answering; None for anything else, which keeps
+    its traceback (a bug in a collective is not a lost peer)."""
+    if not (isinstance(exc, RuntimeError) and dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_world_size() < 2 or not _PEER_GONE.search(str(exc)):
+        return None
+    return _reason(exc)
+
+
+def _reason(exc: BaseException) -> str:
+    """The first sentence of a collective's error, without gloo's `[file:line]` prefix."""
+    return re.sub(r"^\[[^\]]*\]\s*", "", first_line(exc)).split(". ")[0]
 
 
 # The last barrier of each gloo process group, kept until the process ends (`finish`).

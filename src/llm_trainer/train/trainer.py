@@ -33,7 +33,7 @@ from ..downstream import during_training as downstream
 from ..errors import TrainingStopped, UsageError, first_line
 from ..logs import Progress, log, shows_progress_bar, warn, warnings_once
 from ..parallel import attention_kernel
-from ..parallel.distributed import DistInfo, all_reduce_, barrier, finish
+from ..parallel.distributed import DistInfo, all_reduce_, barrier, finish, peer_lost
 from ..parallel.parallelize import parallelize
 from ..pipeline import experiment_from, prepare_run
 from ..resolve import ResolvedRun, native_bf16, resolve_for_model, seed_everything
@@ -490,6 +490,17 @@ class Trainer:
             return summary
         except torch.OutOfMemoryError as error:
             crash = out_of_memory(error, self.profiler, cfg)
+            raise crash from None
+        except RuntimeError as error:
+            crash = error
+            if (reason := peer_lost(error)) is None:
+                raise
+            crash = TrainingStopped(
+                f"rank {self.dist.rank} stops at step {state.step + 1}: a collective with the other processes "
+                f"failed ({reason}): another process ended or stopped answering, and its own output says why; "
+                f"nothing saved in {cfg.remote_checkpoint_dir or self.checkpoint_dir} is touched, and "
+                "training.resume_from_checkpoint=latest goes on from its latest checkpoint once every process can run"
+            )
             raise crash from None
         except BaseException as error:
             crash = error
