@@ -61,6 +61,21 @@ def test_parameter_count_and_flops_per_token_match_gpt2_small_and_llama_7b():
     assert counts.matmul == counts.total - 32000 * 4096  # untied: the embedding lookup is left out
 
 
+def test_the_meta_model_is_built_once_per_config_and_follows_every_field():
+    """`estimate` reads one config's meta model for every layout it tries: built once, and any changed
+    field (even one that does not touch a shape-bearing key) gives a model of its own."""
+    from llm_trainer.train.flops import meta_model
+
+    config = tiny_model_config(n_layers=2)
+    assert meta_model(config) is meta_model(tiny_model_config(n_layers=2))
+    wider = meta_model(tiny_model_config(n_layers=2, d_ff=96))
+    assert wider is not meta_model(config) and wider.blocks[0].mlp.fc.weight.shape[0] == 96
+    assert meta_model(tiny_model_config(n_layers=2, qk_norm=True)) is not meta_model(config)
+    for n in range(3, 10):  # a long search over other configs keeps only the last few
+        meta_model(tiny_model_config(n_layers=n))
+    assert len(meta_model(config).blocks) == 2
+
+
 def test_peak_flops_table():
     assert peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4e12
     assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12

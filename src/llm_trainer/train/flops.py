@@ -27,12 +27,26 @@ class ParameterCount:
 
 
 def meta_model(model_config: ModelConfig):
-    """Our Transformer built on the meta device: exact shapes, no memory, no initialisation cost."""
+    """Our Transformer built on the meta device: exact shapes, no memory, no initialisation cost.
+
+    One model per distinct config, kept for the next few asks: `estimate`'s layout search reads the same
+    model's shapes for every layout it tries, and building a 70B's 80 blocks takes most of a second each
+    time. Callers only read it (shapes, parameter identity); one that changes a model builds its own with
+    `Transformer.on_meta`."""
     from ..model import Transformer
 
     if model_config.vocab_size is None:
         raise ValueError("model.vocab_size is not set; set it (or pass vocab_size) to count parameters")
-    return Transformer.on_meta(model_config)
+    key = repr(model_config)  # every field: the config is a mutable dataclass, so not hashable itself
+    model = _META_MODELS.pop(key, None) or Transformer.on_meta(model_config)
+    _META_MODELS[key] = model  # the most recent last
+    while len(_META_MODELS) > _META_MODELS_KEPT:
+        del _META_MODELS[next(iter(_META_MODELS))]
+    return model
+
+
+_META_MODELS: dict[str, Any] = {}  # repr(ModelConfig) -> its meta model, oldest first
+_META_MODELS_KEPT = 4
 
 
 def count_parameters(model_config: ModelConfig) -> ParameterCount:
