@@ -289,6 +289,7 @@ def test_eval_tasks_bad_input_is_one_line(tmp_path, args, message):
     assert len([line for line in done.stderr.splitlines() if line.startswith("error:")]) == 1
 
 
+@pytest.mark.slow  # a subprocess CLI
 def test_eval_tasks_console_has_no_progress_bars_or_git_noise(tmp_path):
     """`eval --tasks` outside a git repository: no "fatal: not a git repository" (lm-eval records the
     working directory's commit) and no progress bars of lm-eval's loops on stderr; our own warnings

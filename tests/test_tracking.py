@@ -318,6 +318,7 @@ def test_an_mlflow_file_uri_tracks_the_run(tmp_path, monkeypatch):
     assert run.data.metrics["train/loss"] > 0
 
 
+@pytest.mark.slow  # a subprocess CLI
 def test_wandb_without_a_login_is_one_line_and_leaves_no_run_behind(tmp_path):
     """No W&B key (and online mode): one line naming `wandb login` and offline mode, not wandb's
     traceback; and no metrics.jsonl, which would make the folder refuse the corrected retry. In a fresh
