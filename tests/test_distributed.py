@@ -582,6 +582,8 @@ def _refused_without_deepspeed(workdir, run: str, batch: tuple[str, ...]) -> Non
         check=False,
     )
     assert result.returncode != 0 and "saved with distributed_strategy deepspeed" in result.stderr
+    # both ranks refuse it alike: rank 0 says it, rank 1 (which found rank 0's line the same) stays quiet
+    assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1, result.stderr
     refused = _refused_resume(workdir, f"training.output_dir={run}", "training.distributed_strategy=deepspeed")
     assert "saved by DeepSpeed ZeRO on 2 process(es), this run has 1" in refused
     assert "universal checkpoint" in refused and "model.init_from=" in refused

@@ -26,7 +26,7 @@ from .checkpoint.reading import held_checkpoint
 from .checkpoint.verify import verify
 from .config import DataConfig, ExperimentConfig, TrainingConfig
 from .data.prepare import prepare_data
-from .errors import UsageError, first_line
+from .errors import TrainingStopped, UsageError, first_line
 from .files import buckets
 from .files.folder_files import refuse_unreadable
 from .model import Transformer
@@ -77,6 +77,9 @@ def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Traine
             trainer = build_trainer(experiment, callbacks=callbacks, trainer_class=trainer_class)
             trainer.output_checked = True
             return trainer.train()
+    except (UsageError, TrainingStopped) as error:  # the CLI prints these in one line; each only once
+        error.said_by_rank_0 = distributed.said_by_rank_0(str(error))
+        raise
     finally:
         distributed.teardown()
 

@@ -895,12 +895,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except TrainingStopped as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except (UsageError, TrainingStopped) as exc:
+        if not getattr(exc, "said_by_rank_0", False):  # under torchrun: rank 0 printed this very line
+            print(f"error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, UsageError) else 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -118,7 +118,33 @@ def _restart_safe_store(rank: int, world: int, timeout: timedelta) -> dict:
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"llm_trainer/attempt-{attempt}", store), "rank": rank, "world_size": world}
+    _ATTEMPT_STORE[:] = [dist.PrefixStore(f"llm_trainer/attempt-{attempt}", store)]
+    return {"store": _ATTEMPT_STORE[0], "rank": rank, "world_size": world}
+
+
+# This attempt's store in torchrun's agent, which outlives every worker of it (empty without torchrun).
+_ATTEMPT_STORE: list[dist.Store] = []
+_RANK_0_ERROR = "error-of-rank-0"
+
+
+def said_by_rank_0(message: str, wait_s: float = 5.0) -> bool:
+    """Whether rank 0 stops with this same one-line error, so that this rank need not print it again.
+
+    A usage error (a refused resume, a bad option) usually stops every rank alike: without this, the
+    console would show it once per process. Rank 0 leaves its message in torchrun's store and prints
+    it; another rank waits up to `wait_s` for it and prints its own only when it differs or never came
+    (an error of this rank alone). Without torchrun's store, every rank prints its own."""
+    if not _ATTEMPT_STORE or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return False
+    store = _ATTEMPT_STORE[0]
+    try:
+        if dist.get_rank() == 0:
+            store.set(_RANK_0_ERROR, message)
+            return False
+        store.wait([_RANK_0_ERROR], timedelta(seconds=wait_s))
+        return store.get(_RANK_0_ERROR).decode() == message
+    except (RuntimeError, ValueError):  # rank 0 never said one (the store's timeout), or the agent is gone
+        return False
 
 
 def _free_port() -> int:
