@@ -17,6 +17,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Runs here (and the CLIs they start, which inherit it) draw no plots at their end: a fixed cost per run
 # that the plot tests and the default-on test in test_untrusted_input.py pay where they assert it.
 os.environ.setdefault("LLM_TRAINER_PLOTS", "0")
+# pytest-xdist runs a worker per core, each test in it (and the processes it starts) computing with
+# torch's OpenMP threads: with a pool per core in every worker, waiting threads spin on the cores the
+# other workers compute on, and the suite takes a third longer on 2 cores. So the cores are shared out,
+# before torch is imported here or in a child (a child that needs more sets its own).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
 
 def tiny_model_config(**overrides):
