@@ -564,7 +564,8 @@ def test_a_second_run_into_a_busy_folder_fails_at_once_naming_the_holder(trained
 
 @pytest.mark.slow
 def test_two_real_runs_into_one_folder_and_no_stale_lock_after_sigkill(tmp_path):
-    config = write_tiny_experiment(tmp_path, max_steps=400, save_steps=0, eval_steps=0)
+    # a first run that cannot end on its own while the second starts, however fast this machine trains
+    config = write_tiny_experiment(tmp_path, max_steps=10**9, save_steps=0, eval_steps=0)
     first = subprocess.Popen(
         [sys.executable, "-m", "llm_trainer", "train", "--config", str(config)],
         env=src_env(),

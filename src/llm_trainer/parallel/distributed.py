@@ -138,10 +138,11 @@ def said_by_rank_0(message: str, wait_s: float = 5.0) -> bool:
         return False
     store = _ATTEMPT_STORE[0]
     try:
+        store.set_timeout(timedelta(seconds=wait_s))  # the process is ending: no wait for an agent that is gone
         if dist.get_rank() == 0:
             store.set(_RANK_0_ERROR, message)
             return False
-        store.wait([_RANK_0_ERROR], timedelta(seconds=wait_s))
+        store.wait([_RANK_0_ERROR])
         return store.get(_RANK_0_ERROR).decode() == message
     except (RuntimeError, ValueError):  # rank 0 never said one (the store's timeout), or the agent is gone
         return False
@@ -178,19 +179,23 @@ def wait_for_main(task: str) -> None:
         ) from None
 
 
-# What gloo, NCCL and the store say when the process at the other end ended or stopped answering.
+# What gloo, NCCL and the store say when the process at the other end ended or stopped answering; and
+# the names that mark an error as theirs (gloo's errors are plain RuntimeErrors naming its source file).
 _PEER_GONE = re.compile(
     r"connection (reset|closed|refused)|broken pipe|timed out|timeout|communicator was aborted|remote process", re.I
 )
+_BACKEND = re.compile(r"gloo|nccl|processgroup|c10d|tcpstore", re.I)
 
 
 def peer_lost(exc: BaseException) -> str | None:
     """The reason (the library's first sentence), when `exc` is a collective of a process group of several
     that failed because another process ended or stopped answering; None for anything else, which keeps
-    its traceback (a bug in a collective is not a lost peer)."""
+    its traceback (a bug in a collective is not a lost peer, nor a timeout of something else)."""
     if not (isinstance(exc, RuntimeError) and dist.is_available() and dist.is_initialized()):
         return None
-    if dist.get_world_size() < 2 or not _PEER_GONE.search(str(exc)):
+    text = str(exc)
+    from_backend = isinstance(exc, dist.DistError) or _BACKEND.search(text)
+    if dist.get_world_size() < 2 or not (from_backend and _PEER_GONE.search(text)):
         return None
     return _reason(exc)
 
