@@ -138,6 +138,46 @@ def test_a_checkpoint_folder_inside_a_running_runs_folder_is_refused(tmp_path):
     assert not (first / "checkpoints").exists() and not (tmp_path / "second").exists()
 
 
+def test_a_folder_above_that_another_run_only_probes_is_not_taken_for_a_running_run(tmp_path, monkeypatch):
+    """Two runs starting at once in sibling folders both probe the `.lock` of the folders above them (a
+    finished run's, or pytest's own in its temporary root): one probe holding it for an instant while the
+    other looks is not a run still going. Here the other probe holds it at our first look and lets go
+    while we wait to look again."""
+    import threading
+
+    from llm_trainer.train import run_lock as module
+
+    above = tmp_path / "above"
+    above.mkdir()
+    (above / ".lock").write_text(f"424242\n{above}\n")  # a finished run's lock file: no one holds it
+    held, release = threading.Event(), threading.Event()
+
+    def probe():  # another process's probe of `above`, as `_refuse_held_ancestor` takes it
+        with open(above / ".lock") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            held.set()
+            release.wait()
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    held.wait()
+    waits = []
+
+    def sleep(seconds):  # our wait between two looks: the other probe ends meanwhile
+        waits.append(seconds)
+        release.set()
+        prober.join()
+
+    monkeypatch.setattr(module.time, "sleep", sleep)
+    try:
+        with lock_run_folders(above / "second", above / "second" / "checkpoints", True):
+            assert (above / "second" / ".lock").is_file()
+    finally:
+        release.set()
+        prober.join()
+    assert waits  # the first look did find it held
+
+
 def test_the_cli_refuses_it_in_one_line(tmp_path, capsys, monkeypatch):
     from llm_trainer import cli
 

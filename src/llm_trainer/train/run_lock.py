@@ -86,7 +86,7 @@ def _read_lock(folder: Path, *, probe: bool) -> tuple[str | None, list[str]] | N
     except OSError:
         return None
     try:
-        holder = _holder(fd) if probe and not lock_exclusive(fd, wait=False) else None
+        holder = _holder(fd) if probe and not _take(fd) else None  # (another's probe holds it an instant too)
         return holder, _lines(fd)
     finally:
         os.close(fd)  # releases the probe's lock, if it took one
@@ -145,8 +145,9 @@ def _refuse_foreign_checkpoints(checkpoints: Path, output: Path) -> None:
 
 
 def _take(fd: int) -> bool:
-    """The lock, tried a few times over a tenth of a second: another run's check of the folders above
-    its own (`_refuse_held_ancestor`) holds it for an instant, and must not pass for a run."""
+    """The lock, tried a few times over a tenth of a second: another process's probe of the same folder
+    (`_read_lock`: a run checking the folders above its own, `status`) holds it for an instant, and must
+    not pass for a run."""
     for _ in range(5):
         if lock_exclusive(fd, wait=False):
             return True
