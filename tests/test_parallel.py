@@ -250,6 +250,36 @@ def test_deepspeed_in_one_process_steps_as_one_process_without_it(deepspeed_setu
         torch.testing.assert_close(ours, theirs)
 
 
+@pytest.mark.slow  # a fresh interpreter importing DeepSpeed
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("mlflow") is None,
+    reason="needs DeepSpeed and mlflow installed (pip install '.[deepspeed,tracking]')",
+)
+def test_deepspeed_is_imported_without_its_autotuners_mlflow_which_imports_afterwards():
+    """DeepSpeed's autotuner imports mlflow (seconds of every rank's start) though training never runs it:
+    the import through `_import_deepspeed` leaves mlflow out, and `report_to: mlflow` imports it after."""
+    import subprocess
+    import sys
+
+    from conftest import src_env
+
+    script = (
+        "import sys, torch\n"
+        "from llm_trainer.parallel.deepspeed_engine import _import_deepspeed\n"
+        "_import_deepspeed(torch.device('cpu'))\n"
+        "from deepspeed.autotuning import autotuner\n"
+        "print('mlflow' in sys.modules, autotuner.has_mlflow)\n"
+        "import mlflow\n"
+        "print(mlflow.__name__)\n"
+        "import llm_trainer.parallel.deepspeed_engine as engine\n"
+        "with engine._mlflow_hidden():\n"  # already imported: left as it is
+        "    print(sys.modules['mlflow'] is mlflow)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=src_env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False", "mlflow", "True"]
+
+
 # -- distributed.setup -----------------------------------------------------------------------------
 
 

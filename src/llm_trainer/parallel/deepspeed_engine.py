@@ -24,12 +24,14 @@ unpickler with only `checkpoint.safe_pickle.DEEPSPEED`'s classes allowed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +55,8 @@ Setting = tuple[str, str, Any]  # (where in the DeepSpeed file, TrainingConfig f
 def _import_deepspeed(device: torch.device):
     try:
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else "cuda")
-        import deepspeed
+        with _mlflow_hidden():
+            import deepspeed
     except ImportError:
         raise UsageError(
             "distributed_strategy deepspeed needs DeepSpeed: pip install '.[deepspeed]' "
@@ -67,6 +70,22 @@ def _import_deepspeed(device: torch.device):
         if hasattr(comm, "build_shm_op"):
             comm.build_shm_op = lambda: None
     return deepspeed
+
+
+@contextlib.contextmanager
+def _mlflow_hidden():
+    """DeepSpeed's autotuner, which training never runs, imports mlflow as DeepSpeed is imported when it
+    is installed: seconds of every rank's start. While DeepSpeed is imported, `import mlflow` fails
+    unless mlflow is imported already (the autotuner then leaves it unused); afterwards it imports as
+    usual, for `report_to: mlflow`."""
+    hidden = "mlflow" not in sys.modules
+    if hidden:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if hidden and sys.modules.get("mlflow", 0) is None:
+            del sys.modules["mlflow"]
 
 
 # Sections this module reads entries of: each must be a JSON object where given
