@@ -194,6 +194,29 @@ def test_an_evaluation_leaves_the_random_generators_where_they_were():
     assert draws() == expected
 
 
+def test_the_environment_report_is_asked_for_once_per_process(monkeypatch):
+    """lm-eval records torch's report of the environment (`pip list`, `lscpu`: a second or two) in every
+    result: the evaluations of a run ask for it once, and each result still holds it; afterwards torch's
+    function is torch's again."""
+    import torch.utils.collect_env as collect_env
+
+    from llm_trainer.downstream import evaluate_tasks, tasks
+
+    asked = []
+
+    def report():
+        asked.append(1)
+        return f"report {len(asked)}"
+
+    monkeypatch.setattr(tasks, "_ENVIRONMENT", {})
+    monkeypatch.setattr(collect_env, "get_pretty_env_info", report)
+    tokenizer = _tokenizer()
+    model = _model(tokenizer, "gpt2", max_seq_len=128)
+    results = [evaluate_tasks(model, tokenizer, "llmt_choice", limit=2, batch_size=2) for _ in range(2)]
+    assert [r["pretty_env_info"] for r in results] == ["report 1", "report 1"] and len(asked) == 1
+    assert collect_env.get_pretty_env_info is report
+
+
 def test_shared_context_batches_match_one_request_at_a_time():
     """Batching by length and reusing a context's KV cache for each continuation give the numbers of
     one request at a time, each computed from scratch by the plain forward."""

@@ -62,15 +62,19 @@ def quiet_lm_eval() -> Iterator[None]:
     """While lm-eval evaluates: no progress bars from its loops over documents and requests (one bar per
     task and request type at every evaluation, between the training log's lines), and its record of the
     working directory's git commit asked of git quietly (lm-eval lets git print "fatal: not a git
-    repository" outside one). Its warnings and errors still show."""
+    repository" outside one). Its record of the environment (torch's report: `pip list`, `lscpu` and more,
+    a second or two on every rank) is asked for once per process, not at every evaluation of a run.
+    Its warnings and errors still show."""
     import lm_eval.api.model
     import lm_eval.api.task
     import lm_eval.evaluator
+    import torch.utils.collect_env
 
     swaps = [
         (lm_eval.api.task, "tqdm", _no_bar),
         (lm_eval.api.model, "tqdm", _no_bar),
         (lm_eval.evaluator, "get_git_commit_hash", _git_commit),
+        (torch.utils.collect_env, "get_pretty_env_info", _once(torch.utils.collect_env.get_pretty_env_info)),
     ]
     saved = [(module, name, getattr(module, name)) for module, name, _ in swaps]
     try:
@@ -117,6 +121,20 @@ def _no_bar(*args, **kwargs):
     from tqdm import tqdm
 
     return tqdm(*args, **{**kwargs, "disable": True})
+
+
+_ENVIRONMENT: dict[str, str] = {}  # torch's report of this process's environment, once asked
+
+
+def _once(report):
+    """`report()` (torch's `get_pretty_env_info`) asked the first time only; its text kept for the process."""
+
+    def kept() -> str:
+        if "report" not in _ENVIRONMENT:
+            _ENVIRONMENT["report"] = report()
+        return _ENVIRONMENT["report"]
+
+    return kept
 
 
 def _git_commit() -> str | None:
