@@ -24,6 +24,13 @@ os.environ.setdefault("LLM_TRAINER_PLOTS", "0")
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+# Where Python is told not to write bytecode (PYTHONDONTWRITEBYTECODE), each of the hundreds of processes
+# the tests start compiles the package from source again, and each pytest worker rewrites every test
+# file's asserts again: a third of a second and seconds, every time. The tests write it, as Python does by
+# default: in __pycache__ folders beside the sources (git-ignored); the processes they start inherit that.
+if sys.dont_write_bytecode:
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
 
 
 def tiny_model_config(**overrides):

@@ -6,6 +6,7 @@ together equals the single process's batch).
 """
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -461,7 +462,7 @@ def _is_rank(pid: str, rank: str, launcher: int) -> bool:
 # -- DeepSpeed ZeRO, through DeepSpeed's own engine ---------------------------------------------------
 
 needs_deepspeed = pytest.mark.skipif(
-    subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True).returncode != 0,
+    importlib.util.find_spec("deepspeed") is None,
     reason="DeepSpeed is not installed (pip install '.[deepspeed]')",
 )
 SHIPPED = Path(__file__).resolve().parents[1] / "src" / "llm_trainer" / "configs" / "deepspeed"

@@ -12,6 +12,7 @@ test_config_aliases.py, test_parallel.py, ...), so a clone without ../shared run
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -548,7 +549,7 @@ def test_003_yaml_trains_under_fsdp_and_its_sharded_checkpoint_exports(tmp_path)
 
 
 needs_deepspeed = pytest.mark.skipif(
-    subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True).returncode != 0,
+    importlib.util.find_spec("deepspeed") is None,
     reason="DeepSpeed is not installed (pip install '.[deepspeed]')",
 )
 
