@@ -65,20 +65,23 @@ class IterableBatches:
         self.position += 1
         return self._convert(batch)
 
-    def _start_epoch(self, drawn_from: dict | None = None) -> None:
+    def _start_epoch(self) -> None:
         """A new pass over the iterable, its first batch read. A shuffling DataLoader draws the pass's order
         (and its workers' seeds) from torch's random state, or its own generator's, as the pass starts and
-        its first batch is read: that state is kept, and a resume in this pass starts from it again
-        (`drawn_from`), so it reads the same order."""
-        generator = getattr(self.iterable, "generator", None)
-        generator = generator if isinstance(generator, torch.Generator) else None
-        now = None
-        if drawn_from is None:
-            self._epoch_start = {"torch": _encoded(torch.get_rng_state())}
-            if generator is not None:
-                self._epoch_start["generator"] = _encoded(generator.get_state())
-        else:
-            now = torch.get_rng_state()  # the run's own stream goes on from the checkpoint's, restored below
+        its first batch is read: that state is kept (`epoch_start` in the position), so that a resume in
+        this pass starts from it again (`_replay_epoch_start`) and reads the same order."""
+        generator = self._generator()
+        self._epoch_start = {"torch": _encoded(torch.get_rng_state())}
+        if generator is not None:
+            self._epoch_start["generator"] = _encoded(generator.get_state())
+        self._open_pass()
+
+    def _replay_epoch_start(self, drawn_from: dict) -> None:
+        """The pass a checkpoint was saved in, started again from the random states it started from; the
+        run's own random stream then goes on from the checkpoint's, as if the pass had not been started."""
+        generator = self._generator()
+        now = torch.get_rng_state()
+        try:
             try:
                 torch.set_rng_state(_decoded(drawn_from["torch"]))
                 if generator is not None and "generator" in drawn_from:
@@ -86,12 +89,18 @@ class IterableBatches:
             except (KeyError, RuntimeError):
                 raise TypeError("epoch_start does not hold torch's random states") from None
             self._epoch_start = drawn_from
-        try:
-            it = iter(self.iterable)
-            first = next(it, _END)
+            self._open_pass()
         finally:
-            if now is not None:
-                torch.set_rng_state(now)
+            torch.set_rng_state(now)
+
+    def _generator(self) -> torch.Generator | None:
+        generator = getattr(self.iterable, "generator", None)
+        return generator if isinstance(generator, torch.Generator) else None
+
+    def _open_pass(self) -> None:
+        """An iterator over the iterable with its first batch read (a DataLoader draws its order then)."""
+        it = iter(self.iterable)
+        first = next(it, _END)
         self._it = it if first is _END else itertools.chain([first], it)
 
     def __iter__(self):
@@ -124,7 +133,10 @@ class IterableBatches:
         if start is not None and not (isinstance(start, dict) and all(isinstance(v, str) for v in start.values())):
             raise TypeError(f"epoch_start {str(start)[:60]!r} is not a mapping of random states")
         self.epoch = epoch
-        self._start_epoch(drawn_from=start)
+        if start is None:  # a position saved without the pass's random states: this run's own draw
+            self._start_epoch()
+        else:
+            self._replay_epoch_start(start)
         for taken in range(position):
             if next(self._it, None) is None:
                 raise ValueError(
