@@ -203,3 +203,23 @@ def test_the_best_model_is_chosen_over_the_batches_every_evaluation_covers(tmp_p
     assert summary["best_val_loss"] == pytest.approx(first_batch)
     meta = json.loads((tmp_path / "r" / "checkpoints" / "best_model" / "meta.json").read_text())
     assert meta["metrics"]["step"] == 15
+
+
+def test_a_saved_pass_start_that_cannot_be_replayed_is_refused_and_leaves_torchs_random_state():
+    """A position whose `epoch_start` holds torch's state but a generator state the DataLoader's generator
+    refuses: a TypeError, and torch's random stream goes on where it was (nothing half-restored)."""
+    import base64
+
+    from llm_trainer.train.batches import IterableBatches
+
+    rows = torch.arange(8 * 5).reshape(8, 5)
+    data = torch.utils.data.DataLoader(rows, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(1))
+    loader = IterableBatches(data, torch.device("cpu"))
+    torch.manual_seed(3)
+    elsewhere = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")
+    torch.manual_seed(4)
+    before = torch.get_rng_state()
+    broken = {"torch": elsewhere, "generator": base64.b64encode(b"not a state").decode("ascii")}
+    with pytest.raises(TypeError, match="does not hold torch's random states"):
+        loader.load_state_dict({"epoch": 1, "position": 1, "processes": 1, "epoch_start": broken})
+    assert torch.equal(torch.get_rng_state(), before)
