@@ -74,10 +74,10 @@ def _import_deepspeed(device: torch.device):
 
 @contextlib.contextmanager
 def _mlflow_hidden():
-    """DeepSpeed's autotuner, which training never runs, imports mlflow as DeepSpeed is imported when it
-    is installed: seconds of every rank's start. While DeepSpeed is imported, `import mlflow` fails
-    unless mlflow is imported already (the autotuner then leaves it unused); afterwards it imports as
-    usual, for `report_to: mlflow`."""
+    """Where mlflow is installed, DeepSpeed's import imports it too, for its autotuner, which training
+    never runs: seconds of every rank's start. While DeepSpeed is imported, `import mlflow` fails unless
+    mlflow is imported already (the autotuner then leaves it unused); afterwards it imports as usual, for
+    `report_to: mlflow`."""
     hidden = "mlflow" not in sys.modules
     if hidden:
         sys.modules["mlflow"] = None  # type: ignore[assignment]
