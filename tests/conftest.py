@@ -1,5 +1,6 @@
 """Shared fixtures: tiny configs and a tiny corpus, all in temporary folders."""
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -31,6 +32,13 @@ if _WORKERS > 1:
 if sys.dont_write_bytecode:
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     sys.dont_write_bytecode = False
+
+
+# DeepSpeed is optional (`.[deepspeed]`): its tests skip, saying how to install it, where it is not.
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="DeepSpeed is not installed (pip install '.[deepspeed]')",
+)
 
 
 def tiny_model_config(**overrides):

@@ -210,13 +210,13 @@ def test_a_saved_pass_start_that_cannot_be_replayed_is_refused_and_leaves_torchs
     refuses: a TypeError, and torch's random stream goes on where it was (nothing half-restored)."""
     import base64
 
-    from llm_trainer.train.batches import IterableBatches
+    from llm_trainer.train.batches import IterableBatches, _encoded
 
     rows = torch.arange(8 * 5).reshape(8, 5)
     data = torch.utils.data.DataLoader(rows, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(1))
     loader = IterableBatches(data, torch.device("cpu"))
     torch.manual_seed(3)
-    elsewhere = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")
+    elsewhere = _encoded(torch.get_rng_state())
     torch.manual_seed(4)
     before = torch.get_rng_state()
     broken = {"torch": elsewhere, "generator": base64.b64encode(b"not a state").decode("ascii")}

@@ -6,7 +6,6 @@ together equals the single process's batch).
 """
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import once_per_session, src_env
+from conftest import needs_deepspeed, once_per_session, src_env
 
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available"),
@@ -461,10 +460,6 @@ def _is_rank(pid: str, rank: str, launcher: int) -> bool:
 
 # -- DeepSpeed ZeRO, through DeepSpeed's own engine ---------------------------------------------------
 
-needs_deepspeed = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None,
-    reason="DeepSpeed is not installed (pip install '.[deepspeed]')",
-)
 SHIPPED = Path(__file__).resolve().parents[1] / "src" / "llm_trainer" / "configs" / "deepspeed"
 
 

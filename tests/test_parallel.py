@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conftest import tiny_loaders, tiny_model
+from conftest import needs_deepspeed, tiny_loaders, tiny_model
 from llm_trainer.config import TrainingConfig
 from llm_trainer.errors import UsageError
 from llm_trainer.parallel.distributed import DistInfo, setup
@@ -221,7 +221,7 @@ def test_fsdp_with_amp_gathers_bf16_weights_for_compute_and_keeps_float32_ones(g
 # -- DeepSpeed -------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+@needs_deepspeed
 def test_deepspeed_in_one_process_steps_as_one_process_without_it(deepspeed_setup):
     """ZeRO-2 from the DeepSpeed file; DeepSpeed's engine runs backward, clipping and our optimizer's
     step, and two accumulated micro-batches change the weights exactly as the plain loop does."""

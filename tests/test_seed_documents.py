@@ -12,7 +12,6 @@ test_config_aliases.py, test_parallel.py, ...), so a clone without ../shared run
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -25,7 +24,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO_SRC, free_port, src_env, tiny_loaders, tiny_model, write_corpus
+from conftest import REPO_SRC, free_port, needs_deepspeed, src_env, tiny_loaders, tiny_model, write_corpus
 from llm_trainer.cli import main
 from llm_trainer.config import ExperimentConfig, ModelConfig, TrainingConfig
 from llm_trainer.config_loader import load_experiment
@@ -546,12 +545,6 @@ def test_003_yaml_trains_under_fsdp_and_its_sharded_checkpoint_exports(tmp_path)
 
 # ==================================================================================================
 # 000 and 002: the ZeRO-3 JSON, early stopping
-
-
-needs_deepspeed = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None,
-    reason="DeepSpeed is not installed (pip install '.[deepspeed]')",
-)
 
 
 def zero3_json(**changes: str) -> dict:
