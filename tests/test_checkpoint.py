@@ -1263,3 +1263,27 @@ def test_wrapper_parts_leave_parameter_names_and_nothing_else_does():
     assert clean_name("blocks.0._fsdp_wrapped_module.mlp.up.weight") == "blocks.0.mlp.up.weight"
     assert clean_name("encoder.submodule.weight") == "encoder.submodule.weight"  # a model's own names stay
     assert clean_name("encoder.module.weight") == "encoder.module.weight"
+
+
+def test_shards_read_in_one_process_load_without_dcps_one_process_warning(tmp_path):
+    """A sharded checkpoint read by one process (`eval`, `export`, `generate` of an FSDP run, or its resume
+    in one process): the values are loaded and the console gets no warning from DCP that it assumes one
+    process, which is what was asked for."""
+    import warnings
+
+    from llm_trainer.checkpoint import sharded
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=sharded.ONE_PROCESS_WARNING)  # the save's own: not ours to read
+        sharded.save_sharded(model, optimizer, tmp_path / "sharded")()
+    fresh = nn.Linear(4, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sharded.load_sharded(fresh, None, tmp_path / "sharded")
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+    assert [str(w.message) for w in caught] == []

@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -292,6 +293,10 @@ class SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
+# What dcp.load warns whenever it reads in one process, even where it was told to (`no_dist=True`).
+ONE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
 def _load(state: dict, directory: Path, no_dist: bool = False, store: str | None = None) -> None:
     """dcp.load through the safe reader (of `store`, the URL of the `sharded/` folder, when the shards
     live there) and planner. The metadata is checked here first, so a refusal comes out as itself (not
@@ -304,7 +309,10 @@ def _load(state: dict, directory: Path, no_dist: bool = False, store: str | None
         reader = StoreReader(store, FolderFiles.of(Path(directory).parent))
     _check_records(reader.read_metadata(), state, reader.source)
     try:
-        dcp.load(state, storage_reader=reader, planner=SafePlanner(), no_dist=no_dist)
+        with warnings.catch_warnings():
+            if no_dist:  # asked for: DCP's warning that it assumes one process would be noise on the console
+                warnings.filterwarnings("ignore", message=ONE_PROCESS_WARNING, category=UserWarning)
+            dcp.load(state, storage_reader=reader, planner=SafePlanner(), no_dist=no_dist)
     except CheckpointException as exc:
         failures = [failure[0] if isinstance(failure, tuple) else failure for failure in exc.failures.values()]
         for failure in failures:
