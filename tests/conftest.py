@@ -154,6 +154,23 @@ def src_env() -> dict:
     return {**env, "PYTHONPATH": str(REPO_SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
+def cli_in_process(args, cwd, capfd, monkeypatch) -> subprocess.CompletedProcess:
+    """`llm-trainer ARGS` run by this process in `cwd`, returned as a child's run would be (exit status,
+    stdout, stderr): without an interpreter's and torch's start, which are most of a tiny run's cost. For
+    tests whose subject is what a command does; signals, kills, locks and the entry point itself are
+    tested in child processes."""
+    from llm_trainer import cli
+
+    monkeypatch.chdir(cwd)
+    capfd.readouterr()
+    try:
+        code = cli.main([str(a) for a in args])
+    except SystemExit as exc:  # argparse's own usage errors
+        code = exc.code
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
 def kill9_when(script: str, ready, what: str, timeout: float = 60) -> None:
     """Run `script` in a child Python; once `ready()` is true, kill it with SIGKILL (a crash at that point)."""
     proc = subprocess.Popen(

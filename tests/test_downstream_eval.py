@@ -251,11 +251,11 @@ def _cli(*args, cwd):
 
 
 @pytest.mark.slow
-def test_training_logs_downstream_rows_and_best_model_follows_a_task_metric(tmp_path):
+def test_training_logs_downstream_rows_and_best_model_follows_a_task_metric(tmp_path, capfd, monkeypatch):
     """training.eval_tasks: `downstream` rows in metrics.jsonl at each evaluation; best_model/ follows
     metric_for_best_model; `eval --tasks` on the checkpoint writes lm-eval's results JSON and prints its
     table, with the truncation of prompts longer than the 24-token context said in one line."""
-    from conftest import write_tiny_experiment
+    from conftest import cli_in_process, write_tiny_experiment
 
     config = write_tiny_experiment(
         tmp_path,
@@ -263,7 +263,7 @@ def test_training_logs_downstream_rows_and_best_model_follows_a_task_metric(tmp_
         eval_tasks_limit=6,
         metric_for_best_model="downstream/llmt_choice/acc",
     )
-    done = _cli("train", "--config", str(config), cwd=tmp_path)
+    done = cli_in_process(["train", "--config", config], tmp_path, capfd, monkeypatch)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     downstream = [row for row in rows if row["kind"] == "downstream"]
@@ -274,18 +274,8 @@ def test_training_logs_downstream_rows_and_best_model_follows_a_task_metric(tmp_
     assert "downstream/llmt_choice/acc" in json.dumps(meta)
 
     out = tmp_path / "results.json"
-    done = _cli(
-        "eval",
-        "--checkpoint",
-        str(tmp_path / "run"),
-        "--tasks",
-        "llmt_choice,llmt_exact",
-        "--limit",
-        "5",
-        "--output",
-        str(out),
-        cwd=tmp_path,
-    )
+    evaluate = ["eval", "--checkpoint", tmp_path / "run", "--tasks", "llmt_choice,llmt_exact", "--limit", "5"]
+    done = cli_in_process([*evaluate, "--output", out], tmp_path, capfd, monkeypatch)
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())
     assert set(results["results"]) == {"llmt_choice", "llmt_exact"} and "acc,none" in results["results"]["llmt_choice"]
@@ -303,13 +293,18 @@ def test_training_logs_downstream_rows_and_best_model_follows_a_task_metric(tmp_
         (["--tasks", "missing/task.yaml"], "not found"),
     ],
 )
-def test_eval_tasks_bad_input_is_one_line(tmp_path, args, message):
+def test_eval_tasks_bad_input_is_one_line(tmp_path, monkeypatch, capfd, args, message):
     """An unknown task (with the closest names), a Hub task offline (how to point it at local files),
-    --limit 0, a missing task file: one line, exit status 2, no traceback, before any model loads."""
-    done = _cli("eval", "--checkpoint", str(tmp_path), *args, cwd=tmp_path)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert message in done.stderr and "Traceback" not in done.stderr
-    assert len([line for line in done.stderr.splitlines() if line.startswith("error:")]) == 1
+    --limit 0, a missing task file: one line, exit status 2, no traceback, before any model loads. (The CLI
+    in this process: lm-eval's index of its own tasks, built at the first of these, serves the rest.)"""
+    from llm_trainer.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path), *args]) == 2
+    err = capfd.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, err
 
 
 @pytest.mark.slow  # a subprocess CLI
@@ -370,23 +365,29 @@ from llm_trainer.config import TrainingConfig
 from llm_trainer.downstream import evaluate_tasks, scores
 from llm_trainer.parallel.parallelize import apply_fsdp, device_mesh
 tokenizer = _tokenizer()
-model = _model(tokenizer, "llama")
-if sys.argv[5] == "fsdp":  # each rank holds its shards of every weight, as FSDP training leaves them
-    config, cpu = TrainingConfig(distributed_strategy="fsdp"), torch.device("cpu")
-    apply_fsdp(model, config, cpu, None, device_mesh(config, cpu))
-results = evaluate_tasks(model, tokenizer, sys.argv[3], num_fewshot=int(sys.argv[4]), limit=7, batch_size=3)
+together = {}
+for sharding, shots in json.loads(sys.argv[4]):
+    model = _model(tokenizer, "llama")
+    if sharding == "fsdp":  # each rank holds its shards of every weight, as FSDP training leaves them
+        config, cpu = TrainingConfig(distributed_strategy="fsdp"), torch.device("cpu")
+        apply_fsdp(model, config, cpu, None, device_mesh(config, cpu))
+    results = evaluate_tasks(model, tokenizer, sys.argv[3], num_fewshot=shots, limit=7, batch_size=3)
+    if torch.distributed.get_rank() == 0:
+        together[f"{sharding}-{shots}"] = scores(results)
+    else:
+        assert results is None
 if torch.distributed.get_rank() == 0:
-    open(sys.argv[1], "w").write(json.dumps(scores(results)))
-else:
-    assert results is None
+    open(sys.argv[1], "w").write(json.dumps(together))
 torch.distributed.barrier()  # both ranks done with the group before either tears it down
 torch.distributed.destroy_process_group()
 """
 
+# (how each rank holds the weights, few-shot examples): one launch of two ranks evaluates them in turn
+SHARES = [("whole", 0), ("whole", 2), ("fsdp", 2)]
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding, shots", [("whole", 0), ("whole", 2), ("fsdp", 2)])
-def test_two_processes_score_their_shares_and_equal_one_process(tmp_path, sharding, shots):
+def test_two_processes_score_their_shares_and_equal_one_process(tmp_path):
     """Under torchrun (2 CPU processes, gloo) each rank scores its share of the batches (7 items per task,
     batches of 3: one rank has more to do) and rank 0's scores equal one process's: with few-shot
     examples too (every rank builds the requests one process builds, the examples drawn alike), and with
@@ -404,20 +405,24 @@ def test_two_processes_score_their_shares_and_equal_one_process(tmp_path, shardi
     env = {**src_env(), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}"]
     done = subprocess.run(
-        [*command, str(script), str(out), str(Path(__file__).parent), tasks, str(shots), sharding],
+        [*command, str(script), str(out), str(Path(__file__).parent), tasks, json.dumps(SHARES)],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    tokenizer = _tokenizer()
-    model = _model(tokenizer, "llama")
-    alone = scores(evaluate_tasks(model, tokenizer, tasks, num_fewshot=shots, limit=7, batch_size=3))
     together = json.loads(out.read_text())
-    assert set(together) == set(BUILTIN)
-    for task, metrics in alone.items():
-        assert together[task] == pytest.approx(metrics, rel=1e-5), task
+    assert set(together) == {f"{sharding}-{shots}" for sharding, shots in SHARES}
+    tokenizer = _tokenizer()
+    for shots in sorted({shots for _, shots in SHARES}):
+        alone = scores(
+            evaluate_tasks(_model(tokenizer, "llama"), tokenizer, tasks, num_fewshot=shots, limit=7, batch_size=3)
+        )
+        for case in [f"{sharding}-{n}" for sharding, n in SHARES if n == shots]:
+            assert set(together[case]) == set(BUILTIN), case
+            for task, metrics in alone.items():
+                assert together[case][task] == pytest.approx(metrics, rel=1e-5), (case, task)
 
 
 TRAINING_OPTIONS = dict(
@@ -530,13 +535,13 @@ def test_downstream_rows_reach_the_backends_as_task_and_metric():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
-def test_eval_tasks_reads_sharded_checkpoints(tmp_path, strategy):
+def test_eval_tasks_reads_sharded_checkpoints(tmp_path, capfd, monkeypatch, strategy):
     """A checkpoint of FSDP (its shards gathered) or DeepSpeed (2 CPU processes) gives the scores of its
     best_model/ (whole weights, same step)."""
     import subprocess
     import sys
 
-    from conftest import free_port, src_env, write_tiny_experiment
+    from conftest import cli_in_process, free_port, src_env, write_tiny_experiment
 
     if strategy == "deepspeed":
         pytest.importorskip("deepspeed")
@@ -548,9 +553,8 @@ def test_eval_tasks_reads_sharded_checkpoints(tmp_path, strategy):
     assert done.returncode == 0, done.stderr[-3000:]
     results = {}
     for name, folder in (("checkpoint", tmp_path / "run"), ("best", tmp_path / "run/checkpoints/best_model")):
-        done = _cli(
-            "eval", "--checkpoint", str(folder), "--tasks", "llmt_choice", "--limit", "6", "--json", cwd=tmp_path
-        )
+        evaluate = ["eval", "--checkpoint", folder, "--tasks", "llmt_choice", "--limit", "6", "--json"]
+        done = cli_in_process(evaluate, tmp_path, capfd, monkeypatch)
         assert done.returncode == 0, done.stderr[-3000:]
         results[name] = json.loads(done.stdout.strip().splitlines()[-1])
     assert results["checkpoint"]["llmt_choice"] == pytest.approx(results["best"]["llmt_choice"], rel=1e-5)

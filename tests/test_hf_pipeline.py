@@ -3,22 +3,16 @@ and continue pretraining a transformers model with `model.init_from`."""
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
 
-pytestmark = pytest.mark.slow  # several processes / real training runs: the full tier only
+from conftest import cli_in_process
+
+pytestmark = pytest.mark.slow  # real training runs and exports: the full tier only
 
 transformers = pytest.importorskip("transformers")
-
-
-def _cli(*args, cwd):
-    return subprocess.run(
-        [sys.executable, "-m", "llm_trainer", *args], capture_output=True, text=True, cwd=cwd, timeout=300
-    )
 
 
 def _experiment(tmp_path, corpus, architecture, **model):
@@ -42,16 +36,21 @@ def _experiment(tmp_path, corpus, architecture, **model):
 
 
 @pytest.mark.parametrize("architecture, model", [("gpt2", {}), ("llama", {"n_kv_heads": 1})])
-def test_exported_perplexity_equals_llm_trainer_eval(tmp_path, corpus, architecture, model):
+def test_exported_perplexity_equals_llm_trainer_eval(tmp_path, corpus, capfd, monkeypatch, architecture, model):
+    """Trained, exported and evaluated by the CLI (in this process), measured by transformers alone."""
     _experiment(tmp_path, corpus, architecture, **model)
-    assert _cli("train", "--config", "exp.yaml", cwd=tmp_path).returncode == 0
-    exported = _cli("export", "--checkpoint", "run", "--output", "hf", cwd=tmp_path)
+    assert cli_in_process(["train", "--config", "exp.yaml"], tmp_path, capfd, monkeypatch).returncode == 0
+    exported = cli_in_process(["export", "--checkpoint", "run", "--output", "hf"], tmp_path, capfd, monkeypatch)
     assert exported.returncode == 0, exported.stderr
 
     text_file = tmp_path / "val.txt"
     # (no newline at the end: eval --data cleans its text as prepare does, which strips it)
     text_file.write_text(("the fox sat on the mat number 5.\nthe bird sat on the mat number 2.\n" * 8).rstrip("\n"))
-    ours = json.loads(_cli("eval", "--checkpoint", "run", "--data", str(text_file), "--json", cwd=tmp_path).stdout)
+    ours = json.loads(
+        cli_in_process(
+            ["eval", "--checkpoint", "run", "--data", str(text_file), "--json"], tmp_path, capfd, monkeypatch
+        ).stdout
+    )
 
     # transformers, on its own: the same text, windows of max_seq_len + 1 tokens with stride max_seq_len.
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -69,7 +68,7 @@ def test_exported_perplexity_equals_llm_trainer_eval(tmp_path, corpus, architect
     assert math.exp(total / count) == pytest.approx(ours["perplexity"], rel=1e-4)
 
 
-def test_continue_pretraining_a_transformers_model(tmp_path, corpus):
+def test_continue_pretraining_a_transformers_model(tmp_path, corpus, capfd, monkeypatch):
     """model.init_from a transformers LLaMA folder: its weights and tokenizer are the starting point."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -114,7 +113,7 @@ def test_continue_pretraining_a_transformers_model(tmp_path, corpus):
         "data": {"data_files": [str(corpus)], "max_length": 32},
     }
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(config))
-    result = _cli("train", "--config", "exp.yaml", cwd=tmp_path)
+    result = cli_in_process(["train", "--config", "exp.yaml"], tmp_path, capfd, monkeypatch)
     assert result.returncode == 0, result.stderr
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["model"]["architecture"] == "llama" and saved["model"]["n_kv_heads"] == 1

@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 import yaml
 
-from conftest import free_port, kill9_when, src_env, write_corpus
+from conftest import cli_in_process, free_port, kill9_when, src_env, write_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -116,19 +116,12 @@ def _cli(args, endpoint: str, cwd, timeout: float = 300) -> subprocess.Completed
 
 
 def _cli_here(args, cwd, capfd, monkeypatch) -> subprocess.CompletedProcess:
-    """The CLI run in this process, for the refusals that end before any training: what `_cli` gives
-    without an interpreter's start. s3fs's filesystems are made afresh, as in a new process; the
-    server's address and the credentials are the ones `s3_server` put in the environment."""
+    """`_cli` run in this process (`cli_in_process`): s3fs's filesystems are made afresh, as in a new
+    process; the server's address and the credentials are the ones `s3_server` put in the environment."""
     import s3fs
 
-    from llm_trainer import cli
-
     s3fs.S3FileSystem.clear_instance_cache()
-    monkeypatch.chdir(cwd)
-    capfd.readouterr()
-    code = cli.main([str(a) for a in args])
-    out, err = capfd.readouterr()
-    return subprocess.CompletedProcess(args, code, out, err)
+    return cli_in_process(args, cwd, capfd, monkeypatch)
 
 
 def _experiment(root, bucket: str, **training) -> "os.PathLike":
@@ -251,8 +244,7 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
     fs, bucket = s3
     _upload_corpus(fs, bucket, tmp_path)
     config = _experiment(tmp_path, bucket, save_total_limit=1)
-    endpoint = os.environ["AWS_ENDPOINT_URL"]
-    done = _cli(["train", "--config", str(config)], endpoint, tmp_path)
+    done = _cli_here(["train", "--config", str(config)], tmp_path, capfd, monkeypatch)
     assert done.returncode == 0, done.stderr
     assert _latest(fs, bucket) == "checkpoint-00000006"
     names = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/checkpoints")}
@@ -260,8 +252,11 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
     assert {"checkpoint-00000006", "latest", "best_model"} <= names
     # Export straight into the bucket: a transformers folder, config.json uploaded last.
     pytest.importorskip("transformers")
-    exported = _cli(
-        ["export", "--checkpoint", str(tmp_path / "run"), "--output", f"s3://{bucket}/hf-model"], endpoint, tmp_path
+    exported = _cli_here(
+        ["export", "--checkpoint", str(tmp_path / "run"), "--output", f"s3://{bucket}/hf-model"],
+        tmp_path,
+        capfd,
+        monkeypatch,
     )
     assert exported.returncode == 0, exported.stderr
     fs.invalidate_cache()
@@ -269,7 +264,7 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
         p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/hf-model")
     }
     # A new run starts from the best model in the bucket (model.init_from a URL), read as any folder.
-    tuned = _cli(
+    tuned = _cli_here(
         [
             "train",
             "--config",
@@ -279,8 +274,9 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
             f"training.checkpoint_dir=s3://{bucket}/tuned",
             f"model.init_from=s3://{bucket}/checkpoints/best_model",
         ],
-        endpoint,
         tmp_path,
+        capfd,
+        monkeypatch,
     )
     assert tuned.returncode == 0, tuned.stderr
     assert list((tmp_path / "stream" / "models").glob("*/model.safetensors"))
@@ -290,7 +286,7 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
     )
     _one_line_exit_2(fresh, "holds checkpoints already", "--resume_from_checkpoint latest")
     # Another machine: a new output folder and local cache; the run continues from the bucket.
-    more = _cli(
+    more = _cli_here(
         [
             "train",
             "--config",
@@ -301,8 +297,9 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
             "--resume_from_checkpoint",
             "latest",
         ],
-        endpoint,
         tmp_path,
+        capfd,
+        monkeypatch,
     )
     assert more.returncode == 0, more.stderr
     assert "downloaded s3://" in more.stderr + more.stdout

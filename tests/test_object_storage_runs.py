@@ -36,8 +36,7 @@ def test_a_run_folder_in_a_bucket_is_written_resumed_elsewhere_and_refused_twice
     _upload_corpus(fs, bucket, tmp_path)
     url = f"s3://{bucket}/runs/x"
     config = _experiment(tmp_path, bucket, output_dir=url, checkpoint_dir=None, staging_dir=str(tmp_path / "stage"))
-    endpoint = os.environ["AWS_ENDPOINT_URL"]
-    done = _cli(["train", "--config", str(config)], endpoint, tmp_path)
+    done = _cli_here(["train", "--config", str(config)], tmp_path, capfd, monkeypatch)
     assert done.returncode == 0, done.stderr
     first = (done.stderr + done.stdout).strip().splitlines()[0]
     assert url in first and str(tmp_path / "stage") in first  # where the run is written, said first
@@ -52,7 +51,7 @@ def test_a_run_folder_in_a_bucket_is_written_resumed_elsewhere_and_refused_twice
     again = _cli_here(["train", "--config", config], tmp_path, capfd, monkeypatch)
     _one_line_exit_2(again, "holds a finished run", "raise training.max_steps", "--overwrite")
     # Another machine (empty staging folder and local cache): the run continues from the bucket alone.
-    more = _cli(
+    more = _cli_here(
         [
             "train",
             "--config",
@@ -63,8 +62,9 @@ def test_a_run_folder_in_a_bucket_is_written_resumed_elsewhere_and_refused_twice
             "--resume_from_checkpoint",
             "latest",
         ],
-        endpoint,
         tmp_path,
+        capfd,
+        monkeypatch,
     )
     assert more.returncode == 0, more.stderr
     assert "continuing from" in more.stderr + more.stdout
@@ -77,7 +77,9 @@ def test_a_run_folder_in_a_bucket_is_written_resumed_elsewhere_and_refused_twice
     _one_line_exit_2(gone, "no-such-bucket-here", "does not exist", "training.output_dir")
     # Starting over removes what runs write there, and nothing else.
     fs.pipe_file(f"{run}/notes.txt", b"mine")
-    over = _cli(["train", "--config", str(config), "training.max_steps=2", "--overwrite"], endpoint, tmp_path)
+    over = _cli_here(
+        ["train", "--config", str(config), "training.max_steps=2", "--overwrite"], tmp_path, capfd, monkeypatch
+    )
     assert over.returncode == 0, over.stderr
     assert fs.cat_file(f"{run}/notes.txt") == b"mine"
     assert _train_steps(fs.cat_file(f"{run}/metrics.jsonl").decode()) == [2]
@@ -94,22 +96,23 @@ def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replace
     fs, bucket = s3
     _upload_corpus(fs, bucket, tmp_path)
     config = _experiment(tmp_path, bucket, output_dir=f"s3://{bucket}/run", checkpoint_dir=None)
-    endpoint = os.environ["AWS_ENDPOINT_URL"]
-    done = _cli(["train", "--config", str(config)], endpoint, tmp_path)
+    done = _cli_here(["train", "--config", str(config)], tmp_path, capfd, monkeypatch)
     assert done.returncode == 0, done.stderr
     # A run folder's URL means its latest checkpoint, as a local run folder does; downloaded, checked, read.
     text = str(tmp_path / "corpus" / "doc00.txt")
-    scored = _cli(["eval", "--checkpoint", f"s3://{bucket}/run", "--data", text, "--json"], endpoint, tmp_path)
+    scored = _cli_here(
+        ["eval", "--checkpoint", f"s3://{bucket}/run", "--data", text, "--json"], tmp_path, capfd, monkeypatch
+    )
     assert scored.returncode == 0, scored.stderr
     assert json.loads(scored.stdout.strip().splitlines()[-1])["loss"] > 0
     assert "checkpoint-00000006" in scored.stderr + scored.stdout  # the one `latest` names
     # Without --data: the run's validation split, from this machine's copy of the bucket's prepared folder.
-    own = _cli(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], endpoint, tmp_path)
+    own = _cli_here(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], tmp_path, capfd, monkeypatch)
     assert own.returncode == 0, own.stderr
     assert json.loads(own.stdout.strip().splitlines()[-1])["loss"] > 0
     # On a machine that never prepared it: the validation split the run names, fetched from the bucket.
     shutil.rmtree(tmp_path / "stream" / "prepared")
-    elsewhere = _cli(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], endpoint, tmp_path)
+    elsewhere = _cli_here(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], tmp_path, capfd, monkeypatch)
     assert elsewhere.returncode == 0, elsewhere.stderr
     assert json.loads(elsewhere.stdout.strip().splitlines()[-1]) == json.loads(own.stdout.strip().splitlines()[-1])
     (copy,) = (tmp_path / "stream_cache" / "validation").glob("*/*")
@@ -124,17 +127,19 @@ def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replace
     fs.rm(f"{bucket}/prepared", recursive=True)
     gone = _cli_here(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], tmp_path, capfd, monkeypatch)
     _one_line_exit_2(gone, "is not prepared in s3://", "llm-trainer prepare", "--data FILE")
-    sample = _cli(
+    sample = _cli_here(
         ["generate", "--checkpoint", f"s3://{bucket}/run/checkpoints/checkpoint-00000003", "--max-new-tokens", "4"],
-        endpoint,
         tmp_path,
+        capfd,
+        monkeypatch,
     )
     assert sample.returncode == 0, sample.stderr
     local = tmp_path / "hf-local"
-    exported = _cli(
+    exported = _cli_here(
         ["export", "--checkpoint", f"s3://{bucket}/run/checkpoints/best_model", "--output", str(local)],
-        endpoint,
         tmp_path,
+        capfd,
+        monkeypatch,
     )
     assert exported.returncode == 0, exported.stderr
     assert (local / "config.json").is_file()
@@ -145,7 +150,9 @@ def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replace
     _one_line_exit_2(nothing, "holds no checkpoint")
     # export --output URL --overwrite: what an earlier export of ours wrote and this one does not is removed.
     target = f"s3://{bucket}/hf"
-    first = _cli(["export", "--checkpoint", f"s3://{bucket}/run", "--output", target], endpoint, tmp_path)
+    first = _cli_here(
+        ["export", "--checkpoint", f"s3://{bucket}/run", "--output", target], tmp_path, capfd, monkeypatch
+    )
     assert first.returncode == 0, first.stderr
     record = json.loads(fs.cat_file(f"{bucket}/hf/files.json"))
     fs.pipe_file(f"{bucket}/hf/model-00001-of-00002.safetensors", b"old layout")  # as an older export wrote it
@@ -155,8 +162,11 @@ def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replace
         ["export", "--checkpoint", f"s3://{bucket}/run", "--output", target], tmp_path, capfd, monkeypatch
     )
     _one_line_exit_2(refused, "holds files already", "--overwrite")
-    again = _cli(
-        ["export", "--checkpoint", f"s3://{bucket}/run", "--output", target, "--overwrite"], endpoint, tmp_path
+    again = _cli_here(
+        ["export", "--checkpoint", f"s3://{bucket}/run", "--output", target, "--overwrite"],
+        tmp_path,
+        capfd,
+        monkeypatch,
     )
     assert again.returncode == 0, again.stderr
     names = _names(fs, f"{bucket}/hf")

@@ -98,7 +98,7 @@ def test_sharded_writes_into_a_url_with_brackets_rename_and_delete_by_name(s3):
 
 
 @pytest.mark.slow
-def test_train_overwrite_into_a_url_with_brackets_leaves_the_run_it_would_match(s3, tmp_path):
+def test_train_overwrite_into_a_url_with_brackets_leaves_the_run_it_would_match(s3, tmp_path, capfd, monkeypatch):
     fs, bucket = s3
     base._upload_corpus(fs, bucket, tmp_path)
     theirs = {
@@ -113,10 +113,9 @@ def test_train_overwrite_into_a_url_with_brackets_leaves_the_run_it_would_match(
     config = base._experiment(
         tmp_path, bucket, output_dir=url, checkpoint_dir=None, staging_dir=str(tmp_path / "stage"), max_steps=4
     )
-    endpoint = os.environ["AWS_ENDPOINT_URL"]
     args = ["train", "--config", str(config), "training.save_total_limit=1", "training.eval_steps=2"]
     for extra in ([], ["--overwrite"]):
-        done = base._cli([*args, "training.save_steps=2", *extra], endpoint, tmp_path)
+        done = base._cli_here([*args, "training.save_steps=2", *extra], tmp_path, capfd, monkeypatch)
         assert done.returncode == 0, done.stderr
     assert {k for k in _keys(fs, bucket) if k.startswith("runs/exp1/")} == {k[len(bucket) + 1 :] for k in theirs}
     assert all(fs.cat_file(k) == v.encode() for k, v in theirs.items())

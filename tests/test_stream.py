@@ -3,7 +3,6 @@ cache, checksums on arrival, and a training run that streams, against a real S3 
 the fixtures of test_object_storage)."""
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from llm_trainer.data.batches.stream import (
     write_chunk_record,
 )
 from llm_trainer.errors import UsageError
-from test_object_storage import _cli, _experiment, s3, s3_server  # noqa: F401  (fixtures)
+from test_object_storage import _cli_here, _experiment, s3, s3_server  # noqa: F401  (fixtures)
 
 
 @pytest.fixture
@@ -166,16 +165,15 @@ def _losses(run) -> list[float]:
 
 
 @pytest.mark.slow
-def test_training_streams_from_a_bucket_with_the_losses_of_the_local_copy(store, tmp_path):
+def test_training_streams_from_a_bucket_with_the_losses_of_the_local_copy(store, tmp_path, capfd, monkeypatch):
     fs, bucket = store
     words = ["cat", "dog", "bird", "fox", "owl", "eel"]
     for d in range(20):
         lines = [f"the {words[(d + i) % 6]} sat on mat {i % 13} of row {d}.\n" for i in range(150)]
         fs.pipe_file(f"{bucket}/corpus/doc{d:02d}.txt", "".join(lines).encode())
     config = _experiment(tmp_path, bucket, batch_size=32, max_steps=12, save_steps=0, eval_steps=6)
-    endpoint = os.environ["AWS_ENDPOINT_URL"]
     # The run that prepares and uploads the data reads its local copy, in the block order.
-    first = _cli(["train", "--config", str(config), "training.checkpoint_dir=null"], endpoint, tmp_path)
+    first = _cli_here(["train", "--config", str(config), "training.checkpoint_dir=null"], tmp_path, capfd, monkeypatch)
     assert first.returncode == 0, first.stderr
     (folder,) = (tmp_path / "stream" / "prepared").glob("*/*")
     record = json.loads((folder / "train.chunks.json").read_text())
@@ -186,7 +184,7 @@ def test_training_streams_from_a_bucket_with_the_losses_of_the_local_copy(store,
     limit = small + (min_cached(len(record["chunks"])) + 2) * record["chunk_bytes"]
     assert limit < record["size"]
     # Another machine streams the training tokens through a cache smaller than them: the same losses.
-    again = _cli(
+    again = _cli_here(
         [
             "train",
             "--config",
@@ -196,8 +194,9 @@ def test_training_streams_from_a_bucket_with_the_losses_of_the_local_copy(store,
             f"data.stream_cache_dir={tmp_path / 'stream2'}",
             f"data.stream_cache_limit={limit}",
         ],
-        endpoint,
         tmp_path,
+        capfd,
+        monkeypatch,
     )
     assert again.returncode == 0, again.stderr
     assert "training tokens stream" in again.stderr + again.stdout
@@ -214,7 +213,7 @@ def test_training_streams_from_a_bucket_with_the_losses_of_the_local_copy(store,
     config_data = yaml.safe_load(config.read_text())
     config_data["data"]["stream_cache_dir"] = str(tmp_path / "stream3")
     config.write_text(yaml.safe_dump(config_data))
-    whole = _cli(["prepare", "--config", str(config)], endpoint, tmp_path)
+    whole = _cli_here(["prepare", "--config", str(config)], tmp_path, capfd, monkeypatch)
     assert whole.returncode == 0, whole.stderr
     assert (next((tmp_path / "stream3" / "prepared").glob("*/*")) / "train.bin").is_file()
 
