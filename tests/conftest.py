@@ -154,21 +154,40 @@ def src_env() -> dict:
     return {**env, "PYTHONPATH": str(REPO_SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def cli_in_process(args, cwd, capfd, monkeypatch) -> subprocess.CompletedProcess:
+def cli_in_process(args, cwd, threads: int | None = None) -> subprocess.CompletedProcess:
     """`llm-trainer ARGS` run by this process in `cwd`, returned as a child's run would be (exit status,
-    stdout, stderr): without an interpreter's and torch's start, which are most of a tiny run's cost. For
-    tests whose subject is what a command does; signals, kills, locks and the entry point itself are
-    tested in child processes."""
+    and what it printed to stdout and stderr): without an interpreter's and torch's start, which are most
+    of a tiny run's cost. For tests whose subject is what a command does; signals, kills, locks, the
+    entry point itself and DeepSpeed (whose process group lasts as long as its process) are tested in child
+    processes. Like a child it sees no launcher's variables, and with `threads` it computes with that many
+    threads; the working directory, the environment and torch's thread count are restored afterwards."""
+    import contextlib
+    import io
+
+    import torch
+
     from llm_trainer import cli
 
-    monkeypatch.chdir(cwd)
-    capfd.readouterr()
+    environment, here, computing = dict(os.environ), os.getcwd(), torch.get_num_threads()
+    out, err = io.StringIO(), io.StringIO()
     try:
-        code = cli.main([str(a) for a in args])
-    except SystemExit as exc:  # argparse's own usage errors
-        code = exc.code
-    out, err = capfd.readouterr()
-    return subprocess.CompletedProcess(list(args), code, out, err)
+        for name in LAUNCHER_VARIABLES:
+            os.environ.pop(name, None)
+        os.chdir(cwd)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main([str(a) for a in args])
+            except SystemExit as exc:  # argparse's own usage errors
+                code = exc.code
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(environment)
+        torch.set_num_threads(computing)
+    assert not torch.distributed.is_initialized(), "the command left a process group set up in this process"
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def kill9_when(script: str, ready, what: str, timeout: float = 60) -> None:

@@ -21,7 +21,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import needs_deepspeed, once_per_session, src_env
+from conftest import cli_in_process, needs_deepspeed, once_per_session, src_env
 
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available"),
@@ -136,14 +136,21 @@ def _torchrun(workdir, *overrides, nproc=2, check=True):
 
 
 def _single(workdir, *overrides, check=True):
-    result = subprocess.run(
-        [sys.executable, "-m", "llm_trainer", "train", "--config", "exp.yaml", *overrides],
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_env(),
-    )
+    """One process's `train` of `workdir/exp.yaml` with `overrides`: in this process, computing with one
+    thread as the ranks do (`cli_in_process`); under DeepSpeed, which keeps its process group for the
+    life of its process, in a child."""
+    argv = ["train", "--config", "exp.yaml", *overrides]
+    if any("deepspeed" in override for override in overrides):
+        result = subprocess.run(
+            [sys.executable, "-m", "llm_trainer", *argv],
+            cwd=workdir,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=_env(),
+        )
+    else:
+        result = cli_in_process(argv, workdir, threads=1)
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
     return result

@@ -251,7 +251,7 @@ def _cli(*args, cwd):
 
 
 @pytest.mark.slow
-def test_training_logs_downstream_rows_and_best_model_follows_a_task_metric(tmp_path, capfd, monkeypatch):
+def test_training_logs_downstream_rows_and_best_model_follows_a_task_metric(tmp_path):
     """training.eval_tasks: `downstream` rows in metrics.jsonl at each evaluation; best_model/ follows
     metric_for_best_model; `eval --tasks` on the checkpoint writes lm-eval's results JSON and prints its
     table, with the truncation of prompts longer than the 24-token context said in one line."""
@@ -263,7 +263,7 @@ def test_training_logs_downstream_rows_and_best_model_follows_a_task_metric(tmp_
         eval_tasks_limit=6,
         metric_for_best_model="downstream/llmt_choice/acc",
     )
-    done = cli_in_process(["train", "--config", config], tmp_path, capfd, monkeypatch)
+    done = cli_in_process(["train", "--config", config], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     downstream = [row for row in rows if row["kind"] == "downstream"]
@@ -275,7 +275,7 @@ def test_training_logs_downstream_rows_and_best_model_follows_a_task_metric(tmp_
 
     out = tmp_path / "results.json"
     evaluate = ["eval", "--checkpoint", tmp_path / "run", "--tasks", "llmt_choice,llmt_exact", "--limit", "5"]
-    done = cli_in_process([*evaluate, "--output", out], tmp_path, capfd, monkeypatch)
+    done = cli_in_process([*evaluate, "--output", out], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())
     assert set(results["results"]) == {"llmt_choice", "llmt_exact"} and "acc,none" in results["results"]["llmt_choice"]
@@ -554,7 +554,7 @@ def test_eval_tasks_reads_sharded_checkpoints(tmp_path, capfd, monkeypatch, stra
     results = {}
     for name, folder in (("checkpoint", tmp_path / "run"), ("best", tmp_path / "run/checkpoints/best_model")):
         evaluate = ["eval", "--checkpoint", folder, "--tasks", "llmt_choice", "--limit", "6", "--json"]
-        done = cli_in_process(evaluate, tmp_path, capfd, monkeypatch)
+        done = cli_in_process(evaluate, tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
         results[name] = json.loads(done.stdout.strip().splitlines()[-1])
     assert results["checkpoint"]["llmt_choice"] == pytest.approx(results["best"]["llmt_choice"], rel=1e-5)

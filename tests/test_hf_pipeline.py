@@ -39,17 +39,15 @@ def _experiment(tmp_path, corpus, architecture, **model):
 def test_exported_perplexity_equals_llm_trainer_eval(tmp_path, corpus, capfd, monkeypatch, architecture, model):
     """Trained, exported and evaluated by the CLI (in this process), measured by transformers alone."""
     _experiment(tmp_path, corpus, architecture, **model)
-    assert cli_in_process(["train", "--config", "exp.yaml"], tmp_path, capfd, monkeypatch).returncode == 0
-    exported = cli_in_process(["export", "--checkpoint", "run", "--output", "hf"], tmp_path, capfd, monkeypatch)
+    assert cli_in_process(["train", "--config", "exp.yaml"], tmp_path).returncode == 0
+    exported = cli_in_process(["export", "--checkpoint", "run", "--output", "hf"], tmp_path)
     assert exported.returncode == 0, exported.stderr
 
     text_file = tmp_path / "val.txt"
     # (no newline at the end: eval --data cleans its text as prepare does, which strips it)
     text_file.write_text(("the fox sat on the mat number 5.\nthe bird sat on the mat number 2.\n" * 8).rstrip("\n"))
     ours = json.loads(
-        cli_in_process(
-            ["eval", "--checkpoint", "run", "--data", str(text_file), "--json"], tmp_path, capfd, monkeypatch
-        ).stdout
+        cli_in_process(["eval", "--checkpoint", "run", "--data", str(text_file), "--json"], tmp_path).stdout
     )
 
     # transformers, on its own: the same text, windows of max_seq_len + 1 tokens with stride max_seq_len.
@@ -68,7 +66,7 @@ def test_exported_perplexity_equals_llm_trainer_eval(tmp_path, corpus, capfd, mo
     assert math.exp(total / count) == pytest.approx(ours["perplexity"], rel=1e-4)
 
 
-def test_continue_pretraining_a_transformers_model(tmp_path, corpus, capfd, monkeypatch):
+def test_continue_pretraining_a_transformers_model(tmp_path, corpus):
     """model.init_from a transformers LLaMA folder: its weights and tokenizer are the starting point."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -113,7 +111,7 @@ def test_continue_pretraining_a_transformers_model(tmp_path, corpus, capfd, monk
         "data": {"data_files": [str(corpus)], "max_length": 32},
     }
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(config))
-    result = cli_in_process(["train", "--config", "exp.yaml"], tmp_path, capfd, monkeypatch)
+    result = cli_in_process(["train", "--config", "exp.yaml"], tmp_path)
     assert result.returncode == 0, result.stderr
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["model"]["architecture"] == "llama" and saved["model"]["n_kv_heads"] == 1

@@ -115,13 +115,13 @@ def _cli(args, endpoint: str, cwd, timeout: float = 300) -> subprocess.Completed
     )
 
 
-def _cli_here(args, cwd, capfd, monkeypatch) -> subprocess.CompletedProcess:
+def _cli_here(args, cwd) -> subprocess.CompletedProcess:
     """`_cli` run in this process (`cli_in_process`): s3fs's filesystems are made afresh, as in a new
     process; the server's address and the credentials are the ones `s3_server` put in the environment."""
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()
-    return cli_in_process(args, cwd, capfd, monkeypatch)
+    return cli_in_process(args, cwd)
 
 
 def _experiment(root, bucket: str, **training) -> "os.PathLike":
@@ -240,11 +240,11 @@ def _steps(run) -> list[int]:
     return [row["step"] for row in rows if row["kind"] == "train"]
 
 
-def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tmp_path, capfd, monkeypatch):
+def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tmp_path):
     fs, bucket = s3
     _upload_corpus(fs, bucket, tmp_path)
     config = _experiment(tmp_path, bucket, save_total_limit=1)
-    done = _cli_here(["train", "--config", str(config)], tmp_path, capfd, monkeypatch)
+    done = _cli_here(["train", "--config", str(config)], tmp_path)
     assert done.returncode == 0, done.stderr
     assert _latest(fs, bucket) == "checkpoint-00000006"
     names = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/checkpoints")}
@@ -253,10 +253,7 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
     # Export straight into the bucket: a transformers folder, config.json uploaded last.
     pytest.importorskip("transformers")
     exported = _cli_here(
-        ["export", "--checkpoint", str(tmp_path / "run"), "--output", f"s3://{bucket}/hf-model"],
-        tmp_path,
-        capfd,
-        monkeypatch,
+        ["export", "--checkpoint", str(tmp_path / "run"), "--output", f"s3://{bucket}/hf-model"], tmp_path
     )
     assert exported.returncode == 0, exported.stderr
     fs.invalidate_cache()
@@ -275,15 +272,11 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
             f"model.init_from=s3://{bucket}/checkpoints/best_model",
         ],
         tmp_path,
-        capfd,
-        monkeypatch,
     )
     assert tuned.returncode == 0, tuned.stderr
     assert list((tmp_path / "stream" / "models").glob("*/model.safetensors"))
     # A new run into the same bucket folder would replace its `latest`: refused, one line.
-    fresh = _cli_here(
-        ["train", "--config", config, f"training.output_dir={tmp_path / 'fresh'}"], tmp_path, capfd, monkeypatch
-    )
+    fresh = _cli_here(["train", "--config", config, f"training.output_dir={tmp_path / 'fresh'}"], tmp_path)
     _one_line_exit_2(fresh, "holds checkpoints already", "--resume_from_checkpoint latest")
     # Another machine: a new output folder and local cache; the run continues from the bucket.
     more = _cli_here(
@@ -298,8 +291,6 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
             "latest",
         ],
         tmp_path,
-        capfd,
-        monkeypatch,
     )
     assert more.returncode == 0, more.stderr
     assert "downloaded s3://" in more.stderr + more.stdout
@@ -363,18 +354,13 @@ def _one_line_exit_2(done: subprocess.CompletedProcess, *words: str) -> str:
     return lines[-1]
 
 
-def test_a_missing_bucket_is_one_line_exit_2(s3, tmp_path, capfd, monkeypatch):
+def test_a_missing_bucket_is_one_line_exit_2(s3, tmp_path):
     fs, bucket = s3
     _upload_corpus(fs, bucket, tmp_path)
     config = _experiment(tmp_path, bucket, checkpoint_dir="s3://no-such-bucket-here/checkpoints")
-    done = _cli_here(["train", "--config", config], tmp_path, capfd, monkeypatch)
+    done = _cli_here(["train", "--config", config], tmp_path)
     _one_line_exit_2(done, "no-such-bucket-here", "does not exist", "training.checkpoint_dir")
-    prepare = _cli_here(
-        ["prepare", "--config", config, "data.cache_dir=s3://no-such-bucket-here/prepared"],
-        tmp_path,
-        capfd,
-        monkeypatch,
-    )
+    prepare = _cli_here(["prepare", "--config", config, "data.cache_dir=s3://no-such-bucket-here/prepared"], tmp_path)
     _one_line_exit_2(prepare, "no-such-bucket-here", "does not exist")
 
 

@@ -98,7 +98,7 @@ def test_sharded_writes_into_a_url_with_brackets_rename_and_delete_by_name(s3):
 
 
 @pytest.mark.slow
-def test_train_overwrite_into_a_url_with_brackets_leaves_the_run_it_would_match(s3, tmp_path, capfd, monkeypatch):
+def test_train_overwrite_into_a_url_with_brackets_leaves_the_run_it_would_match(s3, tmp_path):
     fs, bucket = s3
     base._upload_corpus(fs, bucket, tmp_path)
     theirs = {
@@ -115,7 +115,7 @@ def test_train_overwrite_into_a_url_with_brackets_leaves_the_run_it_would_match(
     )
     args = ["train", "--config", str(config), "training.save_total_limit=1", "training.eval_steps=2"]
     for extra in ([], ["--overwrite"]):
-        done = base._cli_here([*args, "training.save_steps=2", *extra], tmp_path, capfd, monkeypatch)
+        done = base._cli_here([*args, "training.save_steps=2", *extra], tmp_path)
         assert done.returncode == 0, done.stderr
     assert {k for k in _keys(fs, bucket) if k.startswith("runs/exp1/")} == {k[len(bucket) + 1 :] for k in theirs}
     assert all(fs.cat_file(k) == v.encode() for k, v in theirs.items())

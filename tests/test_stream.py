@@ -165,7 +165,7 @@ def _losses(run) -> list[float]:
 
 
 @pytest.mark.slow
-def test_training_streams_from_a_bucket_with_the_losses_of_the_local_copy(store, tmp_path, capfd, monkeypatch):
+def test_training_streams_from_a_bucket_with_the_losses_of_the_local_copy(store, tmp_path):
     fs, bucket = store
     words = ["cat", "dog", "bird", "fox", "owl", "eel"]
     for d in range(20):
@@ -173,7 +173,7 @@ def test_training_streams_from_a_bucket_with_the_losses_of_the_local_copy(store,
         fs.pipe_file(f"{bucket}/corpus/doc{d:02d}.txt", "".join(lines).encode())
     config = _experiment(tmp_path, bucket, batch_size=32, max_steps=12, save_steps=0, eval_steps=6)
     # The run that prepares and uploads the data reads its local copy, in the block order.
-    first = _cli_here(["train", "--config", str(config), "training.checkpoint_dir=null"], tmp_path, capfd, monkeypatch)
+    first = _cli_here(["train", "--config", str(config), "training.checkpoint_dir=null"], tmp_path)
     assert first.returncode == 0, first.stderr
     (folder,) = (tmp_path / "stream" / "prepared").glob("*/*")
     record = json.loads((folder / "train.chunks.json").read_text())
@@ -195,8 +195,6 @@ def test_training_streams_from_a_bucket_with_the_losses_of_the_local_copy(store,
             f"data.stream_cache_limit={limit}",
         ],
         tmp_path,
-        capfd,
-        monkeypatch,
     )
     assert again.returncode == 0, again.stderr
     assert "training tokens stream" in again.stderr + again.stdout
@@ -213,7 +211,7 @@ def test_training_streams_from_a_bucket_with_the_losses_of_the_local_copy(store,
     config_data = yaml.safe_load(config.read_text())
     config_data["data"]["stream_cache_dir"] = str(tmp_path / "stream3")
     config.write_text(yaml.safe_dump(config_data))
-    whole = _cli_here(["prepare", "--config", str(config)], tmp_path, capfd, monkeypatch)
+    whole = _cli_here(["prepare", "--config", str(config)], tmp_path)
     assert whole.returncode == 0, whole.stderr
     assert (next((tmp_path / "stream3" / "prepared").glob("*/*")) / "train.bin").is_file()
 
