@@ -220,13 +220,8 @@ def _initial_weights(workdir, overrides=()) -> str:
 
 
 def _prepare(workdir) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "llm_trainer", "prepare", "--config", "exp.yaml"],
-        cwd=workdir,
-        check=True,
-        capture_output=True,
-        env=_env(),
-    )
+    result = cli_in_process(["prepare", "--config", "exp.yaml"], workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def _interrupted_at(workdir, run: str, step: int, into: str) -> None:
@@ -320,21 +315,7 @@ def test_fsdp_equals_one_process_and_its_sharded_checkpoint_resumes(workdir, ref
     assert part == pytest.approx(full[3:], rel=1e-6)
 
     # A sharded checkpoint loads at world size 1: eval gives the loss the run reported at step 6.
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llm_trainer",
-            "eval",
-            "--checkpoint",
-            str(checkpoints / "checkpoint-00000006"),
-            "--json",
-        ],
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        env=_env(),
-    )
+    result = cli_in_process(["eval", "--checkpoint", checkpoints / "checkpoint-00000006", "--json"], workdir, threads=1)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["loss"] == pytest.approx(_losses(workdir / "fsdp")[1][-1], rel=1e-5)
 
@@ -535,21 +516,8 @@ def test_deepspeed_checkpoint_resumes_exactly_and_is_verified_before_loading(wor
     assert part == full[3:]  # bitwise
 
     # eval takes the checkpoint's model folder like any other
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llm_trainer",
-            "eval",
-            "--checkpoint",
-            str(workdir / "full" / "checkpoints" / "checkpoint-00000006"),
-            "--json",
-        ],
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        env=_env(),
-    )
+    step6 = workdir / "full" / "checkpoints" / "checkpoint-00000006"
+    result = cli_in_process(["eval", "--checkpoint", step6, "--json"], workdir, threads=1)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["loss"] == pytest.approx(_losses(workdir / "full")[1][-1], rel=1e-5)
 

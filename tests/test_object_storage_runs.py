@@ -14,7 +14,7 @@ import yaml
 
 import test_object_storage as base
 from conftest import free_port
-from test_object_storage import _cli, _cli_here, _env, _experiment, _one_line_exit_2, _upload_corpus
+from test_object_storage import _cli_here, _env, _experiment, _one_line_exit_2, _upload_corpus
 
 s3_server, s3 = base.s3_server, base.s3  # the server and bucket fixtures, shared
 
@@ -217,9 +217,9 @@ def test_fsdp_shards_go_straight_to_the_store_and_resume_at_two_and_one_processe
     assert not [p for p in local if p.suffix == ".distcp" or p.name == ".metadata"]  # ...without the shards
 
     def one_process(name: str) -> subprocess.CompletedProcess:
-        """A resume of checkpoint 6 in one process, into its own output_dir (the same global batch)."""
+        """A resume of checkpoint 6 in one process (this one), into its own output_dir (the same global batch)."""
         alone = experiment(name, max_steps=8, gradient_accumulation_steps=2)
-        return _cli(["train", "--config", str(alone), "--resume_from_checkpoint", f"s3://{folder}"], endpoint, tmp_path)
+        return _cli_here(["train", "--config", alone, "--resume_from_checkpoint", f"s3://{folder}"], tmp_path)
 
     shard = f"{folder}/sharded/__1_0.distcp"
     original = fs.cat_file(shard)
