@@ -280,6 +280,32 @@ def test_deepspeed_is_imported_without_its_autotuners_mlflow_which_imports_after
     assert result.stdout.split() == ["False", "False", "mlflow", "True"]
 
 
+@pytest.mark.slow  # two DeepSpeed runs in a fresh interpreter
+@needs_deepspeed
+def test_a_second_deepspeed_run_in_one_process_is_refused_in_one_line(tmp_path):
+    """DeepSpeed keeps the process group of its first run for the life of the process: a second training
+    there (the API called twice, a notebook) would fail inside DeepSpeed on the ended group. It is refused
+    before DeepSpeed starts, saying to give each DeepSpeed run its own process."""
+    import subprocess
+    import sys
+
+    from conftest import src_env, write_tiny_experiment
+
+    config = write_tiny_experiment(tmp_path, distributed_strategy="deepspeed", use_amp=False, max_steps=2)
+    script = (
+        "import sys\n"
+        "from llm_trainer.cli import main\n"
+        f"argv = ['train', '--config', {str(config)!r}]\n"
+        "print(main([*argv, 'training.output_dir=first']), main([*argv, 'training.output_dir=second']))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=src_env(), cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.split() == ["0", "2"], result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "DeepSpeed ran in this process before" in errors[0] and "a process of its own" in errors[0]
+    assert (tmp_path / "first" / "checkpoints").is_dir() and not (tmp_path / "second" / "checkpoints").exists()
+
+
 # -- distributed.setup -----------------------------------------------------------------------------
 
 

@@ -386,6 +386,24 @@ def _flatten(value: Any, prefix: str = ""):
         yield prefix.rstrip("."), value
 
 
+# The process group of the first DeepSpeed run in this process. DeepSpeed keeps the groups it is first
+# set up with in its module state for the life of the process, so a later run on a new group (the first
+# run's ended with it) fails inside DeepSpeed, on the ended group.
+_FIRST_GROUP: list[Any] = []
+
+
+def _check_group_is_deepspeeds() -> None:
+    """Refuse, in one line, a DeepSpeed run in a process whose earlier DeepSpeed run's group has ended."""
+    group = torch.distributed.group.WORLD
+    if _FIRST_GROUP and _FIRST_GROUP[0] is not group:
+        raise UsageError(
+            "DeepSpeed ran in this process before, on a process group that has ended, and keeps that group "
+            "for the life of the process; run each DeepSpeed training in a process of its own (a new python "
+            "or torchrun command)"
+        )
+    _FIRST_GROUP[:] = [group]
+
+
 def wrap(
     model: nn.Module, optimizer: torch.optim.Optimizer, training: TrainingConfig, world_size: int, device: torch.device
 ):
@@ -396,6 +414,7 @@ def wrap(
             f"(got {training.optimizer} on {device.type})"
         )
     deepspeed = _import_deepspeed(device)
+    _check_group_is_deepspeeds()
     d_model = getattr(getattr(model, "config", None), "d_model", None)
     config = build_config(training, world_size, d_model)
     try:
