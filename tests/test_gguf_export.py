@@ -406,14 +406,11 @@ def test_a_url_output_is_uploaded_once_written_and_replaced_only_with_overwrite(
     assert fs.ls(f"{bucket}/models") == [f"{bucket}/models/small.gguf"]
 
 
-@pytest.mark.slow  # trains through the CLI in a subprocess
+@pytest.mark.slow  # trains a model through the CLI
 def test_a_trained_runs_gguf_export_computes_the_runs_logits_and_tokens(tmp_path, corpus):
-    import subprocess
-    import sys
-
     import yaml
 
-    from conftest import src_env
+    from conftest import cli_in_process
     from llm_trainer.api import load_for_inference
 
     config = {
@@ -433,9 +430,7 @@ def test_a_trained_runs_gguf_export_computes_the_runs_logits_and_tokens(tmp_path
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(config))
 
     def run(*args):
-        done = subprocess.run(
-            [sys.executable, "-m", "llm_trainer", *args], cwd=tmp_path, env=src_env(), capture_output=True, text=True
-        )
+        done = cli_in_process(args, tmp_path)
         assert done.returncode == 0, done.stderr
         return done
 
