@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 import yaml
 
-from conftest import free_port, src_env, write_corpus
+from conftest import cli_in_process, free_port, write_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -64,11 +64,13 @@ def gcs_server():
             os.environ["STORAGE_EMULATOR_HOST"] = saved
 
 
-def _cli(args, endpoint: str, cwd) -> subprocess.CompletedProcess:
-    env = {**src_env(), "STORAGE_EMULATOR_HOST": endpoint, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "llm_trainer", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=300
-    )
+def _cli(args, cwd) -> subprocess.CompletedProcess:
+    """The CLI run in this process (`cli_in_process`), gcsfs's filesystems made afresh as in a new process;
+    the emulator's address is the one `gcs_server` put in the environment."""
+    import gcsfs
+
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    return cli_in_process(args, cwd)
 
 
 def test_prepare_train_and_resume_with_everything_in_a_gs_bucket(gcs_server, tmp_path):
@@ -105,7 +107,7 @@ def test_prepare_train_and_resume_with_everything_in_a_gs_bucket(gcs_server, tmp
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(config))
 
-    done = _cli(["train", "--config", str(path)], gcs_server, tmp_path)
+    done = _cli(["train", "--config", str(path)], tmp_path)
     assert done.returncode == 0, done.stderr
     fs.invalidate_cache()
     (prepared,) = fs.ls(f"{bucket}/prepared")
@@ -125,7 +127,6 @@ def test_prepare_train_and_resume_with_everything_in_a_gs_bucket(gcs_server, tmp
             "--resume_from_checkpoint",
             "latest",
         ],
-        gcs_server,
         tmp_path,
     )
     assert more.returncode == 0, more.stderr
@@ -143,7 +144,7 @@ def test_a_missing_gs_bucket_is_one_line_exit_2(gcs_server, tmp_path):
     }
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump({"data": data}))
-    done = _cli(["prepare", "--config", str(path)], gcs_server, tmp_path)
+    done = _cli(["prepare", "--config", str(path)], tmp_path)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("error")]
     assert len(lines) == 1 and "gs://no-such-bucket" in lines[0] and "Traceback" not in done.stderr, done.stderr

@@ -166,7 +166,7 @@ def test_prepare_from_a_bucket_into_a_bucket(s3, tmp_path):
     fs, bucket = s3
     _upload_corpus(fs, bucket, tmp_path)
     config = _experiment(tmp_path, bucket)
-    done = _cli(["prepare", "--config", str(config)], os.environ["AWS_ENDPOINT_URL"], tmp_path)
+    done = _cli_here(["prepare", "--config", str(config)], tmp_path)
     assert done.returncode == 0, done.stderr
     fs.invalidate_cache()
     (folder,) = fs.ls(f"{bucket}/prepared")
@@ -182,11 +182,11 @@ def test_prepare_from_a_bucket_into_a_bucket(s3, tmp_path):
     config2 = yaml.safe_load(config.read_text())
     config2["data"]["stream_cache_dir"] = str(tmp_path / "stream2")
     config.write_text(yaml.safe_dump(config2))
-    again = _cli(["prepare", "--config", str(config)], os.environ["AWS_ENDPOINT_URL"], tmp_path)
+    again = _cli_here(["prepare", "--config", str(config)], tmp_path)
     assert again.returncode == 0, again.stderr
     assert "downloaded" in again.stderr + again.stdout
     # A local cache too small for the prepared data: one line naming the setting, nothing downloaded.
-    small = _cli(
+    small = _cli_here(
         [
             "prepare",
             "--config",
@@ -194,7 +194,6 @@ def test_prepare_from_a_bucket_into_a_bucket(s3, tmp_path):
             f"data.stream_cache_dir={tmp_path / 'stream3'}",
             "data.stream_cache_limit=1000",
         ],
-        os.environ["AWS_ENDPOINT_URL"],
         tmp_path,
     )
     _one_line_exit_2(small, "data.stream_cache_limit")
@@ -218,7 +217,7 @@ def test_the_report_of_data_read_from_a_bucket_names_its_urls(s3, tmp_path):
     values["data"].update(cache_dir=str(tmp_path / "prepared"), min_length=10, deduplication="exact")
     config.write_text(yaml.safe_dump(values))
     for executor in ([], ["--executor", "local", "--tasks", "2"]):
-        done = _cli(["prepare", "--config", str(config), *executor], os.environ["AWS_ENDPOINT_URL"], tmp_path)
+        done = _cli_here(["prepare", "--config", str(config), *executor], tmp_path)
         assert done.returncode == 0, done.stderr
         (report_file,) = (tmp_path / "prepared").glob("*/data_report.json")
         report = json.loads(report_file.read_text())
