@@ -322,7 +322,7 @@ sys.exit(main(["train", "--config", {str(config)!r}]))
     partial = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/checkpoints/checkpoint-00000006")}
     assert partial and "meta.json" not in partial and "files.json" not in partial
     # Resumed on another machine from the bucket alone: step 3 is intact, and the run completes.
-    resumed = _cli(
+    resumed = _cli_here(
         [
             "train",
             "--config",
@@ -332,7 +332,6 @@ sys.exit(main(["train", "--config", {str(config)!r}]))
             "--resume_from_checkpoint",
             "latest",
         ],
-        os.environ["AWS_ENDPOINT_URL"],
         tmp_path,
     )
     assert resumed.returncode == 0, resumed.stderr
