@@ -183,8 +183,9 @@ def cli_in_process(args, cwd, threads: int | None = None) -> subprocess.Complete
                 code = exc.code
     finally:
         os.chdir(here)
-        os.environ.clear()
-        os.environ.update(environment)
+        for name in set(os.environ) - set(environment):
+            del os.environ[name]
+        os.environ.update({name: value for name, value in environment.items() if os.environ.get(name) != value})
         torch.set_num_threads(computing)
     assert not torch.distributed.is_initialized(), "the command left a process group set up in this process"
     return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())

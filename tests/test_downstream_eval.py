@@ -293,18 +293,16 @@ def test_training_logs_downstream_rows_and_best_model_follows_a_task_metric(tmp_
         (["--tasks", "missing/task.yaml"], "not found"),
     ],
 )
-def test_eval_tasks_bad_input_is_one_line(tmp_path, monkeypatch, capfd, args, message):
+def test_eval_tasks_bad_input_is_one_line(tmp_path, args, message):
     """An unknown task (with the closest names), a Hub task offline (how to point it at local files),
     --limit 0, a missing task file: one line, exit status 2, no traceback, before any model loads. (The CLI
     in this process: lm-eval's index of its own tasks, built at the first of these, serves the rest.)"""
-    from llm_trainer.cli import main
+    from conftest import cli_in_process
 
-    monkeypatch.chdir(tmp_path)
-    capfd.readouterr()
-    assert main(["eval", "--checkpoint", str(tmp_path), *args]) == 2
-    err = capfd.readouterr().err
-    assert message in err and "Traceback" not in err
-    assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, err
+    done = cli_in_process(["eval", "--checkpoint", tmp_path, *args], tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert len([line for line in done.stderr.splitlines() if line.startswith("error:")]) == 1, done.stderr
 
 
 @pytest.mark.slow  # a subprocess CLI
@@ -535,7 +533,7 @@ def test_downstream_rows_reach_the_backends_as_task_and_metric():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
-def test_eval_tasks_reads_sharded_checkpoints(tmp_path, capfd, monkeypatch, strategy):
+def test_eval_tasks_reads_sharded_checkpoints(tmp_path, strategy):
     """A checkpoint of FSDP (its shards gathered) or DeepSpeed (2 CPU processes) gives the scores of its
     best_model/ (whole weights, same step)."""
     import subprocess

@@ -36,7 +36,7 @@ def _experiment(tmp_path, corpus, architecture, **model):
 
 
 @pytest.mark.parametrize("architecture, model", [("gpt2", {}), ("llama", {"n_kv_heads": 1})])
-def test_exported_perplexity_equals_llm_trainer_eval(tmp_path, corpus, capfd, monkeypatch, architecture, model):
+def test_exported_perplexity_equals_llm_trainer_eval(tmp_path, corpus, architecture, model):
     """Trained, exported and evaluated by the CLI (in this process), measured by transformers alone."""
     _experiment(tmp_path, corpus, architecture, **model)
     assert cli_in_process(["train", "--config", "exp.yaml"], tmp_path).returncode == 0
