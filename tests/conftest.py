@@ -159,8 +159,9 @@ def cli_in_process(args, cwd, threads: int | None = None) -> subprocess.Complete
     and what it printed to stdout and stderr): without an interpreter's and torch's start, which are most
     of a tiny run's cost. For tests whose subject is what a command does; signals, kills, locks, the
     entry point itself and DeepSpeed (whose process group lasts as long as its process) are tested in child
-    processes. Like a child it sees no launcher's variables, and with `threads` it computes with that many
-    threads; the working directory, the environment and torch's thread count are restored afterwards."""
+    processes. Like a child it sees no launcher's variables and makes its storage clients afresh (a bucket's
+    address and credentials are read from the environment again), and with `threads` it computes with that
+    many threads; the working directory, the environment and torch's thread count are restored afterwards."""
     import contextlib
     import io
 
@@ -170,6 +171,7 @@ def cli_in_process(args, cwd, threads: int | None = None) -> subprocess.Complete
 
     environment, here, computing = dict(os.environ), os.getcwd(), torch.get_num_threads()
     out, err = io.StringIO(), io.StringIO()
+    _fresh_filesystems()
     try:
         for name in LAUNCHER_VARIABLES:
             os.environ.pop(name, None)
@@ -189,6 +191,18 @@ def cli_in_process(args, cwd, threads: int | None = None) -> subprocess.Complete
         torch.set_num_threads(computing)
     assert not torch.distributed.is_initialized(), "the command left a process group set up in this process"
     return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
+def _fresh_filesystems() -> None:
+    """fsspec's cache of filesystem instances emptied for every filesystem class (s3fs, gcsfs, ...): the
+    next one made is new, as in a new process. Instances already made keep working."""
+    from fsspec.spec import AbstractFileSystem
+
+    classes = [AbstractFileSystem]
+    while classes:
+        cls = classes.pop()
+        cls.clear_instance_cache()
+        classes.extend(cls.__subclasses__())
 
 
 def kill9_when(script: str, ready, what: str, timeout: float = 60) -> None:

@@ -64,15 +64,6 @@ def gcs_server():
             os.environ["STORAGE_EMULATOR_HOST"] = saved
 
 
-def _cli(args, cwd) -> subprocess.CompletedProcess:
-    """The CLI run in this process (`cli_in_process`), gcsfs's filesystems made afresh as in a new process;
-    the emulator's address is the one `gcs_server` put in the environment."""
-    import gcsfs
-
-    gcsfs.GCSFileSystem.clear_instance_cache()
-    return cli_in_process(args, cwd)
-
-
 def test_prepare_train_and_resume_with_everything_in_a_gs_bucket(gcs_server, tmp_path):
     import gcsfs
 
@@ -107,7 +98,7 @@ def test_prepare_train_and_resume_with_everything_in_a_gs_bucket(gcs_server, tmp
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(config))
 
-    done = _cli(["train", "--config", str(path)], tmp_path)
+    done = cli_in_process(["train", "--config", str(path)], tmp_path)
     assert done.returncode == 0, done.stderr
     fs.invalidate_cache()
     (prepared,) = fs.ls(f"{bucket}/prepared")
@@ -116,7 +107,7 @@ def test_prepare_train_and_resume_with_everything_in_a_gs_bucket(gcs_server, tmp
     assert fs.cat_file(f"{bucket}/checkpoints/latest").decode().strip() == "checkpoint-00000004"
 
     # Another machine: empty local folders; the data and the checkpoint come from the bucket.
-    more = _cli(
+    more = cli_in_process(
         [
             "train",
             "--config",
@@ -144,7 +135,7 @@ def test_a_missing_gs_bucket_is_one_line_exit_2(gcs_server, tmp_path):
     }
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump({"data": data}))
-    done = _cli(["prepare", "--config", str(path)], tmp_path)
+    done = cli_in_process(["prepare", "--config", str(path)], tmp_path)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("error")]
     assert len(lines) == 1 and "gs://no-such-bucket" in lines[0] and "Traceback" not in done.stderr, done.stderr

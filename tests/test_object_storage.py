@@ -115,15 +115,6 @@ def _cli(args, endpoint: str, cwd, timeout: float = 300) -> subprocess.Completed
     )
 
 
-def _cli_here(args, cwd) -> subprocess.CompletedProcess:
-    """`_cli` run in this process (`cli_in_process`): s3fs's filesystems are made afresh, as in a new
-    process; the server's address and the credentials are the ones `s3_server` put in the environment."""
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()
-    return cli_in_process(args, cwd)
-
-
 def _experiment(root, bucket: str, **training) -> "os.PathLike":
     """A one-layer char model; its corpus, prepared data and checkpoints in `bucket`."""
     values = {
@@ -166,7 +157,7 @@ def test_prepare_from_a_bucket_into_a_bucket(s3, tmp_path):
     fs, bucket = s3
     _upload_corpus(fs, bucket, tmp_path)
     config = _experiment(tmp_path, bucket)
-    done = _cli_here(["prepare", "--config", str(config)], tmp_path)
+    done = cli_in_process(["prepare", "--config", str(config)], tmp_path)
     assert done.returncode == 0, done.stderr
     fs.invalidate_cache()
     (folder,) = fs.ls(f"{bucket}/prepared")
@@ -182,11 +173,11 @@ def test_prepare_from_a_bucket_into_a_bucket(s3, tmp_path):
     config2 = yaml.safe_load(config.read_text())
     config2["data"]["stream_cache_dir"] = str(tmp_path / "stream2")
     config.write_text(yaml.safe_dump(config2))
-    again = _cli_here(["prepare", "--config", str(config)], tmp_path)
+    again = cli_in_process(["prepare", "--config", str(config)], tmp_path)
     assert again.returncode == 0, again.stderr
     assert "downloaded" in again.stderr + again.stdout
     # A local cache too small for the prepared data: one line naming the setting, nothing downloaded.
-    small = _cli_here(
+    small = cli_in_process(
         [
             "prepare",
             "--config",
@@ -217,7 +208,7 @@ def test_the_report_of_data_read_from_a_bucket_names_its_urls(s3, tmp_path):
     values["data"].update(cache_dir=str(tmp_path / "prepared"), min_length=10, deduplication="exact")
     config.write_text(yaml.safe_dump(values))
     for executor in ([], ["--executor", "local", "--tasks", "2"]):
-        done = _cli_here(["prepare", "--config", str(config), *executor], tmp_path)
+        done = cli_in_process(["prepare", "--config", str(config), *executor], tmp_path)
         assert done.returncode == 0, done.stderr
         (report_file,) = (tmp_path / "prepared").glob("*/data_report.json")
         report = json.loads(report_file.read_text())
@@ -243,7 +234,7 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
     fs, bucket = s3
     _upload_corpus(fs, bucket, tmp_path)
     config = _experiment(tmp_path, bucket, save_total_limit=1)
-    done = _cli_here(["train", "--config", str(config)], tmp_path)
+    done = cli_in_process(["train", "--config", str(config)], tmp_path)
     assert done.returncode == 0, done.stderr
     assert _latest(fs, bucket) == "checkpoint-00000006"
     names = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/checkpoints")}
@@ -251,7 +242,7 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
     assert {"checkpoint-00000006", "latest", "best_model"} <= names
     # Export straight into the bucket: a transformers folder, config.json uploaded last.
     pytest.importorskip("transformers")
-    exported = _cli_here(
+    exported = cli_in_process(
         ["export", "--checkpoint", str(tmp_path / "run"), "--output", f"s3://{bucket}/hf-model"], tmp_path
     )
     assert exported.returncode == 0, exported.stderr
@@ -260,7 +251,7 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
         p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/hf-model")
     }
     # A new run starts from the best model in the bucket (model.init_from a URL), read as any folder.
-    tuned = _cli_here(
+    tuned = cli_in_process(
         [
             "train",
             "--config",
@@ -275,10 +266,10 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
     assert tuned.returncode == 0, tuned.stderr
     assert list((tmp_path / "stream" / "models").glob("*/model.safetensors"))
     # A new run into the same bucket folder would replace its `latest`: refused, one line.
-    fresh = _cli_here(["train", "--config", config, f"training.output_dir={tmp_path / 'fresh'}"], tmp_path)
+    fresh = cli_in_process(["train", "--config", config, f"training.output_dir={tmp_path / 'fresh'}"], tmp_path)
     _one_line_exit_2(fresh, "holds checkpoints already", "--resume_from_checkpoint latest")
     # Another machine: a new output folder and local cache; the run continues from the bucket.
-    more = _cli_here(
+    more = cli_in_process(
         [
             "train",
             "--config",
@@ -322,7 +313,7 @@ sys.exit(main(["train", "--config", {str(config)!r}]))
     partial = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/checkpoints/checkpoint-00000006")}
     assert partial and "meta.json" not in partial and "files.json" not in partial
     # Resumed on another machine from the bucket alone: step 3 is intact, and the run completes.
-    resumed = _cli_here(
+    resumed = cli_in_process(
         [
             "train",
             "--config",
@@ -356,9 +347,11 @@ def test_a_missing_bucket_is_one_line_exit_2(s3, tmp_path):
     fs, bucket = s3
     _upload_corpus(fs, bucket, tmp_path)
     config = _experiment(tmp_path, bucket, checkpoint_dir="s3://no-such-bucket-here/checkpoints")
-    done = _cli_here(["train", "--config", config], tmp_path)
+    done = cli_in_process(["train", "--config", config], tmp_path)
     _one_line_exit_2(done, "no-such-bucket-here", "does not exist", "training.checkpoint_dir")
-    prepare = _cli_here(["prepare", "--config", config, "data.cache_dir=s3://no-such-bucket-here/prepared"], tmp_path)
+    prepare = cli_in_process(
+        ["prepare", "--config", config, "data.cache_dir=s3://no-such-bucket-here/prepared"], tmp_path
+    )
     _one_line_exit_2(prepare, "no-such-bucket-here", "does not exist")
 
 

@@ -13,8 +13,8 @@ import torch
 import yaml
 
 import test_object_storage as base
-from conftest import free_port
-from test_object_storage import _cli_here, _env, _experiment, _one_line_exit_2, _upload_corpus
+from conftest import cli_in_process, free_port
+from test_object_storage import _env, _experiment, _one_line_exit_2, _upload_corpus
 
 s3_server, s3 = base.s3_server, base.s3  # the server and bucket fixtures, shared
 
@@ -36,7 +36,7 @@ def test_a_run_folder_in_a_bucket_is_written_resumed_elsewhere_and_refused_twice
     _upload_corpus(fs, bucket, tmp_path)
     url = f"s3://{bucket}/runs/x"
     config = _experiment(tmp_path, bucket, output_dir=url, checkpoint_dir=None, staging_dir=str(tmp_path / "stage"))
-    done = _cli_here(["train", "--config", str(config)], tmp_path)
+    done = cli_in_process(["train", "--config", str(config)], tmp_path)
     assert done.returncode == 0, done.stderr
     first = (done.stderr + done.stdout).strip().splitlines()[0]
     assert url in first and str(tmp_path / "stage") in first  # where the run is written, said first
@@ -48,10 +48,10 @@ def test_a_run_folder_in_a_bucket_is_written_resumed_elsewhere_and_refused_twice
     stored = fs.cat_file(f"{run}/metrics.jsonl").decode()
     assert _train_steps(stored) == [2, 4, 6] and '"summary"' in stored  # uploaded at the end, summary included
     # A new run into the same URL would mix with this one: refused in one line, as on disk (a finished one).
-    again = _cli_here(["train", "--config", config], tmp_path)
+    again = cli_in_process(["train", "--config", config], tmp_path)
     _one_line_exit_2(again, "holds a finished run", "raise training.max_steps", "--overwrite")
     # Another machine (empty staging folder and local cache): the run continues from the bucket alone.
-    more = _cli_here(
+    more = cli_in_process(
         [
             "train",
             "--config",
@@ -69,11 +69,11 @@ def test_a_run_folder_in_a_bucket_is_written_resumed_elsewhere_and_refused_twice
     assert fs.cat_file(f"{run}/checkpoints/latest").decode().strip() == "checkpoint-00000008"
     assert _train_steps(fs.cat_file(f"{run}/metrics.jsonl").decode()) == [2, 4, 6, 8]  # one history
     # A bucket that does not exist: one line naming the setting, before any data is prepared.
-    gone = _cli_here(["train", "--config", config, "training.output_dir=s3://no-such-bucket-here/x"], tmp_path)
+    gone = cli_in_process(["train", "--config", config, "training.output_dir=s3://no-such-bucket-here/x"], tmp_path)
     _one_line_exit_2(gone, "no-such-bucket-here", "does not exist", "training.output_dir")
     # Starting over removes what runs write there, and nothing else.
     fs.pipe_file(f"{run}/notes.txt", b"mine")
-    over = _cli_here(["train", "--config", str(config), "training.max_steps=2", "--overwrite"], tmp_path)
+    over = cli_in_process(["train", "--config", str(config), "training.max_steps=2", "--overwrite"], tmp_path)
     assert over.returncode == 0, over.stderr
     assert fs.cat_file(f"{run}/notes.txt") == b"mine"
     assert _train_steps(fs.cat_file(f"{run}/metrics.jsonl").decode()) == [2]
@@ -85,21 +85,21 @@ def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replace
     fs, bucket = s3
     _upload_corpus(fs, bucket, tmp_path)
     config = _experiment(tmp_path, bucket, output_dir=f"s3://{bucket}/run", checkpoint_dir=None)
-    done = _cli_here(["train", "--config", str(config)], tmp_path)
+    done = cli_in_process(["train", "--config", str(config)], tmp_path)
     assert done.returncode == 0, done.stderr
     # A run folder's URL means its latest checkpoint, as a local run folder does; downloaded, checked, read.
     text = str(tmp_path / "corpus" / "doc00.txt")
-    scored = _cli_here(["eval", "--checkpoint", f"s3://{bucket}/run", "--data", text, "--json"], tmp_path)
+    scored = cli_in_process(["eval", "--checkpoint", f"s3://{bucket}/run", "--data", text, "--json"], tmp_path)
     assert scored.returncode == 0, scored.stderr
     assert json.loads(scored.stdout.strip().splitlines()[-1])["loss"] > 0
     assert "checkpoint-00000006" in scored.stderr + scored.stdout  # the one `latest` names
     # Without --data: the run's validation split, from this machine's copy of the bucket's prepared folder.
-    own = _cli_here(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], tmp_path)
+    own = cli_in_process(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], tmp_path)
     assert own.returncode == 0, own.stderr
     assert json.loads(own.stdout.strip().splitlines()[-1])["loss"] > 0
     # On a machine that never prepared it: the validation split the run names, fetched from the bucket.
     shutil.rmtree(tmp_path / "stream" / "prepared")
-    elsewhere = _cli_here(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], tmp_path)
+    elsewhere = cli_in_process(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], tmp_path)
     assert elsewhere.returncode == 0, elsewhere.stderr
     assert json.loads(elsewhere.stdout.strip().splitlines()[-1]) == json.loads(own.stdout.strip().splitlines()[-1])
     (copy,) = (tmp_path / "stream_cache" / "validation").glob("*/*")
@@ -107,47 +107,51 @@ def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replace
     assert not (tmp_path / "stream" / "prepared").exists()  # nor is it taken for a prepared folder to train on
     # The run's own config is in the bucket with it; --config takes a local file (a URL is said in one line).
     assert f"cache_dir: s3://{bucket}/prepared" in fs.cat_file(f"{bucket}/run/config.yaml").decode()
-    url = _cli_here(["train", "--config", f"s3://{bucket}/run/config.yaml"], tmp_path)
+    url = cli_in_process(["train", "--config", f"s3://{bucket}/run/config.yaml"], tmp_path)
     _one_line_exit_2(url, "is a URL", "local")
     # Its prepared folder gone from the bucket too: one line.
     shutil.rmtree(tmp_path / "stream_cache" / "validation")
     fs.rm(f"{bucket}/prepared", recursive=True)
-    gone = _cli_here(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], tmp_path)
+    gone = cli_in_process(["eval", "--checkpoint", f"s3://{bucket}/run", "--json"], tmp_path)
     _one_line_exit_2(gone, "is not prepared in s3://", "llm-trainer prepare", "--data FILE")
-    sample = _cli_here(
+    sample = cli_in_process(
         ["generate", "--checkpoint", f"s3://{bucket}/run/checkpoints/checkpoint-00000003", "--max-new-tokens", "4"],
         tmp_path,
     )
     assert sample.returncode == 0, sample.stderr
     local = tmp_path / "hf-local"
-    exported = _cli_here(
+    exported = cli_in_process(
         ["export", "--checkpoint", f"s3://{bucket}/run/checkpoints/best_model", "--output", str(local)], tmp_path
     )
     assert exported.returncode == 0, exported.stderr
     assert (local / "config.json").is_file()
     # A missing bucket or object: one line, exit 2.
-    gone = _cli_here(["eval", "--checkpoint", "s3://no-such-bucket-here/run"], tmp_path)
+    gone = cli_in_process(["eval", "--checkpoint", "s3://no-such-bucket-here/run"], tmp_path)
     _one_line_exit_2(gone, "no-such-bucket-here", "does not exist")
-    nothing = _cli_here(["generate", "--checkpoint", f"s3://{bucket}/nothing-here"], tmp_path)
+    nothing = cli_in_process(["generate", "--checkpoint", f"s3://{bucket}/nothing-here"], tmp_path)
     _one_line_exit_2(nothing, "holds no checkpoint")
     # export --output URL --overwrite: what an earlier export of ours wrote and this one does not is removed.
     target = f"s3://{bucket}/hf"
-    first = _cli_here(["export", "--checkpoint", f"s3://{bucket}/run", "--output", target], tmp_path)
+    first = cli_in_process(["export", "--checkpoint", f"s3://{bucket}/run", "--output", target], tmp_path)
     assert first.returncode == 0, first.stderr
     record = json.loads(fs.cat_file(f"{bucket}/hf/files.json"))
     fs.pipe_file(f"{bucket}/hf/model-00001-of-00002.safetensors", b"old layout")  # as an older export wrote it
     record["model-00001-of-00002.safetensors"] = {"size": 10, "checksum": "x"}
     fs.pipe_file(f"{bucket}/hf/files.json", json.dumps(record).encode())
-    refused = _cli_here(["export", "--checkpoint", f"s3://{bucket}/run", "--output", target], tmp_path)
+    refused = cli_in_process(["export", "--checkpoint", f"s3://{bucket}/run", "--output", target], tmp_path)
     _one_line_exit_2(refused, "holds files already", "--overwrite")
-    again = _cli_here(["export", "--checkpoint", f"s3://{bucket}/run", "--output", target, "--overwrite"], tmp_path)
+    again = cli_in_process(
+        ["export", "--checkpoint", f"s3://{bucket}/run", "--output", target, "--overwrite"], tmp_path
+    )
     assert again.returncode == 0, again.stderr
     names = _names(fs, f"{bucket}/hf")
     assert "model-00001-of-00002.safetensors" not in names and {"config.json", "model.safetensors"} <= names
     assert set(json.loads(fs.cat_file(f"{bucket}/hf/files.json"))) == names - {"files.json"}
     # A file we did not write is never deleted: the target is refused, as it was left.
     fs.pipe_file(f"{bucket}/hf/notes.txt", b"mine")
-    foreign = _cli_here(["export", "--checkpoint", f"s3://{bucket}/run", "--output", target, "--overwrite"], tmp_path)
+    foreign = cli_in_process(
+        ["export", "--checkpoint", f"s3://{bucket}/run", "--output", target, "--overwrite"], tmp_path
+    )
     _one_line_exit_2(foreign, "did not write", "notes.txt")
     assert fs.cat_file(f"{bucket}/hf/notes.txt") == b"mine" and "config.json" in _names(fs, f"{bucket}/hf")
 
@@ -219,7 +223,7 @@ def test_fsdp_shards_go_straight_to_the_store_and_resume_at_two_and_one_processe
     def one_process(name: str) -> subprocess.CompletedProcess:
         """A resume of checkpoint 6 in one process (this one), into its own output_dir (the same global batch)."""
         alone = experiment(name, max_steps=8, gradient_accumulation_steps=2)
-        return _cli_here(["train", "--config", alone, "--resume_from_checkpoint", f"s3://{folder}"], tmp_path)
+        return cli_in_process(["train", "--config", alone, "--resume_from_checkpoint", f"s3://{folder}"], tmp_path)
 
     shard = f"{folder}/sharded/__1_0.distcp"
     original = fs.cat_file(shard)

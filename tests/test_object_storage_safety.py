@@ -12,7 +12,7 @@ import time
 import pytest
 
 import test_object_storage as base
-from conftest import free_port, src_env, tiny_model
+from conftest import cli_in_process, free_port, src_env, tiny_model
 
 s3_server, s3 = base.s3_server, base.s3  # the server and bucket fixtures, shared
 
@@ -115,7 +115,7 @@ def test_train_overwrite_into_a_url_with_brackets_leaves_the_run_it_would_match(
     )
     args = ["train", "--config", str(config), "training.save_total_limit=1", "training.eval_steps=2"]
     for extra in ([], ["--overwrite"]):
-        done = base._cli_here([*args, "training.save_steps=2", *extra], tmp_path)
+        done = cli_in_process([*args, "training.save_steps=2", *extra], tmp_path)
         assert done.returncode == 0, done.stderr
     assert {k for k in _keys(fs, bucket) if k.startswith("runs/exp1/")} == {k[len(bucket) + 1 :] for k in theirs}
     assert all(fs.cat_file(k) == v.encode() for k, v in theirs.items())

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import yaml
 
+from conftest import cli_in_process
 from llm_trainer.data.batches.loader import BatchLoader, WindowRows
 from llm_trainer.data.batches.stream import (
     WINDOW,
@@ -18,7 +19,7 @@ from llm_trainer.data.batches.stream import (
     write_chunk_record,
 )
 from llm_trainer.errors import UsageError
-from test_object_storage import _cli_here, _experiment, s3, s3_server  # noqa: F401  (fixtures)
+from test_object_storage import _experiment, s3, s3_server  # noqa: F401  (fixtures)
 
 
 @pytest.fixture
@@ -173,7 +174,7 @@ def test_training_streams_from_a_bucket_with_the_losses_of_the_local_copy(store,
         fs.pipe_file(f"{bucket}/corpus/doc{d:02d}.txt", "".join(lines).encode())
     config = _experiment(tmp_path, bucket, batch_size=32, max_steps=12, save_steps=0, eval_steps=6)
     # The run that prepares and uploads the data reads its local copy, in the block order.
-    first = _cli_here(["train", "--config", str(config), "training.checkpoint_dir=null"], tmp_path)
+    first = cli_in_process(["train", "--config", str(config), "training.checkpoint_dir=null"], tmp_path)
     assert first.returncode == 0, first.stderr
     (folder,) = (tmp_path / "stream" / "prepared").glob("*/*")
     record = json.loads((folder / "train.chunks.json").read_text())
@@ -184,7 +185,7 @@ def test_training_streams_from_a_bucket_with_the_losses_of_the_local_copy(store,
     limit = small + (min_cached(len(record["chunks"])) + 2) * record["chunk_bytes"]
     assert limit < record["size"]
     # Another machine streams the training tokens through a cache smaller than them: the same losses.
-    again = _cli_here(
+    again = cli_in_process(
         [
             "train",
             "--config",
@@ -211,7 +212,7 @@ def test_training_streams_from_a_bucket_with_the_losses_of_the_local_copy(store,
     config_data = yaml.safe_load(config.read_text())
     config_data["data"]["stream_cache_dir"] = str(tmp_path / "stream3")
     config.write_text(yaml.safe_dump(config_data))
-    whole = _cli_here(["prepare", "--config", str(config)], tmp_path)
+    whole = cli_in_process(["prepare", "--config", str(config)], tmp_path)
     assert whole.returncode == 0, whole.stderr
     assert (next((tmp_path / "stream3" / "prepared").glob("*/*")) / "train.bin").is_file()
 
