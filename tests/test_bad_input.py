@@ -3,7 +3,9 @@ status 2, no traceback, through `cli.main` in this process. Fast: tiny model fol
 directly, no training."""
 
 import errno
+import gzip
 import json
+import lzma
 import os
 from pathlib import Path
 
@@ -55,6 +57,11 @@ def run_folder(root: Path) -> Path:
 
 def text_file(root: Path, name: str, text: str) -> Path:
     (root / name).write_text(text)
+    return root / name
+
+
+def packed_file(root: Path, name: str, data: bytes) -> Path:
+    (root / name).write_bytes(data)
     return root / name
 
 
@@ -219,6 +226,22 @@ CASES = [
         "looks like a binary file, not text; pass a text file to --data",
     ),
     (
+        "eval --data an archive",
+        lambda t: ["eval", "--checkpoint", str(model_folder(t)), "--data", str(packed_file(t, "texts.tar.gz", b"x"))],
+        "texts.tar.gz is an archive of files; unpack it and pass one of its files",
+    ),
+    (
+        "eval --data a damaged compressed file",
+        lambda t: [
+            "eval",
+            "--checkpoint",
+            str(model_folder(t)),
+            "--data",
+            str(packed_file(t, "v.txt.gz", gzip.compress(b"the cat sat on the mat " * 20)[:-9])),
+        ],
+        "v.txt.gz could not be decompressed",
+    ),
+    (
         "eval --checkpoint a file",
         lambda t: ["eval", "--checkpoint", str(text_file(t, "notes.txt", "mine"))],
         "notes.txt is a file, not a checkpoint folder",
@@ -280,6 +303,18 @@ def test_bad_input_is_one_line_and_exit_2(build, fragment, tmp_path, capsys, mon
     assert [line for line in lines if line.startswith("error: ")] == lines[-1:], err
     assert code == 2, err
     assert fragment in lines[-1], lines[-1]
+
+
+def test_eval_data_reads_a_compressed_file_as_the_file_uncompressed(tmp_path, capsys):
+    folder = model_folder(tmp_path)
+    text = "the cat sat on the mat\r\n  the mat sat on the cat  \n\n\n" * 30
+    plain = packed_file(tmp_path, "held-out.txt", text.encode())
+    packed = packed_file(tmp_path, "held-out.txt.xz", lzma.compress(text.encode()))
+    scores = []
+    for data in (plain, packed):
+        assert cli.main(["eval", "--checkpoint", str(folder), "--data", str(data), "--json"]) == 0
+        scores.append(json.loads(capsys.readouterr().out))
+    assert scores[0]["tokens"] > 0 and scores[1] == scores[0]
 
 
 def test_repeated_yaml_merges_are_one_line_whatever_the_pyyaml_version(tmp_path, capsys):

@@ -6,8 +6,10 @@ is about BPE, so the whole file runs in seconds.
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import json
+import lzma
 import os
 import shutil
 import subprocess
@@ -185,6 +187,98 @@ def test_jsonl_and_gzipped_jsonl(tmp_path):
     only_nulls = write_jsonl(tmp_path / "nulls.jsonl", [{"text": None}, {"text": None}])
     message = _error(tmp_path, data_files=str(only_nulls))
     assert "has no documents (skipped: non_text_values 2; e.g. " in message and "'text' holds null, not text" in message
+
+
+COMPRESSORS = {
+    ".gz": gzip.compress,
+    ".bz2": bz2.compress,
+    ".xz": lzma.compress,
+    ".zst": lambda raw: pytest.importorskip("zstandard").ZstdCompressor().compress(raw),
+}
+
+
+def _messy_text(i: int) -> str:
+    """Text as corpora come: CRLF, trailing spaces, runs of blank lines, control characters, other scripts."""
+    return (
+        f"Document {i}: caf\u00e9 and cafe\u0301\r\nwith trailing spaces   \n\n\n\n\u043c\u0438\u0440 \u6c34 "
+        f"\u0928\u092e\u0938\u094d\u0924\u0947 \u0645\u0631\u062d\u0628\u0627\x07 bell\x0c feed\r\n" * (i + 2)
+    )
+
+
+def test_compressed_files_give_the_documents_of_the_same_files_uncompressed(tmp_path):
+    """gzip, bzip2, xz and zstandard text files, and compressed JSON Lines (`.jsonl.bz2`, C4's `.json.gz`),
+    found in a folder: the prepared data is byte for byte that of the same folder uncompressed."""
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    plain.mkdir()
+    packed.mkdir()
+    for i, suffix in enumerate(COMPRESSORS):
+        raw = _messy_text(i).encode()
+        (plain / f"doc{i}.txt").write_bytes(raw)
+        (packed / f"doc{i}.txt{suffix}").write_bytes(COMPRESSORS[suffix](raw))
+    for name, compress in (("records.jsonl", bz2.compress), ("c4-part.json", gzip.compress)):
+        raw = "".join(json.dumps({"text": _messy_text(i) + name}) + "\n" for i in range(3)).encode()
+        (plain / (name if name.endswith(".jsonl") else "c4-part.jsonl")).write_bytes(raw)
+        (packed / (name + (".bz2" if compress is bz2.compress else ".gz"))).write_bytes(compress(raw))
+
+    def prepared(folder: Path):
+        return prepare_data(config(tmp_path, data_files=str(folder), validation_split=0.2, tokenizer="bpe"))
+
+    expected, read = prepared(plain), prepared(packed)
+    assert read.manifest["documents_in"] == expected.manifest["documents_in"] == 10
+    assert "unsupported_files" not in read.manifest["removed"]
+    for name in ("train.bin", "val.bin", "tokenizer.json"):
+        assert (read.directory / name).read_bytes() == (expected.directory / name).read_bytes(), name
+
+
+def test_compressed_files_that_cannot_be_read_say_why(tmp_path, monkeypatch):
+    """In a folder: an archive, a compressed file of an unknown kind, a damaged one and one that expands
+    past the compression-ratio limit are skipped and named with the reason. Named on their own: the
+    unknown kind is read as text (what its reason says), the others are one-line errors."""
+    import tarfile
+
+    from llm_trainer import limits
+
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "good.txt.gz").write_bytes(gzip.compress(b"good text"))
+    with tarfile.open(root / "bundle.tar.gz", "w:gz") as archive:
+        archive.add(root / "good.txt.gz", arcname="good.txt.gz")
+    (root / "notes.log.xz").write_bytes(lzma.compress(b"a log line"))
+    (root / "damaged.txt.gz").write_bytes(gzip.compress(b"some text " * 100)[:-12])
+    (root / "bomb.txt.gz").write_bytes(gzip.compress(b"a" * (65 << 20), compresslevel=1))
+    prepared = prepare_data(config(tmp_path, data_files=str(root), validation_split=0.0))
+    assert documents(prepared, "train") == ["good text"]
+    named = json.loads((prepared.directory / "data_report.json").read_text())["skipped_inputs_named"]
+    bomb_size = (root / "bomb.txt.gz").stat().st_size
+    assert named == {
+        "oversized_files": [
+            f"{root / 'bomb.txt.gz'} decompresses to more than {64 << 20:,} bytes, over 100 times its "
+            f"{bomb_size:,} bytes (limits.MAX_COMPRESSION_RATIO); split it into smaller files, or write it as "
+            "JSON Lines, which are read line by line"
+        ],
+        "unreadable_files": [
+            f"{root / 'damaged.txt.gz'} could not be decompressed (Compressed file ended before the "
+            "end-of-stream marker was reached)"
+        ],
+        "unsupported_files": [
+            f"{root / 'bundle.tar.gz'} (not read: an archive of files; unpack it and name the folder in data.data_files)",
+            f"{root / 'notes.log.xz'} (not read: extension '.log' (compressed: .xz) is not a text, JSONL or Parquet "
+            "one; name the file in data.data_files to read it as text)",
+        ],
+    }
+
+    named_alone = prepare_data(config(tmp_path, data_files=str(root / "notes.log.xz"), validation_split=0.0))
+    assert documents(named_alone, "train") == ["a log line"]
+    assert _error(tmp_path, data_files=str(root / "bundle.tar.gz")) == (
+        f"{root / 'bundle.tar.gz'} is an archive of files; unpack it and name the folder in data.data_files"
+    )
+    assert "damaged.txt.gz could not be decompressed" in _error(tmp_path, data_files=str(root / "damaged.txt.gz"))
+    monkeypatch.setattr(limits, "MAX_DECOMPRESSED_TEXT_BYTES", 5)
+    assert _error(tmp_path, data_files=str(root / "good.txt.gz")) == (
+        f"{root / 'good.txt.gz'} decompresses to more than 5 bytes, over the limit of 5 bytes for a text file, "
+        "which is read whole (limits.MAX_DECOMPRESSED_TEXT_BYTES); split it into smaller files, or write it as "
+        "JSON Lines, which are read line by line"
+    )
 
 
 def test_windows_encodings_a_utf8_bom_in_jsonl_and_utf16_text(tmp_path):

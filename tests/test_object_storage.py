@@ -2,7 +2,9 @@
 on 127.0.0.1, reached through s3fs. Nothing leaves the machine: the endpoint, fake credentials and
 AWS_EC2_METADATA_DISABLED are pinned for the tests and for every child process they start."""
 
+import gzip
 import json
+import lzma
 import os
 import shutil
 import socket
@@ -200,6 +202,8 @@ def test_the_report_of_data_read_from_a_bucket_names_its_urls(s3, tmp_path):
     files = {
         f"{bucket}/corpus/a.jsonl": "".join(json.dumps(x) + "\n" for x in lines).encode(),
         f"{bucket}/corpus/blob.txt": b"\x00\x01\x02binary" * 50,
+        f"{bucket}/corpus/b.txt.gz": gzip.compress(b"compressed text read from the bucket " * 8),
+        f"{bucket}/corpus/damaged.txt.xz": lzma.compress(b"a damaged file " * 50)[:-10],
     }
     for key, data in files.items():
         fs.pipe_file(key, data)
@@ -216,6 +220,9 @@ def test_the_report_of_data_read_from_a_bucket_names_its_urls(s3, tmp_path):
         assert report["removed_documents"]["exact_duplicates"][0]["origin"] == f"s3://{bucket}/corpus/a.jsonl:42"
         (skipped,) = report["skipped_inputs_named"]["binary_files"]
         assert skipped.startswith(f"s3://{bucket}/corpus/blob.txt looks like a binary file")
+        (skipped,) = report["skipped_inputs_named"]["unreadable_files"]
+        assert skipped.startswith(f"s3://{bucket}/corpus/damaged.txt.xz could not be decompressed")
+        assert report["documents_in"] == len(lines) + 1  # the records and the gzip file's text
         assert str(tmp_path / "stream") not in report_file.read_text() + done.stderr, executor
         shutil.rmtree(tmp_path / "prepared")
 

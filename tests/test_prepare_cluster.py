@@ -5,7 +5,9 @@ prepare resumes with only its unfinished tasks; bad input and failed tasks are r
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
+import lzma
 import os
 import shutil
 import signal
@@ -44,8 +46,9 @@ def _text(rng, n: int) -> str:
 
 
 def write_mixed_corpus(root: Path, documents: int = 40, files: int = 4) -> list[dict]:
-    """Two sources: `web` (JSONL files with exact copies, planted near-duplicates one word apart, short
-    documents the filters remove, a binary file the folder walk skips) and `books` (text files)."""
+    """Two sources: `web` (JSONL files, the last xz-compressed, with exact copies, planted near-duplicates
+    one word apart, short documents the filters remove, a binary file the folder walk skips) and `books`
+    (text files, the last gzip-compressed)."""
     rng = np.random.default_rng(0)
     web, books = root / "web", root / "books"
     web.mkdir(parents=True)
@@ -66,10 +69,15 @@ def write_mixed_corpus(root: Path, documents: int = 40, files: int = 4) -> list[
                 else:
                     originals.append(text)
                 out.write(json.dumps({"text": text}) + "\n")
+    last = web / f"part-{files - 1}.jsonl"  # compressed files are read on every path
+    last.with_name(last.name + ".xz").write_bytes(lzma.compress(last.read_bytes()))
+    last.unlink()
     (web / "blob").write_bytes(b"\x00\x01binary" * 50)
     (web / "README.Debian").write_text("a file the folder walk does not read\n")
     for f in range(3):
         (books / f"book{f}.txt").write_bytes("\r\n\r\n".join(_text(rng, 60) for _ in range(3)).encode())
+    (books / "book2.txt.gz").write_bytes(gzip.compress((books / "book2.txt").read_bytes()))
+    (books / "book2.txt").unlink()
     return [
         {"name": "web", "data_files": [str(web)], "weight": 3.0},
         {"name": "books", "data_files": [str(books)], "weight": 1.0},

@@ -149,9 +149,12 @@ def _file_tokens(path: Path, tokenizer, text_column: str, clean) -> list[int]:
     empties is left out, as `prepare` leaves it out); any other file as one text. Each text is cleaned
     first (`clean`: the run's cleaning), so a CRLF file or decomposed accents score as the same text
     in the prepared split would."""
-    from .data.text.sources import JSONL_SUFFIXES, SourceStats, read_text_file
+    from .data.text.sources import SourceStats, file_kind, read_text_file
 
-    if not path.name.lower().endswith((*JSONL_SUFFIXES, ".parquet")):
+    kind = file_kind(path, explicit=True)
+    if kind is None:
+        raise UsageError(f"--data {path} is an archive of files; unpack it and pass one of its files")
+    if kind == "text":
         text = clean(read_text_file(path, True, SourceStats(), fix="pass a text file to --data"))
         warn_unseen(tokenizer.unseen_characters(text), f"--data {path}")
         return tokenizer.encode(text)

@@ -13,6 +13,9 @@ or setting that reached it.
                            `check_model_memory` also weighs its parameters against this machine's memory
     MAX_DOCUMENT_CHARS     one document read from data files: longer plain-text files are cut into
                            pieces, longer JSONL lines are bad input (both counted in the data report)
+    MAX_DECOMPRESSED_TEXT_BYTES
+                           a compressed text file, which is read whole: also at most MAX_COMPRESSION_RATIO
+                           times its size beyond its first 64 MiB (`decompressed_text_allowance`)
     MAX_EXECUTOR_TASKS     data.executor_tasks: each task has its own log, completion marker, stats
                            file and part folder, and the plan assigns files to every task
     MAX_SKIPPED_BATCHES, MAX_SKIP_RANGES
@@ -45,6 +48,8 @@ MAX_PARAMETERS = 10**14
 MAX_SEQ_LEN = 1 << 24
 MAX_DOCUMENT_CHARS = 16 << 20
 MAX_LINE_BYTES = 4 * MAX_DOCUMENT_CHARS  # a JSONL line holding one document of MAX_DOCUMENT_CHARS, escaped
+MAX_DECOMPRESSED_TEXT_BYTES = 4 << 30
+_RATIO_FREE_BYTES = 64 << 20  # a small file of repetitive text may expand past the ratio up to this
 MAX_EXECUTOR_TASKS = 100_000  # a task has one file at least to do its work: cut the corpus into files first
 MAX_SKIPPED_BATCHES = 10**7  # a rewind skips what was read since the last checkpoint: save_steps x accumulation
 MAX_SKIP_RANGES = 10_000  # one range per rewind (training.max_rewinds, 3 by default)
@@ -137,6 +142,17 @@ def check_archive(path: Path | bytes, where: str | None = None, *, max_bytes: in
                 f"over the compression ratio limit of {MAX_COMPRESSION_RATIO}"
             )
     return path
+
+
+def decompressed_text_allowance(compressed_bytes: int) -> tuple[int, str]:
+    """How many bytes a compressed text file of `compressed_bytes` may decompress to, and that limit in words."""
+    by_ratio = max(_RATIO_FREE_BYTES, MAX_COMPRESSION_RATIO * compressed_bytes)
+    if by_ratio < MAX_DECOMPRESSED_TEXT_BYTES:
+        return by_ratio, f"{MAX_COMPRESSION_RATIO} times its {compressed_bytes:,} bytes (limits.MAX_COMPRESSION_RATIO)"
+    return MAX_DECOMPRESSED_TEXT_BYTES, (
+        f"the limit of {MAX_DECOMPRESSED_TEXT_BYTES:,} bytes for a text file, which is read whole "
+        "(limits.MAX_DECOMPRESSED_TEXT_BYTES)"
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Where documents come from: files, folders, globs, JSONL (.gz, .zst), Parquet, Hugging Face datasets, the stdlib.
+"""Where documents come from: files, folders, globs, JSONL, Parquet, Hugging Face datasets, the stdlib.
 
 Each source is read into `Document`s (text + the source's name + where it was read, + a curriculum
 score when one is read), in a deterministic order, in constant memory: JSONL line by line, Parquet in
@@ -14,6 +14,12 @@ else at a line break, else at a space (`split_long_text`), instead of being drop
 than `limits.MAX_DOCUMENT_CHARS` is cut the same way (counted as `long_documents_split` in the data
 report), and a JSONL line longer than `limits.MAX_LINE_BYTES` is bad input, never read whole.
 
+A file compressed with gzip, bzip2, xz or zstandard (`.gz`, `.bz2`, `.xz`, `.zst`) is read through its
+decompressor, as what its name says without that suffix (`books.txt.gz` as text, `c4.json.gz` as JSON
+Lines): the same documents as the file uncompressed. JSON Lines are decompressed as they are read; a
+text file, which is read whole, is decompressed whole within `limits.MAX_DECOMPRESSED_TEXT_BYTES` and
+`limits.MAX_COMPRESSION_RATIO` (a few kilobytes can hold gigabytes of one repeated byte).
+
 Bad input (a missing file, a binary file, a JSONL line that is not JSON or lacks the column, a
 Parquet file without the column, an empty source) goes through `BadInput`: skipped and counted, or a
 one-line `UsageError` naming the file and line, as `DataConfig.on_bad_input` says. The default,
@@ -23,17 +29,21 @@ folder should not stop a run) and refuses what the user named.
 
 from __future__ import annotations
 
+import bz2
 import fnmatch
+import functools
 import glob
 import gzip
 import io
 import itertools
 import json
+import lzma
 import math
 import os
 import re
 import sysconfig
 import unicodedata
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -44,7 +54,7 @@ from ...config import DataConfig, SourceConfig
 from ...errors import UsageError, first_line
 from ...files.buckets import Location, fetch_file, identity, list_files, looks_like_glob
 from ...hf.hub import hub_unreachable, offline_mode_set
-from ...limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
+from ...limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES, decompressed_text_allowance
 from .filters import QualityFilter
 from .unicode_text import words
 
@@ -66,12 +76,15 @@ TEXT_SUFFIXES = {
     ".tex",
     ".csv",
 }
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".jsonl.zst", ".json.zst", ".ndjson.gz", ".ndjson.zst")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")  # read through their decompressors (`_open_decompressed`)
+ARCHIVE_SUFFIXES = (".tar", ".tgz", ".tbz2", ".txz", ".zip", ".7z", ".rar")  # many files in one: never read as one
 DEFAULT_SOURCE = "data"  # the name of the one source that data_files / dataset_name make
 UTF8_BOM = b"\xef\xbb\xbf"
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 SPLIT_SHARE = 0.9  # long text files are cut into pieces of at most this share of max_chars and of max_words
 _BATCH_ROWS = 1024  # Parquet / datasets rows read at a time
+_CHUNK_BYTES = 16 << 20  # a compressed text file is decompressed this much at a time
 
 
 class Document(NamedTuple):
@@ -350,13 +363,19 @@ def read_text_file(
     bad: BadInput | None = None,
     fix: str = "remove it from data.data_files",
 ) -> str | None:
-    """A whole file as one document, or None when it is skipped (binary, not UTF-8, ...). `fix`: what a
-    message about a file named explicitly tells (where the file was named: a setting or a flag)."""
+    """A whole file (decompressed, for a compressed one) as one document, or None when it is skipped
+    (binary, not UTF-8, ...). `fix`: what a message about a file named explicitly tells (where the file
+    was named: a setting or a flag)."""
     bad = bad or BadInput("skip_in_folders", stats)
+    compressed = _without_compression(path.name.lower())[1]
     try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        bad("unreadable_files", f"{path} could not be read ({exc.strerror})", in_folder=not explicit)
+        raw = _decompressed_whole(path) if compressed else path.read_bytes()
+    except _Oversized as exc:
+        bad("oversized_files", str(exc), in_folder=not explicit)
+        return None
+    except _decompression_errors() as exc:
+        said = f"could not be decompressed ({exc})" if compressed else f"could not be read ({exc.strerror})"
+        bad("unreadable_files", f"{path} {said}", in_folder=not explicit)
         return None
     if raw.startswith(UTF16_BOMS):  # Windows' "Unicode" text: UTF-16 with its byte-order mark, read as such
         try:
@@ -388,11 +407,27 @@ def read_text_file(
         return None
 
 
-def _open_lines(path: Path):
-    """A binary line iterator for .jsonl, .jsonl.gz and .jsonl.zst."""
+# ----------------------------------------------------------------------------------------------
+# compressed files
+
+
+def _without_compression(name: str) -> tuple[str, bool]:
+    """A file name without its compression suffix (`books.txt.gz` -> `books.txt`), and whether it had one."""
+    for suffix in COMPRESSED_SUFFIXES:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[: -len(suffix)], True
+    return name, False
+
+
+def _open_decompressed(path: Path):
+    """A binary stream of the file's contents, through the decompressor its suffix names (none for others)."""
     name = path.name.lower()
     if name.endswith(".gz"):
         return gzip.open(path, "rb")
+    if name.endswith(".bz2"):
+        return bz2.open(path, "rb")
+    if name.endswith(".xz"):
+        return lzma.open(path, "rb")
     if name.endswith(".zst"):
         try:
             import zstandard
@@ -402,6 +437,40 @@ def _open_lines(path: Path):
         reader = zstandard.ZstdDecompressor().stream_reader(handle, read_across_frames=True, closefd=True)
         return io.BufferedReader(reader)
     return open(path, "rb")
+
+
+@functools.cache
+def _decompression_errors() -> tuple[type[Exception], ...]:
+    """What a read of a damaged or truncated compressed file raises, in any of the decompressors (a
+    failed read of the file itself is an OSError)."""
+    errors: list[type[Exception]] = [OSError, EOFError, zlib.error, lzma.LZMAError]
+    try:
+        import zstandard
+
+        errors.append(zstandard.ZstdError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+class _Oversized(Exception):
+    """A compressed text file that decompresses to more than it may (the message says which limit)."""
+
+
+def _decompressed_whole(path: Path) -> bytes:
+    """A compressed file's contents, read whole, never more than `decompressed_text_allowance` of its size."""
+    allowed, limit = decompressed_text_allowance(path.stat().st_size)
+    chunks, size = [], 0
+    with _open_decompressed(path) as handle:
+        while chunk := handle.read(_CHUNK_BYTES):  # in chunks: read(n) would reserve all n bytes at once
+            size += len(chunk)
+            if size > allowed:
+                raise _Oversized(
+                    f"{path} decompresses to more than {allowed:,} bytes, over {limit}; split it into smaller "
+                    "files, or write it as JSON Lines, which are read line by line"
+                )
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _bounded_lines(handle) -> Iterator[bytes | None]:
@@ -421,7 +490,7 @@ def _bounded_lines(handle) -> Iterator[bytes | None]:
 
 def _read_jsonl(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
     try:
-        handle = _open_lines(path)
+        handle = _open_decompressed(path)
     except OSError as exc:
         opt.bad("unreadable_files", f"{path} could not be read ({exc.strerror})", in_folder=not explicit)
         return
@@ -449,13 +518,7 @@ def _read_jsonl(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple
                 if item is not None:
                     texts += 1
                     yield item[0], item[1], f"{path}:{line_no}"
-        except (gzip.BadGzipFile, EOFError, OSError) as exc:  # zstandard.ZstdError is an OSError-free Exception
-            opt.bad(
-                "unreadable_files", f"{path}:{line_no + 1} could not be decompressed ({exc})", in_folder=not explicit
-            )
-        except Exception as exc:
-            if type(exc).__name__ != "ZstdError":
-                raise
+        except _decompression_errors() as exc:
             opt.bad(
                 "unreadable_files", f"{path}:{line_no + 1} could not be decompressed ({exc})", in_folder=not explicit
             )
@@ -621,23 +684,51 @@ def _read_file(
 def _file_records(
     path: Path, explicit: bool, stats: SourceStats, opt: _ReadOptions
 ) -> Iterator[tuple[str, float | None, str]]:
-    name = path.name.lower()
-    if name.endswith(JSONL_SUFFIXES) or (explicit and name.endswith(".json")):  # in a folder: metadata, often
+    kind = file_kind(path, explicit)
+    if kind == "jsonl":
         yield from _read_jsonl(path, explicit, opt)
-    elif name.endswith(".parquet"):
+    elif kind == "parquet":
         yield from _read_parquet(path, explicit, opt)
-    elif explicit or path.suffix.lower() in TEXT_SUFFIXES or not path.suffix:
+    elif kind == "text":
         yield from _text_file_documents(path, explicit, stats, opt)
+    elif explicit:  # an archive
+        opt.bad("unsupported_files", f"{path} is {unsupported_reason(path)}")
     else:
         stats.skip("unsupported_files", f"{path} (not read: {unsupported_reason(path)})")
 
 
+def file_kind(path: Path, explicit: bool) -> str | None:
+    """How a file is read, by its name: "jsonl", "parquet" or "text"; None for an archive, and for a file
+    found in a folder or a glob that is none of these (`unsupported_reason` says why). A compressed file
+    is read as what its name says without the compression suffix. A file named on its own (`explicit`)
+    is read by its extension too, a `.json` as JSON Lines, and any other as text."""
+    inner, compressed = _without_compression(path.name.lower())
+    if inner.endswith(ARCHIVE_SUFFIXES):
+        return None
+    # A .json in a folder is often metadata (dataset_info.json); compressed, a dump of records (C4's).
+    if inner.endswith(JSONL_SUFFIXES) or (inner.endswith(".json") and (explicit or compressed)):
+        return "jsonl"
+    if inner.endswith(".parquet") and not compressed:
+        return "parquet"
+    suffix = Path(inner).suffix
+    if explicit or suffix in TEXT_SUFFIXES or not suffix:
+        return "text"
+    return None
+
+
 def unsupported_reason(path: Path) -> str:
-    """Why a file found in a folder or a glob is not read: the extension rule, in the report's words."""
-    if path.name.lower().endswith(".json"):
+    """Why a file found in a folder or a glob is not read (`file_kind`), in the report's words."""
+    name = path.name.lower()
+    inner, compressed = _without_compression(name)
+    if inner.endswith(".json"):
         return "a .json file in a folder is often metadata (dataset_info.json); name it in data.data_files to read its JSON Lines"
+    if inner.endswith(ARCHIVE_SUFFIXES):
+        return "an archive of files; unpack it and name the folder in data.data_files"
+    if inner.endswith(".parquet"):
+        return "a compressed Parquet file (Parquet compresses its own columns); decompress it"
+    extension = repr(Path(inner).suffix) + (f" (compressed: {name[len(inner) :]})" if compressed else "")
     return (
-        f"extension {path.suffix!r} is not a text, JSONL or Parquet one; name the file in data.data_files "
+        f"extension {extension} is not a text, JSONL or Parquet one; name the file in data.data_files "
         "to read it as text"
     )
 
