@@ -208,21 +208,51 @@ def tool_folders(config: DataConfig) -> tuple[Path, ...]:
     return tuple(Path(folder).resolve() for folder in (config.local_cache_dir, config.stream_cache_dir))
 
 
-def _tools_output(path: Path, base: Path, ours: tuple[Path, ...], memo: dict[Path, bool]) -> bool:
+def _tools_output(path: Path, base: Path, ours: tuple[Path, ...], memo: dict[str, bool]) -> bool:
     """Whether a file a folder or glob found is this tool's own output, never data: under one of `ours`
     (`tool_folders`), or in a training run's output folder (its metrics.jsonl beside its config.yaml)
-    at or below `base`, where the walk began."""
-    resolved = path.resolve()
-    if any(folder == resolved or folder in resolved.parents for folder in ours):
+    at or below `base`, where the walk began. `memo` keeps the answer for each folder: a folder of many
+    files asks it once."""
+    if path.is_symlink() and _under(os.path.realpath(path), ours):
         return True
-    for folder in path.parents:
-        if folder not in memo:
-            memo[folder] = (folder / "metrics.jsonl").is_file() and (folder / "config.yaml").is_file()
-        if memo[folder]:
-            return True
-        if folder == base:
-            break
-    return False
+    return _tools_folder(os.path.dirname(path) or ".", str(base), ours, memo)
+
+
+def _tools_folder(folder: str, base: str, ours: tuple[Path, ...], memo: dict[str, bool]) -> bool:
+    """Whether the files in `folder`, at or below `base`, are this tool's output (`_tools_output`)."""
+    if folder not in memo:
+        run = os.path.isfile(os.path.join(folder, "metrics.jsonl")) and os.path.isfile(
+            os.path.join(folder, "config.yaml")
+        )
+        parent = os.path.dirname(folder) or "."
+        memo[folder] = (
+            run
+            or _under(os.path.realpath(folder), ours)
+            or (folder not in (base, parent) and _tools_folder(parent, base, ours, memo))
+        )
+    return memo[folder]
+
+
+def _under(resolved: str, folders: tuple[Path, ...]) -> bool:
+    """Whether the resolved path `resolved` is one of `folders` (resolved too) or inside one."""
+    return any(resolved == str(folder) or resolved.startswith(os.path.join(folder, "")) for folder in folders)
+
+
+def _folder_files(folder: Path) -> list[tuple[Path, str]]:
+    """Every file below `folder` that is not hidden (`_hidden`), with its path relative to `folder`, in the
+    order `sorted` gives Paths (by their parts). Hidden folders are not entered, nor are symbolic links to
+    folders (as `Path.rglob` does not)."""
+    top = str(folder)
+    found = []
+    for here, subfolders, names in os.walk(top):
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        prefix = os.path.relpath(here, top)
+        prefix = "" if prefix == "." else prefix.replace(os.sep, "/") + "/"
+        found += [
+            prefix + name for name in names if not name.startswith(".") and os.path.isfile(os.path.join(here, name))
+        ]
+    found.sort(key=lambda relative: relative.split("/"))
+    return [(folder / relative, relative) for relative in found]
 
 
 def _selected(relative: str, include, exclude) -> bool:
@@ -263,7 +293,7 @@ def resolve_files(
     into the local `cache`.
     """
     bad = bad or BadInput("error", SourceStats())
-    memo: dict[Path, bool] = {}
+    memo: dict[str, bool] = {}
     if isinstance(specs, str):
         specs = [specs]
     out: list[InputFile] = []
@@ -295,12 +325,11 @@ def resolve_files(
                 )
             out += [InputFile(p, False) for p in chosen]
         elif path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path).as_posix()))
+            found = _folder_files(path)
             chosen = [
                 p
-                for p in found
-                if _selected(p.relative_to(path).as_posix(), include, exclude)
-                and not _tools_output(p, path, ours, memo)
+                for p, relative in found
+                if _selected(relative, include, exclude) and not _tools_output(p, path, ours, memo)
             ]
             if not chosen:
                 bad(
@@ -1027,5 +1056,5 @@ def source_fingerprint(config: DataConfig) -> list:
                 continue
             for path, _, _ in resolve_files(one, spec.include, spec.exclude, quiet, ours=tool_folders(config)):
                 stat = path.stat()
-                items.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
+                items.append([os.path.realpath(path), stat.st_size, stat.st_mtime_ns])  # str(path.resolve()), sooner
     return items
