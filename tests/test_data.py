@@ -611,6 +611,33 @@ def test_char_tokenizer_round_trip_and_unknown():
     )
 
 
+def test_char_tokenizer_ids_are_the_ids_tokenizers_gives(tmp_path):
+    """The char tokenizer encodes by a table lookup (`CharTable`), built or read from its tokenizer.json:
+    the ids are those of `tokenizers` itself on messy text in several scripts, unknown characters, the
+    end-of-text string in a text (one token, read by `tokenizers`) and a lone surrogate (refused alike)."""
+    seen = _messy_text(0) + "\U0001f468\u200d\U0001f469\u200d\U0001f467 \u0e20\u0e32\u0e29\u0e32 \t\x00\x7f"
+    built = Tokenizer.build_char([seen])
+    read = Tokenizer.load(built.save(tmp_path / "tok"))
+    texts = [
+        seen,
+        _messy_text(3) + "unseen: \u00df\u0416\U0001f600 Z",
+        "",
+        "before" + EOT + "after \r\n",
+        "\r\n\r\n  \n",
+        "\u0928\u092e\u0938\u094d\u0924\u0947" * 1000,
+    ]
+    for tok in (built, read):
+        assert tok._chars is not None  # the table, not tokenizers, encodes these
+        expected = [e.ids for e in tok.backend.encode_batch(texts, add_special_tokens=False)]
+        assert [tok.encode(text) for text in texts] == tok.encode_batch(texts) == expected
+        assert tok.encode(texts[3]).count(tok.eot_id) == 1
+        assert UNK not in {tok.backend.id_to_token(i) for i in tok.encode(seen)}
+        with pytest.raises(TypeError, match="TextInputSequence must be str"):  # as tokenizers refuses it
+            tok.encode("lone \ud800 surrogate")
+    bpe = Tokenizer.train_bpe([seen], vocab_size=300, max_chars=10**6)
+    assert bpe._chars is None  # anything but the char tokenizer goes to tokenizers
+
+
 def test_bpe_trains_to_requested_size_and_round_trips():
     corpus = ["def function_name(argument):\n    return argument * 2\n" * 20, "caf\u00e9 na\u00efve \U0001f600 " * 20]
     tok = Tokenizer.train_bpe(corpus, vocab_size=300, max_chars=10**6)
