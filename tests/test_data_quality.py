@@ -491,11 +491,28 @@ def test_missing_column_line_is_named_with_the_fix_that_fits(tmp_path):
     record lacks it has one bad record, which changing the column would not fix."""
     lines = tmp_path / "lines.jsonl"
     lines.write_text('{"text": "kept"}\n{"body": "no text"}\n', encoding="utf-8")
-    with pytest.raises(UsageError, match=r"lines.jsonl:2 has no 'text' field; earlier records have it: fix or remove"):
+    with pytest.raises(
+        UsageError,
+        match=r"lines.jsonl:2 has no 'text' field \(its fields: 'body'\); earlier records have it: fix or remove",
+    ):
         prepare_data(config(tmp_path, data_files=str(lines)))
-    lines.write_text('{"body": "no text"}\n{"text": "kept"}\n', encoding="utf-8")
-    with pytest.raises(UsageError, match=r"lines.jsonl:1 has no 'text' field; set data.text_column$"):
+    lines.write_text('{"content": "no text", "repo": "r", "path": "p"}\n{"text": "kept"}\n', encoding="utf-8")
+    with pytest.raises(
+        UsageError,
+        match=r"lines.jsonl:1 has no 'text' field \(its fields: 'content', 'repo', 'path'\); set data.text_column$",
+    ):
         prepare_data(config(tmp_path, data_files=str(lines)))
+    wide = {f"f{i}": i for i in range(11)}
+    for first, said in (
+        (wide, "its fields: 'f0', 'f1', 'f2', 'f3', 'f4', 'f5', 'f6', 'f7' and 3 more"),
+        ({}, "the object is empty"),
+        ("just a string", "the line is a JSON str, not an object"),
+        (None, "the line is a JSON null, not an object"),
+    ):
+        lines.write_text(json.dumps(first) + "\n", encoding="utf-8")
+        with pytest.raises(UsageError) as info:
+            prepare_data(config(tmp_path, data_files=str(lines)))
+        assert f"lines.jsonl:1 has no 'text' field ({said}); set data.text_column" in str(info.value)
 
 
 def test_summary_is_printed(tmp_path, capsys):

@@ -85,6 +85,7 @@ UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 SPLIT_SHARE = 0.9  # long text files are cut into pieces of at most this share of max_chars and of max_words
 _BATCH_ROWS = 1024  # Parquet / datasets rows read at a time
 _CHUNK_BYTES = 16 << 20  # a compressed text file is decompressed this much at a time
+_FIELDS_NAMED = 8  # of a JSON record without the text column, in the message
 
 
 class Document(NamedTuple):
@@ -602,7 +603,7 @@ def _jsonl_record(
             if texts_before
             else "set data.text_column"
         )
-        opt.bad("missing_column", f"{path}:{line_no} has no {opt.text_column!r} field; {fix}")
+        opt.bad("missing_column", f"{path}:{line_no} has no {opt.text_column!r} field ({_fields(record)}); {fix}")
         return None
     text = _text_value(record[opt.text_column], f"{path}:{line_no}", opt)
     if text is None:
@@ -616,6 +617,17 @@ def _jsonl_record(
             )
             return None
     return text, score
+
+
+def _fields(record) -> str:
+    """What a JSON record holds instead of the text column, for the message that names the setting."""
+    if not isinstance(record, dict):
+        return f"the line is a JSON {type(record).__name__.replace('NoneType', 'null')}, not an object"
+    if not record:
+        return "the object is empty"
+    names = [repr(name) for name in list(record)[:_FIELDS_NAMED]]
+    more = f" and {len(record) - _FIELDS_NAMED:,} more" if len(record) > _FIELDS_NAMED else ""
+    return f"its fields: {', '.join(names)}{more}"
 
 
 def _text_value(value, origin: str, opt: _ReadOptions) -> str | None:
