@@ -897,7 +897,7 @@ def _iter_hf_dataset(spec: SourceConfig, split: str, opt: _ReadOptions) -> Itera
             if opt.text_column not in record:
                 opt.bad(
                     "missing_column",
-                    f"dataset {name!r} record {i} has no {opt.text_column!r} field; set data.text_column",
+                    f"dataset {name!r} record {i} has no {opt.text_column!r} field ({_fields(record)}); set data.text_column",
                 )
                 continue
             if (text := _text_value(record[opt.text_column], f"{name}:{split}[{i}]", opt)) is not None:
