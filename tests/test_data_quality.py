@@ -506,7 +506,8 @@ def test_missing_column_line_is_named_with_the_fix_that_fits(tmp_path):
     for first, said in (
         (wide, "its fields: 'f0', 'f1', 'f2', 'f3', 'f4', 'f5', 'f6', 'f7' and 3 more"),
         ({}, "the object is empty"),
-        ("just a string", "the line is a JSON str, not an object"),
+        ("just a string", "the line is a JSON string, not an object"),
+        (42, "the line is a JSON number, not an object"),
         (None, "the line is a JSON null, not an object"),
     ):
         lines.write_text(json.dumps(first) + "\n", encoding="utf-8")

@@ -622,7 +622,8 @@ def _jsonl_record(
 def _fields(record) -> str:
     """What a JSON record holds instead of the text column, for the message that names the setting."""
     if not isinstance(record, dict):
-        return f"the line is a JSON {type(record).__name__.replace('NoneType', 'null')}, not an object"
+        kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+        return f"the line is a JSON {kinds.get(type(record), type(record).__name__)}, not an object"
     if not record:
         return "the object is empty"
     names = [repr(name) for name in list(record)[:_FIELDS_NAMED]]
@@ -1068,5 +1069,5 @@ def source_fingerprint(config: DataConfig) -> list:
                 continue
             for path, _, _ in resolve_files(one, spec.include, spec.exclude, quiet, ours=tool_folders(config)):
                 stat = path.stat()
-                items.append([os.path.realpath(path), stat.st_size, stat.st_mtime_ns])  # str(path.resolve()), sooner
+                items.append([os.path.realpath(path), stat.st_size, stat.st_mtime_ns])  # = str(path.resolve())
     return items
