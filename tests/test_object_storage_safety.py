@@ -237,6 +237,21 @@ def test_an_unreachable_gs_store_is_one_line_soon(tmp_path):
     assert took < 30, took  # gcsfs alone tries a call for about 35 s; our connections end after 3.5 s of waits
 
 
+@pytest.mark.slow
+def test_an_unreachable_http_address_is_one_line_that_names_no_cloud_setting(tmp_path):
+    """A data file named by an http(s) URL whose server does not answer: our tries, then one line that
+    says to check the address (no S3 or GCS endpoint variable is involved)."""
+    url = f"http://127.0.0.1:{free_port()}/corpus/input.txt"
+    start = time.monotonic()
+    done = cli_in_process(["prepare", "--config", "tiny", f"data.data_files=[{url}]"], tmp_path)
+    took = time.monotonic() - start
+    *retries, last = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and last.startswith("error: listing data files: cannot reach the store"), last
+    assert last.endswith("check the address and the network, then run again") and "AWS" not in last, last
+    assert len(retries) == 3 and all("trying again in" in line for line in retries), retries
+    assert took < 30, took
+
+
 class _SilentStore:
     """A server on 127.0.0.1 that takes every connection and reads every request, and never answers:
     a store that has hung. Counts the requests it was sent."""

@@ -272,9 +272,14 @@ def _silent(exc: BaseException, url: str) -> bool:
 
 
 def _endpoint_setting(url: str) -> str:
-    """The environment variable that points the store's library at an endpoint other than the default."""
+    """What to check when the store of `url` cannot be reached: the environment variable that points its
+    library at another endpoint, where there is one, and the address itself otherwise (http, hf, az)."""
     scheme = _scheme(url)
-    return {"gs": "STORAGE_EMULATOR_HOST", "gcs": "STORAGE_EMULATOR_HOST"}.get(scheme, "AWS_ENDPOINT_URL")
+    if scheme in S3_SCHEMES:
+        return "the endpoint (AWS_ENDPOINT_URL)"
+    if scheme in ("gs", "gcs"):
+        return "the endpoint (STORAGE_EMULATOR_HOST)"
+    return "the address"
 
 
 def _no_bucket(exc: FileNotFoundError) -> bool:
@@ -371,8 +376,8 @@ def _tried(what: str, url: str, fn: Callable[[], T], tries: int) -> T:
                 raise UsageError(f"{what}: {url} failed ({type(exc).__name__}: {first_line(exc)})") from None
             if attempt == tries or _silent(exc, url):
                 raise UsageError(
-                    f"{what}: cannot reach the store for {url} ({first_line(exc)}); check the endpoint "
-                    f"({_endpoint_setting(url)}) and the network, then run again"
+                    f"{what}: cannot reach the store for {url} ({first_line(exc)}); check "
+                    f"{_endpoint_setting(url)} and the network, then run again"
                 ) from None
             warn(f"{what}: the store for {url} cannot be reached ({first_line(exc)}); trying again in {wait:g} s")
             time.sleep(wait)
