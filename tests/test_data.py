@@ -636,6 +636,8 @@ def test_char_tokenizer_ids_are_the_ids_tokenizers_gives(tmp_path):
             tok.encode("lone \ud800 surrogate")
     bpe = Tokenizer.train_bpe([seen], vocab_size=300, max_chars=10**6)
     assert bpe._chars is None  # anything but the char tokenizer goes to tokenizers
+    empty = Tokenizer.build_char([""])  # no characters: nothing to look up
+    assert empty._chars is None and empty.encode("ab") == [empty.unk_id] * 2
 
 
 def test_bpe_trains_to_requested_size_and_round_trips():

@@ -251,13 +251,13 @@ class Tokenizer:
 
 
 class CharTable:
-    """A char tokenizer's encoding as a table lookup: the ids `tokenizers` gives, many times sooner.
+    """A char tokenizer's encoding as a table lookup: the ids `tokenizers` gives, sooner.
 
     Our char tokenizer (`Tokenizer.build_char`) is a WordLevel vocabulary of single characters behind a
     pre-tokenizer that cuts text into single code points, so a text's ids are its code points' ids (the
     unknown token's for one not in the vocabulary). `tokenizers` runs a regex over every character for
-    that, at about a million characters a second. A text that holds an added token's content (the
-    end-of-text string, which `tokenizers` reads as that one token) goes to `tokenizers` as before.
+    that (how much slower: bench/README.md, "The form of the input"). A text that holds an added token's
+    content (the end-of-text string, which `tokenizers` reads as that one token) goes to `tokenizers`.
     """
 
     def __init__(self, vocab: dict[str, int], unk_id: int, added: list[str]):
@@ -279,6 +279,7 @@ class CharTable:
             or any(spec.get(part) is not None for part in ("normalizer", "post_processor", "truncation", "padding"))
             or spec.get("pre_tokenizer")
             != {"type": "Split", "pattern": {"Regex": CHAR_SPLIT}, "behavior": "Isolated", "invert": False}
+            or not any(len(token) == 1 for token in spec["model"].get("vocab", {}))
         ):
             return None
         return cls(spec["model"]["vocab"], unk_id, [token["content"] for token in spec.get("added_tokens", [])])
