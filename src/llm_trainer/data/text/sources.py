@@ -77,7 +77,6 @@ TEXT_SUFFIXES = {
     ".csv",
 }
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
-COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")  # read through their decompressors (`_open_decompressed`)
 ARCHIVE_SUFFIXES = (".tar", ".tgz", ".tbz2", ".txz", ".zip", ".7z", ".rar")  # many files in one: never read as one
 DEFAULT_SOURCE = "data"  # the name of the one source that data_files / dataset_name make
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -246,12 +245,10 @@ def _folder_files(folder: Path) -> list[tuple[Path, str]]:
     top = str(folder)
     found = []
     for here, subfolders, names in os.walk(top):
-        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        subfolders[:] = [name for name in subfolders if not _hidden(name)]
         prefix = os.path.relpath(here, top)
         prefix = "" if prefix == "." else prefix.replace(os.sep, "/") + "/"
-        found += [
-            prefix + name for name in names if not name.startswith(".") and os.path.isfile(os.path.join(here, name))
-        ]
+        found += [prefix + name for name in names if not _hidden(name) and os.path.isfile(os.path.join(here, name))]
     found.sort(key=lambda relative: relative.split("/"))
     return [(folder / relative, relative) for relative in found]
 
@@ -441,32 +438,36 @@ def read_text_file(
 # compressed files
 
 
-def _without_compression(name: str) -> tuple[str, bool]:
-    """A file name without its compression suffix (`books.txt.gz` -> `books.txt`), and whether it had one."""
-    for suffix in COMPRESSED_SUFFIXES:
+def _without_compression(name: str) -> tuple[str, str | None]:
+    """A file name without its compression suffix (`books.txt.gz` -> `books.txt`), and that suffix (None
+    when it has none: `_DECOMPRESSORS` names those read through a decompressor)."""
+    for suffix in _DECOMPRESSORS:
         if name.endswith(suffix) and len(name) > len(suffix):
-            return name[: -len(suffix)], True
-    return name, False
+            return name[: -len(suffix)], suffix
+    return name, None
 
 
 def _open_decompressed(path: Path):
     """A binary stream of the file's contents, through the decompressor its suffix names (none for others)."""
-    name = path.name.lower()
-    if name.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if name.endswith(".bz2"):
-        return bz2.open(path, "rb")
-    if name.endswith(".xz"):
-        return lzma.open(path, "rb")
-    if name.endswith(".zst"):
-        try:
-            import zstandard
-        except ImportError:
-            raise UsageError(f"reading {path} needs the zstandard package: pip install zstandard") from None
-        handle = open(path, "rb")
-        reader = zstandard.ZstdDecompressor().stream_reader(handle, read_across_frames=True, closefd=True)
-        return io.BufferedReader(reader)
-    return open(path, "rb")
+    suffix = _without_compression(path.name.lower())[1]
+    return _DECOMPRESSORS[suffix](path) if suffix else open(path, "rb")
+
+
+def _open_zstd(path: Path):
+    try:
+        import zstandard
+    except ImportError:
+        raise UsageError(f"reading {path} needs the zstandard package: pip install zstandard") from None
+    handle = open(path, "rb")
+    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(handle, read_across_frames=True, closefd=True))
+
+
+_DECOMPRESSORS = {
+    ".gz": lambda path: gzip.open(path, "rb"),
+    ".bz2": lambda path: bz2.open(path, "rb"),
+    ".xz": lambda path: lzma.open(path, "rb"),
+    ".zst": _open_zstd,
+}
 
 
 @functools.cache
@@ -768,7 +769,7 @@ def unsupported_reason(path: Path) -> str:
         return "an archive of files; unpack it and name the folder in data.data_files"
     if inner.endswith(".parquet"):
         return "a compressed Parquet file (Parquet compresses its own columns); decompress it"
-    extension = repr(Path(inner).suffix) + (f" (compressed: {name[len(inner) :]})" if compressed else "")
+    extension = repr(Path(inner).suffix) + (f" (compressed: {compressed})" if compressed else "")
     return (
         f"extension {extension} is not a text, JSONL or Parquet one; name the file in data.data_files "
         "to read it as text"
@@ -1060,7 +1061,7 @@ def source_fingerprint(config: DataConfig) -> list:
             if local.is_dir():  # a local dataset folder changes without changing its name
                 for path in sorted(p for p in local.rglob("*") if p.is_file()):
                     stat = path.stat()
-                    items.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
+                    items.append([os.path.realpath(path), stat.st_size, stat.st_mtime_ns])
         for one in _file_specs(spec):
             if Location(one).url:  # a store's file is identified by its URL, size and ETag (or time)
                 items += [
@@ -1069,5 +1070,5 @@ def source_fingerprint(config: DataConfig) -> list:
                 continue
             for path, _, _ in resolve_files(one, spec.include, spec.exclude, quiet, ours=tool_folders(config)):
                 stat = path.stat()
-                items.append([os.path.realpath(path), stat.st_size, stat.st_mtime_ns])  # = str(path.resolve())
+                items.append([os.path.realpath(path), stat.st_size, stat.st_mtime_ns])
     return items
