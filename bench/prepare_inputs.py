@@ -56,8 +56,6 @@ def prepare(folder: Path, cache: Path) -> tuple[float, Path]:
                     "data_files": [str(folder)],
                     "tokenizer": "char",
                     "cache_dir": str(cache),
-                    "min_length": 0,
-                    "progress_bar": False,
                 }
             }
         )
