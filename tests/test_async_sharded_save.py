@@ -27,6 +27,7 @@ import yaml
 import test_distributed as distributed
 from conftest import once_per_session, src_env
 from test_distributed import _free_port, _initial_weights
+from warm_launch import torchrun
 
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available"),
@@ -94,9 +95,8 @@ def _env(plan: dict | None = None) -> dict:
 
 
 def _torchrun(workdir: Path, *overrides: str, plan: dict | None = None, check: bool = True):
-    result = subprocess.run(
-        _command(*overrides), cwd=workdir, capture_output=True, text=True, timeout=300, env=_env(plan)
-    )
+    """The runner under torchrun, its ranks started warm (`warm_launch`)."""
+    result = torchrun(workdir, ["train", "--config", "exp.yaml", *overrides], _env(plan), script="runner.py")
     if check:
         assert result.returncode == 0, [line for line in result.stderr.splitlines() if "error" in line.lower()][-5:]
     return result

@@ -22,6 +22,7 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import cli_in_process, needs_deepspeed, once_per_session, src_env
+from warm_launch import python, torchrun
 
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available"),
@@ -116,20 +117,9 @@ def _env():
 
 
 def _torchrun(workdir, *overrides, nproc=2, check=True):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master-port={_free_port()}",
-        "-m",
-        "llm_trainer",
-        "train",
-        "--config",
-        "exp.yaml",
-        *overrides,
-    ]
-    result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300, env=_env())
+    """`torchrun --nproc_per_node=NPROC -m llm_trainer train --config exp.yaml OVERRIDES` in `workdir`,
+    its ranks started warm (`warm_launch`)."""
+    result = torchrun(workdir, ["train", "--config", "exp.yaml", *overrides], _env(), nproc=nproc)
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -138,17 +128,10 @@ def _torchrun(workdir, *overrides, nproc=2, check=True):
 def _single(workdir, *overrides, check=True):
     """One process's `train` of `workdir/exp.yaml` with `overrides`: in this process, computing with one
     thread as the ranks do (`cli_in_process`); under DeepSpeed, which keeps its process group for the
-    life of its process, in a child."""
+    life of its process, in a process of its own (started warm: `warm_launch`)."""
     argv = ["train", "--config", "exp.yaml", *overrides]
     if any("deepspeed" in override for override in overrides):
-        result = subprocess.run(
-            [sys.executable, "-m", "llm_trainer", *argv],
-            cwd=workdir,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=_env(),
-        )
+        result = python(workdir, argv, _env())
     else:
         result = cli_in_process(argv, workdir, threads=1)
     if check:
@@ -255,6 +238,60 @@ def test_ddp_equals_one_process_with_twice_the_batch(workdir, references):
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
     # Only rank 0 wrote logs: one row per step, not two.
     assert len(_losses(workdir / "ddp")[0]) == 6
+
+
+# A rank's view of its start, printed before it trains.
+PROBE = r"""
+import json, os, sys
+preloaded = "torch._dynamo" in sys.modules
+import torch
+from llm_trainer.cli import main
+
+seen = {"environment": dict(os.environ), "cwd": os.getcwd(), "argv": sys.argv, "threads": torch.get_num_threads()}
+print("probe", json.dumps({**seen, "preloaded": preloaded}), flush=True)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_warm_launcher_starts_the_ranks_the_torchrun_command_starts(workdir):
+    """Most torchrun jobs of these tests start their ranks warm (`warm_launch`), with torch imported
+    already. A rank started so sees what a rank of the `torchrun` command sees, its whole environment
+    (the agent's variables included), working directory, arguments and thread count, and trains the
+    same run."""
+    (workdir / "probe.py").write_text(PROBE)
+    args = ["train", "--config", "exp.yaml", "training.batch_size=4", "training.save_steps=0"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}"]
+    by_command = subprocess.run(
+        [*launcher, "probe.py", *args, "training.output_dir=command"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
+    warm = torchrun(workdir, [*args, "training.output_dir=warm"], _env(), script="probe.py")
+    assert by_command.returncode == 0, by_command.stderr[-3000:]
+    assert warm.returncode == 0, warm.stderr[-3000:]
+
+    def probes(result) -> dict:
+        seen = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("probe ")]
+        return {probe["environment"]["RANK"]: probe for probe in seen}
+
+    started, warmed = probes(by_command), probes(warm)
+    assert sorted(started) == sorted(warmed) == ["0", "1"]
+    per_launch = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}  # a free port; a file in a temporary folder
+    for rank in ("0", "1"):
+        environment, warm_environment = started[rank].pop("environment"), warmed[rank].pop("environment")
+        assert {k: v for k, v in warm_environment.items() if k not in per_launch} == {
+            k: v for k, v in environment.items() if k not in per_launch
+        }
+        assert per_launch <= set(environment) & set(warm_environment)
+        assert Path(warm_environment["TORCHELASTIC_ERROR_FILE"]).parts[-3:] == ("attempt_0", rank, "error.json")
+        assert (started[rank].pop("preloaded"), warmed[rank].pop("preloaded")) == (False, True)
+        assert warmed[rank]["argv"].pop() == "training.output_dir=warm"
+        assert started[rank]["argv"].pop() == "training.output_dir=command"
+        assert warmed[rank] == started[rank]  # working directory, the rest of sys.argv, threads
+    assert _losses(workdir / "warm") == _losses(workdir / "command")
 
 
 @pytest.mark.parametrize(

@@ -391,24 +391,17 @@ def test_two_processes_score_their_shares_and_equal_one_process(tmp_path):
     examples too (every rank builds the requests one process builds, the examples drawn alike), and with
     each rank holding only its FSDP2 shards of the weights (every forward a collective: the rank with less
     to do joins the other's forwards, generation's decoding steps included)."""
-    import subprocess
-    import sys
 
-    from conftest import free_port, src_env
+    from conftest import src_env
     from llm_trainer.downstream import evaluate_tasks, scores
+    from warm_launch import torchrun
 
     tasks = ",".join(BUILTIN)
     script, out = tmp_path / "evaluate.py", tmp_path / "scores.json"
     script.write_text(DISTRIBUTED_SCRIPT)
     env = {**src_env(), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}"]
-    done = subprocess.run(
-        [*command, str(script), str(out), str(Path(__file__).parent), tasks, json.dumps(SHARES)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    arguments = [out, Path(__file__).parent, tasks, json.dumps(SHARES)]
+    done = torchrun(tmp_path, arguments, env, script=script, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     together = json.loads(out.read_text())
     assert set(together) == {f"{sharding}-{shots}" for sharding, shots in SHARES}
@@ -445,27 +438,20 @@ STRATEGIES = {  # each rank reads half of one process's batch of 4, or (TP, PP) 
 def _train_with_tasks(root: Path, nproc: int, **training):
     """(the `downstream` rows of metrics.jsonl, the run's stderr) of the tiny experiment (with `MODEL`)
     trained in `root` by `nproc` CPU processes (gloo)."""
-    import subprocess
-    import sys
 
     import yaml
 
-    from conftest import free_port, src_env, write_tiny_experiment
+    from conftest import src_env, write_tiny_experiment
+    from warm_launch import python, torchrun
 
     root.mkdir()
     config = write_tiny_experiment(root, **TRAINING_OPTIONS, **training)
     experiment = yaml.safe_load(config.read_text())
     experiment["model"].update(MODEL)
     config.write_text(yaml.safe_dump(experiment))
-    launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master-port={free_port()}"]
-    done = subprocess.run(
-        [sys.executable, *(launcher if nproc > 1 else []), "-m", "llm_trainer", "train", "--config", str(config)],
-        cwd=root,
-        env={**src_env(), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    env = {**src_env(), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    train = ["train", "--config", config]
+    done = torchrun(root, train, env, nproc=nproc, timeout=600) if nproc > 1 else python(root, train, env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (root / "run/checkpoints/best_model").is_dir()
     rows = [json.loads(line) for line in (root / "run/metrics.jsonl").read_text().splitlines()]
@@ -536,18 +522,15 @@ def test_downstream_rows_reach_the_backends_as_task_and_metric():
 def test_eval_tasks_reads_sharded_checkpoints(tmp_path, strategy):
     """A checkpoint of FSDP (its shards gathered) or DeepSpeed (2 CPU processes) gives the scores of its
     best_model/ (whole weights, same step)."""
-    import subprocess
-    import sys
 
-    from conftest import cli_in_process, free_port, src_env, write_tiny_experiment
+    from conftest import cli_in_process, src_env, write_tiny_experiment
+    from warm_launch import torchrun
 
     if strategy == "deepspeed":
         pytest.importorskip("deepspeed")
     config = write_tiny_experiment(tmp_path, distributed_strategy=strategy, use_amp=False, eval_steps=6, max_steps=6)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}"]
     env = {**src_env(), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    train = [*launcher, "-m", "llm_trainer", "train", "--config", str(config)]
-    done = subprocess.run(train, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = torchrun(tmp_path, ["train", "--config", config], env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = {}
     for name, folder in (("checkpoint", tmp_path / "run"), ("best", tmp_path / "run/checkpoints/best_model")):

@@ -6,15 +6,15 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
 
 import test_object_storage as base
-from conftest import cli_in_process, free_port
+from conftest import cli_in_process
 from test_object_storage import _env, _experiment, _one_line_exit_2, _upload_corpus
+from warm_launch import torchrun
 
 s3_server, s3 = base.s3_server, base.s3  # the server and bucket fixtures, shared
 
@@ -157,15 +157,9 @@ def test_eval_generate_and_export_read_a_checkpoint_url_and_an_export_is_replace
 
 
 def _torchrun(cwd, endpoint: str, *args) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}"]
-    return subprocess.run(
-        [*command, "-m", "llm_trainer", *args],
-        env={**_env(endpoint), "PYTHONUNBUFFERED": "1"},
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """`torchrun --nproc_per_node=2 -m llm_trainer ARGS` with the store at `endpoint`, its ranks started
+    warm (`warm_launch`)."""
+    return torchrun(cwd, args, {**_env(endpoint), "PYTHONUNBUFFERED": "1"})
 
 
 def _losses(fs, run: str) -> dict[int, float]:

@@ -262,12 +262,11 @@ sys.exit(main(sys.argv[1:]))
 def test_a_rewind_under_ddp_equals_the_same_rewind_in_one_process(tmp_path):
     """2 ranks of batch 4 and one process of batch 8 spike at the same step, rewind to the same
     checkpoint, skip the same global sample range and log the same losses."""
-    import subprocess
-    import sys
 
     import yaml
 
-    from test_distributed import EXPERIMENT, _env, _free_port
+    from test_distributed import EXPERIMENT, _env
+    from warm_launch import python, torchrun
 
     lines = [f"the {w} sat on the mat number {i % 7}.\n" for i, w in enumerate(["cat", "dog", "bird", "fox"] * 120)]
     (tmp_path / "corpus.txt").write_text("".join(lines))
@@ -283,13 +282,9 @@ def test_a_rewind_under_ddp_equals_the_same_rewind_in_one_process(tmp_path):
         "training.on_loss_spike=rewind",
         "training.loss_spike_warmup=8",
     ]
-    launchers = {
-        "ddp": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}"],
-        "single": [sys.executable],
-    }
-    for name, batch in (("ddp", 4), ("single", 8)):
-        cmd = [*launchers[name], "spike.py", *args, f"training.output_dir={name}", f"training.batch_size={batch}"]
-        result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=_env())
+    for name, batch, launch in (("ddp", 4, torchrun), ("single", 8, python)):  # started warm: warm_launch
+        run = [*args, f"training.output_dir={name}", f"training.batch_size={batch}"]
+        result = launch(tmp_path, run, _env(), script="spike.py")
         assert result.returncode == 0, "\n".join(result.stderr.splitlines()[-60:])
         assert "rewound to checkpoint-00000015 (step 15); the samples [120, 136)" in result.stderr
     ddp, single = losses(tmp_path / "ddp"), losses(tmp_path / "single")

@@ -36,6 +36,7 @@ from llm_trainer.checkpoint.find import resolve_checkpoint
 from llm_trainer.checkpoint.verify import verify
 from llm_trainer.errors import CheckpointError
 from llm_trainer.files import atomic, checksums, safe_pickle
+from warm_launch import python
 
 MAX_STEPS = 6
 OPEN = f"{open.__module__}.open"  # how a pickle names the payload's callable
@@ -1307,7 +1308,8 @@ def test_a_file_meta_json_does_not_list_is_refused(trained, tmp_path, capsys):
 
 
 def deepspeed_train(trained: Path, run: Path, *overrides: str, script: str = "") -> subprocess.CompletedProcess:
-    """`train` with the DeepSpeed strategy in a child process (one rank, CPU); `script` runs first."""
+    """`train` with the DeepSpeed strategy in a process of its own (one rank, CPU; started warm:
+    `warm_launch`); `script` runs first."""
     argv = [
         "train",
         "--config",
@@ -1318,7 +1320,9 @@ def deepspeed_train(trained: Path, run: Path, *overrides: str, script: str = "")
     ]
     code = f"import os, sys\nos.environ.setdefault('DS_ACCELERATOR', 'cpu')\n{script}\n"
     code += f"from llm_trainer.cli import main\nsys.exit(main({argv!r}))\n"
-    return subprocess.run([sys.executable, "-c", code], env=src_env(), capture_output=True, text=True, timeout=600)
+    runner = run.with_name(f"{run.name}-train.py")
+    runner.write_text(code)
+    return python(Path.cwd(), [], src_env(), script=runner, timeout=600)
 
 
 @pytest.fixture(scope="module")
