@@ -1,9 +1,13 @@
-"""bench/gpu_compare.py's kernel breakdown: what a profiled step's GPU time is, read from a trace."""
+"""bench/gpu_compare.py's kernel breakdown (what a profiled step's GPU time is, read from a trace) and
+the test it runs on the device."""
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "gpu_compare.py"
 
@@ -76,3 +80,18 @@ def test_a_step_the_budget_does_not_reach_reads_no_other_steps_log(tmp_path):
         {"steps": {"estimate_test": record}, "wall_s": 1, "date": "2026-11-28", "cpu_dry_run": True}, None
     )
     assert "365,105" not in line and "estimate_test: skipped (the call's time budget is spent)" in line
+
+
+@pytest.mark.slow  # two pytest collections in child processes
+@pytest.mark.parametrize("cpu", [True, False], ids=["dry-run", "gpu"])
+def test_the_estimate_test_the_script_runs_exists(cpu):
+    """A lease's step must not be spent on a test id that names no test (pytest then only says "no match")."""
+    test = _gpu_compare().estimate_test(cpu)
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider", test],
+        cwd=BENCH.parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert collected.returncode == 0 and test in collected.stdout, collected.stdout[-2000:]
