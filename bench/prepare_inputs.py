@@ -1,7 +1,9 @@
-"""What the form of the input costs `llm-trainer prepare`: a folder of many small files, and compressed files.
+"""What the form of the input costs `llm-trainer prepare`: a folder of many small files, compressed files,
+one large file.
 
-    python bench/prepare_inputs.py                 # ~2 minutes on 2 cores
+    python bench/prepare_inputs.py                 # ~3 minutes on 2 cores
     python bench/prepare_inputs.py --files 100000  # a larger folder
+    python bench/prepare_inputs.py --cases book    # one case
 
 1. **Many small files**: a project folder of `--files` text files of one to three lines (in subfolders of
    1,000) beside a hidden `.git` folder of `--git-objects` files, as a repository checkout has, prepared as
@@ -14,8 +16,13 @@
    alternated for `--rounds` rounds; the best wall time of each, its ratio to the plain folder's, and
    whether its train.bin is the plain folder's byte for byte.
 
-The char tokenizer throughout, so that the tokenizer's training does not dominate. One JSON object on
-stdout and in bench/out/prepare_inputs.json.
+3. **One large file**: the standard library's sources as one text file of about `--book-mb` MB (at most its ~11 MB), prepared
+   with a byte-level BPE tokenizer of 4,096 tokens and `validation_split: 0.05`, as a user prepares a
+   book or a dump: too few documents to hold one out, so validation is the end of each one's tokens.
+   Reported: the wall time and how validation was taken.
+
+The char tokenizer in the first two, so that the tokenizer's training does not dominate. One JSON object
+on stdout and in bench/out/prepare_inputs.json.
 """
 
 from __future__ import annotations
@@ -46,19 +53,12 @@ except ImportError:
     pass
 
 
-def prepare(folder: Path, cache: Path) -> tuple[float, Path]:
-    """Wall seconds of `llm-trainer prepare` of `folder` in a fresh process, and the prepared folder."""
+def prepare(folder: Path, cache: Path, **data) -> tuple[float, Path]:
+    """Wall seconds of `llm-trainer prepare` of `folder` (char tokenizer unless `data` sets other keys) in a
+    fresh process, and the prepared folder."""
     config = cache.parent / f"{cache.name}.yaml"
     config.write_text(
-        yaml.safe_dump(
-            {
-                "data": {
-                    "data_files": [str(folder)],
-                    "tokenizer": "char",
-                    "cache_dir": str(cache),
-                }
-            }
-        )
+        yaml.safe_dump({"data": {"data_files": [str(folder)], "tokenizer": "char", "cache_dir": str(cache), **data}})
     )
     start = time.perf_counter()
     subprocess.run(
@@ -155,21 +155,53 @@ def compressed(work: Path, mb: float, rounds: int) -> dict:
     }
 
 
+def one_large_file(work: Path, mb: float) -> dict:
+    from llm_trainer.data.text.sources import stdlib_files
+
+    parts, size = [], 0
+    for path in stdlib_files():
+        parts.append(path.read_text(encoding="utf-8", errors="replace"))
+        size += len(parts[-1].encode())
+        if size >= mb * 1e6:
+            break
+    book = work / "book.txt"
+    book.write_text("\n".join(parts), encoding="utf-8")
+    data = {"tokenizer": "bpe", "tokenizer_vocab_size": 4096, "validation_split": 0.05}
+    wall, prepared = prepare(book, work / "cache-book", **data)
+    manifest = yaml.safe_load((prepared / "manifest.json").read_text())
+    return {
+        "mb": round(book.stat().st_size / 1e6, 2),
+        "prepare_wall_s": round(wall, 2),
+        "validation_split_by": manifest["validation_split_by"],
+        "tokens": manifest["tokens"],
+    }
+
+
+CASES = ("many", "compressed", "book")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=20000)
     parser.add_argument("--git-objects", type=int, default=20000)
     parser.add_argument("--mb", type=float, default=8.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--book-mb", type=float, default=10.0)
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--out", default=str(BENCH_DIR / "out" / "prepare_inputs.json"))
     args = parser.parse_args()
+    cases = args.cases.split(",")
+    if not set(cases) <= set(CASES):
+        parser.error(f"--cases: {', '.join(sorted(set(cases) - set(CASES)))} is none of {', '.join(CASES)}")
     with tempfile.TemporaryDirectory(prefix="prepare_inputs_") as tmp:
         work = Path(tmp)
-        report = {
-            "machine": machine_info(),
-            "many_small_files": many_files(work, args.files, args.git_objects),
-            "compressed": compressed(work, args.mb, args.rounds),
-        }
+        report = {"machine": machine_info()}
+        if "many" in cases:
+            report["many_small_files"] = many_files(work, args.files, args.git_objects)
+        if "compressed" in cases:
+            report["compressed"] = compressed(work, args.mb, args.rounds)
+        if "book" in cases:
+            report["one_large_file"] = one_large_file(work, args.book_mb)
     emit_report(report, args.out)
 
 

@@ -45,6 +45,129 @@ def test_a_fraction_split_over_few_files_splits_by_tokens_and_says_so(tmp_path, 
     assert many.manifest["validation_split_by"] == "documents" and many.manifest["splits"]["val"]["documents"] == 3
 
 
+# Few documents in two sources, messy as found: CRLF, trailing spaces, runs of blank lines, control
+# characters, and text in several scripts (a split by documents would hold none of them out at 0.2).
+MESSY = {
+    "a": [
+        "Caf\u00e9 au lait, cafe\u0301 noir.  \r\nLine two\t \r\n\r\n\r\n\r\nEnd\x07 of it.\n",
+        "\u041f\u0440\u0438\u0432\u0435\u0442, \u043c\u0438\u0440! " * 40
+        + "\n\n\n\n\u6f22\u5b57\u3068\u304b\u306a\u3002" * 30,
+    ],
+    "b": [
+        "\u0928\u092e\u0938\u094d\u0924\u0947 \u0926\u0941\u0928\u093f\u092f\u093e\u0964  \n" * 50,
+        "\u0645\u0631\u062d\u0628\u0627 \u0628\u0627\u0644\u0639\u0627\u0644\u0645   \r\n" * 45 + "x",
+    ],
+}
+
+
+def _messy_sources(root) -> list[dict]:
+    sources = []
+    for name, texts in MESSY.items():
+        folder = root / name
+        folder.mkdir(parents=True)
+        for k, text in enumerate(texts):
+            (folder / f"{k}.txt").write_bytes(text.encode())
+        sources.append({"name": name, "data_files": str(folder)})
+    return sources
+
+
+def _documents(prepared, split: str) -> list[list[int]]:
+    offsets, tokens = np.load(prepared.directory / f"{split}.idx.npy"), np.asarray(prepared.tokens(split))
+    return [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "bpe"])
+def test_a_split_by_tokens_cuts_the_documents_the_run_without_a_split_writes(tmp_path, tokenizer):
+    """Each document's first 80% of tokens train and the rest validate, in stream order, with its source:
+    cut from the documents the default path writes (no validation split), whose tokens are what encoding
+    each kept text again gives, as the split once did."""
+    from llm_trainer.data.prepare import prepare_data
+    from llm_trainer.data.prepare.build import _kept_texts
+
+    sources = _messy_sources(tmp_path / "corpus")
+
+    def config(split: float) -> DataConfig:
+        cache = str(tmp_path / f"cache-{split}")
+        return DataConfig(
+            sources=sources, tokenizer=tokenizer, tokenizer_vocab_size=300, validation_split=split, cache_dir=cache
+        )
+
+    whole, split = prepare_data(config(0)), prepare_data(config(0.2))
+    assert split.manifest["validation_split_by"] == "tokens"
+    assert (whole.directory / "tokenizer.json").read_bytes() == (split.directory / "tokenizer.json").read_bytes()
+    documents, eot = _documents(whole, "train"), split.tokenizer.eot_id
+    texts = list(_kept_texts(config(0.2), ("train", "val")))
+    assert len(documents) == len(texts) == 4
+    assert [document[:-1] for document in documents] == [split.tokenizer.encode(text) for text in texts]
+    assert all(document[-1] == eot for document in documents)
+
+    expected = {"train": [], "val": []}
+    expected_sources = {"train": [], "val": []}
+    for document, source in zip(documents, np.load(whole.directory / "train.sources.npy")):
+        ids = document[:-1]
+        cut = min(len(ids) - 1, max(1, int(len(ids) * 0.8)))
+        for name, part in zip(("train", "val"), (ids[:cut], ids[cut:])):
+            expected[name].append([*part, eot])
+            expected_sources[name].append(int(source))
+    for name in ("train", "val"):
+        assert _documents(split, name) == expected[name]
+        assert np.load(split.directory / f"{name}.sources.npy").tolist() == expected_sources[name]
+    assert sorted(set(expected_sources["val"])) == [0, 1]
+    assert not [p.name for p in split.directory.iterdir() if p.name.startswith("shards")]
+
+
+@pytest.mark.parametrize("at", ["before the swap", "between the renames", "before the first shards are deleted"])
+def test_a_split_by_tokens_interrupted_as_its_shards_take_the_first_ones_place_resumes_to_the_same_files(
+    tmp_path, monkeypatch, at
+):
+    """Stopped (Ctrl-C) at any point of the swap of the split shards for the first pass's, the next
+    prepare ends with the files an uninterrupted one writes, says it split by tokens, and leaves no
+    shards behind."""
+    import shutil
+    from pathlib import Path
+
+    from llm_trainer.data.prepare import prepare_data, shards
+
+    sources = _messy_sources(tmp_path / "corpus")
+
+    def config(cache: str) -> DataConfig:
+        return DataConfig(
+            sources=sources,
+            tokenizer="bpe",
+            tokenizer_vocab_size=300,
+            validation_split=0.2,
+            cache_dir=str(tmp_path / cache),
+        )
+
+    uninterrupted = prepare_data(config("uninterrupted"))
+    rename, rmtree, renamed = Path.rename, shutil.rmtree, []
+
+    def stopping_rename(self, target):
+        if self.name in (shards.SHARDS, shards.BY_TOKENS):
+            renamed.append(self.name)
+            if (at, len(renamed)) in (("before the swap", 1), ("between the renames", 2)):
+                raise KeyboardInterrupt
+        return rename(self, target)
+
+    def stopping_rmtree(path, *args, **kwargs):
+        if at == "before the first shards are deleted" and Path(path).name == "shards.replaced" and len(renamed) == 2:
+            raise KeyboardInterrupt
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "rename", stopping_rename)
+    monkeypatch.setattr(shutil, "rmtree", stopping_rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data(config("interrupted"))
+    monkeypatch.undo()
+    resumed = prepare_data(config("interrupted"))
+    assert resumed.manifest["validation_split_by"] == "tokens"
+    assert resumed.manifest["splits"] == uninterrupted.manifest["splits"]
+    for name in ("train.bin", "val.bin", "train.idx.npy", "val.idx.npy", "train.sources.npy", "val.sources.npy"):
+        assert (resumed.directory / name).read_bytes() == (uninterrupted.directory / name).read_bytes(), name
+    assert not [p.name for p in resumed.directory.iterdir() if p.name.startswith("shards")]
+    assert not list((tmp_path / "interrupted").glob(".*.partial"))
+
+
 def test_a_hub_dataset_offline_fails_fast_and_names_data_files(tmp_path, monkeypatch):
     """Refused before `datasets` is asked for the dataset (whose retries take tens of seconds)."""
     datasets = pytest.importorskip("datasets")

@@ -22,7 +22,6 @@ import hashlib
 import itertools
 import json
 import multiprocessing as mp
-import shutil
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -43,7 +42,7 @@ from ..text.filters import QualityFilter
 from ..text.mixture import interleave
 from ..text.sources import Document, SourceStats, iter_source, resolved_sources, source_fingerprint
 from .report import Counts, Progress, build_report, nothing_kept, padding_fractions, print_summary, write_report
-from .shards import SHARDS, SPLITS, ShardWriter
+from .shards import BY_TOKENS, SPLITS, ShardWriter, remove_shards
 from .workers import DocumentProcessor, Processed, encode, worker_encode, worker_init, worker_process
 
 BATCH = 256  # raw documents per pipeline batch
@@ -112,15 +111,8 @@ def _fraction_split(i: int, fraction: float) -> str:
 
 
 def _kept_texts(config: DataConfig, splits: tuple[str, ...]) -> Iterator[str]:
-    """Cleaned, filtered, deduplicated texts of the given splits in stream order (the tokenizer's corpus)."""
-    return (text for text, _ in _kept_documents(config, splits))
-
-
-def _kept_documents(config: DataConfig, splits: tuple[str, ...]) -> Iterator[tuple[str, Document]]:
-    """(cleaned text, the document it came from) for the kept documents of the given splits, in stream order.
-
-    The same decisions as the writing pass (`decide`), so the tokenizer is trained on the documents written.
-    """
+    """Cleaned, filtered, deduplicated texts of the given splits in stream order (the tokenizer's corpus):
+    the same decisions as the writing pass (`decide`), so the tokenizer is trained on the documents written."""
     processor, dedup = DocumentProcessor(config), Deduplicator(config)
     for split, make in _phases(config):
         raw = ((i * BATCH, batch) for i, batch in enumerate(batched(make(SourceStats()), BATCH)))
@@ -128,7 +120,7 @@ def _kept_documents(config: DataConfig, splits: tuple[str, ...]) -> Iterator[tup
         for batch in decide(config, processed, dedup, split, kept=0):
             for i, doc_split in zip(batch.kept, batch.kept_splits):
                 if doc_split in splits:
-                    yield batch.processed.texts[i], batch.documents[i]
+                    yield batch.processed.texts[i]
 
 
 @dataclass
@@ -248,6 +240,7 @@ class _State:
     skipped_done: dict = field(default_factory=dict)  # reader skips of finished phases
     skipped_named: dict = field(default_factory=dict)  # the first of each kind, named (SourceStats.named)
     seconds: float = 0.0  # time spent by earlier, interrupted runs
+    split_by: str | None = None  # "tokens" once the shards hold each document split by its tokens
 
 
 class Build:
@@ -290,8 +283,8 @@ class Build:
                 writer.close()
                 progress.close()
         splits = {s: dict(writer.totals[s]) for s in SPLITS}
-        split_by = self._split_by(splits)
-        if split_by == "tokens":
+        split_by = self._split_by(splits, state.split_by)
+        if split_by == "tokens" and state.split_by is None:
             splits = self._split_by_tokens(tokenizer, dtype, writer, state, counts)
         if splits["train"]["tokens"] == 0:
             raise UsageError(nothing_kept(counts))
@@ -319,7 +312,7 @@ class Build:
         }
         (self.work / MANIFEST).write_text(json.dumps(manifest, indent=2))
         move_into_place(self.work, self.directory)  # one there without a manifest is an old partial one: replaced
-        shutil.rmtree(self.directory / SHARDS, ignore_errors=True)
+        remove_shards(self.directory)
         (self.directory / ".lock").unlink(missing_ok=True)
         print_summary(report)
         return PreparedData(self.directory, tokenizer, manifest)
@@ -446,16 +439,17 @@ class Build:
 
     # -- too few documents for a split by documents: each one is split by position -----------------
 
-    def _split_by(self, splits: dict) -> str | None:
+    def _split_by(self, splits: dict, done: str | None) -> str | None:
         """How validation was taken: "name" (a named split), "documents" (a fraction of them), "tokens"
-        (a fraction that leaves no document to validate on: the end of each one instead), None (no split)."""
+        (a fraction that leaves no document to validate on: the end of each one instead), None (no split).
+        `done`: "tokens" where the shards hold that split already (an interrupted build resumed)."""
         fraction = self.config.validation_split
         if isinstance(fraction, str):
             return "name"
         if fraction == 0 or splits["train"]["documents"] + splits["val"]["documents"] == 0:
             return None
-        total = splits["train"]["documents"] + splits["val"]["documents"]
-        if splits["val"]["documents"]:
+        total = splits["train"]["documents"] + (0 if done == "tokens" else splits["val"]["documents"])
+        if splits["val"]["documents"] and done != "tokens":
             log(
                 f"data: validation: {splits['val']['documents']:,} of {total:,} documents (validation_split {fraction:g})"
             )
@@ -483,24 +477,30 @@ class Build:
                 "validation_split, or give them more documents"
             )
 
-    def _split_by_tokens(self, tokenizer, dtype, writer, state, counts) -> dict:
-        """Each document's first 1-f of its tokens train, the rest validate (the documents are read again)."""
+    def _split_by_tokens(self, tokenizer, dtype, writer: ShardWriter, state: _State, counts: Counts) -> dict:
+        """Each document's first 1-f of its tokens train, the rest validate. The first pass held no document
+        out, so every one is in its training shards, encoded, in stream order: each is read back from there
+        into a second set of shards, which then replaces the first (`ShardWriter.replace_with`)."""
         fraction = self.config.validation_split
-        writer.discard()
-        writer.start()
-        for text, document in _kept_documents(self.config, ("train", "val")):
-            ids = tokenizer.encode(text)
+        split = ShardWriter(
+            self.work, dtype, self.fingerprint, with_signatures=self.near, with_scores=self.with_scores, name=BY_TOKENS
+        )
+        split.discard()  # what an interrupted split left
+        split.start()
+        end = np.asarray([tokenizer.eot_id], dtype=dtype)
+        for tokens, source, score in writer.documents("train"):
+            ids = tokens[:-1]  # (n,): the document without its end-of-text
             cut = min(len(ids) - 1, max(1, int(len(ids) * (1 - fraction)))) if len(ids) > 1 else len(ids)
-            source = np.full(1, self.source_index[document.source], np.int16)
-            score = np.full(1, np.nan if document.score is None else document.score) if self.with_scores else None
-            for split, part in zip(SPLITS, (ids[:cut], ids[cut:])):
-                if part:
-                    tokens = np.asarray([*part, tokenizer.eot_id], dtype=dtype)
-                    writer.add(split, tokens, np.asarray([len(tokens)], dtype=np.int64), source, score)
-        writer.add_keys(
+            for name, part in zip(SPLITS, (ids[:cut], ids[cut:])):
+                if len(part):
+                    piece = np.concatenate([part, end])
+                    split.add(name, piece, np.asarray([len(piece)], dtype=np.int64), source, score)
+        split.add_keys(
             np.zeros(0, np.uint64), np.zeros((0, self.config.minhash_num_perm), np.uint32) if self.near else None
         )
-        writer.commit(self._snapshot(state, counts), done=True)
+        state.split_by = "tokens"
+        split.commit(self._snapshot(state, counts), done=True)
+        writer.replace_with(split)
         return {s: dict(writer.totals[s]) for s in SPLITS}
 
     def _snapshot(self, state: _State, counts: Counts) -> dict:
@@ -513,6 +513,7 @@ class Build:
             "counts": counts.to_json(),
             "skipped_done": dict(state.skipped_done),
             "seconds": round(self._elapsed(), 3),
+            "split_by": state.split_by,
         }
 
     def _manifest(self, tokenizer, dtype, splits, counts: Counts, skipped: Counter, seconds: float) -> dict:

@@ -340,7 +340,7 @@ def _part_records(folder: Path, source: int, name: str, count: int, dtype, num_p
 
 def _merge_build():
     from .build import BATCH, Build, batched, decide
-    from .shards import SHARDS, SPLITS
+    from .shards import SPLITS, remove_shards
 
     class MergeBuild(Build):
         """`Build` whose document stream is the parts of the per-file stage instead of the readers."""
@@ -355,7 +355,7 @@ def _merge_build():
             )
 
         def run(self):
-            shutil.rmtree(self.work / SHARDS, ignore_errors=True)  # a merge that was killed starts over
+            remove_shards(self.work)  # a merge that was killed starts over
             return super().run()
 
         def _elapsed(self) -> float:

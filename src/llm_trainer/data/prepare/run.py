@@ -22,7 +22,7 @@ from ..batches.stream import CHUNK_FOLDER, CHUNKS, StreamedData, chunk_record_pr
 from ..format import MANIFEST, PreparedData, manifest_problem
 from .build import Build, data_fingerprint
 from .executors import prepare_with_executor
-from .shards import SHARDS
+from .shards import remove_shards
 
 
 @contextlib.contextmanager
@@ -46,7 +46,7 @@ def _load(directory: Path, origin: str | None = None) -> PreparedData:
     problem = "is not JSON" if manifest is None else manifest_problem(manifest)
     if problem is not None:
         raise UsageError(f"{_damaged(directory, origin, MANIFEST)}: it {problem}; {_refetch(directory, origin)}")
-    shutil.rmtree(directory / SHARDS, ignore_errors=True)  # left if the last run stopped right after its rename
+    remove_shards(directory)  # left if the last run stopped right after its rename
     log(f"data: reusing {directory} ({manifest['splits']['train']['tokens']:,} training tokens)")
     return PreparedData(directory, Tokenizer.load(directory), manifest)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,8 @@ from ...files.atomic import write_file
 
 SPLITS = ("train", "val")
 SHARDS = "shards"
+BY_TOKENS = "shards.by-tokens"  # the shards of a split by tokens, until they replace the first pass's
+_ASIDE = "shards.replaced"  # the first pass's shards, while the split ones take their place
 _COPY_BUFFER = 16 * 2**20
 
 
@@ -39,8 +42,17 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 class ShardWriter:
     """Appends batches to the current shard, commits it when it holds `shard_tokens`, resumes, finalises."""
 
-    def __init__(self, work: Path, dtype: np.dtype, fingerprint: str, *, with_signatures: bool, with_scores: bool):
-        self.folder = work / SHARDS
+    def __init__(
+        self,
+        work: Path,
+        dtype: np.dtype,
+        fingerprint: str,
+        *,
+        with_signatures: bool,
+        with_scores: bool,
+        name: str = SHARDS,
+    ):
+        self.folder = work / name
         self.folder.mkdir(parents=True, exist_ok=True)
         self.dtype, self.fingerprint = np.dtype(dtype), fingerprint
         self.with_signatures, self.with_scores = with_signatures, with_scores
@@ -167,6 +179,32 @@ class ShardWriter:
         self.index = 0
         self.totals = {s: {"documents": 0, "tokens": 0} for s in SPLITS}
 
+    def documents(self, split: str) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+        """The committed shards' documents of `split`, in order: (tokens, end-of-text included; source (1,);
+        score (1,) or None), the tokens read from the file as they are reached."""
+        for k in range(self.index):
+            lengths = np.load(self.folder / f"{k:05d}.{split}.len.npy")
+            if not len(lengths):
+                continue
+            tokens = np.memmap(self.folder / f"{k:05d}.{split}.bin", dtype=self.dtype, mode="r")
+            sources = np.load(self.folder / f"{k:05d}.{split}.src.npy")
+            scores = np.load(self.folder / f"{k:05d}.{split}.scores.npy") if self.with_scores else None
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            for i in range(len(lengths)):
+                score = None if scores is None else scores[i : i + 1]
+                yield tokens[offsets[i] : offsets[i + 1]], sources[i : i + 1], score
+
+    def replace_with(self, other: ShardWriter) -> None:
+        """`other`'s committed shards become this writer's: its folder takes this one's place. This one is
+        renamed aside first and deleted last, so an interruption leaves one complete set under SHARDS
+        (or none, and the build starts over), never a mixture."""
+        aside = self.folder.with_name(_ASIDE)
+        shutil.rmtree(aside, ignore_errors=True)
+        self.folder.rename(aside)
+        other.folder.rename(self.folder)
+        shutil.rmtree(aside)
+        self.index, self.totals = other.index, other.totals
+
     # -- the final layout -------------------------------------------------------------------------
 
     def _join(self, split: str, joined) -> None:
@@ -188,6 +226,12 @@ class ShardWriter:
                 scores = [np.load(self.folder / f"{k:05d}.{split}.scores.npy") for k in range(self.index)]
                 _save_npy(out / f"{split}.scores.npy", _concat(scores, np.float64))
         return {s: dict(self.totals[s]) for s in SPLITS}
+
+
+def remove_shards(folder: Path) -> None:
+    """Delete every set of shards a build keeps in `folder` (its own working folders, nothing else)."""
+    for name in (SHARDS, BY_TOKENS, _ASIDE):
+        shutil.rmtree(folder / name, ignore_errors=True)
 
 
 def _concat(parts: list[np.ndarray], dtype) -> np.ndarray:
