@@ -116,6 +116,30 @@ def test_a_split_by_tokens_cuts_the_documents_the_run_without_a_split_writes(tmp
     assert not [p.name for p in split.directory.iterdir() if p.name.startswith("shards")]
 
 
+def test_a_split_by_tokens_gives_both_pieces_of_a_document_its_score(tmp_path):
+    """With a column as the curriculum key, each piece keeps its document's score."""
+    import json
+
+    from llm_trainer.data.prepare import prepare_data
+
+    records = [
+        {"text": f"document {k}: " + "words and more words. " * (20 + 7 * k), "quality": 0.5 * k} for k in range(3)
+    ]
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    prepared = prepare_data(
+        DataConfig(
+            data_files=str(tmp_path / "records.jsonl"),
+            tokenizer="char",
+            validation_split=0.2,
+            curriculum_key="quality",
+            cache_dir=str(tmp_path / "cache"),
+        )
+    )
+    assert prepared.manifest["validation_split_by"] == "tokens"
+    for split in ("train", "val"):
+        assert np.load(prepared.directory / f"{split}.scores.npy").tolist() == [0.0, 0.5, 1.0]
+
+
 @pytest.mark.parametrize("at", ["before the swap", "between the renames", "before the first shards are deleted"])
 def test_a_split_by_tokens_interrupted_as_its_shards_take_the_first_ones_place_resumes_to_the_same_files(
     tmp_path, monkeypatch, at

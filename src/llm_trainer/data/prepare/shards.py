@@ -7,6 +7,8 @@ Shard k, in `{work folder}/shards/`, is
   {k}.keys.npy / {k}.sigs.npy          dedup keys (and MinHash signatures) of its kept documents, in order
   {k}.train.scores.npy / ...           curriculum scores, when curriculum_key names a column
   {k}.json                             the commit record, written last, atomically
+A split by tokens (too few documents to hold one out) writes its shards into `shards.by-tokens/`, which
+then takes the place of `shards/` (`ShardWriter.replace_with`).
 The record says where the input stream stood after the shard and holds the counters at that point. A
 shard without a record (the one being written when the process died), or whose files do not have the
 recorded sizes, is deleted and redone: a half-written shard is never taken for a complete one.
@@ -172,7 +174,7 @@ class ShardWriter:
             handle.close()
 
     def discard(self) -> None:
-        """Forget every shard (the one-document corpus is rewritten split by position)."""
+        """Forget every shard (what an interrupted split by tokens left in its folder)."""
         self.close()
         shutil.rmtree(self.folder)
         self.folder.mkdir()
