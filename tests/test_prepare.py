@@ -140,17 +140,23 @@ def test_a_split_by_tokens_gives_both_pieces_of_a_document_its_score(tmp_path):
         assert np.load(prepared.directory / f"{split}.scores.npy").tolist() == [0.0, 0.5, 1.0]
 
 
-@pytest.mark.parametrize("at", ["before the swap", "between the renames", "before the first shards are deleted"])
+@pytest.mark.parametrize(
+    "at, exchange",
+    [
+        ("before the swap", True),
+        ("before the first shards are deleted", True),
+        ("before the first shards are deleted", False),
+    ],
+    ids=["before-the-swap", "after-the-exchange", "after-the-renames-without-an-exchange"],
+)
 def test_a_split_by_tokens_interrupted_as_its_shards_take_the_first_ones_place_resumes_to_the_same_files(
-    tmp_path, monkeypatch, at
+    tmp_path, monkeypatch, at, exchange
 ):
-    """Stopped (Ctrl-C) at any point of the swap of the split shards for the first pass's, the next
-    prepare ends with the files an uninterrupted one writes, says it split by tokens, and leaves no
-    shards behind."""
-    import shutil
-    from pathlib import Path
-
-    from llm_trainer.data.prepare import prepare_data, shards
+    """Stopped (Ctrl-C) as the split shards take the first pass's place (in one atomic exchange, or where
+    the file system has none between two renames), the next prepare ends with the files an uninterrupted
+    one writes, says it split by tokens, and leaves no shards behind."""
+    from llm_trainer.data.prepare import prepare_data
+    from llm_trainer.files import atomic
 
     sources = _messy_sources(tmp_path / "corpus")
 
@@ -164,22 +170,16 @@ def test_a_split_by_tokens_interrupted_as_its_shards_take_the_first_ones_place_r
         )
 
     uninterrupted = prepare_data(config("uninterrupted"))
-    rename, rmtree, renamed = Path.rename, shutil.rmtree, []
 
-    def stopping_rename(self, target):
-        if self.name in (shards.SHARDS, shards.BY_TOKENS):
-            renamed.append(self.name)
-            if (at, len(renamed)) in (("before the swap", 1), ("between the renames", 2)):
-                raise KeyboardInterrupt
-        return rename(self, target)
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
 
-    def stopping_rmtree(path, *args, **kwargs):
-        if at == "before the first shards are deleted" and Path(path).name == "shards.replaced" and len(renamed) == 2:
-            raise KeyboardInterrupt
-        return rmtree(path, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "rename", stopping_rename)
-    monkeypatch.setattr(shutil, "rmtree", stopping_rmtree)
+    if at == "before the swap":
+        monkeypatch.setattr("llm_trainer.data.prepare.shards.move_into_place", stop)
+    else:
+        monkeypatch.setattr(atomic, "_discard", stop)
+    if not exchange:
+        monkeypatch.setattr(atomic, "exchange", lambda a, b: False)
     with pytest.raises(KeyboardInterrupt):
         prepare_data(config("interrupted"))
     monkeypatch.undo()
@@ -188,7 +188,9 @@ def test_a_split_by_tokens_interrupted_as_its_shards_take_the_first_ones_place_r
     assert resumed.manifest["splits"] == uninterrupted.manifest["splits"]
     for name in ("train.bin", "val.bin", "train.idx.npy", "val.idx.npy", "train.sources.npy", "val.sources.npy"):
         assert (resumed.directory / name).read_bytes() == (uninterrupted.directory / name).read_bytes(), name
-    assert not [p.name for p in resumed.directory.iterdir() if p.name.startswith("shards")]
+    assert sorted(p.name for p in resumed.directory.iterdir()) == sorted(
+        p.name for p in uninterrupted.directory.iterdir()
+    )
     assert not list((tmp_path / "interrupted").glob(".*.partial"))
 
 

@@ -25,6 +25,7 @@ that died can be told from those of one still running (`dead_writer`).
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import re
 import shutil
@@ -211,6 +212,11 @@ def temporary_folder(final: Path) -> Path:
 def parked_folder(final: Path) -> Path:
     """Where `move_into_place` parks the previous `final` where the atomic exchange is missing."""
     return final.parent / f".old-{final.name}-{owner()}"
+
+
+def parked_folders(final: Path) -> list[Path]:
+    """The versions of `final` that `move_into_place` parked and a killed process left, by any process."""
+    return sorted(final.parent.glob(f".old-{glob.escape(final.name)}-*"))
 
 
 def _discard(previous: Path) -> None:

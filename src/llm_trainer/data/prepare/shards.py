@@ -28,12 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ...files.atomic import write_file
+from ...files.atomic import move_into_place, parked_folders, write_file
 
 SPLITS = ("train", "val")
 SHARDS = "shards"
 BY_TOKENS = "shards.by-tokens"  # the shards of a split by tokens, until they replace the first pass's
-_ASIDE = "shards.replaced"  # the first pass's shards, while the split ones take their place
 _COPY_BUFFER = 16 * 2**20
 
 
@@ -197,14 +196,10 @@ class ShardWriter:
                 yield tokens[offsets[i] : offsets[i + 1]], sources[i : i + 1], score
 
     def replace_with(self, other: ShardWriter) -> None:
-        """`other`'s committed shards become this writer's: its folder takes this one's place. This one is
-        renamed aside first and deleted last, so an interruption leaves one complete set under SHARDS
-        (or none, and the build starts over), never a mixture."""
-        aside = self.folder.with_name(_ASIDE)
-        shutil.rmtree(aside, ignore_errors=True)
-        self.folder.rename(aside)
-        other.folder.rename(self.folder)
-        shutil.rmtree(aside)
+        """`other`'s committed shards become this writer's: its folder takes this one's place
+        (`files.atomic.move_into_place`), so an interruption leaves one complete set of shards under this
+        folder's name, never a mixture; what it leaves beside them, `remove_shards` deletes."""
+        move_into_place(other.folder, self.folder)
         self.index, self.totals = other.index, other.totals
 
     # -- the final layout -------------------------------------------------------------------------
@@ -232,8 +227,8 @@ class ShardWriter:
 
 def remove_shards(folder: Path) -> None:
     """Delete every set of shards a build keeps in `folder` (its own working folders, nothing else)."""
-    for name in (SHARDS, BY_TOKENS, _ASIDE):
-        shutil.rmtree(folder / name, ignore_errors=True)
+    for path in (folder / SHARDS, folder / BY_TOKENS, *parked_folders(folder / SHARDS)):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _concat(parts: list[np.ndarray], dtype) -> np.ndarray:
