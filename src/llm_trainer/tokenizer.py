@@ -271,8 +271,8 @@ class CharTable:
     def of(cls, backend: HFTokenizer, unk_id: int | None) -> CharTable | None:
         """The table of `backend` when it is a char tokenizer of ours (as `build_char` makes one, or read
         from its tokenizer.json), else None."""
-        if unk_id is None:
-            return None
+        if unk_id is None or not isinstance(backend.model, models.WordLevel):
+            return None  # (before serialising: a BPE vocabulary's JSON takes tens of milliseconds)
         spec = json.loads(backend.to_str())
         if (
             spec.get("model", {}).get("type") != "WordLevel"

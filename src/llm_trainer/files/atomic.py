@@ -211,12 +211,16 @@ def temporary_folder(final: Path) -> Path:
 
 def parked_folder(final: Path) -> Path:
     """Where `move_into_place` parks the previous `final` where the atomic exchange is missing."""
-    return final.parent / f".old-{final.name}-{owner()}"
+    return final.parent / f"{_parked_prefix(final)}{owner()}"
 
 
 def parked_folders(final: Path) -> list[Path]:
     """The versions of `final` that `move_into_place` parked and a killed process left, by any process."""
-    return sorted(final.parent.glob(f".old-{glob.escape(final.name)}-*"))
+    return sorted(final.parent.glob(f"{glob.escape(_parked_prefix(final))}*"))
+
+
+def _parked_prefix(final: Path) -> str:
+    return f".old-{final.name}-"
 
 
 def _discard(previous: Path) -> None:
