@@ -19,6 +19,7 @@ own parsing and the interpreter's start, the launcher's own messages, signals an
 anything measured of a whole process (its memory).
 """
 
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -30,15 +31,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-# What torchrun's agent sets in a rank's environment besides its own environment (which passes on its
-# OMP_NUM_THREADS), with TORCHELASTIC_*.
-_AGENT_VARIABLES = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
+# What torchrun's agent sets in a rank's environment besides conftest's LAUNCHER_VARIABLES and its own
+# environment (which passes on its OMP_NUM_THREADS), with TORCHELASTIC_*.
+_MORE_AGENT_VARIABLES = (
     "GROUP_RANK",
     "GROUP_WORLD_SIZE",
     "ROLE_RANK",
@@ -61,7 +56,7 @@ def torchrun(cwd, args, env: dict, nproc: int = 2, script=None, timeout: float =
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
-    from conftest import free_port
+    from conftest import LAUNCHER_VARIABLES, free_port
 
     options = [f"--nproc_per_node={nproc}", f"--master-port={free_port()}"]
     args = [str(arg) for arg in args]
@@ -72,24 +67,21 @@ def torchrun(cwd, args, env: dict, nproc: int = 2, script=None, timeout: float =
         # The agent is this process: it reads its settings (OMP_NUM_THREADS, which it passes on to the
         # ranks) from this process's environment, as torchrun does from its own, and it sets its own
         # handlers of the signals that end a job; both are this process's own again afterwards.
-        environment = dict(os.environ)
         handlers = {number: signal.getsignal(number) for number in _AGENT_SIGNALS}
-        os.environ.clear()
-        os.environ.update(env)
+        keep = (*LAUNCHER_VARIABLES, *_MORE_AGENT_VARIABLES)
         try:
-            config, _, _ = config_from_args(parse_args([*options, "--start-method=forkserver", *entry]))
-            # A rank started by the command inherits the agent's whole environment, this setting included.
-            environment_of_ranks = {**os.environ, "TORCHELASTIC_SIGNALS_TO_HANDLE": config.signals_to_handle}
-            try:
-                elastic_launch(config, _process)(cwd, environment_of_ranks, args, script, files, _AGENT_VARIABLES)
-            except ChildFailedError as failure:  # torchrun prints this summary and exits 1
-                with open(files[2], "a") as stream:
-                    stream.write(failure.format_msg())
-                return 1
-            return 0
+            with _environment(env):
+                config, _, _ = config_from_args(parse_args([*options, "--start-method=forkserver", *entry]))
+                # A rank started by the command inherits the agent's whole environment, this setting included.
+                environment_of_ranks = {**os.environ, "TORCHELASTIC_SIGNALS_TO_HANDLE": config.signals_to_handle}
+                try:
+                    elastic_launch(config, _process)(cwd, environment_of_ranks, args, script, files, keep)
+                except ChildFailedError as failure:  # torchrun prints this summary and exits 1
+                    with open(files[2], "a") as stream:
+                        stream.write(failure.format_msg())
+                    return 1
+                return 0
         finally:
-            os.environ.clear()
-            os.environ.update(environment)
             for number, handler in handlers.items():
                 if handler is not None:  # None: a handler not set from Python, which cannot be set back
                     signal.signal(number, handler)
@@ -184,18 +176,25 @@ def _start_forkserver() -> None:
     from conftest import src_env
 
     multiprocessing.set_forkserver_preload(_PRELOAD)
-    environment = dict(os.environ)
     # Without a launcher's variables, so that those a rank has are its agent's, and with this folder on
     # its path (it applies this process's sys.path only after preloading).
-    environment_of_server = src_env()
-    environment_of_server["PYTHONPATH"] = str(Path(__file__).parent) + os.pathsep + environment_of_server["PYTHONPATH"]
-    os.environ.clear()
-    os.environ.update(environment_of_server, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    try:
+    environment = src_env()
+    environment["PYTHONPATH"] = str(Path(__file__).parent) + os.pathsep + environment["PYTHONPATH"]
+    with _environment({**environment, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}):
         multiprocessing.forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def _environment(env: dict):
+    """This process's environment is `env` inside the block, and what it was again after it."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
     finally:
         os.environ.clear()
-        os.environ.update(environment)
+        os.environ.update(saved)
 
 
 def _kill(pids: Path, timed_out: threading.Event) -> None:
