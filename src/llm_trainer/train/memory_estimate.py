@@ -18,7 +18,8 @@ Everything here follows how *this* trainer runs a model, so the numbers can be c
   the fp32 Nesterov updates and their stack (4 + 4 bytes) while `orthogonalize` runs, which adds the bf16
   iterates, the Gram matrices and the fp32 result: 6.7 S bytes measured on a CPU, 7 S counted here.
   Where bf16 is emulated (a CPU without AVX512-BF16 or AMX) the iterations run in fp32
-  (`optim.muon_iteration_dtype`): 20.8 to 22.3 S bytes in all measured, 21.5 S counted.
+  (`optim.muon_iteration_dtype`), a wide matrix's in their Gram form: 21.8 to 23.4 S bytes in all
+  measured, 22.5 S counted.
 * **Activations**, per token and layer, are the tensors autograd saves for our blocks (pre-norm):
   the block input and the mid-block residual (fp32, for the norms; RMSNorm also keeps its normalised
   fp32 input), the inputs of the attention and MLP projections (under amp one 16-bit copy per projection
@@ -287,7 +288,7 @@ def estimate_memory(
         activations = in_flight * micro_tokens * (layers + ends) + head_saved
         if training.optimizer == "muon":
             # updates + their stack + orthogonalize's iterates (see the docstring)
-            optimizer_temp = (15.0 if muon_in_bf16 else 21.5) * muon_group
+            optimizer_temp = (15.0 if muon_in_bf16 else 22.5) * muon_group
         elif training.optimizer == "sgd" and states:
             optimizer_temp = 4.0 * stage.params / w  # the foreach step's temporary
         else:
