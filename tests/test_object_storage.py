@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 import yaml
 
@@ -191,6 +192,88 @@ def test_prepare_from_a_bucket_into_a_bucket(s3, tmp_path):
     )
     _one_line_exit_2(small, "data.stream_cache_limit")
     assert not list((tmp_path / "stream3").rglob("*.bin"))
+
+
+def _log_size(log) -> int:
+    return os.fstat(log.fileno()).st_size
+
+
+def _listings_of(log, since: int, bucket: str, prefix: str) -> int:
+    """The LIST requests for `prefix` in `bucket` the server logged after the log's first `since` bytes
+    (read without moving the file offset, which the server's writes share)."""
+    text = os.pread(log.fileno(), _log_size(log) - since, since).decode(errors="replace")
+    return sum(
+        f"/{bucket}" in line and "list-type=2" in line and f"prefix={prefix}" in line for line in text.splitlines()
+    )
+
+
+def _newest_prepared_text(root) -> str:
+    """The text of the train and val tokens of the char-tokenized folder in `root` prepared last."""
+    from llm_trainer.tokenizer import Tokenizer
+
+    folders = [f for f in root.iterdir() if (f / "manifest.json").is_file()]
+    newest = max(folders, key=lambda f: (f / "manifest.json").stat().st_mtime_ns)
+    dtype = json.loads((newest / "manifest.json").read_text())["dtype"]
+    tokenizer = Tokenizer.load(newest / "tokenizer.json")
+    return "".join(
+        tokenizer.decode(np.fromfile(newest / name, dtype=dtype).tolist()) for name in ("train.bin", "val.bin")
+    )
+
+
+def test_a_prepare_lists_its_bucket_folder_once_and_reads_what_it_fingerprinted(tmp_path, monkeypatch):
+    """A fresh prepare of a bucket folder lists it in the store as often as listing it once does: the
+    fingerprint, the reading and the manifest see one answer of the store. So an object written into the
+    folder during a prepare is not read into a folder whose fingerprint leaves it out; the next prepare
+    reads it. A server of its own, whose request log the test reads."""
+    import s3fs
+
+    from llm_trainer.data.text import sources
+    from llm_trainer.files.buckets import list_files
+
+    proc, endpoint = _start_server()
+    try:
+        for key, value in {**FAKE_CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}.items():
+            monkeypatch.setenv(key, value)
+        fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
+        bucket = "t-listed-once"
+        fs.mkdir(bucket)
+        _upload_corpus(fs, bucket, tmp_path)
+        s3fs.S3FileSystem.clear_instance_cache()
+        before = _log_size(proc.log)
+        list_files(f"s3://{bucket}/corpus/")
+        time.sleep(0.5)  # the server writes its log line after it answers
+        once = _listings_of(proc.log, before, bucket, "corpus")
+        assert once >= 1
+        config = _experiment(tmp_path, bucket)
+        values = yaml.safe_load(config.read_text())
+        values["data"]["cache_dir"] = str(tmp_path / "prepared")  # the corpus alone is in the store
+        config.write_text(yaml.safe_dump(values))
+        before = _log_size(proc.log)
+        done = cli_in_process(["prepare", "--config", str(config)], tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert "data: preparing" in done.stderr
+        time.sleep(0.5)
+        assert _listings_of(proc.log, before, bucket, "corpus") == once
+
+        identity, late = sources.identity, f"{bucket}/corpus/zz-late.txt"
+
+        def identity_while_another_writes(info):  # the fingerprint's look at each object
+            if not fs.exists(late):
+                fs.pipe_file(late, b"LATECOMER " * 40)
+            return identity(info)
+
+        monkeypatch.setattr(sources, "identity", identity_while_another_writes)
+        split = ["data.validation_split=0.25"]  # not the folder prepared above
+        done = cli_in_process(["prepare", "--config", str(config), *split], tmp_path)
+        assert done.returncode == 0, done.stderr
+        text = _newest_prepared_text(tmp_path / "prepared")
+        assert "LATECOMER" not in text and "the cat sat" in text
+        monkeypatch.setattr(sources, "identity", identity)
+        again = cli_in_process(["prepare", "--config", str(config), *split], tmp_path)
+        assert "data: preparing" in again.stderr  # the folder changed: another fingerprint
+        assert "LATECOMER" in _newest_prepared_text(tmp_path / "prepared")
+    finally:
+        _stop(proc)
 
 
 def test_the_report_of_data_read_from_a_bucket_names_its_urls(s3, tmp_path):

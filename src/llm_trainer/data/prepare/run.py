@@ -20,6 +20,7 @@ from ...logs import log
 from ...tokenizer import Tokenizer
 from ..batches.stream import CHUNK_FOLDER, CHUNKS, StreamedData, chunk_record_problem, write_chunk_record
 from ..format import MANIFEST, PreparedData, manifest_problem
+from ..text.sources import one_listing
 from .build import Build, data_fingerprint
 from .executors import prepare_with_executor
 from .shards import remove_shards
@@ -99,11 +100,13 @@ def fetch_validation(url: str, fingerprint: str, root: Path) -> PreparedData | N
 
 
 def prepare_data(config: DataConfig) -> PreparedData:
-    """Build (or reuse, or resume) the token files for `config` (the folder's files: `data.format`)."""
+    """Build (or reuse, or resume) the token files for `config` (the folder's files: `data.format`). Data
+    in a store is listed once for all of it (`sources.one_listing`)."""
     config.check_source()
-    if config.remote_cache_dir:
-        return _prepare_in_store(config)
-    return _prepare_here(config, Path(config.cache_dir))
+    with one_listing():
+        if config.remote_cache_dir:
+            return _prepare_in_store(config)
+        return _prepare_here(config, Path(config.cache_dir))
 
 
 def _prepare_in_store(config: DataConfig) -> PreparedData:

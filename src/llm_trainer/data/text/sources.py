@@ -46,6 +46,7 @@ import unicodedata
 import zlib
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -341,9 +342,33 @@ def resolve_files(
     return out
 
 
+# A store's answer per URL spec of the data while `one_listing` holds; None: every look lists anew.
+_listings: dict[str, tuple[list[tuple[str, dict]], bool]] | None = None
+
+
+@contextmanager
+def one_listing() -> Iterator[None]:
+    """Within it, each URL spec of the data is listed in its store once and every later look gets that
+    answer, so that what a prepare fingerprints, reads and records are the same objects (an object
+    added or replaced meanwhile is the next prepare's), and a large bucket folder is not listed again
+    for each of them."""
+    global _listings
+    outer = _listings
+    _listings = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _listings = outer
+
+
 def _remote_files(spec: str, include, exclude, bad: BadInput) -> list[tuple[str, dict, bool]]:
     """(URL, info, named_explicitly) of each file a URL spec names, filtered as local folders and globs are."""
-    found, globbed = list_files(spec)
+    if _listings is not None and spec in _listings:
+        found, globbed = _listings[spec]
+    else:
+        found, globbed = list_files(spec)
+        if _listings is not None:
+            _listings[spec] = (found, globbed)
     if len(found) == 1 and found[0][0].rstrip("/") == spec.rstrip("/"):
         return [(found[0][0], found[0][1], True)]
     base = str(_glob_base(spec.split("://", 1)[1])) if globbed else spec.split("://", 1)[1].rstrip("/")
