@@ -25,7 +25,7 @@ from torch.optim.adam import adam
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (Keller Jordan's Muon)
 
 
-GRAM_MIN_ASPECT = 2  # from this aspect ratio on, the Gram form takes fewer multiply-adds (measured no slower)
+GRAM_MIN_ASPECT = 2  # from this aspect ratio on the Gram form takes fewer multiply-adds (bench/muon_gram.py)
 GRAM_RESTART = 2  # iterations after which the Gram form rebuilds X and its Gram matrix (see gram_newton_schulz)
 
 
