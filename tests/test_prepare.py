@@ -45,6 +45,39 @@ def test_a_fraction_split_over_few_files_splits_by_tokens_and_says_so(tmp_path, 
     assert many.manifest["validation_split_by"] == "documents" and many.manifest["splits"]["val"]["documents"] == 3
 
 
+@pytest.mark.parametrize("named_as", ["folder", "pattern"])
+def test_a_file_written_into_the_data_during_a_prepare_is_the_next_prepares(tmp_path, monkeypatch, named_as):
+    """A file that lands in a data folder (or a pattern's matches) after the prepare has fingerprinted
+    the data is not read into the folder named by that fingerprint, which leaves it out: the prepare
+    reads the files it listed for the fingerprint. The next prepare fingerprints it and reads it."""
+    from llm_trainer.data.prepare import build, prepare_data
+
+    corpus = write_corpus(tmp_path / "corpus")
+    late = corpus / "zz-late.txt"
+    fingerprint = build.source_fingerprint
+
+    def fingerprint_while_another_writes(config):
+        seen = fingerprint(config)
+        if not late.exists():
+            late.write_text("LATECOMER " * 40)
+        return seen
+
+    monkeypatch.setattr(build, "source_fingerprint", fingerprint_while_another_writes)
+    spec = str(corpus) if named_as == "folder" else str(corpus / "*.txt")
+    config = DataConfig(data_files=spec, tokenizer="char", validation_split=0.25, cache_dir=str(tmp_path / "cache"))
+
+    def text(prepared) -> str:
+        return "".join(prepared.tokenizer.decode(np.asarray(prepared.tokens(s)).tolist()) for s in ("train", "val"))
+
+    first = prepare_data(config)
+    assert "LATECOMER" not in text(first) and "the cat sat" in text(first)
+    assert first.manifest["documents_in"] == 12
+    monkeypatch.setattr(build, "source_fingerprint", fingerprint)
+    second = prepare_data(config)
+    assert second.directory != first.directory and "LATECOMER" in text(second)
+    assert second.manifest["documents_in"] == 13
+
+
 # Few documents in two sources, messy as found: CRLF, trailing spaces, runs of blank lines, control
 # characters, and text in several scripts (a split by documents would hold none of them out at 0.2).
 MESSY = {

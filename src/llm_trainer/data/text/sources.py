@@ -45,11 +45,11 @@ import sysconfig
 import unicodedata
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from ...config import DataConfig, SourceConfig
 from ...errors import UsageError, first_line
@@ -254,6 +254,11 @@ def _folder_files(folder: Path) -> list[tuple[Path, str]]:
     return [(folder / relative, relative) for relative in found]
 
 
+def _pattern_files(pattern: str) -> list[Path]:
+    """The files a glob pattern matches (`**` spans folders), sorted."""
+    return sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+
+
 def _selected(relative: str, include, exclude) -> bool:
     """include/exclude globs against a path relative to its folder ("*" spans folders) or its file name."""
 
@@ -309,7 +314,7 @@ def resolve_files(
         path = Path(expanded)
         if looks_like_glob(spec) and not path.exists():  # a path that exists is literal: `data[1].txt`
             base = _glob_base(expanded)
-            matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True) if Path(p).is_file())
+            matches = _listed("pattern", expanded, functools.partial(_pattern_files, expanded))
             chosen = [
                 p
                 for p in matches
@@ -324,7 +329,7 @@ def resolve_files(
                 )
             out += [InputFile(p, False) for p in chosen]
         elif path.is_dir():
-            found = _folder_files(path)
+            found = _listed("folder", expanded, functools.partial(_folder_files, path))
             chosen = [
                 p
                 for p, relative in found
@@ -342,16 +347,16 @@ def resolve_files(
     return out
 
 
-# A store's answer per URL spec of the data while `one_listing` holds; None: every look lists anew.
-_listings: dict[str, tuple[list[tuple[str, dict]], bool]] | None = None
+# What each listing of the data's files answered while `one_listing` holds (by kind and folder, pattern
+# or URL); None: every look lists anew.
+_listings: dict[tuple[str, str], object] | None = None
 
 
 @contextmanager
 def one_listing() -> Iterator[None]:
-    """Within it, each URL spec of the data is listed in its store once and every later look gets that
-    answer, so that what a prepare fingerprints, reads and records are the same objects (an object
-    added or replaced meanwhile is the next prepare's), and a large bucket folder is not listed again
-    for each of them."""
+    """Within it, each folder, pattern and store URL of the data is listed once and every later look
+    gets that answer, so that what a prepare fingerprints, reads and records are the same files (one
+    added meanwhile is the next prepare's), and a large bucket folder is not listed again for each."""
     global _listings
     outer = _listings
     _listings = {} if outer is None else outer
@@ -361,14 +366,21 @@ def one_listing() -> Iterator[None]:
         _listings = outer
 
 
+_Listing = TypeVar("_Listing")
+
+
+def _listed(kind: str, where: str, list_now: Callable[[], _Listing]) -> _Listing:
+    """`list_now()`; while `one_listing` holds, what it answered the first time for (kind, where)."""
+    if _listings is None:
+        return list_now()
+    if (kind, where) not in _listings:
+        _listings[kind, where] = list_now()
+    return _listings[kind, where]  # type: ignore[return-value]
+
+
 def _remote_files(spec: str, include, exclude, bad: BadInput) -> list[tuple[str, dict, bool]]:
     """(URL, info, named_explicitly) of each file a URL spec names, filtered as local folders and globs are."""
-    if _listings is not None and spec in _listings:
-        found, globbed = _listings[spec]
-    else:
-        found, globbed = list_files(spec)
-        if _listings is not None:
-            _listings[spec] = (found, globbed)
+    found, globbed = _listed("store", spec, functools.partial(list_files, spec))
     if len(found) == 1 and found[0][0].rstrip("/") == spec.rstrip("/"):
         return [(found[0][0], found[0][1], True)]
     base = str(_glob_base(spec.split("://", 1)[1])) if globbed else spec.split("://", 1)[1].rstrip("/")
