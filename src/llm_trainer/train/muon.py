@@ -73,7 +73,7 @@ def gram_newton_schulz(x: torch.Tensor, steps: int) -> torch.Tensor:
     r = x @ x.mT  # (n, rows, rows)
     q = None  # X_k = Q_k X_0; None for the identity
     for k in range(steps):
-        if k == GRAM_RESTART and q is not None:
+        if k == GRAM_RESTART:  # q is set: the first iteration made it
             x, q = q @ x, None  # (n, rows, cols)
             r = x @ x.mT
         z = torch.baddbmm(r, r, r, beta=b, alpha=c)  # b R + c R^2, (n, rows, rows)

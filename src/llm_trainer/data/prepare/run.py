@@ -100,8 +100,8 @@ def fetch_validation(url: str, fingerprint: str, root: Path) -> PreparedData | N
 
 
 def prepare_data(config: DataConfig) -> PreparedData:
-    """Build (or reuse, or resume) the token files for `config` (the folder's files: `data.format`). Data
-    in a store is listed once for all of it (`sources.one_listing`)."""
+    """Build (or reuse, or resume) the token files for `config` (the folder's files: `data.format`). Each
+    folder, pattern and store URL of the data is listed once for all of it (`sources.one_listing`)."""
     config.check_source()
     with one_listing():
         if config.remote_cache_dir:
