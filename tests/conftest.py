@@ -71,6 +71,13 @@ def tiny_loaders(n_tokens: int = 3000, length: int = 16):
     return train, val
 
 
+def dead_pid() -> int:
+    """The pid of a process of this host that has ended (a killed writer's, in a leftover's name)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (for a process group's rendezvous, or an unreachable server)."""
     import socket

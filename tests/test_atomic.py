@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from conftest import dead_pid
 from llm_trainer.errors import UsageError
 from llm_trainer.files import atomic
 
@@ -49,12 +50,40 @@ def test_a_folder_is_swapped_in_whole(tmp_path):
 
 
 def test_leftovers_of_a_dead_writer_are_told_from_live_ones(tmp_path):
-    host = atomic.owner().rsplit("-", 1)[0]
-    child = os.fork()
-    if child == 0:
-        os._exit(0)
-    os.waitpid(child, 0)
+    host, child = atomic.owner().rsplit("-", 1)[0], dead_pid()
     assert atomic.dead_writer(f".x.tmp-1-{host}-{child}")
     assert not atomic.dead_writer(f".x.tmp-1-{host}-{os.getppid()}")  # alive
     assert not atomic.dead_writer(f".x.tmp-1-{atomic.owner()}")  # this process
     assert not atomic.dead_writer(f".x.tmp-1-otherhost-{child}")  # another machine's: not ours to judge
+
+
+def test_the_folder_versions_names_are_read_back_as_written(tmp_path):
+    final = tmp_path / "best-model.v2"  # dashes and dots in the folder's own name
+    host = atomic.owner().rsplit("-", 1)[0]
+    assert atomic.folder_version(atomic.temporary_folder(final).name) == ("tmp", "best-model.v2", atomic.owner())
+    assert atomic.folder_version(atomic.temporary_folder(final, f"{host}-7").name) == (
+        "tmp",
+        "best-model.v2",
+        f"{host}-7",
+    )
+    assert atomic.folder_version(atomic.parked_folder(final).name) == ("old", "best-model.v2", atomic.owner())
+    for other in (".tmp-x", ".old-x-host", ".del-x-host-pid", ".new-x-host-1", "tmp-x-host-1", ".tmp--host-1"):
+        assert atomic.folder_version(other) is None, other
+    assert atomic.folder_version(atomic.temporary_file(final).name) is None  # a file's, not a folder's
+
+
+def test_only_dead_writers_temporary_files_are_removed(tmp_path):
+    host, dead = atomic.owner().rsplit("-", 1)[0], dead_pid()
+    names = {
+        f".model.gguf.tmp-1-{host}-{dead}": False,  # a dead writer's: removed
+        f".other.bin.tmp-1-{host}-{dead}": True,  # a dead writer's, of another file: kept when `of` is given
+        f".model.gguf.tmp-1-{host}-{os.getppid()}": True,  # a live writer's
+        f".model.gguf.tmp-1-otherhost-{dead}": True,  # another machine's
+        ".model.gguf.tmp-notes": True,  # not a name we give
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"partial")
+    atomic.remove_dead_temporary_files(tmp_path, of="model.gguf")
+    assert {p.name for p in tmp_path.iterdir()} == {name for name, kept in names.items() if kept}
+    atomic.remove_dead_temporary_files(tmp_path)
+    assert f".other.bin.tmp-1-{host}-{dead}" not in {p.name for p in tmp_path.iterdir()}

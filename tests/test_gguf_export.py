@@ -17,10 +17,12 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from conftest import dead_pid  # noqa: E402
 from llm_trainer import cli  # noqa: E402
 from llm_trainer.checkpoint.model_folder import save_model_folder  # noqa: E402
 from llm_trainer.config import ModelConfig  # noqa: E402
 from llm_trainer.errors import UsageError  # noqa: E402
+from llm_trainer.files import atomic  # noqa: E402
 from llm_trainer.hf.gguf import export_to_gguf  # noqa: E402
 from llm_trainer.model import Transformer  # noqa: E402
 from llm_trainer.tokenizer import Tokenizer  # noqa: E402
@@ -365,6 +367,9 @@ def test_an_existing_file_is_kept_without_overwrite_and_replaced_with_it(tmp_pat
     argv = ["export", "--checkpoint", str(folder), "--output", str(out), "--format", "gguf"]
     assert cli.main(argv) == 2
     assert "--overwrite" in capsys.readouterr().err and out.read_bytes() == b"the user's file"
+    host = atomic.owner().rsplit("-", 1)[0]
+    killed = tmp_path / f".model.gguf.tmp-1-{host}-{dead_pid()}"  # the partial file of an export killed -9
+    killed.write_bytes(b"half a gguf")
     assert cli.main([*argv, "--overwrite"]) == 0
     assert read_fields(out)["general.architecture"] == "llama"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.gguf"]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import dead_pid
 from llm_trainer.checkpoint.durable import remove_stale
 from llm_trainer.checkpoint.publish import publish
 from llm_trainer.errors import UsageError
@@ -89,12 +90,6 @@ def test_a_stale_weight_file_of_another_layout_does_not_survive_an_overwrite(tmp
     write(target, {"model-00001-of-00002.safetensors": "old shard", "model.safetensors.index.json": "{}"})
     publish(target, lambda tmp: write(tmp, NEW), source=tmp_path / "source", overwrite=True)
     assert contents(target) == NEW
-
-
-def dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
 
 
 @pytest.mark.parametrize("new_complete", [False, True])

@@ -29,7 +29,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import src_env, write_tiny_experiment
+from conftest import dead_pid, src_env, write_tiny_experiment
 from llm_trainer import cli
 from llm_trainer.checkpoint import durable, layout, local
 from llm_trainer.checkpoint.find import resolve_checkpoint
@@ -126,12 +126,6 @@ def reseal(folder: Path) -> None:
 
 def checkpoint(run: Path, step: int) -> Path:
     return run / "checkpoints" / f"{layout.PREFIX}{step:08d}"
-
-
-def dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
 
 
 # -- 1. no pickle from a folder is read but by torch's weights-only unpickler ------------------------------

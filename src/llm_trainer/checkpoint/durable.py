@@ -18,11 +18,21 @@ import os
 import shutil
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future, wait
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, first_line
-from ..files.atomic import Writeback, dead_writer, fsync_dir, fsync_file, move_into_place, temporary_folder
+from ..files.atomic import (
+    TEMPORARY_FILES,
+    Writeback,
+    dead_writer,
+    folder_version,
+    fsync_dir,
+    fsync_file,
+    move_into_place,
+    temporary_folder,
+)
 from ..files.checksums import CHECKSUM, XXH3_TREE, LazyPool, checksum_jobs, combine, meta_checksum
 from ..files.disk import disk_full
 from ..logs import log
@@ -39,7 +49,7 @@ def _recover(root: Path, parked: Path, name: str, writer: str) -> None:
     if final.exists():
         shutil.rmtree(parked, ignore_errors=True)  # superseded by a complete `name`
         return
-    fresh = root / f".tmp-{name}-{writer}"
+    fresh = temporary_folder(final, writer)
     if fresh.is_dir() and (fresh / META).is_file():
         if verify(fresh) is None:  # the checksums say whether the new version is whole
             move_into_place(fresh, final)
@@ -57,22 +67,20 @@ def remove_stale(root: Path, names: Collection[str] | None = None) -> None:
     if os.name != "posix" or not root.is_dir():
         return  # os.kill(pid, 0) would terminate the process on Windows
     for parked in sorted(root.glob(".old-*")):
-        parts = parked.name[len(".old-") :].rsplit("-", 2)  # <name>-<host>-<pid>
-        if len(parts) != 3:
+        version = folder_version(parked.name)
+        if version is None or (names is not None and version[1] not in names):
             continue
-        name, writer_host, pid = parts
-        if names is not None and name not in names:
-            continue
-        if name and dead_writer(parked.name):
-            _recover(root, parked, name, f"{writer_host}-{pid}")
+        if dead_writer(parked.name):
+            _recover(root, parked, name=version[1], writer=version[2])
     for path in root.iterdir():
-        name = path.name
-        if names is not None and not (name.startswith((".tmp-", ".old-")) and name[5:].rsplit("-", 2)[0] in names):
+        name, version = path.name, folder_version(path.name)
+        kind = None if version is None else version[0]
+        if names is not None and (kind not in ("tmp", "old") or version[1] not in names):
             continue
-        if name.startswith(".del-"):
+        if kind == "del":
             shutil.rmtree(path, ignore_errors=True)
             continue
-        if not (name.startswith((".tmp-", ".old-")) or ".tmp-" in name):  # atomic.write_file's ".{name}.tmp-"
+        if kind is None and not fnmatch(name, TEMPORARY_FILES):
             continue
         if not dead_writer(name):
             continue

@@ -90,9 +90,21 @@ def _new_file(path: str, flags: int) -> int:
     return no_follow(path, flags | os.O_EXCL)
 
 
+TEMPORARY_FILES = ".*.tmp-*"  # the names `temporary_file` gives, as a pattern (fnmatch, Path.glob)
+
+
 def temporary_file(path: Path) -> Path:
     """Where this thread writes the next version of the file `path` (hidden, its writer in the name)."""
     return path.with_name(f".{path.name}.tmp-{threading.get_native_id()}-{owner()}")
+
+
+def remove_dead_temporary_files(folder: Path, of: str | None = None) -> None:
+    """Delete the `temporary_file`s in `folder` (of the file named `of` only, when given) that a writer
+    of this host left when it died: partial writes, never renamed into place."""
+    pattern = TEMPORARY_FILES if of is None else f".{glob.escape(of)}.tmp-*"
+    for partial in folder.glob(pattern):
+        if dead_writer(partial.name) and not partial.is_dir():
+            partial.unlink(missing_ok=True)
 
 
 def write_file(path: Path, content: bytes | Callable[[BinaryIO], None], *, sync: bool = True) -> None:
@@ -204,23 +216,42 @@ def exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
-def temporary_folder(final: Path) -> Path:
-    """Where this process builds the next version of the folder `final` (`.tmp-<name>-<host>-<pid>`)."""
-    return final.parent / f".tmp-{final.name}-{owner()}"
+def temporary_folder(final: Path, writer: str | None = None) -> Path:
+    """Where this process (or `writer`, another's `owner()`) builds the next version of the folder
+    `final` (`.tmp-<name>-<host>-<pid>`)."""
+    return _version_folder("tmp", final, writer)
 
 
 def parked_folder(final: Path) -> Path:
     """Where `move_into_place` parks the previous `final` where the atomic exchange is missing."""
-    return final.parent / f"{_parked_prefix(final)}{owner()}"
+    return _version_folder("old", final)
 
 
 def parked_folders(final: Path) -> list[Path]:
     """The versions of `final` that `move_into_place` parked and a killed process left, by any process."""
-    return sorted(final.parent.glob(f"{glob.escape(_parked_prefix(final))}*"))
+    return sorted(final.parent.glob(f"{glob.escape(f'.old-{final.name}-')}*"))
 
 
-def _parked_prefix(final: Path) -> str:
-    return f".old-{final.name}-"
+FOLDER_VERSIONS = ("tmp", "old", "del")  # temporary_folder, parked_folder, remove_folder
+
+
+def _version_folder(kind: str, final: Path, writer: str | None = None) -> Path:
+    """`.<kind>-<name>-<host>-<pid>` beside `final`: a version of it that this process (or `writer`) made."""
+    assert kind in FOLDER_VERSIONS
+    return final.parent / f".{kind}-{final.name}-{writer or owner()}"
+
+
+def folder_version(name: str) -> tuple[str, str, str] | None:
+    """What the folder name `name` is, when `_version_folder` gave it: (kind, the name of the folder it is
+    a version of, its writer's `<host>-<pid>`); None for any other name (a `temporary_file`'s included)."""
+    kind, dash, rest = name[1:].partition("-")
+    parts = rest.rsplit("-", 2)  # <name>-<host>-<pid>: a host name has no "-" (`owner`)
+    if not name.startswith(".") or not dash or kind not in FOLDER_VERSIONS or len(parts) != 3:
+        return None
+    folder, host, pid = parts
+    if not folder or not host or not pid.isdigit():
+        return None
+    return kind, folder, f"{host}-{pid}"
 
 
 def _discard(previous: Path) -> None:
@@ -258,7 +289,7 @@ def remove_folder(path: Path) -> bool:
     """Delete the folder `path`: renamed to `.del-<name>-<host>-<pid>` first, so a crash mid-delete never
     leaves a half-deleted folder under its name (checkpoint.durable's `remove_stale` finishes the job).
     False when it could not be moved (gone already, or in use elsewhere): nothing was deleted."""
-    doomed = path.parent / f".del-{path.name}-{owner()}"
+    doomed = _version_folder("del", path)
     try:
         path.rename(doomed)
     except OSError:

@@ -37,6 +37,7 @@ from ..checkpoint.model_folder import load_model_folder
 from ..config import ModelConfig
 from ..errors import UsageError, first_line
 from ..files import buckets
+from ..files.atomic import remove_dead_temporary_files, temporary_file
 from ..files.disk import check_output_file, disk_full, new_file_mode, no_follow
 from ..logs import log
 from ..tokenizer import EOT, pre_split_of
@@ -317,7 +318,8 @@ def export_to_gguf(model_dir, output, *, tokenizer_file=None, dtype: str = "f32"
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
 
     with target.staged(Path(str(output)).name) as final:
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        remove_dead_temporary_files(final.parent, of=final.name)  # an export that was killed
+        tmp = temporary_file(final)
         try:
             tmp.unlink(missing_ok=True)  # a symlink planted there goes, its target untouched
             os.close(no_follow(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL))  # ours, new, no link followed

@@ -42,7 +42,7 @@ import numpy as np
 
 from ...errors import UsageError
 from ...files import buckets
-from ...files.atomic import dead_writer, write_cache_file, write_file
+from ...files.atomic import remove_dead_temporary_files, write_cache_file, write_file
 from ...files.checksums import CHECKSUM, data_checksum
 from ..format import PreparedData
 
@@ -178,9 +178,7 @@ class ChunkedTokens:
                     "raise data.stream_cache_limit"
                 )
             folder.mkdir(parents=True, exist_ok=True)
-            for partial in folder.glob(".*.tmp-*"):  # a partial write of a process that died
-                if dead_writer(partial.name):
-                    partial.unlink(missing_ok=True)
+            remove_dead_temporary_files(folder)  # partial writes of processes that died
 
     @property
     def shape(self) -> tuple[int]:
