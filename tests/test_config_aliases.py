@@ -3,10 +3,14 @@ unquoted words as values, and a DeepSpeed JSON file mapped onto our training con
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 
-from llm_trainer.config import ModelConfig, TrainingConfig
+from llm_trainer import build_model
+from llm_trainer.config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig
 from llm_trainer.config_loader import load_experiment
 from llm_trainer.errors import UsageError
 
@@ -110,6 +114,15 @@ def test_a_setting_of_another_section_is_named_there_in_python_and_in_yaml(tmp_p
     path.write_text("model: {hidden_size: 64, learning_rate: 0.1}\ndata: {data_files: [x]}\n")
     with pytest.raises(UsageError, match=r"model\.learning_rate; it is a setting of another section: training\."):
         load_experiment(path)
+    # a file without sections (the Hindi trainer's base_config.yaml): where each of its settings goes
+    path.write_text("learning_rate: 3e-4\nbatch_size: 32\nnum_epochs: 10\nhidden_size: 64\ndata_files: [x]\nfoo: 1\n")
+    with pytest.raises(UsageError) as error:
+        load_experiment(path)
+    assert (
+        "settings go under their section, not at the top level of the file: put learning_rate, batch_size, "
+        "num_epochs under training:; put hidden_size under model:; put data_files under data:" in str(error.value)
+    )
+    assert "unknown section 'foo'" in str(error.value) and "unknown section 'learning_rate'" not in str(error.value)
 
 
 def test_the_hf_names_read_back_on_the_configs_and_say_which_field_to_set():
@@ -127,6 +140,39 @@ def test_the_hf_names_read_back_on_the_configs_and_say_which_field_to_set():
     assert (training.gradient_clipping, training.lr, training.num_train_epochs) == (0.5, 1e-3, 2)
     with pytest.raises(AttributeError, match="reads TrainingConfig.max_grad_norm; set max_grad_norm instead"):
         training.gradient_clipping = 1.0
+
+
+def test_a_name_assigned_after_construction_is_checked_as_the_constructor_checks_it():
+    """The lesson builds its config by assignment (`config.learning_rate = ...`): a name that is no field
+    must not be kept beside the fields and never read."""
+    config = ModelConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=32, vocab_size=100)
+    config.n_layers = 6
+    assert build_model(config).config.n_layers == 6
+    with pytest.raises(
+        ValueError, match=r"^ModelConfig: unknown key model\.num_layers; did you mean model\.n_layers\?$"
+    ):
+        config.num_layers = 4
+    with pytest.raises(ValueError, match=r"model\.learning_rate; it is a setting of another section: training\."):
+        config.learning_rate = 5e-5
+    with pytest.raises(ValueError, match=r"^ModelConfig\.n_layers must be an integer, got '6'$"):
+        config.n_layers = "6"
+    assert not hasattr(config, "num_layers") and not hasattr(config, "learning_rate") and config.n_layers == 6
+    training = TrainingConfig()
+    training.learning_rate = 1  # a number field keeps a float, as when constructed
+    assert training.learning_rate == 1.0 and isinstance(training.learning_rate, float)
+    with pytest.raises(ValueError, match=r"training\.num_train_epoch; did you mean training\.num_train_epochs"):
+        training.num_train_epoch = 3
+    with pytest.raises(ValueError, match=r"TrainingConfig\.fp16 is another framework's name.*set use_amp=True"):
+        training.fp16 = True
+    experiment = ExperimentConfig(model=config, training=training, data=DataConfig(data_files=["x"]))
+    with pytest.raises(ValueError, match="learning_rate is training.learning_rate: set it there"):
+        experiment.learning_rate = 1e-3
+    experiment.training = TrainingConfig(max_steps=3)
+    assert experiment.training.max_steps == 3
+    copied = copy.deepcopy(experiment)  # copies and pickles are built without the checks, and keep them
+    assert pickle.loads(pickle.dumps(copied)).model.n_layers == 6
+    with pytest.raises(ValueError, match="unknown key model.num_layers"):
+        copied.model.num_layers = 4
 
 
 def test_quality_filters_off_unquoted_in_yaml(tmp_path):

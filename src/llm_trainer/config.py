@@ -69,6 +69,13 @@ def _conforms(value: Any, tp: Any) -> bool:
     return isinstance(value, tp)
 
 
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """A config class's fields and their declared types, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
 class _Validated:
     """Mixin: type-check every field against its annotation, then run the class's own checks.
 
@@ -84,23 +91,52 @@ class _Validated:
     def __post_init__(self, *spelled: Any) -> None:
         self.for_other_sections = self._read_spellings(dict(zip(self.SPELLINGS, spelled)))
         self._coerce()
-        hints = typing.get_type_hints(type(self))
-        section = type(self).__name__
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            tp = hints[f.name]
-            if not _conforms(value, tp):
-                raise ValueError(f"{section}.{f.name} must be {_type_name(tp)}, got {value!r}")
-            if isinstance(value, float) and not math.isfinite(value) and not (value > 0 and f.name in self.UNBOUNDED):
-                raise ValueError(f"{section}.{f.name} must be a finite number, got {value}")
-            if tp is float or (
-                typing.get_origin(tp) in (typing.Union, types.UnionType) and float in typing.get_args(tp)
-            ):
-                if isinstance(value, int) and not isinstance(value, bool):
-                    object.__setattr__(self, f.name, float(value))
-            if isinstance(value, tuple):
-                object.__setattr__(self, f.name, list(value))
+        for name in _field_types(type(self)):
+            object.__setattr__(self, name, self._checked_value(name, getattr(self, name)))
         self._check()
+        object.__setattr__(self, "_built", True)
+
+    _built = False  # set once constructed: from then on each assignment is checked (`__setattr__`)
+
+    def _checked_value(self, name: str, value: Any) -> Any:
+        """`value` for field `name` as stored (an int as a float where the field takes numbers, a tuple as
+        a list), or a ValueError naming the field when its type does not match."""
+        tp = _field_types(type(self))[name]
+        section = type(self).__name__
+        if not _conforms(value, tp):
+            raise ValueError(f"{section}.{name} must be {_type_name(tp)}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value) and not (value > 0 and name in self.UNBOUNDED):
+            raise ValueError(f"{section}.{name} must be a finite number, got {value}")
+        takes_float = tp is float or (
+            typing.get_origin(tp) in (typing.Union, types.UnionType) and float in typing.get_args(tp)
+        )
+        if takes_float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        return list(value) if isinstance(value, tuple) else value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Once constructed, a field's new value is type-checked as the constructor checks it, and a name
+        that is no field is refused as the constructor refuses it, with the same hint (`config.num_layers
+        = 6` would otherwise be kept beside n_layers and never read). The checks across fields run where
+        the config is used (`resolved()`, a run's resolution), since fields are set one after another."""
+        if not self._built or name == "for_other_sections":
+            object.__setattr__(self, name, value)
+        elif name in _field_types(type(self)):
+            object.__setattr__(self, name, self._checked_value(name, value))
+        elif hasattr(type(self), name):
+            object.__setattr__(self, name, value)  # a read-only alias's property refuses it with its own line
+        else:
+            raise ValueError(self._unknown_attribute(name, value))
+
+    def _unknown_attribute(self, name: str, value: Any) -> str:
+        cls = type(self).__name__
+        values, problems, _ = config_aliases.canonical_section(
+            self.SECTION or cls, {name: value}, list(_field_types(type(self))), others=ExperimentConfig.known_fields()
+        )
+        if problems:
+            return f"{cls}: {config_aliases.one_message(problems)}"
+        settings = ", ".join(f"{key}={item!r}" for key, item in values.items())
+        return f"{cls}.{name} is another framework's name, read by the constructor and config files; set {settings}"
 
     def _read_spellings(self, given: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """Set what the keywords in other spellings set in this section (a field set to something else
@@ -1055,6 +1091,16 @@ class ExperimentConfig:
         givers = (self.model, self.training, self.data)
         for name in self.SECTIONS:
             setattr(self, name, with_carried(getattr(self, name), name, *givers))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Only the three sections are attributes: a setting given here would be kept and never read."""
+        if name not in self.SECTIONS:
+            where = config_aliases.setting_named(name, self.known_fields())
+            raise ValueError(
+                f"ExperimentConfig has the sections {', '.join(self.SECTIONS)} only; "
+                + (f"{name} is {where}: set it there" if where else f"{name} is no setting of any of them")
+            )
+        object.__setattr__(self, name, value)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model.to_dict(), "training": self.training.to_dict(), "data": self.data.to_dict()}

@@ -447,8 +447,18 @@ def canonical_experiment(
     problem of the whole config (unknown sections and keys, conflicts)."""
     problems: list[str] = []
     out: dict[str, dict] = {}
+    top_level: dict[str, list[str]] = {}  # settings given without their section: where each one goes
     for key in values:
-        if key not in SECTIONS and key not in FOLDED:
+        if key not in SECTIONS and key not in FOLDED and (where := setting_named(str(key), known)) is not None:
+            top_level.setdefault(where.split(".")[0], []).append(str(key))
+    if top_level:
+        problems.append(
+            "settings go under their section, not at the top level of the file: "
+            + "; ".join(f"put {', '.join(keys)} under {section}:" for section, keys in top_level.items())
+        )
+    placed = {key for keys in top_level.values() for key in keys}
+    for key in values:
+        if key not in SECTIONS and key not in FOLDED and str(key) not in placed:
             close = difflib.get_close_matches(str(key), [*SECTIONS, *FOLDED], n=1, cutoff=0.5)
             hint = (
                 f"; did you mean {close[0]}?"
