@@ -305,6 +305,9 @@ def test_trainer_metrics_holds_what_the_run_logged_and_a_resume_keeps_the_earlie
     assert metrics["learning_rate"] == metrics["train/lr"]
     with pytest.raises(KeyError, match="'accuracy' was not logged by this run; its series: .*eval/loss"):
         metrics["accuracy"]
+    # the other ways a dict is read give the same answers under the other names
+    assert "val_loss" in metrics and metrics.get("val_loss") == evals and metrics.get("eval_loss") == evals
+    assert "accuracy" not in metrics and metrics.get("accuracy") is None and metrics.get("accuracy", []) == []
 
     train, val = tiny_loaders()
     resumed = Trainer(

@@ -29,7 +29,7 @@ import re
 import socket
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
 import torch
@@ -95,9 +95,15 @@ class LoggedSeries(dict):
 
     def __missing__(self, name: str) -> list[tuple[int, float]]:
         ours = SERIES_ALIASES.get(name)
-        if ours is not None and ours in self:
+        if ours is not None and super().__contains__(ours):
             return self[ours]
         raise KeyError(f"{name!r} was not logged by this run; its series: {', '.join(sorted(self)) or 'none yet'}")
+
+    def __contains__(self, name: object) -> bool:
+        return super().__contains__(name) or super().__contains__(SERIES_ALIASES.get(name, name))  # type: ignore[arg-type]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] if name in self else default
 
 
 def logged_series(rows: list[dict]) -> LoggedSeries:
