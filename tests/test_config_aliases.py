@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,3 +247,36 @@ def test_deepspeed_schedulers_map_onto_ours_and_a_missing_accumulation_is_derive
     )
     assert merged.gradient_accumulation_steps == 2  # 12 = 2 x 2 x 3
     assert {key: getattr(merged, key) for key in expected} == expected
+
+
+def test_an_all_auto_deepspeed_section_of_another_type_says_it_stands_for_the_training_configs(capsys):
+    """An HF-style file with `WarmupDecayLR` and every param "auto" runs the training config's schedule
+    (the README: all-"auto" sections stand for it); since the file reads as linear decay, the start says so."""
+    from llm_trainer.parallel.deepspeed_engine import merge_into_training
+
+    auto = {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}
+    config = {
+        "scheduler": {"type": "WarmupDecayLR", "params": auto},
+        "optimizer": {"type": "Lamb", "params": {"lr": "auto"}},
+    }
+    training = TrainingConfig(use_deepspeed=True, deepspeed_config=config)
+    assert merge_into_training(training, world_size=1, device=torch.device("cpu")) == training
+    err = capsys.readouterr().err
+    assert (
+        "scheduler.type 'WarmupDecayLR' has only \"auto\" params, so it stands for the training config's "
+        "training.lr_scheduler: cosine (set training.lr_scheduler: linear for the file's)" in err
+    )
+    assert (
+        "optimizer.type 'Lamb' has only \"auto\" params, so it stands for the training config's training.optimizer: adamw"
+        in err
+    )
+    same = TrainingConfig(use_deepspeed=True, deepspeed_config=config, lr_scheduler="linear", optimizer="adamw")
+    config["optimizer"]["type"] = "AdamW"
+    merge_into_training(same, world_size=1, device=torch.device("cpu"))
+    assert "stands for" not in capsys.readouterr().err  # the file and the training config agree: nothing to say
+    for shipped in ("zero2.json", "zero3.json"):  # ours say nothing to a run at the defaults
+        path = Path(__file__).parents[1] / "src" / "llm_trainer" / "configs" / "deepspeed" / shipped
+        merge_into_training(
+            TrainingConfig(use_deepspeed=True, deepspeed_config=str(path)), world_size=1, device=torch.device("cpu")
+        )
+        assert "stands for" not in capsys.readouterr().err

@@ -47,6 +47,7 @@ from ..logs import log
 
 TAG = "deepspeed"  # DeepSpeed's tag folder inside the staging area; its files move into `sharded/`
 _OWN_SECTIONS = ("optimizer", "scheduler")  # ours stand in for them (with the file's values folded in)
+_ADAMW_TYPES = ("adamw", "adam", "fusedadam", "cpuadam", "deepspeedcpuadam")  # optimizer.type, lowercase, no "_"
 _SCHEDULES = {"WarmupLR": "constant_with_warmup", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 _IGNORED_OPTIMIZER_PARAMS = ("torch_adam", "adam_w_mode", "fused", "bias_correction")
 Setting = tuple[str, str, Any]  # (where in the DeepSpeed file, TrainingConfig field, value)
@@ -166,7 +167,7 @@ def _optimizer_settings(section: dict) -> tuple[list[Setting], list[str], list[s
     settings, problems, notes = [], [], []
     kind = str(section.get("type", "AdamW")).lower().replace("_", "")
     params = section.get("params") or {}
-    if kind in ("adamw", "adam", "fusedadam", "cpuadam", "deepspeedcpuadam"):  # DeepSpeed's Adam is AdamW by default
+    if kind in _ADAMW_TYPES:  # DeepSpeed's Adam is AdamW by default
         decoupled = kind == "adamw" or params.get("adam_w_mode", True) is not False
         settings.append(("optimizer.type", "optimizer", "adamw" if decoupled else "adam"))
     else:
@@ -226,6 +227,27 @@ def _scheduler_settings(section: dict, lr: float) -> tuple[list[Setting], list[s
     return settings, [], notes
 
 
+def _stands_for_ours(name: str, section: Any, training: TrainingConfig) -> list[str]:
+    """A note when an all-"auto" section names a type other than what the training config runs (which
+    it stands for): a WarmupDecayLR file trained with a cosine schedule is not what the file reads as."""
+    kind = section.get("type") if isinstance(section, dict) else None
+    if kind is None:
+        return []
+    field = "lr_scheduler" if name == "scheduler" else "optimizer"
+    ours = getattr(training, field)
+    if name == "scheduler":
+        same = _SCHEDULES.get(kind) == ours
+    else:
+        same = ours == "adamw" and str(kind).lower().replace("_", "") in _ADAMW_TYPES
+    if same:
+        return []
+    return [
+        f'{name}.type {kind!r} has only "auto" params, so it stands for the training config\'s '
+        f"training.{field}: {ours}"
+        + (f" (set training.lr_scheduler: {_SCHEDULES[kind]} for the file's)" if kind in _SCHEDULES else "")
+    ]
+
+
 def file_settings(cfg: dict, training: TrainingConfig) -> tuple[list[Setting], list[str], list[str]]:
     """What a DeepSpeed config decides that TrainingConfig also holds: (settings, unsupported parts, notes)."""
     settings: list[Setting] = []
@@ -244,7 +266,10 @@ def file_settings(cfg: dict, training: TrainingConfig) -> tuple[list[Setting], l
     notes: list[str] = []
     for name in _OWN_SECTIONS:  # the optimizer first: a cosine floor is a ratio of its lr
         section = cfg.get(name)
-        if section is None or not _concrete(section):
+        if section is None:
+            continue
+        if not _concrete(section):
+            notes += _stands_for_ours(name, section, training)
             continue
         if not isinstance(section, dict):
             problems.append(f"{name} must be a JSON object with type and params")
