@@ -226,6 +226,28 @@ CASES = [
         "looks like a binary file, not text; pass a text file to --data",
     ),
     (
+        "eval --data JSONL with a bad record: fixed in the file (eval has no data.on_bad_input)",
+        lambda t: [
+            "eval",
+            "--checkpoint",
+            str(model_folder(t)),
+            "--data",
+            str(text_file(t, "r.jsonl", '{"text": "hello world"}\n' * 3 + '{"other": "x"}\n')),
+        ],
+        "r.jsonl:4 has no 'text' field (its fields: 'other'); earlier records have it: fix or remove this one",
+    ),
+    (
+        "eval --data JSONL without the text field: named by its flag",
+        lambda t: [
+            "eval",
+            "--checkpoint",
+            str(model_folder(t)),
+            "--data",
+            str(text_file(t, "r.jsonl", '{"body": "hello world"}\n')),
+        ],
+        "r.jsonl:1 has no 'text' field (its fields: 'body'); pass --text-column NAME",
+    ),
+    (
         "eval --data an archive",
         lambda t: ["eval", "--checkpoint", str(model_folder(t)), "--data", str(packed_file(t, "texts.tar.gz", b"x"))],
         "texts.tar.gz is an archive of files; unpack it and pass one of its files",
@@ -303,6 +325,18 @@ def test_bad_input_is_one_line_and_exit_2(build, fragment, tmp_path, capsys, mon
     assert [line for line in lines if line.startswith("error: ")] == lines[-1:], err
     assert code == 2, err
     assert fragment in lines[-1], lines[-1]
+
+
+def test_eval_datas_messages_name_no_setting_eval_does_not_take(tmp_path, capsys):
+    """`eval --data` reads records as `prepare` does, but takes no data.* settings: its fixes are its own."""
+    records = {"bad_record.jsonl": '{"text": "hello world"}\n{"other": "x"}\n', "body.jsonl": '{"body": "hi"}\n'}
+    records["latin.jsonl"] = b'{"text": "caf\xe9"}\n'
+    for name, content in records.items():
+        path = tmp_path / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        assert cli.main(["eval", "--checkpoint", str(model_folder(tmp_path)), "--data", str(path)]) == 2
+        message = capsys.readouterr().err.strip().splitlines()[-1]
+        assert name in message and "data." not in message, message
 
 
 def test_eval_data_reads_a_compressed_file_as_the_file_uncompressed(tmp_path, capsys):

@@ -118,7 +118,7 @@ def test_folder_recursive_skips_and_counts_bad_files(tmp_path, capsys):
         f"{root / 'image.png'} (not read: extension '.png' is not a text, "
         "JSONL or Parquet one; name the file in data.data_files to read it as text)"
     ]
-    assert named["binary_files"][0].startswith(f"{root / 'blob.txt'} looks like a binary file")
+    assert named["binary_files"] == [f"{root / 'blob.txt'} looks like a binary file, not text"]  # skipped: no advice
     assert named["non_utf8_files"][0].startswith(f"{root / 'latin.txt'} is not UTF-8 text")
     err = capsys.readouterr().err
     assert f"data: skipped (unsupported_files): {root / 'image.png'} (not read: extension '.png'" in err
@@ -393,6 +393,25 @@ def test_explicit_binary_file_is_an_error(tmp_path):
     path.write_bytes(b"\x00\x01\x02\x03" * 10)
     message = _error(tmp_path, data_files=str(path))
     assert str(path) in message and "binary" in message
+
+
+def test_a_stray_nul_in_utf8_text_is_a_control_character_not_a_binary_file(tmp_path):
+    """One NUL in a Hindi text file: the text is read and cleaned (the NUL removed, as in a JSON record),
+    in a folder and named alone; bytes that decode as UTF-8 but are mostly NULs (small integers) stay binary."""
+    line = "भारत एक विशाल देश है। हिंदी भाषा में बहुत सारी कहानियाँ लिखी गई हैं।\n"
+    text = line * 100
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(text[:3000] + "stray\x00nul" + text[3000:], encoding="utf-8")
+    (tmp_path / "corpus" / "ids.txt").write_bytes(np.arange(1, 100, dtype=np.int32).tobytes())  # valid UTF-8, 74% NULs
+    clean = tmp_path / "clean.txt"
+    clean.write_text(text[:3000] + "straynul" + text[3000:], encoding="utf-8")
+    expected = documents(prepare_data(config(tmp_path / "c", data_files=str(clean), validation_split=0.0)), "train")
+    in_folder = prepare_data(config(tmp_path / "f", data_files=str(tmp_path / "corpus"), validation_split=0.0))
+    assert documents(in_folder, "train") == expected and "\x00" not in expected[0]
+    assert in_folder.manifest["removed"]["binary_files"] == 1  # ids.txt
+    named = prepare_data(config(tmp_path / "n", data_files=str(tmp_path / "corpus" / "a.txt"), validation_split=0.0))
+    assert documents(named, "train") == expected
+    assert "binary" in _error(tmp_path / "e", data_files=str(tmp_path / "corpus" / "ids.txt"))
 
 
 def test_explicit_non_utf8_file_is_an_error(tmp_path):

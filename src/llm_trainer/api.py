@@ -143,6 +143,18 @@ def _load_for_inference(found: Path, path: Path, device: str) -> tuple[Transform
     return model, tokenizer, experiment
 
 
+def _as_eval_flags(message: str) -> str:
+    """A data reader's message with its fix in `eval --data`'s terms: the text field is `--text-column`,
+    and a bad record is fixed or removed (eval has no data.on_bad_input: it scores the whole file)."""
+    for setting, flag in (
+        ("set data.text_column", "pass --text-column NAME"),
+        (", or set data.on_bad_input: skip", ""),
+        (" or set data.invalid_utf8", ""),
+    ):
+        message = message.replace(setting, flag)
+    return message
+
+
 def _file_tokens(path: Path, tokenizer, text_column: str, clean) -> list[int]:
     """The tokens `eval --data` reads: JSONL and Parquet record by record (the text in `text_column`,
     each document followed by the end-of-text token, as `prepare` lays documents out; one that cleaning
@@ -170,7 +182,7 @@ def _file_tokens(path: Path, tokenizer, text_column: str, clean) -> list[int]:
                 tokens += [*tokenizer.encode(text), tokenizer.eot_id]
                 unseen |= tokenizer.unseen_characters(text)
     except UsageError as exc:
-        raise UsageError(f"{exc} (here: --text-column NAME)") from None
+        raise UsageError(_as_eval_flags(str(exc))) from None
     warn_unseen(unseen, f"--data {path}")
     return tokens
 

@@ -30,6 +30,7 @@ folder should not stop a run) and refuses what the user named.
 from __future__ import annotations
 
 import bz2
+import codecs
 import fnmatch
 import functools
 import glob
@@ -155,11 +156,13 @@ class BadInput:
     def __init__(self, mode: str, stats: SourceStats):
         self.mode, self.stats = mode, stats
 
-    def __call__(self, kind: str, message: str, *, in_folder: bool = False) -> None:
+    def __call__(self, kind: str, message: str, *, fix: str | None = None, in_folder: bool = False) -> None:
+        """`message` says what is wrong; `fix`, what to do about it, is said only when it stops the run
+        (a skipped file's line in the summary needs no advice on skipping it)."""
         if self.mode == "skip" or (self.mode == "skip_in_folders" and in_folder):
             self.stats.skip(kind, message)
             return
-        raise UsageError(self.stats.shown(message))
+        raise UsageError(self.stats.shown(message if fix is None else f"{message}; {fix}"))
 
 
 def resolved_sources(config: DataConfig) -> list[SourceConfig]:
@@ -418,6 +421,28 @@ class _ReadOptions:
     tool_folders: tuple[Path, ...] = ()  # never read as data (`tool_folders`)
 
 
+BINARY_SAMPLE = 8192  # the bytes `looks_binary` reads
+BINARY_NULS = 0.01  # a larger share of NUL bytes in them is binary data, even where they decode as UTF-8
+
+
+def looks_binary(raw: bytes) -> bool:
+    """Whether a file's bytes are binary data, by its first BINARY_SAMPLE bytes: NUL bytes (no text
+    holds many; numbers, images and archives do) that either are more than BINARY_NULS of them or sit
+    among bytes that are not UTF-8. A stray NUL in UTF-8 text is a control character, which cleaning
+    removes, as it removes one in a JSON record's text."""
+    sample = raw[:BINARY_SAMPLE]
+    nuls = sample.count(b"\x00")
+    if not nuls:
+        return False
+    if nuls > BINARY_NULS * len(sample):
+        return True
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(sample, final=len(raw) <= BINARY_SAMPLE)
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
 def read_text_file(
     path: Path,
     explicit: bool,
@@ -451,9 +476,9 @@ def read_text_file(
                 in_folder=not explicit,
             )
             return None
-    if b"\x00" in raw[:8192]:
+    if looks_binary(raw):
         hint = fix if explicit else "exclude it (data.exclude) or set data.on_bad_input: skip"
-        bad("binary_files", f"{path} looks like a binary file, not text; {hint}", in_folder=not explicit)
+        bad("binary_files", f"{path} looks like a binary file, not text", fix=hint, in_folder=not explicit)
         return None
     try:
         return raw.decode("utf-8")
@@ -630,7 +655,11 @@ def _jsonl_record(
         if line_no == 1 and not deep and decoded.lstrip().startswith(("[", "{")):
             opt.bad("bad_json_lines", _one_json_document(path))
             return None
-        opt.bad("bad_json_lines", f"{path}:{line_no} is " + ("nested too deep" if deep else "not valid JSON"))
+        opt.bad(
+            "bad_json_lines",
+            f"{path}:{line_no} is " + ("nested too deep" if deep else "not valid JSON"),
+            fix="fix or remove this line, or set data.on_bad_input: skip",
+        )
         return None
     if line_no == 1 and isinstance(record, list):
         opt.bad("bad_json_lines", _one_json_document(path))
@@ -641,7 +670,7 @@ def _jsonl_record(
             if texts_before
             else "set data.text_column"
         )
-        opt.bad("missing_column", f"{path}:{line_no} has no {opt.text_column!r} field ({_fields(record)}); {fix}")
+        opt.bad("missing_column", f"{path}:{line_no} has no {opt.text_column!r} field ({_fields(record)})", fix=fix)
         return None
     text = _text_value(record[opt.text_column], f"{path}:{line_no}", opt)
     if text is None:
