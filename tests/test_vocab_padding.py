@@ -16,6 +16,7 @@ from llm_trainer.config_aliases import MODEL
 from llm_trainer.errors import UsageError
 from llm_trainer.generate import generate
 from llm_trainer.model import Transformer
+from llm_trainer.tokenizer import Tokenizer
 from llm_trainer.tools.estimate import estimate_memory
 from llm_trainer.train.evaluate import evaluate
 from llm_trainer.train.flops import count_parameters, flops_per_token
@@ -181,6 +182,37 @@ def test_the_transformers_export_writes_the_real_rows_with_our_logits_and_import
 
 
 @pytest.mark.slow
+def test_ids_past_the_tokenizers_are_said_at_start_and_never_generated(tmp_path, capsys):
+    """model.vocab_size larger than the tokenizer (a lesson's 30522 beside a char tokenizer): those ids are
+    real rows of the model, which the head predicts, so the start says what they cost; `generate` and the
+    CLI never draw one, as no token decodes from it."""
+    config = str(write_tiny_experiment(tmp_path, max_steps=2, save_steps=2, eval_steps=0))
+    assert cli.main(["train", "--config", config, "model.vocab_size=1000"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: model.vocab_size is 1,000 but the tokenizer has " in err
+    assert "so its loss starts near ln 1,000 = 6.91 instead of ln " in err
+    checkpoint = next((tmp_path / "run" / "checkpoints").glob("checkpoint-*"))
+    model, tokens = load_model_folder(checkpoint), Tokenizer.load(checkpoint).vocab_size
+    assert model.config.vocab_size == 1000 and tokens < 100
+    # after two steps the ids past the tokenizer's still hold most of the model's probability
+    assert max(generate(model, [1, 2, 3], max_new_tokens=8, temperature=1.0, seed=3)) >= tokens
+    for kwargs in (dict(temperature=1.0, seed=3), dict(temperature=0.7, top_k=50, seed=4), dict(temperature=0.0)):
+        assert max(generate(model, [1, 2, 3], max_new_tokens=8, vocab_size=tokens, **kwargs)) < tokens
+    tokenizer = Tokenizer.load(checkpoint)
+    for seed in range(3):  # the command draws as `generate` with the tokenizer's size does
+        argv = ["generate", "--checkpoint", str(checkpoint), "--prompt", "the", "--max_new_tokens", "12"]
+        assert cli.main([*argv, "--seed", str(seed)]) == 0
+        ids = generate(
+            model,
+            tokenizer.encode("the"),
+            max_new_tokens=12,
+            seed=seed,
+            eos_token_id=tokenizer.eot_id,
+            vocab_size=tokens,
+        )
+        assert capsys.readouterr().out == "the" + tokenizer.decode(ids) + "\n" and max(ids) < tokens
+
+
 def test_resuming_an_unpadded_checkpoint_names_the_setting_that_loads_it(tmp_path, capsys):
     """A checkpoint of unpadded rows (as every one written before the padding) under today's default:
     refused in one line naming model.vocab_pad_multiple: 1, with which it resumes."""

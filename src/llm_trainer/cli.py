@@ -241,6 +241,7 @@ def cmd_generate(args) -> int:
         top_p=args.top_p,
         seed=args.seed,
         eos_token_id=tokenizer.eot_id,
+        vocab_size=tokenizer.vocab_size,
     )
     print(args.prompt + tokenizer.decode(new))
     return 0

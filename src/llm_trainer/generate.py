@@ -29,6 +29,14 @@ def check_sampling(*, max_new_tokens: int, temperature: float, top_k: int | None
         raise UsageError(f"--top_p must be in (0, 1], got {top_p}")
 
 
+def tokenizer_columns(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    """logits (..., V) with the ids from `vocab_size` up at -inf: a model may have more rows than its
+    tokenizer has tokens (`model.vocab_size` set larger), and an id no token has is never generated."""
+    if vocab_size is None or vocab_size >= logits.shape[-1]:
+        return logits
+    return logits.index_fill(-1, torch.arange(vocab_size, logits.shape[-1], device=logits.device), float("-inf"))
+
+
 def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator) -> int:
     """One token id from logits (V,); temperature 0 is greedy."""
     if temperature <= 0:
@@ -59,10 +67,12 @@ def generate(
     eos_token_id: int | None = None,
     use_cache: bool = True,
     stop: Callable[[list[int]], bool] | None = None,
+    vocab_size: int | None = None,
 ) -> list[int]:
     """The new token ids (not the prompt). The context is the last max_seq_len tokens; the KV cache
     serves until the window first slides, then every token is computed from its window. `stop`, given
-    the new ids after each token, ends generation when it returns True (stop strings)."""
+    the new ids after each token, ends generation when it returns True (stop strings). `vocab_size`:
+    the tokenizer's, where the model has more rows than it has tokens (`tokenizer_columns`)."""
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     model.eval()
     device = next(model.parameters()).device
@@ -89,7 +99,7 @@ def generate(
             logits = model(torch.tensor([context], device=device), cache=cache)[0, -1]
         else:
             logits = model(torch.tensor([[new[-1]]], device=device), cache=cache)[0, -1]
-        token = _sample(logits, temperature, top_k, top_p, generator)
+        token = _sample(tokenizer_columns(logits, vocab_size), temperature, top_k, top_p, generator)
         new.append(token)
         if token == eos_token_id or (stop is not None and stop(new)):
             break

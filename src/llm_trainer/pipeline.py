@@ -14,6 +14,7 @@ is passed in by the caller.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -93,20 +94,24 @@ def _check_init_vocabulary(init_from: str, tokenizer: Tokenizer) -> None:
         )
 
 
-UNUSED_ROWS_NOTED = 128  # fewer extra embedding rows than this: rounding the vocabulary up (for speed), no note
+UNUSED_ROWS_NOTED = 128  # fewer ids past the tokenizer's than this: a vocabulary rounded up by hand, no warning
 
 
 def _note_unused_embeddings(run: ResolvedRun, tokenizer: Tokenizer) -> None:
-    """One line when model.vocab_size leaves many embedding rows that no token id ever reads."""
+    """One line when model.vocab_size gives the model many ids the tokenizer has no token for: no input
+    reads their rows, yet the head predicts them, so the loss starts higher and training spends steps
+    pushing them down (generation never draws them: `generate.tokenizer_columns`)."""
     model = run.experiment.model
     unused = model.vocab_size - tokenizer.vocab_size
     if run.vocab_source != "model.vocab_size" or unused < UNUSED_ROWS_NOTED:
         return
     parameters = unused * model.d_model * (1 if model.tie_embeddings else 2)  # input rows, and the head's own
-    log(
-        f"note: model.vocab_size is {model.vocab_size:,} but the tokenizer has {tokenizer.vocab_size:,} tokens: "
-        f"{unused:,} embedding rows are never used ({parameters / 1e6:.1f}M parameters); remove model.vocab_size "
-        "to size the model from the tokenizer"
+    warn(
+        f"model.vocab_size is {model.vocab_size:,} but the tokenizer has {tokenizer.vocab_size:,} tokens: the "
+        f"model predicts {unused:,} ids no text has ({parameters / 1e6:.1f}M parameters), so its loss starts near "
+        f"ln {model.vocab_size:,} = {math.log(model.vocab_size):.2f} instead of ln {tokenizer.vocab_size:,} = "
+        f"{math.log(tokenizer.vocab_size):.2f} "
+        "until training pushes them down; remove model.vocab_size to size the model from the tokenizer"
     )
 
 

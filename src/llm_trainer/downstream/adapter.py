@@ -35,7 +35,7 @@ from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from ..errors import UsageError
-from ..generate import generate
+from ..generate import generate, tokenizer_columns
 from ..model import KVCache, Transformer
 from .lockstep import Lockstep
 
@@ -254,6 +254,7 @@ class LLMTrainerLM(TemplateLM):
             seed=1234,
             eos_token_id=self.eot_token_id,
             stop=lambda new: any(s in self.tokenizer.decode(new) for s in stops),
+            vocab_size=self.tokenizer.vocab_size,
         )
         return [_cut(self.tokenizer.decode(new), stops)]
 
@@ -275,7 +276,7 @@ class LLMTrainerLM(TemplateLM):
         new: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
         for step in range(max_new):
-            tokens = logits.argmax(-1)  # (B,)
+            tokens = tokenizer_columns(logits, self.tokenizer.vocab_size).argmax(-1)  # (B,)
             for row in range(B):
                 if done[row]:
                     continue
