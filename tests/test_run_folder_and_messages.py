@@ -76,6 +76,15 @@ def test_a_second_train_into_a_run_folder_is_refused_then_resumes_or_starts_over
     assert f"error: {best} is a model folder: it holds weights but no optimizer state" in err
     assert f"model.init_from={best}" in err and (run / "metrics.jsonl").read_text() == before
 
+    # starting over is refused like any run with a mistake in it, before the earlier run is touched
+    checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
+    for mistake in ("data.data_files=missing.txt", "data.max_length=999", "data.tokenizer=nope.json"):
+        assert main(["train", "--config", str(config), "--overwrite", mistake]) == 2
+        err = capfd.readouterr().err
+        assert err.count("error:") == 1 and "Traceback" not in err and "starting over" not in err, err
+        assert (run / "metrics.jsonl").read_text() == before
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == checkpoints
+
     (run / "notes.txt").write_text("mine")  # a file of the user's own
     (run / "plots").mkdir(exist_ok=True)
     assert main(["train", "--config", str(config), "--overwrite", "training.max_steps=2"]) == 0
@@ -94,7 +103,7 @@ def test_a_second_train_into_a_run_folder_is_refused_then_resumes_or_starts_over
 
 
 def test_a_checkpoint_folder_of_its_own_is_cleared_of_checkpoints_only(tmp_path):
-    from llm_trainer.train.output_folder import check_output_folder, run_traces
+    from llm_trainer.train.output_folder import check_output_folder, clear_run_files, run_traces
 
     checkpoints = tmp_path / "ckpt"
     (checkpoints / "checkpoint-00000003").mkdir(parents=True)
@@ -104,7 +113,10 @@ def test_a_checkpoint_folder_of_its_own_is_cleared_of_checkpoints_only(tmp_path)
     assert run_traces(training) == [f"{checkpoints}/"]
     with pytest.raises(UsageError, match="already holds a run"):
         check_output_folder(training, is_main=True)
-    check_output_folder(TrainingConfig(**{**training.to_dict(), "overwrite_output_dir": True}), is_main=True)
+    overwrite = TrainingConfig(**{**training.to_dict(), "overwrite_output_dir": True})
+    check_output_folder(overwrite, is_main=True)  # accepted; nothing removed before the run starts
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-00000003", "keep.txt", "latest"]
+    clear_run_files(overwrite)  # (at the start of the loop)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["keep.txt"]
     assert run_traces(training) == []
 
@@ -265,7 +277,9 @@ def test_unused_embedding_rows_jsonl_eval_data_and_the_latest_pointer(tmp_path, 
     config = write_tiny_experiment(tmp_path, max_steps=2, eval_steps=2)
     assert main(["train", "--config", str(config), "model.vocab_size=512"]) == 0
     err = capfd.readouterr().err
-    note = re.search(r"note: model.vocab_size is 512 but the tokenizer has (\d+) tokens: (\d+) embedding rows", err)
+    note = re.search(
+        r"warning: model.vocab_size is 512 but the tokenizer has (\d+) tokens: the model predicts (\d+) ids", err
+    )
     assert note and int(note.group(1)) + int(note.group(2)) == 512, err
 
     from llm_trainer.api import load_for_inference

@@ -336,7 +336,8 @@ def test_wandb_without_a_login_is_one_line_and_leaves_no_run_behind(tmp_path):
         "from llm_trainer.errors import UsageError\n"
         "from llm_trainer.train.metrics import build_loggers\n"
         "try:\n"
-        f"    build_loggers(['wandb'], Path({str(tmp_path / 'run')!r}), {{}}, progress_bar=False)\n"
+        f"    build_loggers(['wandb'], Path({str(tmp_path / 'run')!r}), {{}}, progress_bar=False,\n"
+        f"                  start_over=Path({str(tmp_path / 'started_over')!r}).touch)\n"
         "except UsageError as error:\n"
         "    print(error); sys.exit(2)\n"
     )
@@ -345,6 +346,7 @@ def test_wandb_without_a_login_is_one_line_and_leaves_no_run_behind(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert "\n" not in message and "wandb login" in message and "WANDB_MODE=offline" in message
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "started_over").exists()  # --overwrite's removal of an earlier run: not reached
     assert os.environ.get("HOME") != env["HOME"]  # (this process's own settings untouched)
 
 

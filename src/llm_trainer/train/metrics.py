@@ -28,6 +28,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
@@ -481,18 +482,25 @@ def build_loggers(
     progress_bar: bool,
     tensorboard_dir: Path | None = None,
     resumed_at: int | None = None,
+    start_over: Callable[[], object] | None = None,
 ) -> list[MetricLogger]:
     """Console and metrics.jsonl, then the backends `report_to` adds, in order; [] on ranks other than 0.
-    `resumed_at`: the step a resumed run continues from (metrics.jsonl drops what was logged after it)."""
+    `resumed_at`: the step a resumed run continues from (metrics.jsonl drops what was logged after it).
+    `start_over`: what removes an earlier run's files (`--overwrite`), called once the services that may
+    refuse to start (W&B, MLflow) have started and before anything writes into the run's files."""
     if not is_main_process():
         return []
     output_dir = Path(output_dir)
     names = list(dict.fromkeys(["console", "jsonl", *report_to]))  # each backend once, in this order
     built: dict[str, MetricLogger] = {}
     try:
-        # the tracker backends start first: one that cannot (no W&B login) leaves no metrics.jsonl behind,
-        # which would make the folder hold a run
-        for name in sorted(names, key=lambda n: n in ("console", "jsonl")):
+        # the tracker services start first: one that cannot (no W&B login) leaves the folder as it was:
+        # no metrics.jsonl behind (which would make it hold a run), an earlier run not yet removed
+        order = sorted(names, key=lambda n: (n not in ("wandb", "mlflow"), n in ("console", "jsonl")))
+        for name in order:
+            if start_over is not None and name not in ("wandb", "mlflow"):
+                start_over()
+                start_over = None
             if name == "console":
                 built[name] = ConsoleLogger(show_train_rows=not progress_bar)
             elif name == "jsonl":
@@ -528,9 +536,12 @@ class MetricsTracker:
         progress_bar: bool,
         tensorboard_dir: Path | None = None,
         resumed_at: int | None = None,
+        start_over: Callable[[], object] | None = None,
     ) -> None:
         self.close()
-        self.loggers = build_loggers(report_to, output_dir, config, progress_bar, tensorboard_dir, resumed_at)
+        self.loggers = build_loggers(
+            report_to, output_dir, config, progress_bar, tensorboard_dir, resumed_at, start_over=start_over
+        )
 
     def log(self, row: dict) -> None:
         with torch.profiler.record_function("logging"):  # a named range in a profiler trace

@@ -113,7 +113,9 @@ def _default_layout(training: TrainingConfig) -> bool:
 
 def check_output_folder(training: TrainingConfig, *, is_main: bool) -> None:
     """Refuse an output folder that holds a run unless the run resumes or starts over (see the module
-    docstring); starting over removes the earlier run's files here (on the main process only)."""
+    docstring). Starting over removes the earlier run's files only once the new run has passed every
+    check and starts its loop (`clear_run_files`, from the metrics' start): a refusal in between (a
+    typo in the data's path, a W&B login missing) leaves the earlier run as it was."""
     if (url := training.remote_output_dir) and is_main:
         log(
             f"output: {url}; the run is written in {training.local_output_dir} first and uploaded there at "
@@ -128,8 +130,6 @@ def check_output_folder(training: TrainingConfig, *, is_main: bool) -> None:
             )
         return
     if training.overwrite_output_dir:
-        if is_main:
-            clear_run_files(training)
         return
     traces = run_traces(training)
     if traces and (step := finished_at(training)) is not None:  # resuming it would train no step

@@ -51,6 +51,7 @@ from .output_folder import (
     METRICS_FILE,
     RunFilesAtStart,
     check_output_folder,
+    clear_run_files,
     fetch_run_files,
     finished_at,
     finished_run,
@@ -355,6 +356,9 @@ class Trainer:
             progress_bar=show_bar,
             tensorboard_dir=tensorboard_dir(cfg),
             resumed_at=state.step if resuming else None,
+            start_over=functools.partial(clear_run_files, cfg)
+            if cfg.overwrite_output_dir and not self._trained
+            else None,
         )
         tokens_at_start, start_step = state.tokens_seen, state.step
         self._log_start()
