@@ -4,6 +4,7 @@ unquoted words as values, and a DeepSpeed JSON file mapped onto our training con
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 from pathlib import Path
 
@@ -141,6 +142,25 @@ def test_the_hf_names_read_back_on_the_configs_and_say_which_field_to_set():
     assert (training.gradient_clipping, training.lr, training.num_train_epochs) == (0.5, 1e-3, 2)
     with pytest.raises(AttributeError, match="reads TrainingConfig.max_grad_norm; set max_grad_norm instead"):
         training.gradient_clipping = 1.0
+
+
+def test_a_model_configs_gradient_checkpointing_trains_with_it_from_python(tmp_path, monkeypatch):
+    """The guide's `ModelConfig(..., gradient_checkpointing=True)`, a training setting given to the model
+    section, reaches the run built from the three configs (and `train(ExperimentConfig(...))`'s)."""
+    from conftest import write_corpus
+    from llm_trainer import Trainer, train
+
+    monkeypatch.chdir(tmp_path)
+    model = ModelConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=32, gradient_checkpointing=True)
+    training = TrainingConfig(batch_size=4, max_steps=2, eval_steps=0, save_steps=0, output_dir=str(tmp_path / "a"))
+    data = DataConfig(data_files=[str(write_corpus(tmp_path / "corpus"))], tokenizer="char")
+    trainer = Trainer.from_config(model, training, data)
+    assert trainer.config.gradient_checkpointing and type(trainer.model.blocks[0]).__name__ == "CheckpointWrapper"
+    assert trainer.train()["step"] == 2
+    experiment = ExperimentConfig(
+        model=model, training=dataclasses.replace(training, output_dir=str(tmp_path / "b")), data=data
+    )
+    assert experiment.training.gradient_checkpointing and train(experiment)["step"] == 2
 
 
 def test_a_name_assigned_after_construction_is_checked_as_the_constructor_checks_it():

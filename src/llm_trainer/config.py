@@ -1071,8 +1071,8 @@ def with_carried(section: Any, name: str, *givers: Any) -> Any:
     """`section` (the config section called `name`) with the settings each of `givers` was given for it in
     another section's spelling (`for_other_sections`, e.g. `ModelConfig(gradient_checkpointing=True)`)."""
     for giver in givers:
-        values = getattr(giver, "for_other_sections", {}).get(name)
-        if values:
+        values = getattr(giver, "for_other_sections", {}).get(name) or {}
+        if any(getattr(section, key) != value for key, value in values.items()):  # (applied once: the same object)
             section = dataclasses.replace(section, **values)
     return section
 
