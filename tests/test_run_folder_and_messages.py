@@ -391,9 +391,13 @@ def test_a_warmup_longer_than_the_run_is_said_at_the_start(tmp_path, capsys):
     assert main(["train", "--config", str(config)]) == 0
     err = capsys.readouterr().err
     assert "warning: training.warmup_steps (2,000) reaches past the run's last step (6): the learning rate" in err
-    config = write_tiny_experiment(tmp_path, warmup_steps=2, output_dir=str(tmp_path / "run2"))
+    assert err.count("reaches past") == 1
+    # a warmup as long as the run reaches the peak at its last step: nothing to say
+    config = write_tiny_experiment(tmp_path, warmup_steps=6, output_dir=str(tmp_path / "run2"))
     assert main(["train", "--config", str(config)]) == 0
     assert "warmup_steps" not in capsys.readouterr().err
+    lrs = [row["lr"] for row in _rows(tmp_path / "run2") if row.get("kind") == "train"]
+    assert lrs[-1] == pytest.approx(3e-3)  # the peak, training.learning_rate
 
 
 @pytest.mark.parametrize(

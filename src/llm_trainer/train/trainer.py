@@ -273,16 +273,21 @@ class Trainer:
         self.eval_every, self.save_every = (
             Every.of(setting, per_epoch, first) for setting in (config.eval_steps, config.save_steps)
         )
-        if config.lr_scheduler != "constant" and config.warmup_steps >= self.total_steps > 0:
+        if hasattr(self.train_loader, "accumulation"):  # our loaders: epochs of whole steps, the global batch saved
+            self.train_loader.accumulation = config.gradient_accumulation_steps
+        self.checkpointer.loader = self.train_loader
+        self.checkpointer.schedule = {"name": config.lr_scheduler, "total_steps": self.total_steps}
+
+    def _warn_of_a_long_warmup(self) -> None:
+        """Said once per train() call: the warmup reaches the peak rate at its last step (the rate of step
+        s, counted from 0, is learning_rate * (s + 1) / warmup_steps), so only a longer one never does."""
+        config = self.config
+        if config.lr_scheduler != "constant" and config.warmup_steps > self.total_steps > 0:
             warn(
                 f"training.warmup_steps ({config.warmup_steps:,}) reaches past the run's last step "
                 f"({self.total_steps:,}): the learning rate never gets to training.learning_rate "
                 f"({config.learning_rate:g}); lower warmup_steps (a few percent of the steps is usual)"
             )
-        if hasattr(self.train_loader, "accumulation"):  # our loaders: epochs of whole steps, the global batch saved
-            self.train_loader.accumulation = config.gradient_accumulation_steps
-        self.checkpointer.loader = self.train_loader
-        self.checkpointer.schedule = {"name": config.lr_scheduler, "total_steps": self.total_steps}
 
     def _speed_monitor(self) -> SpeedMonitor:
         """Throughput and MFU of this train() call, per model replica (a replica's tensor-parallel ranks
@@ -317,6 +322,7 @@ class Trainer:
             self.config = dataclasses.replace(self.config, num_epochs=num_epochs)
         val_source = val_dataloader if val_dataloader is not None else self._sources[1]
         self._attach_data(train_source, val_source, more=self._trained)  # the length from the config as it is now
+        self._warn_of_a_long_warmup()
         if self._trained and self.state.step >= self.total_steps:
             raise UsageError(
                 f"this Trainer has trained to its last step ({self.state.step:,}); to train on, pass the data and "
