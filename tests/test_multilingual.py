@@ -296,6 +296,31 @@ def test_eval_data_and_a_prompt_are_cleaned_as_the_training_text_was(tmp_path, c
     assert continuations[0] == continuations[1]
 
 
+def test_only_what_reads_as_the_unknown_token_is_named_for_a_tokenizer_json_of_another_kind(capsys):
+    """A BPE and a WordPiece file made with `tokenizers` (an [UNK] token, whitespace split off before the
+    model): spaces and newlines, which the pre-tokenizer drops, and every character the vocabulary has
+    read as no unknown token, so nothing is said; what the encoding turns into [UNK] is named."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from llm_trainer.tokenizer import Tokenizer, warn_unseen
+
+    text = "The quick brown fox\njumps over the lazy dog.\n" * 20
+    for model, trainer in (
+        (models.BPE(unk_token="[UNK]"), trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]"])),
+        (models.WordPiece(unk_token="[UNK]"), trainers.WordPieceTrainer(vocab_size=120, special_tokens=["[UNK]"])),
+    ):
+        backend = HFTokenizer(model)
+        backend.pre_tokenizer = pre_tokenizers.Whitespace()
+        backend.train_from_iterator([text], trainer)
+        tokenizer = Tokenizer(backend)
+        assert tokenizer.unknown_token == "[UNK]" and tokenizer.unseen_characters(text) == set()
+        assert warn_unseen(tokenizer, "The lazy dog", "--prompt") == set() and capsys.readouterr().err == ""
+        unseen = warn_unseen(tokenizer, "The lazy Ωog", "--prompt")
+        assert unseen == ({"Ω"} if isinstance(model, models.BPE) else {"Ωog"})  # WordPiece: the word
+        assert "read as [UNK], which the model never saw in training: Ω" in capsys.readouterr().err
+
+
 def test_characters_a_char_tokenizer_never_saw_are_named_once_where_they_are_read(tmp_path, capsys):
     """A prompt or an `eval --data` file with characters outside the char tokenizer's vocabulary: one
     warning naming them (they read as <unk>, which the model never trained on), and the command runs."""
@@ -309,7 +334,7 @@ def test_characters_a_char_tokenizer_never_saw_are_named_once_where_they_are_rea
     assert cli.main([*argv, "the cat Ελλ \u2211"]) == 0
     warned = [line for line in capsys.readouterr().err.splitlines() if "vocabulary" in line]
     assert warned == [
-        "warning: --prompt: 3 character(s) are not in the char tokenizer's vocabulary and read as <unk>, which "
+        "warning: --prompt: 3 character(s) are not in the tokenizer's vocabulary and read as <unk>, which "
         "the model never saw in training: \u0395 \u03bb \u2211"
     ]
     assert cli.main([*argv, "the cat"]) == 0

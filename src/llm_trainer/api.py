@@ -32,7 +32,7 @@ from .files.folder_files import refuse_unreadable
 from .model import Transformer
 from .parallel import distributed
 from .pipeline import build_loaders, build_model, build_rows
-from .tokenizer import Tokenizer, warn_unseen
+from .tokenizer import Tokenizer, say_unseen, warn_unseen
 from .train.output_folder import check_output_folder
 from .train.run_lock import lock_run_folders
 from .train.trainer import Trainer
@@ -168,7 +168,7 @@ def _file_tokens(path: Path, tokenizer, text_column: str, clean) -> list[int]:
         raise UsageError(f"--data {path} is an archive of files; unpack it and pass one of its files")
     if kind == "text":
         text = clean(read_text_file(path, True, SourceStats(), fix="pass a text file to --data"))
-        warn_unseen(tokenizer.unseen_characters(text), f"--data {path}")
+        warn_unseen(tokenizer, text, f"--data {path}")
         return tokenizer.encode(text)
     from .config import DataConfig, SourceConfig
     from .data.text.sources import iter_source
@@ -183,7 +183,7 @@ def _file_tokens(path: Path, tokenizer, text_column: str, clean) -> list[int]:
                 unseen |= tokenizer.unseen_characters(text)
     except UsageError as exc:
         raise UsageError(_as_eval_flags(str(exc))) from None
-    warn_unseen(unseen, f"--data {path}")
+    say_unseen(tokenizer, unseen, f"--data {path}")
     return tokens
 
 

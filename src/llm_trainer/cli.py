@@ -230,7 +230,7 @@ def cmd_generate(args) -> int:
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
     # the prompt's characters as the training text's were (Unicode form, newlines, control characters)
     text = cleaner_of_run(experiment).characters(args.prompt) if args.prompt else ""
-    warn_unseen(tokenizer.unseen_characters(text), "--prompt")
+    warn_unseen(tokenizer, text, "--prompt")
     prompt = tokenizer.encode(text) if text else []
     new = generate(
         model,

@@ -97,13 +97,22 @@ _TRANSFORMERS_NAMES = frozenset(
 )
 
 
-def warn_unseen(characters: set[str], where: str) -> None:
-    """One warning naming the characters (`Tokenizer.unseen_characters`) that `where` reads as unknown."""
-    if characters:
-        shown = " ".join(repr(ch)[1:-1] for ch in sorted(characters)[:12]) + (" ..." if len(characters) > 12 else "")
+def warn_unseen(tokenizer: Tokenizer, text: str, where: str) -> set[str]:
+    """One warning naming the pieces of `text` that `where` reads as the unknown token, which the model
+    never saw in training (`Tokenizer.unseen_characters`); returns them."""
+    unseen = tokenizer.unseen_characters(text)
+    say_unseen(tokenizer, unseen, where)
+    return unseen
+
+
+def say_unseen(tokenizer: Tokenizer, unseen: set[str], where: str) -> None:
+    """`warn_unseen`'s warning for pieces gathered over several texts."""
+    if unseen:
+        shown = " ".join(repr(ch)[1:-1] for ch in sorted(unseen)[:12]) + (" ..." if len(unseen) > 12 else "")
+        what = "character(s)" if all(len(piece) == 1 for piece in unseen) else "piece(s) of text"
         warn(
-            f"{where}: {len(characters)} character(s) are not in the char tokenizer's vocabulary and read as "
-            f"{UNK}, which the model never saw in training: {shown}"
+            f"{where}: {len(unseen)} {what} are not in the tokenizer's vocabulary and read as "
+            f"{tokenizer.unknown_token}, which the model never saw in training: {shown}"
         )
 
 
@@ -212,11 +221,22 @@ class Tokenizer:
             return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
 
     def unseen_characters(self, text: str) -> set[str]:
-        """The characters of `text` a char tokenizer's vocabulary lacks: each reads as its unknown token.
-        Empty for byte-level BPE, which reads every character."""
+        """The pieces of `text` that read as the unknown token: the characters a char tokenizer's
+        vocabulary lacks, or for another tokenizer with an unknown token (a WordPiece or BPE file) the
+        text of each unknown token in the encoding (a character, or a whole word). Empty for byte-level
+        BPE, which reads every character."""
         if self.unk_id is None:
             return set()
-        return {ch for ch in set(text) if self.backend.token_to_id(ch) is None}
+        if self._chars is not None:
+            return {ch for ch in set(text) if self.backend.token_to_id(ch) is None}
+        with panics_as_errors("the tokenizer"):
+            encoding = self.backend.encode(text, add_special_tokens=False)
+        return {text[start:end] for id_, (start, end) in zip(encoding.ids, encoding.offsets) if id_ == self.unk_id}
+
+    @property
+    def unknown_token(self) -> str | None:
+        """The unknown token's text (`<unk>` for the char tokenizer), or None when there is none."""
+        return None if self.unk_id is None else self.backend.id_to_token(self.unk_id)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         with panics_as_errors("the tokenizer"):
