@@ -190,6 +190,12 @@ def test_a_name_assigned_after_construction_is_checked_as_the_constructor_checks
         experiment.learning_rate = 1e-3
     experiment.training = TrainingConfig(max_steps=3)
     assert experiment.training.max_steps == 3
+    with pytest.raises(ValueError, match="ExperimentConfig.model must be a ModelConfig .*, got TrainingConfig"):
+        experiment.model = TrainingConfig()
+    with pytest.raises(ValueError, match="ExperimentConfig.data must be a DataConfig .*, got ModelConfig"):
+        ExperimentConfig(model=config, training=training, data=config)
+    from_mappings = ExperimentConfig(model={"hidden_size": 32, "n_heads": 2}, training={"lr": 1e-3}, data={})
+    assert (from_mappings.model.d_model, from_mappings.training.learning_rate) == (32, 1e-3)
     copied = copy.deepcopy(experiment)  # copies and pickles are built without the checks, and keep them
     assert pickle.loads(pickle.dumps(copied)).model.n_layers == 6
     with pytest.raises(ValueError, match="unknown key model.num_layers"):

@@ -1093,12 +1093,20 @@ class ExperimentConfig:
             setattr(self, name, with_carried(getattr(self, name), name, *givers))
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """Only the three sections are attributes: a setting given here would be kept and never read."""
+        """Only the three sections are attributes (a setting given here would be kept and never read), each
+        of its class: the dataclass's constructor sets them through here too."""
         if name not in self.SECTIONS:
             where = config_aliases.setting_named(name, self.known_fields())
             raise ValueError(
                 f"ExperimentConfig has the sections {', '.join(self.SECTIONS)} only; "
                 + (f"{name} is {where}: set it there" if where else f"{name} is no setting of any of them")
+            )
+        cls = {"model": ModelConfig, "training": TrainingConfig, "data": DataConfig}[name]
+        if isinstance(value, dict):  # a mapping of the section's fields, read as a config file's section is
+            value = cls.from_dict(value, section=name)
+        elif not isinstance(value, cls):
+            raise ValueError(
+                f"ExperimentConfig.{name} must be a {cls.__name__} (or a mapping of its fields), got {type(value).__name__}"
             )
         object.__setattr__(self, name, value)
 
