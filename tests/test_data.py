@@ -459,6 +459,15 @@ def test_glob_matching_nothing(tmp_path):
     assert pattern in message and "matches no files" in message
 
 
+def test_a_length_filter_that_removes_everything_says_what_it_measured(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("a short story of forty characters or so.\n", encoding="utf-8")
+    message = _error(tmp_path, data_files=str(path), min_length=1000, validation_split=0.0)
+    assert f"all 1 documents read were removed (1 by min_length), e.g. {path} (40 characters vs min_length 1000)" in (
+        message
+    )
+
+
 @pytest.mark.parametrize("tokenizer", ["char", "bpe"])
 def test_sources_with_no_text_give_no_training_documents(tmp_path, tokenizer):
     path = tmp_path / "blank.txt"

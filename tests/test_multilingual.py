@@ -238,7 +238,7 @@ def test_report_names_removed_documents_and_warns(tmp_path, monkeypatch, capsys)
     (folder / "hindi.txt").unlink()
     with pytest.raises(
         UsageError,
-        match=r"all 5 documents read were removed \(alpha_fraction 5\), e\.g\. .*table0\.txt "
+        match=r"all 5 documents read were removed \(5 by alpha_fraction\), e\.g\. .*table0\.txt "
         r"\(alpha_fraction 0\.\d+ vs min_alpha_fraction 0\.6\); change data\.min_alpha_fraction",
     ):
         prepare_data(config)  # a corpus that vanishes entirely says why in its error

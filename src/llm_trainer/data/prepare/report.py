@@ -212,11 +212,16 @@ def print_summary(report: dict) -> None:
         log(line)
 
 
+_COUNTED = {"min_length": "characters", "max_chars": "characters", "min_words": "words", "max_words": "words"}
+
+
 def _example(reason: str, entry: dict) -> str:
-    """'FILE (alpha_fraction 0.58 vs min_alpha_fraction 0.6)', or just the origin for a duplicate."""
+    """'FILE (alpha_fraction 0.58 vs min_alpha_fraction 0.6)', 'FILE (398 characters vs min_length 1000)'
+    where the filter is named as its setting, or just the origin for a duplicate."""
     if "setting" not in entry:
         return entry["origin"]
-    return f"{entry['origin']} ({reason} {entry['value']} vs {entry['setting']} {entry['threshold']})"
+    measured = f"{entry['value']:,} {_COUNTED[reason]}" if reason in _COUNTED else f"{reason} {entry['value']}"
+    return f"{entry['origin']} ({measured} vs {entry['setting']} {entry['threshold']})"
 
 
 def _fix(reason: str, entry: dict, *, warning: bool = False) -> str:
@@ -234,7 +239,7 @@ def nothing_kept(counts: Counts) -> str:
     removed = [(reason, n) for reason, n in counts.removed.most_common() if n]
     if counts.documents_in == 0 or counts.documents_out > 0 or not removed:
         return "the data sources produced no training documents; check data_files / dataset_name and min_length"
-    reasons = ", ".join(f"{reason} {n:,}" for reason, n in removed)
+    reasons = ", ".join(f"{n:,} by {reason}" for reason, n in removed)
     top = removed[0][0]
     first = counts.named[top][0]
     return (
