@@ -423,7 +423,13 @@ def test_a_bad_input_that_stops_rank_0_stops_the_others_in_one_line(workdir):
     assert result.returncode != 0
     assert "error: data file missing.txt not found" in result.stderr, result.stderr[-3000:]
     assert "[rank1]: Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("error:") == 1, result.stderr[-3000:]  # rank 1's stop follows rank 0's: not said
     assert not (workdir / "run" / "checkpoints").exists()
+    # an error every rank meets alike, before any process group (a key misspelt): printed once, by rank 0
+    result = _torchrun(workdir, "training.output_dir=run", "training.max_step=3", check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("error: command line: unknown key training.max_step;") == 1, result.stderr[-3000:]
+    assert result.stderr.count("error:") == 1, result.stderr[-3000:]
 
 
 def test_a_dead_rank_fails_the_job_instead_of_hanging(workdir):

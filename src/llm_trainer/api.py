@@ -78,7 +78,9 @@ def train(experiment: ExperimentConfig, callbacks=(), trainer_class: type[Traine
             trainer.output_checked = True
             return trainer.train()
     except (UsageError, TrainingStopped) as error:  # the CLI prints these in one line; each only once
-        error.said_by_rank_0 = distributed.said_by_rank_0(str(error))
+        error.said_by_rank_0 = distributed.said_by_rank_0(
+            str(error), follows_rank_0=getattr(error, "follows_rank_0", False)
+        )
         raise
     finally:
         distributed.teardown()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -897,6 +898,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (UsageError, TrainingStopped) as exc:
+        if not hasattr(exc, "said_by_rank_0") and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # (before `train`)
+            from .parallel.distributed import said_by_rank_0
+
+            exc.said_by_rank_0 = said_by_rank_0(str(exc), follows_rank_0=getattr(exc, "follows_rank_0", False))
         if not getattr(exc, "said_by_rank_0", False):  # under torchrun: rank 0 printed this very line
             print(f"error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1

@@ -112,14 +112,10 @@ def _restart_safe_store(rank: int, world: int, timeout: timedelta) -> dict:
     torchrun's agent keeps one store across elastic restarts (`--max-restarts`), and the addresses the
     workers of a failed attempt published there stay: a restarted worker may read one and fail with
     "Connection refused" (pytorch/pytorch#167288). A per-attempt prefix hides them."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    store = attempt_store(timeout)
+    if store is None:
         return {}  # not torchrun's agent store: the env:// rendezvous as usual
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
-    )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    _ATTEMPT_STORE[:] = [dist.PrefixStore(f"llm_trainer/attempt-{attempt}", store)]
-    return {"store": _ATTEMPT_STORE[0], "rank": rank, "world_size": world}
+    return {"store": store, "rank": rank, "world_size": world}
 
 
 # This attempt's store in torchrun's agent, which outlives every worker of it (empty without torchrun).
@@ -127,23 +123,43 @@ _ATTEMPT_STORE: list[dist.Store] = []
 _RANK_0_ERROR = "error-of-rank-0"
 
 
-def said_by_rank_0(message: str, wait_s: float = 5.0) -> bool:
+def attempt_store(timeout: timedelta) -> dist.Store | None:
+    """This attempt's store in torchrun's agent (connected once), or None without torchrun's agent store.
+    It needs no process group, so the ranks can use it before theirs exists (`said_by_rank_0`)."""
+    if not _ATTEMPT_STORE and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            int(os.environ["WORLD_SIZE"]),
+            is_master=False,
+            timeout=timeout,
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        _ATTEMPT_STORE[:] = [dist.PrefixStore(f"llm_trainer/attempt-{attempt}", store)]
+    return _ATTEMPT_STORE[0] if _ATTEMPT_STORE else None
+
+
+def said_by_rank_0(message: str, *, follows_rank_0: bool = False, wait_s: float = 5.0) -> bool:
     """Whether rank 0 stops with this same one-line error, so that this rank need not print it again.
 
-    A usage error (a refused resume, a bad option) usually stops every rank alike: without this, the
-    console would show it once per process. Rank 0 leaves its message in torchrun's store and prints
-    it; another rank waits up to `wait_s` for it and prints its own only when it differs or never came
-    (an error of this rank alone). Without torchrun's store, every rank prints its own."""
-    if not _ATTEMPT_STORE or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    A usage error (a refused resume, a bad option, a config key misspelt) usually stops every rank alike:
+    without this, the console would show it once per process. Rank 0 leaves its message in torchrun's
+    store and prints it; another rank waits up to `wait_s` for it and prints its own only when it differs
+    or never came (an error of this rank alone). `follows_rank_0`: this rank's error is that rank 0
+    stopped (`wait_for_main`), so whatever rank 0 said stands for it. This works before the process
+    group exists (a config refused while it is read); without torchrun's store every rank prints its own."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return False
-    store = _ATTEMPT_STORE[0]
     try:
+        store = attempt_store(timedelta(seconds=wait_s))
+        if store is None:
+            return False
         store.set_timeout(timedelta(seconds=wait_s))  # the process is ending: no wait for an agent that is gone
-        if dist.get_rank() == 0:
+        if int(os.environ.get("RANK", "0")) == 0:
             store.set(_RANK_0_ERROR, message)
             return False
         store.wait([_RANK_0_ERROR])
-        return store.get(_RANK_0_ERROR).decode() == message
+        return follows_rank_0 or store.get(_RANK_0_ERROR).decode() == message
     except (RuntimeError, ValueError):  # rank 0 never said one (the store's timeout), or the agent is gone
         return False
 
@@ -173,10 +189,12 @@ def wait_for_main(task: str) -> None:
     try:
         barrier()
     except RuntimeError as exc:  # gloo's and NCCL's DistBackendError, DistNetworkError
-        raise TrainingStopped(
+        stopped = TrainingStopped(
             f"rank {dist.get_rank()} stops: its wait for rank 0, {task}, failed ({_reason(exc)}); rank 0's error "
             "says why"
-        ) from None
+        )
+        stopped.follows_rank_0 = True  # not printed where rank 0's error was (`said_by_rank_0`)
+        raise stopped from None
 
 
 # What gloo, NCCL and the store say when the process at the other end ended or stopped answering; and
