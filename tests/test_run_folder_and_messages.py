@@ -241,6 +241,9 @@ def test_data_sources_in_the_wrong_form_get_a_yaml_example(tmp_path):
     assert "DataConfig.sources must be a list of sources, got 'corpus/'" in message
     assert "sources: [{name: web, data_files: 'web/*.jsonl', weight: 3}, {name: code, data_files: code/}]" in message
     assert "\n" not in message
+    path.write_text("data: {sources: [a.txt, b.txt]}\n")  # a pipeline's data_sources: paths of one corpus
+    with pytest.raises(UsageError, match=r"got paths \['a.txt', 'b.txt'\]; files of one corpus go in data.data_files"):
+        load_experiment(path)
 
 
 def test_keys_the_trainer_does_not_take_are_named_with_the_wandb_setting(tmp_path, capsys):

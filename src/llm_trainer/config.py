@@ -1058,6 +1058,12 @@ class DataConfig(_Validated):
             not isinstance(self.sources, (list, tuple))
             or not all(isinstance(source, (dict, SourceConfig)) for source in self.sources)
         ):
+            if isinstance(self.sources, (list, tuple)) and all(isinstance(s, str) for s in self.sources):
+                raise ValueError(
+                    f"DataConfig.sources takes one mapping per source of a weighted mixture (name, data_files, "
+                    f"weight), got paths {self.sources!r}; files of one corpus go in data.data_files: "
+                    f"{list(self.sources)!r}, or {SOURCES_EXAMPLE}"
+                )
             raise ValueError(f"DataConfig.sources must be a list of sources, got {self.sources!r}; {SOURCES_EXAMPLE}")
         self.sources = _typed_list(self.sources, SourceConfig, "sources")
         self.curriculum = _typed_list(self.curriculum, CurriculumStage, "curriculum")
