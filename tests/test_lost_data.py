@@ -55,7 +55,7 @@ PAUSED_EXPORT = textwrap.dedent(
 ).format(new=NEW)
 
 
-def test_an_overwrite_killed_mid_way_leaves_the_old_export_whole_and_the_next_one_cleans_up(tmp_path):
+def test_an_overwrite_killed_mid_way_leaves_the_old_export_whole_and_the_next_one_cleans_up(tmp_path, capsys):
     target, source = tmp_path / "export", tmp_path / "source"
     target.mkdir()
     source.mkdir()
@@ -79,9 +79,11 @@ def test_an_overwrite_killed_mid_way_leaves_the_old_export_whole_and_the_next_on
     assert leftovers == [f".tmp-export-{owner().rsplit('-', 1)[0]}-{proc.pid}"]
     (tmp_path / ".tmp-someone-elses").mkdir()  # not ours: kept
 
+    capsys.readouterr()
     publish(target, lambda tmp: write(tmp, NEW), source=source, overwrite=True)
     assert contents(target) == {**NEW, "notes.txt": "mine"}  # the new export, whole; the user's file kept
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".tmp-someone-elses"]
+    assert f"export: removed {leftovers[0]}, left by an interrupted export" in capsys.readouterr().err
 
 
 def test_a_stale_weight_file_of_another_layout_does_not_survive_an_overwrite(tmp_path):

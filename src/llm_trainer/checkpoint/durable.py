@@ -42,7 +42,11 @@ from .verify import verify
 _syncers = LazyPool(4, "checkpoint-fsync")  # fsync jobs (disk): their own threads, beside the checksums
 
 
-def _recover(root: Path, parked: Path, name: str, writer: str) -> None:
+def _prefix(writes: str) -> str:
+    return "checkpoint" if writes == "save" else writes
+
+
+def _recover(root: Path, parked: Path, name: str, writer: str, writes: str = "save") -> None:
     """A dead writer parked the previous `name` as `parked`: if `name` is gone (killed between the two
     renames), put back the writer's new folder when it is complete, else the parked one."""
     final = root / name
@@ -54,16 +58,17 @@ def _recover(root: Path, parked: Path, name: str, writer: str) -> None:
         if verify(fresh) is None:  # the checksums say whether the new version is whole
             move_into_place(fresh, final)
             shutil.rmtree(parked, ignore_errors=True)
-            log(f"checkpoint: restored {name} from the complete save an interrupted run left ({fresh.name})")
+            log(f"{_prefix(writes)}: restored {name} from the complete {writes} an interrupted run left ({fresh.name})")
             return
     move_into_place(parked, final)
-    log(f"checkpoint: restored the previous {name} that an interrupted save had moved aside ({parked.name})")
+    log(f"{_prefix(writes)}: restored the previous {name} that an interrupted {writes} had moved aside ({parked.name})")
 
 
-def remove_stale(root: Path, names: Collection[str] | None = None) -> None:
+def remove_stale(root: Path, names: Collection[str] | None = None, *, writes: str = "save") -> None:
     """Clean up after writers on this host that no longer run: a folder they moved aside is recovered
     (see `_recover`), their temporary folders and files are deleted. With `names`, only the leftovers
-    of writes of those folders (a folder we share with the user's own files: touch nothing else)."""
+    of writes of those folders (a folder we share with the user's own files: touch nothing else).
+    `writes`: what they were, as the messages say it (a checkpoint's "save", an "export")."""
     if os.name != "posix" or not root.is_dir():
         return  # os.kill(pid, 0) would terminate the process on Windows
     for parked in sorted(root.glob(".old-*")):
@@ -71,7 +76,7 @@ def remove_stale(root: Path, names: Collection[str] | None = None) -> None:
         if version is None or (names is not None and version[1] not in names):
             continue
         if dead_writer(parked.name):
-            _recover(root, parked, name=version[1], writer=version[2])
+            _recover(root, parked, name=version[1], writer=version[2], writes=writes)
     for path in root.iterdir():
         name, version = path.name, folder_version(path.name)
         kind = None if version is None else version[0]
@@ -88,7 +93,7 @@ def remove_stale(root: Path, names: Collection[str] | None = None) -> None:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-        log(f"checkpoint: removed {name}, left by an interrupted save")
+        log(f"{_prefix(writes)}: removed {name}, left by an interrupted {writes}")
 
 
 def _io_failure(exc: BaseException) -> bool:

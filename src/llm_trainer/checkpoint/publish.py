@@ -93,7 +93,8 @@ def publish(
 ) -> Path:
     """Build the folder with `build(tmp)`, then put it at `output` as the module docstring says."""
     output = Path(output)
-    remove_stale(output.absolute().parent, names={output.name})  # a killed run's leftovers only, before the check
+    # a killed export's leftovers only, before the check
+    remove_stale(output.absolute().parent, names={output.name}, writes="export")
     check_target(output, source, overwrite, overwrite_hint)
     tmp = temporary_folder(output.absolute())
     shutil.rmtree(tmp, ignore_errors=True)
