@@ -339,6 +339,8 @@ def test_characters_a_char_tokenizer_never_saw_are_named_once_where_they_are_rea
     ]
     assert cli.main([*argv, "the cat"]) == 0
     assert "vocabulary" not in capsys.readouterr().err
+    assert cli.main([*argv, "the \udce0\udca4"]) == 0  # argv's bytes e0 a4: half a Devanagari letter
+    assert "warning: --prompt holds bytes that are not UTF-8 text" in capsys.readouterr().err
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["the cat sat", "the \u4e2d dog", "mat \u00fc"]))
     assert cli.main(["eval", "--checkpoint", run, "--data", str(data)]) == 0
