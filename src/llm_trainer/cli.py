@@ -228,10 +228,12 @@ def cmd_generate(args) -> int:
     check_sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     from .data.text.clean import cleaner_of_run
 
-    if any("\udc80" <= ch <= "\udcff" for ch in args.prompt or ""):  # argv's bytes that are not UTF-8
+    given = args.prompt or ""
+    args.prompt = given.encode("utf-8", "surrogateescape").decode("utf-8", "replace")  # argv's bytes, as UTF-8
+    if args.prompt != given:
         from .logs import warn
 
-        warn("--prompt holds bytes that are not UTF-8 text; each reads as the replacement character \ufffd")
+        warn("--prompt holds bytes that are not UTF-8 text; they read as the replacement character \ufffd")
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
     # the prompt's characters as the training text's were (Unicode form, newlines, control characters)
     text = cleaner_of_run(experiment).characters(args.prompt) if args.prompt else ""
