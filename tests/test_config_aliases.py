@@ -88,6 +88,11 @@ def test_constructors_take_the_names_a_file_takes_and_a_wrong_one_names_the_clos
         ModelConfig(architecture="mistral", size="7B")  # the architecture is what is wrong, not the size
     with pytest.raises(ValueError, match=r"model.size '9B' is not a known llama size; known: 7B, 13B, 70B"):
         ModelConfig(architecture="llama", size="9B")
+    with pytest.raises(
+        ValueError, match=r"model.size '70B' sets n_kv_heads=8, .*; with n_heads set yourself, set n_kv"
+    ):
+        ModelConfig(architecture="llama", size="70B", num_attention_heads=4)  # the preset's half named as such
+    assert ModelConfig(architecture="llama", size="70B", n_heads=16, n_kv_heads=4).n_kv_heads == 4
     training = TrainingConfig(lr=1e-3, gradient_clipping=0.5, per_device_train_batch_size=2, bf16=True)
     assert (training.learning_rate, training.max_grad_norm, training.batch_size) == (1e-3, 0.5, 2)
     assert (training.use_amp, training.amp_dtype) == (True, "bfloat16")

@@ -403,8 +403,21 @@ def _apply_size(fields: _Fields) -> None:
             "(or set d_model, n_heads, n_layers, d_ff yourself)"
         )
         return
-    for field, value in shape.items():
-        fields.values.setdefault(field, value)
+    filled = {field: value for field, value in shape.items() if field not in fields.values}
+    fields.values.update(filled)
+    for whole, part in (("d_model", "n_heads"), ("n_heads", "n_kv_heads")):  # a preset's half of a pair
+        values = fields.values
+        if (
+            whole in values
+            and part in values
+            and (whole in filled) != (part in filled)
+            and values[whole] % values[part]
+        ):
+            preset, given = (whole, part) if whole in filled else (part, whole)
+            fields.problems.append(
+                f"model.size {size!r} sets {preset}={values[preset]}, and {whole} ({values[whole]}) must be a "
+                f"multiple of {part} ({values[part]}); with {given} set yourself, set {preset} too"
+            )
 
 
 def _section(
