@@ -276,6 +276,25 @@ def test_a_whole_experiment_given_to_the_trainer_trains_with_its_training_sectio
 # -- vocabulary, eval's data, checkpoint paths -----------------------------------------------------------------------
 
 
+def test_eval_from_another_folder_says_where_it_looked_for_the_runs_validation_data(tmp_path, monkeypatch, capsys):
+    """A run whose data.cache_dir is relative (the default, data_cache): eval run from elsewhere finds no
+    validation split there, and says which folder that was and why."""
+    monkeypatch.chdir(tmp_path)
+    config = write_tiny_experiment(tmp_path, max_steps=2, eval_steps=0, save_steps=2)
+    assert main(["train", "--config", str(config), "data.cache_dir=cache_here"]) == 0
+    assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 0  # from the folder it trained in
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"is not prepared in cache_here (relative to the current folder: {tmp_path / 'elsewhere' / 'cache_here'})"
+        in err
+    )
+    assert "run the command from the folder the run trained in" in err
+
+
 def test_unused_embedding_rows_jsonl_eval_data_and_the_latest_pointer(tmp_path, capfd):
     config = write_tiny_experiment(tmp_path, max_steps=2, eval_steps=2)
     assert main(["train", "--config", str(config), "model.vocab_size=512"]) == 0

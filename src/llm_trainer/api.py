@@ -244,9 +244,12 @@ def eval_loader(
             root = Path(DataConfig.stream_cache_dir) / "validation" / buckets.mirror_name(settings.cache_dir)
             prepared = fetch_validation(settings.cache_dir, fingerprint, root)
         if prepared is None:
+            where = settings.cache_dir
+            if not buckets.is_url(where) and not Path(where).is_absolute():  # read from where the command runs
+                where = f"{where} (relative to the current folder: {settings.local_cache_dir.absolute()})"
             raise UsageError(
-                f"the run's validation data ({fingerprint}) is not prepared in {settings.cache_dir}; "
-                "run `llm-trainer prepare` with the run's config, or pass --data FILE"
+                f"the run's validation data ({fingerprint}) is not prepared in {where}; run the command from "
+                "the folder the run trained in, run `llm-trainer prepare` with the run's config, or pass --data FILE"
             )
         if prepared.manifest["splits"]["val"]["tokens"] < 2:
             raise UsageError("the run has no validation split; pass --data FILE")
