@@ -245,7 +245,7 @@ def eval_loader(
             prepared = fetch_validation(settings.cache_dir, fingerprint, root)
         if prepared is None:
             where = settings.cache_dir
-            if not buckets.is_url(where) and not Path(where).is_absolute():  # read from where the command runs
+            if not settings.remote_cache_dir and not Path(where).is_absolute():  # read from where the command runs
                 where = f"{where} (relative to the current folder: {settings.local_cache_dir.absolute()})"
             raise UsageError(
                 f"the run's validation data ({fingerprint}) is not prepared in {where}; run the command from "

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 from pathlib import Path
 
 from .errors import UsageError, first_line
+from .launcher import launched
 
 PRESETS = Path(__file__).parent / "configs"
 CHECKPOINT = (
@@ -904,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (UsageError, TrainingStopped) as exc:
-        if not hasattr(exc, "said_by_rank_0") and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # (before `train`)
+        if not hasattr(exc, "said_by_rank_0") and launched():  # an error before `train`, under a launcher
             from .parallel.distributed import said_by_rank_0
 
             exc.said_by_rank_0 = said_by_rank_0(str(exc), follows_rank_0=getattr(exc, "follows_rank_0", False))

@@ -130,7 +130,7 @@ def attempt_store(timeout: timedelta) -> dist.Store | None:
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
-            int(os.environ["WORLD_SIZE"]),
+            launcher.world_size(),
             is_master=False,
             timeout=timeout,
         )
@@ -148,20 +148,20 @@ def said_by_rank_0(message: str, *, follows_rank_0: bool = False, wait_s: float 
     or never came (an error of this rank alone). `follows_rank_0`: this rank's error is that rank 0
     stopped (`wait_for_main`), so whatever rank 0 said stands for it. This works before the process
     group exists (a config refused while it is read); without torchrun's store every rank prints its own."""
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        return False
     try:
+        if launcher.world_size() < 2:
+            return False
         store = attempt_store(timedelta(seconds=wait_s))
         if store is None:
             return False
         store.set_timeout(timedelta(seconds=wait_s))  # the process is ending: no wait for an agent that is gone
-        if int(os.environ.get("RANK", "0")) == 0:
+        if launcher.rank() == 0:
             store.set(_RANK_0_ERROR, message)
             return False
         store.wait([_RANK_0_ERROR])
         return follows_rank_0 or store.get(_RANK_0_ERROR).decode() == message
-    except (RuntimeError, ValueError):  # rank 0 never said one (the store's timeout), or the agent is gone
-        return False
+    except (RuntimeError, ValueError):  # rank 0 never said one (the store's timeout), or the agent is gone;
+        return False  # or the launcher's variables are what is wrong (UsageError): this rank says so itself
 
 
 def _free_port() -> int:
