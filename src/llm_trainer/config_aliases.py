@@ -408,8 +408,9 @@ def _apply_size(fields: _Fields) -> None:
     for whole, part in (("d_model", "n_heads"), ("n_heads", "n_kv_heads")):  # a preset's half of a pair
         values = fields.values
         if (
-            whole in values
-            and part in values
+            isinstance(values.get(whole), int)
+            and isinstance(values.get(part), int)
+            and values[part] > 0
             and (whole in filled) != (part in filled)
             and values[whole] % values[part]
         ):
