@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zstandard
 
 from conftest import kill9_when, src_env
 from llm_trainer.config import DataConfig
@@ -245,6 +246,8 @@ def test_compressed_files_that_cannot_be_read_say_why(tmp_path, monkeypatch):
         archive.add(root / "good.txt.gz", arcname="good.txt.gz")
     (root / "notes.log.xz").write_bytes(lzma.compress(b"a log line"))
     (root / "damaged.txt.gz").write_bytes(gzip.compress(b"some text " * 100)[:-12])
+    zst = zstandard.ZstdCompressor().compress(b"more text " * 100_000)
+    (root / "damaged.txt.zst").write_bytes(zst[: len(zst) * 2 // 3])  # cut: refused as gzip's is, not read short
     (root / "bomb.txt.gz").write_bytes(gzip.compress(b"a" * (65 << 20), compresslevel=1))
     prepared = prepare_data(config(tmp_path, data_files=str(root), validation_split=0.0))
     assert documents(prepared, "train") == ["good text"]
@@ -258,7 +261,9 @@ def test_compressed_files_that_cannot_be_read_say_why(tmp_path, monkeypatch):
         ],
         "unreadable_files": [
             f"{root / 'damaged.txt.gz'} could not be decompressed (Compressed file ended before the "
-            "end-of-stream marker was reached)"
+            "end-of-stream marker was reached)",
+            f"{root / 'damaged.txt.zst'} could not be decompressed (the file ends inside a zstandard frame "
+            "(truncated))",
         ],
         "unsupported_files": [
             f"{root / 'bundle.tar.gz'} (not read: an archive of files; unpack it and name the folder in data.data_files)",
@@ -273,6 +278,14 @@ def test_compressed_files_that_cannot_be_read_say_why(tmp_path, monkeypatch):
         f"{root / 'bundle.tar.gz'} is an archive of files; unpack it and name the folder in data.data_files"
     )
     assert "damaged.txt.gz could not be decompressed" in _error(tmp_path, data_files=str(root / "damaged.txt.gz"))
+    assert "damaged.txt.zst could not be decompressed" in _error(tmp_path, data_files=str(root / "damaged.txt.zst"))
+    records = "".join(json.dumps({"text": f"record {i} of a few words"}) + "\n" for i in range(20_000)).encode()
+    whole = zstandard.ZstdCompressor().compress(records)
+    (root / "part.jsonl.zst").write_bytes(whole[: len(whole) // 2])
+    message = _error(tmp_path, data_files=str(root / "part.jsonl.zst"))
+    assert "part.jsonl.zst:" in message and "could not be decompressed (the file ends inside a zstandard frame" in (
+        message
+    )
     monkeypatch.setattr(limits, "MAX_DECOMPRESSED_TEXT_BYTES", 5)
     assert _error(tmp_path, data_files=str(root / "good.txt.gz")) == (
         f"{root / 'good.txt.gz'} decompresses to more than 5 bytes, over the limit of 5 bytes for a text file, "

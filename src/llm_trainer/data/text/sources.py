@@ -517,11 +517,59 @@ def _open_decompressed(path: Path):
 
 def _open_zstd(path: Path):
     try:
-        import zstandard
+        import zstandard  # noqa: F401  (said here, where the file is named, when it is missing)
     except ImportError:
         raise UsageError(f"reading {path} needs the zstandard package: pip install zstandard") from None
-    handle = open(path, "rb")
-    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(handle, read_across_frames=True, closefd=True))
+    return io.BufferedReader(_ZstdFrames(open(path, "rb")))
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a file of zstandard frames, one after another; a file that ends inside a
+    frame raises ZstdError at its end, as gzip, bzip2 and xz raise for a truncated file (zstandard's own
+    stream reader ends there quietly, which would read a cut file as a shorter one).
+
+    The compressed bytes go in ZSTD_INPUT at a time: a zstandard block of a few bytes can stand for
+    128 KiB, so this bounds what one step decompresses (as the stream reader's reads bound it) whatever
+    the file holds."""
+
+    def __init__(self, handle):
+        import zstandard
+
+        self.handle, self.zstandard = handle, zstandard
+        self.frame = zstandard.ZstdDecompressor().decompressobj()
+        self.in_frame = False  # bytes of the current frame given to it, and its end not yet reached
+        self.pending, self.at = b"", 0  # decompressed bytes, and how many of them were read
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self.at == len(self.pending):
+            compressed = self.handle.read(ZSTD_INPUT)
+            if not compressed:
+                if self.in_frame:
+                    raise self.zstandard.ZstdError("the file ends inside a zstandard frame (truncated)")
+                return 0
+            out = []
+            while compressed:
+                self.in_frame = True
+                out.append(self.frame.decompress(compressed))
+                compressed = b""
+                if self.frame.eof:  # a frame ended: the next one, if any, starts in its unused data
+                    compressed, self.in_frame = self.frame.unused_data, False
+                    self.frame = self.zstandard.ZstdDecompressor().decompressobj()
+            self.pending, self.at = b"".join(out), 0
+        n = min(len(buffer), len(self.pending) - self.at)
+        buffer[:n] = memoryview(self.pending)[self.at : self.at + n]
+        self.at += n
+        return n
+
+    def close(self) -> None:
+        self.handle.close()
+        super().close()
+
+
+ZSTD_INPUT = 2048  # compressed bytes per step of `_ZstdFrames`: at most 64 MiB decompressed at once
 
 
 _DECOMPRESSORS = {
@@ -612,8 +660,11 @@ def _read_jsonl(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple
                     texts += 1
                     yield item[0], item[1], f"{path}:{line_no}"
         except _decompression_errors() as exc:
+            kept = f"; the {texts:,} records before it were read" if texts and not explicit else ""  # (skipped)
             opt.bad(
-                "unreadable_files", f"{path}:{line_no + 1} could not be decompressed ({exc})", in_folder=not explicit
+                "unreadable_files",
+                f"{path}:{line_no + 1} could not be decompressed ({exc}){kept}",
+                in_folder=not explicit,
             )
 
 
