@@ -73,7 +73,9 @@ def words(seed: int, n: int = 120) -> str:
 def test_cleaning_unicode_controls_and_markers(tmp_path):
     clean = Cleaner(config(tmp_path, data_files="unused"))
     assert clean("cafe\u0301") == "caf\u00e9"  # NFC
-    assert clean("a\x00b\x07c\x1b[0m\x7fd\x85e") == "abc[0mde"  # C0/C1 controls; tab and newline stay
+    assert clean("a\x00b\x07c\x1b[0m\x7fde") == "abc[0mde"  # C0/C1 controls; tab and newline stay
+    # the control characters that end lines (a Word line break, a page break, NEL) end them: no words glued
+    assert clean("First line\x0bsecond\x0cpage two\x85third") == "First line\nsecond\npage two\nthird"
     assert clean("tab\tand\nnewline") == "tab\tand\nnewline"
     assert clean("\ufeffwith bom") == "with bom"
     assert clean(f"one{EOT}two") == "onetwo"  # the document separator cannot appear inside a document
@@ -218,8 +220,11 @@ def test_cleaned_text_is_normalised_and_cleaning_it_again_changes_nothing(tmp_pa
     assert clean("cafe\x07\u0301") == clean(f"cafe{EOT}\u0301") == clean("cafe\u0301") == "caf\u00e9"
     assert clean("\u1100\x01\u1161") == "\uac00"  # Hangul jamo joined across a removed control character
     assert clean(f"e<|endo{EOT}ftext|>\u0301") == "\u00e9"  # a marker that a removal builds goes too
+    # a removed marker leaves no trailing space, edge newline or run of blank lines behind
+    assert clean(f"abc {EOT}\nxyz") == "abc\nxyz" and clean(f"{EOT}\nabc") == "abc"
+    assert clean(f"a\n\n{EOT}\n\nb") == "a\n\nb"
     messy = [(MULTILINGUAL / f"{name}.txt").read_text(encoding="utf-8") for name in ("hindi", "korean", "arabic")]
-    noise = ["\x07", EOT, "\r\n", " \u3000\n", "\u0301", "\x1b", "\n\n\n\n", "\u00a0"]
+    noise = ["\x07", EOT, "\r\n", " \u3000\n", "\u0301", "\x1b", "\n\n\n\n", "\u00a0", f" {EOT}\n\n", "\x0b", "\x85"]
     for text in messy:
         for k, piece in enumerate(noise):  # noise spliced at a few places, in NFD and NFC
             at = [len(text) * (i + 1) // 5 for i in range(4)]

@@ -161,6 +161,44 @@ def test_split_long_text_cuts_at_paragraph_breaks():
     one_line = "x" * 250 + " " + "y" * 250
     assert split_long_text(one_line, 300) == ["x" * 250 + " ", "y" * 250]  # no line break: at a space
     assert split_long_text("ab\u0301" * 4, 5) == ["ab\u0301a", "b\u0301a", "b\u0301ab\u0301"]  # never before an accent
+    # nor inside an emoji sequence (joiners, a skin tone) or a flag, in a spaceless run of Thai
+    family, flags, thumbs = (
+        "\U0001f468\u200d\U0001f469\u200d\U0001f467",
+        "\U0001f1fa\U0001f1f8\U0001f1ec\U0001f1e7",
+        "\U0001f44d\U0001f3fd",
+    )
+    run = ("\u0e44\u0e17\u0e22" * 3 + family + flags + thumbs) * 100
+    pieces = split_long_text(run, 97)
+    assert "".join(pieces) == run and all(len(p) <= 97 for p in pieces)
+    assert len(pieces) == -(-len(run) // 97)  # as few as fit, though cuts fall short of their share
+    assert not any(p.endswith(("\u200d", "\U0001f1fa", "\U0001f1ec")) for p in pieces)  # a joiner, a flag's first half
+    assert not any(p.startswith(("\u200d", "\U0001f3fd", "\U0001f1f8", "\U0001f1e7")) for p in pieces)
+
+
+def test_a_long_files_documents_do_not_depend_on_its_line_ends(tmp_path):
+    """The same text with LF and with CRLF line ends, cut by max_chars: the same documents (the cut is
+    made where cleaning puts the line ends)."""
+    words = "the of and to in is was for on that with as by at from".split()
+    lengths = [5 + (i * 37) % 56 for i in range(60)]  # paragraphs of 5 to 60 words, unevenly
+    text = "\n\n".join(" ".join(words[(i + j) % 15] for j in range(n)) + "." for i, n in enumerate(lengths)) + "\n"
+    for name, ends in (("lf", "\n"), ("crlf", "\r\n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "b.txt").write_bytes(text.replace("\n", ends).encode())
+    prepared = [
+        prepare_data(
+            DataConfig(
+                data_files=str(tmp_path / name),
+                cache_dir=str(tmp_path / f"c_{name}"),
+                tokenizer="char",
+                validation_split=0.0,
+                max_chars=2000,
+                progress_bar=False,
+            )
+        )
+        for name in ("lf", "crlf")
+    ]
+    lf, crlf = (list(p.tokens("train")) for p in prepared)
+    assert lf == crlf and prepared[0].manifest["splits"]["train"]["documents"] == -(-len(text) // 1800)
 
 
 def test_long_text_file_becomes_documents_only_under_max_chars(tmp_path):

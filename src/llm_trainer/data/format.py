@@ -18,11 +18,13 @@ import numpy as np
 from ..errors import UsageError
 from ..tokenizer import Tokenizer
 
+# 9: vertical tab, form feed and NEL end lines; a removed end-of-text marker leaves no whitespace; a long
+#    file is cut where its line ends are unified and never inside an emoji sequence; a stray NUL is text
 # 8: a mark or joiner after a symbol or digit is no letter to the quality filters; a named .json is JSON Lines
 # 7: cleaning ends normalised and strips every Unicode space; near-dedup and word lengths read every script alike
 # 6: an executor's tasks tokenize the cleaned text (folders an executor wrote from raw text are not reused)
 # 5: a fraction split takes each source's own fraction of its documents
-FORMAT_VERSION = 8
+FORMAT_VERSION = 9
 MANIFEST = "manifest.json"
 
 TOKEN_DTYPES = ("uint16", "uint32")  # what a prepared folder's token files may hold

@@ -1,12 +1,15 @@
 """Cleaning: one document's text in, its normalised text out (possibly empty, which the filters drop).
 
 In order: byte-order mark removed, lone surrogates replaced, newlines unified, control characters
-removed, Unicode NFC (or NFKC), boilerplate lines dropped, whitespace normalised; then literal
-end-of-text markers removed until none is left (a document must not contain the token that separates
-documents, and each step before may join the pieces of one), normalising again where a removal has
-joined a letter to a combining mark that followed the marker. Control characters go before the
-normalisation for the same reason: one between a letter and its accent would otherwise keep them apart.
-So the text that comes out is always normalised, and cleaning it again changes nothing.
+removed (the line breaks among them, vertical tab, form feed and NEL, become newlines: deleted, they
+would join the words on either side), Unicode NFC (or NFKC); then literal end-of-text markers removed
+until none is left (a document must not contain the token that separates documents, and each step
+before may join the pieces of one), normalising again where a removal has joined a letter to a
+combining mark that followed the marker; then boilerplate lines dropped and whitespace normalised,
+which also tidies what a removed marker left (a trailing space, a blank line). Control characters go
+before the normalisation for the same reason as the markers: one between a letter and its accent would
+otherwise keep them apart. So the text that comes out is always normalised, and cleaning it again
+changes nothing.
 
 Whitespace normalisation strips trailing spaces (tabs and every Unicode space: the ideographic space
 U+3000, the no-break space) and collapses runs of blank lines; it never touches a line's leading
@@ -24,6 +27,7 @@ from ...config import DataConfig
 from ...tokenizer import EOT
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # C0/C1 except \t \n (and \r, unified before)
+_LINE_BREAKS = {0x0B: "\n", 0x0C: "\n", 0x85: "\n"}  # vertical tab, form feed, NEL: control characters that end lines
 _CONTROL_BYTES = bytes([*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F])  # the ASCII part of _CONTROL
 _SURROGATES = re.compile("[\ud800-\udfff]")
 # Tab and the space separators (Unicode category Zs): what may trail a line, invisibly
@@ -67,6 +71,8 @@ class Cleaner:
         if text.startswith("\ufeff"):
             text = text[1:]
         text = self.characters(text)
+        while EOT in text:  # until none is left: a removal (or NFKC, or a control character's) can join one
+            text = self._normalized(text.replace(EOT, ""))
         if self.boilerplate is not None:
             text = "\n".join(
                 line for line in text.split("\n") if not any(p.fullmatch(line.strip()) for p in self.boilerplate)
@@ -80,9 +86,7 @@ class Cleaner:
             text = text.strip("\n")
         if self.collapse and ("  " in text or "\t" in text):
             text = _INNER_SPACES.sub(" ", text)
-        while EOT in text:  # last, and until none is left: a removal (or NFKC, or a control character's) can join one
-            text = self._normalized(text.replace(EOT, ""))
-        return text
+        return text  # (no step since the markers' removal joins characters: none can make one again)
 
     def characters(self, text: str) -> str:
         """The steps that change characters, not lines or the document's edges: lone surrogates replaced,
@@ -93,10 +97,9 @@ class Cleaner:
                 text.encode("utf-8")
             except UnicodeEncodeError:
                 text = _SURROGATES.sub("\ufffd", text)
-        if "\r" in text:
-            text = text.replace("\r\n", "\n").replace("\r", "\n")
+        text = unified_newlines(text)
         if self.control and _has_control(text):
-            text = _CONTROL.sub("", text)
+            text = _CONTROL.sub("", text.translate(_LINE_BREAKS))
         return self._normalized(text)
 
     def described(self) -> list[str]:
@@ -105,7 +108,8 @@ class Cleaner:
         words = ["line ends as `\\n` (CRLF and CR replaced)"]
         code = ['text = text.replace("\\r\\n", "\\n").replace("\\r", "\\n")']
         if self.control:
-            words.append("control characters removed (but tab and newline)")
+            words.append("vertical tab, form feed and NEL as `\\n`, other control characters removed (but tab)")
+            code.append('text = text.translate({0x0B: "\\n", 0x0C: "\\n", 0x85: "\\n"})')
             code.append(f'text = re.sub(r"{_CONTROL.pattern}", "", text)')
         if self.normalization:
             words.append(f"Unicode in {self.normalization}")
@@ -116,6 +120,12 @@ class Cleaner:
         if self.normalization and not text.isascii() and not unicodedata.is_normalized(self.normalization, text):
             return unicodedata.normalize(self.normalization, text)
         return text
+
+
+def unified_newlines(text: str) -> str:
+    """Line ends as `\\n`: CRLF and a lone CR replaced (the first step of cleaning, and of cutting a long
+    file into documents, so that a file's pieces do not depend on its line ends)."""
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
 
 
 def cleaner_of_run(experiment: dict) -> Cleaner:

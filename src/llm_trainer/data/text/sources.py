@@ -57,6 +57,7 @@ from ...errors import UsageError, first_line
 from ...files.buckets import Location, fetch_file, identity, list_files, looks_like_glob
 from ...hf.hub import hub_unreachable, offline_mode_set
 from ...limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES, decompressed_text_allowance
+from .clean import unified_newlines
 from .filters import QualityFilter
 from .unicode_text import words
 
@@ -900,6 +901,8 @@ def _text_file_documents(
     text = read_text_file(path, explicit, stats, invalid_utf8=opt.invalid_utf8, bad=opt.bad if bad_input else None)
     if text is None:
         return
+    if opt.split_chars:  # cut where the cleaned text will have its line ends: the same pieces for CRLF and LF
+        text = unified_newlines(text)
     pieces = split_long_text(text, opt.split_chars) if opt.split_chars else [text]
     if opt.split_words:  # a piece within max_chars can still hold more than max_words (short words, CJK)
         pieces = [part for piece in pieces for part in _split_by_words(piece, opt.split_words)]
@@ -935,7 +938,7 @@ def split_long_text(text: str, limit: int) -> list[str]:
         share = -(-(len(text) - start) // count)  # an even share of what is left
         end = _cut(text, start, min(start + share, start + limit), start + limit)
         pieces.append(text[start:end])
-        start, count = end, max(1, count - 1)
+        start, count = end, max(count - 1, -(-(len(text) - end) // limit))  # a short cut: one more piece
     pieces.append(text[start:])
     return pieces
 
@@ -946,10 +949,34 @@ def _cut(text: str, start: int, target: int, limit: int) -> int:
         ends = [m.end() for m in pattern.finditer(text, start + 1, limit)]
         if ends:
             return min(ends, key=lambda end: abs(end - target))
-    end = target  # one unbroken run: cut anywhere, but not between a letter and its combining marks
-    while end > start + 1 and unicodedata.category(text[end])[0] == "M":
+    end = target  # one unbroken run: cut anywhere, but not inside a character as the reader sees it
+    while end > start + 1 and _joined(text, end):
         end -= 1
     return end
+
+
+_ZWJ = "\u200d"
+
+
+def _regional(ch: str) -> bool:
+    return "\U0001f1e6" <= ch <= "\U0001f1ff"  # a regional indicator: two make a flag
+
+
+def _joined(text: str, at: int) -> bool:
+    """Whether a cut before `text[at]` would split what a reader sees as one character: a letter and its
+    combining marks, an emoji sequence (zero-width joiner, skin tone, tag characters), a flag's pair of
+    regional indicators."""
+    after, before = text[at], text[at - 1]
+    if unicodedata.category(after)[0] == "M" or _ZWJ in (after, before):
+        return True
+    if "\U0001f3fb" <= after <= "\U0001f3ff" or "\U000e0020" <= after <= "\U000e007f":  # skin tones, tags
+        return True
+    if _regional(after):  # after an odd run of indicators, this one is the second of a flag
+        run = 0
+        while run < at and _regional(text[at - 1 - run]):
+            run += 1
+        return run % 2 == 1
+    return False
 
 
 # ----------------------------------------------------------------------------------------------
