@@ -3,6 +3,8 @@ Hub dataset name refused at once when the Hub cannot be reached."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -171,6 +173,39 @@ def test_a_split_by_tokens_gives_both_pieces_of_a_document_its_score(tmp_path):
     assert prepared.manifest["validation_split_by"] == "tokens"
     for split in ("train", "val"):
         assert np.load(prepared.directory / f"{split}.scores.npy").tolist() == [0.0, 0.5, 1.0]
+
+
+def test_a_record_without_a_numeric_curriculum_score_is_refused_alike_in_jsonl_parquet_and_datasets(tmp_path):
+    """A null score: refused when prepared (naming the record), or skipped and counted with
+    data.on_bad_input: skip, whichever format holds the records; the scores kept are the numbers."""
+    import json
+
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from llm_trainer.data.prepare import prepare_data
+    from llm_trainer.errors import UsageError
+
+    texts = [f"curriculum document number {i} with a handful of words in it" for i in range(8)]
+    scores = [float(i % 4) for i in range(8)]
+    scores[3] = None
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "a.jsonl").write_text(
+        "".join(json.dumps({"text": t, "d": s}) + "\n" for t, s in zip(texts, scores))
+    )
+    (tmp_path / "p").mkdir()
+    pq.write_table(pa.table({"text": texts, "d": pa.array(scores, type=pa.float64())}), tmp_path / "p" / "a.parquet")
+    datasets.Dataset.from_dict({"text": texts, "d": scores}).save_to_disk(str(tmp_path / "ds"))
+    where = {"j": "a.jsonl:4", "p": "a.parquet[3]", "ds": "[3]"}
+    for name, origin in where.items():
+        source = {"dataset_name": str(tmp_path / name)} if name == "ds" else {"data_files": str(tmp_path / name)}
+        common = dict(tokenizer="char", validation_split=0.0, curriculum_key="d", **source)
+        with pytest.raises(UsageError, match=rf"{re.escape(origin)} has no numeric 'd' field \(data.curriculum_key\)"):
+            prepare_data(DataConfig(cache_dir=str(tmp_path / f"c_{name}"), **common))
+        kept = prepare_data(DataConfig(cache_dir=str(tmp_path / f"s_{name}"), on_bad_input="skip", **common))
+        assert np.load(kept.directory / "train.scores.npy").tolist() == [s for s in scores if s is not None], name
+        assert kept.manifest["documents_out"] == 7
 
 
 @pytest.mark.parametrize(

@@ -727,15 +727,8 @@ def _jsonl_record(
     text = _text_value(record[opt.text_column], f"{path}:{line_no}", opt)
     if text is None:
         return None
-    score = None
-    if opt.score_column is not None:
-        score = _number(record.get(opt.score_column))
-        if score is None:
-            opt.bad(
-                "missing_column", f"{path}:{line_no} has no numeric {opt.score_column!r} field (data.curriculum_key)"
-            )
-            return None
-    return text, score
+    scored, score = _score_value(record.get(opt.score_column) if opt.score_column else None, f"{path}:{line_no}", opt)
+    return (text, score) if scored else None
 
 
 def _fields(record) -> str:
@@ -764,6 +757,23 @@ def _number(value) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     return None
+
+
+def _score_value(value, origin: str, opt: _ReadOptions) -> tuple[bool, float | None]:
+    """(whether the record is kept, its curriculum score): without data.curriculum_key, (True, None); with
+    it, a record whose score is no finite number (a null, a string) is passed over as `opt.bad` says, as
+    a record without its text is. Every reader of records takes its score through here."""
+    if opt.score_column is None:
+        return True, None
+    score = _number(value)
+    if score is None:
+        opt.bad(
+            "missing_column",
+            f"{origin} has no numeric {opt.score_column!r} field (data.curriculum_key)",
+            fix="give every record a number there, or set data.on_bad_input: skip",
+        )
+        return False, None
+    return True, score
 
 
 def _read_parquet(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tuple[str, float | None, str]]:
@@ -804,8 +814,11 @@ def _read_parquet(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tup
         texts = batch.column(0).to_pylist()
         scores = batch.column(1).to_pylist() if opt.score_column else [None] * len(texts)
         for text, score in zip(texts, scores):
-            if (text := _text_value(text, f"{path}[{row}]", opt)) is not None:
-                yield text, _number(score), f"{path}[{row}]"
+            origin = f"{path}[{row}]"
+            text = _text_value(text, origin, opt)
+            kept, score = _score_value(score, origin, opt) if text is not None else (False, None)
+            if kept:
+                yield text, score, origin
             row += 1
 
 
@@ -1046,8 +1059,12 @@ def _iter_hf_dataset(spec: SourceConfig, split: str, opt: _ReadOptions) -> Itera
                     f"dataset {name!r} record {i} has no {opt.text_column!r} field ({_fields(record)}); set data.text_column",
                 )
                 continue
-            if (text := _text_value(record[opt.text_column], f"{name}:{split}[{i}]", opt)) is not None:
-                yield text, _number(record.get(opt.score_column)) if opt.score_column else None, f"{name}:{split}[{i}]"
+            origin = f"{name}:{split}[{i}]"
+            text = _text_value(record[opt.text_column], origin, opt)
+            score = record.get(opt.score_column) if opt.score_column else None
+            kept, score = _score_value(score, origin, opt) if text is not None else (False, None)
+            if kept:
+                yield text, score, origin
         return
     row = 0
     for batch in ds.select_columns(columns).iter(
@@ -1055,8 +1072,11 @@ def _iter_hf_dataset(spec: SourceConfig, split: str, opt: _ReadOptions) -> Itera
     ):  # Arrow-backed: memory-mapped, read in batches
         scores = batch[opt.score_column] if opt.score_column else [None] * len(batch[opt.text_column])
         for text, score in zip(batch[opt.text_column], scores):
-            if (text := _text_value(text, f"{name}:{split}[{row}]", opt)) is not None:
-                yield text, _number(score), f"{name}:{split}[{row}]"
+            origin = f"{name}:{split}[{row}]"
+            text = _text_value(text, origin, opt)
+            kept, score = _score_value(score, origin, opt) if text is not None else (False, None)
+            if kept:
+                yield text, score, origin
             row += 1
 
 
