@@ -185,7 +185,6 @@ def test_a_record_without_a_numeric_curriculum_score_is_refused_alike_in_jsonl_p
     import pyarrow.parquet as pq
 
     from llm_trainer.data.prepare import prepare_data
-    from llm_trainer.errors import UsageError
 
     texts = [f"curriculum document number {i} with a handful of words in it" for i in range(8)]
     scores = [float(i % 4) for i in range(8)]
