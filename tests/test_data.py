@@ -107,12 +107,10 @@ def test_folder_recursive_skips_and_counts_bad_files(tmp_path, capsys):
 
     prepared = prepare_data(config(tmp_path, data_files=str(root), validation_split=0.0))
     assert documents(prepared, "train") == ["alpha text", "# beta\n\nmarkdown", "def gamma():\n    return 3"]
-    removed = prepared.manifest["removed"]
-    assert removed["binary_files"] == 1
-    assert removed["non_utf8_files"] == 1
-    assert removed["unsupported_files"] == 1
-    assert removed["min_length"] == 0
-    assert prepared.manifest["documents_out"] == 3
+    skipped, removed = prepared.manifest["skipped_inputs"], prepared.manifest["removed"]
+    assert skipped == {"binary_files": 1, "non_utf8_files": 1, "unsupported_files": 1}  # files, never documents
+    assert removed["min_length"] == 0 and "binary_files" not in removed
+    assert prepared.manifest["documents_out"] == prepared.manifest["documents_in"] - sum(removed.values()) == 3
     # each skipped input is named with its reason, in the report and on the console
     named = json.loads((prepared.directory / "data_report.json").read_text())["skipped_inputs_named"]
     assert named["unsupported_files"] == [
@@ -226,7 +224,7 @@ def test_compressed_files_give_the_documents_of_the_same_files_uncompressed(tmp_
 
     expected, read = prepared(plain), prepared(packed)
     assert read.manifest["documents_in"] == expected.manifest["documents_in"] == 10
-    assert "unsupported_files" not in read.manifest["removed"]
+    assert "unsupported_files" not in read.manifest["skipped_inputs"]
     for name in ("train.bin", "val.bin", "tokenizer.json"):
         assert (read.directory / name).read_bytes() == (expected.directory / name).read_bytes(), name
 
@@ -421,7 +419,7 @@ def test_a_stray_nul_in_utf8_text_is_a_control_character_not_a_binary_file(tmp_p
     expected = documents(prepare_data(config(tmp_path / "c", data_files=str(clean), validation_split=0.0)), "train")
     in_folder = prepare_data(config(tmp_path / "f", data_files=str(tmp_path / "corpus"), validation_split=0.0))
     assert documents(in_folder, "train") == expected and "\x00" not in expected[0]
-    assert in_folder.manifest["removed"]["binary_files"] == 1  # ids.txt
+    assert in_folder.manifest["skipped_inputs"]["binary_files"] == 1  # ids.txt
     named = prepare_data(config(tmp_path / "n", data_files=str(tmp_path / "corpus" / "a.txt"), validation_split=0.0))
     assert documents(named, "train") == expected
     assert "binary" in _error(tmp_path / "e", data_files=str(tmp_path / "corpus" / "ids.txt"))

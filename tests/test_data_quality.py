@@ -470,7 +470,7 @@ def test_bad_input_skipped_and_counted_when_asked(tmp_path):
         "empty_sources": 1,
     }
     assert sorted(set(documents(prepared))) == ["good one", "good two", "kept"]
-    assert prepared.manifest["removed"]["bad_json_lines"] == 1
+    assert prepared.manifest["skipped_inputs"]["bad_json_lines"] == 1
 
 
 @pytest.mark.parametrize(

@@ -71,6 +71,7 @@ def cmd_prepare(args) -> int:
             {
                 "directory": str(prepared.directory),
                 **{k: prepared.manifest[k] for k in ("splits", "documents_out", "removed", "vocab_size")},
+                "skipped_inputs": prepared.manifest.get("skipped_inputs", {}),
             }
         )
     )

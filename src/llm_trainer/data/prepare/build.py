@@ -532,7 +532,8 @@ class Build:
             "tokens": sum(s["tokens"] for s in splits.values()),
             "documents_in": counts.documents_in,
             "documents_out": counts.documents_out,
-            "removed": {**dict(counts.removed), **dict(skipped)},
+            "removed": dict(counts.removed),  # documents: documents_in - removed = documents_out
+            "skipped_inputs": dict(skipped),  # whole files and records never read as documents
             "seconds": round(seconds, 3),
             "config": self.config.to_dict(),
         }
