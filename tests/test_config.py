@@ -503,3 +503,15 @@ def test_an_empty_name_in_data_files_is_refused_rather_than_read_as_the_working_
         DataConfig(data_files=given)
     with pytest.raises(ValueError, match=r"data source 'web': data_files holds an empty name"):
         DataConfig(sources=[{"name": "web", "data_files": given}])
+
+
+def test_a_file_url_is_read_as_the_local_path_it_names(tmp_path):
+    """`file:///data/x` in any path setting is `/data/x` (it was taken as a relative folder named
+    `file:`); one of another machine is refused naming the setting."""
+    data = DataConfig(data_files=f"file://{tmp_path}/a%20b.txt", cache_dir=f"file://{tmp_path}/cache")
+    assert (data.data_files, data.cache_dir) == (f"{tmp_path}/a b.txt", f"{tmp_path}/cache")
+    assert DataConfig(data_files=[f"file://localhost{tmp_path}/x.txt"]).data_files == [f"{tmp_path}/x.txt"]
+    training = TrainingConfig(output_dir=f"file://{tmp_path}/run")
+    assert training.output_dir == f"{tmp_path}/run" and training.remote_output_dir is None
+    with pytest.raises(ValueError, match=r"DataConfig.cache_dir 'file://other/x' names a file on the machine 'other'"):
+        DataConfig(cache_dir="file://other/x")

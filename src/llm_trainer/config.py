@@ -17,6 +17,7 @@ import typing
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import unquote, urlsplit
 
 import yaml
 
@@ -69,6 +70,17 @@ def _conforms(value: Any, tp: Any) -> bool:
     return isinstance(value, tp)
 
 
+def _local_path(value: str, where: str) -> str:
+    """A file:// URL as the local path it names (`file:///data/x` -> `/data/x`), as every path setting
+    reads it; one of another machine (`file://host/x`) is refused. Any other value as it is."""
+    if not value.startswith("file://"):
+        return value
+    parts = urlsplit(value)
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(f"{where} {value!r} names a file on the machine {parts.netloc!r}; give a path of this one")
+    return unquote(parts.path)
+
+
 @functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
     """A config class's fields and their declared types, in declaration order."""
@@ -100,9 +112,14 @@ class _Validated:
 
     def _checked_value(self, name: str, value: Any) -> Any:
         """`value` for field `name` as stored (an int as a float where the field takes numbers, a tuple as
-        a list), or a ValueError naming the field when its type does not match."""
+        a list, a file:// URL as its local path), or a ValueError naming the field when its type does not
+        match."""
         tp = _field_types(type(self))[name]
         section = type(self).__name__
+        if isinstance(value, str):
+            value = _local_path(value, f"{section}.{name}")
+        elif isinstance(value, (list, tuple)):
+            value = [_local_path(v, f"{section}.{name}") if isinstance(v, str) else v for v in value]
         if not _conforms(value, tp):
             raise ValueError(f"{section}.{name} must be {_type_name(tp)}, got {value!r}")
         if isinstance(value, float) and not math.isfinite(value) and not (value > 0 and name in self.UNBOUNDED):
