@@ -515,3 +515,21 @@ def test_a_file_url_is_read_as_the_local_path_it_names(tmp_path):
     assert training.output_dir == f"{tmp_path}/run" and training.remote_output_dir is None
     with pytest.raises(ValueError, match=r"DataConfig.cache_dir 'file://other/x' names a file on the machine 'other'"):
         DataConfig(cache_dir="file://other/x")
+
+
+def test_an_override_meant_as_a_list_that_yaml_cannot_read_says_how_to_quote_it(tmp_path):
+    """`data.include=[*.md]`: YAML reads *md as an alias, so the list is no list; said with the items
+    quoted (it was taken as one string, refused as no list, or used as a pattern '[*.txt]'). One pattern
+    given alone is a list of it."""
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {data_files: [x]}\n")
+    for override, quoted in (
+        ("data.include=[*.md]", '["*.md"]'),
+        ("data.data_files=[*.txt, sub/*]", '["*.txt", "sub/*"]'),
+    ):
+        with pytest.raises(
+            UsageError, match=re.escape(f"(YAML reads *x as an alias): '{override.split('=')[0]}={quoted}'")
+        ):
+            load_experiment(path, [override])
+    assert load_experiment(path, ['data.include=["*.md"]']).data.include == ["*.md"]
+    assert load_experiment(path, ["data.exclude=tests/x"]).data.exclude == ["tests/x"]  # one pattern alone

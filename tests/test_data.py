@@ -365,6 +365,13 @@ def test_local_hf_dataset_dict_named_validation_split(tmp_path):
     capped = prepare_data(config(tmp_path, dataset_name=str(folder), validation_split="test", max_documents=3))
     assert documents(capped, "train") == train[:3]
     assert documents(capped, "val") == test[:3]
+    # a split it does not have: its splits named, and the setting that chose the wrong one
+    message = _error(tmp_path, dataset_name=str(folder), validation_split="valid")
+    assert (
+        message
+        == f"dataset {str(folder)!r} has no split 'valid' (its splits: train, test); set data.validation_split to one of them"
+    )
+    assert "set data.dataset_split to one of them" in _error(tmp_path, dataset_name=str(folder), dataset_split="tain")
 
 
 def test_python_stdlib_source(tmp_path):

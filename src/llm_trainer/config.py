@@ -1071,6 +1071,9 @@ class DataConfig(_Validated):
             )
 
     def _coerce(self) -> None:
+        for name in ("include", "exclude"):  # one pattern given alone: a list of it
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, [getattr(self, name)])
         if self.sources is not None and (
             not isinstance(self.sources, (list, tuple))
             or not all(isinstance(source, (dict, SourceConfig)) for source in self.sources)

@@ -98,7 +98,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise UsageError(f"override key {key!r} must be section.key (e.g. training.learning_rate)")
     try:
         value = yaml_load(raw, f"override {key.strip()}") if raw.strip() else None
-    except yaml.YAMLError:
+    except yaml.YAMLError as exc:
+        if raw.lstrip().startswith(("[", "{")):  # meant as a list or mapping: never taken as one string
+            items = raw.strip().removeprefix("[").removesuffix("]").split(",")
+            quoted = "[" + ", ".join(json.dumps(item.strip()) for item in items if item.strip()) + "]"
+            raise UsageError(
+                f"override {key.strip()}={raw} is not a YAML list or mapping ({yaml_problem(exc)}); quote the "
+                f"items that hold *, &, ! or : (YAML reads *x as an alias): '{key.strip()}={quoted}'"
+            ) from None
         value = raw
     for name in reversed(parts[2:]):
         value = _Nested({name: value})

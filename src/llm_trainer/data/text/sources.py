@@ -1027,6 +1027,12 @@ def _iter_hf_dataset(spec: SourceConfig, split: str, opt: _ReadOptions) -> Itera
         if Path(name).is_dir() and any((Path(name) / f).is_file() for f in ("dataset_info.json", "dataset_dict.json")):
             loaded = datasets.load_from_disk(name)
             single = not isinstance(loaded, datasets.DatasetDict)
+            if not single and split not in loaded:
+                setting = "data.dataset_split" if split == spec.dataset_split else "data.validation_split"
+                raise UsageError(
+                    f"dataset {name!r} has no split {split!r} (its splits: {', '.join(loaded)}); set {setting} "
+                    "to one of them"
+                )
             ds = loaded if single else loaded[split]
             if spec.streaming:
                 ds = ds.to_iterable_dataset()
@@ -1035,6 +1041,8 @@ def _iter_hf_dataset(spec: SourceConfig, split: str, opt: _ReadOptions) -> Itera
             if not Path(name).exists():
                 _require_hub(name)
             ds = datasets.load_dataset(name, spec.dataset_config, split=split, streaming=spec.streaming)
+    except UsageError:
+        raise
     except (FileNotFoundError, ValueError, KeyError, ConnectionError, OSError) as exc:
         hint = "; for local files use data.data_files" if isinstance(exc, ConnectionError) else ""
         raise UsageError(f"could not load dataset {name!r} split {split!r}: {first_line(exc, None)}{hint}") from None
