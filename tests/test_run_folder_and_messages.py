@@ -102,6 +102,36 @@ def test_a_second_train_into_a_run_folder_is_refused_then_resumes_or_starts_over
     assert main(["train", "--config", str(config), "training.resume_from_checkpoint=latest"]) == 0
 
 
+def test_a_run_killed_after_its_last_checkpoint_resumes_to_a_whole_summary_and_latest_set_right(tmp_path, capfd):
+    """Killed after its last checkpoint was written but before `latest` named it and before the summary
+    (the files exactly as such a kill leaves them): the resume ends the run with the summary the run
+    would have written (its last evaluation's val_loss, that checkpoint) and points `latest` at it; a
+    resume of that last checkpoint into another folder has nothing to train and says so."""
+    config = write_tiny_experiment(tmp_path, max_steps=6, eval_steps=3, save_steps=3)
+    assert main(["train", "--config", str(config)]) == 0
+    run = tmp_path / "run"
+    whole = _rows(run)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in whole[:-1]))  # no summary
+    (run / "checkpoints" / "latest").write_text("checkpoint-00000003")  # not yet moved on
+    capfd.readouterr()
+    assert main(["train", "--config", str(config), "training.resume_from_checkpoint=latest"]) == 0
+    err = capfd.readouterr().err
+    assert "which `latest` names: this one was saved after it" in err and "Traceback" not in err
+    summary = _rows(run)[-1]
+    assert summary["kind"] == "summary" and summary["step"] == 6
+    assert summary["val_loss"] == whole[-1]["val_loss"] and summary["perplexity"] == whole[-1]["perplexity"]
+    assert summary["checkpoint"] == str(run / "checkpoints" / "checkpoint-00000006")
+    assert (run / "checkpoints" / "latest").read_text() == "checkpoint-00000006"
+    assert [r["kind"] for r in _rows(run)].count("summary") == 1
+
+    last = run / "checkpoints" / "checkpoint-00000006"
+    argv = ["train", "--config", str(config), f"training.resume_from_checkpoint={last}"]
+    assert main([*argv, f"training.output_dir={tmp_path / 'other'}"]) == 2
+    err = capfd.readouterr().err
+    assert f"{last} is at step 6, this run's last step: there is nothing to train; raise training.max_steps" in err
+    assert not (tmp_path / "other" / "metrics.jsonl").exists()
+
+
 def test_a_checkpoint_folder_of_its_own_is_cleared_of_checkpoints_only(tmp_path):
     from llm_trainer.train.output_folder import check_output_folder, clear_run_files, run_traces
 

@@ -52,9 +52,9 @@ from ..logs import log, warn
 from ..tokenizer import vocabulary_mismatch
 from .background import BackgroundWriter, HostSnapshot
 from .durable import remove_stale
-from .find import resolve_checkpoint
+from .find import named_latest, resolve_checkpoint
 from .layout import BEST, STAGING, TRAIN_STATE, checkpoint_name, list_checkpoints, step_of
-from .local import load_checkpoint, rotate, save_best_model, save_checkpoint
+from .local import load_checkpoint, point_latest, rotate, save_best_model, save_checkpoint
 from .model_folder import CONFIG_NAME
 from .remote import ensure_uploaded, fetch_named, local_copy, store_shards, upload_best, upload_checkpoint
 from .train_state import train_state_problem
@@ -94,6 +94,7 @@ class Checkpointer:
         self._shards = None  # sharded.BackgroundShards: DCP's host buffers and process groups
         self._snapshot = HostSnapshot()  # host buffers for background saves, reused from one save to the next
         self._buffers_reserved = False
+        self.resumed_from: Path | None = None  # the checkpoint `load` restored
 
     # -- lifetime ---------------------------------------------------------------------------------
 
@@ -305,6 +306,9 @@ class Checkpointer:
         if path is None:
             log(f"resume: no checkpoint in {self.root} yet; starting from step 0")
             return None
+        if spec == "latest" and self.dist.is_main and named_latest(self.root) != path.name:
+            point_latest(self.root, path)  # a run killed before it updated `latest`: set right once, for every reader
+        self.resumed_from = path
         if self.remote and spec == "latest" and self.dist.is_main:
             ensure_uploaded(path, self.remote, self.keep_last)
         if not (path / TRAIN_STATE).exists() and (path / CONFIG_NAME).is_file():  # best_model/, a consolidated folder

@@ -110,11 +110,16 @@ def save_checkpoint(
         **(extra_meta or {}),
     }
     path = write_folder_atomically(root / checkpoint_name(step), writers, meta, in_store)
+    point_latest(root, path)
+    return path
+
+
+def point_latest(root: Path, path: Path) -> None:
+    """`latest` in `root` names the checkpoint `path` (written last, once the checkpoint is complete)."""
     try:
         write_text(root / LATEST, path.name)
-    except UsageError as exc:  # the new checkpoint is complete, and found by `latest` as the newest
+    except UsageError as exc:  # the checkpoint is complete, and found by `latest` as the newest
         raise CheckpointError(f"{exc}, and the checkpoints are intact") from None
-    return path
 
 
 def save_best_model(

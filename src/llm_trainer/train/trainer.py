@@ -351,6 +351,13 @@ class Trainer:
             self.checkpointer.load(cfg.resume_from_checkpoint, url=cfg.resume_url)
             if state.step >= self.total_steps and finished_at(cfg) == state.step:  # its summary stays as it is
                 raise finished_run(cfg, state.step)
+            resumed = self.checkpointer.resumed_from
+            elsewhere = resumed is not None and resumed.parent.resolve() != self.checkpointer.root.resolve()
+            if state.step >= self.total_steps and elsewhere:
+                raise UsageError(  # another run's last checkpoint: nothing to train, and no run here to end
+                    f"{resumed} is at step {state.step:,}, this run's last step: there is nothing to train; raise "
+                    f"training.max_steps above {state.step:,} to train on from it"
+                )
         self.bad_steps = NonFiniteSteps(self.device, state.skipped_steps, state.consecutive_bad_steps)
         self.spikes = self._spike_monitor()
         self.profiler = StepProfiler(cfg, self.output_dir, self.device, self.dist.rank, self.total_steps)
@@ -473,6 +480,11 @@ class Trainer:
             if self.val_loader is not None and final_eval is None and state.step > start_step and not self.stop.signal:
                 with timer.count("evaluation"):
                     final_eval = self._evaluate_and_track(full=True)
+            finishing = resuming and state.step == start_step  # a run killed after its last checkpoint, ended now
+            if finishing and self.val_loader is not None and final_eval is None:
+                final_eval = self.evaluate(full=True)  # its summary's, as logged (and tracked) before the kill
+            if finishing and last_saved is None:
+                last_saved = self.checkpointer.resumed_from
             elapsed = time.perf_counter() - started
             summary = SummaryRow(
                 step=state.step,
