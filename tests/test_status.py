@@ -91,6 +91,24 @@ def test_status_without_latest_names_the_newest_checkpoint_and_passes_over_odd_r
     assert not (tmp_path / "none").exists()
 
 
+def test_status_names_the_checkpoint_a_resume_takes_and_shows_no_none(finished_run, tmp_path, capsys):
+    """`latest` one save behind (a run killed between its last checkpoint and the pointer): the newer whole
+    checkpoint is the one shown, as resume and eval take it. A run that logged nothing yet is at step 0;
+    a row whose step is no number (another program's file) is no row of the run's."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns(".lock"))
+    (run / "checkpoints" / "latest").write_text("checkpoint-00000003")
+    assert run_status(str(run))["checkpoint"]["name"] == "checkpoint-00000006"
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    shutil.copy(run / "config.yaml", fresh / "config.yaml")
+    (fresh / "metrics.jsonl").write_text('{"kind": "train", "step": "x", "loss": 1.0}\n')
+    status = run_status(str(fresh))
+    assert (status["step"], status["tokens_seen"], status["last_losses"]) == (0, 0, [])
+    text = format_status(status)
+    assert "None" not in text and "step       0 / 6 (0.0%)" in text
+
+
 def test_status_of_a_folder_without_a_run_is_one_line_exit_2(tmp_path, capsys):
     assert cli.main(["status", str(tmp_path / "nowhere")]) == 2
     assert cli.main(["status", str(tmp_path)]) == 2

@@ -115,12 +115,14 @@ def _complete(files: RunFiles, name: str) -> tuple[dict | None, str | None]:
 
 
 def _checkpoint(files: RunFiles) -> dict | None:
-    """The newest complete checkpoint in the checkpoint folder `files`: the one `latest` names, else (a
-    local folder) the newest whole one."""
+    """The newest complete checkpoint in the checkpoint folder `files`, the one a resume and `eval` take: in
+    a local folder the newest whole one in the order they were saved (`latest` may lag a save that was
+    killed before it), in a store the one `latest` names."""
     named = (files.text(LATEST) or "").strip()
-    candidates = [named] if named and "/" not in named and named not in (".", "..") else []
-    if not files.in_store:
-        candidates += [p.name for p in newest_first(Path(files.where), named or None)]
+    if files.in_store:
+        candidates = [named] if named and "/" not in named and named not in (".", "..") else []
+    else:
+        candidates = [p.name for p in newest_first(Path(files.where), named or None)]
     skipped = []
     for name in dict.fromkeys(candidates):
         meta, problem = _complete(files, name)
@@ -187,6 +189,8 @@ def run_status(run: str) -> dict:
     checkpoint = _checkpoint(_checkpoint_files(files, config))
     if text is None and checkpoint is None and not config:
         raise UsageError(f"{run} holds no run (no metrics.jsonl, config.yaml or checkpoints); pass a run's output_dir")
+    # a row without a whole-number step is no row of a run's (another program's file, a hand edit): skipped
+    rows = [r for r in rows if _int(r.get("step")) is not None or r.get("kind") == "alert"]
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval" and _number(r.get("val_loss")) is not None]
     alerts = [r for r in rows if r.get("kind") == "alert"]
@@ -203,6 +207,9 @@ def run_status(run: str) -> dict:
     last = train[-1] if train else {}
     step = _int((summary or last).get("step"))
     tokens = _int((summary or last).get("tokens_seen"))
+    if step is None:  # nothing logged yet: at its checkpoint's step, or at the start
+        step = (checkpoint or {}).get("step") or 0
+        tokens = 0 if step == 0 else None
     total = (checkpoint or {}).get("total_steps") or _int(config.get("max_steps"))
     lock = _lock(files, config)
     out: dict[str, Any] = {
@@ -258,8 +265,8 @@ def format_status(status: dict) -> str:
     lines = [
         f"run        {status['run']}",
         f"state      {status['state']}   lock {holder}",
-        f"step       {step if step is None else format(step, ',')}{of_total}",
-        f"tokens     {tokens if tokens is None else format(tokens, ',')}"
+        f"step       {'-' if step is None else format(step, ',')}{of_total}",
+        f"tokens     {'-' if tokens is None else format(tokens, ',')}"
         + (f" / {total_tokens:,}" if total_tokens else ""),
     ]
     losses = [f"{loss:.4f}@{s}" for s, loss in status["last_losses"] if loss is not None]
