@@ -356,8 +356,14 @@ def test_unused_embedding_rows_jsonl_eval_data_and_the_latest_pointer(tmp_path, 
     (exported / "config.json").write_text("{}")
     assert main(["generate", "--checkpoint", str(exported)]) == 2
     err = capfd.readouterr().err
-    assert "is a transformers model folder (an export), not a checkpoint of ours" in err
+    assert "is a transformers model folder (an export), not a checkpoint of ours to read" in err
     assert "pass the checkpoint, best_model or run folder it was exported from" in err
+    # nor to resume from (it said: "incomplete: no meta.json (the save was interrupted)")
+    resume = ["train", "--config", str(config), f"training.resume_from_checkpoint={exported}", "training.max_steps=4"]
+    assert main(resume) == 2
+    err = capfd.readouterr().err
+    assert "is a transformers model folder (an export), not a checkpoint of ours to resume from" in err
+    assert f"model.init_from={exported}" in err and "interrupted" not in err
 
 
 # -- estimate ------------------------------------------------------------------------------------------------------

@@ -16,11 +16,11 @@ from . import launcher
 from .checkpoint import remote as remote_checkpoints
 from .checkpoint.layout import holds_dcp_shards, read_meta
 from .checkpoint.model_folder import (
-    is_transformers_folder,
     load_model_folder,
     load_model_state,
     read_model_config,
     refuse_non_finite,
+    refuse_transformers_folder,
 )
 from .checkpoint.reading import held_checkpoint
 from .checkpoint.verify import verify
@@ -105,12 +105,7 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
 
 def _load_for_inference(found: Path, path: Path, device: str) -> tuple[Transformer, Tokenizer, dict]:
     """`load_for_inference` of the folder `found` that `path` named."""
-    if is_transformers_folder(found):
-        raise UsageError(
-            f"{path} is a transformers model folder (an export), not a checkpoint of ours: pass the checkpoint, "
-            f"best_model or run folder it was exported from, load it with transformers "
-            f"(AutoModelForCausalLM.from_pretrained), or train on from it with model.init_from={path}"
-        )
+    refuse_transformers_folder(found, "read")
     path = found
     if (path / "meta.json").is_file():  # checkpoints and best_model carry checksums: never use a corrupt one
         problem = verify(path)

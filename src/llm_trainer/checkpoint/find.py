@@ -16,7 +16,7 @@ from pathlib import Path
 from ..errors import CheckpointError
 from ..logs import log, warn
 from .layout import CHECKPOINTS_DIR, LATEST, META, folder_of, list_checkpoints, read_meta, step_of
-from .model_folder import CONFIG_NAME
+from .model_folder import CONFIG_NAME, refuse_transformers_folder
 from .verify import verify_once
 
 
@@ -133,6 +133,7 @@ def resolve_checkpoint(spec: str, root: Path) -> Path | None:
     path = find_checkpoint(spec)
     if path is None:
         return None
+    refuse_transformers_folder(path, "resume from")
     problem = verify_once(path)
     if problem:
         raise CheckpointError(f"checkpoint {path} is unusable: {problem}")

@@ -177,6 +177,17 @@ def is_transformers_folder(directory: str | Path) -> bool:
     return (Path(directory) / TRANSFORMERS_CONFIG).is_file()
 
 
+def refuse_transformers_folder(path: str | Path, task: str) -> None:
+    """The one-line refusal of a transformers model folder (an export) where a checkpoint of ours is
+    needed (`task`: what it was passed for, e.g. "resume from"); nothing when `path` is not one."""
+    if is_transformers_folder(path):
+        raise UsageError(
+            f"{path} is a transformers model folder (an export), not a checkpoint of ours to {task}: pass the "
+            "checkpoint, best_model or run folder it was exported from, load it with transformers "
+            f"(AutoModelForCausalLM.from_pretrained), or train on from it with model.init_from={path}"
+        )
+
+
 def read_model_config(directory: str | Path) -> ModelConfig:
     path = Path(directory) / CONFIG_NAME
     refuse_unreadable(directory, (CONFIG_NAME,))
