@@ -533,3 +533,14 @@ def test_an_override_meant_as_a_list_that_yaml_cannot_read_says_how_to_quote_it(
             load_experiment(path, [override])
     assert load_experiment(path, ['data.include=["*.md"]']).data.include == ["*.md"]
     assert load_experiment(path, ["data.exclude=tests/x"]).data.exclude == ["tests/x"]  # one pattern alone
+
+
+def test_greater_is_better_for_a_loss_is_refused_not_ignored():
+    """best_model follows the lowest loss: `greater_is_better: true` beside a loss would be ignored (for
+    the mixed loss) or keep the worst model (a source's), so it is refused, naming the metric."""
+    for metric in ("val_loss", "eval_loss", "eval/web/loss"):
+        with pytest.raises(
+            ValueError, match=rf"greater_is_better is true, but metric_for_best_model {metric} is a loss"
+        ):
+            TrainingConfig(greater_is_better=True, metric_for_best_model=metric)
+    assert TrainingConfig(greater_is_better=False).greater_is_better is False

@@ -648,6 +648,12 @@ class TrainingConfig(_Validated):
             "TrainingConfig.metric_for_best_model must be val_loss, eval/<source>/loss (one source of data.sources) "
             f"or downstream/<task>/<metric>, got {metric!r}",
         )
+        is_loss = metric in ("val_loss", "eval_loss", "loss") or metric.startswith("eval/")
+        _require(
+            not (is_loss and self.greater_is_better),
+            f"TrainingConfig.greater_is_better is true, but metric_for_best_model {metric} is a loss, which is "
+            "better lower; remove greater_is_better (or set it false)",
+        )
         _require(
             not metric.startswith("downstream/") or bool(self.eval_tasks),
             f"TrainingConfig.metric_for_best_model {metric} needs training.eval_tasks (the task it names)",
