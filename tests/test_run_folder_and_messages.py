@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_loaders, tiny_model, write_tiny_experiment
+from llm_trainer.checkpoint.model_folder import load_model_folder
 from llm_trainer.cli import build_parser, main
 from llm_trainer.config import TrainingConfig
 from llm_trainer.config_loader import load_experiment
@@ -130,6 +131,31 @@ def test_a_run_killed_after_its_last_checkpoint_resumes_to_a_whole_summary_and_l
     err = capfd.readouterr().err
     assert f"{last} is at step 6, this run's last step: there is nothing to train; raise training.max_steps" in err
     assert not (tmp_path / "other" / "metrics.jsonl").exists()
+
+
+def test_init_from_keeps_the_folders_model_with_the_runs_dropout_and_names_what_does_not_apply(tmp_path, capfd):
+    """model.init_from with a model section of its own: the weights are the folder's model, so its shape
+    settings cannot apply (said in one warning, naming them); dropout, how the model runs, does."""
+    import torch
+
+    from llm_trainer.pipeline import prepare_run
+    from llm_trainer.train.batch_size import auto_batch_size
+
+    config = write_tiny_experiment(tmp_path, max_steps=2, eval_steps=0, save_steps=2)
+    assert main(["train", "--config", str(config)]) == 0
+    init = tmp_path / "run" / "checkpoints" / "checkpoint-00000002"
+    capfd.readouterr()
+    overrides = [f"model.init_from={init}", "model.dropout=0.1", "model.d_model=64", "model.n_layers=1"]
+    experiment = load_experiment(config, [*overrides, f"training.output_dir={tmp_path / 'b'}"])
+    prepared = prepare_run(experiment, pick_batch_size=auto_batch_size, local=True)
+    err = capfd.readouterr().err
+    assert f"model.init_from {init}: the model is the folder's, so model.d_model=64 here does not apply" in err
+    assert "model.n_layers" not in err  # the folder's model has one layer too: nothing to say
+    model = prepared.model
+    assert model.config.d_model == 16 and model.config.dropout == 0.1 and prepared.run.experiment.model.dropout == 0.1
+    assert {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)} == {0.1}
+    folder = load_model_folder(init)
+    assert all(torch.equal(v, folder.state_dict()[k]) for k, v in model.state_dict().items())  # its weights
 
 
 def test_a_checkpoint_folder_of_its_own_is_cleared_of_checkpoints_only(tmp_path):

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from .checkpoint import remote as remote_checkpoints
-from .checkpoint.model_folder import CONFIG_NAME, is_transformers_folder, load_model_folder
+from .checkpoint.model_folder import CONFIG_NAME, is_transformers_folder, load_model_folder, load_model_state
 from .config import DataConfig, ExperimentConfig, ModelConfig, TrainingConfig
 from .config_loader import load_experiment
 from .data.batches.loader import BatchLoader, DocumentRows, WindowRows
@@ -39,6 +39,7 @@ from .model import Transformer
 from .parallel import distributed
 from .parallel.float8 import check_float8
 from .resolve import (
+    RUN_SETTINGS,
     ResolvedRun,
     local_runtime,
     resolve_experiment,
@@ -70,6 +71,16 @@ def load_init_model(path: str) -> Transformer:
     from .hf.interop import import_from_hf
 
     model, _ = import_from_hf(path)
+    return model
+
+
+def _running_as_asked(loaded: Transformer, config: ModelConfig) -> Transformer:
+    """The model.init_from model, rebuilt around its weights where the run sets how it runs otherwise
+    (dropout: `resolve.RUN_SETTINGS`); the model itself where nothing differs."""
+    if all(getattr(loaded.config, name) == getattr(config, name) for name in RUN_SETTINGS):
+        return loaded
+    model = Transformer(dataclasses.replace(loaded.config, **{name: getattr(config, name) for name in RUN_SETTINGS}))
+    load_model_state(model, loaded.state_dict(), str(config.init_from))
     return model
 
 
@@ -242,7 +253,7 @@ def prepare_run(
         pick_batch_size=pick_batch_size,
     )
     if loaded is not None:
-        model = loaded
+        model = _running_as_asked(loaded, run.experiment.model)
     else:
         _note_unused_embeddings(run, prepared.tokenizer)
         seed_everything(run.training.seed)  # a model built with storage is initialised here, from the run's seed

@@ -29,6 +29,7 @@ import torch
 from . import launcher
 from .config import ExperimentConfig, ModelConfig, TrainingConfig, with_carried
 from .errors import UsageError
+from .logs import warn
 from .parallel import distributed
 from .parallel.distributed import DistInfo
 from .parallel.mesh import resolve_layout
@@ -270,6 +271,37 @@ def check_layout(
     )
 
 
+RUN_SETTINGS = ("dropout", "attention_dropout", "attention_backend")  # how a model runs, not what it is
+INIT_SETTINGS = ("init_std", "zero_init_projections")  # how a fresh model's weights are drawn
+
+
+def _init_from_model(asked: ModelConfig, loaded: ModelConfig) -> ModelConfig:
+    """The model section of a run that starts from model.init_from: the folder's architecture, with the
+    settings of how it runs (dropout) that the run's own section sets (those it leaves at their
+    defaults keep the folder's). What else the section sets and the folder differs in cannot apply to
+    weights already shaped, which one warning names."""
+    defaults = ModelConfig()
+    given = {
+        f.name: getattr(asked, f.name)
+        for f in dataclasses.fields(ModelConfig)
+        if f.name != "init_from" and getattr(asked, f.name) != getattr(defaults, f.name)
+    }
+    runs = {name: value for name, value in given.items() if name in RUN_SETTINGS}
+    resolved = loaded.resolved()
+    unused = [
+        f"model.{name}={value!r}"
+        for name, value in given.items()
+        if name not in (*RUN_SETTINGS, *INIT_SETTINGS) and getattr(resolved, name) != value
+    ]
+    if unused:
+        warn(
+            f"model.init_from {asked.init_from}: the model is the folder's, so {', '.join(unused)} here "
+            f"{'does' if len(unused) == 1 else 'do'} not apply (its model_config.json says otherwise); "
+            "dropout and attention_dropout do"
+        )
+    return dataclasses.replace(loaded, init_from=asked.init_from, **runs)
+
+
 def resolve_run(
     experiment: ExperimentConfig,
     tokenizer,
@@ -281,11 +313,7 @@ def resolve_run(
     `resolve_experiment`). `model_config`: the architecture of the model loaded with model.init_from,
     which replaces the experiment's model section. `pick_batch_size`: `train.batch_size.auto_batch_size`,
     given by the caller (the estimator sits above this module), for `training.batch_size: auto`."""
-    model = (
-        experiment.model
-        if model_config is None
-        else dataclasses.replace(model_config, init_from=experiment.model.init_from)
-    )
+    model = experiment.model if model_config is None else _init_from_model(experiment.model, model_config)
     experiment = dataclasses.replace(experiment, model=model)
     seq_len = sequence_length(experiment)
     size, source = vocab_size(experiment, tokenizer)
