@@ -731,4 +731,10 @@ def test_registry_cli_round_trip(trained_run, tmp_path, monkeypatch, capsys):
     assert json.loads(capsys.readouterr().out)["version"] == 2
     assert main(["registry", "show", "tiny:7"]) == 2
     assert "no model version tiny:7" in capsys.readouterr().err
+    early = tmp_path / "early"  # a run that crashed before its first checkpoint: nothing to register yet
+    early.mkdir()
+    (early / "config.yaml").write_text((run / "config.yaml").read_text())
+    (early / "metrics.jsonl").write_text("")
+    assert main(["registry", "add", str(early), "--name", "early"]) == 2
+    assert f"{early} holds no model yet (no checkpoint or best_model in" in capsys.readouterr().err
     assert main(["registry", "promote", "tiny", "--stage", "production"]) == 2

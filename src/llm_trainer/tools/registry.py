@@ -213,6 +213,11 @@ def collect_run_info(run_dir: str | Path, export_path: str | Path | None = None)
     config = config or {k: v for k, v in saved.items() if k in ("model", "training", "data")}
     if not config and model_path is None:
         raise UsageError(f"{run} is not a run folder: no config.yaml and no checkpoint")
+    if model_path is None and export_path is None:  # a version names a model: a run that saved none has none
+        raise UsageError(
+            f"{run} holds no model yet (no checkpoint or best_model in {ckpt_root}); register it once the run "
+            "has saved one, or pass --export with its exported model"
+        )
     metrics = _final_metrics(run)
     best_meta = _read_json(best / META) if best.is_dir() else None
     if best_meta and isinstance(best_meta.get("metrics"), dict):
