@@ -3,6 +3,7 @@ server), against the files a real tiny training run wrote, and a live run that h
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 from conftest import src_env, write_tiny_experiment
 from llm_trainer import cli
+from llm_trainer.errors import UsageError
 from llm_trainer.tools.status import format_status, run_status
 from test_object_storage import s3_server  # noqa: F401  (the local S3 server fixture)
 
@@ -107,6 +109,10 @@ def test_status_names_the_checkpoint_a_resume_takes_and_shows_no_none(finished_r
     assert (status["step"], status["tokens_seen"], status["last_losses"]) == (0, 0, [])
     text = format_status(status)
     assert "None" not in text and "step       0 / 6 (0.0%)" in text
+    with pytest.raises(
+        UsageError, match=rf"is a run's checkpoints folder; pass the run's output_dir: {re.escape(str(run))}$"
+    ):
+        run_status(str(run / "checkpoints"))
 
 
 def test_status_of_a_folder_without_a_run_is_one_line_exit_2(tmp_path, capsys):

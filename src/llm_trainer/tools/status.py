@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from ..checkpoint.find import newest_first
-from ..checkpoint.layout import CHECKPOINTS_DIR, LATEST, META, TRAIN_STATE
+from ..checkpoint.layout import CHECKPOINTS_DIR, LATEST, META, TRAIN_STATE, list_checkpoints
 from ..config import TrainingConfig
 from ..config_loader import yaml_load
 from ..errors import UsageError
@@ -188,6 +188,8 @@ def run_status(run: str) -> dict:
     config = _training_config(files)
     checkpoint = _checkpoint(_checkpoint_files(files, config))
     if text is None and checkpoint is None and not config:
+        if not files.in_store and ((Path(run) / LATEST).is_file() or list_checkpoints(Path(run))):
+            raise UsageError(f"{run} is a run's checkpoints folder; pass the run's output_dir: {Path(run).parent}")
         raise UsageError(f"{run} holds no run (no metrics.jsonl, config.yaml or checkpoints); pass a run's output_dir")
     # a row without a whole-number step is no row of a run's (another program's file, a hand edit): skipped
     rows = [r for r in rows if _int(r.get("step")) is not None or r.get("kind") == "alert"]
