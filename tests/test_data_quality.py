@@ -476,7 +476,7 @@ def test_bad_input_skipped_and_counted_when_asked(tmp_path):
 @pytest.mark.parametrize(
     "source, expected",
     [
-        (1, "lines.jsonl:2 is not valid JSON"),
+        (1, "lines.jsonl:2 is not valid JSON; fix or remove this line, or set data.on_bad_input: skip"),
         (2, "nowhere.txt not found"),
         (3, "blob.bin looks like a binary file"),
         (4, "nocol.parquet has no column 'text'"),
