@@ -297,7 +297,7 @@ def _init_from_model(asked: ModelConfig, loaded: ModelConfig) -> ModelConfig:
         warn(
             f"model.init_from {asked.init_from}: the model is the folder's, so {', '.join(unused)} here "
             f"{'does' if len(unused) == 1 else 'do'} not apply (its model_config.json says otherwise); "
-            "dropout and attention_dropout do"
+            "dropout, attention_dropout and attention_backend do"
         )
     return dataclasses.replace(loaded, init_from=asked.init_from, **runs)
 

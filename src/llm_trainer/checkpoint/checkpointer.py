@@ -306,9 +306,6 @@ class Checkpointer:
         if path is None:
             log(f"resume: no checkpoint in {self.root} yet; starting from step 0")
             return None
-        if spec == "latest" and self.dist.is_main and named_latest(self.root) != path.name:
-            point_latest(self.root, path)  # a run killed before it updated `latest`: set right once, for every reader
-        self.resumed_from = path
         if self.remote and spec == "latest" and self.dist.is_main:
             ensure_uploaded(path, self.remote, self.keep_last)
         if not (path / TRAIN_STATE).exists() and (path / CONFIG_NAME).is_file():  # best_model/, a consolidated folder
@@ -361,6 +358,9 @@ class Checkpointer:
                 f"checkpoint {path} is unusable: its random-number states are malformed ({exc})"
             ) from None
         log(f"resume: continuing from {path} (step {self.state.step}, {self.state.tokens_seen:,} tokens seen)")
+        self.resumed_from = path
+        if spec == "latest" and self.dist.is_main and named_latest(self.root) != path.name:
+            point_latest(self.root, path)  # a run killed before it updated `latest`: set right, once it is taken
         later = [p.name for p in reversed(list_checkpoints(self.root)) if step_of(p) > self.state.step]
         if later and self.dist.is_main:  # a resume from an earlier checkpoint trains those steps again
             shown = ", ".join(later[:3]) + (f" and {len(later) - 3} more" if len(later) > 3 else "")
