@@ -248,6 +248,11 @@ CASES = [
         "r.jsonl:1 has no 'text' field (its fields: 'body'); pass --text-column NAME",
     ),
     (
+        "eval --data a URL",
+        lambda t: ["eval", "--checkpoint", str(model_folder(t)), "--data", "s3://bucket/held_out.txt"],
+        "--data s3://bucket/held_out.txt is a URL; --data takes a local file: copy it here first",
+    ),
+    (
         "eval --data an archive",
         lambda t: ["eval", "--checkpoint", str(model_folder(t)), "--data", str(packed_file(t, "texts.tar.gz", b"x"))],
         "texts.tar.gz is an archive of files; unpack it and pass one of its files",

@@ -340,6 +340,20 @@ def test_train_from_a_bucket_with_checkpoints_in_it_then_resume_elsewhere(s3, tm
     assert {"config.json", "model.safetensors", "files.json"} <= {
         p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/hf-model")
     }
+    card = fs.cat(f"{bucket}/hf-model/README.md").decode()
+    assert "\n# hf-model\n" in card and 'from_pretrained("hf-model")' in card  # named as its target
+    # the shapes of a URL that would not be the one meant: refused in one line, nothing written
+    for output_dir, said in (
+        (f"s3:/{bucket}/one-slash", f"write s3://{bucket}/one-slash"),
+        (f"s3://{bucket}/runs/x/../y", "holds '.', '..' or '//' in its key"),
+    ):
+        refused = cli_in_process(["train", "--config", str(config), f"training.output_dir={output_dir}"], tmp_path)
+        _one_line_exit_2(refused, said)
+    assert not (tmp_path / "s3:").exists()
+    missing = cli_in_process(
+        ["prepare", "--config", str(config), "data.data_files=s3://no-such-bucket/corpus/"], tmp_path
+    )
+    _one_line_exit_2(missing, "the bucket 'no-such-bucket' of s3://no-such-bucket/corpus/ does not exist")
     # A new run starts from the best model in the bucket (model.init_from a URL), read as any folder.
     tuned = cli_in_process(
         [

@@ -206,6 +206,9 @@ def eval_loader(
     length = model.config.max_seq_len
     data_file, labels = data, None
     if data_file is not None:
+        buckets.Location(str(data_file)).refuse_url(
+            f"--data {data_file} is a URL; --data takes a local file: copy it here first"
+        )
         path = Path(data_file)
         if not path.is_file():
             what = "is a folder; name one file of text, JSONL or Parquet" if path.is_dir() else "not found"

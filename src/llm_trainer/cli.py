@@ -319,7 +319,8 @@ def _export_hf(path: Path, args, export_to_hf) -> int:
         check_remote_target(target.url, args.overwrite)
     else:
         check_target(Path(args.output), path, args.overwrite)  # against the checkpoint, not the temporary folder
-    with tempfile.TemporaryDirectory(prefix="export-") as folder, target.staged("export") as written:
+    staged_name = str(args.output).rstrip("/").rsplit("/", 1)[-1] or "export"  # the model card's name: the target's
+    with tempfile.TemporaryDirectory(prefix="export-") as folder, target.staged(staged_name) as written:
         save_model_folder(model, folder)
         out = export_to_hf(
             Path(folder),

@@ -24,7 +24,7 @@ import yaml
 from . import config_aliases
 from .errors import UsageError
 from .files.atomic import write_text
-from .files.buckets import is_url, join, mirror_name
+from .files.buckets import check_url_shape, is_url, join, mirror_name
 from .limits import MAX_EXECUTOR_TASKS, MAX_SPIKE_WINDOW, check_model_dimensions
 
 # ----------------------------------------------------------------------------------------------
@@ -72,8 +72,10 @@ def _conforms(value: Any, tp: Any) -> bool:
 
 def _local_path(value: str, where: str) -> str:
     """A file:// URL as the local path it names (`file:///data/x` -> `/data/x`), as every path setting
-    reads it; one of another machine (`file://host/x`) is refused. Any other value as it is."""
+    reads it; one of another machine (`file://host/x`) is refused, as a URL of another shape than it
+    reads (`buckets.check_url_shape`). Any other value as it is."""
     if not value.startswith("file://"):
+        check_url_shape(value, where)
         return value
     parts = urlsplit(value)
     if parts.netloc not in ("", "localhost"):

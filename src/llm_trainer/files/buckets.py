@@ -65,6 +65,30 @@ def _scheme(url: str) -> str:
     return url.split("://", 1)[0]
 
 
+_ONE_SLASH = re.compile(r"^(s3a?|gs|gcs|az|abfss?|adl|hf|https?|r2):/(?!/)", re.IGNORECASE)
+
+
+def check_url_shape(value: str, where: str) -> None:
+    """Refuse what reads as a store's URL but would not be taken as the one meant: `s3:/bucket/x` (one
+    slash: a local folder named `s3:`), or a URL whose key holds `.`, `..` or an empty part (`//`): a
+    store takes a key literally, so they would become part of the names written."""
+    if (match := _ONE_SLASH.match(value)) is not None:
+        scheme = match.group(1)
+        raise UsageError(
+            f"{where} {value!r} has one slash after {scheme}:, so it would be a local folder named {scheme}:; "
+            f"write {scheme}://{value[match.end() :]}"
+        )
+    if not is_url(value):
+        return
+    key = value.split("://", 1)[1].partition("/")[2]
+    parts = key.removesuffix("/").split("/") if key else []
+    if key.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        raise UsageError(
+            f"{where} {value!r} holds '.', '..' or '//' in its key, which a store would take literally as part of "
+            "the names it writes; give the URL without them"
+        )
+
+
 def is_url(path: Any) -> bool:
     """Whether `path` names a location in a store (scheme://...) rather than a local path (file:// is local)."""
     return isinstance(path, str) and bool(_URL.match(path)) and not path.startswith("file://")
@@ -534,6 +558,8 @@ def list_files(spec: str) -> tuple[list[tuple[str, dict]], bool]:
             found = fs.find(path, detail=True)
         elif fs.isfile(path):
             found = {path: fs.info(path)}
+        elif protocol in (*S3_SCHEMES, "gs", "gcs") and not fs.exists(bucket := path.split("/", 1)[0]):
+            raise FileNotFoundError(f"NoSuchBucket: {bucket}")  # (said as for every setting in a missing bucket)
         else:
             return []
         files = [(name, info) for name, info in found.items() if info.get("type") == "file"]
