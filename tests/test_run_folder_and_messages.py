@@ -351,6 +351,23 @@ def test_eval_from_another_folder_says_where_it_looked_for_the_runs_validation_d
     assert "run the command from the folder the run trained in" in err
 
 
+def test_eval_of_a_local_checkpoint_whose_validation_data_is_in_a_bucket_says_how_to_read_it(tmp_path, monkeypatch):
+    """A run prepared into s3://..., its checkpoint copied here: eval reads a store only for a checkpoint
+    in that bucket (a checkpoint's config must not lead it elsewhere), and says so, not "not prepared"."""
+    from llm_trainer.api import eval_loader
+    from llm_trainer.tokenizer import Tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    experiment = {
+        "data": {"data_files": ["x"], "cache_dir": "s3://bucket/prepared"},
+        "data_fingerprint": "0123456789abcdef",
+    }
+    with pytest.raises(UsageError, match=r"was prepared in s3://bucket/prepared, and eval reads a store only for a "):
+        eval_loader(
+            tiny_model(), Tokenizer.build_char("abc"), experiment, batch_size=2, checkpoint=str(tmp_path / "ck")
+        )
+
+
 def test_unused_embedding_rows_jsonl_eval_data_and_the_latest_pointer(tmp_path, capfd):
     config = write_tiny_experiment(tmp_path, max_steps=2, eval_steps=2)
     assert main(["train", "--config", str(config), "model.vocab_size=512"]) == 0

@@ -241,6 +241,12 @@ def eval_loader(
             # checkpoint's config may lead eval to read its run's data in that bucket, and nowhere else)
             root = Path(DataConfig.stream_cache_dir) / "validation" / buckets.mirror_name(settings.cache_dir)
             prepared = fetch_validation(settings.cache_dir, fingerprint, root)
+        if prepared is None and settings.remote_cache_dir and not buckets.same_bucket(settings.cache_dir, checkpoint):
+            raise UsageError(
+                f"the run's validation data ({fingerprint}) was prepared in {settings.cache_dir}, and eval reads a "
+                "store only for a checkpoint in the same bucket: pass --checkpoint as the run's URL there, or "
+                "--data FILE"
+            )
         if prepared is None:
             where = settings.cache_dir
             if not settings.remote_cache_dir and not Path(where).is_absolute():  # read from where the command runs
