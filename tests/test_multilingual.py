@@ -359,6 +359,37 @@ def test_only_what_reads_as_the_unknown_token_is_named_for_a_tokenizer_json_of_a
         assert "read as [UNK], which the model never saw in training: Ω" in capsys.readouterr().err
 
 
+def test_a_tokenizer_json_with_a_post_processor_and_a_unigram_unknown_exports_the_ids_it_trains_on(tmp_path):
+    """A SentencePiece-style Unigram file that adds `<s>` to every text (a LLaMA-2 post-processor) and
+    names its unknown token by id: the transformers tokenizer (and an export's) gives the ids training
+    reads, without the `<s>`; what reads as `<unk>` is named; `<|endoftext|>` is not declared unknown."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    from llm_trainer.tokenizer import Tokenizer
+
+    backend = HFTokenizer(models.Unigram())
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    backend.train_from_iterator(
+        ["hello world, this is a small corpus"] * 50,
+        trainers.UnigramTrainer(vocab_size=60, special_tokens=["<unk>", "<s>", "</s>"], unk_token="<unk>"),
+    )
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    (tmp_path / "unigram.json").write_text(backend.to_str())
+    tokenizer = Tokenizer.load(tmp_path / "unigram.json")
+    text = "hello \u041f\u0440\u0438\u0432\u0435\u0442 world"
+    ids = tokenizer.encode(text)
+    assert 1 not in ids and tokenizer.unknown_token == "<unk>" and tokenizer.unk_id in ids
+    assert tokenizer.unseen_characters(text) == {"\u041f\u0440\u0438\u0432\u0435\u0442"}
+    assert tokenizer.as_transformers()(text)["input_ids"] == ids
+    tokenizer.save_pretrained(tmp_path / "export")
+    from transformers import AutoTokenizer
+
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / "export"))
+    assert exported(text)["input_ids"] == ids and exported.unk_token != "<|endoftext|>"
+
+
 def test_characters_a_char_tokenizer_never_saw_are_named_once_where_they_are_read(tmp_path, capsys):
     """A prompt or an `eval --data` file with characters outside the char tokenizer's vocabulary: one
     warning naming them (they read as <unk>, which the model never trained on), and the command runs."""

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+from tokenizers import Tokenizer, models
 
 from ..errors import UsageError
-
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
 
 
 def require_transformers():
@@ -28,7 +26,11 @@ def require_transformers():
 
 def unknown_token(backend: Tokenizer) -> str | None:
     """The unknown token of the tokenizer's model where it has one in its vocabulary (the char
-    tokenizer's `<unk>`); None for byte-level BPE, which never needs one."""
+    tokenizer's `<unk>`, a WordPiece's `[UNK]`, a Unigram model's by its `unk_id`); None for byte-level
+    BPE, which never needs one."""
+    if isinstance(backend.model, models.Unigram):  # it names its unknown token by id, in its JSON only
+        unk_id = json.loads(backend.to_str())["model"].get("unk_id")
+        return backend.id_to_token(unk_id) if isinstance(unk_id, int) else None
     unknown = getattr(backend.model, "unk_token", None)
     return unknown if unknown and backend.token_to_id(unknown) is not None else None
 
@@ -50,9 +52,11 @@ def fast_tokenizer(backend: Tokenizer, end_of_text: str, model_max_length: int |
     padding on the right, truncation at `model_max_length` (None: no limit), and `encode_plus`."""
     tf = require_transformers()
     limit = {} if model_max_length is None else {"model_max_length": model_max_length}
-    tokenizer = tf.PreTrainedTokenizerFast(
-        tokenizer_object=backend, padding_side="right", **limit, **special_tokens(backend, end_of_text)
-    )
+    specials = special_tokens(backend, end_of_text)
+    if backend.post_processor is not None:  # the model trained on ids without what it adds (a BOS, [CLS] ... [SEP])
+        backend = Tokenizer.from_str(backend.to_str())
+        backend.post_processor = None
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, padding_side="right", **limit, **specials)
     # transformers 5 no longer has encode_plus / batch_encode_plus, which code written for 4.x calls (the
     # lesson's dataset does); in 4.x both were __call__ on one text / a batch of texts.
     for name in ("encode_plus", "batch_encode_plus"):
