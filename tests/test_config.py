@@ -544,3 +544,15 @@ def test_greater_is_better_for_a_loss_is_refused_not_ignored():
         ):
             TrainingConfig(greater_is_better=True, metric_for_best_model=metric)
     assert TrainingConfig(greater_is_better=False).greater_is_better is False
+
+
+def test_two_spellings_of_one_field_on_the_command_line_are_refused_as_in_a_file(tmp_path):
+    """`training.max_steps=1 training.max_iters=2`: the last one won silently; in a file the same pair is
+    refused. An override still replaces the file's own spelling of the field it sets."""
+    path = tmp_path / "c.yaml"
+    path.write_text("training: {max_iters: 5}\ndata: {data_files: [x]}\n")
+    with pytest.raises(
+        UsageError, match=r"command line: training.max_steps \(1\) and training.max_iters \(2\) both set"
+    ):
+        load_experiment(path, ["training.max_steps=1", "training.max_iters=2"])
+    assert load_experiment(path, ["training.max_steps=3"]).training.max_steps == 3  # over the file's max_iters

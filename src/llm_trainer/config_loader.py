@@ -192,7 +192,9 @@ def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple
         except ValueError:
             raise UsageError(f"section {section!r} in {path} must be a mapping") from None
     ours, problems = config_aliases.canonical_experiment(given, ExperimentConfig.known_fields())
-    typos = [problem for problem in problems if problem.startswith("unknown")]  # keys no config knows
+    # keys no config knows, and two spellings of one field given different values (the file's own
+    # spelling of a field an override sets is replaced by it: `set_override`)
+    typos = [problem for problem in problems if problem.startswith("unknown") or problem.endswith("; keep one")]
     if typos:
         raise UsageError(f"command line: {config_aliases.one_message(typos)}")
     try:
