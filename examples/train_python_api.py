@@ -1,4 +1,6 @@
-"""The full pipeline from Python: the same run as `llm-trainer train --config configs/tiny.yaml`.
+"""The full pipeline from Python, the three section configs built in code: a small LLaMA-style model with
+grouped-query attention and a byte-level BPE tokenizer trained on the Python standard library's sources
+(the same steps `llm-trainer train --config FILE` takes; configs/tiny.yaml is a smaller GPT-2 one).
 
 python examples/train_python_api.py
 """
