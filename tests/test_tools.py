@@ -599,8 +599,10 @@ def test_sweep_rejects_unknown_keys_before_running(tmp_path):
     config = write_tiny_experiment(tmp_path)
     space = tmp_path / "space.yaml"
     space.write_text("training.learning_rte: {type: float, low: 1e-3, high: 1e-2}\n")
-    with pytest.raises(UsageError, match="learning_rate"):
-        run_sweep(config, space, 2)
+    with pytest.raises(
+        UsageError, match=r"^search space: unknown key training\.learning_rte; did you mean .*learning_rate"
+    ):
+        run_sweep(config, space, 2)  # the search space's key, not the command line's
     assert not (tmp_path / "run" / "sweep").exists()
 
 

@@ -238,7 +238,11 @@ def check_search_space(config_path: str | Path, overrides, params: list[SearchPa
     """Wrong keys, types and values now, not in the middle of the sweep: each choice and each end of a
     range in a config of its own (the others at their first value). A refused one is named."""
     examples = [override(p.name, p.example()) for p in params]
-    load_experiment(config_path, [*overrides, *examples])  # a wrong key: the loader's own line
+    load_experiment(config_path, list(overrides))  # the command line's own overrides: said as the loader says them
+    try:
+        load_experiment(config_path, [*overrides, *examples])
+    except UsageError as error:  # a wrong key or value of the search space's: named as its, not the command line's
+        raise UsageError(f"search space: {first_line(error).removeprefix('command line: ')}") from None
     for i, param in enumerate(params):
         for value in param.bounds():
             try:
