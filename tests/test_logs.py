@@ -60,3 +60,35 @@ def test_eval_lines_are_never_glued_to_a_progress_bar_in_a_file(tmp_path):
     lines = text.splitlines()
     assert sum(line.startswith("eval  step") for line in lines) == 2
     assert sum(line.startswith("train step") for line in lines) == 2  # the bar's place: plain lines
+
+
+def test_a_line_and_its_newline_go_out_in_one_write_so_threads_never_glue_lines():
+    """A background upload's log line and the loop's training line, written from two threads: each line
+    reaches the stream in one write, so neither lands between the other's text and its newline (print()
+    writes them apart)."""
+    import io
+    import threading
+
+    from llm_trainer.logs import write_line
+
+    class Recording(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return super().write(text)
+
+    stream = Recording()
+    lines = [f"checkpoint: uploaded checkpoint-{i:08d}" for i in range(200)] + [f"train step {i}" for i in range(200)]
+    threads = [
+        threading.Thread(target=lambda part=part: [write_line(t, stream) for t in part])
+        for part in (lines[:200], lines[200:])
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(write.endswith("\n") and write.count("\n") == 1 for write in stream.writes)
+    assert sorted(stream.getvalue().splitlines()) == sorted(lines)

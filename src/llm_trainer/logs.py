@@ -44,14 +44,15 @@ def _write_above_bars(text: str) -> None:
 
 
 def write_line(text: str, stream) -> None:
-    """Print one line; a console whose reader has gone does not stop the run.
+    """Print one line, its newline in the same write; a console whose reader has gone does not stop the run.
 
     Ctrl-C on `llm-trainer train ... 2>&1 | tee log` ends `tee` as well, so the lines that follow (the
     stop's own message, the checkpoint it saves) meet a closed pipe. The stream is then pointed at
     the null device: the run saves and exits as it would on a terminal, with nothing more shown.
     """
     try:
-        print(text, file=stream, flush=True)
+        stream.write(text + "\n")  # in one write: another thread's line (a background upload's) never lands inside
+        stream.flush()
     except BrokenPipeError:
         to_null_device(stream)
 
