@@ -70,10 +70,10 @@ def _conforms(value: Any, tp: Any) -> bool:
     return isinstance(value, tp)
 
 
-def _local_path(value: str, where: str) -> str:
-    """A file:// URL as the local path it names (`file:///data/x` -> `/data/x`), as every path setting
-    reads it; one of another machine (`file://host/x`) is refused, as a URL of another shape than it
-    reads (`buckets.check_url_shape`). Any other value as it is."""
+def _path_value(value: str, where: str) -> str:
+    """A string setting as a path setting reads it: a file:// URL as the local path it names
+    (`file:///data/x` -> `/data/x`); one of another machine (`file://host/x`) is refused, as is a URL
+    of another shape than meant (`buckets.check_url_shape`). Any other value as it is."""
     if not value.startswith("file://"):
         check_url_shape(value, where)
         return value
@@ -119,9 +119,9 @@ class _Validated:
         tp = _field_types(type(self))[name]
         section = type(self).__name__
         if isinstance(value, str):
-            value = _local_path(value, f"{section}.{name}")
+            value = _path_value(value, f"{section}.{name}")
         elif isinstance(value, (list, tuple)):
-            value = [_local_path(v, f"{section}.{name}") if isinstance(v, str) else v for v in value]
+            value = [_path_value(v, f"{section}.{name}") if isinstance(v, str) else v for v in value]
         if not _conforms(value, tp):
             raise ValueError(f"{section}.{name} must be {_type_name(tp)}, got {value!r}")
         if isinstance(value, float) and not math.isfinite(value) and not (value > 0 and name in self.UNBOUNDED):

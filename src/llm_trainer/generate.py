@@ -34,7 +34,9 @@ def tokenizer_columns(logits: torch.Tensor, vocab_size: int | None) -> torch.Ten
     tokenizer has tokens (`model.vocab_size` set larger), and an id no token has is never generated."""
     if vocab_size is None or vocab_size >= logits.shape[-1]:
         return logits
-    return logits.index_fill(-1, torch.arange(vocab_size, logits.shape[-1], device=logits.device), float("-inf"))
+    masked = logits.clone()
+    masked[..., vocab_size:] = float("-inf")
+    return masked
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator) -> int:

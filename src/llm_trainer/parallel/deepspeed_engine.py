@@ -163,9 +163,14 @@ def _precision_settings(cfg: dict) -> tuple[list[Setting], list[str]]:
     return [], []
 
 
+def _optimizer_kind(name: Any) -> str:
+    """An optimizer.type as `_ADAMW_TYPES` spells them: "FusedAdam", "fused_adam" -> "fusedadam"."""
+    return str(name).lower().replace("_", "")
+
+
 def _optimizer_settings(section: dict) -> tuple[list[Setting], list[str], list[str]]:
     settings, problems, notes = [], [], []
-    kind = str(section.get("type", "AdamW")).lower().replace("_", "")
+    kind = _optimizer_kind(section.get("type", "AdamW"))
     params = section.get("params") or {}
     if kind in _ADAMW_TYPES:  # DeepSpeed's Adam is AdamW by default
         decoupled = kind == "adamw" or params.get("adam_w_mode", True) is not False
@@ -238,7 +243,7 @@ def _stands_for_ours(name: str, section: Any, training: TrainingConfig) -> list[
     if name == "scheduler":
         same = _SCHEDULES.get(kind) == ours
     else:
-        same = ours == "adamw" and str(kind).lower().replace("_", "") in _ADAMW_TYPES
+        same = ours == "adamw" and _optimizer_kind(kind) in _ADAMW_TYPES
     if same:
         return []
     return [

@@ -480,7 +480,8 @@ class Trainer:
             if self.val_loader is not None and final_eval is None and state.step > start_step and not self.stop.signal:
                 with timer.count("evaluation"):
                     final_eval = self._evaluate_and_track(full=True)
-            finishing = resuming and state.step == start_step  # a run killed after its last checkpoint, ended now
+            # a run killed after its last checkpoint, ended now (not a resume a signal stopped before its first step)
+            finishing = resuming and state.step == start_step and state.step >= self.total_steps
             if finishing and self.val_loader is not None and final_eval is None:
                 final_eval = self.evaluate(full=True)  # its summary's, as logged (and tracked) before the kill
             if finishing and last_saved is None:
