@@ -318,6 +318,24 @@ def test_an_mlflow_file_uri_tracks_the_run(tmp_path, monkeypatch):
     assert run.data.metrics["train/loss"] > 0
 
 
+def test_an_absolute_sqlite_uri_tracks_the_run_there(tmp_path):
+    """`sqlite:////abs/path.db` (four slashes: SQLAlchemy's absolute path) is a tracker's URI, not a
+    store's: its empty first part is no key, so it is taken as it is and the run is in that file."""
+    from mlflow.tracking import MlflowClient
+
+    from llm_trainer import cli
+
+    database = tmp_path / "tracking" / "m.db"
+    database.parent.mkdir()
+    uri = f"sqlite:///{database}"
+    assert uri.startswith("sqlite:////")
+    config = tiny_experiment(tmp_path, ["mlflow"], mlflow_tracking_uri=uri, max_steps=2)
+    assert cli.main(["train", "--config", str(config)]) == 0
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("llm-trainer").experiment_id])
+    assert run.data.metrics["train/loss"] > 0
+
+
 @pytest.mark.slow  # a subprocess CLI
 def test_wandb_without_a_login_is_one_line_and_leaves_no_run_behind(tmp_path):
     """No W&B key (and online mode): one line naming `wandb login` and offline mode, not wandb's

@@ -66,6 +66,9 @@ def _scheme(url: str) -> str:
 
 
 _ONE_SLASH = re.compile(r"^(s3a?|gs|gcs|az|abfss?|adl|hf|https?|r2):/(?!/)", re.IGNORECASE)
+# Schemes of object stores, whose keys are names taken literally. Another scheme's URL (a tracker's
+# `sqlite:////abs/path.db`, `http://host:5000`) is the business of the library it goes to.
+_STORE_URL = re.compile(r"^(s3a?|gs|gcs|az|abfss?|adl|hf|r2|memory)://", re.IGNORECASE)
 
 
 def check_url_shape(value: str, where: str) -> None:
@@ -78,7 +81,7 @@ def check_url_shape(value: str, where: str) -> None:
             f"{where} {value!r} has one slash after {scheme}:, so it would be a local folder named {scheme}:; "
             f"write {scheme}://{value[match.end() :]}"
         )
-    if not is_url(value):
+    if not _STORE_URL.match(value):
         return
     key = value.split("://", 1)[1].partition("/")[2]
     parts = key.removesuffix("/").split("/") if key else []
