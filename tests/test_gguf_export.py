@@ -375,6 +375,14 @@ def test_an_existing_file_is_kept_without_overwrite_and_replaced_with_it(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.gguf"]
     with pytest.raises(UsageError, match="is a folder"):
         export_to_gguf(folder, tmp_path, overwrite=True)
+    # a link to a file on another disk: the file it names gets the export, the link stays
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (disk / "model.gguf").write_bytes(b"an older export")
+    (tmp_path / "linked.gguf").symlink_to(disk / "model.gguf")
+    export_to_gguf(folder, tmp_path / "linked.gguf", overwrite=True)
+    assert (tmp_path / "linked.gguf").is_symlink() and read_fields(disk / "model.gguf")["general.architecture"] == "llama"
+    assert sorted(p.name for p in disk.iterdir()) == ["model.gguf"]
 
 
 def test_a_gpt2_with_exact_gelu_exports_with_a_note_on_llama_cpps_approximation(tmp_path, capsys):

@@ -277,7 +277,7 @@ def test_model_card_and_overwrite_rules(tmp_path, capsys):
 
 def test_overwrite_keeps_a_folders_mode_and_never_replaces_a_checkpoint(tmp_path):
     """--overwrite onto a private folder leaves it private, and a run's checkpoint (its meta.json) is
-    refused whatever the flag, untouched. (A link is replaced, its target kept: test_lost_data.)"""
+    refused whatever the flag, untouched. (A link is written through, to its target: test_lost_data.)"""
     source = saved(our_model(architecture="gpt2"), tmp_path / "ours")
     private = tmp_path / "private"
     private.mkdir()

@@ -258,15 +258,24 @@ def test_an_overwrite_killed_between_the_two_renames_loses_nothing(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_an_output_that_is_a_symlink_is_replaced_and_its_target_kept(tmp_path):
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    write(elsewhere, OLD)
+def test_an_output_that_is_a_symlink_is_written_at_its_target(tmp_path):
+    """An export folder linked to another disk: the new version goes where the link points, with the
+    user's other files there kept, and the link stays (a rename onto it would replace the link and
+    leave the export on the wrong disk)."""
+    elsewhere = tmp_path / "disk" / "exports"
+    elsewhere.mkdir(parents=True)
+    write(elsewhere, {**OLD, "notes.txt": "mine"})
     (tmp_path / "export").symlink_to(elsewhere)
     publish(tmp_path / "export", lambda tmp: write(tmp, NEW), source=tmp_path / "source", overwrite=True)
-    assert not (tmp_path / "export").is_symlink() and contents(tmp_path / "export") == {**NEW}
-    assert contents(elsewhere) == OLD
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert (tmp_path / "export").is_symlink() and (tmp_path / "export").resolve() == elsewhere
+    assert contents(elsewhere) == {**NEW, "notes.txt": "mine"}
+    assert not [p for p in [*tmp_path.iterdir(), *elsewhere.parent.iterdir()] if p.name.startswith(".")]
+    # an empty linked folder is filled, no overwrite needed
+    empty = tmp_path / "disk" / "empty"
+    empty.mkdir()
+    (tmp_path / "fresh").symlink_to(empty)
+    publish(tmp_path / "fresh", lambda tmp: write(tmp, NEW), source=tmp_path / "source", overwrite=False)
+    assert (tmp_path / "fresh").is_symlink() and contents(empty) == NEW
 
 
 def test_a_run_whose_folder_is_deleted_mid_way_says_so_and_keeps_what_comes_after(tmp_path, capsys):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..errors import UsageError, first_line
 from ..files import buckets
-from ..files.atomic import move_into_place, temporary_folder
+from ..files.atomic import move_into_place, temporary_folder, through_link
 from ..files.checksums import file_checksum
 from ..files.disk import disk_full, writable_folder
 from ..files.folder_files import META
@@ -91,8 +91,9 @@ def publish(
     overwrite: bool,
     overwrite_hint: str = "pass --overwrite",
 ) -> Path:
-    """Build the folder with `build(tmp)`, then put it at `output` as the module docstring says."""
-    output = Path(output)
+    """Build the folder with `build(tmp)`, then put it at `output` as the module docstring says (a symlink:
+    at its target, `through_link`)."""
+    output = through_link(Path(output))
     # a killed export's leftovers only, before the check
     remove_stale(output.absolute().parent, names={output.name}, writes="export")
     check_target(output, source, overwrite, overwrite_hint)

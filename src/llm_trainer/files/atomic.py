@@ -90,6 +90,13 @@ def _new_file(path: str, flags: int) -> int:
     return no_follow(path, flags | os.O_EXCL)
 
 
+def through_link(path: Path) -> Path:
+    """Where a new version of `path` is put: a symlink's target, so the link stays and what it names gets
+    the new version (as `cp` writes through one), where a rename onto the link would replace the link
+    and leave its target as it was. Any other path as it is."""
+    return path.resolve() if path.is_symlink() else path
+
+
 TEMPORARY_FILES = ".*.tmp-*"  # the names `temporary_file` gives, as a pattern (fnmatch, Path.glob)
 
 

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 from ..errors import StoreFull, UsageError, first_line
 from ..limits import parse_json
 from ..logs import warn
-from .atomic import move_into_place, put_in_place, temporary_folder
+from .atomic import move_into_place, put_in_place, temporary_folder, through_link
 from .checksums import file_checksum
 from .disk import lock_exclusive, lock_shared
 from .folder_files import plain_name
@@ -129,10 +129,11 @@ class Location:
 
     @contextmanager
     def staged(self, name: str) -> Iterator[Path]:
-        """What a writer fills: `where` itself, or for a URL the path `name` in a temporary local folder,
-        removed when the block ends (the writer uploads it before that: `put_file`, `put_folder`)."""
+        """What a writer fills: `where` itself (a symlink's target: `atomic.through_link`), or for a URL the
+        path `name` in a temporary local folder, removed when the block ends (the writer uploads it before
+        that: `put_file`, `put_folder`)."""
         if self.url is None:
-            yield Path(self.where)
+            yield through_link(Path(self.where))
             return
         with tempfile.TemporaryDirectory(prefix="upload-") as folder:
             yield Path(folder) / name
