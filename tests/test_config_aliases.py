@@ -69,6 +69,33 @@ def test_nanogpt_and_hf_names_are_aliases_and_conflicts_are_reported(tmp_path):
         load_experiment(path)
 
 
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ("bf16: false, fp16: false", (False, "bfloat16")),  # HF's float32
+        ("bf16: false", (False, "bfloat16")),  # HF's fp16 defaults to false
+        ("bf16: false, fp16: true", (True, "float16")),  # the true one decides; no conflict
+        ("fp16: false, bf16: true", (True, "bfloat16")),
+        ("bf16: false, use_amp: true", (True, "bfloat16")),  # our own field wins over a false flag
+        ("amp_dtype: float16", (True, "float16")),  # a dtype named beside use_amp: auto is that dtype
+        ("use_amp: false, amp_dtype: float16", (False, "float16")),
+    ],
+)
+def test_hf_precision_flags_and_a_named_dtype_run_as_asked_on_any_device(tmp_path, monkeypatch, flags, expected):
+    """An HF config's `bf16: false` (with no `fp16: true`) trains in float32 as HF does, not in what
+    `use_amp: auto` would pick; `amp_dtype: float16` is never replaced by bf16. On a CPU that computes
+    bf16 natively, where auto alone is bf16."""
+    from llm_trainer import resolve
+
+    monkeypatch.setattr(resolve, "cpu_computes_bf16", lambda: True)
+    path = tmp_path / "hf.yaml"
+    path.write_text(f"training: {{{flags}}}\ndata: {{data_files: [x]}}\n")
+    decided = resolve.resolve_amp(load_experiment(path).training, torch.device("cpu"))
+    assert (decided.use_amp, decided.amp_dtype) == expected
+    auto = resolve.resolve_amp(TrainingConfig(), torch.device("cpu"))
+    assert (auto.use_amp, auto.amp_dtype) == (True, "bfloat16")  # the default, for contrast
+
+
 def test_constructors_take_the_names_a_file_takes_and_a_wrong_one_names_the_closest():
     """`ModelConfig(hidden_size=768, ...)` as transformers users type it: the alias table, as in YAML."""
     config = ModelConfig(

@@ -381,7 +381,9 @@ def test_an_existing_file_is_kept_without_overwrite_and_replaced_with_it(tmp_pat
     (disk / "model.gguf").write_bytes(b"an older export")
     (tmp_path / "linked.gguf").symlink_to(disk / "model.gguf")
     export_to_gguf(folder, tmp_path / "linked.gguf", overwrite=True)
-    assert (tmp_path / "linked.gguf").is_symlink() and read_fields(disk / "model.gguf")["general.architecture"] == "llama"
+    assert (tmp_path / "linked.gguf").is_symlink() and read_fields(disk / "model.gguf")[
+        "general.architecture"
+    ] == "llama"
     assert sorted(p.name for p in disk.iterdir()) == ["model.gguf"]
 
 

@@ -49,8 +49,17 @@ MODEL: dict[str, str] = {
 }
 
 
+class Fallback:
+    """A value a spelling sets only where nothing else sets the field: HF's `bf16: false` means float32
+    unless its `fp16: true` (or our `use_amp`) says otherwise, and is then no conflict."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 def _precision(dtype: str) -> Expand:
-    """HF's `fp16: true` / `bf16: true`: mixed precision in that dtype (false: nothing to set)."""
+    """HF's `fp16: true` / `bf16: true`: mixed precision in that dtype. `false` is float32, as in HF, where
+    no other setting turns mixed precision on (`Fallback`), rather than left to `use_amp: auto`."""
 
     def expand(value: Any) -> Iterator[tuple[str, Any]]:
         if not isinstance(value, bool):
@@ -58,6 +67,8 @@ def _precision(dtype: str) -> Expand:
         if value:
             yield "use_amp", True
             yield "amp_dtype", dtype
+        else:
+            yield "use_amp", Fallback(False)
 
     return expand
 
@@ -231,8 +242,17 @@ class _Fields:
         self.values: dict[str, Any] = {}
         self.spelled: dict[str, str] = {}
         self.problems: list[str] = []
+        self.fallbacks: set[str] = set()  # fields whose value is a `Fallback`'s, which any other replaces
 
     def set(self, field: str, value: Any, spelled: str, target: str) -> None:
+        if isinstance(value, Fallback):
+            if field not in self.values:
+                self.values[field], self.spelled[field] = value.value, spelled
+                self.fallbacks.add(field)
+            return
+        if field in self.fallbacks:
+            self.fallbacks.discard(field)
+            del self.values[field], self.spelled[field]
         if field in self.values and self.values[field] != value:
             self.problems.append(
                 f"{self.spelled[field]} ({self.values[field]!r}) and {spelled} ({value!r}) both set "

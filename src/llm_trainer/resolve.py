@@ -156,9 +156,13 @@ def resolve_training(training: TrainingConfig) -> TrainingConfig:
 
 
 def resolve_amp(training: TrainingConfig, device: torch.device) -> TrainingConfig:
-    """`use_amp: auto` decided for `device`: bf16 autocast where it computes bf16 natively, else float32."""
+    """`use_amp: auto` decided for `device`: bf16 autocast where it computes bf16 natively, else float32.
+    An `amp_dtype: float16` asked for beside it is float16 autocast on any device: auto chooses for the
+    bf16 default only, and a dtype the user named is never replaced by another."""
     if training.use_amp != "auto":
         return training
+    if training.amp_dtype == "float16":
+        return dataclasses.replace(training, use_amp=True)
     return dataclasses.replace(training, use_amp=native_bf16(device), amp_dtype="bfloat16")
 
 
