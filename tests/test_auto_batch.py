@@ -75,6 +75,19 @@ def test_the_probe_step_measures_the_pick_and_what_it_keeps_fits():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kv_heads", [12, 4, 1])
+def test_the_probe_step_runs_a_model_of_any_head_layout(kv_heads):
+    """The probe's warm-up model takes the model's settings with a small shape of its own: a model of 12
+    heads (the small preset's), with its key/value heads written out, grouped or one, is probed."""
+    from llm_trainer.train.batch_size import measure_peak
+
+    config = ModelConfig(architecture="llama", d_model=96, n_heads=12, n_kv_heads=kv_heads, n_layers=1, vocab_size=64)
+    model = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "init_from"}
+    run = {"batch_size": 2, "max_steps": 1, "use_amp": False, "device": "cpu"}
+    assert measure_peak(model, run, 32)["peak_bytes"] > 0
+
+
+@pytest.mark.slow
 def test_auto_in_a_run_keeps_batch_x_accumulation_x_world(tmp_path, capfd, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = write_tiny_experiment(tmp_path, batch_size="auto", total_batch_tokens=24 * 12, max_steps=1, use_amp=False)

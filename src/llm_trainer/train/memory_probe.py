@@ -73,7 +73,11 @@ def _probe(spec: dict) -> dict:
 
     # A one-step run of a tiny model first: the imports and one-time set-up of every code path the
     # measured run takes (optimizer, autograd, kernels) are then already in the baseline.
-    warm = ModelConfig(**{**spec["model"], "d_model": 16, "n_heads": 2, "n_layers": 1, "vocab_size": 64})
+    # Its heads: two of 16 dimensions (FlexAttention's least), sharing one key/value head where the model's
+    # heads share them, so that the grouped-query path is the one set up.
+    grouped = model_config.n_kv_heads is not None and model_config.n_kv_heads < model_config.n_heads
+    shape = {"d_model": 32, "n_heads": 2, "n_kv_heads": 1 if grouped else 2, "d_ff": None, "n_layers": 1}
+    warm = ModelConfig(**{**spec["model"], **shape, "vocab_size": 64})
     warm_training = TrainingConfig(**{**values, "max_steps": 1, "output_dir": tempfile.mkdtemp()})
     warm_batches = [(t[:, :16] % 64, t[:, 1:17] % 64) for t, _ in batches[:1]]
     Trainer(Transformer(warm), warm_training, train_dataloader=warm_batches).train()
