@@ -370,7 +370,7 @@ def test_near_dedup_memory_per_document_is_bounded():
 # sources: mixture, include/exclude, formats, bad input
 
 
-def test_mixture_weights_hold_within_sampling_error(tmp_path):
+def test_mixture_weights_hold_within_sampling_error(tmp_path, capsys):
     a = write_jsonl(tmp_path / "a.jsonl", [f"a{i}" for i in range(3000)])
     b = write_jsonl(tmp_path / "b.jsonl", [f"b{i}" for i in range(3000)])
     sources = [{"name": "a", "data_files": str(a), "weight": 3}, {"name": "b", "data_files": str(b), "weight": 1}]
@@ -391,6 +391,15 @@ def test_mixture_weights_hold_within_sampling_error(tmp_path):
     assert sorted(documents(everything)) == sorted([f"a{i}" for i in range(3000)] + [f"b{i}" for i in range(3000)])
     per_source = report(everything)["sources"]
     assert per_source["a"]["documents_out"] == per_source["b"]["documents_out"] == 3000
+    # there the weights changed nothing the loader's shuffle keeps, and the prepare said so, once
+    said = [line for line in capsys.readouterr().err.splitlines() if "do not change what is trained" in line]
+    assert said == [
+        "warning: data.sources' weights (a 3, b 1) do not change what is trained: with data.mixture_stopping: "
+        "all_exhausted (the default) every document of every source is used once, and the training order is "
+        "shuffled; set data.mixture_stopping: first_exhausted for the weights to hold to the end (the draw stops "
+        "when one source runs out, the rest of the others unused), or data.max_documents to draw that many by "
+        "weight"
+    ]
 
 
 def test_include_exclude_globs(tmp_path):

@@ -16,10 +16,11 @@ from ...config import DataConfig
 from ...errors import UsageError
 from ...files import buckets
 from ...files.disk import disk_full, lock_exclusive
-from ...logs import log
+from ...logs import log, warn
 from ...tokenizer import Tokenizer
 from ..batches.stream import CHUNK_FOLDER, CHUNKS, StreamedData, chunk_record_problem, write_chunk_record
 from ..format import MANIFEST, PreparedData, manifest_problem
+from ..text.mixture import weights_without_effect
 from ..text.sources import one_listing
 from .build import Build, data_fingerprint
 from .executors import prepare_with_executor
@@ -103,6 +104,8 @@ def prepare_data(config: DataConfig) -> PreparedData:
     """Build (or reuse, or resume) the token files for `config` (the folder's files: `data.format`). Each
     folder, pattern and store URL of the data is listed once for all of it (`sources.one_listing`)."""
     config.check_source()
+    if (unweighted := weights_without_effect(config)) is not None:
+        warn(unweighted)
     with one_listing():
         if config.remote_cache_dir:
             return _prepare_in_store(config)

@@ -8,16 +8,22 @@ replay the same stream and resume.
 When one source runs out, `first_exhausted` stops (the weights hold to the end, the rest of the other
 sources is unused) and `all_exhausted` goes on with the remaining sources (every document is used
 once; the weights hold until the first source ends). Sources are never repeated: deduplication would
-remove the repeats anyway.
+remove the repeats anyway. So under `all_exhausted` the weights order the documents and decide which
+ones a `data.max_documents` limit keeps, but not which are trained on: the loader shuffles the whole
+split (`weights_without_effect` says so when that is the case).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .sources import Document
+
+if TYPE_CHECKING:
+    from ...config import DataConfig
 
 _BLOCK = 4096  # draws made at once; a source running out discards the rest of its block
 
@@ -43,3 +49,22 @@ def interleave(
                     return
                 active.remove(i)
                 break  # draw again with the remaining sources' weights
+
+
+def weights_without_effect(config: DataConfig) -> str | None:
+    """A warning when `data.sources` gives its sources different weights that cannot change what is trained:
+    every document is used once (`all_exhausted`, no `max_documents` to cut the draw short), and the
+    loader's shuffle undoes the order they drew. None otherwise."""
+    sources = config.sources or []
+    if len({source.weight for source in sources}) <= 1:
+        return None
+    if config.mixture_stopping != "all_exhausted" or config.max_documents is not None:
+        return None
+    weights = ", ".join(f"{source.name} {source.weight:g}" for source in sources)
+    return (
+        f"data.sources' weights ({weights}) do not change what is trained: with data.mixture_stopping: "
+        "all_exhausted (the default) every document of every source is used once, and the training order is "
+        "shuffled; set data.mixture_stopping: first_exhausted for the weights to hold to the end (the draw "
+        "stops when one source runs out, the rest of the others unused), or data.max_documents to draw that "
+        "many by weight"
+    )
