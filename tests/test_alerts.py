@@ -468,6 +468,46 @@ def test_a_crash_raises_one_alert_with_its_one_line_reason(hook, tmp_path):
     assert hook.bodies()[-1]["event"] == "crashed"
 
 
+@pytest.mark.parametrize(
+    ("environment", "alerts", "said"),
+    [
+        (
+            {},
+            f"{{webhook_env: {HOOK_ENV}}}",
+            f"training.alerts.webhook_env cannot be sent to: the environment variable {HOOK_ENV} is not set; export {HOOK_ENV}=<the webhook's URL> before the run, or remove alerts.webhook_env",
+        ),
+        (
+            {HOOK_ENV: f"hooks.example.com/{SECRET}"},
+            f"{{webhook_env: {HOOK_ENV}}}",
+            f"${HOOK_ENV} does not hold an http:// or https:// URL",
+        ),
+        ({}, "{email_to: [ops@example.org]}", "training.alerts.email_to cannot be sent to: LLMT_SMTP_HOST is not set"),
+        (
+            {"LLMT_SMTP_HOST": "127.0.0.1", "LLMT_SMTP_PORT": "smtp"},
+            "{email_to: [ops@example.org]}",
+            "LLMT_SMTP_PORT must be a port number, got 'smtp'",
+        ),
+    ],
+)
+def test_a_destination_that_could_never_be_sent_to_is_refused_before_the_run(
+    tmp_path, monkeypatch, capsys, environment, alerts, said
+):
+    """Known at the start, not at the first alert (in a healthy run, its end): one line, exit 2, no step
+    trained and nothing written; the hook's secret never quoted."""
+    from conftest import write_tiny_experiment
+    from llm_trainer import cli
+
+    for name in (HOOK_ENV, "LLMT_SMTP_HOST", "LLMT_SMTP_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    config = write_tiny_experiment(tmp_path)
+    assert cli.main(["train", "--config", str(config), f"training.alerts={alerts}"]) == 2
+    err = capsys.readouterr().err
+    assert said in err.strip().splitlines()[-1] and SECRET not in err
+    assert not list(tmp_path.rglob("metrics.jsonl")) and not list(tmp_path.rglob("checkpoint-*"))
+
+
 def test_alert_rows_survive_a_resume_that_replays_their_steps(tmp_path):
     from llm_trainer.train.metrics import JsonlLogger
 

@@ -47,7 +47,7 @@ from email.message import EmailMessage
 from pathlib import Path
 
 from ..config import AlertsConfig
-from ..errors import StoreFull, first_line
+from ..errors import StoreFull, UsageError, first_line
 from ..logs import log, warn
 from .rows import AlertRow
 
@@ -207,11 +207,7 @@ class Alerter:
     def _post_webhook(self, row: dict) -> None:
         config = self.config
         assert config is not None and config.webhook_env
-        url = os.environ.get(config.webhook_env)
-        if not url:
-            raise _Permanent(f"the environment variable {config.webhook_env} is not set")
-        if urllib.parse.urlsplit(url).scheme not in ("http", "https"):  # said without the URL: it holds a secret
-            raise _Permanent(f"${config.webhook_env} does not hold an http:// or https:// URL")
+        url = _webhook_url(config.webhook_env)
         text = self.text(row)
         body = {"text": text, "content": text[:2000], "event": row["event"], "step": row["step"], "run": self.run_name}
         request = urllib.request.Request(
@@ -232,10 +228,7 @@ class Alerter:
     def _send_email(self, row: dict) -> None:
         config = self.config
         assert config is not None and config.email_to
-        host = os.environ.get("LLMT_SMTP_HOST")
-        if not host:
-            raise _Permanent("LLMT_SMTP_HOST is not set")
-        port = int(os.environ.get("LLMT_SMTP_PORT") or 25)
+        host, port = _smtp_server()
         message = EmailMessage()
         message["Subject"] = f"[llm-trainer] {self.run_name}: {row['event']} at step {row['step']}"
         message["From"] = os.environ.get("LLMT_SMTP_FROM") or "llm-trainer@localhost"
@@ -281,6 +274,50 @@ class Alerter:
 
 class _Permanent(Exception):
     """A destination's failure that another try would repeat (unset variable, a hook that refuses)."""
+
+
+def _webhook_url(variable: str) -> str:
+    """The webhook's URL from the environment variable `variable`, or `_Permanent` saying what is wrong
+    with it (never quoting it: the URL holds a secret)."""
+    url = os.environ.get(variable)
+    if not url:
+        raise _Permanent(f"the environment variable {variable} is not set")
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        raise _Permanent(f"${variable} does not hold an http:// or https:// URL")
+    return url
+
+
+def _smtp_server() -> tuple[str, int]:
+    """(host, port) of the SMTP server from LLMT_SMTP_HOST and LLMT_SMTP_PORT (25), or `_Permanent`."""
+    host = os.environ.get("LLMT_SMTP_HOST")
+    if not host:
+        raise _Permanent("LLMT_SMTP_HOST is not set")
+    port = os.environ.get("LLMT_SMTP_PORT") or "25"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise _Permanent(f"LLMT_SMTP_PORT must be a port number, got {port!r}")
+    return host, int(port)
+
+
+def check_destinations(config: AlertsConfig | None) -> None:
+    """Refuse, before the run, destinations that could never be sent to: the webhook's variable unset or
+    not a URL, `email_to` without a server. A long run would otherwise learn it at its first alert, often
+    its end, having had no alerts all along."""
+    if config is None:
+        return
+    checks = []
+    if config.webhook_env:
+        fix = f"export {config.webhook_env}=<the webhook's URL> before the run"
+        checks.append(("webhook_env", lambda: _webhook_url(config.webhook_env), fix))
+    if config.email_to:
+        fix = "export LLMT_SMTP_HOST (and LLMT_SMTP_PORT, LLMT_SMTP_USER, LLMT_SMTP_PASSWORD) before the run"
+        checks.append(("email_to", _smtp_server, fix))
+    for setting, check, fix in checks:
+        try:
+            check()
+        except _Permanent as exc:
+            raise UsageError(
+                f"training.alerts.{setting} cannot be sent to: {exc}; {fix}, or remove alerts.{setting}"
+            ) from None
 
 
 class StallWatchdog:

@@ -38,7 +38,7 @@ from ..parallel.parallelize import parallelize
 from ..pipeline import experiment_from, prepare_run
 from ..resolve import ResolvedRun, native_bf16, resolve_for_model, seed_everything
 from ..tokenizer import tokenizer_json
-from .alerts import Alerter, StallWatchdog, ThroughputWatch
+from .alerts import Alerter, StallWatchdog, ThroughputWatch, check_destinations
 from .batch_size import auto_batch_size
 from .batches import as_loader
 from .callbacks import Callback
@@ -120,6 +120,7 @@ class Trainer:
             raise UsageError("config differs from the resolved run's training config; pass the run alone")
         self.run = run
         self.config = config = run.training
+        check_destinations(config.alerts)  # a run without the alerts it asked for would not know until its first
         self.dist, self.device, self.amp_dtype = run.dist, run.device, run.amp_dtype
         seed_everything(config.seed)  # before parallelize: a meta-device model is initialised there
         self.tokenizer = tokenizer
