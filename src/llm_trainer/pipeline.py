@@ -49,7 +49,6 @@ from .resolve import (
     setup_runtime,
 )
 from .tokenizer import TOKENIZER_FILE, Tokenizer, vocabulary_mismatch
-from .train.alerts import check_destinations
 
 
 def build_model(config: ModelConfig, *, meta: bool = False) -> Transformer:
@@ -229,8 +228,6 @@ def prepare_run(
         if tokenizer_file.is_file():  # continued pretraining keeps the model's own tokenizer
             experiment = _replace_section(experiment, "data", tokenizer=str(tokenizer_file))
     experiment.data.check_source()  # on every rank, before any process waits for rank 0 to prepare
-    if not local:  # a training run's alerts can reach someone: known before its data is prepared
-        check_destinations(experiment.training.alerts)
     experiment = resolve_experiment(experiment)
     runtime = local_runtime(experiment.training) if local else setup_runtime(experiment.training)
     if experiment.training.float8:  # before the data is prepared: minutes, for a run that cannot start

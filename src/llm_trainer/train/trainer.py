@@ -198,9 +198,9 @@ class Trainer:
         loaders. Takes the three configs, an `ExperimentConfig`, or a config file's path. The run
         writes its config.yaml and tokenizer into the output folder as the loop starts, and its plots
         when it ends."""
-        ready = prepare_run(
-            experiment_from(model_config, training_config, data_config), pick_batch_size=auto_batch_size
-        )
+        experiment = experiment_from(model_config, training_config, data_config)
+        check_destinations(experiment.training.alerts)  # before the data is prepared, which may take hours
+        ready = prepare_run(experiment, pick_batch_size=auto_batch_size)
         run, tokenizer = ready.run, ready.prepared.tokenizer
         train_loader, val_loader = ready.loaders()
         output = run.training.local_output_dir
