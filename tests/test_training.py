@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import tiny_loaders, tiny_model_config
+from conftest import tiny_loaders, tiny_model, tiny_model_config
 from llm_trainer.config import TrainingConfig
 from llm_trainer.data.batches.loader import BatchLoader, DocumentRows, WindowRows
 from llm_trainer.generate import generate
@@ -251,6 +251,71 @@ def test_users_own_model_and_dataloader(tmp_path):
     wrapped.forward = forward
     tuples = [(r[:, :-1], r[:, 1:]) for r in rows.split(8)]
     Trainer(wrapped, _training(tmp_path / "b", max_steps=4), train_dataloader=tuples).train()
+
+
+def test_a_models_output_is_read_in_every_form_transformers_and_users_return(tmp_path, capsys):
+    """Logits as a tensor, a dict, an object, or a transformers ModelOutput give one loss; a loss beside
+    the logits is not what trains (the Trainer passes no labels) and says so once; a tuple, or a dict
+    with neither, is one line naming what is taken, before any step."""
+    from llm_trainer.errors import UsageError
+    from llm_trainer.train.evaluate import read_output
+
+    class Bigram(nn.Module):
+        def __init__(self, wrap):
+            super().__init__()
+            torch.manual_seed(0)
+            self.table, self.wrap = nn.Embedding(61, 61), wrap
+
+        def forward(self, x):
+            return self.wrap(self.table(x))
+
+    rows = torch.from_numpy(_tokens(2000).astype(np.int64)[: 32 * 16].reshape(32, 16))
+    batches = [(r[:, :-1], r[:, 1:]) for r in rows.split(8)]
+
+    def losses(wrap, name):
+        trainer = Trainer(Bigram(wrap), _training(tmp_path / name, max_steps=3), train_dataloader=batches)
+        trainer.train()
+        rows = [json.loads(line) for line in open(tmp_path / name / "run" / "metrics.jsonl")]
+        return [row["loss"] for row in rows if row.get("kind") == "train"]
+
+    transformers = pytest.importorskip("transformers")
+    plain = losses(lambda logits: logits, "tensor")
+    assert losses(lambda logits: {"logits": logits}, "dict") == plain
+    assert losses(lambda logits: transformers.modeling_outputs.CausalLMOutput(logits=logits), "hf") == plain
+    capsys.readouterr()
+    both = losses(lambda logits: {"logits": logits, "loss": torch.tensor(123.0)}, "both")
+    assert both == plain  # the model's own loss is not what trains, and that is said
+    assert capsys.readouterr().err.count("the model's own loss is not used") <= 1  # once a process
+    read_output.__globals__["_say_loss_unused"].cache_clear()
+    read_output({"logits": torch.zeros(1), "loss": torch.zeros(())})
+    assert "the model's own loss is not used" in capsys.readouterr().err
+    for returned, said in (((torch.zeros(1),), "tuple"), ({"hidden": torch.zeros(1)}, "dict")):
+        with pytest.raises(UsageError, match=rf"^the model returned {said}: the Trainer takes its logits"):
+            Trainer(
+                Bigram(lambda _, r=returned: r),
+                _training(tmp_path / f"bad-{said}", max_steps=2),
+                train_dataloader=batches,
+            ).train()
+        assert not (tmp_path / f"bad-{said}" / "run" / "checkpoints").exists()
+
+
+def test_a_callback_stops_the_run_through_its_stop_request(tmp_path):
+    """`trainer.stop.request(reason)` from a callback (the README's way): the run ends after that step,
+    saved and evaluated, and its summary and status say why."""
+    from llm_trainer.tools.status import run_status
+
+    class EnoughAtFour(Callback):
+        def on_step_end(self, trainer, row):
+            if row["step"] == 4:
+                trainer.stop.request("the loss is good enough")
+
+    train, val = tiny_loaders()
+    config = _training(tmp_path, max_steps=20, save_steps=0, eval_steps=0)
+    trainer = Trainer(tiny_model(), config, train_dataloader=train, val_dataloader=val, callbacks=[EnoughAtFour()])
+    summary = trainer.train()
+    assert (summary["step"], summary["stopped_early"]) == (4, "the loss is good enough") and "val_loss" in summary
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("checkpoint-*")] == ["checkpoint-00000004"]
+    assert run_status(str(tmp_path / "run"))["state"] == "stopped early: the loss is good enough"
 
 
 @pytest.mark.parametrize("generator", [False, True], ids=["global-random-state", "own-generator"])

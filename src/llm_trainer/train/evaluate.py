@@ -2,20 +2,45 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from ..data.batches.loader import IGNORE_INDEX
-from ..logs import Progress
+from ..errors import UsageError
+from ..logs import Progress, warn
 from ..model import Transformer
 
 
-def logits_of(output) -> torch.Tensor:
-    """Our model returns logits; Hugging Face style models return an object with `.logits`."""
-    return output if isinstance(output, torch.Tensor) else output.logits
+def read_output(output) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(logits, loss) of what a model of the user's returned: logits (B, T, V) as a tensor, or an object
+    or mapping with `logits` (a transformers `ModelOutput` is both), or with only a mean `loss`. The
+    Trainer computes the loss from logits itself (it passes no labels), so a `loss` beside them is not
+    used, and said once. Anything else is refused in one line naming what is taken."""
+    if isinstance(output, torch.Tensor):
+        return output, None
+    field = output.get if isinstance(output, Mapping) else (lambda name: getattr(output, name, None))
+    logits, loss = field("logits"), field("loss")
+    if logits is None and loss is None:
+        raise UsageError(
+            f"the model returned {type(output).__name__}: the Trainer takes its logits (batch, positions, "
+            "vocabulary) as a tensor, or an object or dict with `logits` (or with only a mean `loss`)"
+        )
+    if logits is not None and loss is not None:
+        _say_loss_unused()
+    return logits, loss
+
+
+@functools.cache
+def _say_loss_unused() -> None:
+    warn(
+        "the model returns both logits and a loss: the Trainer trains on the cross-entropy of the logits "
+        "against its next-token targets (it passes the model no labels), so the model's own loss is not "
+        "used; to train on a loss of your own, return it alone (an object or dict with only `loss`)"
+    )
 
 
 def computes_loss(model: torch.nn.Module) -> bool:
@@ -51,12 +76,17 @@ def batch_nll(
         parts = {} if positions is None else {"positions": positions}
         return model(inputs, targets=targets, reduction=reduction, **documents, **parts)
     assert positions is None, "only our Transformer takes a share of each row's positions"
-    output = model(inputs, **documents)
+    logits, loss = read_output(model(inputs, **documents))
+    if logits is None:
+        if reduction == "none":
+            raise UsageError(
+                "the model returns only a mean loss, and a loss per target token (each source's loss of a "
+                "mixture) needs its logits: return them too"
+            )
+        return loss * (targets != IGNORE_INDEX).sum()
     if reduction == "none":
-        return _per_token_nll(logits_of(output), targets)
-    if isinstance(output, torch.Tensor) or getattr(output, "logits", None) is not None:
-        return summed_nll(logits_of(output), targets)
-    return output.loss * (targets != IGNORE_INDEX).sum()
+        return _per_token_nll(logits, targets)
+    return summed_nll(logits, targets)
 
 
 def _per_token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
