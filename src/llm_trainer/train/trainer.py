@@ -88,8 +88,8 @@ class Every:
 
 class Trainer:
     """Trains any `nn.Module` that returns logits (or an object or dict with `logits`, or only `loss`:
-    `evaluate.read_output`) on any
-    iterable of batches; `llm_trainer.train` builds everything from an experiment config instead.
+    `evaluate.read_output`) on any iterable of batches; `llm_trainer.train` builds everything from an
+    experiment config instead.
 
     `config`: a `TrainingConfig`, or a dict of its fields (other frameworks' names too; keys it does
     not know are listed once and kept out). `run`: a `ResolvedRun` (`llm_trainer.resolve`), as the
