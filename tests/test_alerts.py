@@ -642,6 +642,8 @@ def test_non_finite_steps_raise_an_alert_and_the_stop_is_the_crash_reason(hook, 
     alerts = [r for r in _rows(tmp_path / "run") if r["kind"] == "alert"]
     assert [r["event"] for r in alerts] == ["non_finite", "crashed"]  # rate-limited: one non_finite
     assert alerts[0]["step"] == 4 and "steps in a row had a non-finite loss" in alerts[1]["message"]
+    # the fixes named are those this run can use: it clips already and does not run in float16
+    assert alerts[1]["message"].endswith("is untouched. Lower training.learning_rate"), alerts[1]["message"]
 
 
 def test_throughput_below_the_runs_median_and_data_wait_are_raised():

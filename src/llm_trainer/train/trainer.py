@@ -557,10 +557,15 @@ class Trainer:
             )
         if longest >= self.config.max_consecutive_bad_steps:
             state.consecutive_bad_steps = max(state.consecutive_bad_steps, longest)
+            fixes = ["Lower training.learning_rate"]  # and what this run can change besides
+            if not self.config.max_grad_norm:
+                fixes.append("enable clipping (training.max_grad_norm)")
+            if self.amp_dtype == torch.float16:
+                fixes.append("use bfloat16 instead of float16 (training.amp_dtype)")
             raise TrainingStopped(
                 f"stopping: {state.consecutive_bad_steps} steps in a row had a non-finite loss or gradient (step "
                 f"{state.step}); the weights were not updated by them and the last checkpoint in {self.checkpoint_dir} "
-                f"is untouched. Lower training.learning_rate, enable clipping (max_grad_norm) or use bfloat16 instead of float16"
+                f"is untouched. {', '.join(fixes[:-1])}{' or ' if len(fixes) > 1 else ''}{fixes[-1]}"
             )
 
     def _spike_monitor(self) -> SpikeMonitor | None:
