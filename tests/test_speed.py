@@ -43,8 +43,11 @@ class Batches:
 
 
 def test_speed_monitor_figures_are_exact_over_its_window():
+    """A step's time runs to the next step's start: what the loop does between steps (logging, callbacks,
+    a GPU finishing the queued steps as the loss is read) is its time, evaluation and checkpoints are not."""
     clock = FakeClock()
     monitor = speed.SpeedMonitor(2, 1000.0, 1e6, torch.device("cpu"), clock=clock)
+    timer = speed.PhaseTimer(monitor=monitor)
     assert monitor.metrics() == {}
     for wait, compute, tokens in [(9.0, 9.0, 1), (0.5, 1.5, 100), (0.25, 0.75, 300)]:  # the first leaves the window
         monitor.start_step()
@@ -52,9 +55,14 @@ def test_speed_monitor_figures_are_exact_over_its_window():
         assert monitor.timed_batch(Batches(clock, wait)) == "batch"
         clock.advance(compute)
         monitor.end_step(tokens=tokens, samples=tokens // 10)
-        clock.advance(7.0)  # between steps (evaluation, logging): neither
+        clock.advance(0.0625)  # between steps (the loss read, logging, callbacks): step time
+        with timer.count("evaluation"):
+            clock.advance(7.0)  # an evaluation: neither
+        with timer.count("checkpoint"):
+            clock.advance(3.0)
+    # read after the last step: its time up to now
     figures = monitor.metrics()
-    step_s = (0.125 + 0.5 + 1.5) + (0.125 + 0.25 + 0.75)
+    step_s = (0.125 + 0.5 + 1.5 + 0.0625) + (0.125 + 0.25 + 0.75 + 0.0625)
     assert figures["tokens_per_s"] == 400 / step_s
     assert figures["samples_per_s"] == 40 / step_s
     assert figures["step_time_s"] == step_s / 2
@@ -62,6 +70,12 @@ def test_speed_monitor_figures_are_exact_over_its_window():
     assert figures["flops_per_token"] == 1000.0
     assert figures["mfu"] == 1000.0 * (400 / step_s) / 1e6
     assert figures["peak_memory_mb"] > 10  # the process's resident memory: torch alone is more than this
+    assert timer.seconds == {"evaluation": 21.0, "checkpoint": 9.0}
+    # the next step's start closes the last one's time; the window moves on
+    monitor.start_step()
+    clock.advance(1.0)
+    monitor.end_step(tokens=100, samples=10)
+    assert monitor.metrics()["tokens_per_s"] == 400 / ((0.125 + 0.25 + 0.75 + 0.0625) + 1.0)
 
 
 def test_speed_monitor_without_flops_or_peak_reports_no_mfu():
@@ -128,3 +142,41 @@ def test_the_trainer_logs_the_monitors_figures_for_its_window(tmp_path, monkeypa
     expected_flops = 6 * (sum(p.numel() for p in model.parameters()) - 16 * 24) + 12 * 2 * 16 * 16
     assert row["flops_per_token"] == expected_flops == flops_per_token(model.config, 16)  # 6N + 12 L d T
     assert row["mfu"] == pytest.approx(expected_flops * (4 * 16 / 0.05) / 1e9, rel=1e-9)
+
+
+def test_a_slow_callback_between_steps_counts_in_the_speed_an_evaluation_does_not(tmp_path, monkeypatch):
+    """A callback that takes 50 ms after each 50 ms step halves the tokens/s the rows report (and the
+    throughput alert reads); an evaluation between steps leaves them as they are."""
+    from llm_trainer.train.callbacks import Callback
+
+    clock = FakeClock()
+    loop = importlib.import_module("llm_trainer.train.trainer")
+    monkeypatch.setattr(loop, "SpeedMonitor", functools.partial(speed.SpeedMonitor, clock=clock))
+
+    class Slow(Callback):
+        def on_step_end(self, trainer, row):
+            clock.advance(0.05)
+
+    class SlowEvaluation(Callback):
+        def on_evaluate(self, trainer, metrics):
+            clock.advance(5.0)
+
+    train, val = tiny_loaders()
+    model = tiny_model(n_layers=2)
+    model.register_forward_hook(lambda module, args, out: clock.advance(0.05) if module.training else None)
+    config = TrainingConfig(
+        max_steps=6,
+        logging_steps=1,
+        eval_steps=2,
+        save_steps=0,
+        speed_window_size=2,
+        output_dir=str(tmp_path / "run"),
+        report_to=["jsonl"],
+        progress_bar=False,
+        device="cpu",
+    )
+    Trainer(model, config, train_dataloader=train, val_dataloader=val, callbacks=[Slow(), SlowEvaluation()]).train()
+    rows = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
+    # at each row: the step before it, with its callback (0.10 s), and this one up to the row (0.05 s)
+    assert [r["step_time_s"] for r in rows[1:]] == pytest.approx([0.075] * 5, rel=1e-9)
+    assert rows[-1]["tokens_per_s"] == pytest.approx(2 * 4 * 16 / 0.15, rel=1e-9)

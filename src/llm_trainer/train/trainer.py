@@ -383,7 +383,7 @@ class Trainer:
         self.speed = self._speed_monitor()
         self.parallel.wrapped.train()
         started = self._started = time.perf_counter()
-        timer = PhaseTimer()
+        timer = PhaseTimer(monitor=self.speed)  # evaluation and checkpoints are not training time
         last_saved, final_eval, ended, crash = None, None, False, None
         watchdog, speed_watch = StallWatchdog(self.alerts), ThroughputWatch(self.alerts)
         drawn = any(backend in cfg.report_to for backend in ("tensorboard", "wandb"))  # histograms too
@@ -429,16 +429,17 @@ class Trainer:
                         if self._act_on_spikes():  # rewound: the loop goes on from the checkpoint's step
                             continue
                     if log_now:
+                        loss, grad_norm = float(out.loss), float(out.grad_norm)  # (a GPU's queued work done)
                         row = TrainRow(
                             step=state.step,
                             epoch=self.train_loader.epoch,
-                            loss=float(out.loss),
+                            loss=loss,
                             lr=lr,
-                            grad_norm=float(out.grad_norm),
+                            grad_norm=grad_norm,
                             tokens_seen=state.tokens_seen,
                             skipped_steps=state.skipped_steps,
                             **self._spike_counters(),
-                            **self.speed.metrics(),
+                            **self.speed.metrics(),  # this step's time up to the read above
                         ).as_dict()
                         self._log_metrics(row)
                         speed_watch.check(row)
