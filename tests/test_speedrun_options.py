@@ -464,7 +464,9 @@ def test_use_amp_auto_follows_the_device(monkeypatch):
     import llm_trainer.resolve as resolve
 
     monkeypatch.setattr(resolve, "cpu_computes_bf16", lambda: True)
-    on = resolve.resolve_training(TrainingConfig(use_amp="auto", device="cpu", amp_dtype="float16"))
+    on = resolve.resolve_training(TrainingConfig(use_amp="auto", device="cpu"))
     assert on.use_amp is True and on.amp_dtype == "bfloat16"
+    asked = resolve.resolve_training(TrainingConfig(use_amp="auto", device="cpu", amp_dtype="float16"))
+    assert asked.use_amp is True and asked.amp_dtype == "float16"  # a dtype the user named is kept
     monkeypatch.setattr(resolve, "cpu_computes_bf16", lambda: False)
     assert resolve.resolve_training(TrainingConfig(use_amp="auto", device="cpu")).use_amp is False
