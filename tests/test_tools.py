@@ -457,6 +457,8 @@ def test_search_space_format_and_errors(tmp_path):
     )
     params = {p.name: p for p in load_search_space(path)}
     assert params["training.learning_rate"].low == 1e-4 and params["training.learning_rate"].log
+    grid = parse_search_space({"training.weight_decay": {"type": "float", "low": 0.0, "high": 0.3, "step": 0.1}})
+    assert grid[0].step == 0.1  # 0.3 / 0.1 is 2.9999999999999996 in floats: a grid all the same
     assert params["model.n_layers"].kind == "int" and params["model.activation"].choices == ["gelu", "relu"]
     assert params["training.warmup_steps"].kind == "fixed" and params["training.warmup_steps"].value == 2
     for bad, message in [
@@ -465,6 +467,16 @@ def test_search_space_format_and_errors(tmp_path):
         ({"training.learning_rate": {"type": "uniform", "low": 0, "high": 1}}, "type must be"),
         ({"training.learning_rate": {"type": "float", "low": 1}}, "needs low and high"),
         ({"training.learning_rate": {"type": "float", "low": 1, "high": 2, "scale": 3}}, "unknown field"),
+        ({"training.weight_decay": {"type": "float", "low": 0, "high": 0.2, "step": 0}}, "step must be above 0"),
+        ({"model.n_layers": {"type": "int", "low": 1, "high": 3, "step": 0}}, "step must be above 0"),
+        ({"training.weight_decay": {"type": "float", "low": 0, "high": 0.2, "step": -0.1}}, "step must be above 0"),
+        ({"training.weight_decay": {"type": "float", "low": 0, "high": 0.2, "step": 0.3}}, "does not divide"),
+        ({"model.n_layers": {"type": "int", "low": 1, "high": 4, "step": 2}}, "does not divide"),
+        ({"training.learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": "false"}}, "true or false"),
+        ({"training.learning_rate": {"type": "float", "low": 0, "high": 1, "choices": [1]}}, "choices is not a field"),
+        ({"model.activation": {"type": "categorical", "choices": ["gelu"], "low": 1}}, "low is not a field"),
+        ({"training.output_dir": ["a", "b"]}, "the sweep sets it for each trial"),
+        ({"training.checkpoint_dir": "ckpt"}, "the sweep sets it for each trial"),
     ]:
         with pytest.raises(UsageError, match=message):
             parse_search_space(bad)
@@ -558,10 +570,18 @@ def test_an_interrupted_sweep_stops_and_reruns_the_interrupted_trial(tmp_path):
     config = write_tiny_experiment(tmp_path, max_steps=4, eval_steps=2, logging_steps=2)
     space = tmp_path / "space.yaml"
     space.write_text("training.learning_rate: {type: float, low: 1e-3, high: 3e-2, log: true}\n")
-    with pytest.raises(SweepInterrupted):
+    with pytest.raises(SweepInterrupted, match="rerun the same command to resume it from its last checkpoint"):
         run_sweep(config, space, 2, callbacks=[CtrlC()])
     resumed = run_sweep(config, space, 2)
+    interrupted, going_on, new = resumed.study.trials
     assert [t.state.name for t in resumed.study.trials] == ["FAIL", "COMPLETE", "COMPLETE"] and resumed.ran == 2
+    # the interrupted trial went on: its parameters, its folder, from the checkpoint the signal saved
+    assert going_on.params == interrupted.params and going_on.user_attrs["resumes"] == 0
+    folder = tmp_path / "run" / "sweep" / "trial-0000"
+    assert going_on.user_attrs["output_dir"] == str(folder) and new.user_attrs["output_dir"].endswith("trial-0002")
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [2, 4]  # steps 1-2, then 3-4 after the resume
+    assert going_on.value == [r for r in rows if r["kind"] == "eval"][-1]["val_loss"]
 
 
 @pytest.mark.slow
@@ -589,7 +609,49 @@ def test_a_trial_whose_process_was_killed_is_marked_failed_and_run_again(tmp_pat
     time.sleep(3)
     resumed = sweep.run_sweep(config, space, 1)
     assert [t.state.name for t in resumed.study.trials] == ["FAIL", "COMPLETE"] and resumed.ran == 1
-    assert "error" not in resumed.study.trials[0].user_attrs  # failed by the kill: not a finished trial
+    killed, going_on = resumed.study.trials
+    assert "error" not in killed.user_attrs  # failed by the kill: not a finished trial
+    assert going_on.params == killed.params and going_on.user_attrs["output_dir"] == str(trial_metrics.parent)
+
+
+@pytest.mark.slow
+def test_studies_beside_each_other_never_share_a_trial_folder(tmp_path, capsys):
+    """Another config's study in the same sweep folder gets folders of its own name; a study started
+    again after its study.db was removed is refused before it trains over the old trials; a config's
+    checkpoint_dir holds each trial's checkpoints in a folder of its own; data without a validation
+    split is refused before any trial."""
+    optuna = pytest.importorskip("optuna")
+    from llm_trainer.tools.sweep import run_sweep
+
+    config = write_tiny_experiment(tmp_path, max_steps=2, eval_steps=2, logging_steps=2)
+    space = tmp_path / "space.yaml"
+    space.write_text("training.learning_rate: {type: float, low: 1e-3, high: 3e-2, log: true}\n")
+    root = tmp_path / "sweeps"
+    first = run_sweep(config, space, 1, output_dir=root)
+    before = (root / "trial-0000" / "metrics.jsonl").read_bytes()
+
+    wider = tmp_path / "exp_v3.yaml"  # the same folder, another config file: another study
+    wider.write_text(config.read_text().replace("d_model: 16", "d_model: 32"))
+    other = run_sweep(wider, space, 1, output_dir=root)
+    assert other.study.trials[0].user_attrs["output_dir"] == str(root / "exp_v3-trial-0000")
+    assert (root / "trial-0000" / "metrics.jsonl").read_bytes() == before
+    assert [t.user_attrs["output_dir"] for t in first.study.trials] == [str(root / "trial-0000")]
+
+    (root / "study.db").unlink()  # started over: its trial folders are not the new study's
+    with pytest.raises(UsageError, match=r"trial-0000 holds a run this study did not start"):
+        run_sweep(config, space, 1, output_dir=root)
+    assert (root / "trial-0000" / "metrics.jsonl").read_bytes() == before
+    assert not optuna.load_study(study_name="exp", storage=f"sqlite:///{root / 'study.db'}").trials
+
+    shared = write_tiny_experiment(tmp_path / "c", max_steps=2, eval_steps=2, checkpoint_dir=str(tmp_path / "ckpt"))
+    run_sweep(shared, space, 2, output_dir=tmp_path / "c" / "sweep")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["trial-0000", "trial-0001"]
+
+    unvalidated = write_tiny_experiment(tmp_path / "d", max_steps=2)
+    unvalidated.write_text(unvalidated.read_text().replace("validation_split: 0.2", "validation_split: 0.0"))
+    with pytest.raises(UsageError, match="sweep needs validation data: set data.validation_split"):
+        run_sweep(unvalidated, space, 1, output_dir=tmp_path / "d" / "sweep")
+    assert not (tmp_path / "d" / "sweep" / "study.db").exists()
 
 
 def test_sweep_rejects_unknown_keys_before_running(tmp_path):

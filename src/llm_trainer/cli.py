@@ -520,7 +520,10 @@ def cmd_sweep(args) -> int:
     print(results_table(result.study))
     best = result.best
     if best is None:
-        print("no trial completed yet")
+        diverged = sum(t.state.name == "COMPLETE" for t in result.study.trials)
+        print(
+            f"no trial reached a finite validation loss ({diverged} diverged)" if diverged else "no trial completed yet"
+        )
         return 0
     print(f"\nbest trial {best.number}: val_loss {best.value:.4f}  ({best.user_attrs.get('output_dir')})")
     print("overrides: " + " ".join(override(k, v) for k, v in best.params.items()))

@@ -12,8 +12,9 @@ The search-space file's format is `SEARCH_SPACE_FORMAT` below (`llm-trainer swee
 `--trials N` is the number of finished trials (complete, pruned, or failed on a bad config / a
 diverged run) the study should hold: rerunning the same command after an interruption runs only
 the missing ones, a larger N extends the sweep. Ctrl-C or SIGTERM stops the running trial's
-training cleanly, marks that trial failed (not counted: it is run again on resume) and ends the
-sweep. A trial whose run diverged (`TrainingStopped`) gets the value +inf; one whose sampled config
+training cleanly, marks that trial failed (not counted) and queues it to go on, with its parameters
+in its folder from its last checkpoint, when the sweep is run again (`_run_again`); then the sweep
+ends. A trial whose run diverged (`TrainingStopped`) gets the value +inf; one whose sampled config
 is invalid fails with the reason kept as the trial's `error` attribute; both count as finished.
 """
 
@@ -28,6 +29,7 @@ from typing import Any
 
 from ..config_loader import load_experiment, yaml_load
 from ..errors import UsageError, first_line
+from ..files.buckets import join
 from ..files.disk import writable_folder
 from ..logs import log
 from ..train.callbacks import Callback
@@ -98,6 +100,8 @@ def parse_search_space(data: Any, source: str = "search space") -> list[SearchPa
         where = f"{source}: {name}"
         if not isinstance(name, str) or len(name.split(".")) != 2 or not all(name.split(".")):
             raise UsageError(f"{where}: keys must be section.key (e.g. training.learning_rate)")
+        if name in PER_TRIAL:
+            raise UsageError(f"{where}: the sweep sets it for each trial (its own folder under --output-dir)")
         if isinstance(spec, list):
             spec = {"type": "categorical", "choices": spec}
         if not isinstance(spec, dict):
@@ -111,6 +115,10 @@ def parse_search_space(data: Any, source: str = "search space") -> list[SearchPa
         kind = spec.get("type") or ("categorical" if "choices" in spec else None)
         if kind not in KINDS:
             raise UsageError(f"{where}: type must be float, int or categorical, got {kind!r}")
+        stray = sorted(set(spec) & ({"low", "high", "log", "step"} if kind == "categorical" else {"choices"}))
+        if stray:
+            takes = "choices" if kind == "categorical" else "low, high, log and step"
+            raise UsageError(f"{where}: {', '.join(stray)} is not a field of {kind} (it takes {takes})")
         if kind == "categorical":
             choices = spec.get("choices")
             if not isinstance(choices, list) or not choices:
@@ -133,15 +141,36 @@ def parse_search_space(data: Any, source: str = "search space") -> list[SearchPa
             isinstance(spec.get(k), float) and not float(spec[k]).is_integer() for k in ("low", "high", "step")
         ):
             raise UsageError(f"{where}: int ranges need integer low/high/step")
-        log_scale = bool(spec.get("log", False))
+        log_scale = spec.get("log", False)
+        if not isinstance(log_scale, bool):
+            raise UsageError(f"{where}: log must be true or false, got {log_scale!r}")
         if low > high:
             raise UsageError(f"{where}: low ({low}) is above high ({high})")
         if log_scale and low <= 0:
             raise UsageError(f"{where}: a log range needs low > 0")
         if log_scale and step is not None:
             raise UsageError(f"{where}: log and step cannot be combined")
+        if step is not None:
+            _check_step(where, low, high, step)
         params.append(SearchParam(name, kind, low=low, high=high, log=log_scale, step=step))
     return params
+
+
+def _check_step(where: str, low: float, high: float, step: float) -> None:
+    """A grid's step: positive, and dividing the range, so that its top is a value trials can take
+    (Optuna would otherwise move `high` down, or with a step past the range sample `low` alone)."""
+    if step <= 0:
+        raise UsageError(f"{where}: step must be above 0, got {step}")
+    count = (high - low) / step
+    if abs(count - round(count)) > 1e-9 * max(1.0, count):
+        raise UsageError(
+            f"{where}: step {step} does not divide the range from {low} to {high}; choose a step that does, or "
+            "leave it out for a continuous range"
+        )
+
+
+# Set for each trial by the sweep (its own folder), so not searched.
+PER_TRIAL = ("training.output_dir", "training.checkpoint_dir", "training.resume_from_checkpoint")
 
 
 def load_search_space(path: str | Path) -> list[SearchParam]:
@@ -208,7 +237,17 @@ def _beating(optuna, url: str):
 def _said_stale(study, trial) -> None:
     log(
         f"sweep: trial {trial.number} has not run for {STALE_AFTER_S} s (its process was killed): marked failed, "
-        "to be run again"
+        "to be resumed from its last checkpoint"
+    )
+    _run_again(study, trial)
+
+
+def _run_again(study, trial) -> None:
+    """Queue a trial an interruption ended (a signal, a killed process) to go on: the same parameters, in
+    its folder, from its last checkpoint (`objective` reads `resumes`). The trial itself stays failed and
+    uncounted; the queued one counts when it finishes."""
+    study.enqueue_trial(
+        trial.params, user_attrs={"resumes": trial.number, "output_dir": trial.user_attrs.get("output_dir")}
     )
 
 
@@ -286,11 +325,11 @@ def run_sweep(
             f"--output-dir {root} holds a training run (metrics.jsonl); give the sweep a folder of its own"
         )
     writable_folder(root, "--output-dir")
+    if not any(p.name.startswith("data.") for p in params):
+        _check_data(base)  # the data every trial trains on, prepared once, before any trial
     storage = storage or f"sqlite:///{root.resolve() / 'study.db'}"
     default_name = Path(config_path).stem
     study_name = study_name or default_name
-    # another study in the same folder numbers its trials on its own: its folders carry its name
-    prefix = "trial" if study_name == default_name else f"{study_name}-trial"
     if pruner == "median":
         pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
     elif pruner in (None, "none"):
@@ -315,11 +354,14 @@ def run_sweep(
                 "URL such as sqlite:///path/to/study.db in a folder that exists"
             ) from None
         _check_same_experiment(study, study_name, storage, params, base)
+        prefix = _trial_prefix(study, storage, default_name)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(study)
         done = sum(_finished(t) for t in study.trials)
         todo = max(0, n_trials - done)
+        if todo and not any(t.state.name == "WAITING" for t in study.trials):  # the next trial is a new one
+            _check_unused(root / f"{prefix}-{len(study.trials):04d}")
         # A fresh seed per invocation: a resumed study must not replay the first invocation's samples.
         sampler_seed = (base.training.seed if seed is None else seed) + len(study.trials)
         study.sampler = optuna.samplers.TPESampler(seed=sampler_seed, n_startup_trials=max(2, min(10, n_trials // 3)))
@@ -332,12 +374,20 @@ def run_sweep(
 
         def objective(trial):
             sampled = {p.name: p.suggest(trial) for p in params}
-            trial_dir = root / f"{prefix}-{trial.number:04d}"
+            resumes = trial.user_attrs.get("resumes")  # an interrupted trial's parameters, going on in its folder
+            trial_dir = (
+                Path(trial.user_attrs["output_dir"]) if resumes is not None else root / f"{prefix}-{trial.number:04d}"
+            )
+            if resumes is None:
+                _check_unused(trial_dir)
             trial_overrides = [override(k, v) for k, v in sampled.items()]
             trial.set_user_attr("overrides", trial_overrides)
             trial.set_user_attr("output_dir", str(trial_dir))
             searched = {k: v for k, v in sampled.items() if any(p.name == k and p.kind != "fixed" for p in params)}
+            if resumes is not None:
+                log(f"sweep: trial {trial.number} resumes trial {resumes} from its last checkpoint in {trial_dir}")
             log(f"sweep: trial {trial.number} " + " ".join(override(k, v) for k, v in searched.items()))
+            checkpoints = base.training.checkpoint_dir  # set in the config: each trial's in a folder of its own there
             try:
                 experiment = load_experiment(
                     config_path,
@@ -345,7 +395,8 @@ def run_sweep(
                         *overrides,
                         *trial_overrides,
                         override("training.output_dir", str(trial_dir)),
-                        "training.resume_from_checkpoint=null",
+                        override("training.checkpoint_dir", checkpoints and join(checkpoints, trial_dir.name)),
+                        f"training.resume_from_checkpoint={'latest' if resumes is not None else 'null'}",
                     ],
                 )
             except UsageError as exc:  # a sampled combination the config rejects (e.g. d_model % n_heads)
@@ -362,9 +413,10 @@ def run_sweep(
                 return float("inf")
             stopped_by = summary.get("stopped_by_signal")
             if stopped_by is not None:  # SIGINT/SIGTERM: the run saved and stopped; so does the sweep
+                _run_again(trial.study, trial)
                 raise SweepInterrupted(
                     f"sweep interrupted during trial {trial.number} (received {stopped_by}); rerun the same "
-                    "command to resume"
+                    "command to resume it from its last checkpoint"
                 )
             if pruning.pruned is not None:
                 raise optuna.TrialPruned(pruning.pruned)
@@ -380,8 +432,12 @@ def run_sweep(
             log(f"sweep: trial {trial.number} val_loss {value:.4f}")
             return float(value)
 
+        def enough(study, trial) -> None:  # other workers on the study count too
+            if sum(_finished(t) for t in study.trials) >= n_trials:
+                study.stop()
+
         if todo:
-            study.optimize(objective, n_trials=todo, catch=())
+            study.optimize(objective, n_trials=todo, catch=(), callbacks=[enough])
         ran = todo
         if todo and len(errors) == todo:
             raise UsageError(f"every trial failed on its config; the last: {errors[-1]}")
@@ -391,6 +447,44 @@ def run_sweep(
 
 
 EXPERIMENT_ATTR = "llm_trainer_experiment"  # the study's user attribute: what its trials search, from what
+PREFIX_ATTR = "llm_trainer_trial_folders"  # ... and the names of its trials' folders
+
+
+def _trial_prefix(study, storage: str, default_name: str) -> str:
+    """The start of the study's trial folders' names, chosen when it starts and kept: `trial` for the
+    first study in its storage, `{study name}-trial` for any other, so that two studies beside each
+    other (another config's, one with --study-name) never share a folder."""
+    recorded = study.user_attrs.get(PREFIX_ATTR)
+    if recorded is not None:
+        return recorded
+    if study.trials:  # a study of an earlier version: the rule it ran with
+        return "trial" if study.study_name == default_name else f"{study.study_name}-trial"
+    import optuna
+
+    others = [name for name in optuna.get_all_study_names(storage) if name != study.study_name]
+    prefix = f"{study.study_name}-trial" if others else "trial"
+    study.set_user_attr(PREFIX_ATTR, prefix)
+    return prefix
+
+
+def _check_unused(trial_dir: Path) -> None:
+    """A new trial's folder must not hold a run already: one its study does not know (the study removed
+    and started again, another program's) would be refused, or resumed, as the trial's own."""
+    if trial_dir.is_dir() and any(trial_dir.iterdir()):
+        raise UsageError(
+            f"{trial_dir} holds a run this study did not start (a study whose study.db was removed, or another "
+            "program's); give the sweep another --output-dir, or move that folder away"
+        )
+
+
+def _check_data(base) -> None:
+    """Prepare the trials' data now (each trial then reuses it): a missing file or an empty corpus is
+    said before the study starts, and so is data without the validation split the objective needs."""
+    from ..data.prepare import prepare_data
+
+    prepared = prepare_data(base.data)
+    if not prepared.manifest["splits"].get("val", {}).get("tokens"):
+        raise UsageError("sweep needs validation data: set data.validation_split (e.g. 0.1)")
 
 
 def _check_same_experiment(study, name: str, storage: str, params: list[SearchParam], base) -> None:
@@ -415,9 +509,16 @@ def _check_same_experiment(study, name: str, storage: str, params: list[SearchPa
     changed = [what for what in ("search_space", "config") if recorded.get(what) != experiment[what]]
     if changed:
         what = " and ".join("search space" if c == "search_space" else "base config" for c in changed)
+        unfinished = not any(t.state.name in ("COMPLETE", "PRUNED") for t in study.trials)
+        start_over = (
+            f" (none of its trials completed: `optuna delete-study --study-name {name} --storage {storage}` "
+            "removes it, to start over)"
+            if unfinished
+            else ""
+        )
         raise UsageError(
             f"the study {name!r} in {storage} was run with another {what}; resume it with the same ones, or start "
-            "a study of its own with --study-name NAME or another --output-dir"
+            f"a study of its own with --study-name NAME or another --output-dir{start_over}"
         )
 
 
