@@ -869,3 +869,33 @@ def test_task_file_bad_input_is_one_line(tmp_path, capsys, case, message):
     assert not (tmp_path / "ran").exists()
     if case == "output-exists":
         assert (tmp_path / "notes.json").read_text() == "my notes"
+
+
+def test_eval_scores_in_the_runs_precision_says_so_and_takes_float32(tmp_path, capsys):
+    """A run that trained in bf16 autocast is scored in it by default, and the console says so;
+    `--dtype float32` scores the weights in float32, as lm-eval's `hf` backend on the export does: the
+    same figures as the adapter with no autocast at all."""
+    from conftest import write_tiny_experiment
+    from llm_trainer import cli
+    from llm_trainer.api import load_for_inference
+    from llm_trainer.downstream import evaluate_tasks, scores
+
+    config = write_tiny_experiment(tmp_path, use_amp=True, amp_dtype="bfloat16", max_steps=2, eval_steps=0)
+    assert cli.main(["train", "--config", str(config)]) == 0
+    run = str(tmp_path / "run")
+    capsys.readouterr()
+
+    def scored(*dtype):
+        assert cli.main(["eval", "--checkpoint", run, "--tasks", "llmt_rolling", "--json", *dtype]) == 0
+        out = capsys.readouterr()
+        return json.loads(out.out)["llmt_rolling"], out.err
+
+    as_run, said = scored()
+    assert "eval: scoring in bfloat16 autocast, as the run trained on this device (--dtype float32" in said
+    in_float32, said = scored("--dtype", "float32")
+    assert "autocast" not in said
+    model, tokenizer, _ = load_for_inference(run)
+    assert in_float32 == scores(evaluate_tasks(model, tokenizer, ["llmt_rolling"], batch_size=16))["llmt_rolling"]
+    assert in_float32 != as_run  # bf16's rounding moves the perplexities
+    assert cli.main(["eval", "--checkpoint", run, "--json", "--dtype", "float32"]) == 0
+    assert "autocast" not in capsys.readouterr().err

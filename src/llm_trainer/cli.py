@@ -136,7 +136,6 @@ def _check_eval_options(args) -> None:
 def cmd_eval(args) -> int:
     from .api import eval_loader, load_for_inference
     from .config_loader import saved_batch_size
-    from .resolve import recorded_amp_dtype
     from .train.evaluate import evaluate
     from .train.metrics import coverage
     from .train.step import autocast
@@ -148,7 +147,7 @@ def cmd_eval(args) -> int:
         return _eval_tasks(args)
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
     batch_size = args.batch_size or saved_batch_size(experiment) or 8  # as in training
-    precision = recorded_amp_dtype(experiment.get("training"), next(model.parameters()).device)
+    precision = _eval_precision(args.dtype, experiment, next(model.parameters()).device)
     loader = eval_loader(
         model,
         tokenizer,
@@ -189,12 +188,28 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _eval_precision(asked: str, experiment: dict, device):
+    """The autocast dtype `eval --dtype` scores in (None: float32): `run`, the one the checkpoint's run
+    trained and evaluated with on this device, said on the console when it is not float32."""
+    import torch
+
+    from .logs import log
+    from .resolve import recorded_amp_dtype
+
+    if asked != "run":
+        return None if asked == "float32" else getattr(torch, asked)
+    precision = recorded_amp_dtype(experiment.get("training"), device)
+    if precision is not None:
+        name = str(precision).removeprefix("torch.")
+        log(f"eval: scoring in {name} autocast, as the run trained on this device (--dtype float32 for float32)")
+    return precision
+
+
 def _eval_tasks(args) -> int:
     """`eval --tasks`: lm-eval's results for the checkpoint (JSON to --output), its table on the console."""
     from .api import load_for_inference
     from .downstream.run import check_limit, check_output, evaluate_tasks, scores, table, write_results
     from .downstream.tasks import load_tasks, split_tasks
-    from .resolve import recorded_amp_dtype
     from .train.step import autocast
 
     check_limit(args.limit)
@@ -205,6 +220,7 @@ def _eval_tasks(args) -> int:
     load_tasks(split_tasks(args.tasks), trust_code=trust, num_fewshot=args.num_fewshot)
     model, tokenizer, experiment = load_for_inference(args.checkpoint)
     device = next(model.parameters()).device
+    precision = _eval_precision(args.dtype, experiment, device)
     results = evaluate_tasks(
         model,
         tokenizer,
@@ -212,7 +228,7 @@ def _eval_tasks(args) -> int:
         num_fewshot=args.num_fewshot,
         limit=args.limit,
         batch_size=args.batch_size or 16,
-        autocast=lambda: autocast(device, recorded_amp_dtype(experiment.get("training"), device)),
+        autocast=lambda: autocast(device, precision),
         trust_task_code=trust,
     )
     print(json.dumps(scores(results)) if args.json else table(results))  # shown even if --output fails
@@ -644,6 +660,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size", "--batch_size", type=int, help="default: the run's training.batch_size, else 8 (--tasks: 16)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--dtype",
+        choices=("run", "float32", "bfloat16", "float16"),
+        default="run",
+        help="the precision the model is scored in: run (default), the autocast its run trained with; "
+        "float32 to compare with lm-eval's hf backend or another float32 score",
+    )
     p.add_argument(
         "--tasks",
         help="downstream evaluation through lm-eval: task names or task YAML files/folders, comma-separated "
