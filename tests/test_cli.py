@@ -88,7 +88,11 @@ def test_lr_find_writes_its_plot_into_the_run_folder(tmp_path, monkeypatch, caps
     assert main(["lr-find", "--config", str(config), "--num-steps", "12", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["plot"] == str(tmp_path / "run" / "lr_find.png")
     assert (tmp_path / "run" / "lr_find.png").is_file() and not (tmp_path / "lr_find.png").exists()
-    mine = tmp_path / "precious.txt"  # a file of the user's at --output: kept unless --overwrite
+    for named, said in (("notes.txt", "must name a .png file"), ("plots/", "is a folder; give the file's path")):
+        assert main(["lr-find", "--config", str(config), "--num-steps", "12", "--output", f"{tmp_path}/{named}"]) == 2
+        assert said in capsys.readouterr().err
+    assert not (tmp_path / "notes.txt").exists() and not (tmp_path / "plots").exists()
+    mine = tmp_path / "precious.png"  # a file of the user's at --output: kept unless --overwrite
     mine.write_text("my precious")
     assert main(["lr-find", "--config", str(config), "--num-steps", "12", "--output", str(mine)]) == 2
     assert (

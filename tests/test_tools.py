@@ -412,6 +412,14 @@ def test_lr_finder_suggests_a_sane_rate_and_leaves_the_model_untouched():
     assert all(p.grad is None for p in model.parameters())
     assert loader.state_dict() == position
     assert torch.equal(torch.get_rng_state(), rng_before) and random.getstate() == py_before
+    # the minimum is read without the moving average's lag: near the lowest raw losses, before the climb
+    lowest = result.lrs[int(np.argmin(result.losses))]
+    assert lowest / 10 <= result.best_lr <= lowest * 10, (result.best_lr, lowest)
+    assert result.best_lr < result.lrs[int(np.argmin(result.smoothed))]  # where the average still falls
+
+    # rates too small to move the loss: no suggestion read from noise, and why
+    flat = find_lr(model, loader, start_lr=1e-9, end_lr=1e-8, num_steps=30, training=TrainingConfig(device="cpu"))
+    assert flat.suggested_lr is None and flat.no_suggestion.startswith("the loss did not fall between 1.0e-09")
 
 
 def test_lr_find_cli_writes_the_plot_and_no_run_outputs(tmp_path, capsys):

@@ -485,7 +485,7 @@ def cmd_lr_find(args) -> int:
         if args.output:  # a file of the user's is replaced only when asked; the default one is the run folder's
             from .files.disk import check_output_file
 
-            plot_path = check_output_file(Path(args.output), args.overwrite, example="lr_find.png")
+            plot_path = check_output_file(args.output, args.overwrite, example="lr_find.png", suffix=".png")
         else:
             plot_path = experiment.training.local_output_dir / "lr_find.png"
     except ImportError:
@@ -504,7 +504,7 @@ def cmd_lr_find(args) -> int:
     how = "diverged" if result.diverged else "reached end_lr"
     print(f"lr-find: {len(result.lrs)} steps from {result.lrs[0]:.1e} to {result.lrs[-1]:.1e} ({how})")
     if result.suggested_lr is None:
-        print("no suggestion: the loss curve is too short; raise --num-steps or widen --start-lr/--end-lr")
+        print(f"no suggestion: {result.no_suggestion}")
     else:
         print(
             f"suggested learning rate: {result.suggested_lr:.2e}   (training.learning_rate={result.suggested_lr:.2e})"

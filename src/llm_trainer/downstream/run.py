@@ -130,7 +130,7 @@ def table(results: dict) -> str:
 
 def check_output(path: str | Path, overwrite: bool) -> Path:
     """Where `--output` will go, refused before any evaluation runs (`files.disk.check_output_file`)."""
-    return check_output_file(Path(path), overwrite, example="results.json")
+    return check_output_file(path, overwrite, example="results.json")
 
 
 def write_results(results: dict, path: str | Path, overwrite: bool) -> Path:

@@ -89,13 +89,17 @@ def writable_folder(folder: Path, what: str) -> Path:
     return folder
 
 
-def check_output_file(path: Path, overwrite: bool, *, example: str) -> Path:
-    """A file a command will write at `--output`, refused before any work: a folder there (`example`
-    names a file in it), a file there without `overwrite` (the user's: never replaced unasked), or a
-    folder to hold it that cannot be written."""
+def check_output_file(path: str | Path, overwrite: bool, *, example: str, suffix: str | None = None) -> Path:
+    """A file a command will write at `--output`, refused before any work: a folder there, or a name
+    ending in a slash (`example` names a file in it), a name without `suffix` where the format is that
+    one (a PNG plot), a file there without `overwrite` (the user's: never replaced unasked), or a folder
+    to hold it that cannot be written."""
+    named_as_folder = str(path).endswith(("/", os.sep))
     path = Path(path).expanduser()
-    if path.is_dir():
+    if path.is_dir() or named_as_folder:
         raise UsageError(f"--output {path} is a folder; give the file's path (e.g. {path / example})")
+    if suffix is not None and path.suffix.lower() != suffix:
+        raise UsageError(f"--output {path} must name a {suffix} file: it is written in that format")
     if path.exists() and not overwrite:
         raise UsageError(f"--output {path} exists; choose another file or pass --overwrite to replace it")
     writable_folder(path.absolute().parent, "the folder of --output")

@@ -291,7 +291,7 @@ def check_output(output, overwrite: bool) -> None:
         if buckets.exists(url) and not overwrite:
             raise UsageError(f"{output} exists; choose another name or pass --overwrite to replace it")
         return
-    check_output_file(Path(output), overwrite, example="model.gguf")
+    check_output_file(output, overwrite, example="model.gguf")
 
 
 def export_to_gguf(model_dir, output, *, tokenizer_file=None, dtype: str = "f32", overwrite: bool = False) -> str:

@@ -1,8 +1,11 @@
 """Learning-rate range test (Smith 2017, fastai's `lr_find`): train a *copy* of the model for a few
 steps while the learning rate grows exponentially from `start_lr` to `end_lr`, record the loss, stop
-once it diverges (smoothed loss above `diverge_factor` x the best smoothed loss, or not finite), and
-suggest the rate where the smoothed loss falls fastest (steepest negative slope against log lr,
-before the minimum).
+once it diverges (an exponential moving average of the loss above `diverge_factor` x its best, or the
+loss not finite), and suggest the rate where the loss falls fastest (steepest negative slope against
+log lr, before the minimum). The suggestion and the minimum are read from the losses averaged over a
+window centred on each step (`centred`): the moving average, which decides online, lags the loss by
+about 1 / (1 - beta) steps, decades of learning rate, and its minimum would sit where the loss climbs
+again. A curve that never fell by `MIN_FALL` gets no suggestion: its slopes are noise.
 
 Nothing of the real run is touched: the model is deep-copied (the original's weights, gradients and
 device stay as they are), the optimizer is a fresh one, the loader's position and the torch / numpy /
@@ -36,30 +39,45 @@ from ..train.plots import check_png_path
 from ..train.step import autocast, train_step
 
 
+MIN_FALL = 0.02  # the share of its starting value the averaged loss must fall by for a suggestion
+
+
 @dataclass
 class LRFinderResult:
     lrs: list[float]
     losses: list[float]  # raw training loss at each lr
-    smoothed: list[float]  # bias-corrected exponential moving average of the loss
-    suggested_lr: float | None  # steepest descent of the smoothed curve; None if the curve is too short
+    smoothed: list[float]  # bias-corrected exponential moving average of the loss (the online divergence test)
+    curve: list[float]  # the loss averaged over a window centred on each step (`centred`): what is read
+    suggested_lr: float | None  # steepest descent of `curve`; None: `no_suggestion` says why
     diverged: bool  # stopped because the loss blew up (before reaching end_lr)
-    best_lr: float  # lr at the lowest smoothed loss (an upper bound: prefer the suggestion)
+    best_lr: float  # lr at the lowest point of `curve` (an upper bound: prefer the suggestion)
+    no_suggestion: str | None = None
 
     def plot(self, path) -> Path:
         from ..train.plots import plot_lr_finder
 
-        return plot_lr_finder(self.lrs, self.losses, self.smoothed, self.suggested_lr, path)
+        return plot_lr_finder(self.lrs, self.losses, self.curve, self.suggested_lr, path)
 
     def to_dict(self) -> dict:
         return {
             "suggested_lr": self.suggested_lr,
+            "no_suggestion": self.no_suggestion,
             "best_lr": self.best_lr,
             "diverged": self.diverged,
             "steps": len(self.lrs),
             "lrs": self.lrs,
             "losses": self.losses,
             "smoothed": self.smoothed,
+            "curve": self.curve,
         }
+
+
+def centred(losses: list[float], half: int) -> list[float]:
+    """Each loss averaged with the `half` before and after it (fewer at the ends); a window that holds a
+    loss that is not finite is infinite."""
+    values = np.asarray(losses, dtype=np.float64)
+    values = np.where(np.isfinite(values), values, np.inf)
+    return [float(values[max(0, i - half) : i + half + 1].mean()) for i in range(len(values))]
 
 
 def suggest_lr(lrs: list[float], smoothed: list[float], skip_start: int | None = None) -> float | None:
@@ -167,15 +185,27 @@ def find_lr(
             random.setstate(py_state)
             np.random.set_state(np_state)
 
-    finite = [(v, lr) for v, lr in zip(smoothed, lrs) if math.isfinite(v)]
+    curve = centred(losses, max(1, len(losses) // 25))
+    finite = [(v, lr) for v, lr in zip(curve, lrs) if math.isfinite(v)]
     best_lr = min(finite)[1] if finite else lrs[0]
+    suggested, why = suggest_lr(lrs, curve), None
+    if finite and min(finite)[0] > (1 - MIN_FALL) * finite[0][0]:
+        suggested = None
+        why = (
+            f"the loss did not fall between {lrs[0]:.1e} and {lrs[-1]:.1e} (by less than {MIN_FALL:.0%}): the rates "
+            "are too small to train, or too large from the start; widen --start-lr/--end-lr"
+        )
+    elif suggested is None:
+        why = "the loss curve is too short; raise --num-steps or widen --start-lr/--end-lr"
     return LRFinderResult(
         lrs=lrs,
         losses=losses,
         smoothed=smoothed,
-        suggested_lr=suggest_lr(lrs, smoothed),
+        curve=curve,
+        suggested_lr=suggested,
         diverged=diverged,
         best_lr=best_lr,
+        no_suggestion=why,
     )
 
 
