@@ -38,7 +38,6 @@ from ..train.optim import build_optimizer, set_learning_rate
 from ..train.plots import check_png_path
 from ..train.step import autocast, train_step
 
-
 MIN_FALL = 0.02  # the share of its starting value the averaged loss must fall by for a suggestion
 
 
