@@ -229,3 +229,8 @@ def test_a_crash_the_run_was_resumed_after_is_not_its_state(finished_run, tmp_pa
     assert run_status(str(run))["state"].startswith("not running (interrupted")
     (run / "metrics.jsonl").write_text("\n".join([*lines, crash]) + "\n")  # the last thing it did: crash
     assert run_status(str(run))["state"] == "crashed: boom"
+    # killed before its first checkpoint: no resume to advise
+    shutil.rmtree(run / "checkpoints")
+    (run / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    state = run_status(str(run))["state"]
+    assert state.startswith("not running (interrupted before its first checkpoint: nothing to resume"), state

@@ -162,8 +162,9 @@ def _training_config(files: RunFiles) -> dict:
     return training if isinstance(training, dict) else {}
 
 
-def _state(lock: dict, summary: dict | None, ended: dict | None) -> str:
-    """running / finished / stopped (why) / crashed (why) / not running (interrupted)."""
+def _state(lock: dict, summary: dict | None, ended: dict | None, checkpoint: dict | None) -> str:
+    """running / finished / stopped (why) / crashed (why) / not running (interrupted; resumable when it
+    has a checkpoint)."""
     if lock["held"]:
         return "running"
     if ended is not None and ended.get("event") == "crashed":
@@ -174,6 +175,11 @@ def _state(lock: dict, summary: dict | None, ended: dict | None) -> str:
         if summary.get("stopped_early"):
             return f"stopped early: {summary['stopped_early']}"
         return "finished"
+    if checkpoint is None:
+        return (
+            "not running (interrupted before its first checkpoint: nothing to resume; train again with "
+            "--overwrite to start over)"
+        )
     return "not running (interrupted: no summary row; resume with training.resume_from_checkpoint=latest)"
 
 
@@ -216,7 +222,7 @@ def run_status(run: str) -> dict:
     lock = _lock(files, config)
     out: dict[str, Any] = {
         "run": run,
-        "state": _state(lock, summary, ended),
+        "state": _state(lock, summary, ended, checkpoint),
         "lock": lock,
         "step": step,
         "total_steps": total,
