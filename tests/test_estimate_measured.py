@@ -1,7 +1,7 @@
 """The memory estimate against the measured peak of real training steps (`train/memory_probe.py`):
-two widths, with and without gradient checkpointing, AdamW and Muon, fp32 and bf16 autocast, each
-within 10%. Six of the probe's twelve configs cover every one of those choices (each is a fresh
-process of real steps); `bench/estimate_check.py` runs all twelve. bf16 is checked where the device
+two widths, with and without gradient checkpointing, AdamW and Muon, fp32 and bf16 autocast, and a
+narrow model at a long context, each within 10%. Eight of the probe's fourteen configs cover every one
+of those choices (each is a fresh process of real steps); `bench/estimate_check.py` runs all fourteen. bf16 is checked where the device
 computes it (`EMULATED_BF16`)."""
 
 import pytest
@@ -16,6 +16,8 @@ SUBSET = {
     "d512 ckpt adamw gpt2 fp32",
     "d512 full adamw llama bf16",
     "d512 ckpt muon llama bf16",
+    "d64 context 1024 adamw gpt2 fp32",
+    "d64 context 1024 adamw gpt2 bf16",
 }
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # A CPU without AVX512-BF16 or AMX computes bf16 in slow emulation (a probe of these shapes then takes
@@ -41,7 +43,7 @@ def test_the_estimated_peak_is_within_10_percent_of_the_measured_one(device, pre
 
     names = {name for name in SUBSET if name.endswith(precision)}
     rows = compare(device, names)
-    assert len(rows) == len(names) == 2 + 2 * (precision == "fp32")
+    assert len(rows) == len(names) == 3 + 2 * (precision == "fp32")
     for row in rows:
         assert abs(row["error"]) < 0.10, row
     assert {row["peak_phase"] for row in rows} >= {"forward_backward"}

@@ -117,6 +117,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad = grad.to(dtype)  # the matmuls in the forward's precision, as autograd would run them
             grad_hidden[start : start + rows] = (grad @ weight.to(dtype)).to(hidden.dtype)
             grad_weight += (grad.t() @ h.to(dtype)).float()
+            del logprobs, grad, tanh  # before the next chunk's logits: one chunk's buffers at a time
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total
 

@@ -282,7 +282,7 @@ def format_report(report: dict) -> str:
         f"  optimizer state {m['optimizer_gb']:9.3f}",
         f"  amp copies      {m['amp_weight_copies_gb']:9.3f}",
         f"  activations     {m['activations_gb']:9.3f}",
-        f"  head backward   {m['output_head_peak_gb']:9.3f}",
+        f"  backward        {m['output_head_peak_gb']:9.3f}  (transient: the head's, or a block's)",
         f"  optimizer step  {m['optimizer_step_temp_gb']:9.3f}  (temporaries)",
         *(
             [f"  workspaces      {m['cublas_workspace_gb']:9.3f}  (cuBLAS on CUDA; bf16 kernels on a CPU)"]
@@ -306,7 +306,9 @@ def format_report(report: dict) -> str:
 
 # The configs the estimate is checked on (tests/test_estimate_measured.py, bench/estimate_check.py): two
 # widths, with and without gradient checkpointing, AdamW and Muon, in float32 (GPT-2 style); then the
-# LLaMA style under bf16 autocast. 4 layers, 4,096 tokens of vocabulary, 8 rows of 128 tokens.
+# LLaMA style under bf16 autocast. 4 layers, 4,096 tokens of vocabulary, 8 rows of 128 tokens (each
+# config's max_seq_len). Last, a narrow model at a long context, where attention's (B, H, T, T) tensors
+# (on a CPU in bf16, attention written out) and the loss's chunks of logits outweigh the rest.
 SEQ_LEN = 128
 CHECKED = [
     (
@@ -317,6 +319,13 @@ CHECKED = [
     for width, arch, amp in ((256, "gpt2", False), (512, "gpt2", False), (512, "llama", True))
     for checkpointing in (False, True)
     for optimizer in ("adamw", "muon")
+] + [
+    (
+        f"d64 context 1024 adamw gpt2 {'bf16' if amp else 'fp32'}",
+        dict(vocab_size=4096, d_model=64, n_heads=2, n_layers=2, max_seq_len=1024, architecture="gpt2"),
+        dict(use_amp=amp, batch_size=16, optimizer="adamw", gradient_checkpointing=False),
+    )
+    for amp in (False, True)
 ]
 
 
@@ -329,9 +338,9 @@ def compare(device: str = "cpu", names: set[str] | None = None) -> list[dict]:
         if names is not None and name not in names:
             continue
         training = {**training, "device": device}
-        measured = measure_peak(model, training, SEQ_LEN)["peak_bytes"]
+        measured = measure_peak(model, training, model["max_seq_len"])["peak_bytes"]
         estimate = estimate_memory(
-            ModelConfig(**model), TrainingConfig(**training), seq_len=SEQ_LEN, device_type=device
+            ModelConfig(**model), TrainingConfig(**training), seq_len=model["max_seq_len"], device_type=device
         )
         rows.append(
             {

@@ -149,7 +149,8 @@ def activation_bytes_per_token(
     layer += (d + 2 * kv) * a  # q, k, v as attention reads them (with rope: the rotated q and k only)
     if c.qk_norm:  # each head's RMSNorm keeps its fp32 input and rstd (autocast runs it in fp32)
         layer += (d + kv) * 4 + (c.n_heads + c.n_kv_heads) * 4
-    if device_type == "cpu" and training.use_amp and training.amp_dtype == "bfloat16":
+    written_out = device_type == "cpu" and training.use_amp and training.amp_dtype == "bfloat16"
+    if written_out:
         # bf16 on a CPU: attention written out (model._explicit_attention) keeps each head's softmax over the
         # keys, in float32 for its backward and in bf16 for the product with v
         layer += d * a + c.n_heads * (seq_len or c.max_seq_len) * (4 + 2)
@@ -171,6 +172,9 @@ def activation_bytes_per_token(
         "final_norm": final_norm,
         "head_input": d * a,
         "head": 4 * c.vocab_size,
+        # what one block's backward holds beside the saved tensors, while the head's is over: written-out
+        # attention's float32 gradient of its softmax, (B, H, T, S)
+        "block_backward": c.n_heads * (seq_len or c.max_seq_len) * 4 if written_out else 0.0,
     }
 
 
@@ -184,7 +188,7 @@ class MemoryEstimate:
     optimizer_bytes: float
     amp_weight_copies_bytes: float
     activations_bytes: float  # saved for backward, whole model, one micro-batch
-    head_peak_bytes: float  # output head's backward transient (beyond the saved log-softmax)
+    head_peak_bytes: float  # the backward's transient: the output head's (beyond the saved log-softmax), or a block's
     optimizer_temp_bytes: float
     peak_bytes: float
     tokens_per_micro_batch: int
@@ -294,6 +298,8 @@ def estimate_memory(
         else:
             optimizer_temp = 0.0  # fused AdamW/Adam
         steady = params + optimizer + workspace
+        # the backward's transient: the head's first, then each block's, one at a time
+        head_peak = max(head_peak, in_flight * micro_tokens * per_token["block_backward"] / tp)
         phases = {
             "forward_backward": steady + amp_copies + activations + head_peak + head_grad,
             # each block's 16-bit weight copies are freed by its own backward, as its gradients appear
