@@ -892,6 +892,9 @@ def test_eval_scores_in_the_runs_precision_says_so_and_takes_float32(tmp_path, c
 
     as_run, said = scored()
     assert "eval: scoring in bfloat16 autocast, as the run trained on this device (--dtype float32" in said
+    # the char tokenizer learnt the test corpus's characters only: the tasks' others are named, once
+    unseen = [line for line in said.splitlines() if "downstream evaluation: the tasks' text:" in line]
+    assert len(unseen) == 1 and "which the model never saw in training" in unseen[0], said
     in_float32, said = scored("--dtype", "float32")
     assert "autocast" not in said
     model, tokenizer, _ = load_for_inference(run)

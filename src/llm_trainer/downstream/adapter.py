@@ -78,6 +78,7 @@ class LLMTrainerLM(TemplateLM):
         self.truncated: Counter[str] = Counter()  # requests cut from the left, per request type
         self.empty: Counter[str] = Counter()  # requests whose continuation has no tokens of its own
         self.no_room = 0  # generation requests whose max_gen_toks leaves no room for the prompt
+        self.unseen: set[str] = set()  # pieces of the tasks' text the tokenizer reads as its unknown token
 
     def cut_summary(self) -> str | None:
         """One line on the requests longer than the context and cut from the left, or None if none was."""
@@ -97,6 +98,8 @@ class LLMTrainerLM(TemplateLM):
         return self.tokenizer.eot_id
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        if hasattr(self.tokenizer, "unseen_characters"):  # ours: what it cannot read is said once, at the end
+            self.unseen |= self.tokenizer.unseen_characters(string)
         return self.tokenizer.encode(string)
 
     # -- log-likelihoods ------------------------------------------------------------------------

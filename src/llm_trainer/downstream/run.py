@@ -16,6 +16,7 @@ import torch
 from ..errors import UsageError
 from ..files.disk import check_output_file
 from ..logs import warn
+from ..tokenizer import say_unseen
 from .tasks import load_tasks, quiet_lm_eval, require_lm_eval, sandboxed_templates, split_tasks, task_manager
 
 
@@ -84,6 +85,7 @@ def evaluate_tasks(
     cut = lm.cut_summary()
     if cut is not None:
         warn(f"downstream evaluation: {cut}")
+    say_unseen(tokenizer, lm.unseen, "downstream evaluation: the tasks' text")  # their scores mean little
     if lm.no_room:
         warn(
             f"downstream evaluation: {lm.no_room} generate_until request(s) allow as many new tokens as the "
