@@ -151,3 +151,16 @@ def test_generate_and_export_say_in_one_line_why_they_cannot_take_a_checkpoint(t
             assert main(command) == 2
             err = capsys.readouterr().err
             assert reason in err and err.count("\n") == 1, err
+
+
+@pytest.mark.slow  # a short quickstart, end to end: training, evaluation, a sample and the offline tasks
+def test_the_quickstart_runs_every_step_to_its_last_line(tmp_path, monkeypatch, capsys):
+    """The README's first command: each of its steps calls another command with that command's own
+    arguments, so a flag added to one (eval's --dtype) is never missing from the quickstart's call."""
+    pytest.importorskip("lm_eval")
+    monkeypatch.chdir(tmp_path)
+    assert main(["quickstart", "training.max_steps=4", "training.eval_steps=4"]) == 0
+    out = capsys.readouterr().out
+    assert "sample:" in out and "downstream (lm-eval, the shipped offline tasks):" in out
+    assert "llmt_choice" in out and "skipped:" not in out
+    assert out.rstrip().splitlines()[-1] == "outputs in runs/quickstart/ (metrics.jsonl, config.yaml, checkpoints/)"

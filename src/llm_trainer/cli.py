@@ -422,8 +422,10 @@ def cmd_quickstart(args) -> int:
     print(
         f"\nvalidation: loss {summary.get('val_loss', float('nan')):.4f}, perplexity {summary.get('perplexity', float('nan')):.2f}"
     )
-    gen = argparse.Namespace(
-        checkpoint=str(folder), prompt="def ", max_new_tokens=120, temperature=0.8, top_k=50, top_p=None, seed=0
+    # the commands' own parser gives their arguments, defaults included, as typed on the command line
+    gen = build_parser().parse_args(
+        ["generate", "--checkpoint", str(folder), "--prompt", "def ", "--max_new_tokens", "120"]
+        + ["--temperature", "0.8", "--top_k", "50", "--seed", "0"]
     )
     print("sample:\n" + "-" * 40)
     cmd_generate(gen)
@@ -438,18 +440,7 @@ def _quickstart_scores(folder: Path) -> None:
 
     print("-" * 40 + "\ndownstream (lm-eval, the shipped offline tasks):")
     try:
-        _eval_tasks(
-            argparse.Namespace(
-                checkpoint=str(folder),
-                tasks=",".join(BUILTIN),
-                num_fewshot=None,
-                limit=None,
-                batch_size=None,
-                output=None,
-                json=False,
-                trust_task_code=False,
-            )
-        )
+        _eval_tasks(build_parser().parse_args(["eval", "--checkpoint", str(folder), "--tasks", ",".join(BUILTIN)]))
     except UsageError as exc:  # lm-eval not installed: the rest of the quickstart stands
         print(f"  skipped: {exc}")
 
