@@ -318,12 +318,15 @@ def test_an_mlflow_file_uri_tracks_the_run(tmp_path, monkeypatch):
     assert run.data.metrics["train/loss"] > 0
 
 
-def test_an_absolute_sqlite_uri_tracks_the_run_there(tmp_path):
+def test_an_absolute_sqlite_uri_tracks_the_run_there(tmp_path, monkeypatch):
     """`sqlite:////abs/path.db` (four slashes: SQLAlchemy's absolute path) is a tracker's URI, not a
-    store's: its empty first part is no key, so it is taken as it is and the run is in that file."""
+    store's: its empty first part is no key, so it is taken as it is and the run is in that file. (MLflow
+    puts such a store's artifacts in ./mlruns: the test runs in a folder of its own.)"""
     from mlflow.tracking import MlflowClient
 
     from llm_trainer import cli
+
+    monkeypatch.chdir(tmp_path)
 
     database = tmp_path / "tracking" / "m.db"
     database.parent.mkdir()
