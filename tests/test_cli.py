@@ -164,3 +164,30 @@ def test_the_quickstart_runs_every_step_to_its_last_line(tmp_path, monkeypatch, 
     assert "sample:" in out and "downstream (lm-eval, the shipped offline tasks):" in out
     assert "llmt_choice" in out and "skipped:" not in out
     assert out.rstrip().splitlines()[-1] == "outputs in runs/quickstart/ (metrics.jsonl, config.yaml, checkpoints/)"
+
+
+def test_a_consolidated_folder_cleans_text_as_its_run_did_and_is_checked(tmp_path, capsys):
+    """`consolidate` writes what best_model holds: the run's config, so generate and eval --data clean
+    text as the training text was cleaned (here NFKC: full-width letters read as ASCII ones), and
+    checksums, so a damaged weight file is refused; --overwrite replaces an earlier consolidation."""
+    config = write_tiny_experiment(tmp_path, max_steps=2, eval_steps=0)
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(config), "data.unicode_normalization=NFKC"]) == 0
+    out = tmp_path / "consolidated"
+    assert main(["consolidate", "--checkpoint", str(run), "--output", str(out)]) == 0
+    text = tmp_path / "wide.txt"
+    text.write_text("ｔｈｅ ｑｕｉｃｋ ｆｏｘ\n", encoding="utf-8")
+    capsys.readouterr()
+    losses = []
+    for folder in (run, out):
+        assert main(["eval", "--checkpoint", str(folder), "--data", str(text), "--json"]) == 0
+        losses.append(json.loads(capsys.readouterr().out))
+    assert losses[0] == losses[1]
+    assert main(["consolidate", "--checkpoint", str(run), "--output", str(out), "--overwrite"]) == 0
+    weights = out / "model.safetensors"
+    damaged = bytearray(weights.read_bytes())
+    damaged[-1] ^= 0xFF
+    weights.write_bytes(bytes(damaged))
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(out), "--data", str(text)]) == 2
+    assert "is unusable" in capsys.readouterr().err

@@ -393,15 +393,18 @@ def _export_gguf_of(path: Path, args) -> int:
 def cmd_consolidate(args) -> int:
     """A sharded (FSDP) checkpoint -> one standalone model folder (safetensors, config, tokenizer)."""
     from .api import load_for_inference
+    from .checkpoint.durable import record_files
+    from .checkpoint.layout import CONSOLIDATED_KIND
     from .checkpoint.model_folder import save_model_folder
     from .checkpoint.publish import check_target, publish
 
     check_target(Path(args.output), Path(args.checkpoint), args.overwrite)
-    model, tokenizer, _ = load_for_inference(args.checkpoint)
+    model, tokenizer, experiment = load_for_inference(args.checkpoint)
 
-    def build(folder: Path) -> None:
+    def build(folder: Path) -> None:  # best_model's files: the run's config (its cleaning) and checksums with them
         save_model_folder(model, folder)
         tokenizer.save(folder)
+        record_files(folder, {"kind": CONSOLIDATED_KIND, "config": experiment, "metrics": {}})
 
     publish(Path(args.output), build, source=Path(args.checkpoint), overwrite=args.overwrite)
     print(f"consolidated {args.checkpoint} into {args.output}")

@@ -150,15 +150,7 @@ def write_folder_atomically(
         # (sync_file_range, above, only starts the writeback, and does not).
         syncs.extend(_syncers.submit(fsync_file, tmp / name) for name in sorted(jobs))
         files = {name: {"size": size, "checksum": combine(chunks)} for name, (size, chunks) in sorted(jobs.items())}
-        version = FORMAT_VERSION if CHECKSUM == XXH3_TREE else 2  # CRC-32 chunks: format 2 readers take it
-        full = {**meta, "format_version": version, "checksum": CHECKSUM, "files": {**files, **(in_store or {})}}
-        if in_store:
-            full["in_store"] = sorted(in_store)
-        full["meta_sha256"] = meta_checksum(full)
-        with open(tmp / META, "w", encoding="utf-8") as handle:
-            handle.write(json.dumps(full, indent=2))
-            handle.flush()
-            os.fsync(handle.fileno())
+        _write_meta(tmp, meta, files, in_store)
         for job in syncs:
             job.result()
         for sub in (p for p in tmp.iterdir() if p.is_dir()):
@@ -178,6 +170,29 @@ def write_folder_atomically(
             raise failure from None
         raise
     return final
+
+
+def _write_meta(folder: Path, meta: dict[str, Any], files: dict[str, dict], in_store: dict[str, dict] | None) -> None:
+    """meta.json of `folder`: `meta`, the format, and each file's size and checksum; fsynced."""
+    version = FORMAT_VERSION if CHECKSUM == XXH3_TREE else 2  # CRC-32 chunks: format 2 readers take it
+    full = {**meta, "format_version": version, "checksum": CHECKSUM, "files": {**files, **(in_store or {})}}
+    if in_store:
+        full["in_store"] = sorted(in_store)
+    full["meta_sha256"] = meta_checksum(full)
+    with open(folder / META, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(full, indent=2))
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def record_files(folder: Path, meta: dict[str, Any]) -> None:
+    """meta.json for a folder whose files are written, as `write_folder_atomically` writes it: for a
+    folder that another writer puts in place (`checkpoint.publish`: a consolidated model folder)."""
+    files = {}
+    for path in _files(folder):
+        size = path.stat().st_size
+        files[path.relative_to(folder).as_posix()] = {"size": size, "checksum": combine(checksum_jobs(path, size))}
+    _write_meta(folder, meta, files, None)
 
 
 def save_failure(exc: BaseException, final: Path) -> CheckpointError | None:

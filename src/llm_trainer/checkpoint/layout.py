@@ -76,6 +76,7 @@ DEEPSPEED = CheckpointKind(  # the model folder, and DeepSpeed's own files in sh
 )
 KINDS = {kind.name: kind for kind in (WHOLE, SHARDED, DEEPSPEED)}
 BEST_KIND = "best_model"  # meta.json's kind of best_model/: a model folder, not a checkpoint to resume
+CONSOLIDATED_KIND = "consolidated_model"  # ... of `consolidate --output`'s model folder, which --overwrite may replace
 
 
 def read_meta(path: Path) -> dict | None:

@@ -34,6 +34,7 @@ from ..files.disk import disk_full, writable_folder
 from ..files.folder_files import META
 from ..logs import log
 from .durable import remove_stale
+from .layout import CONSOLIDATED_KIND, read_meta
 
 # Weight files of a model folder's other layouts: left beside new weights, a loader could read them instead.
 WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
@@ -48,7 +49,8 @@ def check_target(output: Path, source: Path | None, overwrite: bool, overwrite_h
     out = output.resolve()
     if source is not None and (out == Path(source).resolve() or out in Path(source).resolve().parents):
         raise UsageError(f"the output folder {output} must not contain the model folder {source}")
-    if (output / META).is_file():  # a training checkpoint or best_model/: what a run saved is never replaced
+    # a training checkpoint or best_model/: what a run saved is never replaced (a consolidated folder may be)
+    if (output / META).is_file() and (read_meta(output) or {}).get("kind") != CONSOLIDATED_KIND:
         raise UsageError(
             f"{output} holds a run's checkpoint ({META}); it is never replaced by this command: choose another "
             "output folder"
