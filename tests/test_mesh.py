@@ -120,6 +120,15 @@ def test_the_degrees_left_go_to_data_parallelism_as_the_strategy_says(world, tra
         (2, {"context_parallel_degree": 2, "distributed_strategy": "ddp"}, 32, "composes with FSDP2 only"),
         (4, {"context_parallel_degree": 2, "pipeline_parallel_degree": 2}, 32, "does not compose with pipeline"),
         (2, {"context_parallel_degree": 2, "compile": True}, 32, "set training.compile: false"),
+        *(
+            (
+                2,
+                {"pipeline_parallel_degree": 2, "pipeline_parallel_schedule": schedule, "compile": True},
+                32,
+                f"pipeline_parallel_schedule {schedule} runs each backward in two halves",
+            )
+            for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+        ),
         (
             2,
             {"tensor_parallel_degree": 2, "compile": True, "gradient_checkpointing": True},

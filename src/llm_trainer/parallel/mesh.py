@@ -19,6 +19,9 @@ from ..errors import UsageError
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 # Of those, the V-shaped ones: a rank holds stage r and stage 2 x degree - 1 - r (the first rank both ends).
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+# The schedules that split each backward into the inputs' and the weights' halves: a compiled block's
+# backward cannot be run in two parts (its buffers are donated to the one backward call).
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,12 @@ def _check_strategy(training: TrainingConfig, tp: int, pp: int, cp: int) -> None
             f"training.tensor_parallel_degree={tp} with both gradient_checkpointing and compile does not train on "
             "torch's compiler (it saves the tensor-parallel mesh among the checkpointed tensors); turn one of the "
             "two off"
+        )
+    if pp > 1 and training.compile and training.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise UsageError(
+            f"training.pipeline_parallel_schedule {training.pipeline_parallel_schedule} runs each backward in two "
+            "halves (inputs', then weights'), which a compiled block's backward cannot do; set training.compile: "
+            "false, or a schedule without that split (1F1B, Interleaved1F1B, GPipe, LoopedBFS)"
         )
     if cp > 1 and training.compile:
         raise UsageError(
