@@ -338,3 +338,18 @@ def test_an_all_auto_deepspeed_section_of_another_type_says_it_stands_for_the_tr
             TrainingConfig(use_deepspeed=True, deepspeed_config=str(path)), world_size=1, device=torch.device("cpu")
         )
         assert "stands for" not in capsys.readouterr().err
+
+
+def test_a_deepspeed_file_alone_turns_deepspeed_on_and_beside_another_strategy_is_refused(tmp_path):
+    """The HF Trainer's `deepspeed=ds.json` alone runs DeepSpeed: so does `training.deepspeed_config`
+    under distributed_strategy auto. Beside ddp or fsdp it would be ignored: refused in one line."""
+    shipped = Path(__file__).resolve().parents[1] / "configs" / "deepspeed" / "zero2.json"
+    assert TrainingConfig(deepspeed_config=str(shipped)).distributed_strategy == "deepspeed"
+    for strategy in ("ddp", "fsdp"):
+        with pytest.raises(
+            ValueError, match=rf"read under distributed_strategy deepspeed, and this run's is {strategy}"
+        ):
+            TrainingConfig(deepspeed_config=str(shipped), distributed_strategy=strategy)
+    path = tmp_path / "exp.yaml"
+    path.write_text(f"training: {{deepspeed_config: {shipped}}}\ndata: {{data_files: [x]}}\n")
+    assert load_experiment(path).training.distributed_strategy == "deepspeed"

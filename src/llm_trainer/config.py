@@ -543,8 +543,15 @@ class TrainingConfig(_Validated):
         if isinstance(self.report_to, str):  # `report_to: tensorboard` or "tensorboard,wandb", as transformers takes it
             names = [name.strip() for name in self.report_to.split(",") if name.strip()]
             self.report_to = [] if names == ["none"] else names  # transformers' "none": no tracker beyond ours
+        if self.deepspeed_config is not None and self.distributed_strategy == "auto":
+            self.distributed_strategy = "deepspeed"  # as the HF Trainer's `deepspeed=ds.json` turns it on
 
     def _check(self) -> None:
+        _require(
+            self.deepspeed_config is None or self.distributed_strategy == "deepspeed",
+            f"TrainingConfig.deepspeed_config is read under distributed_strategy deepspeed, and this run's is "
+            f"{self.distributed_strategy}; set distributed_strategy: deepspeed (or auto), or remove deepspeed_config",
+        )
         _require(
             self.batch_size == "auto" or self.batch_size > 0,
             f"TrainingConfig.batch_size must be positive or auto, got {self.batch_size}",
