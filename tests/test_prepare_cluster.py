@@ -771,6 +771,84 @@ def test_a_ray_address_where_nobody_answers_is_one_line_in_seconds(tmp_path, mon
     assert not list((tmp_path / "cache").glob("*/tokenizer.json"))
 
 
+def test_a_ray_address_where_something_else_answers_is_one_line_and_nothing_is_written(tmp_path):
+    """A web server at the address (a dashboard's port, a typo), where ray.init would retry for minutes:
+    one line, in seconds, before the cache is touched."""
+    pytest.importorskip("ray")
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    corpus = _small_corpus(tmp_path / "corpus")
+    try:
+        config = DataConfig(
+            data_files=corpus, cache_dir=str(tmp_path / "cache"), executor="ray", executor_address=address
+        )
+        started = time.monotonic()
+        with pytest.raises(UsageError, match=rf"what answers at {address} \(data.executor_address\) is not a Ray"):
+            prepare_data(config)
+        assert time.monotonic() - started < 30 and not (tmp_path / "cache").exists()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_ray_address_auto_with_no_cluster_running_is_one_line(tmp_path, monkeypatch):
+    """The README's `RAY_ADDRESS=auto` where no cluster runs: Ray's ConnectionError, said in one line."""
+    pytest.importorskip("ray")
+    from ray._private.services import find_gcs_addresses
+
+    if find_gcs_addresses():
+        pytest.skip("a Ray cluster runs on this machine (another test's): `auto` would join it")
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "ray"))  # no last cluster's address file either
+    config = DataConfig(
+        data_files=_small_corpus(tmp_path / "corpus"), cache_dir=str(tmp_path / "cache"), executor="ray"
+    )
+    with pytest.raises(UsageError, match=r"^executor ray: could not join the Ray cluster at auto \("):
+        prepare_data(config)
+
+
+def test_two_prepares_never_share_a_task_folder(tmp_path):
+    """data.executor_logs named by two prepares of other data at once: the second is refused in one line
+    while the first holds it (each would take the other's plan and parts)."""
+    from llm_trainer.files.disk import lock_exclusive
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    config = DataConfig(
+        data_files=_small_corpus(tmp_path / "corpus"),
+        cache_dir=str(tmp_path / "cache"),
+        executor="local",
+        executor_logs=str(logs),
+        tokenizer_vocab_size=300,
+    )
+    holder = subprocess.Popen(  # another prepare's hold on the folder: a process that locks it and waits
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "print('held', flush=True); time.sleep(60)",
+            str(logs / ".lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(UsageError, match=r"is the task folder of another prepare running now"):
+            prepare_data(config)
+    finally:
+        holder.kill()
+        holder.wait()
+    with open(logs / ".lock", "a") as free:
+        assert lock_exclusive(free, wait=False)  # the refused prepare held nothing
+    prepared = prepare_data(config)  # and once it is free, the prepare runs there
+    assert prepared.manifest["splits"]["train"]["tokens"] > 0
+
+
 @pytest.mark.slow
 def test_a_slurm_request_sbatch_refuses_is_one_line_and_exit_2(corpus, slurm_cluster, tmp_path):
     root, sources, _ = corpus

@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from ...config import DataConfig
-from ...errors import UsageError
+from ...errors import UsageError, first_line
 from ...files.atomic import write_file
+from ...files.disk import lock_exclusive
 from ...logs import log
 from ...tokenizer import Tokenizer
 from ..format import MANIFEST, PreparedData
@@ -238,14 +239,31 @@ def _task_folder(config: DataConfig, fingerprint: str) -> Path:
     return tasks_dir
 
 
+def check_executor(config: DataConfig) -> None:
+    """What refuses a prepare on an executor before anything is written: datatrove missing, data that is
+    not files, a Ray address where no Ray cluster answers."""
+    _datatrove_modules()
+    only_files(config)
+    _check_ray_address(config)
+
+
 def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, directory: Path):
-    """Build `directory` with the two stages on `config.executor`; returns its PreparedData."""
-    _, _ = _datatrove_modules()
+    """Build `directory` with the two stages on `config.executor` (`check_executor` passed); returns its
+    PreparedData. The task folder is this prepare's alone while it runs: another prepare given the same
+    `data.executor_logs` would take its plan and parts."""
+    tasks_dir = _task_folder(config, fingerprint)
+    with open(tasks_dir / ".lock", "a") as held:
+        if not lock_exclusive(held, wait=False):
+            raise UsageError(
+                f"data.executor_logs {tasks_dir} is the task folder of another prepare running now (of other "
+                "data: its plan and parts are there); give each prepare a data.executor_logs of its own"
+            )
+        return _prepare_on_executor(config, fingerprint, work, directory, tasks_dir)
+
+
+def _prepare_on_executor(config: DataConfig, fingerprint: str, work: Path, directory: Path, tasks_dir: Path):
     from . import trove_steps  # datatrove's step classes: imported once datatrove is known to be there
 
-    only_files(config)
-    tasks_dir = _task_folder(config, fingerprint)
-    _check_ray_address(config)
     seconds = {}
     try:
         tokenizer = Build(config, fingerprint, work, directory).tokenizer()  # once, before any task, in `work`
@@ -277,6 +295,7 @@ def prepare_with_executor(config: DataConfig, fingerprint: str, work: Path, dire
         shutil.rmtree(tasks_dir / PARTS, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
         with contextlib.suppress(OSError):
+            (tasks_dir / ".lock").unlink()  # (still held: no other prepare can have opened it since)
             tasks_dir.rmdir()  # made by this command and still empty: the input failed before any task ran
         raise
     seconds["total"] = time.perf_counter() - started
@@ -407,13 +426,38 @@ def _check_ray_address(config: DataConfig) -> None:
     if not colon or not host or not port.isdigit():
         raise UsageError(f"{setting} {address!r} is not a Ray address: give host:port (or ray://host:port, auto)")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_SECONDS).close()
+        answer = _http2_answer(host.strip("[]"), int(port))
     except OSError as exc:
         reason = exc.strerror or str(exc) or type(exc).__name__
         raise UsageError(
             f"executor ray: no Ray cluster answers at {address} ({setting}: {reason}, within "
             f"{RAY_CONNECT_SECONDS:.0f}s); start one there (ray start --head) or correct {setting}"
         ) from None
+    if not (len(answer) == 9 and answer[3] == HTTP2_SETTINGS):
+        raise UsageError(
+            f"executor ray: what answers at {address} ({setting}) is not a Ray cluster (it does not speak gRPC, as "
+            f"a Ray head's GCS port does); give the head's GCS port (6379 unless `ray start --port` chose another)"
+        )
+
+
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # and empty SETTINGS
+HTTP2_SETTINGS = 0x04  # a frame's type, its fourth byte
+
+
+def _http2_answer(host: str, port: int) -> bytes:
+    """The first frame header a server sends back to an HTTP/2 client's preface (a gRPC server, as Ray's
+    GCS is, answers with its SETTINGS frame), within RAY_CONNECT_SECONDS: ray.init would wait minutes
+    on a port where something else listens (a dashboard, a web server)."""
+    with socket.create_connection((host, port), timeout=RAY_CONNECT_SECONDS) as connection:
+        connection.settimeout(RAY_CONNECT_SECONDS)
+        connection.sendall(HTTP2_PREFACE)
+        answer = b""
+        try:
+            while len(answer) < 9 and (part := connection.recv(9 - len(answer))):
+                answer += part
+        except TimeoutError:
+            pass
+        return answer
 
 
 @contextlib.contextmanager
@@ -431,7 +475,15 @@ def _ray(config: DataConfig):
         return
     source = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
-    ray.init(address=config.executor_address, runtime_env={"env_vars": {"PYTHONPATH": path}}, log_to_driver=False)
+    try:
+        ray.init(address=config.executor_address, runtime_env={"env_vars": {"PYTHONPATH": path}}, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:  # no cluster at `auto`, a token it refuses
+        named = config.executor_address or os.environ.get("RAY_ADDRESS")
+        raise UsageError(
+            f"executor ray: could not join the Ray cluster{f' at {named}' if named else ''} ({first_line(exc)}); "
+            "start one (ray start --head), correct data.executor_address or RAY_ADDRESS, or leave both unset "
+            "for a new local Ray"
+        ) from None
     try:
         yield
     finally:

@@ -23,7 +23,7 @@ from ..format import MANIFEST, PreparedData, manifest_problem
 from ..text.mixture import weights_without_effect
 from ..text.sources import one_listing
 from .build import Build, data_fingerprint
-from .executors import prepare_with_executor
+from .executors import check_executor, prepare_with_executor
 from .shards import remove_shards
 
 
@@ -104,6 +104,8 @@ def prepare_data(config: DataConfig) -> PreparedData:
     """Build (or reuse, or resume) the token files for `config` (the folder's files: `data.format`). Each
     folder, pattern and store URL of the data is listed once for all of it (`sources.one_listing`)."""
     config.check_source()
+    if config.executor is not None:
+        check_executor(config)
     if (unweighted := weights_without_effect(config)) is not None:
         warn(unweighted)
     with one_listing():
