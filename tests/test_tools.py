@@ -761,8 +761,20 @@ def test_a_version_whose_model_folder_changed_says_so(trained_run, tmp_path, cap
     assert json.loads(captured.out)["version"] == 1
     assert f"tiny:1: its model folder {best.resolve()} holds other weights" in captured.err
     assert "(changed since registered)" in format_table(SQLiteRegistry(db).list())
+    assert main(["registry", "promote", "tiny:1", "--stage", "production", "--db", str(db)]) == 2
+    assert "holds other weights" in capsys.readouterr().err  # what production would serve is not what was registered
     shutil.rmtree(best)
     assert main(["registry", "show", "tiny", "--db", str(db)]) == 0 and "is gone since" in capsys.readouterr().err
+    assert "(gone)" in format_table(SQLiteRegistry(db).list())
+    assert main(["registry", "list", "--json", "--db", str(db)]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["model_folder"] == "gone"
+    assert main(["registry", "promote", "tiny:1", "--stage", "staging", "--db", str(db)]) == 2
+    assert "is gone since it was registered; it is not promoted to staging" in capsys.readouterr().err
+    assert main(["registry", "promote", "tiny:1", "--stage", "archived", "--db", str(db)]) == 0  # archiving it is fine
+    assert main(["registry", "list", "nosuch", "--db", str(db)]) == 0
+    assert capsys.readouterr().out.strip() == "(no model named nosuch; registered: tiny)"
+    assert main(["registry", "add", str(run), "--name", "tiny", "--export", str(tmp_path), "--db", str(db)]) == 2
+    assert "is not an exported model folder" in capsys.readouterr().err
 
     old = tmp_path / "old.db"  # a registry written before versions recorded the fingerprint
     with sqlite3.connect(old) as connection:

@@ -561,11 +561,19 @@ def cmd_registry_add(args) -> int:
 
 
 def cmd_registry_list(args) -> int:
-    from .tools.registry import format_table
+    from .tools.registry import format_table, model_folder_state
 
-    versions = _registry(args).list(args.name)
+    registry = _registry(args)
+    versions = registry.list(args.name)
     if args.json:
-        print(json.dumps([{k: v for k, v in x.to_dict().items() if k != "config"} for x in versions], indent=2))
+        shown = [
+            {**{k: v for k, v in x.to_dict().items() if k != "config"}, "model_folder": model_folder_state(x)}
+            for x in versions
+        ]
+        print(json.dumps(shown, indent=2))
+    elif not versions and args.name:
+        names = sorted({v.name for v in registry.list(None)})
+        print(f"(no model named {args.name}; registered: {', '.join(names)})" if names else "(no models registered)")
     else:
         print(format_table(versions))
     return 0

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import yaml
 
+from ..checkpoint.model_folder import is_transformers_folder
 from ..errors import UsageError
 from ..train.rows import read_rows_of, row_kind
 
@@ -159,18 +160,36 @@ def model_fingerprint(model_path: str | Path | None) -> str | None:
     return hashlib.sha256(json.dumps(files, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def changed_since_registered(version: ModelVersion) -> str | None:
-    """One line when the model folder a version points to no longer holds the weights it recorded."""
+def model_folder_state(version: ModelVersion) -> str | None:
+    """What the model folder a version points to holds now: "unchanged", "gone", "changed" (other
+    weights: a run trained into it again), or None where the version recorded no weights to compare."""
     if version.model_fingerprint is None or version.model_path is None:
         return None
     now = model_fingerprint(version.model_path)
     if now == version.model_fingerprint:
+        return "unchanged"
+    return "gone" if now is None else "changed"
+
+
+def changed_since_registered(version: ModelVersion) -> str | None:
+    """One line when the model folder a version points to no longer holds the weights it recorded."""
+    state = model_folder_state(version)
+    if state in (None, "unchanged"):
         return None
-    what = "is gone" if now is None else "holds other weights (a run was trained into it again)"
+    what = "is gone" if state == "gone" else "holds other weights (a run was trained into it again)"
     return (
         f"{version.ref}: its model folder {version.model_path} {what} since it was registered; the metrics and "
         "config shown are the registered model's, not the folder's"
     )
+
+
+def check_promotable(version: ModelVersion, stage: str) -> None:
+    """A version whose model folder is gone or holds other weights is not put in staging or production:
+    what would be served is not what was registered (archiving it stays allowed)."""
+    if stage in ("staging", "production") and (problem := changed_since_registered(version)) is not None:
+        raise UsageError(
+            f"{problem}; it is not promoted to {stage}: register the run again (a new version) where its model is now"
+        )
 
 
 def _find_export(run_dir: Path) -> Path | None:
@@ -229,6 +248,11 @@ def collect_run_info(run_dir: str | Path, export_path: str | Path | None = None)
         export = Path(export_path)
         if not export.exists():
             raise UsageError(f"--export {export} not found")
+        if not is_transformers_folder(export):
+            raise UsageError(
+                f"--export {export} is not an exported model folder (it has no config.json); "
+                "pass the folder `llm-trainer export` wrote for this run"
+            )
     else:
         export = _find_export(run)
     return {
@@ -412,6 +436,7 @@ class SQLiteRegistry:
     def promote(self, name: str, version: int, stage: str, *, keep_existing: bool = False) -> ModelVersion:
         _check_stage(stage)
         target = self.get(name, version)
+        check_promotable(target, stage)
         self.db.execute("BEGIN IMMEDIATE")
         try:
             now = _now()
@@ -543,7 +568,7 @@ class MLflowRegistry:
 
     def promote(self, name: str, version: int, stage: str, *, keep_existing: bool = False) -> ModelVersion:
         _check_stage(stage)
-        self.get(name, version)
+        check_promotable(self.get(name, version), stage)
         if stage in ("staging", "production") and not keep_existing:
             for other in self.list(name):
                 if other.stage == stage and other.version != version:
@@ -602,7 +627,8 @@ def format_table(versions: list[ModelVersion]) -> str:
                 v.stage,
                 f"{loss:.4f}" if loss is not None else "-",
                 v.created_at.replace("+00:00", "Z"),
-                (v.model_path or "-") + (" (changed since registered)" if changed_since_registered(v) else ""),
+                (v.model_path or "-")
+                + {"gone": " (gone)", "changed": " (changed since registered)"}.get(model_folder_state(v) or "", ""),
             ]
         )
     if not rows:
