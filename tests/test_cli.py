@@ -191,3 +191,31 @@ def test_a_consolidated_folder_cleans_text_as_its_run_did_and_is_checked(tmp_pat
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(out), "--data", str(text)]) == 2
     assert "is unusable" in capsys.readouterr().err
+
+
+def test_generate_never_ends_in_half_a_character(tmp_path, capsys):
+    """A byte-level BPE model of Hindi text: --max_new_tokens cuts its continuation inside a character's
+    bytes for some lengths, which decode as U+FFFD; what is printed ends at the last whole character."""
+    from llm_trainer.api import load_for_inference
+    from llm_trainer.generate import generate, without_cut_character
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"{i}.txt").write_text("नमस्ते दुनिया, यह एक परीक्षा है। मैं हिंदी में लिखता हूँ।\n" * 20, encoding="utf-8")
+    config = write_tiny_experiment(tmp_path, max_steps=2, eval_steps=0)
+    overrides = [f"data.data_files=[{corpus}]", "data.tokenizer=bpe", "data.tokenizer_vocab_size=300"]
+    assert main(["train", "--config", str(config), *overrides]) == 0
+    model, tokenizer, _ = load_for_inference(tmp_path / "run")
+    # the continuation the model samples: byte tokens of Devanagari, cut by the limit inside characters
+    whole = generate(model, tokenizer.encode("नमस्ते"), max_new_tokens=12, temperature=1.0, seed=3)
+    cut = [n for n in range(1, 13) if tokenizer.decode(whole[:n]).count("\ufffd") == 1]
+    assert cut and all(tokenizer.decode(whole[:n]).endswith("\ufffd") for n in cut)  # the case arises here
+    capsys.readouterr()
+    argv = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "नमस्ते", "--seed", "3"]
+    for n in range(1, 13):
+        assert main([*argv, "--temperature", "1", "--max_new_tokens", str(n)]) == 0
+        printed = capsys.readouterr().out.rstrip("\n")
+        assert printed == "नमस्ते" + without_cut_character(tokenizer, whole[:n])
+        if n in cut:  # one character's first part, at the end
+            assert not printed.endswith("\ufffd")

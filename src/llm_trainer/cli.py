@@ -239,7 +239,7 @@ def _eval_tasks(args) -> int:
 
 def cmd_generate(args) -> int:
     from .api import load_for_inference
-    from .generate import check_sampling, generate
+    from .generate import check_sampling, generate, without_cut_character
     from .tokenizer import warn_unseen
 
     check_sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -267,7 +267,8 @@ def cmd_generate(args) -> int:
         eos_token_id=tokenizer.eot_id,
         vocab_size=tokenizer.vocab_size,
     )
-    print(args.prompt + tokenizer.decode(new))
+    text = without_cut_character(tokenizer, new) if len(new) == args.max_new_tokens else tokenizer.decode(new)
+    print(args.prompt + text)
     return 0
 
 

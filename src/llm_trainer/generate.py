@@ -106,3 +106,18 @@ def generate(
         if token == eos_token_id or (stop is not None and stop(new)):
             break
     return new
+
+
+def without_cut_character(tokenizer, ids: list[int]) -> str:
+    """The text of `ids`, a continuation a token limit ended, without a character the limit cut in two:
+    byte-level tokens hold parts of a character, and the bytes of its first part alone decode as one
+    U+FFFD. Where the last one to three tokens decode as one U+FFFD after whole text, they are that
+    part, and are left out."""
+    text = tokenizer.decode(ids)
+    if not text.endswith("\ufffd"):
+        return text
+    for k in range(1, min(3, len(ids)) + 1):
+        head = tokenizer.decode(ids[:-k])
+        if text == head + "\ufffd":
+            return head
+    return text
