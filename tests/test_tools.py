@@ -772,6 +772,7 @@ def test_a_version_whose_model_folder_changed_says_so(trained_run, tmp_path, cap
     refused = capsys.readouterr().err
     assert "is gone since it was registered" in refused and "it is not promoted to staging" in refused
     assert main(["registry", "promote", "tiny:1", "--stage", "archived", "--db", str(db)]) == 0  # archiving it is fine
+    assert capsys.readouterr().out.strip() == "tiny:1 -> archived"
     assert main(["registry", "list", "nosuch", "--db", str(db)]) == 0
     assert capsys.readouterr().out.strip() == "(no model named nosuch; registered: tiny)"
     assert main(["registry", "add", str(run), "--name", "tiny", "--export", str(tmp_path), "--db", str(db)]) == 2
