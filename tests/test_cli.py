@@ -219,3 +219,14 @@ def test_generate_never_ends_in_half_a_character(tmp_path, capsys):
         assert printed == "नमस्ते" + without_cut_character(tokenizer, whole[:n])
         if n in cut:  # one character's first part, at the end
             assert not printed.endswith("\ufffd")
+
+
+def test_a_checkpoint_that_is_not_there_is_named_with_the_fix_of_its_command(tmp_path, capsys):
+    """generate of a missing path says what it takes; a resume from one also names `latest`."""
+    missing = tmp_path / "nowhere"
+    assert main(["generate", "--checkpoint", str(missing), "--prompt", "a"]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said == f"error: checkpoint {missing} not found; pass a checkpoint, best_model or output folder"
+    config = write_tiny_experiment(tmp_path, max_steps=2)
+    assert main(["train", "--config", str(config), f"training.resume_from_checkpoint={missing}"]) == 2
+    assert capsys.readouterr().err.strip().endswith("(or resume_from_checkpoint=latest: this run's newest)")

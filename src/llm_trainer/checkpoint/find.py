@@ -114,7 +114,7 @@ def find_checkpoint(path: str | Path) -> Path | None:
         what = "is a file, not a checkpoint folder" if path.exists() else "not found"
         raise CheckpointError(
             f"checkpoint {path} {what}{f' ({path.parent} holds {here})' if here else ''}; pass a checkpoint, "
-            "best_model or output folder (to resume: a checkpoint folder or resume_from_checkpoint=latest)"
+            "best_model or output folder"
         )
     if (path / META).is_file() or (path / CONFIG_NAME).is_file():
         return path
@@ -130,7 +130,10 @@ def resolve_checkpoint(spec: str, root: Path) -> Path | None:
     (see `find_checkpoint`), verified. None when there is no checkpoint yet."""
     if spec == "latest":
         return latest_checkpoint(root)
-    path = find_checkpoint(spec)
+    try:
+        path = find_checkpoint(spec)
+    except CheckpointError as exc:  # a resume may also take the newest of its own checkpoints
+        raise CheckpointError(f"{exc} (or resume_from_checkpoint=latest: this run's newest)") from None
     if path is None:
         return None
     refuse_transformers_folder(path, "resume from")
