@@ -109,7 +109,7 @@ class Cleaner:
         code = ['text = text.replace("\\r\\n", "\\n").replace("\\r", "\\n")']
         if self.control:
             words.append("vertical tab, form feed and NEL as `\\n`, other control characters removed (but tab)")
-            code.append('text = text.translate({0x0B: "\\n", 0x0C: "\\n", 0x85: "\\n"})')
+            code.append(f"text = text.translate({_LINE_BREAKS!r})")  # (the one table characters() uses)
             code.append(f'text = re.sub(r"{_CONTROL.pattern}", "", text)')
         if self.normalization:
             words.append(f"Unicode in {self.normalization}")

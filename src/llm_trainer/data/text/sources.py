@@ -724,11 +724,9 @@ def _jsonl_record(
         )
         opt.bad("missing_column", f"{path}:{line_no} has no {opt.text_column!r} field ({_fields(record)})", fix=fix)
         return None
-    text = _text_value(record[opt.text_column], f"{path}:{line_no}", opt)
-    if text is None:
-        return None
-    scored, score = _score_value(record.get(opt.score_column) if opt.score_column else None, f"{path}:{line_no}", opt)
-    return (text, score) if scored else None
+    score = record.get(opt.score_column) if opt.score_column else None
+    document = _record_document(record[opt.text_column], score, f"{path}:{line_no}", opt)
+    return document[:2] if document is not None else None
 
 
 def _fields(record) -> str:
@@ -745,7 +743,7 @@ def _fields(record) -> str:
 
 def _text_value(value, origin: str, opt: _ReadOptions) -> str | None:
     """A record's text, or None (counted and named as a skipped record) when it holds no string: a null,
-    a number, a list. Every reader of records takes its text through here."""
+    a number, a list."""
     if isinstance(value, str):
         return value
     what = "null" if value is None else type(value).__name__
@@ -759,10 +757,20 @@ def _number(value) -> float | None:
     return None
 
 
+def _record_document(text, score, origin: str, opt: _ReadOptions) -> tuple[str, float | None, str] | None:
+    """(text, curriculum score, origin) of one record, each value checked (`_text_value`, then
+    `_score_value`); None when the record is passed over. Every reader of records goes through here."""
+    text = _text_value(text, origin, opt)
+    if text is None:
+        return None
+    kept, score = _score_value(score, origin, opt)
+    return (text, score, origin) if kept else None
+
+
 def _score_value(value, origin: str, opt: _ReadOptions) -> tuple[bool, float | None]:
     """(whether the record is kept, its curriculum score): without data.curriculum_key, (True, None); with
     it, a record whose score is no finite number (a null, a string) is passed over as `opt.bad` says, as
-    a record without its text is. Every reader of records takes its score through here."""
+    a record without its text is."""
     if opt.score_column is None:
         return True, None
     score = _number(value)
@@ -814,11 +822,8 @@ def _read_parquet(path: Path, explicit: bool, opt: _ReadOptions) -> Iterator[tup
         texts = batch.column(0).to_pylist()
         scores = batch.column(1).to_pylist() if opt.score_column else [None] * len(texts)
         for text, score in zip(texts, scores):
-            origin = f"{path}[{row}]"
-            text = _text_value(text, origin, opt)
-            kept, score = _score_value(score, origin, opt) if text is not None else (False, None)
-            if kept:
-                yield text, score, origin
+            if (document := _record_document(text, score, f"{path}[{row}]", opt)) is not None:
+                yield document
             row += 1
 
 
@@ -1067,12 +1072,9 @@ def _iter_hf_dataset(spec: SourceConfig, split: str, opt: _ReadOptions) -> Itera
                     f"dataset {name!r} record {i} has no {opt.text_column!r} field ({_fields(record)}); set data.text_column",
                 )
                 continue
-            origin = f"{name}:{split}[{i}]"
-            text = _text_value(record[opt.text_column], origin, opt)
             score = record.get(opt.score_column) if opt.score_column else None
-            kept, score = _score_value(score, origin, opt) if text is not None else (False, None)
-            if kept:
-                yield text, score, origin
+            if (document := _record_document(record[opt.text_column], score, f"{name}:{split}[{i}]", opt)) is not None:
+                yield document
         return
     row = 0
     for batch in ds.select_columns(columns).iter(
@@ -1080,11 +1082,8 @@ def _iter_hf_dataset(spec: SourceConfig, split: str, opt: _ReadOptions) -> Itera
     ):  # Arrow-backed: memory-mapped, read in batches
         scores = batch[opt.score_column] if opt.score_column else [None] * len(batch[opt.text_column])
         for text, score in zip(batch[opt.text_column], scores):
-            origin = f"{name}:{split}[{row}]"
-            text = _text_value(text, origin, opt)
-            kept, score = _score_value(score, origin, opt) if text is not None else (False, None)
-            if kept:
-                yield text, score, origin
+            if (document := _record_document(text, score, f"{name}:{split}[{row}]", opt)) is not None:
+                yield document
             row += 1
 
 
