@@ -83,6 +83,17 @@ def _path_value(value: str, where: str) -> str:
     return unquote(parts.path)
 
 
+# The losses `training.metric_for_best_model` may name, as evaluation rows name them: the validation
+# loss (HF spells it eval_loss or loss), or one source's in a mixture. Any other metric is a score.
+LOSS_NAMES = ("val_loss", "eval_loss", "loss")
+SOURCE_LOSS = re.compile(r"eval/(.+)/loss")
+
+
+def is_loss_metric(metric: str) -> bool:
+    """Whether `metric` is a loss (better lower), not a downstream score."""
+    return metric in LOSS_NAMES or SOURCE_LOSS.fullmatch(metric) is not None
+
+
 @functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
     """A config class's fields and their declared types, in declaration order."""
@@ -651,15 +662,12 @@ class TrainingConfig(_Validated):
             _require(value is None or value > 0, f"TrainingConfig.{name} must be positive or null, got {value}")
         metric = self.metric_for_best_model
         _require(
-            metric in ("val_loss", "eval_loss", "loss")
-            or (metric.startswith("downstream/") and metric.count("/") >= 2)
-            or (metric.startswith("eval/") and metric.endswith("/loss") and len(metric) > len("eval//loss")),
+            is_loss_metric(metric) or (metric.startswith("downstream/") and metric.count("/") >= 2),
             "TrainingConfig.metric_for_best_model must be val_loss, eval/<source>/loss (one source of data.sources) "
             f"or downstream/<task>/<metric>, got {metric!r}",
         )
-        is_loss = metric in ("val_loss", "eval_loss", "loss") or metric.startswith("eval/")
         _require(
-            not (is_loss and self.greater_is_better),
+            not (is_loss_metric(metric) and self.greater_is_better),
             f"TrainingConfig.greater_is_better is true, but metric_for_best_model {metric} is a loss, which is "
             "better lower; remove greater_is_better (or set it false)",
         )

@@ -3,18 +3,12 @@ the scores every rank agrees on, and which metric `best_model/` follows (`metric
 
 from __future__ import annotations
 
-import re
-
 import torch
 
+from ..config import LOSS_NAMES, SOURCE_LOSS, is_loss_metric
 from ..errors import UsageError
 from ..logs import log
 from .run import evaluate_tasks, scores
-
-LOSS_NAMES = ("val_loss", "eval_loss", "loss")  # HF's metric_for_best_model spells it eval_loss or loss
-
-
-SOURCE_LOSS = re.compile(r"eval/(.+)/loss")  # one source's validation loss in a mixture, as eval rows name it
 
 
 def follows_loss(config) -> bool:
@@ -26,7 +20,7 @@ def greater_is_better(config) -> bool:
     """HF's rule: as `greater_is_better` says, else False for a loss and True for any other metric."""
     if config.greater_is_better is not None:
         return config.greater_is_better
-    return not (follows_loss(config) or SOURCE_LOSS.fullmatch(config.metric_for_best_model))
+    return not is_loss_metric(config.metric_for_best_model)
 
 
 def is_due(config, step: int, at_end: bool) -> bool:

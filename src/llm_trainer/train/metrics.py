@@ -35,7 +35,7 @@ from urllib.parse import unquote, urlsplit
 
 import torch
 
-from ..config import TrainingConfig
+from ..config import SOURCE_LOSS, TrainingConfig
 from ..errors import UsageError, first_line
 from ..files.atomic import write_text
 from ..files.disk import no_follow
@@ -238,11 +238,8 @@ class ConsoleLogger:
 
 def by_source(row: dict) -> str:
     """`  sources: a 2.1012, b 3.4001` for an evaluation of several sources, else ''."""
-    losses = [(key[len("eval/") : -len("/loss")], value) for key, value in row.items() if _SOURCE_LOSS.fullmatch(key)]
+    losses = [(found.group(1), value) for key, value in row.items() if (found := SOURCE_LOSS.fullmatch(key))]
     return "  sources: " + ", ".join(f"{name} {loss:.4f}" for name, loss in losses) if losses else ""
-
-
-_SOURCE_LOSS = re.compile(r"eval/.+/loss")
 
 
 def coverage(row: dict) -> str:
