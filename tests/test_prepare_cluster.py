@@ -703,18 +703,23 @@ def _small_corpus(root: Path) -> list[str]:
     return [str(root / "a.jsonl")]
 
 
-@pytest.mark.parametrize("kind", ["a file", "under a file"])
-def test_executor_logs_that_cannot_be_a_folder_is_one_line_and_nothing_is_written(tmp_path, kind):
-    blocker = tmp_path / "logs"
-    blocker.write_text("not a folder")
-    logs = blocker if kind == "a file" else blocker / "tasks"
-    config = DataConfig(
+def _local_executor_config(tmp_path: Path, logs: Path) -> DataConfig:
+    """The small corpus prepared on the local executor, its task folder at `logs` (data.executor_logs)."""
+    return DataConfig(
         data_files=_small_corpus(tmp_path / "corpus"),
         cache_dir=str(tmp_path / "cache"),
         executor="local",
         executor_logs=str(logs),
         tokenizer_vocab_size=300,
     )
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file"])
+def test_executor_logs_that_cannot_be_a_folder_is_one_line_and_nothing_is_written(tmp_path, kind):
+    blocker = tmp_path / "logs"
+    blocker.write_text("not a folder")
+    logs = blocker if kind == "a file" else blocker / "tasks"
+    config = _local_executor_config(tmp_path, logs)
     with pytest.raises(UsageError) as error:
         prepare_data(config)
     message = str(error.value)
@@ -818,13 +823,7 @@ def test_two_prepares_never_share_a_task_folder(tmp_path):
 
     logs = tmp_path / "logs"
     logs.mkdir()
-    config = DataConfig(
-        data_files=_small_corpus(tmp_path / "corpus"),
-        cache_dir=str(tmp_path / "cache"),
-        executor="local",
-        executor_logs=str(logs),
-        tokenizer_vocab_size=300,
-    )
+    config = _local_executor_config(tmp_path, logs)
     holder = subprocess.Popen(  # another prepare's hold on the folder: a process that locks it and waits
         [
             sys.executable,
